@@ -1,0 +1,54 @@
+"""The handles every operation needs, opened once per process and passed down."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from arq.connections import ArqRedis
+
+from server import schema
+from server.db import Database, connect
+from server.queue import make_redis
+from server.scripts import Scripts
+from server.settings import Settings
+from server.split import Limits
+
+
+@dataclass
+class Core:
+    settings: Settings
+    db: Database
+    redis: ArqRedis
+    scripts: Scripts
+    # The OS CSPRNG in production; tests pass a seeded random.Random.
+    rng: random.Random = field(default_factory=random.SystemRandom)
+
+    @property
+    def limits(self) -> Limits:
+        s = self.settings
+        return Limits(s.max_count, s.max_total_cents, s.max_greeting_chars)
+
+
+@asynccontextmanager
+async def open_core(
+    settings: Settings, rng: random.Random | None = None, migrate: bool = True
+) -> AsyncIterator[Core]:
+    """Connect to the database and Redis named by ``settings``; close both on exit."""
+    db = await connect(settings.effective_database_url, settings.db_pool_size)
+    redis = make_redis(settings)
+    try:
+        if migrate:
+            await schema.migrate(db)
+        yield Core(
+            settings=settings,
+            db=db,
+            redis=redis,
+            scripts=Scripts(redis),
+            rng=rng or random.SystemRandom(),
+        )
+    finally:
+        await redis.aclose(close_connection_pool=True)
+        await db.close()

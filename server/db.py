@@ -1,0 +1,257 @@
+"""The database behind the ledger: MySQL/MariaDB through aiomysql, or SQLite through aiosqlite.
+
+SQL is written once with ``%s`` placeholders. Every dialect difference lives in ``Dialect`` below:
+placeholders, shared row locks, DDL tokens, and how a write transaction begins. Errors from either driver
+come out as the two classes here, so callers never import a driver.
+
+Cancellation: cancelling a transaction before COMMIT rolls it back (aiomysql closes the connection, which
+drops the work). A cancel after COMMIT was sent leaves the outcome unknown; every money write is keyed by
+a unique idempotency key, so the caller simply runs it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlparse
+
+import aiomysql
+import aiosqlite
+import pymysql
+
+log = logging.getLogger(__name__)
+
+Row = tuple[Any, ...]
+Params = Sequence[Any]
+T = TypeVar("T")
+
+
+class DatabaseError(Exception):
+    pass
+
+
+class IntegrityError(DatabaseError):
+    """A unique or check constraint refused the write."""
+
+
+class RetryableError(DatabaseError):
+    """Deadlock, lock wait timeout or a lost connection: the transaction was rolled back; run it again."""
+
+
+_MYSQL_RETRYABLE = {1205, 1213, 2006, 2013, 2014}
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    # Appended to a SELECT that must hold a shared row lock until commit (SQLite has one writer anyway).
+    share_lock: str
+    # Counts the tables named %s in the current database.
+    table_exists: str
+    ddl: dict[str, str]
+
+    def sql(self, statement: str) -> str:
+        return statement if self.name == "mysql" else statement.replace("%s", "?")
+
+
+MYSQL = Dialect(
+    name="mysql",
+    share_lock=" LOCK IN SHARE MODE",
+    table_exists="SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = %s",
+    ddl={
+        "id": "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
+        "table_options": " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
+    },
+)
+SQLITE = Dialect(
+    name="sqlite",
+    share_lock="",
+    table_exists="SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = %s",
+    ddl={"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "table_options": ""},
+)
+
+
+class Tx:
+    """One open transaction. Obtained from ``Database.transaction()``; never kept past it."""
+
+    def __init__(self, dialect: Dialect, cursor: Any) -> None:
+        self.dialect = dialect
+        self._cur = cursor
+        self.lastrowid: int | None = None
+
+    async def execute(self, statement: str, params: Params = ()) -> int:
+        """Run one statement; return the number of rows it changed."""
+        try:
+            await self._cur.execute(self.dialect.sql(statement), tuple(params))
+        except (pymysql.err.IntegrityError, sqlite3.IntegrityError) as e:
+            raise IntegrityError(str(e)) from e
+        self.lastrowid = self._cur.lastrowid
+        return int(self._cur.rowcount)
+
+    async def executemany(self, statement: str, rows: Sequence[Params]) -> int:
+        """Insert many rows. On MySQL ``INSERT ... VALUES (%s, ...)`` becomes one multi-row INSERT."""
+        if not rows:
+            return 0
+        try:
+            await self._cur.executemany(self.dialect.sql(statement), [tuple(r) for r in rows])
+        except (pymysql.err.IntegrityError, sqlite3.IntegrityError) as e:
+            raise IntegrityError(str(e)) from e
+        return int(self._cur.rowcount)
+
+    async def fetchone(self, statement: str, params: Params = ()) -> Row | None:
+        await self._cur.execute(self.dialect.sql(statement), tuple(params))
+        row: Any = await self._cur.fetchone()
+        return None if row is None else tuple(row)
+
+    async def fetchall(self, statement: str, params: Params = ()) -> list[Row]:
+        await self._cur.execute(self.dialect.sql(statement), tuple(params))
+        rows: Any = await self._cur.fetchall()
+        return [tuple(r) for r in rows]
+
+
+class Database:
+    """A pool of connections to one database; use as an async context manager."""
+
+    dialect: Dialect
+
+    def transaction(self) -> AbstractAsyncContextManager[Tx]:
+        """A transaction: committed when the block ends, rolled back if it raises or is cancelled."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def run(self, work: Callable[[Tx], Awaitable[T]], attempts: int = 5) -> T:
+        """Run ``work`` in a transaction, again from the start after a deadlock or lost connection."""
+        for attempt in range(1, attempts + 1):
+            try:
+                async with self.transaction() as tx:
+                    return await work(tx)
+            except RetryableError:
+                if attempt == attempts:
+                    raise
+                log.warning("transaction retried after a retryable error (attempt %d)", attempt)
+                await asyncio.sleep(0.01 * attempt)
+        raise AssertionError("unreachable")
+
+    async def fetchone(self, statement: str, params: Params = ()) -> Row | None:
+        async with self.transaction() as tx:
+            return await tx.fetchone(statement, params)
+
+    async def fetchall(self, statement: str, params: Params = ()) -> list[Row]:
+        async with self.transaction() as tx:
+            return await tx.fetchall(statement, params)
+
+    async def __aenter__(self) -> Database:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class MySQLDatabase(Database):
+    dialect = MYSQL
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    @classmethod
+    async def connect(cls, url: str, pool_size: int) -> MySQLDatabase:
+        u = urlparse(url)
+        pool = await aiomysql.create_pool(
+            host=u.hostname or "127.0.0.1",
+            port=u.port or 3306,
+            user=unquote(u.username or "root"),
+            password=unquote(u.password or ""),
+            db=u.path.lstrip("/") or "redpacket",
+            autocommit=False,
+            minsize=1,
+            maxsize=pool_size,
+            charset="utf8mb4",
+        )
+        return cls(pool)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Tx]:
+        try:
+            async with self._pool.acquire() as conn:
+                await conn.begin()
+                try:
+                    async with conn.cursor() as cur:
+                        yield Tx(self.dialect, cur)
+                    await conn.commit()
+                except BaseException:
+                    # A broken connection cannot roll back; closing it drops the transaction anyway.
+                    try:
+                        await conn.rollback()
+                    except Exception:
+                        conn.close()
+                    raise
+        except pymysql.err.OperationalError as e:
+            if e.args and e.args[0] in _MYSQL_RETRYABLE:
+                raise RetryableError(str(e)) from e
+            raise DatabaseError(str(e)) from e
+        except pymysql.err.InterfaceError as e:
+            raise RetryableError(str(e)) from e
+
+    async def close(self) -> None:
+        self._pool.close()
+        await self._pool.wait_closed()
+
+
+class SQLiteDatabase(Database):
+    """One connection behind a lock: SQLite has one writer at a time anyway."""
+
+    dialect = SQLITE
+
+    def __init__(self, conn: aiosqlite.Connection) -> None:
+        self._conn = conn
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, path: str) -> SQLiteDatabase:
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        conn = await aiosqlite.connect(path, isolation_level=None)
+        await conn.execute("PRAGMA journal_mode=WAL")
+        await conn.execute("PRAGMA synchronous=FULL")
+        await conn.execute("PRAGMA foreign_keys=ON")
+        return cls(conn)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Tx]:
+        async with self._lock:
+            cur = await self._conn.cursor()
+            try:
+                await cur.execute("BEGIN IMMEDIATE")
+                try:
+                    yield Tx(self.dialect, cur)
+                    await cur.execute("COMMIT")
+                except BaseException:
+                    await cur.execute("ROLLBACK")
+                    raise
+            except sqlite3.OperationalError as e:
+                if "locked" in str(e) or "busy" in str(e):
+                    raise RetryableError(str(e)) from e
+                raise DatabaseError(str(e)) from e
+            finally:
+                await cur.close()
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+async def connect(url: str, pool_size: int = 10) -> Database:
+    """Open the database named by ``url``: ``mysql://user:pass@host:port/db`` or ``sqlite:///path``."""
+    scheme = url.split(":", 1)[0]
+    if scheme in ("mysql", "mariadb", "mysql+aiomysql"):
+        return await MySQLDatabase.connect(url, pool_size)
+    if scheme == "sqlite":
+        return await SQLiteDatabase.connect(url[len("sqlite:///") :] or ":memory:")
+    raise ValueError(f"unsupported database URL scheme {scheme!r}: use mysql:// or sqlite:///")

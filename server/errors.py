@@ -1,0 +1,97 @@
+"""One exception tree. Every error carries a stable ``code``: the same string a client sees on the wire.
+
+RedPacketError
+├── InvalidRequest        bad input: nothing was written, no money moved
+├── Forbidden             the user may not do this (not a member, not an admin, not the target)
+├── NotFound              unknown packet, group or user
+├── Conflict              the state refuses it (insufficient funds, expired, all grabbed)
+└── Unavailable           a backing service is down; safe to retry
+"""
+
+from __future__ import annotations
+
+
+class RedPacketError(Exception):
+    code = "error"
+
+    def __init__(self, code: str, message: str = "") -> None:
+        super().__init__(message or code)
+        self.code = code
+        self.message = message or code
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code!r}, {self.message!r})"
+
+
+class InvalidRequest(RedPacketError):
+    pass
+
+
+class Forbidden(RedPacketError):
+    pass
+
+
+class NotFound(RedPacketError):
+    pass
+
+
+class Conflict(RedPacketError):
+    pass
+
+
+class Unavailable(RedPacketError):
+    pass
+
+
+# The stable codes, in one place so that docs and clients can list them.
+AMOUNT_INVALID = "amount_invalid"
+AMOUNT_TOO_LARGE = "amount_too_large"
+COUNT_INVALID = "count_invalid"
+COUNT_TOO_LARGE = "count_too_large"
+COUNT_EXCEEDS_AMOUNT = "count_exceeds_amount"
+EQUAL_NOT_DIVISIBLE = "equal_not_divisible"
+KIND_INVALID = "kind_invalid"
+GREETING_TOO_LONG = "greeting_too_long"
+TARGET_INVALID = "target_invalid"
+NAME_INVALID = "name_invalid"
+NAME_TAKEN = "name_taken"
+ROLE_INVALID = "role_invalid"
+IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
+INSUFFICIENT_FUNDS = "insufficient_funds"
+NOT_MEMBER = "not_member"
+NOT_ADMIN = "not_admin"
+NOT_TARGET = "not_target"
+USER_NOT_FOUND = "user_not_found"
+GROUP_NOT_FOUND = "group_not_found"
+PACKET_NOT_FOUND = "packet_not_found"
+PACKET_EXPIRED = "packet_expired"
+PACKET_EMPTY = "packet_empty"
+SHARE_CONFLICT = "share_conflict"
+REDIS_UNAVAILABLE = "redis_unavailable"
+
+ALL_CODES = (
+    AMOUNT_INVALID,
+    AMOUNT_TOO_LARGE,
+    COUNT_INVALID,
+    COUNT_TOO_LARGE,
+    COUNT_EXCEEDS_AMOUNT,
+    EQUAL_NOT_DIVISIBLE,
+    KIND_INVALID,
+    GREETING_TOO_LONG,
+    TARGET_INVALID,
+    NAME_INVALID,
+    NAME_TAKEN,
+    ROLE_INVALID,
+    IDEMPOTENCY_KEY_REUSED,
+    INSUFFICIENT_FUNDS,
+    NOT_MEMBER,
+    NOT_ADMIN,
+    NOT_TARGET,
+    USER_NOT_FOUND,
+    GROUP_NOT_FOUND,
+    PACKET_NOT_FOUND,
+    PACKET_EXPIRED,
+    PACKET_EMPTY,
+    SHARE_CONFLICT,
+    REDIS_UNAVAILABLE,
+)

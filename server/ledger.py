@@ -1,0 +1,184 @@
+"""The ledger: users, accounts and the append-only journal, and the credit of one grab.
+
+Every balance change goes through ``post``: one journal row with a unique idempotency key and the
+matching balance update, in the caller's transaction. For every account the journal sums to the balance.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from server import errors
+from server.db import Database, IntegrityError, Tx
+from server.errors import Conflict, InvalidRequest, NotFound
+
+JournalKind = Literal["topup", "send", "grab", "refund"]
+
+# A demo top-up is play money; this only keeps a typo from minting a fortune.
+MAX_TOPUP_CENTS = 100_000_000
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def post(
+    tx: Tx,
+    account_id: int,
+    amount: int,
+    kind: JournalKind,
+    idem_key: str,
+    packet_id: int | None = None,
+) -> bool:
+    """Append one journal row and apply it to the balance, inside ``tx``.
+
+    Returns ``False`` and changes nothing when ``idem_key`` was posted before with the same account and
+    amount (a replay). Raises ``Conflict(insufficient_funds)`` if a debit would take the balance below
+    zero, and ``Conflict(idempotency_key_reused)`` if the key was posted with other content; either way
+    the caller's transaction must roll back, which undoes the journal row.
+    """
+    ts = now_ms()
+    try:
+        await tx.execute(
+            "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms)"
+            " VALUES (%s, %s, %s, %s, %s, %s)",
+            (account_id, amount, kind, idem_key, packet_id, ts),
+        )
+    except IntegrityError:
+        prior = await tx.fetchone("SELECT account_id, amount FROM journal WHERE idem_key = %s", (idem_key,))
+        if prior is not None and (int(prior[0]), int(prior[1])) == (account_id, amount):
+            return False
+        raise Conflict(errors.IDEMPOTENCY_KEY_REUSED, f"{idem_key} was already used") from None
+    changed = await tx.execute(
+        "UPDATE accounts SET balance = balance + %s, updated_ms = %s"
+        " WHERE user_id = %s AND balance + %s >= 0",
+        (amount, ts, account_id, amount),
+    )
+    if changed == 1:
+        return True
+    exists = await tx.fetchone("SELECT 1 FROM accounts WHERE user_id = %s", (account_id,))
+    if exists is None:
+        raise NotFound(errors.USER_NOT_FOUND, f"no account for user {account_id}")
+    raise Conflict(errors.INSUFFICIENT_FUNDS, "the balance is too low")
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not name.strip() or len(name.strip()) > 64:
+        raise InvalidRequest(errors.NAME_INVALID, "a name is 1 to 64 characters")
+    return name.strip()
+
+
+async def create_user(db: Database, name: str) -> int:
+    """A new user with an empty account."""
+    name = _check_name(name)
+
+    async def work(tx: Tx) -> int:
+        ts = now_ms()
+        try:
+            await tx.execute("INSERT INTO users (name, created_ms) VALUES (%s, %s)", (name, ts))
+        except IntegrityError:
+            raise Conflict(errors.NAME_TAKEN, f"{name} is taken") from None
+        user_id = tx.lastrowid
+        if user_id is None:
+            raise RuntimeError("the database returned no id for the new user")
+        await tx.execute(
+            "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", (user_id, ts)
+        )
+        return user_id
+
+    return await db.run(work)
+
+
+async def user_by_name(db: Database, name: str) -> int | None:
+    row = await db.fetchone("SELECT id FROM users WHERE name = %s", (_check_name(name),))
+    return None if row is None else int(row[0])
+
+
+async def balance(db: Database, user_id: int) -> int:
+    row = await db.fetchone("SELECT balance FROM accounts WHERE user_id = %s", (user_id,))
+    if row is None:
+        raise NotFound(errors.USER_NOT_FOUND, f"no account for user {user_id}")
+    return int(row[0])
+
+
+async def journal_sum(db: Database, user_id: int) -> int:
+    row = await db.fetchone("SELECT COALESCE(SUM(amount), 0) FROM journal WHERE account_id = %s", (user_id,))
+    return int(row[0]) if row else 0
+
+
+async def topup(db: Database, user_id: int, amount: object, request_id: str) -> bool:
+    """Add play money (demo and tests). Idempotent on ``request_id``; returns False on a replay."""
+    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= MAX_TOPUP_CENTS:
+        raise InvalidRequest(errors.AMOUNT_INVALID, f"a top-up is 1 to {MAX_TOPUP_CENTS} cents")
+    key = f"topup:{user_id}:{request_id}"
+
+    async def work(tx: Tx) -> bool:
+        return await post(tx, user_id, amount, "topup", key)
+
+    return await db.run(work)
+
+
+@dataclass(frozen=True)
+class Credit:
+    packet_id: int
+    user_id: int
+    seq: int
+    amount: int
+    grabbed_ms: int
+
+
+CreditOutcome = Literal["credited", "already"]
+
+
+async def credit_grab(db: Database, c: Credit) -> CreditOutcome:
+    """Pay one grab: its grab record, its journal row and the balance change, in one transaction.
+
+    Idempotent: the unique keys on grab_records (packet, user) and (packet, seq) and on the journal key
+    decide, so running it twice credits once. The amount must match the share the database pre-split at
+    send; a mismatch, or the share taken by another user, raises ``Conflict(share_conflict)`` and pays
+    nothing. A credit never lands on a refunded packet. Cancelled before commit: nothing is written.
+    """
+
+    async def work(tx: Tx) -> CreditOutcome:
+        packet = await tx.fetchone(
+            "SELECT status FROM red_packets WHERE id = %s" + tx.dialect.share_lock, (c.packet_id,)
+        )
+        if packet is None:
+            raise NotFound(errors.PACKET_NOT_FOUND, f"packet {c.packet_id} does not exist")
+        share = await tx.fetchone(
+            "SELECT amount FROM red_packet_shares WHERE packet_id = %s AND seq = %s", (c.packet_id, c.seq)
+        )
+        if share is None or int(share[0]) != c.amount:
+            raise Conflict(errors.SHARE_CONFLICT, f"share {c.seq} of packet {c.packet_id} is not {c.amount}")
+        ts = now_ms()
+        try:
+            await tx.execute(
+                "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
+                " VALUES (%s, %s, %s, %s, 'credited', %s, %s)",
+                (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, ts),
+            )
+        except IntegrityError:
+            rows = await tx.fetchall(
+                "SELECT user_id, seq, status FROM grab_records"
+                " WHERE packet_id = %s AND (user_id = %s OR seq = %s)",
+                (c.packet_id, c.user_id, c.seq),
+            )
+            if len(rows) != 1 or (int(rows[0][0]), int(rows[0][1])) != (c.user_id, c.seq):
+                raise Conflict(
+                    errors.SHARE_CONFLICT, "that share or that user is paid to another grab"
+                ) from None
+            if rows[0][2] == "credited":
+                return "already"
+            await tx.execute(
+                "UPDATE grab_records SET status = 'credited', credited_ms = %s"
+                " WHERE packet_id = %s AND seq = %s",
+                (ts, c.packet_id, c.seq),
+            )
+        if packet[0] == "refunded":
+            raise Conflict(errors.PACKET_EXPIRED, f"packet {c.packet_id} was refunded before this credit")
+        posted = await post(tx, c.user_id, c.amount, "grab", f"grab:{c.packet_id}:{c.seq}", c.packet_id)
+        return "credited" if posted else "already"
+
+    return await db.run(work)

@@ -1,0 +1,470 @@
+"""Send, grab, open and recover red packets: the money core's operations.
+
+Send debits the sender and writes the packet and its pre-split shares in one database transaction, then
+publishes them to Redis. Grab is one Lua call. Open is one Redis round trip. Recover rebuilds a packet's
+Redis state from the database. The pure pieces (the view of a packet) are plain functions at the bottom.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from redis.exceptions import RedisError
+
+from server import errors, groups, keys
+from server.core import Core
+from server.db import IntegrityError, Row, Tx
+from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
+from server.ledger import Credit, now_ms, post
+from server.queue import CREDIT_GRAB
+from server.split import Kind, PacketRequest, split, validate_request
+
+log = logging.getLogger(__name__)
+
+_PACKET_COLUMNS = (
+    "id, sender_id, group_id, kind, total, share_count, greeting, target_user_id, status, request_id,"
+    " created_ms, expires_ms, finished_ms"
+)
+
+
+@dataclass(frozen=True)
+class Packet:
+    packet_id: int
+    sender_id: int
+    group_id: int
+    kind: Kind
+    total: int
+    count: int
+    greeting: str
+    target_user_id: int | None
+    status: str
+    created_ms: int
+    expires_ms: int
+    # False when Redis could not be reached at send: the money is safe in the database and
+    # ``recover_packet`` (or the first grab) brings the packet up.
+    published: bool = True
+    # True when ``request_id`` matched an earlier send: nothing new was debited.
+    replay: bool = False
+
+
+def _packet_from_row(row: Row) -> Packet:
+    return Packet(
+        packet_id=int(row[0]),
+        sender_id=int(row[1]),
+        group_id=int(row[2]),
+        kind=row[3],
+        total=int(row[4]),
+        count=int(row[5]),
+        greeting=str(row[6]),
+        target_user_id=None if row[7] is None else int(row[7]),
+        status=str(row[8]),
+        created_ms=int(row[10]),
+        expires_ms=int(row[11]),
+    )
+
+
+class _Replay(Exception):
+    pass
+
+
+async def _earlier_send(tx: Tx, sender_id: int, request_id: str, req: PacketRequest, group_id: int) -> Packet:
+    row = await tx.fetchone(
+        f"SELECT {_PACKET_COLUMNS} FROM red_packets WHERE sender_id = %s AND request_id = %s",
+        (sender_id, request_id),
+    )
+    if row is None:
+        raise RuntimeError("a send replay found no earlier packet")
+    p = _packet_from_row(row)
+    if (p.group_id, p.kind, p.total, p.count, p.greeting, p.target_user_id) != (
+        group_id,
+        req.kind,
+        req.total,
+        req.count,
+        req.greeting,
+        req.target_user_id,
+    ):
+        raise Conflict(errors.IDEMPOTENCY_KEY_REUSED, f"request id {request_id} was used for another packet")
+    return Packet(**{**p.__dict__, "replay": True})
+
+
+async def send_packet(
+    core: Core,
+    sender_id: int,
+    group_id: int,
+    kind: object,
+    total: object,
+    count: object,
+    greeting: object = "",
+    target_user_id: object = None,
+    request_id: str | None = None,
+) -> Packet:
+    """Debit the sender and create a packet with its shares; then publish it to Redis.
+
+    Bad input raises ``InvalidRequest`` before anything is written. The debit, the packet, its shares
+    and the journal row commit together or not at all. With ``request_id`` a retried send returns the
+    first packet instead of paying twice. Cancelled before the commit: nothing is written; after it: the
+    packet exists and is published by ``recover_packet`` or the first grab.
+    """
+    req = validate_request(kind, total, count, greeting, target_user_id, core.limits)
+    if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):
+        raise InvalidRequest(errors.NAME_INVALID, "request_id is 1 to 64 characters")
+    shares = split(req, core.rng)
+
+    async def work(tx: Tx) -> Packet:
+        role, members_can_send = await groups.role_of(tx, group_id, sender_id)
+        if role is None:
+            raise Forbidden(errors.NOT_MEMBER, f"user {sender_id} is not a member of group {group_id}")
+        if role != "admin" and not members_can_send:
+            raise Forbidden(errors.NOT_ADMIN, "only group admins send packets here")
+        if req.target_user_id is not None:
+            target_role, _ = await groups.role_of(tx, group_id, req.target_user_id)
+            if target_role is None or req.target_user_id == sender_id:
+                raise InvalidRequest(errors.TARGET_INVALID, "the target must be another member of the group")
+        if request_id is not None:
+            exists = await tx.fetchone(
+                "SELECT 1 FROM red_packets WHERE sender_id = %s AND request_id = %s", (sender_id, request_id)
+            )
+            if exists:
+                return await _earlier_send(tx, sender_id, request_id, req, group_id)
+        created = now_ms()
+        expires = created + core.settings.packet_ttl_seconds * 1000
+        try:
+            await tx.execute(
+                "INSERT INTO red_packets (sender_id, group_id, kind, total, share_count, greeting,"
+                " target_user_id, status, request_id, created_ms, expires_ms)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, 'active', %s, %s, %s)",
+                (
+                    sender_id,
+                    group_id,
+                    req.kind,
+                    req.total,
+                    req.count,
+                    req.greeting,
+                    req.target_user_id,
+                    request_id,
+                    created,
+                    expires,
+                ),
+            )
+        except IntegrityError:
+            raise _Replay from None  # the same request id committed meanwhile
+        packet_id = tx.lastrowid
+        if packet_id is None:
+            raise RuntimeError("the database returned no id for the new packet")
+        await tx.executemany(
+            "INSERT INTO red_packet_shares (packet_id, seq, amount) VALUES (%s, %s, %s)",
+            [(packet_id, seq, amount) for seq, amount in enumerate(shares, start=1)],
+        )
+        await post(tx, sender_id, -req.total, "send", f"send:{packet_id}", packet_id)
+        return Packet(
+            packet_id,
+            sender_id,
+            group_id,
+            req.kind,
+            req.total,
+            req.count,
+            req.greeting,
+            req.target_user_id,
+            "active",
+            created,
+            expires,
+        )
+
+    try:
+        packet = await core.db.run(work)
+    except _Replay:
+        assert request_id is not None
+        packet = await core.db.run(lambda tx: _earlier_send(tx, sender_id, request_id, req, group_id))
+    if packet.replay:
+        return packet
+    try:
+        await _load(core, packet, list(enumerate(shares, start=1)), [])
+    except RedisError as e:
+        log.warning(
+            "packet %d saved but not published to Redis (%s); recover_packet brings it up",
+            packet.packet_id,
+            e,
+        )
+        return Packet(**{**packet.__dict__, "published": False})
+    return packet
+
+
+async def _load(
+    core: Core,
+    p: Packet,
+    shares: list[tuple[int, int]],
+    grabs: list[tuple[int, int, int, int]],
+    finished_ms: int | None = None,
+) -> tuple[int, int]:
+    """Run load_packet.lua: all shares (seq, amount) and the grabs (user, seq, amount, ms) the DB holds."""
+    meta: dict[str, str | int] = {
+        "group": p.group_id,
+        "sender": p.sender_id,
+        "kind": p.kind,
+        "total": p.total,
+        "count": p.count,
+        "greeting": p.greeting,
+        "target": "" if p.target_user_id is None else p.target_user_id,
+        "created_ms": p.created_ms,
+        "expires_ms": p.expires_ms,
+    }
+    if finished_ms is not None:
+        meta["finished_ms"] = finished_ms
+    args: list[str | int] = [p.expires_ms + core.settings.redis_grace_seconds * 1000, len(meta)]
+    for k, v in meta.items():
+        args += [k, v]
+    args.append(len(shares))
+    args += [f"{seq}:{amount}" for seq, amount in shares]
+    args.append(len(grabs))
+    for user, seq, amount, ms in grabs:
+        args += [user, f"{seq}:{amount}:{ms}"]
+    left, known = await core.scripts.load_packet(keys=keys.packet_keys(p.packet_id), args=args)
+    return int(left), int(known)
+
+
+@dataclass(frozen=True)
+class Recovered:
+    packet_id: int
+    shares_left: int
+    grabs_known: int
+
+
+async def recover_packet(core: Core, packet_id: int) -> Recovered:
+    """Rebuild a packet's Redis state from the database: shares not yet taken, grabs already made.
+
+    Safe while grabs continue and safe to repeat: the script runs alone, keeps every grab Redis already
+    holds, and never puts back a share that Redis or the database shows as taken.
+    """
+    row = await core.db.fetchone(f"SELECT {_PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
+    if row is None:
+        raise NotFound(errors.PACKET_NOT_FOUND, f"packet {packet_id} does not exist")
+    p = _packet_from_row(row)
+    if p.status == "refunded":
+        raise Conflict(errors.PACKET_EXPIRED, f"packet {packet_id} was refunded")
+    shares = await core.db.fetchall(
+        "SELECT seq, amount FROM red_packet_shares WHERE packet_id = %s ORDER BY seq", (packet_id,)
+    )
+    grabs = await core.db.fetchall(
+        "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (packet_id,)
+    )
+    finished = max(int(g[3]) for g in grabs) if len(grabs) == p.count else None
+    try:
+        left, known = await _load(
+            core,
+            p,
+            [(int(s[0]), int(s[1])) for s in shares],
+            [(int(g[0]), int(g[1]), int(g[2]), int(g[3])) for g in grabs],
+            finished,
+        )
+    except RedisError as e:
+        raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
+    log.info("recovered packet %d: %d shares left, %d grabs known", packet_id, left, known)
+    return Recovered(packet_id, left, known)
+
+
+@dataclass(frozen=True)
+class Grab:
+    user_id: int
+    seq: int
+    amount: int
+    grabbed_ms: int
+
+
+@dataclass(frozen=True)
+class GrabResult:
+    outcome: Literal["won", "already"]
+    packet_id: int
+    grab: Grab
+    remaining: int
+
+
+def _refusal(status: str) -> RedPacketError:
+    """The error for a grab script answer other than won / already."""
+    if status == "empty":
+        return Conflict(errors.PACKET_EMPTY, "every share has been grabbed")
+    if status == "expired":
+        return Conflict(errors.PACKET_EXPIRED, "the packet has expired")
+    if status == "not_target":
+        return Forbidden(errors.NOT_TARGET, "this packet is for someone else")
+    return NotFound(errors.PACKET_NOT_FOUND, "no such packet in this group")
+
+
+def parse_record(user_id: int, record: bytes | str) -> Grab:
+    """``"seq:amount:ms"`` as stored in a packet's grabs hash."""
+    text = record.decode() if isinstance(record, bytes) else record
+    seq, amount, ms = text.split(":")
+    return Grab(user_id, int(seq), int(amount), int(ms))
+
+
+async def grab(core: Core, packet_id: int, group_id: int, user_id: int) -> GrabResult:
+    """Take one share of a packet for ``user_id``, or the share they took before.
+
+    Membership is checked first (Redis cache of MySQL). The share is taken by one atomic Lua call; a
+    second grab by the same user returns the same share. A won share is enqueued for crediting with a
+    deterministic job id; if that enqueue fails, the grab still stands and the sweeper pays it.
+    If Redis no longer knows a live packet, it is recovered from the database once and the grab retried.
+    """
+    try:
+        await groups.require_member(
+            core.db, core.redis, group_id, user_id, core.settings.membership_cache_seconds
+        )
+        res = await core.scripts.grab(keys=keys.packet_keys(packet_id), args=[user_id, group_id])
+        if res[0] == b"unknown":
+            if not await _recover_if_live(core, packet_id, group_id):
+                raise _refusal("unknown")
+            res = await core.scripts.grab(keys=keys.packet_keys(packet_id), args=[user_id, group_id])
+    except RedisError as e:
+        raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
+    status = res[0].decode()
+    if status not in ("won", "already"):
+        raise _refusal(status)
+    g = parse_record(user_id, res[1])
+    result = GrabResult(status, packet_id, g, int(res[2]))
+    if status == "won":
+        await enqueue_credit(core, Credit(packet_id, user_id, g.seq, g.amount, g.grabbed_ms))
+    return result
+
+
+async def _recover_if_live(core: Core, packet_id: int, group_id: int) -> bool:
+    row = await core.db.fetchone("SELECT group_id, status FROM red_packets WHERE id = %s", (packet_id,))
+    if row is None or int(row[0]) != group_id or row[1] == "refunded":
+        return False
+    await recover_packet(core, packet_id)
+    return True
+
+
+async def enqueue_credit(core: Core, c: Credit) -> bool:
+    """Queue the credit of one grab; False if it was queued already or the queue is unreachable."""
+    try:
+        job = await core.redis.enqueue_job(
+            CREDIT_GRAB,
+            c.packet_id,
+            c.user_id,
+            c.seq,
+            c.amount,
+            c.grabbed_ms,
+            _job_id=keys.credit_job_id(c.packet_id, c.seq),
+        )
+    except RedisError as e:
+        log.error(
+            "credit of packet %d share %d not enqueued (%s): the sweeper must pay it", c.packet_id, c.seq, e
+        )
+        return False
+    return job is not None
+
+
+@dataclass(frozen=True)
+class PacketView:
+    """What ``open`` shows: the packet, this user's share and the grab list in grab order."""
+
+    packet_id: int
+    group_id: int
+    sender_id: int
+    kind: str
+    total: int
+    count: int
+    greeting: str
+    created_ms: int
+    expires_ms: int
+    remaining: int
+    grabs: list[Grab]
+    mine: Grab | None
+    finished_ms: int | None
+    best_luck: Grab | None
+
+    @property
+    def duration_ms(self) -> int | None:
+        """How long the packet took to empty."""
+        return None if self.finished_ms is None else self.finished_ms - self.created_ms
+
+
+def view_packet(
+    packet_id: int, meta: dict[str, str], records: dict[int, Grab], remaining: int, user_id: int
+) -> PacketView:
+    """Build the view from a packet's meta fields and grabs. Pure."""
+    grabs = sorted(records.values(), key=lambda g: (g.grabbed_ms, g.seq))
+    count = int(meta["count"])
+    finished = meta.get("finished_ms") or None
+    finished_ms = int(finished) if finished else None
+    if finished_ms is None and len(grabs) == count:
+        finished_ms = grabs[-1].grabbed_ms
+    # Best luck is only named once every share is out; ties go to whoever grabbed first.
+    best = max(grabs, key=lambda g: (g.amount, -g.grabbed_ms, -g.seq)) if finished_ms and grabs else None
+    return PacketView(
+        packet_id=packet_id,
+        group_id=int(meta["group"]),
+        sender_id=int(meta["sender"]),
+        kind=meta["kind"],
+        total=int(meta["total"]),
+        count=count,
+        greeting=meta.get("greeting", ""),
+        created_ms=int(meta["created_ms"]),
+        expires_ms=int(meta["expires_ms"]),
+        remaining=remaining,
+        grabs=grabs,
+        mine=records.get(user_id),
+        finished_ms=finished_ms,
+        best_luck=best,
+    )
+
+
+def _text(d: dict[Any, Any]) -> dict[str, str]:
+    return {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        for k, v in d.items()
+    }
+
+
+async def open_packet(core: Core, packet_id: int, group_id: int, user_id: int) -> PacketView:
+    """This user's result and the packet's grab list: one Redis round trip when the cache is warm.
+
+    A read: calling it any number of times changes nothing. A packet whose Redis keys are gone (after its
+    refund, or a Redis loss) is read from the database instead.
+    """
+    try:
+        async with core.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.packet_meta(packet_id))
+            pipe.hgetall(keys.packet_grabs(packet_id))
+            pipe.llen(keys.packet_shares(packet_id))
+            pipe.smismember(keys.group_members(group_id), [keys.LOADED, str(user_id)])
+            meta_raw, grabs_raw, left, (loaded, member) = await pipe.execute()
+        if not loaded:
+            member = await groups.is_member(
+                core.db, core.redis, group_id, user_id, core.settings.membership_cache_seconds
+            )
+    except RedisError as e:
+        raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
+    if not member:
+        raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not a member of group {group_id}")
+    meta = _text(meta_raw)
+    if meta and meta.get("group") == str(group_id):
+        records = {int(u): parse_record(int(u), r) for u, r in _text(grabs_raw).items()}
+        return view_packet(packet_id, meta, records, int(left), user_id)
+    if meta:
+        raise _refusal("unknown")
+    return await _open_from_database(core, packet_id, group_id, user_id)
+
+
+async def _open_from_database(core: Core, packet_id: int, group_id: int, user_id: int) -> PacketView:
+    row = await core.db.fetchone(f"SELECT {_PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
+    if row is None or int(row[2]) != group_id:
+        raise NotFound(errors.PACKET_NOT_FOUND, "no such packet in this group")
+    p = _packet_from_row(row)
+    rows = await core.db.fetchall(
+        "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (packet_id,)
+    )
+    records = {int(r[0]): Grab(int(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in rows}
+    meta = {
+        "group": str(p.group_id),
+        "sender": str(p.sender_id),
+        "kind": p.kind,
+        "total": str(p.total),
+        "count": str(p.count),
+        "greeting": p.greeting,
+        "created_ms": str(p.created_ms),
+        "expires_ms": str(p.expires_ms),
+        "finished_ms": "" if row[12] is None else str(row[12]),
+    }
+    return view_packet(packet_id, meta, records, p.count - len(records), user_id)

@@ -1,0 +1,40 @@
+"""The Redis client shared by the hub and the workers, and the arq queue on it.
+
+One bounded pool (a burst of grabs waits for a connection instead of opening thousands), msgpack for
+arq jobs, and the name of every job function the workers run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from arq.connections import ArqRedis
+from redis.asyncio import BlockingConnectionPool
+
+from server.settings import Settings
+
+CREDIT_GRAB = "credit_grab"
+
+
+def job_serializer(obj: dict[str, Any]) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def job_deserializer(data: bytes) -> dict[str, Any]:
+    return msgpack.unpackb(data, raw=False)  # type: ignore[no-any-return]
+
+
+def make_redis(settings: Settings) -> ArqRedis:
+    """A client for ``settings.redis_url`` that also enqueues arq jobs. Opens no connection yet."""
+    if not settings.redis_url:
+        raise ValueError("no Redis URL: start the embedded Valkey first (see server.embedded)")
+    pool = BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_pool_size, timeout=10
+    )
+    return ArqRedis(
+        pool_or_conn=pool,
+        job_serializer=job_serializer,
+        job_deserializer=job_deserializer,
+        default_queue_name=settings.queue_name,
+    )

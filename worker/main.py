@@ -1,0 +1,32 @@
+"""Build and run the arq worker. ``redpacket worker`` runs it as its own process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arq import Worker
+from arq.worker import func
+
+from server.core import Core
+from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
+from worker.credit import credit_grab_job
+
+# A credit job's result is kept this long; while it is, enqueueing the same grab again is a no-op.
+KEEP_RESULT_SECONDS = 24 * 3600
+
+
+def make_worker(core: Core, **overrides: Any) -> Worker:
+    """A worker that runs every job family against ``core``'s database, on its queue."""
+    options: dict[str, Any] = {
+        "functions": [func(credit_grab_job, name=CREDIT_GRAB, max_tries=20)],
+        "redis_pool": core.redis,
+        "queue_name": core.settings.queue_name,
+        "ctx": {"core": core},
+        "job_serializer": job_serializer,
+        "job_deserializer": job_deserializer,
+        "keep_result": KEEP_RESULT_SECONDS,
+        "max_jobs": 50,
+        "handle_signals": False,
+    }
+    options.update(overrides)
+    return Worker(**options)
