@@ -63,7 +63,8 @@ class Dialect:
 MYSQL = Dialect(
     name="mysql",
     share_lock=" LOCK IN SHARE MODE",
-    table_exists="SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = %s",
+    table_exists="SELECT COUNT(*) FROM information_schema.tables"
+    " WHERE table_schema = DATABASE() AND table_name = %s",
     ddl={
         "id": "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
         "table_options": " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
@@ -174,6 +175,9 @@ class MySQLDatabase(Database):
             minsize=1,
             maxsize=pool_size,
             charset="utf8mb4",
+            # Every rule that guards money is a unique key or a conditional UPDATE; READ COMMITTED lets the
+            # lookup after a duplicate-key error see the row that won the race.
+            init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
         )
         return cls(pool)
 

@@ -6,6 +6,8 @@ script touches a single slot and runs unchanged on Redis Cluster.
 
 from __future__ import annotations
 
+from arq.constants import job_key_prefix
+
 
 def packet_meta(packet_id: int) -> str:
     """Hash: group, sender, kind, total, count, target, created_ms, expires_ms, finished_ms, closed."""
@@ -44,3 +46,8 @@ LOADED = b"*"
 def credit_job_id(packet_id: int, seq: int) -> str:
     """arq job id of the credit of one share: enqueueing the same grab twice makes one job."""
     return f"credit:{packet_id}:{seq}"
+
+
+def credit_job_key(packet_id: int, seq: int) -> str:
+    """Where arq keeps a queued credit job (arq owns the prefix)."""
+    return job_key_prefix + credit_job_id(packet_id, seq)

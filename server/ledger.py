@@ -47,7 +47,9 @@ async def post(
             (account_id, amount, kind, idem_key, packet_id, ts),
         )
     except IntegrityError:
-        prior = await tx.fetchone("SELECT account_id, amount FROM journal WHERE idem_key = %s", (idem_key,))
+        prior = await tx.fetchone(
+            "SELECT account_id, amount FROM journal WHERE idem_key = %s" + tx.dialect.share_lock, (idem_key,)
+        )
         if prior is not None and (int(prior[0]), int(prior[1])) == (account_id, amount):
             return False
         raise Conflict(errors.IDEMPOTENCY_KEY_REUSED, f"{idem_key} was already used") from None
@@ -162,7 +164,7 @@ async def credit_grab(db: Database, c: Credit) -> CreditOutcome:
         except IntegrityError:
             rows = await tx.fetchall(
                 "SELECT user_id, seq, status FROM grab_records"
-                " WHERE packet_id = %s AND (user_id = %s OR seq = %s)",
+                " WHERE packet_id = %s AND (user_id = %s OR seq = %s)" + tx.dialect.share_lock,
                 (c.packet_id, c.user_id, c.seq),
             )
             if len(rows) != 1 or (int(rows[0][0]), int(rows[0][1])) != (c.user_id, c.seq):

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from arq.jobs import deserialize_job
 from redis.exceptions import RedisError
 
 from server import errors, groups, keys
@@ -18,7 +19,7 @@ from server.core import Core
 from server.db import IntegrityError, Row, Tx
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
 from server.ledger import Credit, now_ms, post
-from server.queue import CREDIT_GRAB
+from server.queue import CREDIT_GRAB, job_deserializer
 from server.split import Kind, PacketRequest, split, validate_request
 
 log = logging.getLogger(__name__)
@@ -249,19 +250,38 @@ async def recover_packet(core: Core, packet_id: int) -> Recovered:
     grabs = await core.db.fetchall(
         "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (packet_id,)
     )
-    finished = max(int(g[3]) for g in grabs) if len(grabs) == p.count else None
+    known_grabs = [(int(g[0]), int(g[1]), int(g[2]), int(g[3])) for g in grabs]
+    finished = max(g[3] for g in known_grabs) if len(known_grabs) == p.count else None
     try:
-        left, known = await _load(
-            core,
-            p,
-            [(int(s[0]), int(s[1])) for s in shares],
-            [(int(g[0]), int(g[1]), int(g[2]), int(g[3])) for g in grabs],
-            finished,
+        paid = {g[1] for g in known_grabs}
+        known_grabs += await _queued_credits(
+            core, p.packet_id, [int(s[0]) for s in shares if int(s[0]) not in paid]
         )
+        left, known = await _load(core, p, [(int(s[0]), int(s[1])) for s in shares], known_grabs, finished)
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
     log.info("recovered packet %d: %d shares left, %d grabs known", packet_id, left, known)
     return Recovered(packet_id, left, known)
+
+
+async def _queued_credits(core: Core, packet_id: int, seqs: list[int]) -> list[tuple[int, int, int, int]]:
+    """Grabs whose credit job still waits in the queue: told to their grabber, not yet in the database.
+
+    When only the packet's keys were lost (not the whole Redis), these keep their share instead of it
+    being handed out a second time.
+    """
+    if not seqs:
+        return []
+    async with core.redis.pipeline(transaction=False) as pipe:
+        for seq in seqs:
+            pipe.get(keys.credit_job_key(packet_id, seq))
+        raw = await pipe.execute()
+    found = []
+    for blob in raw:
+        if blob:
+            args = deserialize_job(blob, deserializer=job_deserializer).args
+            found.append((int(args[1]), int(args[2]), int(args[3]), int(args[4])))
+    return found
 
 
 @dataclass(frozen=True)

@@ -65,8 +65,11 @@ def mysql_url() -> str:
     u = urlparse(url)
     try:
         conn = pymysql.connect(
-            host=u.hostname or "127.0.0.1", port=u.port or 3306, user=u.username or "root",
-            password=u.password or "", connect_timeout=2,
+            host=u.hostname or "127.0.0.1",
+            port=u.port or 3306,
+            user=u.username or "root",
+            password=u.password or "",
+            connect_timeout=2,
         )
     except pymysql.err.OperationalError as e:
         if os.environ.get("REDPACKET_TEST_REQUIRE_MYSQL") == "1":
@@ -87,7 +90,9 @@ async def _clean(db: Database) -> None:
 
 
 @pytest.fixture(params=["sqlite", "mysql"])
-async def core(request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Core]:
+async def core(
+    request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Core]:
     """A Core on a clean database of each dialect and a flushed Redis database."""
     if request.param == "mysql":
         db_url = request.getfixturevalue("mysql_url")

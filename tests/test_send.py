@@ -29,7 +29,9 @@ async def test_send_debits_and_writes_shares_that_add_up(core: Core) -> None:
     assert p.published and not p.replay
     assert await ledger.balance(core.db, w.admin) == 9_000
     assert await ledger.journal_sum(core.db, w.admin) == 9_000
-    rows = await core.db.fetchall("SELECT seq, amount FROM red_packet_shares WHERE packet_id = %s", (p.packet_id,))
+    rows = await core.db.fetchall(
+        "SELECT seq, amount FROM red_packet_shares WHERE packet_id = %s", (p.packet_id,)
+    )
     assert sorted(int(r[0]) for r in rows) == [1, 2, 3]
     assert sum(int(r[1]) for r in rows) == 1_000
     # The same shares, in seq order, wait in Redis.
@@ -69,7 +71,9 @@ BAD_SENDS = [
 
 
 @pytest.mark.parametrize(("change", "code"), BAD_SENDS, ids=[c for _, c in BAD_SENDS])
-async def test_bad_sends_have_a_code_and_move_no_money(core: Core, change: dict[str, object], code: str) -> None:
+async def test_bad_sends_have_a_code_and_move_no_money(
+    core: Core, change: dict[str, object], code: str
+) -> None:
     w = await make_world(core, members=2, admin_cents=10_000 if change.get("rich", True) else 19_999)
     outsider = await ledger.create_user(core.db, "outsider")
     await ledger.topup(core.db, outsider, 50_000, "seed")

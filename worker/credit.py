@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 
 class Ctx(TypedDict, total=False):
+    """What arq passes every job: our Core under "core", plus arq's own fields."""
+
     core: Core
     job_try: int
 

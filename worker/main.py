@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from arq import Worker
 from arq.worker import func
@@ -18,7 +18,8 @@ KEEP_RESULT_SECONDS = 24 * 3600
 def make_worker(core: Core, **overrides: Any) -> Worker:
     """A worker that runs every job family against ``core``'s database, on its queue."""
     options: dict[str, Any] = {
-        "functions": [func(credit_grab_job, name=CREDIT_GRAB, max_tries=20)],
+        # arq types ctx as a plain dict; our jobs take the TypedDict that says what is in it.
+        "functions": [func(cast(Any, credit_grab_job), name=CREDIT_GRAB, max_tries=20)],
         "redis_pool": core.redis,
         "queue_name": core.settings.queue_name,
         "ctx": {"core": core},

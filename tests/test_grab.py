@@ -1,0 +1,132 @@
+"""Grab and open against the real Redis: atomic, idempotent, never more than the total."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from server import errors, groups, keys, ledger, packets
+from server.core import Core
+from server.errors import RedPacketError
+from tests.conftest import bulk_users, make_world
+
+
+async def _grab_code(core: Core, packet_id: int, group_id: int, user: int) -> str:
+    try:
+        return (await packets.grab(core, packet_id, group_id, user)).outcome
+    except RedPacketError as e:
+        return e.code
+
+
+async def test_a_thousand_members_race_for_a_hundred_shares(core: Core) -> None:
+    w = await make_world(core, members=1_000, admin_cents=100_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 20_000, 100)
+    results = await asyncio.gather(
+        *(packets.grab(core, p.packet_id, w.group, u) for u in w.members), return_exceptions=True
+    )
+    won = [r for r in results if isinstance(r, packets.GrabResult)]
+    refused = [r for r in results if isinstance(r, RedPacketError)]
+    assert len(won) == 100 and all(r.outcome == "won" for r in won)
+    assert len(refused) == 900 and {e.code for e in refused} == {errors.PACKET_EMPTY}
+    assert sum(r.grab.amount for r in won) == 20_000
+    assert len({r.grab.user_id for r in won}) == 100
+    assert sorted(r.grab.seq for r in won) == list(range(1, 101))
+    view = await packets.open_packet(core, p.packet_id, w.group, won[0].grab.user_id)
+    assert view.remaining == 0 and len(view.grabs) == 100 and view.finished_ms is not None
+
+
+async def test_fifty_grabs_by_one_user_take_one_share(core: Core) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 1_000, 2)
+    results = await asyncio.gather(
+        *(packets.grab(core, p.packet_id, w.group, w.members[0]) for _ in range(50))
+    )
+    assert Counter(r.outcome for r in results) == {"won": 1, "already": 49}
+    assert len({(r.grab.seq, r.grab.amount, r.grab.grabbed_ms) for r in results}) == 1
+    assert await core.redis.llen(keys.packet_shares(p.packet_id)) == 1
+    other = await packets.grab(core, p.packet_id, w.group, w.members[1])
+    assert other.grab.amount + results[0].grab.amount == 1_000
+
+
+async def test_refusals_have_stable_codes(core: Core) -> None:
+    w = await make_world(core, members=3, admin_cents=10_000)
+    outsider = await ledger.create_user(core.db, "outsider")
+    p = await packets.send_packet(core, w.admin, w.group, "equal", 100, 1)
+    other_group = await groups.create_group(core.db, w.admin, "other")
+    await groups.add_members(core.db, core.redis, other_group, [w.members[0]])
+
+    assert await _grab_code(core, p.packet_id, w.group, outsider) == errors.NOT_MEMBER
+    assert await _grab_code(core, 424242, w.group, w.members[0]) == errors.PACKET_NOT_FOUND
+    # A packet asked for through another group the user is in: not found, nothing leaks.
+    assert await _grab_code(core, p.packet_id, other_group, w.members[0]) == errors.PACKET_NOT_FOUND
+    assert await _grab_code(core, p.packet_id, w.group, w.members[0]) == "won"
+    assert await _grab_code(core, p.packet_id, w.group, w.members[1]) == errors.PACKET_EMPTY
+
+    expired_core = dataclasses.replace(core, settings=core.settings.with_(packet_ttl_seconds=0))
+    q = await packets.send_packet(expired_core, w.admin, w.group, "lucky", 100, 2)
+    assert await _grab_code(core, q.packet_id, w.group, w.members[0]) == errors.PACKET_EXPIRED
+
+    ex = await packets.send_packet(core, w.admin, w.group, "exclusive", 300, None, "for you", w.members[2])
+    assert await _grab_code(core, ex.packet_id, w.group, w.members[1]) == errors.NOT_TARGET
+    assert await _grab_code(core, ex.packet_id, w.group, w.members[2]) == "won"
+
+
+async def test_removed_member_cannot_grab(core: Core) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 100, 2)
+    assert await groups.is_member(core.db, core.redis, w.group, w.members[0], 60)  # warm the cache
+    await groups.remove_member(core.db, core.redis, w.group, w.members[0])
+    assert await _grab_code(core, p.packet_id, w.group, w.members[0]) == errors.NOT_MEMBER
+    await groups.add_members(core.db, core.redis, w.group, [w.members[0]])
+    assert await _grab_code(core, p.packet_id, w.group, w.members[0]) == "won"
+
+
+async def test_grab_survives_script_flush(core: Core) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 100, 2)
+    await core.redis.script_flush()
+    assert (await packets.grab(core, p.packet_id, w.group, w.members[0])).outcome == "won"
+    assert await core.redis.script_exists(core.scripts.sha("grab")) == [True]
+
+
+async def test_open_is_a_read_with_grab_order_best_luck_and_duration(core: Core) -> None:
+    w = await make_world(core, members=3, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 999, 3, "大吉")
+    before = await packets.open_packet(core, p.packet_id, w.group, w.members[0])
+    assert (
+        before.mine is None
+        and before.remaining == 3
+        and before.best_luck is None
+        and before.duration_ms is None
+    )
+    results = [await packets.grab(core, p.packet_id, w.group, u) for u in w.members]
+    views = [await packets.open_packet(core, p.packet_id, w.group, w.members[1]) for _ in range(3)]
+    assert views[0] == views[1] == views[2]
+    v = views[0]
+    assert v.mine == results[1].grab
+    assert [g.user_id for g in v.grabs] == w.members  # grab order
+    assert sum(g.amount for g in v.grabs) == 999 and v.remaining == 0 and v.greeting == "大吉"
+    assert v.best_luck is not None and v.best_luck.amount == max(r.grab.amount for r in results)
+    assert v.duration_ms is not None and v.duration_ms >= 0
+    assert await core.redis.llen(keys.packet_shares(p.packet_id)) == 0
+
+
+async def test_open_refuses_non_members(core: Core) -> None:
+    w = await make_world(core, members=1, admin_cents=10_000)
+    outsider = await ledger.create_user(core.db, "outsider")
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 100, 1)
+    with pytest.raises(RedPacketError) as e:
+        await packets.open_packet(core, p.packet_id, w.group, outsider)
+    assert e.value.code == errors.NOT_MEMBER
+
+
+async def test_membership_cache_is_filled_from_the_database(core: Core) -> None:
+    w = await make_world(core, members=0)
+    late = await bulk_users(core.db, "late", 3)
+    await groups.add_members(core.db, core.redis, w.group, late)
+    assert await groups.is_member(core.db, core.redis, w.group, late[1], 60)
+    cached = await core.redis.smembers(keys.group_members(w.group))
+    assert cached == {keys.LOADED, *(str(u).encode() for u in [w.admin, *late])}
