@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from arq.connections import ArqRedis
 
 from server import schema
+from server.batch import Batcher
 from server.db import Database, connect
+from server.membership import Membership
 from server.queue import make_redis
 from server.scripts import Scripts
 from server.settings import Settings
@@ -23,8 +25,11 @@ class Core:
     db: Database
     redis: ArqRedis
     scripts: Scripts
+    membership: Membership
     # The OS CSPRNG in production; tests pass a seeded random.Random.
     rng: random.Random = field(default_factory=random.SystemRandom)
+    # Coalesces the grab path's Redis calls of one loop tick into one pipeline; None sends each alone.
+    batcher: Batcher | None = None
 
     @property
     def limits(self) -> Limits:
@@ -42,12 +47,16 @@ async def open_core(
     try:
         if migrate:
             await schema.migrate(db)
+        scripts = Scripts(redis)
+        batcher = Batcher(redis) if settings.batch_redis else None
         yield Core(
             settings=settings,
             db=db,
             redis=redis,
-            scripts=Scripts(redis),
+            scripts=scripts,
+            membership=Membership(db, redis, scripts, settings.membership_cache_seconds, batcher),
             rng=rng or random.SystemRandom(),
+            batcher=batcher,
         )
     finally:
         await redis.aclose(close_connection_pool=True)

@@ -68,6 +68,8 @@ PACKET_EXPIRED = "packet_expired"
 PACKET_EMPTY = "packet_empty"
 SHARE_CONFLICT = "share_conflict"
 REDIS_UNAVAILABLE = "redis_unavailable"
+DATABASE_UNAVAILABLE = "database_unavailable"
+BAD_REQUEST = "bad_request"
 
 ALL_CODES = (
     AMOUNT_INVALID,
@@ -94,4 +96,6 @@ ALL_CODES = (
     PACKET_EMPTY,
     SHARE_CONFLICT,
     REDIS_UNAVAILABLE,
+    DATABASE_UNAVAILABLE,
+    BAD_REQUEST,
 )

@@ -1,23 +1,15 @@
-"""Chat groups and their members. MySQL is the source of truth; Redis holds a cache of each group's
-member set that the grab path reads.
-
-The cache is complete only while it holds ``keys.LOADED``. A change commits to the database, bumps the
-group's membership version and drops the cache; a reload writes the cache only if the version did not
-move meanwhile (WATCH), so a reload racing a removal can never put the removed member back.
-"""
+"""Chat groups and their members, in the database (the source of truth). Every change ends by
+invalidating the Redis cache that the grab path reads (``server.membership``)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Literal, cast
+from typing import Literal
 
-from redis.asyncio import Redis
-from redis.exceptions import WatchError
-
-from server import errors, keys
+from server import errors
 from server.db import Database, Tx
 from server.errors import Forbidden, InvalidRequest, NotFound
 from server.ledger import now_ms
+from server.membership import Membership
 
 Role = Literal["admin", "member"]
 
@@ -47,16 +39,8 @@ async def create_group(db: Database, owner_id: int, name: str, members_can_send:
     return await db.run(work)
 
 
-async def invalidate(redis: Redis, group_id: int) -> None:
-    """Drop the cached member set after a change has committed."""
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.incr(keys.group_members_version(group_id))
-        pipe.delete(keys.group_members(group_id))
-        await pipe.execute()
-
-
 async def add_members(
-    db: Database, redis: Redis, group_id: int, user_ids: list[int], role: Role = "member"
+    db: Database, membership: Membership, group_id: int, user_ids: list[int], role: Role = "member"
 ) -> int:
     """Add users to a group (already-members keep their role); return how many were new."""
     if role not in ("admin", "member"):
@@ -89,22 +73,22 @@ async def add_members(
         return len(new)
 
     added = await db.run(work)
-    await invalidate(redis, group_id)
+    await membership.invalidate(group_id)
     return added
 
 
-async def remove_member(db: Database, redis: Redis, group_id: int, user_id: int) -> bool:
+async def remove_member(db: Database, membership: Membership, group_id: int, user_id: int) -> bool:
     async def work(tx: Tx) -> int:
         return await tx.execute(
             "DELETE FROM group_members WHERE group_id = %s AND user_id = %s", (group_id, user_id)
         )
 
     removed = await db.run(work)
-    await invalidate(redis, group_id)
+    await membership.invalidate(group_id)
     return removed > 0
 
 
-async def set_role(db: Database, redis: Redis, group_id: int, user_id: int, role: Role) -> None:
+async def set_role(db: Database, membership: Membership, group_id: int, user_id: int, role: Role) -> None:
     if role not in ("admin", "member"):
         raise InvalidRequest(errors.ROLE_INVALID, "role is admin or member")
 
@@ -116,7 +100,7 @@ async def set_role(db: Database, redis: Redis, group_id: int, user_id: int, role
 
     if await db.run(work) == 0:
         raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not in group {group_id}")
-    await invalidate(redis, group_id)
+    await membership.invalidate(group_id)
 
 
 async def role_of(tx: Tx, group_id: int, user_id: int) -> tuple[Role | None, bool]:
@@ -134,29 +118,3 @@ async def role_of(tx: Tx, group_id: int, user_id: int) -> tuple[Role | None, boo
 async def member_ids(db: Database, group_id: int) -> list[int]:
     rows = await db.fetchall("SELECT user_id FROM group_members WHERE group_id = %s", (group_id,))
     return [int(r[0]) for r in rows]
-
-
-async def is_member(db: Database, redis: Redis, group_id: int, user_id: int, cache_seconds: int) -> bool:
-    """Whether ``user_id`` is in ``group_id``: one Redis round trip when the cache is warm."""
-    key = keys.group_members(group_id)
-    loaded, member = await cast(Awaitable[list[int]], redis.smismember(key, [keys.LOADED, str(user_id)]))
-    if loaded:
-        return bool(member)
-    version_key = keys.group_members_version(group_id)
-    async with redis.pipeline(transaction=True) as pipe:
-        await pipe.watch(version_key)
-        members = await member_ids(db, group_id)
-        pipe.multi()  # type: ignore[no-untyped-call]
-        pipe.delete(key)
-        pipe.sadd(key, keys.LOADED, *[str(m) for m in members])
-        pipe.expire(key, cache_seconds)
-        try:
-            await pipe.execute()
-        except WatchError:
-            pass  # membership changed while we read it: answer from the database, cache nothing
-    return user_id in members
-
-
-async def require_member(db: Database, redis: Redis, group_id: int, user_id: int, cache_seconds: int) -> None:
-    if not await is_member(db, redis, group_id, user_id, cache_seconds):
-        raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not a member of group {group_id}")

@@ -6,7 +6,7 @@ script touches a single slot and runs unchanged on Redis Cluster.
 
 from __future__ import annotations
 
-from arq.constants import job_key_prefix
+from arq.constants import job_key_prefix, result_key_prefix
 
 
 def packet_meta(packet_id: int) -> str:
@@ -51,3 +51,8 @@ def credit_job_id(packet_id: int, seq: int) -> str:
 def credit_job_key(packet_id: int, seq: int) -> str:
     """Where arq keeps a queued credit job (arq owns the prefix)."""
     return job_key_prefix + credit_job_id(packet_id, seq)
+
+
+def credit_result_key(packet_id: int, seq: int) -> str:
+    """Where arq keeps a finished credit job's result; while it exists the job is not enqueued again."""
+    return result_key_prefix + credit_job_id(packet_id, seq)

@@ -11,7 +11,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from arq.jobs import deserialize_job
+from arq.jobs import deserialize_job, serialize_job
+from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from server import errors, groups, keys
@@ -19,10 +20,13 @@ from server.core import Core
 from server.db import IntegrityError, Row, Tx
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
 from server.ledger import Credit, now_ms, post
-from server.queue import CREDIT_GRAB, job_deserializer
+from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
 from server.split import Kind, PacketRequest, split, validate_request
 
 log = logging.getLogger(__name__)
+
+# How long a queued credit job may wait before arq drops it: arq's own default. The sweeper pays later.
+JOB_TTL_MS = 24 * 3600 * 1000
 
 _PACKET_COLUMNS = (
     "id, sender_id, group_id, kind, total, share_count, greeting, target_user_id, status, request_id,"
@@ -327,14 +331,13 @@ async def grab(core: Core, packet_id: int, group_id: int, user_id: int) -> GrabR
     If Redis no longer knows a live packet, it is recovered from the database once and the grab retried.
     """
     try:
-        await groups.require_member(
-            core.db, core.redis, group_id, user_id, core.settings.membership_cache_seconds
-        )
-        res = await core.scripts.grab(keys=keys.packet_keys(packet_id), args=[user_id, group_id])
+        await core.membership.require(group_id, user_id)
+        grab_keys = keys.packet_keys(packet_id)
+        res = await _script(core, core.scripts.grab, grab_keys, [user_id, group_id])
         if res[0] == b"unknown":
             if not await _recover_if_live(core, packet_id, group_id):
                 raise _refusal("unknown")
-            res = await core.scripts.grab(keys=keys.packet_keys(packet_id), args=[user_id, group_id])
+            res = await _script(core, core.scripts.grab, grab_keys, [user_id, group_id])
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
     status = res[0].decode()
@@ -355,24 +358,45 @@ async def _recover_if_live(core: Core, packet_id: int, group_id: int) -> bool:
     return True
 
 
+async def _script(core: Core, script: AsyncScript, keys_: list[str], args: list[Any]) -> Any:
+    if core.batcher is not None:
+        return await core.batcher.script(script, keys_, args)
+    return await script(keys=keys_, args=args)
+
+
 async def enqueue_credit(core: Core, c: Credit) -> bool:
-    """Queue the credit of one grab; False if it was queued already or the queue is unreachable."""
+    """Queue the credit of one grab as an arq job with a deterministic id, in one atomic call.
+
+    Returns False if that job is already queued (or its result kept), or if the queue is unreachable;
+    in the last case the grab still stands in Redis and the sweeper pays it.
+    """
+    job_id = keys.credit_job_id(c.packet_id, c.seq)
+    now = now_ms()
+    job = serialize_job(
+        CREDIT_GRAB,
+        (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms),
+        {},
+        None,
+        now,
+        serializer=job_serializer,
+    )
     try:
-        job = await core.redis.enqueue_job(
-            CREDIT_GRAB,
-            c.packet_id,
-            c.user_id,
-            c.seq,
-            c.amount,
-            c.grabbed_ms,
-            _job_id=keys.credit_job_id(c.packet_id, c.seq),
+        queued = await _script(
+            core,
+            core.scripts.enqueue_job,
+            [
+                keys.credit_job_key(c.packet_id, c.seq),
+                keys.credit_result_key(c.packet_id, c.seq),
+                core.settings.queue_name,
+            ],
+            [job_id, job, now, JOB_TTL_MS],
         )
     except RedisError as e:
         log.error(
             "credit of packet %d share %d not enqueued (%s): the sweeper must pay it", c.packet_id, c.seq, e
         )
         return False
-    return job is not None
+    return bool(queued)
 
 
 @dataclass(frozen=True)
@@ -451,9 +475,7 @@ async def open_packet(core: Core, packet_id: int, group_id: int, user_id: int) -
             pipe.smismember(keys.group_members(group_id), [keys.LOADED, str(user_id)])
             meta_raw, grabs_raw, left, (loaded, member) = await pipe.execute()
         if not loaded:
-            member = await groups.is_member(
-                core.db, core.redis, group_id, user_id, core.settings.membership_cache_seconds
-            )
+            member = await core.membership.is_member(group_id, user_id)
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
     if not member:

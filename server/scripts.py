@@ -24,10 +24,12 @@ class Scripts:
 
     grab: AsyncScript
     load_packet: AsyncScript
+    enqueue_job: AsyncScript
+    fill_members: AsyncScript
 
     def __init__(self, redis: Redis, directory: Path = LUA_DIR) -> None:
         self.sources = read_sources(directory)
-        missing = {"grab", "load_packet"} - self.sources.keys()
+        missing = set(self.__annotations__) - self.sources.keys()
         if missing:
             raise RuntimeError(f"Lua scripts missing from {directory}: {sorted(missing)}")
         self._scripts = {name: redis.register_script(src) for name, src in self.sources.items()}

@@ -43,6 +43,8 @@ class Settings:
 
     queue_name: str = "redpacket:queue"
     redis_pool_size: int = 64
+    # Send the grab path's Redis calls of one event-loop tick as one pipeline (1 = on, 0 = off).
+    batch_redis: bool = True
     db_pool_size: int = 10
 
     host: str = "127.0.0.1"
@@ -64,6 +66,7 @@ class Settings:
             membership_cache_seconds=_int(env, "MEMBERSHIP_CACHE_SECONDS", d.membership_cache_seconds),
             queue_name=env.get(PREFIX + "QUEUE_NAME", d.queue_name),
             redis_pool_size=_int(env, "REDIS_POOL_SIZE", d.redis_pool_size),
+            batch_redis=bool(_int(env, "BATCH_REDIS", int(d.batch_redis))),
             db_pool_size=_int(env, "DB_POOL_SIZE", d.db_pool_size),
             host=env.get(PREFIX + "HOST", d.host),
             port=_int(env, "PORT", d.port),

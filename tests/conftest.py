@@ -150,5 +150,5 @@ async def make_world(core: Core, members: int = 3, admin_cents: int = 1_000_000)
     await ledger.topup(core.db, admin, admin_cents, "seed")
     member_ids = await bulk_users(core.db, "m", members) if members else []
     group = await groups.create_group(core.db, admin, "family")
-    await groups.add_members(core.db, core.redis, group, member_ids)
+    await groups.add_members(core.db, core.membership, group, member_ids)
     return World(admin, member_ids, group)

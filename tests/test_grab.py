@@ -11,6 +11,7 @@ import pytest
 from server import errors, groups, keys, ledger, packets
 from server.core import Core
 from server.errors import RedPacketError
+from server.membership import Membership
 from tests.conftest import bulk_users, make_world
 
 
@@ -21,7 +22,15 @@ async def _grab_code(core: Core, packet_id: int, group_id: int, user: int) -> st
         return e.code
 
 
-async def test_a_thousand_members_race_for_a_hundred_shares(core: Core) -> None:
+def unbatched(core: Core) -> Core:
+    """The same core with every Redis call sent on its own."""
+    m = Membership(core.db, core.redis, core.scripts, core.settings.membership_cache_seconds, None)
+    return dataclasses.replace(core, batcher=None, membership=m)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+async def test_a_thousand_members_race_for_a_hundred_shares(core: Core, batched: bool) -> None:
+    core = core if batched else unbatched(core)
     w = await make_world(core, members=1_000, admin_cents=100_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 20_000, 100)
     results = await asyncio.gather(
@@ -38,7 +47,9 @@ async def test_a_thousand_members_race_for_a_hundred_shares(core: Core) -> None:
     assert view.remaining == 0 and len(view.grabs) == 100 and view.finished_ms is not None
 
 
-async def test_fifty_grabs_by_one_user_take_one_share(core: Core) -> None:
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+async def test_fifty_grabs_by_one_user_take_one_share(core: Core, batched: bool) -> None:
+    core = core if batched else unbatched(core)
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 1_000, 2)
     results = await asyncio.gather(
@@ -56,7 +67,7 @@ async def test_refusals_have_stable_codes(core: Core) -> None:
     outsider = await ledger.create_user(core.db, "outsider")
     p = await packets.send_packet(core, w.admin, w.group, "equal", 100, 1)
     other_group = await groups.create_group(core.db, w.admin, "other")
-    await groups.add_members(core.db, core.redis, other_group, [w.members[0]])
+    await groups.add_members(core.db, core.membership, other_group, [w.members[0]])
 
     assert await _grab_code(core, p.packet_id, w.group, outsider) == errors.NOT_MEMBER
     assert await _grab_code(core, 424242, w.group, w.members[0]) == errors.PACKET_NOT_FOUND
@@ -77,10 +88,10 @@ async def test_refusals_have_stable_codes(core: Core) -> None:
 async def test_removed_member_cannot_grab(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 100, 2)
-    assert await groups.is_member(core.db, core.redis, w.group, w.members[0], 60)  # warm the cache
-    await groups.remove_member(core.db, core.redis, w.group, w.members[0])
+    assert await core.membership.is_member(w.group, w.members[0])  # warm the cache
+    await groups.remove_member(core.db, core.membership, w.group, w.members[0])
     assert await _grab_code(core, p.packet_id, w.group, w.members[0]) == errors.NOT_MEMBER
-    await groups.add_members(core.db, core.redis, w.group, [w.members[0]])
+    await groups.add_members(core.db, core.membership, w.group, [w.members[0]])
     assert await _grab_code(core, p.packet_id, w.group, w.members[0]) == "won"
 
 
@@ -126,7 +137,24 @@ async def test_open_refuses_non_members(core: Core) -> None:
 async def test_membership_cache_is_filled_from_the_database(core: Core) -> None:
     w = await make_world(core, members=0)
     late = await bulk_users(core.db, "late", 3)
-    await groups.add_members(core.db, core.redis, w.group, late)
-    assert await groups.is_member(core.db, core.redis, w.group, late[1], 60)
+    await groups.add_members(core.db, core.membership, w.group, late)
+    assert await core.membership.is_member(w.group, late[1])
     cached = await core.redis.smembers(keys.group_members(w.group))
     assert cached == {keys.LOADED, *(str(u).encode() for u in [w.admin, *late])}
+
+
+async def test_a_cache_reload_that_races_a_removal_writes_nothing(core: Core) -> None:
+    w = await make_world(core, members=2)
+    version_key = keys.group_members_version(w.group)
+    before = await core.redis.get(version_key)
+    # A reload read the members (both), then the removal commits and invalidates...
+    await groups.remove_member(core.db, core.membership, w.group, w.members[0])
+    # ...and the reload's late write is refused, so the removed member is never cached as present.
+    wrote = await core.scripts.fill_members(
+        keys=[keys.group_members(w.group), version_key],
+        args=[before or b"", 60, keys.LOADED, w.admin, *w.members],
+    )
+    assert wrote == 0
+    assert await core.redis.exists(keys.group_members(w.group)) == 0
+    assert not await core.membership.is_member(w.group, w.members[0])
+    assert await core.membership.is_member(w.group, w.members[1])

@@ -99,7 +99,7 @@ async def test_bad_sends_have_a_code_and_move_no_money(
 async def test_members_may_send_where_the_group_allows_it(core: Core) -> None:
     w = await make_world(core, members=1)
     open_group = await groups.create_group(core.db, w.admin, "open", members_can_send=True)
-    await groups.add_members(core.db, core.redis, open_group, w.members)
+    await groups.add_members(core.db, core.membership, open_group, w.members)
     await ledger.topup(core.db, w.members[0], 1_000, "seed")
     p = await packets.send_packet(core, w.members[0], open_group, "lucky", 1_000, 2)
     assert await ledger.balance(core.db, w.members[0]) == 0

@@ -1,0 +1,77 @@
+"""Who is in which group, as the grab path sees it: a Redis cache of the database's member lists.
+
+The cache of a group is complete only while it holds ``keys.LOADED``. A change commits to the database,
+then ``invalidate`` bumps the group's membership version and drops the cache. A reload reads the version,
+then the database, then writes the cache only if the version has not moved (``fill_members.lua``), so a
+reload racing a removal can never put the removed member back. Within one process concurrent misses of
+one group share a single reload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any, cast
+
+from redis.asyncio import Redis
+
+from server import errors, keys
+from server.batch import Batcher
+from server.db import Database
+from server.errors import Forbidden
+from server.scripts import Scripts
+
+
+class Membership:
+    def __init__(
+        self, db: Database, redis: Redis, scripts: Scripts, cache_seconds: int, batcher: Batcher | None = None
+    ) -> None:
+        self._db = db
+        self._redis = redis
+        self._scripts = scripts
+        self._cache_seconds = cache_seconds
+        self._batcher = batcher
+        self._loading: dict[int, asyncio.Task[frozenset[int]]] = {}
+
+    async def is_member(self, group_id: int, user_id: int) -> bool:
+        """One Redis round trip when the cache is warm; a database read when it is not."""
+        key = keys.group_members(group_id)
+        wanted = [keys.LOADED, str(user_id)]
+        if self._batcher is not None:
+            loaded, member = await self._batcher.call(lambda pipe: pipe.smismember(key, wanted))
+        else:
+            loaded, member = await cast(Awaitable[list[int]], self._redis.smismember(key, wanted))
+        if loaded:
+            return bool(member)
+        return user_id in await self._load(group_id)
+
+    async def require(self, group_id: int, user_id: int) -> None:
+        if not await self.is_member(group_id, user_id):
+            raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not a member of group {group_id}")
+
+    async def invalidate(self, group_id: int) -> None:
+        """Call after a membership change has committed."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.incr(keys.group_members_version(group_id))
+            pipe.delete(keys.group_members(group_id))
+            await pipe.execute()
+
+    async def _load(self, group_id: int) -> frozenset[int]:
+        # The load runs as its own task: a cancelled caller does not cancel it for the others waiting.
+        task = self._loading.get(group_id)
+        if task is None:
+            task = asyncio.create_task(self._read_and_fill(group_id))
+            self._loading[group_id] = task
+            task.add_done_callback(lambda _: self._loading.pop(group_id, None))
+        return await asyncio.shield(task)
+
+    async def _read_and_fill(self, group_id: int) -> frozenset[int]:
+        version_key = keys.group_members_version(group_id)
+        version: Any = await self._redis.get(version_key)
+        rows = await self._db.fetchall("SELECT user_id FROM group_members WHERE group_id = %s", (group_id,))
+        members = frozenset(int(r[0]) for r in rows)
+        await self._scripts.fill_members(
+            keys=[keys.group_members(group_id), version_key],
+            args=[version or b"", self._cache_seconds, keys.LOADED, *members],
+        )
+        return members
