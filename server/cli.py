@@ -11,6 +11,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 
 import uvicorn
+import uvloop
 
 from server.core import Core, open_core
 from server.embedded import embedded_valkey
@@ -43,10 +44,10 @@ async def _worker_task(core: Core) -> AsyncIterator[None]:
             await task
 
 
-async def _up(settings: Settings) -> None:
+async def _serve(settings: Settings, with_worker: bool) -> None:
     from server.api import create_app
 
-    async with open_core(settings) as core, _worker_task(core):
+    async with open_core(settings) as core, _worker_task(core) if with_worker else contextlib.nullcontext():
         # Bind first, so that port 0 works and the address printed is the one listening.
         sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -96,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     up = sub.add_parser("up", help="start everything on this machine (embedded Valkey + SQLite by default)")
     up.add_argument("--host")
     up.add_argument("--port", type=int)
+    serve = sub.add_parser("serve", help="serve the API only (run workers with `redpacket worker`)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
     sub.add_parser(
         "worker", help="run the credit worker against REDPACKET_REDIS_URL / REDPACKET_DATABASE_URL"
     )
@@ -109,25 +113,25 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings.from_env()
-    if args.command == "up":
+    if args.command in ("up", "serve"):
         if args.host:
             settings = settings.with_(host=args.host)
         if args.port is not None:
             settings = settings.with_(port=args.port)
     try:
         with _redis_url(settings) as s:
-            if args.command == "up":
-                asyncio.run(_up(s))
+            if args.command in ("up", "serve"):
+                uvloop.run(_serve(s, with_worker=args.command == "up"))
             elif args.command == "worker":
-                asyncio.run(_worker(s))
+                uvloop.run(_worker(s))
             elif args.command == "migrate":
-                asyncio.run(_migrate(s))
+                uvloop.run(_migrate(s))
             elif args.command == "recover":
-                asyncio.run(_recover(s, args.packet_ids))
+                uvloop.run(_recover(s, args.packet_ids))
             elif args.command == "bench":
                 from server.bench import run_grab_bench
 
-                asyncio.run(run_grab_bench(s, args.grabs))
+                uvloop.run(run_grab_bench(s, args.grabs))
     except KeyboardInterrupt:
         pass
     sys.exit(0)

@@ -93,6 +93,33 @@ async def create_user(db: Database, name: str) -> int:
     return await db.run(work)
 
 
+async def create_users(db: Database, names: list[str]) -> list[int]:
+    """Many new users with empty accounts in one transaction (imports, benchmarks, tests)."""
+    clean = [_check_name(n) for n in names]
+
+    async def work(tx: Tx) -> list[int]:
+        ts = now_ms()
+        try:
+            await tx.executemany(
+                "INSERT INTO users (name, created_ms) VALUES (%s, %s)", [(n, ts) for n in clean]
+            )
+        except IntegrityError:
+            raise Conflict(errors.NAME_TAKEN, "one of the names is taken") from None
+        ids: list[int] = []
+        for i in range(0, len(clean), 500):
+            chunk = clean[i : i + 500]
+            marks = ", ".join(["%s"] * len(chunk))
+            rows = await tx.fetchall(f"SELECT name, id FROM users WHERE name IN ({marks})", chunk)
+            by_name = {str(r[0]): int(r[1]) for r in rows}
+            ids += [by_name[n] for n in chunk]
+        await tx.executemany(
+            "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", [(u, ts) for u in ids]
+        )
+        return ids
+
+    return await db.run(work)
+
+
 async def user_by_name(db: Database, name: str) -> int | None:
     row = await db.fetchone("SELECT id FROM users WHERE name = %s", (_check_name(name),))
     return None if row is None else int(row[0])

@@ -326,28 +326,30 @@ async def grab(core: Core, packet_id: int, group_id: int, user_id: int) -> GrabR
     """Take one share of a packet for ``user_id``, or the share they took before.
 
     Membership is checked first (Redis cache of MySQL). The share is taken by one atomic Lua call; a
-    second grab by the same user returns the same share. A won share is enqueued for crediting with a
-    deterministic job id; if that enqueue fails, the grab still stands and the sweeper pays it.
+    second grab by the same user returns the same share. The share's credit is enqueued with a
+    deterministic job id (again on every repeat, a no-op once queued); if that enqueue fails, the grab
+    still stands and the sweeper pays it. Cancelled after the script ran: the grab stands, and the next
+    call for it (or the sweeper) queues its credit.
     If Redis no longer knows a live packet, it is recovered from the database once and the grab retried.
     """
     try:
         await core.membership.require(group_id, user_id)
         grab_keys = keys.packet_keys(packet_id)
-        res = await _script(core, core.scripts.grab, grab_keys, [user_id, group_id])
+        res = await call_script(core, core.scripts.grab, grab_keys, [user_id, group_id])
         if res[0] == b"unknown":
             if not await _recover_if_live(core, packet_id, group_id):
                 raise _refusal("unknown")
-            res = await _script(core, core.scripts.grab, grab_keys, [user_id, group_id])
+            res = await call_script(core, core.scripts.grab, grab_keys, [user_id, group_id])
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
     status = res[0].decode()
     if status not in ("won", "already"):
         raise _refusal(status)
     g = parse_record(user_id, res[1])
-    result = GrabResult(status, packet_id, g, int(res[2]))
-    if status == "won":
-        await enqueue_credit(core, Credit(packet_id, user_id, g.seq, g.amount, g.grabbed_ms))
-    return result
+    # Also on "already": whoever is told of a share has its credit queued, even if the call that won it
+    # died before enqueueing. A no-op while the job is queued or its result kept.
+    await enqueue_credit(core, Credit(packet_id, user_id, g.seq, g.amount, g.grabbed_ms))
+    return GrabResult(status, packet_id, g, int(res[2]))
 
 
 async def _recover_if_live(core: Core, packet_id: int, group_id: int) -> bool:
@@ -358,7 +360,8 @@ async def _recover_if_live(core: Core, packet_id: int, group_id: int) -> bool:
     return True
 
 
-async def _script(core: Core, script: AsyncScript, keys_: list[str], args: list[Any]) -> Any:
+async def call_script(core: Core, script: AsyncScript, keys_: list[str], args: list[Any]) -> Any:
+    """EVALSHA through the core's batcher when it has one, else on its own."""
     if core.batcher is not None:
         return await core.batcher.script(script, keys_, args)
     return await script(keys=keys_, args=args)
@@ -381,7 +384,7 @@ async def enqueue_credit(core: Core, c: Credit) -> bool:
         serializer=job_serializer,
     )
     try:
-        queued = await _script(
+        queued = await call_script(
             core,
             core.scripts.enqueue_job,
             [

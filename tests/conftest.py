@@ -127,20 +127,7 @@ class World:
 
 
 async def bulk_users(db: Database, prefix: str, n: int) -> list[int]:
-    """Create n users with empty accounts in one transaction (1,000 one-by-one commits are slow)."""
-    ts = ledger.now_ms()
-    async with db.transaction() as tx:
-        await tx.executemany(
-            "INSERT INTO users (name, created_ms) VALUES (%s, %s)", [(f"{prefix}{i}", ts) for i in range(n)]
-        )
-        rows = await tx.fetchall(
-            "SELECT id FROM users WHERE name LIKE %s ORDER BY id", (prefix.replace("_", "\\_") + "%",)
-        )
-        ids = [int(r[0]) for r in rows]
-        await tx.executemany(
-            "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", [(u, ts) for u in ids]
-        )
-    return ids
+    return await ledger.create_users(db, [f"{prefix}{i}" for i in range(n)])
 
 
 async def make_world(core: Core, members: int = 3, admin_cents: int = 1_000_000) -> World:
