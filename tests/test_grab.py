@@ -62,6 +62,14 @@ async def test_fifty_grabs_by_one_user_take_one_share(core: Core, batched: bool)
     assert other.grab.amount + results[0].grab.amount == 1_000
 
 
+async def _books(core: Core) -> tuple[list[tuple[object, ...]], ...]:
+    return (
+        await core.db.fetchall("SELECT user_id, balance FROM accounts ORDER BY user_id"),
+        await core.db.fetchall("SELECT id, account_id, amount FROM journal ORDER BY id"),
+        await core.db.fetchall("SELECT packet_id, user_id, seq FROM grab_records ORDER BY id"),
+    )
+
+
 async def test_refusals_have_stable_codes(core: Core) -> None:
     w = await make_world(core, members=3, admin_cents=10_000)
     outsider = await ledger.create_user(core.db, "outsider")
@@ -69,16 +77,24 @@ async def test_refusals_have_stable_codes(core: Core) -> None:
     other_group = await groups.create_group(core.db, w.admin, "other")
     await groups.add_members(core.db, core.membership, other_group, [w.members[0]])
 
+    books = await _books(core)
+    shares_left = await core.redis.lrange(keys.packet_shares(p.packet_id), 0, -1)
     assert await _grab_code(core, p.packet_id, w.group, outsider) == errors.NOT_MEMBER
     assert await _grab_code(core, 424242, w.group, w.members[0]) == errors.PACKET_NOT_FOUND
     # A packet asked for through another group the user is in: not found, nothing leaks.
     assert await _grab_code(core, p.packet_id, other_group, w.members[0]) == errors.PACKET_NOT_FOUND
+    # Refused grabs took no share and moved no money.
+    assert await core.redis.lrange(keys.packet_shares(p.packet_id), 0, -1) == shares_left
+    assert await _books(core) == books
     assert await _grab_code(core, p.packet_id, w.group, w.members[0]) == "won"
     assert await _grab_code(core, p.packet_id, w.group, w.members[1]) == errors.PACKET_EMPTY
 
     expired_core = dataclasses.replace(core, settings=core.settings.with_(packet_ttl_seconds=0))
     q = await packets.send_packet(expired_core, w.admin, w.group, "lucky", 100, 2)
+    books = await _books(core)
     assert await _grab_code(core, q.packet_id, w.group, w.members[0]) == errors.PACKET_EXPIRED
+    assert await core.redis.llen(keys.packet_shares(q.packet_id)) == 2
+    assert await _books(core) == books
 
     ex = await packets.send_packet(core, w.admin, w.group, "exclusive", 300, None, "for you", w.members[2])
     assert await _grab_code(core, ex.packet_id, w.group, w.members[1]) == errors.NOT_TARGET

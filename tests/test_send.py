@@ -58,6 +58,7 @@ BAD_SENDS = [
     ({"total": 10**18}, errors.AMOUNT_TOO_LARGE),
     ({"count": 0}, errors.COUNT_INVALID),
     ({"count": 101}, errors.COUNT_TOO_LARGE),
+    ({"count": 4}, errors.COUNT_TOO_LARGE),  # more shares than the group's 3 members
     ({"total": 5, "count": 6}, errors.COUNT_EXCEEDS_AMOUNT),
     ({"kind": "equal", "total": 100, "count": 3}, errors.EQUAL_NOT_DIVISIBLE),
     ({"kind": "bogus"}, errors.KIND_INVALID),
