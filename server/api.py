@@ -76,7 +76,7 @@ async def login(request: Request, core: Core) -> dict[str, Any]:
 async def topup(request: Request, core: Core) -> dict[str, Any]:
     user_id = _id(request.path_params["user_id"], "user_id")
     body = await _body(request)
-    await ledger.topup(core.db, user_id, body.get("amount"), str(body.get("request_id") or ""))
+    await ledger.topup(core.db, user_id, body.get("amount"), body.get("request_id"))
     return {"user_id": user_id, "balance": await ledger.balance(core.db, user_id)}
 
 

@@ -7,6 +7,7 @@ Redis state from the database. The pure pieces (the view of a packet) are plain 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -91,7 +92,7 @@ async def _earlier_send(tx: Tx, sender_id: int, request_id: str, req: PacketRequ
         req.target_user_id,
     ):
         raise Conflict(errors.IDEMPOTENCY_KEY_REUSED, f"request id {request_id} was used for another packet")
-    return Packet(**{**p.__dict__, "replay": True})
+    return dataclasses.replace(p, replay=True)
 
 
 async def send_packet(
@@ -195,7 +196,7 @@ async def send_packet(
             packet.packet_id,
             e,
         )
-        return Packet(**{**packet.__dict__, "published": False})
+        return dataclasses.replace(packet, published=False)
     return packet
 
 
