@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
+import secrets
 import socket
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import uvicorn
 import uvloop
 
-from server.core import Core, open_core
+from server.core import open_core
 from server.embedded import embedded_valkey
 from server.settings import Settings
 
@@ -30,35 +30,51 @@ def _redis_url(settings: Settings) -> Iterator[Settings]:
         yield settings.with_(redis_url=url)
 
 
-@contextlib.asynccontextmanager
-async def _worker_task(core: Core) -> AsyncIterator[None]:
-    from worker.main import make_worker
+def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
+    """How the hub runs under uvicorn: websockets-sansio, no compression unless asked, frame cap, pings."""
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        ws="websockets-sansio",
+        ws_per_message_deflate=settings.ws_compression,
+        ws_max_size=settings.ws_max_frame_bytes,
+        ws_ping_interval=settings.ws_ping_interval,
+        ws_ping_timeout=settings.ws_ping_timeout,
+        timeout_graceful_shutdown=settings.shutdown_seconds,
+        log_level="warning",
+        access_log=False,
+    )
 
-    worker = make_worker(core)
-    task = asyncio.create_task(worker.async_run())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+
+def _demo_secret(settings: Settings) -> Settings:
+    """`up` is the embedded demo: a secret kept under the data dir, dev login and top-ups on."""
+    if settings.secret:
+        return settings.with_(dev_login=True, demo_topup=True)
+    path = settings.data_dir / "secret"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return settings.with_(secret=path.read_text().strip(), dev_login=True, demo_topup=True)
 
 
 async def _serve(settings: Settings, with_worker: bool) -> None:
-    from server.api import create_app
+    from server.app import create_app
 
-    async with open_core(settings) as core, _worker_task(core) if with_worker else contextlib.nullcontext():
-        # Bind first, so that port 0 works and the address printed is the one listening.
-        sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((settings.host, settings.port))
-        port = sock.getsockname()[1]
-        config = uvicorn.Config(create_app(core), log_level="warning", ws_per_message_deflate=False)
-        db = settings.database_url or f"SQLite {settings.sqlite_path}"
-        print(f"redpacket is up: http://{settings.host}:{port}  (Redis {settings.redis_url}, database {db})")
+    # Bind first, so that port 0 works and the address printed is the one listening.
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only when the listening
+    # socket says so; without it every reply behind an event waits out a 40 ms delayed ACK.
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(create_app(settings, run_worker=with_worker), settings))
+    db = settings.database_url or f"SQLite {settings.sqlite_path}"
+    print(f"redpacket hub on http://{settings.host}:{port}  websocket ws://{settings.host}:{port}/ws")
+    print(f"  Redis {settings.redis_url}, database {db}", flush=True)
+    if settings.dev_login:
         print(f'  try: curl -s -XPOST http://{settings.host}:{port}/api/login -d \'{{"name": "li"}}\'')
-        print("  stop with Ctrl-C", flush=True)
-        await uvicorn.Server(config).serve(sockets=[sock])
+    await server.serve(sockets=[sock])
 
 
 async def _worker(settings: Settings) -> None:
@@ -120,8 +136,10 @@ def main(argv: list[str] | None = None) -> None:
             settings = settings.with_(port=args.port)
     try:
         with _redis_url(settings) as s:
-            if args.command in ("up", "serve"):
-                uvloop.run(_serve(s, with_worker=args.command == "up"))
+            if args.command == "up":
+                uvloop.run(_serve(_demo_secret(s), with_worker=True))
+            elif args.command == "serve":
+                uvloop.run(_serve(s, with_worker=False))
             elif args.command == "worker":
                 uvloop.run(_worker(s))
             elif args.command == "migrate":

@@ -70,6 +70,15 @@ SHARE_CONFLICT = "share_conflict"
 REDIS_UNAVAILABLE = "redis_unavailable"
 DATABASE_UNAVAILABLE = "database_unavailable"
 BAD_REQUEST = "bad_request"
+TOKEN_INVALID = "token_invalid"
+TOKEN_EXPIRED = "token_expired"
+UNKNOWN_TYPE = "unknown_type"
+BAD_FRAME = "bad_frame"
+RATE_LIMITED = "rate_limited"
+BLOCKED = "blocked"
+TEXT_INVALID = "text_invalid"
+DISABLED = "disabled"
+INTERNAL = "internal"
 
 ALL_CODES = (
     AMOUNT_INVALID,
@@ -98,4 +107,13 @@ ALL_CODES = (
     REDIS_UNAVAILABLE,
     DATABASE_UNAVAILABLE,
     BAD_REQUEST,
+    TOKEN_INVALID,
+    TOKEN_EXPIRED,
+    UNKNOWN_TYPE,
+    BAD_FRAME,
+    RATE_LIMITED,
+    BLOCKED,
+    TEXT_INVALID,
+    DISABLED,
+    INTERNAL,
 )

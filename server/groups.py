@@ -73,7 +73,7 @@ async def add_members(
         return len(new)
 
     added = await db.run(work)
-    await membership.invalidate(group_id)
+    await membership.changed(group_id, wanted, "added")
     return added
 
 
@@ -84,7 +84,7 @@ async def remove_member(db: Database, membership: Membership, group_id: int, use
         )
 
     removed = await db.run(work)
-    await membership.invalidate(group_id)
+    await membership.changed(group_id, [user_id], "removed")
     return removed > 0
 
 
@@ -100,7 +100,7 @@ async def set_role(db: Database, membership: Membership, group_id: int, user_id:
 
     if await db.run(work) == 0:
         raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not in group {group_id}")
-    await membership.invalidate(group_id)
+    await membership.changed(group_id, [user_id], "role")
 
 
 async def role_of(tx: Tx, group_id: int, user_id: int) -> tuple[Role | None, bool]:
@@ -118,3 +118,32 @@ async def role_of(tx: Tx, group_id: int, user_id: int) -> tuple[Role | None, boo
 async def member_ids(db: Database, group_id: int) -> list[int]:
     rows = await db.fetchall("SELECT user_id FROM group_members WHERE group_id = %s", (group_id,))
     return [int(r[0]) for r in rows]
+
+
+async def require_admin(db: Database, group_id: int, user_id: int) -> None:
+    async with db.transaction() as tx:
+        role, _ = await role_of(tx, group_id, user_id)
+    if role is None:
+        raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not a member of group {group_id}")
+    if role != "admin":
+        raise Forbidden(errors.NOT_ADMIN, "only group admins may do this")
+
+
+async def groups_of(db: Database, user_id: int) -> list[dict[str, object]]:
+    """The groups a user is in, with their role and each group's settings."""
+    rows = await db.fetchall(
+        "SELECT g.id, g.name, m.role, g.members_can_send,"
+        " (SELECT COUNT(*) FROM group_members c WHERE c.group_id = g.id)"
+        " FROM group_members m JOIN chat_groups g ON g.id = m.group_id WHERE m.user_id = %s ORDER BY g.id",
+        (user_id,),
+    )
+    return [
+        {
+            "group_id": int(r[0]),
+            "name": r[1],
+            "role": r[2],
+            "members_can_send": bool(r[3]),
+            "members": int(r[4]),
+        }
+        for r in rows
+    ]

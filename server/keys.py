@@ -56,3 +56,45 @@ def credit_job_key(packet_id: int, seq: int) -> str:
 def credit_result_key(packet_id: int, seq: int) -> str:
     """Where arq keeps a finished credit job's result; while it exists the job is not enqueued again."""
     return result_key_prefix + credit_job_id(packet_id, seq)
+
+
+def group_events(group_id: int) -> str:
+    """Stream of the group's recent events, capped; an event's offset is its stream id."""
+    return f"rp:{{g{group_id}}}:events"
+
+
+def group_channel(group_id: int) -> str:
+    """Pub/sub channel where each of the group's events is published once, as ``<offset>\\n<payload>``."""
+    return f"rp:{{g{group_id}}}:ch"
+
+
+def channel_group(channel: bytes | str) -> int | None:
+    """The group id of a ``group_channel`` name, or None for any other channel."""
+    text = channel.decode() if isinstance(channel, bytes) else channel
+    if text.startswith("rp:{g") and text.endswith("}:ch"):
+        return int(text[5:-4])
+    return None
+
+
+# Every hub hears every membership change here, to attach or detach its live connections.
+MEMBERSHIP_CHANNEL = "rp:membership"
+
+
+def presence_online(group_id: int) -> str:
+    """Sorted set user id → when their presence lapses (unix ms) unless a hub refreshes it."""
+    return f"rp:{{g{group_id}}}:online"
+
+
+def presence_hubs(group_id: int, user_id: int) -> str:
+    """Hash hub id → lapse time: which hubs hold a connection of this user in this group."""
+    return f"rp:{{g{group_id}}}:on:{user_id}"
+
+
+def grab_bucket(user_id: int) -> str:
+    """Token bucket limiting one user's grab attempts (all hubs share it)."""
+    return f"rp:{{u{user_id}}}:grabrate"
+
+
+def user_block(user_id: int) -> str:
+    """Present while the bot detector blocks this user from grabbing; its TTL is the block's length."""
+    return f"rp:{{u{user_id}}}:block"

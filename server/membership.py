@@ -1,7 +1,7 @@
 """Who is in which group, as the grab path sees it: a Redis cache of the database's member lists.
 
 The cache of a group is complete only while it holds ``keys.LOADED``. A change commits to the database,
-then ``invalidate`` bumps the group's membership version and drops the cache. A reload reads the version,
+then ``changed`` bumps the group's membership version and drops the cache. A reload reads the version,
 then the database, then writes the cache only if the version has not moved (``fill_members.lua``), so a
 reload racing a removal can never put the removed member back. Within one process concurrent misses of
 one group share a single reload.
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any, cast
+from typing import Any, Literal, cast
 
+import msgpack
 from redis.asyncio import Redis
 
 from server import errors, keys
@@ -20,6 +21,13 @@ from server.batch import Batcher
 from server.db import Database
 from server.errors import Forbidden
 from server.scripts import Scripts
+
+Change = Literal["added", "removed", "role"]
+
+
+def parse_change(note: bytes) -> tuple[int, list[int], Change]:
+    body = msgpack.unpackb(note, raw=False)
+    return int(body["group"]), [int(u) for u in body["users"]], body["change"]
 
 
 class Membership:
@@ -49,11 +57,14 @@ class Membership:
         if not await self.is_member(group_id, user_id):
             raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not a member of group {group_id}")
 
-    async def invalidate(self, group_id: int) -> None:
-        """Call after a membership change has committed."""
+    async def changed(self, group_id: int, user_ids: list[int], change: Change) -> None:
+        """Call after a membership change has committed: drops the cache, and tells every hub, so that a
+        removed member's live connections stop receiving the group at once."""
+        note = msgpack.packb({"group": group_id, "users": user_ids, "change": change})
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.incr(keys.group_members_version(group_id))
             pipe.delete(keys.group_members(group_id))
+            pipe.publish(keys.MEMBERSHIP_CHANNEL, note)
             await pipe.execute()
 
     async def _load(self, group_id: int) -> frozenset[int]:

@@ -7,8 +7,10 @@ Redis state from the database. The pure pieces (the view of a packet) are plain 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -326,7 +328,9 @@ def parse_record(user_id: int, record: bytes | str) -> Grab:
     return Grab(user_id, int(seq), int(amount), int(ms))
 
 
-async def grab(core: Core, packet_id: int, group_id: int, user_id: int) -> GrabResult:
+async def grab(
+    core: Core, packet_id: int, group_id: int, user_id: int, gate: Awaitable[None] | None = None
+) -> GrabResult:
     """Take one share of a packet for ``user_id``, or the share they took before.
 
     Membership is checked first (Redis cache of MySQL). The share is taken by one atomic Lua call; a
@@ -335,9 +339,13 @@ async def grab(core: Core, packet_id: int, group_id: int, user_id: int) -> GrabR
     still stands and the sweeper pays it. Cancelled after the script ran: the grab stands, and the next
     call for it (or the sweeper) queues its credit.
     If Redis no longer knows a live packet, it is recovered from the database once and the grab retried.
+    ``gate`` (the hub's rate limit and block check) runs beside the membership check, in the same batch.
     """
     try:
-        await core.membership.require(group_id, user_id)
+        if gate is None:
+            await core.membership.require(group_id, user_id)
+        else:
+            await asyncio.gather(core.membership.require(group_id, user_id), gate)
         grab_keys = keys.packet_keys(packet_id)
         res = await call_script(core, core.scripts.grab, grab_keys, [user_id, group_id])
         if res[0] == b"unknown":

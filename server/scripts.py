@@ -34,6 +34,9 @@ class Scripts:
     load_packet: AsyncScript
     enqueue_job: AsyncScript
     fill_members: AsyncScript
+    publish_event: AsyncScript
+    grab_gate: AsyncScript
+    presence: AsyncScript
 
     def __init__(self, redis: Redis, directory: Path = LUA_DIR) -> None:
         self.sources = read_sources(directory)

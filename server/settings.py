@@ -23,6 +23,16 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         raise ValueError(f"{PREFIX}{name} must be an integer, got {raw!r}") from e
 
 
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise ValueError(f"{PREFIX}{name} must be a number, got {raw!r}") from e
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every tunable of the system. See the README's configuration table."""
@@ -50,6 +60,28 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
 
+    # The hub. The secret signs tokens; `redpacket up` makes one under data_dir when none is set.
+    secret: str = ""
+    token_ttl_seconds: int = 24 * 3600
+    dev_login: bool = False  # POST /api/login mints a token for any user name: demos only
+    demo_topup: bool = False  # POST /api/topup adds play money: demos only
+    ws_compression: bool = False
+    ws_max_frame_bytes: int = 64 * 1024
+    ws_ping_interval: float = 20.0
+    ws_ping_timeout: float = 20.0
+    send_queue_frames: int = 1024
+    msgs_per_second: float = 20.0
+    msgs_burst: int = 40
+    grabs_per_second: float = 5.0
+    grabs_burst: int = 10
+    grab_coalesce_ms: int = 100
+    stream_maxlen: int = 1000
+    stream_ttl_seconds: int = 7 * 24 * 3600
+    sync_limit: int = 500
+    presence_lapse_seconds: int = 60
+    presence_event_limit: int = 500
+    shutdown_seconds: int = 20
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
@@ -70,6 +102,25 @@ class Settings:
             db_pool_size=_int(env, "DB_POOL_SIZE", d.db_pool_size),
             host=env.get(PREFIX + "HOST", d.host),
             port=_int(env, "PORT", d.port),
+            secret=env.get(PREFIX + "SECRET", d.secret),
+            token_ttl_seconds=_int(env, "TOKEN_TTL_SECONDS", d.token_ttl_seconds),
+            dev_login=bool(_int(env, "DEV_LOGIN", int(d.dev_login))),
+            demo_topup=bool(_int(env, "DEMO_TOPUP", int(d.demo_topup))),
+            ws_compression=bool(_int(env, "WS_COMPRESSION", int(d.ws_compression))),
+            ws_max_frame_bytes=_int(env, "WS_MAX_FRAME_BYTES", d.ws_max_frame_bytes),
+            ws_ping_interval=_float(env, "WS_PING_INTERVAL", d.ws_ping_interval),
+            ws_ping_timeout=_float(env, "WS_PING_TIMEOUT", d.ws_ping_timeout),
+            send_queue_frames=_int(env, "SEND_QUEUE_FRAMES", d.send_queue_frames),
+            msgs_per_second=_float(env, "MSGS_PER_SECOND", d.msgs_per_second),
+            msgs_burst=_int(env, "MSGS_BURST", d.msgs_burst),
+            grabs_per_second=_float(env, "GRABS_PER_SECOND", d.grabs_per_second),
+            grabs_burst=_int(env, "GRABS_BURST", d.grabs_burst),
+            grab_coalesce_ms=_int(env, "GRAB_COALESCE_MS", d.grab_coalesce_ms),
+            stream_maxlen=_int(env, "STREAM_MAXLEN", d.stream_maxlen),
+            sync_limit=_int(env, "SYNC_LIMIT", d.sync_limit),
+            presence_lapse_seconds=_int(env, "PRESENCE_LAPSE_SECONDS", d.presence_lapse_seconds),
+            presence_event_limit=_int(env, "PRESENCE_EVENT_LIMIT", d.presence_event_limit),
+            shutdown_seconds=_int(env, "SHUTDOWN_SECONDS", d.shutdown_seconds),
         )
 
     def with_(self, **changes: object) -> Settings:

@@ -139,3 +139,27 @@ async def make_world(core: Core, members: int = 3, admin_cents: int = 1_000_000)
     group = await groups.create_group(core.db, admin, "family")
     await groups.add_members(core.db, core.membership, group, member_ids)
     return World(admin, member_ids, group)
+
+
+@pytest.fixture
+async def hub_settings(redis_url: str, mysql_url: str) -> AsyncIterator[Settings]:
+    """Settings for hubs on a clean MariaDB database and a flushed Redis database."""
+    s = Settings(
+        redis_url=redis_url,
+        database_url=mysql_url,
+        queue_name="redpacket:test:queue",
+        secret="test-secret",
+        dev_login=True,
+        demo_topup=True,
+        grab_coalesce_ms=50,
+    )
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    r.close()
+    db = await connect(mysql_url)
+    try:
+        await migrate(db)
+        await _clean(db)
+    finally:
+        await db.close()
+    yield s

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.client import HubClient, HubError
+
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[str]:
@@ -35,7 +37,7 @@ def up(tmp_path: Path) -> Iterator[str]:
         if not line:
             break
         seen.append(line)
-        m = re.search(r"redpacket is up: (http://\S+)", line)
+        m = re.search(r"redpacket hub on (http://\S+)", line)
         url = m.group(1) if m else None
     assert url, "".join(seen)
     try:
@@ -48,42 +50,40 @@ def up(tmp_path: Path) -> Iterator[str]:
     assert list((tmp_path / "data" / "valkey").rglob("*.aof*"))
 
 
-def test_send_grab_credit_over_http_on_the_embedded_default(up: str) -> None:
-    with httpx.Client(base_url=up, timeout=10) as http:
-        assert http.get("/healthz").json() == {"ok": True}
-        admin = http.post("/api/login", json={"name": "wang"}).json()["user_id"]
-        li = http.post("/api/login", json={"name": "li"}).json()["user_id"]
+async def test_send_grab_credit_on_the_embedded_default(up: str) -> None:
+    async with httpx.AsyncClient(base_url=up, timeout=10) as http:
+        assert (await http.get("/healthz")).json() == {"ok": True}
+        wang = (await http.post("/api/login", json={"name": "wang"})).json()
+        li = (await http.post("/api/login", json={"name": "li"})).json()
+        auth = {"authorization": f"Bearer {wang['token']}"}
         assert (
-            http.post(f"/api/users/{admin}/topup", json={"amount": 5_000, "request_id": "t1"}).json()[
-                "balance"
-            ]
-            == 5_000
-        )
-        group = http.post("/api/groups", json={"owner": admin, "name": "family"}).json()["group_id"]
-        http.post(f"/api/groups/{group}/members", json={"user_ids": [li]}).raise_for_status()
+            await http.post("/api/topup", json={"amount": 5_000, "request_id": "t1"}, headers=auth)
+        ).json()["balance"] == 5_000
+        group = (await http.post("/api/groups", json={"name": "family"}, headers=auth)).json()["group_id"]
+        (
+            await http.post(f"/api/groups/{group}/members", json={"names": ["li"]}, headers=auth)
+        ).raise_for_status()
 
-        bad = http.post(f"/api/groups/{group}/packets", json={"sender": admin, "total": 0, "count": 1})
-        assert bad.status_code == 400 and bad.json()["error"]["code"] == "amount_invalid"
-        poor = http.post(f"/api/groups/{group}/packets", json={"sender": li, "total": 100, "count": 1})
-        assert poor.status_code == 403 and poor.json()["error"]["code"] == "not_admin"
-
-        sent = http.post(
-            f"/api/groups/{group}/packets",
-            json={"sender": admin, "kind": "lucky", "total": 888, "count": 2, "greeting": "新年快乐"},
-        ).json()
-        pid = sent["packet_id"]
-        got = http.post(f"/api/groups/{group}/packets/{pid}/grab", json={"user": li}).json()
+    ws = up.replace("http://", "ws://") + "/ws"
+    async with (
+        await HubClient.connect(ws, wang["token"], "json") as admin,
+        await HubClient.connect(ws, li["token"]) as member,
+    ):
+        await admin.sync()
+        await member.sync()
+        with pytest.raises(HubError) as e:
+            await admin.request("send", group=group, total=0, count=1)
+        assert e.value.code == "amount_invalid"
+        sent = await admin.request("send", group=group, kind="lucky", total=888, count=2, greeting="新年快乐")
+        got = await member.request("grab", group=group, packet=sent["packet_id"])
         assert got["outcome"] == "won" and 1 <= got["amount"] <= 887
-        view = http.get(f"/api/groups/{group}/packets/{pid}", params={"user": li}).json()
-        assert view["mine"]["amount"] == got["amount"] and view["remaining"] == 1
 
-        # The in-process worker credits the grab; wait for it with a deadline.
+    # The in-process worker credits the grab; wait for it with a deadline.
+    async with httpx.AsyncClient(base_url=up, timeout=10) as http:
+        me = {"authorization": f"Bearer {li['token']}"}
         deadline = time.monotonic() + 15
         balance = 0
-        while time.monotonic() < deadline:
-            balance = http.get(f"/api/users/{li}/balance").json()["balance"]
-            if balance:
-                break
-            time.sleep(0.05)
+        while time.monotonic() < deadline and balance == 0:
+            balance = (await http.get("/api/me", headers=me)).json()["balance"]
         assert balance == got["amount"]
-        assert http.get(f"/api/users/{admin}/balance").json()["balance"] == 5_000 - 888
+        assert (await http.get("/api/me", headers=auth)).json()["balance"] == 5_000 - 888

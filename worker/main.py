@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from arq import Worker
@@ -31,3 +34,16 @@ def make_worker(core: Core, **overrides: Any) -> Worker:
     }
     options.update(overrides)
     return Worker(**options)
+
+
+@contextlib.asynccontextmanager
+async def running_worker(core: Core) -> AsyncIterator[None]:
+    """A worker in this process for the duration of the block (``redpacket up``)."""
+    worker = make_worker(core)
+    task = asyncio.create_task(worker.async_run())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,261 @@
+"""The hub's Starlette app: the websocket at ``/ws`` and the HTTP routes for what is not live.
+
+The lifespan owns the database and Redis pools (``open_core``), the hub (one pub/sub connection) and,
+under ``redpacket up``, an in-process credit worker. HTTP callers authenticate with
+``Authorization: Bearer <token>``; errors are ``{"error": {"code", "message"}}`` with a stable code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+
+from server import errors, groups, ledger, packets
+from server.core import Core, open_core
+from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
+from server.hub import Hub
+from server.metrics import HubMetrics
+from server.session import view_dict, websocket_endpoint
+from server.settings import Settings
+from server.tokens import TokenError, make_token, verify_token
+
+log = logging.getLogger(__name__)
+
+_STATUS = {
+    InvalidRequest: 400,
+    Forbidden: 403,
+    NotFound: 404,
+    Conflict: 409,
+    Unavailable: 503,
+    TokenError: 401,
+}
+
+Handler = Callable[[Request, Core, int], Awaitable[Any]]
+
+
+def _error(code: str, message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+def _user(request: Request, core: Core) -> int:
+    auth = request.headers.get("authorization", "")
+    token = auth[7:] if auth.lower().startswith("bearer ") else None
+    return verify_token(core.settings.secret.encode(), token, int(time.time()))
+
+
+def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
+    """Run ``handler`` with the Core and the caller's user id; JSON in, JSON out, errors as codes."""
+
+    async def run(request: Request) -> Response:
+        core: Core = request.app.state.core
+        try:
+            user = 0 if public else _user(request, core)
+            return JSONResponse(await handler(request, core, user))
+        except RedPacketError as e:
+            return _error(e.code, e.message, _STATUS.get(type(e), 400))
+        except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
+            return _error(errors.BAD_REQUEST, f"malformed request: {e}", 400)
+
+    return run
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    data = await request.json()
+    if not isinstance(data, dict):
+        raise InvalidRequest(errors.BAD_REQUEST, "the body must be a JSON object")
+    return data
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    raise InvalidRequest(errors.BAD_REQUEST, f"{what} must be a whole number")
+
+
+async def login(request: Request, core: Core, _: int) -> dict[str, Any]:
+    """Dev login by name (creates the user on first use). Off unless REDPACKET_DEV_LOGIN=1 or `up`."""
+    if not core.settings.dev_login:
+        raise Forbidden(errors.DISABLED, "dev login is disabled on this hub")
+    name = (await _body(request)).get("name")
+    if not isinstance(name, str):
+        raise InvalidRequest(errors.NAME_INVALID, "name is required")
+    user_id = await ledger.user_by_name(core.db, name)
+    if user_id is None:
+        try:
+            user_id = await ledger.create_user(core.db, name)
+        except Conflict:  # created by a concurrent login
+            user_id = await ledger.user_by_name(core.db, name)
+    if user_id is None:
+        raise Conflict(errors.NAME_TAKEN, "try again")
+    token = make_token(
+        core.settings.secret.encode(), user_id, int(time.time()), core.settings.token_ttl_seconds
+    )
+    return {"user_id": user_id, "name": name.strip(), "token": token}
+
+
+async def me(request: Request, core: Core, user: int) -> dict[str, Any]:
+    row = await core.db.fetchone("SELECT name FROM users WHERE id = %s", (user,))
+    if row is None:
+        raise NotFound(errors.USER_NOT_FOUND, "no such user")
+    return {
+        "user_id": user,
+        "name": row[0],
+        "balance": await ledger.balance(core.db, user),
+        "groups": await groups.groups_of(core.db, user),
+    }
+
+
+async def topup(request: Request, core: Core, user: int) -> dict[str, Any]:
+    if not core.settings.demo_topup:
+        raise Forbidden(errors.DISABLED, "top-ups are disabled on this hub")
+    body = await _body(request)
+    await ledger.topup(core.db, user, body.get("amount"), body.get("request_id"))
+    return {"user_id": user, "balance": await ledger.balance(core.db, user)}
+
+
+async def create_group(request: Request, core: Core, user: int) -> dict[str, Any]:
+    body = await _body(request)
+    gid = await groups.create_group(
+        core.db, user, str(body.get("name") or ""), bool(body.get("members_can_send"))
+    )
+    await core.membership.changed(gid, [user], "added")
+    return {"group_id": gid}
+
+
+async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]:
+    gid = _int(request.path_params["group_id"], "group_id")
+    await groups.require_admin(core.db, gid, user)
+    body = await _body(request)
+    ids = [_int(u, "user_ids[]") for u in body.get("user_ids", [])]
+    for name in body.get("names", []):
+        found = await ledger.user_by_name(core.db, name)
+        if found is None:
+            raise NotFound(errors.USER_NOT_FOUND, f"no user named {name}")
+        ids.append(found)
+    role = body.get("role", "member")
+    added = await groups.add_members(core.db, core.membership, gid, ids, role)
+    hub: Hub = request.app.state.hub
+    for u in ids:
+        await hub.publish(gid, "member_added", {"user": u, "role": role, "by": user})
+    return {"group_id": gid, "added": added}
+
+
+async def remove_member(request: Request, core: Core, user: int) -> dict[str, Any]:
+    gid = _int(request.path_params["group_id"], "group_id")
+    target = _int(request.path_params["user_id"], "user_id")
+    if target != user:  # anyone may leave; only admins remove others
+        await groups.require_admin(core.db, gid, user)
+    removed = await groups.remove_member(core.db, core.membership, gid, target)
+    if removed:
+        await request.app.state.hub.publish(gid, "member_removed", {"user": target, "by": user})
+    return {"group_id": gid, "removed": removed}
+
+
+async def make_admin(request: Request, core: Core, user: int) -> dict[str, Any]:
+    gid = _int(request.path_params["group_id"], "group_id")
+    target = _int(request.path_params["user_id"], "user_id")
+    await groups.require_admin(core.db, gid, user)
+    await groups.set_role(core.db, core.membership, gid, target, "admin")
+    await request.app.state.hub.publish(gid, "member_role", {"user": target, "role": "admin", "by": user})
+    return {"group_id": gid, "user_id": target, "role": "admin"}
+
+
+async def packet_detail(request: Request, core: Core, user: int) -> dict[str, Any]:
+    pid = _int(request.path_params["packet_id"], "packet_id")
+    row = await core.db.fetchone("SELECT group_id, status FROM red_packets WHERE id = %s", (pid,))
+    if row is None:
+        raise NotFound(errors.PACKET_NOT_FOUND, "no such packet")
+    view = await packets.open_packet(core, pid, int(row[0]), user)
+    states = await core.db.fetchall("SELECT user_id, status FROM grab_records WHERE packet_id = %s", (pid,))
+    credited = {int(r[0]): r[1] for r in states}
+    data = view_dict(view)
+    for g in data["grabs"]:
+        g["status"] = credited.get(g["user_id"], "grabbed")
+    return {**data, "status": row[1]}
+
+
+async def my_packets(request: Request, core: Core, user: int) -> dict[str, Any]:
+    sent = await core.db.fetchall(
+        "SELECT id, group_id, kind, total, share_count, greeting, status, created_ms FROM red_packets"
+        " WHERE sender_id = %s ORDER BY id DESC LIMIT 100",
+        (user,),
+    )
+    got = await core.db.fetchall(
+        "SELECT g.packet_id, p.group_id, g.amount, g.status, g.grabbed_ms FROM grab_records g"
+        " JOIN red_packets p ON p.id = g.packet_id WHERE g.user_id = %s ORDER BY g.grabbed_ms DESC LIMIT 100",
+        (user,),
+    )
+    keys_ = ("packet_id", "group_id", "kind", "total", "count", "greeting", "status", "created_ms")
+    return {
+        "sent": [dict(zip(keys_, r, strict=True)) for r in sent],
+        "received": [
+            {"packet_id": r[0], "group_id": r[1], "amount": r[2], "status": r[3], "grabbed_ms": r[4]}
+            for r in got
+        ],
+    }
+
+
+async def healthz(request: Request) -> Response:
+    core: Core = request.app.state.core
+    try:
+        await core.redis.ping()
+    except Exception as e:
+        return _error(errors.REDIS_UNAVAILABLE, str(e), 503)
+    try:
+        await core.db.fetchone("SELECT 1")
+    except Exception as e:
+        return _error(errors.DATABASE_UNAVAILABLE, str(e), 503)
+    return JSONResponse({"ok": True})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(settings: Settings, run_worker: bool = False) -> Starlette:
+    """The hub app for ``settings``; nothing connects until the lifespan starts."""
+    if not settings.secret:
+        raise ValueError("REDPACKET_SECRET is required to sign tokens")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.state.metrics = HubMetrics()
+        async with open_core(settings) as core, Hub(core, app.state.metrics) as hub:
+            app.state.core, app.state.hub = core, hub
+            if run_worker:
+                from worker.main import running_worker
+
+                async with running_worker(core):
+                    yield
+            else:
+                yield
+
+    return Starlette(
+        routes=[
+            WebSocketRoute("/ws", websocket_endpoint),
+            Route("/healthz", healthz),
+            Route("/metrics", metrics),
+            Route("/api/login", endpoint(login, public=True), methods=["POST"]),
+            Route("/api/me", endpoint(me)),
+            Route("/api/me/packets", endpoint(my_packets)),
+            Route("/api/topup", endpoint(topup), methods=["POST"]),
+            Route("/api/groups", endpoint(create_group), methods=["POST"]),
+            Route("/api/groups/{group_id}/members", endpoint(add_members), methods=["POST"]),
+            Route("/api/groups/{group_id}/members/{user_id}", endpoint(remove_member), methods=["DELETE"]),
+            Route("/api/groups/{group_id}/admins/{user_id}", endpoint(make_admin), methods=["POST"]),
+            Route("/api/packets/{packet_id}", endpoint(packet_detail)),
+        ],
+        lifespan=lifespan,
+    )

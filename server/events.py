@@ -1,0 +1,84 @@
+"""Group events: published once to Redis (a capped stream for recovery plus pub/sub for live fan-out,
+in one atomic script) and read back for a reconnecting client.
+
+An event's payload is msgpack ``{"event": kind, "data": {...}}``; its offset is its stream id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from server import keys
+from server.core import Core
+from server.protocol import offset_key
+
+
+def pack(kind: str, data: dict[str, Any]) -> bytes:
+    return msgpack.packb({"event": kind, "data": data}, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpack(payload: bytes) -> tuple[str, dict[str, Any]]:
+    body = msgpack.unpackb(payload, raw=False)
+    return str(body["event"]), dict(body["data"])
+
+
+async def publish(core: Core, group_id: int, kind: str, data: dict[str, Any]) -> str:
+    """Publish one event to a group; returns its offset."""
+    from server.packets import call_script
+
+    s = core.settings
+    offset = await call_script(
+        core,
+        core.scripts.publish_event,
+        [keys.group_events(group_id)],
+        [keys.group_channel(group_id), s.stream_maxlen, pack(kind, data), s.stream_ttl_seconds],
+    )
+    return offset.decode() if isinstance(offset, bytes) else str(offset)
+
+
+@dataclass(frozen=True)
+class Missed:
+    """What a client missed since an offset: the events in order, or ``too_old`` when some were trimmed."""
+
+    events: list[tuple[str, str, dict[str, Any]]]  # (offset, kind, data)
+    too_old: bool
+
+
+async def since(core: Core, group_id: int, offset: str, limit: int) -> Missed:
+    """Events of a group after ``offset`` (exclusive), or too_old if the stream no longer holds them all."""
+    stream = keys.group_events(group_id)
+    async with core.redis.pipeline(transaction=True) as pipe:
+        pipe.exists(stream)
+        pipe.xinfo_stream(stream)
+        pipe.xrange(stream, min=f"({offset}", max="+", count=limit + 1)
+        try:
+            exists, info, rows = await pipe.execute(raise_on_error=False)
+        except Exception:
+            exists, info, rows = 0, None, []
+    if not exists or isinstance(info, Exception) or isinstance(rows, Exception):
+        return Missed([], too_old=True)
+    # Events leave the stream only by trimming at its head. If the client's offset is older than the
+    # first event kept and anything was ever trimmed, some of what it missed may be gone.
+    # (An emptied stream keeps only its last id: anything before it is gone.)
+    length = int(info.get("length", 0))
+    ever_trimmed = int(info.get("entries-added", 0)) > length
+    kept_from = info.get("recorded-first-entry-id") if length else info.get("last-generated-id")
+    if (ever_trimmed and offset_key(offset) < offset_key(kept_from or b"0-0")) or len(rows) > limit:
+        return Missed([], too_old=True)
+    out = []
+    for rid, fields in rows:
+        kind, data = unpack(fields[b"e"])
+        out.append((rid.decode() if isinstance(rid, bytes) else rid, kind, data))
+    return Missed(out, too_old=False)
+
+
+async def latest_offset(core: Core, group_id: int) -> str:
+    """The offset of the group's newest event ("0-0" when it has none): where a fresh client starts."""
+    rows = await core.redis.xrevrange(keys.group_events(group_id), count=1)
+    if not rows:
+        return "0-0"
+    rid = rows[0][0]
+    return rid.decode() if isinstance(rid, bytes) else str(rid)

@@ -1,0 +1,363 @@
+"""The hub of one process: which local connections are in which group, one pub/sub connection for all
+of them, and the fan-out of each group event to every local member, encoded once per format.
+
+A group's channel is subscribed while at least one local member of it is online. If the pub/sub
+connection drops, the hub reconnects, resubscribes, and replays what it missed from each group's stream
+(or tells its clients to resync when the stream no longer has it): nothing is lost silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable
+from typing import Any
+
+from redis.asyncio.client import PubSub
+from starlette.websockets import WebSocket
+
+from server import events, keys, protocol
+from server.core import Core
+from server.membership import parse_change
+from server.metrics import HubMetrics
+from server.packets import Grab, call_script
+from server.protocol import Format, offset_key
+
+log = logging.getLogger(__name__)
+
+OffsetKey = tuple[int, int]
+
+
+class Connection:
+    """One client socket as the hub sees it: a bounded send queue drained by one writer task."""
+
+    def __init__(self, hub: Hub, ws: WebSocket, user_id: int, fmt: Format) -> None:
+        self.hub = hub
+        self.ws = ws
+        self.user_id = user_id
+        self.fmt: Format = fmt
+        self.id = uuid.uuid4().hex[:12]
+        self.queue: asyncio.Queue[bytes | str] = asyncio.Queue(hub.core.settings.send_queue_frames)
+        self.groups: set[int] = set()
+        # Per group: the newest offset delivered; events of a group are held until the client syncs it.
+        self.last: dict[int, OffsetKey] = {}
+        self.held: dict[int, list[tuple[OffsetKey, bytes | str]]] = {}
+        self.closing = asyncio.Event()
+        self.close_code = protocol.CLOSE_NORMAL
+        self.close_reason = ""
+
+    def push(self, frame: bytes | str) -> None:
+        """Queue a frame; a client whose queue is full is too slow and is disconnected, never waited on."""
+        if self.closing.is_set():
+            return
+        try:
+            self.queue.put_nowait(frame)
+        except asyncio.QueueFull:
+            self.hub.metrics.send_queue_drops.inc()
+            self.close(protocol.CLOSE_SLOW_CONSUMER, "send queue overflow: read faster")
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.push(protocol.encode(self.fmt, message))
+
+    def deliver(self, group: int, key: OffsetKey, frame: bytes | str) -> None:
+        if group not in self.groups:
+            return
+        held = self.held.get(group)
+        if held is not None:
+            held.append((key, frame))
+            if len(held) > self.hub.core.settings.send_queue_frames:
+                self.close(protocol.CLOSE_SLOW_CONSUMER, "too many events held before sync")
+            return
+        if key <= self.last.get(group, (0, 0)):
+            return
+        self.last[group] = key
+        self.push(frame)
+
+    def release(self, group: int, floor: OffsetKey) -> None:
+        """End holding a group after a sync up to ``floor``: send the held events newer than it."""
+        self.last[group] = max(floor, self.last.get(group, (0, 0)))
+        for key, frame in self.held.pop(group, []):
+            if key > self.last[group]:
+                self.last[group] = key
+                self.push(frame)
+
+    def close(self, code: int, reason: str) -> None:
+        if not self.closing.is_set():
+            self.close_code, self.close_reason = code, reason
+            self.closing.set()
+
+    async def writer(self) -> None:
+        """Send queued frames in order until cancelled."""
+        while True:
+            frame = await self.queue.get()
+            if isinstance(frame, bytes):
+                await self.ws.send_bytes(frame)
+            else:
+                await self.ws.send_text(frame)
+            self.hub.metrics.frames_out.inc()
+
+
+class Announcer:
+    """Successful grabs, announced to their group: one event per grab while it is quiet, one event per
+    ``grab_coalesce_ms`` per process carrying all the grabs of that interval when the room is hot."""
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.interval = hub.core.settings.grab_coalesce_ms / 1000
+        self.pending: dict[int, list[dict[str, Any]]] = {}
+        self.last_sent: dict[int, float] = {}
+        self.timers: dict[int, asyncio.TimerHandle] = {}
+
+    def grabbed(self, group: int, packet_id: int, g: Grab, remaining: int) -> None:
+        item = {
+            "packet_id": packet_id,
+            "user": g.user_id,
+            "amount": g.amount,
+            "seq": g.seq,
+            "ms": g.grabbed_ms,
+        }
+        self.pending.setdefault(group, []).append({**item, "remaining": remaining})
+        if group in self.timers:
+            return
+        wait = self.last_sent.get(group, 0.0) + self.interval - time.monotonic()
+        if wait <= 0:
+            self.hub.spawn(self.flush(group))
+        else:
+            loop = asyncio.get_running_loop()
+            self.timers[group] = loop.call_later(wait, lambda: self.hub.spawn(self.flush(group)))
+
+    async def flush(self, group: int) -> None:
+        timer = self.timers.pop(group, None)
+        if timer is not None:
+            timer.cancel()
+        items = self.pending.pop(group, [])
+        if not items:
+            return
+        self.last_sent[group] = time.monotonic()
+        await self.hub.publish(group, "grabs", {"grabs": items})
+
+    async def finished(self, group: int, data: dict[str, Any]) -> None:
+        """The packet's last share went: its grabs first, then the result."""
+        await self.flush(group)
+        await self.hub.publish(group, "finished", data)
+
+    async def close(self) -> None:
+        for group in list(self.pending):
+            await self.flush(group)
+
+
+class Hub:
+    def __init__(self, core: Core, metrics: HubMetrics) -> None:
+        self.core = core
+        self.metrics = metrics
+        self.id = uuid.uuid4().hex[:12]
+        self.by_group: dict[int, set[Connection]] = {}
+        self.by_user: dict[int, set[Connection]] = {}
+        self.delivered: dict[int, str] = {}
+        self.announcer = Announcer(self)
+        self._pubsub: PubSub | None = None
+        self._sub_lock = asyncio.Lock()
+        self._ready = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._runner: asyncio.Task[None] | None = None
+        self._refresher: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Hub:
+        self._runner = asyncio.create_task(self._run())
+        self._refresher = asyncio.create_task(self._refresh_presence())
+        await asyncio.wait_for(self._ready.wait(), 10)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.announcer.close()
+        for task in (self._runner, self._refresher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def spawn(self, work: Awaitable[Any]) -> None:
+        """Run background work (announcements, presence) that must not hold up a reply; kept until done."""
+
+        async def run() -> None:
+            try:
+                await work
+            except Exception:
+                log.exception("hub background task failed")
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def publish(self, group: int, kind: str, data: dict[str, Any]) -> str:
+        offset = await events.publish(self.core, group, kind, data)
+        self.metrics.events_published.inc()
+        return offset
+
+    # -- membership of local connections -------------------------------------------------------------
+
+    async def join(self, conn: Connection, groups: list[int]) -> None:
+        self.by_user.setdefault(conn.user_id, set()).add(conn)
+        self.metrics.connections.inc()
+        for g in groups:
+            conn.held[g] = []
+            await self._attach(conn, g)
+
+    async def leave(self, conn: Connection) -> None:
+        for g in list(conn.groups):
+            await self._detach(conn, g)
+        mine = self.by_user.get(conn.user_id)
+        if mine is not None:
+            mine.discard(conn)
+            if not mine:
+                del self.by_user[conn.user_id]
+        self.metrics.connections.dec()
+
+    async def _attach(self, conn: Connection, g: int) -> None:
+        conn.groups.add(g)
+        members = self.by_group.setdefault(g, set())
+        first_of_user = not any(c.user_id == conn.user_id for c in members)
+        members.add(conn)
+        if len(members) == 1:
+            async with self._sub_lock:
+                if self._pubsub is not None and g in self.by_group:
+                    await self._pubsub.subscribe(keys.group_channel(g))
+        if first_of_user:
+            self.spawn(self._presence(g, conn.user_id, "join"))
+
+    async def _detach(self, conn: Connection, g: int) -> None:
+        conn.groups.discard(g)
+        conn.held.pop(g, None)
+        members = self.by_group.get(g)
+        if members is None:
+            return
+        members.discard(conn)
+        if not any(c.user_id == conn.user_id for c in members):
+            self.spawn(self._presence(g, conn.user_id, "leave"))
+        if not members:
+            del self.by_group[g]
+            async with self._sub_lock:
+                if self._pubsub is not None and g not in self.by_group:
+                    await self._pubsub.unsubscribe(keys.group_channel(g))
+
+    async def _membership_changed(self, group: int, users: list[int], change: str) -> None:
+        for user in users:
+            for conn in list(self.by_user.get(user, ())):
+                if change == "removed" and group in conn.groups:
+                    await self._detach(conn, group)
+                    conn.send({"type": "removed", "group": group})
+                elif change == "added" and group not in conn.groups:
+                    await self._attach(conn, group)
+                    conn.send({"type": "added", "group": group})
+
+    # -- presence --------------------------------------------------------------------------------------
+
+    async def _presence(self, group: int, user: int, action: str) -> None:
+        lapse = int(time.time() * 1000) + self.core.settings.presence_lapse_seconds * 1000
+        changed = await call_script(
+            self.core,
+            self.core.scripts.presence,
+            [keys.presence_online(group), keys.presence_hubs(group, user)],
+            [action, user, self.id, lapse],
+        )
+        if changed and action in ("join", "leave"):
+            online = await self.core.redis.zcard(keys.presence_online(group))
+            # In a big room join/leave events would outnumber everything else; clients ask instead.
+            if online <= self.core.settings.presence_event_limit:
+                await self.publish(group, "presence", {"user": user, "online": action == "join"})
+
+    async def online(self, group: int) -> list[int]:
+        now = int(time.time() * 1000)
+        users = await self.core.redis.zrangebyscore(keys.presence_online(group), f"({now}", "+inf")
+        return sorted(int(u) for u in users)
+
+    async def _refresh_presence(self) -> None:
+        """Keep this hub's users online while connected; a crashed hub's entries lapse on their own."""
+        every = max(1.0, self.core.settings.presence_lapse_seconds / 3)
+        while True:
+            await asyncio.sleep(every)
+            pairs = {(g, c.user_id) for g, conns in self.by_group.items() for c in conns}
+            for g, user in pairs:
+                with contextlib.suppress(Exception):
+                    await self._presence(g, user, "refresh")
+
+    # -- pub/sub -------------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        first = True
+        while True:
+            pubsub = self.core.redis.pubsub()
+            try:
+                async with self._sub_lock:
+                    await pubsub.subscribe(
+                        keys.MEMBERSHIP_CHANNEL, *[keys.group_channel(g) for g in self.by_group]
+                    )
+                    self._pubsub = pubsub
+                if not first:
+                    await self._fill_gaps()
+                first = False
+                self._ready.set()
+                backoff = 0.05
+                async for message in pubsub.listen():
+                    self._on_message(message)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.metrics.pubsub_reconnects.inc()
+                log.warning("pub/sub connection lost (%s); reconnecting", e)
+            finally:
+                self._pubsub = None
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _fill_gaps(self) -> None:
+        """After a reconnect, send each group's events published while we were not listening."""
+        for g in list(self.by_group):
+            since = self.delivered.get(g)
+            if since is None:
+                continue
+            missed = await events.since(self.core, g, since, self.core.settings.sync_limit)
+            if missed.too_old:
+                for conn in list(self.by_group.get(g, ())):
+                    conn.send({"type": "gap", "group": g})
+                continue
+            for offset, kind, data in missed.events:
+                self._fan_out(g, offset, kind, data)
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        if message.get("type") != "message":
+            return
+        channel, data = message["channel"], message["data"]
+        if channel == keys.MEMBERSHIP_CHANNEL.encode():
+            self.spawn(self._membership_changed(*parse_change(data)))
+            return
+        g = keys.channel_group(channel)
+        if g is None:
+            return
+        offset, _, payload = data.partition(b"\n")
+        kind, body = events.unpack(payload)
+        self._fan_out(g, offset.decode(), kind, body)
+
+    def _fan_out(self, g: int, offset: str, kind: str, data: dict[str, Any]) -> None:
+        self.delivered[g] = offset
+        conns = self.by_group.get(g)
+        if not conns:
+            return
+        message = protocol.event(g, offset, kind, data)
+        key = offset_key(offset)
+        frames: dict[str, bytes | str] = {}
+        for conn in list(conns):
+            frame = frames.get(conn.fmt)
+            if frame is None:
+                frame = frames[conn.fmt] = protocol.encode(conn.fmt, message)
+            conn.deliver(g, key, frame)

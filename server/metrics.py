@@ -1,0 +1,32 @@
+"""Prometheus metrics of one hub process, in a registry of its own (served at ``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class HubMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.connections = Gauge("redpacket_hub_connections", "open websocket connections", registry=r)
+        self.frames_in = Counter("redpacket_hub_frames_in", "frames received from clients", registry=r)
+        self.frames_out = Counter("redpacket_hub_frames_out", "frames sent to clients", registry=r)
+        self.grab_seconds = Histogram(
+            "redpacket_grab_seconds",
+            "grab request latency inside the hub",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
+        self.grab_outcomes = Counter(
+            "redpacket_grab_outcomes",
+            "grab results: won, already, empty, expired, denied",
+            ["outcome"],
+            registry=r,
+        )
+        self.pubsub_reconnects = Counter(
+            "redpacket_pubsub_reconnects", "times the hub's pub/sub connection was re-established", registry=r
+        )
+        self.send_queue_drops = Counter(
+            "redpacket_send_queue_drops", "connections closed because their send queue overflowed", registry=r
+        )
+        self.events_published = Counter("redpacket_events_published", "group events published", registry=r)

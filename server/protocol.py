@@ -1,0 +1,120 @@
+"""The websocket protocol, version 1: frame codecs, request parsing, replies and events. Pure: no I/O.
+
+``docs/protocol.md`` is the reference for clients; this module is its implementation. A binary frame is
+msgpack, a text frame is JSON; a connection's own frames go out in the format it chose at connect (by
+subprotocol). Every request ``{"id", "type", ...}`` gets exactly one reply with the same id.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgpack
+
+from server import errors
+from server.errors import RedPacketError
+
+VERSION = 1
+SUBPROTOCOL_MSGPACK = "redpacket.v1.msgpack"
+SUBPROTOCOL_JSON = "redpacket.v1.json"
+Format = Literal["msgpack", "json"]
+
+# Close codes (1xxx from RFC 6455, 4xxx ours).
+CLOSE_NORMAL = 1000
+CLOSE_TOO_BIG = 1009  # a frame over the size limit (sent by the server's websocket layer)
+CLOSE_RESTART = 1012  # the hub is shutting down: reconnect, to another hub if you can
+CLOSE_UNAUTHORIZED = 4001  # missing, malformed, tampered or expired token
+CLOSE_HEARTBEAT = 4002  # nothing heard from the client within the heartbeat timeout
+CLOSE_SLOW_CONSUMER = 4008  # the client did not read fast enough: its send queue overflowed
+CLOSE_RATE_LIMITED = 4029  # the client kept sending past its rate limit
+
+REQUEST_TYPES = ("ping", "sync", "chat", "send", "grab", "open", "presence")
+MAX_TEXT_CHARS = 2000
+
+
+class ProtocolError(RedPacketError):
+    pass
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int | str
+    type: str
+    body: dict[str, Any]
+
+
+def choose_format(offered: list[str]) -> tuple[Format, str | None]:
+    """The format for a connection from the subprotocols the client offered (msgpack unless it asks
+    for JSON), and the subprotocol to accept (None if it offered none of ours)."""
+    for sub in offered:
+        if sub == SUBPROTOCOL_MSGPACK:
+            return "msgpack", sub
+        if sub == SUBPROTOCOL_JSON:
+            return "json", sub
+    return "msgpack", None
+
+
+def decode(frame: bytes | str) -> Any:
+    """A frame's message: msgpack from bytes, JSON from text."""
+    try:
+        if isinstance(frame, bytes):
+            return msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        return json.loads(frame)
+    except Exception as e:
+        raise ProtocolError(errors.BAD_FRAME, "the frame is not valid msgpack or JSON") from e
+
+
+def encode(fmt: Format, message: dict[str, Any]) -> bytes | str:
+    if fmt == "msgpack":
+        return msgpack.packb(message, use_bin_type=True)  # type: ignore[no-any-return]
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+
+
+def parse_request(message: Any) -> Request:
+    """Validate the envelope of a request; the fields of each type are checked by its handler."""
+    if not isinstance(message, dict):
+        raise ProtocolError(errors.BAD_REQUEST, "a request is a map")
+    rid = message.get("id")
+    if isinstance(rid, bool) or not isinstance(rid, int | str) or (isinstance(rid, str) and len(rid) > 64):
+        raise ProtocolError(errors.BAD_REQUEST, "id must be an integer or a string of at most 64 characters")
+    kind = message.get("type")
+    if kind not in REQUEST_TYPES:
+        raise ProtocolError(errors.UNKNOWN_TYPE, f"unknown request type {kind!r}")
+    return Request(rid, str(kind), message)
+
+
+def request_id_of(message: Any) -> int | str | None:
+    """The id to answer a malformed request with, if one can be read."""
+    if isinstance(message, dict):
+        rid = message.get("id")
+        if isinstance(rid, int | str) and not isinstance(rid, bool):
+            return rid
+    return None
+
+
+def field_int(body: dict[str, Any], name: str) -> int:
+    v = body.get(name)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProtocolError(errors.BAD_REQUEST, f"{name} must be an integer")
+    return v
+
+
+def reply_ok(rid: int | str, data: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "reply", "id": rid, "ok": True, "data": data}
+
+
+def reply_error(rid: int | str | None, code: str, message: str) -> dict[str, Any]:
+    return {"type": "reply", "id": rid, "ok": False, "error": {"code": code, "message": message}}
+
+
+def event(group: int, offset: str, kind: str, data: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "event", "group": group, "offset": offset, "event": kind, "data": data}
+
+
+def offset_key(offset: str | bytes) -> tuple[int, int]:
+    """Offsets are Redis stream ids ``<ms>-<seq>``; this orders them."""
+    text = offset.decode() if isinstance(offset, bytes) else offset
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)

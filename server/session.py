@@ -1,0 +1,344 @@
+"""One websocket session: authenticate, join the user's groups, read requests, answer each exactly once.
+
+Requests of one connection are handled one at a time, in order. A request being handled when the client
+disconnects (or the hub shuts down) runs to the end: a grab in flight is never cut between its Lua call
+and its credit enqueue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from server import errors, events, groups, packets, protocol
+from server.errors import Conflict, Forbidden, InvalidRequest, RedPacketError
+from server.hub import Connection, Hub
+from server.packets import call_script
+from server.protocol import ProtocolError, Request, field_int, offset_key
+from server.ratelimit import TokenBucket
+from server.tokens import TokenError, verify_token
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[["Session", dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class Session:
+    def __init__(self, hub: Hub, conn: Connection) -> None:
+        self.hub = hub
+        self.core = hub.core
+        self.conn = conn
+        s = self.core.settings
+        self.bucket = TokenBucket(s.msgs_per_second, s.msgs_burst, time.monotonic())
+        self.strikes = 0
+        self.inflight: asyncio.Future[None] | None = None
+
+    def member_of(self, body: dict[str, Any]) -> int:
+        group = field_int(body, "group")
+        if group not in self.conn.groups:
+            raise Forbidden(errors.NOT_MEMBER, f"you are not a member of group {group}")
+        return group
+
+    async def handle(self, req: Request) -> dict[str, Any]:
+        try:
+            return protocol.reply_ok(req.id, await HANDLERS[req.type](self, req.body))
+        except RedPacketError as e:
+            return protocol.reply_error(req.id, e.code, e.message)
+        except Exception:
+            log.exception("request %s failed", req.type)
+            return protocol.reply_error(req.id, errors.INTERNAL, "internal error")
+
+    async def on_frame(self, frame: bytes | str) -> None:
+        self.hub.metrics.frames_in.inc()
+        if not self.bucket.take(time.monotonic()):
+            self.strikes += 1
+            if self.strikes > self.core.settings.msgs_burst:
+                self.conn.close(protocol.CLOSE_RATE_LIMITED, "too many messages")
+            message = _try_decode(frame)
+            rid = protocol.request_id_of(message)
+            self.conn.send(protocol.reply_error(rid, errors.RATE_LIMITED, "too many messages: slow down"))
+            return
+        self.strikes = 0
+        try:
+            message = protocol.decode(frame)
+            req = protocol.parse_request(message)
+        except ProtocolError as e:
+            self.conn.send(
+                protocol.reply_error(protocol.request_id_of(_try_decode(frame)), e.code, e.message)
+            )
+            return
+        self.conn.send(await self.handle(req))
+
+
+def _try_decode(frame: bytes | str) -> Any:
+    try:
+        return protocol.decode(frame)
+    except ProtocolError:
+        return None
+
+
+# -- request handlers: each returns the reply's data or raises a RedPacketError ---------------------------
+
+
+async def on_ping(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    return {"ts": int(time.time() * 1000)}
+
+
+async def _open_packets(s: Session, group: int) -> list[dict[str, Any]]:
+    now = int(time.time() * 1000)
+    rows = await s.core.db.fetchall(
+        "SELECT id FROM red_packets WHERE group_id = %s AND status = 'active' AND expires_ms > %s"
+        " ORDER BY id DESC LIMIT 20",
+        (group, now),
+    )
+    views = []
+    for (pid,) in rows:
+        with contextlib.suppress(RedPacketError):
+            views.append(view_dict(await packets.open_packet(s.core, int(pid), group, s.conn.user_id)))
+    return views
+
+
+async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    """Per group: replay what the client missed since its offset, or the current state when it has none
+    or the stream no longer holds the gap. Replayed events are sent before this reply."""
+    wanted = body.get("groups")
+    if not isinstance(wanted, dict):
+        raise InvalidRequest(errors.BAD_REQUEST, "groups must map group id to the last offset seen (or null)")
+    out: dict[str, Any] = {}
+    for raw_group, since in wanted.items():
+        group = int(raw_group) if isinstance(raw_group, str) and raw_group.isdigit() else raw_group
+        if not isinstance(group, int) or group not in s.conn.groups:
+            out[str(raw_group)] = {"error": errors.NOT_MEMBER}
+            continue
+        if since is not None and not isinstance(since, str):
+            raise InvalidRequest(errors.BAD_REQUEST, "an offset is a string like '1700000000000-0'")
+        if group not in s.conn.held:
+            s.conn.held[group] = []  # a second sync of the same group holds live events again meanwhile
+        latest = await events.latest_offset(s.core, group)
+        missed = await events.since(s.core, group, since, s.core.settings.sync_limit) if since else None
+        if not since or missed is None or missed.too_old:
+            s.conn.release(group, offset_key(latest))
+            out[str(group)] = {
+                "offset": latest,
+                "too_old": since is not None,
+                "packets": await _open_packets(s, group),
+            }
+            continue
+        floor = offset_key(since)
+        s.conn.last[group] = floor
+        for offset, kind, data in missed.events:
+            key = offset_key(offset)
+            if key > s.conn.last[group]:
+                s.conn.last[group] = key
+                s.conn.send(protocol.event(group, offset, kind, data))
+        s.conn.release(group, s.conn.last[group])
+        out[str(group)] = {"offset": latest, "replayed": len(missed.events), "too_old": False}
+    return {"groups": out}
+
+
+async def on_chat(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    group = s.member_of(body)
+    text = body.get("text")
+    if not isinstance(text, str) or not text.strip() or len(text) > protocol.MAX_TEXT_CHARS:
+        raise InvalidRequest(errors.TEXT_INVALID, f"text is 1 to {protocol.MAX_TEXT_CHARS} characters")
+    offset = await s.hub.publish(group, "chat", {"user": s.conn.user_id, "text": text})
+    return {"offset": offset}
+
+
+async def on_send(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    group = s.member_of(body)
+    request_id = body.get("request_id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidRequest(errors.BAD_REQUEST, "request_id must be a string")
+    p = await packets.send_packet(
+        s.core,
+        s.conn.user_id,
+        group,
+        body.get("kind", "lucky"),
+        body.get("total"),
+        body.get("count"),
+        body.get("greeting", ""),
+        body.get("target"),
+        request_id,
+    )
+    data = {
+        "packet_id": p.packet_id,
+        "sender": p.sender_id,
+        "kind": p.kind,
+        "total": p.total,
+        "count": p.count,
+        "greeting": p.greeting,
+        "target": p.target_user_id,
+        "created_ms": p.created_ms,
+        "expires_ms": p.expires_ms,
+    }
+    if not p.replay:
+        data["offset"] = await s.hub.publish(group, "packet", data)
+    return {**data, "replay": p.replay}
+
+
+async def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    metrics = s.hub.metrics
+    try:
+        group = s.member_of(body)
+        packet_id = field_int(body, "packet")
+        r = await packets.grab(s.core, packet_id, group, s.conn.user_id, gate=_gate(s))
+    except RedPacketError as e:
+        outcome = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}.get(e.code, "denied")
+        metrics.grab_outcomes.labels(outcome).inc()
+        raise
+    finally:
+        metrics.grab_seconds.observe(time.perf_counter() - started)
+    metrics.grab_outcomes.labels(r.outcome).inc()
+    if r.outcome == "won":
+        s.hub.announcer.grabbed(group, packet_id, r.grab, r.remaining)
+        if r.remaining == 0:
+            # Exactly one grab empties a packet: it announces the result, after the grabs.
+            s.hub.spawn(_announce_finished(s, group, packet_id))
+    return {"packet": packet_id, "outcome": r.outcome, **asdict(r.grab), "remaining": r.remaining}
+
+
+async def _gate(s: Session) -> None:
+    user = s.conn.user_id
+    from server import keys
+
+    res = await call_script(
+        s.core,
+        s.core.scripts.grab_gate,
+        [keys.user_block(user), keys.grab_bucket(user)],
+        [s.core.settings.grabs_per_second, s.core.settings.grabs_burst],
+    )
+    if res[0] == b"blocked":
+        raise Forbidden(errors.BLOCKED, "grabbing is blocked for this account for now")
+    if res[0] == b"limited":
+        raise Conflict(errors.RATE_LIMITED, f"too many grabs: try again in {int(res[1])} ms")
+
+
+async def _announce_finished(s: Session, group: int, packet_id: int) -> None:
+    v = await packets.open_packet(s.core, packet_id, group, s.conn.user_id)
+    best = v.best_luck
+    await s.hub.announcer.finished(
+        group,
+        {
+            "packet_id": packet_id,
+            "total": v.total,
+            "count": v.count,
+            "duration_ms": v.duration_ms,
+            "best_luck": None if best is None else {"user": best.user_id, "amount": best.amount},
+        },
+    )
+
+
+def view_dict(v: packets.PacketView) -> dict[str, Any]:
+    return {**asdict(v), "duration_ms": v.duration_ms}
+
+
+async def on_open(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    group = s.member_of(body)
+    return view_dict(await packets.open_packet(s.core, field_int(body, "packet"), group, s.conn.user_id))
+
+
+async def on_presence(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    group = s.member_of(body)
+    return {"group": group, "online": await s.hub.online(group)}
+
+
+HANDLERS: dict[str, Handler] = {
+    "ping": on_ping,
+    "sync": on_sync,
+    "chat": on_chat,
+    "send": on_send,
+    "grab": on_grab,
+    "open": on_open,
+    "presence": on_presence,
+}
+
+
+# -- the websocket endpoint -------------------------------------------------------------------------------
+
+
+async def websocket_endpoint(ws: WebSocket) -> None:
+    hub: Hub = ws.app.state.hub
+    core = hub.core
+    fmt, subprotocol = protocol.choose_format(list(ws.scope.get("subprotocols", [])))
+    await ws.accept(subprotocol=subprotocol)
+    try:
+        user_id = verify_token(core.settings.secret.encode(), ws.query_params.get("token"), int(time.time()))
+    except TokenError as e:
+        await ws.close(protocol.CLOSE_UNAUTHORIZED, e.code)
+        return
+    conn = Connection(hub, ws, user_id, fmt)
+    mine = await groups.groups_of(core.db, user_id)
+    await hub.join(conn, [int(g["group_id"]) for g in mine])  # type: ignore[call-overload]
+    conn.send(
+        {
+            "type": "welcome",
+            "version": protocol.VERSION,
+            "user": user_id,
+            "connection": conn.id,
+            "groups": mine,
+            "server_ms": int(time.time() * 1000),
+        }
+    )
+    session = Session(hub, conn)
+    writer = asyncio.create_task(conn.writer())
+    reader = asyncio.create_task(_read(ws, session))
+    closing = asyncio.create_task(conn.closing.wait())
+    try:
+        await asyncio.wait({writer, reader, closing}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await hub.leave(conn)
+        # A request already started finishes (the reader is shielded per request); then stop reading.
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, Exception):
+            await reader
+        if session.inflight is not None:
+            with contextlib.suppress(Exception):
+                await session.inflight
+        closing.cancel()
+        if conn.closing.is_set():
+            # Let the writer flush what the client can still take, then close with our code.
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await writer
+            try:
+                await asyncio.wait_for(ws.close(conn.close_code, conn.close_reason), 1)
+            except Exception:
+                _abort(ws)
+        else:
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await writer
+
+
+def _abort(ws: WebSocket) -> None:
+    """Drop the TCP connection of a client that stopped reading. uvicorn waits for a writable transport
+    even to send a close frame, and a closing transport waits to flush, so such a socket would otherwise
+    stay open (holding its buffers) for as long as the peer keeps it."""
+    transport = getattr(getattr(ws._send, "__self__", None), "transport", None)
+    if transport is not None:
+        transport.abort()
+
+
+async def _read(ws: WebSocket, session: Session) -> None:
+    while True:
+        message = await ws.receive()
+        if message["type"] == "websocket.disconnect":
+            return
+        frame = message.get("bytes")
+        if frame is None:
+            frame = message.get("text")
+        if frame is None:
+            continue
+        # Shielded: cancelling the reader (the client left, the hub stops) never cuts a request in half;
+        # the endpoint waits for ``inflight`` before it returns.
+        session.inflight = asyncio.ensure_future(session.on_frame(frame))
+        await asyncio.shield(session.inflight)

@@ -1,0 +1,162 @@
+"""Running real hubs for tests: in this process (uvicorn on a random port, in the test's loop) or as
+separate ``redpacket serve`` processes; logging in and calling the HTTP API; waiting with deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+
+from server.app import create_app
+from server.cli import uvicorn_config
+from server.client import HubClient
+from server.core import Core
+from server.hub import Hub
+from server.settings import Settings
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server that says when it is listening."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = asyncio.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self.listening.set()
+
+
+@dataclass
+class HubUnderTest:
+    http: str
+    settings: Settings
+    app: Starlette | None = None
+    process: subprocess.Popen[str] | None = None
+
+    @property
+    def ws(self) -> str:
+        return self.http.replace("http://", "ws://") + "/ws"
+
+    @property
+    def hub(self) -> Hub:
+        assert self.app is not None
+        return self.app.state.hub  # type: ignore[no-any-return]
+
+    @property
+    def core(self) -> Core:
+        assert self.app is not None
+        return self.app.state.core  # type: ignore[no-any-return]
+
+    async def api(self, method: str, path: str, token: str | None = None, **body: Any) -> Any:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        async with httpx.AsyncClient(base_url=self.http, timeout=30) as http:
+            r = await http.request(method, path, json=body or None, headers=headers)
+        return r.json()
+
+    async def login(self, name: str) -> tuple[int, str]:
+        data = await self.api("POST", "/api/login", name=name)
+        return int(data["user_id"]), str(data["token"])
+
+    async def client(self, token: str, fmt: str = "msgpack", sync: bool = True, **options: Any) -> HubClient:
+        c = await HubClient.connect(self.ws, token, fmt, **options)  # type: ignore[arg-type]
+        if sync:
+            await c.sync()
+        return c
+
+
+def _bound_socket() -> socket.socket:
+    # IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only when the listener says TCP.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@asynccontextmanager
+async def hub_in_process(settings: Settings) -> AsyncIterator[HubUnderTest]:
+    app = create_app(settings)
+    sock = _bound_socket()
+    server = _Server(uvicorn_config(app, settings))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    listening = asyncio.create_task(server.listening.wait())
+    await asyncio.wait({task, listening}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        await task
+    try:
+        yield HubUnderTest(f"http://127.0.0.1:{sock.getsockname()[1]}", settings, app=app)
+    finally:
+        listening.cancel()
+        server.should_exit = True
+        await asyncio.wait_for(task, 30)
+
+
+def hub_env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
+    env.update(
+        REDPACKET_REDIS_URL=settings.redis_url,
+        REDPACKET_DATABASE_URL=settings.database_url,
+        REDPACKET_SECRET=settings.secret,
+        REDPACKET_DEV_LOGIN="1",
+        REDPACKET_DEMO_TOPUP="1",
+        REDPACKET_QUEUE_NAME=settings.queue_name,
+        REDPACKET_SHUTDOWN_SECONDS="10",
+    )
+    return env
+
+
+@asynccontextmanager
+async def hub_process(settings: Settings) -> AsyncIterator[HubUnderTest]:
+    """``redpacket serve`` as its own process."""
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once per test, not on a hot path
+        [sys.executable, "-m", "server", "serve", "--port", "0"],
+        env=hub_env(settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    seen: list[str] = []
+    url = None
+    while url is None:
+        line = await asyncio.to_thread(proc.stdout.readline)
+        if not line:
+            break
+        seen.append(line)
+        m = re.search(r"redpacket hub on (http://\S+)", line)
+        url = m.group(1) if m else None
+    assert url, "".join(seen)
+    drain = asyncio.create_task(asyncio.to_thread(proc.stdout.read))
+    try:
+        yield HubUnderTest(url, settings, process=proc)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        await asyncio.to_thread(proc.wait, 30)
+        await drain
+
+
+async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0) -> None:
+    """Wait until ``check()`` is true, polling briefly; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)

@@ -1,0 +1,377 @@
+"""The websocket hub, in this process: protocol, auth, recovery, presence, protection."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+import websockets
+from websockets.exceptions import ConnectionClosed
+
+from server import keys, protocol
+from server.client import HubClient, HubError
+from server.settings import Settings
+from server.tokens import make_token
+from tests.hubtools import HubUnderTest, eventually, hub_in_process
+
+
+@dataclass
+class Room:
+    group: int
+    admin: int
+    admin_token: str
+    members: list[tuple[int, str]]
+
+
+async def make_room(h: HubUnderTest, members: int, prefix: str = "m") -> Room:
+    admin, token = await h.login(f"{prefix}admin")
+    await h.api("POST", "/api/topup", token, amount=1_000_000, request_id="seed")
+    group = (await h.api("POST", "/api/groups", token, name="family"))["group_id"]
+    people = [await h.login(f"{prefix}{i}") for i in range(members)]
+    if people:
+        await h.api("POST", f"/api/groups/{group}/members", token, user_ids=[u for u, _ in people])
+    return Room(group, admin, token, people)
+
+
+async def events_of(c: HubClient, n: int, kind: str | None = None) -> list[dict[str, object]]:
+    out = []
+    while len(out) < n:
+        ev = await c.next_event()
+        if kind is None or ev["event"] == kind:
+            out.append(ev)
+    return out
+
+
+@pytest.fixture
+async def h(hub_settings: Settings) -> HubUnderTest:
+    async with hub_in_process(hub_settings) as hub:
+        yield hub  # type: ignore[misc]
+
+
+async def test_send_grab_open_over_the_socket_in_both_formats(h: HubUnderTest) -> None:
+    room = await make_room(h, 2)
+    admin = await h.client(room.admin_token, "json")
+    member = await h.client(room.members[0][1], "msgpack")
+    assert room.group in admin.groups and room.group in member.groups
+    sent = await admin.request("send", group=room.group, kind="lucky", total=1_000, count=2, greeting="恭喜")
+    ev = (await events_of(member, 1, "packet"))[0]
+    assert ev["data"]["packet_id"] == sent["packet_id"] and ev["data"]["greeting"] == "恭喜"  # type: ignore[index]
+    got = await member.request("grab", group=room.group, packet=sent["packet_id"])
+    assert got["outcome"] == "won" and got["remaining"] == 1
+    again = await member.request("grab", group=room.group, packet=sent["packet_id"])
+    assert again["outcome"] == "already" and again["amount"] == got["amount"]
+    grabs = (await events_of(admin, 1, "grabs"))[0]
+    assert grabs["data"]["grabs"][0]["user"] == room.members[0][0]  # type: ignore[index]
+    view = await member.request("open", group=room.group, packet=sent["packet_id"])
+    assert view["mine"]["amount"] == got["amount"] and view["remaining"] == 1
+    other = await h.client(room.members[1][1])
+    await other.request("grab", group=room.group, packet=sent["packet_id"])
+    fin = (await events_of(member, 1, "finished"))[0]
+    assert fin["data"]["best_luck"]["amount"] == max(got["amount"], 1_000 - got["amount"])  # type: ignore[index]
+    detail = await h.api("GET", f"/api/packets/{sent['packet_id']}", room.admin_token)
+    assert sum(g["amount"] for g in detail["grabs"]) == 1_000
+    for c in (admin, member, other):
+        await c.close()
+
+
+async def test_chat_and_a_failed_grab_is_not_announced(h: HubUnderTest) -> None:
+    room = await make_room(h, 2)
+    a = await h.client(room.members[0][1])
+    b = await h.client(room.members[1][1])
+    with pytest.raises(HubError) as e:
+        await a.request("grab", group=room.group, packet=999_999)
+    assert e.value.code == "packet_not_found"
+    await a.request("chat", group=room.group, text="hello")
+    before = []
+    ev = await b.next_event()
+    while ev["event"] != "chat":
+        before.append(ev["event"])
+        ev = await b.next_event()
+    assert ev["data"]["text"] == "hello"
+    assert "grabs" not in before  # the failed grab announced nothing
+    await a.close()
+    await b.close()
+
+
+async def test_tokens_are_checked(h: HubUnderTest) -> None:
+    uid, token = await h.login("li")
+    secret = h.settings.secret.encode()
+    tampered = token.replace(f"{uid}.", f"{uid + 1}.", 1)
+    expired = make_token(secret, uid, 1_000, 10)
+    forged = make_token(b"other-secret", uid, 2_000_000_000, 10)
+    for bad in ["", "garbage", tampered, expired, forged]:
+        with pytest.raises(ConnectionClosed) as e:
+            c = await HubClient.connect(h.ws, bad)
+            await c.next_event()
+        assert e.value.rcvd is not None and e.value.rcvd.code == protocol.CLOSE_UNAUTHORIZED
+    assert (await h.api("GET", "/api/me", tampered))["error"]["code"] == "token_invalid"
+    assert (await h.api("GET", "/api/me", expired))["error"]["code"] == "token_expired"
+
+
+async def test_non_members_see_nothing_and_may_do_nothing(h: HubUnderTest) -> None:
+    room = await make_room(h, 1)
+    _, stranger_token = await h.login("stranger")
+    await h.api("POST", "/api/topup", stranger_token, amount=10_000, request_id="s")
+    stranger = await h.client(stranger_token)
+    admin = await h.client(room.admin_token)
+    assert stranger.groups == []
+    sent = await admin.request("send", group=room.group, total=100, count=1)
+    for kind, fields in [
+        ("grab", {"packet": sent["packet_id"]}),
+        ("send", {"total": 100, "count": 1}),
+        ("chat", {"text": "hi"}),
+        ("open", {"packet": sent["packet_id"]}),
+    ]:
+        with pytest.raises(HubError) as e:
+            await stranger.request(kind, group=room.group, **fields)
+        assert e.value.code == "not_member"
+    # Members may not send in an admins-only group.
+    member = await h.client(room.members[0][1])
+    with pytest.raises(HubError) as e:
+        await member.request("send", group=room.group, total=100, count=1)
+    assert e.value.code == "not_admin"
+    await admin.request("chat", group=room.group, text="private")
+    assert (await events_of(member, 1, "chat"))[0]["data"]["text"] == "private"  # type: ignore[index]
+    assert stranger.events.empty()
+    for c in (stranger, admin, member):
+        await c.close()
+
+
+async def test_a_removed_admin_loses_the_group_on_the_live_socket(h: HubUnderTest) -> None:
+    room = await make_room(h, 1)
+    owner = await h.client(room.admin_token)
+    second_uid, second_token = room.members[0]
+    await h.api("POST", f"/api/groups/{room.group}/admins/{second_uid}", room.admin_token)
+    second = await h.client(second_token)
+    sent = await second.request("send", group=room.group, total=100, count=1) if False else None
+    assert sent is None
+    await h.api("DELETE", f"/api/groups/{room.group}/members/{second_uid}", room.admin_token)
+    notice = await second.next_notice()
+    while notice["type"] != "removed":
+        notice = await second.next_notice()
+    assert notice["group"] == room.group
+    with pytest.raises(HubError) as e:
+        await second.request("chat", group=room.group, text="still here?")
+    assert e.value.code == "not_member"
+    await owner.request("chat", group=room.group, text="after removal")
+    await owner.request("chat", group=room.group, text="second")
+    # The owner hears their own messages; the removed member's socket gets nothing of the group any more.
+    await events_of(owner, 2, "chat")
+    assert all(ev["event"] != "chat" for ev in list(second.events._queue))  # type: ignore[attr-defined]
+    await owner.close()
+    await second.close()
+
+
+async def test_reconnect_replays_exactly_what_was_missed(h: HubUnderTest) -> None:
+    room = await make_room(h, 2)
+    talker = await h.client(room.members[0][1])
+    listener = await h.client(room.members[1][1])
+    for i in range(3):
+        await talker.request("chat", group=room.group, text=f"before {i}")
+    seen = await events_of(listener, 3, "chat")
+    offsets = dict(listener.offsets)
+    await listener.close()
+    for i in range(5):
+        await talker.request("chat", group=room.group, text=f"missed {i}")
+    back = await h.client(room.members[1][1], sync=False)
+    back.offsets = dict(offsets)
+    reply = await back.sync()
+    # The five chats, and the presence change of the listener's own leaving.
+    assert reply["groups"][str(room.group)]["replayed"] == 6
+    replayed = await events_of(back, 5, "chat")
+    assert [e["data"]["text"] for e in replayed] == [f"missed {i}" for i in range(5)]  # type: ignore[index]
+    assert all(
+        protocol.offset_key(str(e["offset"])) > protocol.offset_key(str(seen[-1]["offset"])) for e in replayed
+    )
+    # Live events continue after the replay, in order.
+    await talker.request("chat", group=room.group, text="live")
+    assert (await events_of(back, 1, "chat"))[0]["data"]["text"] == "live"  # type: ignore[index]
+
+    # An offset older than what the stream keeps: "too old", with the open packets to reload from.
+    admin = await h.client(room.admin_token)
+    sent = await admin.request("send", group=room.group, total=300, count=3)
+    await h.core.redis.xtrim(keys.group_events(room.group), maxlen=0, approximate=False)
+    late = await h.client(room.members[1][1], sync=False)
+    late.offsets = dict(offsets)
+    state = (await late.sync())["groups"][str(room.group)]
+    assert state["too_old"] is True
+    assert [p["packet_id"] for p in state["packets"]] == [sent["packet_id"]]
+    for c in (talker, back, admin, late):
+        await c.close()
+
+
+async def test_bad_frames_get_errors_and_the_hub_keeps_serving(h: HubUnderTest) -> None:
+    room = await make_room(h, 1)
+    bad = await h.client(room.members[0][1])
+    good = await h.client(room.admin_token)
+
+    async def raw_reply(frame: bytes | str) -> dict[str, object]:
+        await bad.send_raw(frame)
+        while True:
+            notice = await bad.next_notice()
+            if notice.get("type") == "reply":
+                return notice
+
+    # Replies to frames without a readable id arrive as notices (the client cannot route them).
+    bad._waiting.clear()
+    for frame, code in [
+        (b"\xc1\xff\x00garbage", "bad_frame"),
+        ("{not json", "bad_frame"),
+        (b"\x93\x01\x02\x03", "bad_request"),  # a msgpack array, not a map
+    ]:
+        reply = await raw_reply(frame)
+        assert reply["ok"] is False and reply["error"]["code"] == code  # type: ignore[index]
+    for kind, fields, code in [
+        ("dance", {}, "unknown_type"),
+        ("grab", {"group": room.group, "packet": "seven"}, "bad_request"),
+        ("grab", {"group": "one", "packet": 1}, "bad_request"),
+        ("chat", {"group": room.group, "text": ""}, "text_invalid"),
+        ("send", {"group": room.group, "total": 100, "count": 1}, "not_admin"),
+    ]:
+        with pytest.raises(HubError) as e:
+            await bad.request(kind, **fields)
+        assert e.value.code == code, (kind, fields)
+    with pytest.raises(HubError) as e:
+        await good.request("send", group=room.group, total=-1, count=1)
+    assert e.value.code == "amount_invalid"
+    # A frame over the size limit closes that socket with 1009; everyone else is still served.
+    await bad.send_raw(b"\x00" * (h.settings.ws_max_frame_bytes + 1))
+    await eventually(lambda: bad.ws.close_code is not None)
+    assert bad.ws.close_code == protocol.CLOSE_TOO_BIG
+    assert "ts" in await good.request("ping")
+    await good.close()
+    await bad.close()
+
+
+async def test_a_client_that_never_reads_is_dropped_and_the_room_gets_everything(
+    hub_settings: Settings,
+) -> None:
+    s = hub_settings.with_(msgs_per_second=1e6, msgs_burst=10**6, send_queue_frames=64)
+    async with hub_in_process(s) as h:
+        await _never_reads(h)
+
+
+async def _never_reads(h: HubUnderTest) -> None:
+    room = await make_room(h, 2)
+    reader = await h.client(room.members[0][1])
+    slow = await h.client(room.members[1][1], max_queue=1, max_size=None)
+    slow_conn = next(c for c in h.hub.by_user[room.members[1][0]])
+    slow._reader.cancel()  # type: ignore[union-attr]  # stop reading: the TCP window fills
+    talker = await h.client(room.admin_token)
+    text = "x" * 1900
+    n = 4000
+    for i in range(n):
+        await talker.request("chat", group=room.group, text=f"{i}:{text}")
+    got = await events_of(reader, n, "chat")
+    assert [int(str(e["data"]["text"]).split(":")[0]) for e in got] == list(range(n))  # type: ignore[index]
+    assert slow_conn.close_code == protocol.CLOSE_SLOW_CONSUMER
+    assert room.members[1][0] not in h.hub.by_user
+    assert h.hub.metrics.send_queue_drops._value.get() == 1
+    # The hub dropped the socket: the slow client, reading again, finds it closed.
+    with pytest.raises(ConnectionClosed):
+        while True:
+            await asyncio.wait_for(slow.ws.recv(), 10)
+    await slow.close()
+    await reader.close()
+    await talker.close()
+
+
+async def test_rate_limits_and_blocks(hub_settings: Settings) -> None:
+    s = hub_settings.with_(grabs_per_second=0.001, grabs_burst=2, msgs_per_second=0.001, msgs_burst=5)
+    async with hub_in_process(s) as h:
+        room = await make_room(h, 1)
+        admin = await h.client(room.admin_token)
+        member = await h.client(room.members[0][1])
+        sent = await admin.request("send", group=room.group, total=300, count=1)
+        codes = []
+        for _ in range(3):
+            try:
+                codes.append(
+                    (await member.request("grab", group=room.group, packet=sent["packet_id"]))["outcome"]
+                )
+            except HubError as e:
+                codes.append(e.code)
+        assert codes == ["won", "already", "rate_limited"]
+        await h.core.redis.set(keys.user_block(room.admin), 1, ex=60)
+        with pytest.raises(HubError) as e:
+            await admin.request("grab", group=room.group, packet=sent["packet_id"])
+        assert e.value.code == "blocked"
+        # Flooding one socket: errors first, then the hub closes it; the others are untouched.
+        flooder = await h.client(room.members[0][1], sync=False)
+        for i in range(20):
+            await flooder.send_raw(flooder.encode({"id": i, "type": "ping"}))
+        await eventually(lambda: flooder.ws.close_code is not None)
+        answers = []
+        while not flooder.notices.empty():
+            answers.append(flooder.notices.get_nowait())
+        assert [a["error"]["code"] for a in answers if a["type"] == "reply" and not a["ok"]][:1] == [
+            "rate_limited"
+        ]
+        assert flooder.ws.close_code == protocol.CLOSE_RATE_LIMITED
+        await admin.close()
+        await member.close()
+
+
+async def test_presence_across_connections(h: HubUnderTest) -> None:
+    room = await make_room(h, 2)
+    a = await h.client(room.members[0][1])
+    b = await h.client(room.members[1][1])
+    await eventually(lambda: a.request("presence", group=room.group))
+    online = (await a.request("presence", group=room.group))["online"]
+    assert sorted(online) == sorted([room.members[0][0], room.members[1][0]])
+    await b.close()
+    left = await events_of(a, 1, "presence")
+    while left[0]["data"] != {"user": room.members[1][0], "online": False}:
+        left = await events_of(a, 1, "presence")
+    assert (await a.request("presence", group=room.group))["online"] == [room.members[0][0]]
+    await a.close()
+
+
+async def test_dead_connections_are_found_by_heartbeat(hub_settings: Settings) -> None:
+    s = hub_settings.with_(ws_ping_interval=0.2, ws_ping_timeout=0.2)
+    async with hub_in_process(s) as h:
+        uid, token = await h.login("ghost")
+        # A client that completes the handshake and then never answers a ping.
+        ws = await websockets.connect(f"{h.ws}?token={token}", ping_interval=None, max_queue=1)
+        ws.transport.pause_reading()  # type: ignore[attr-defined]
+        await eventually(lambda: uid in h.hub.by_user)
+        await eventually(lambda: uid not in h.hub.by_user, timeout=10)
+        ws.transport.abort()  # type: ignore[attr-defined]
+
+
+async def test_pubsub_blip_loses_nothing(h: HubUnderTest) -> None:
+    room = await make_room(h, 1)
+    listener = await h.client(room.members[0][1])
+    talker = await h.client(room.admin_token)
+    before = h.hub.metrics.pubsub_reconnects._value.get()
+    await h.core.redis.client_kill_filter(_type="pubsub")
+    for i in range(20):
+        await talker.request("chat", group=room.group, text=str(i))
+    got = await events_of(listener, 20, "chat")
+    assert [e["data"]["text"] for e in got] == [str(i) for i in range(20)]  # type: ignore[index]
+    await eventually(lambda: h.hub.metrics.pubsub_reconnects._value.get() > before)
+    await listener.close()
+    await talker.close()
+
+
+async def test_grab_storm_is_announced_in_coalesced_events(h: HubUnderTest) -> None:
+    room = await make_room(h, 30)
+    admin = await h.client(room.admin_token)
+    clients = [await h.client(t, sync=True) for _, t in room.members]
+    sent = await admin.request("send", group=room.group, total=3_000, count=30)
+    await asyncio.gather(*(c.request("grab", group=room.group, packet=sent["packet_id"]) for c in clients))
+    seen: list[dict[str, object]] = []
+    announcements = 0
+    while len(seen) < 30:
+        ev = await admin.next_event()
+        if ev["event"] == "grabs":
+            announcements += 1
+            seen += ev["data"]["grabs"]  # type: ignore[index]
+    assert sorted(g["user"] for g in seen) == sorted(u for u, _ in room.members)  # type: ignore[index]
+    assert sum(g["amount"] for g in seen) == 3_000  # type: ignore[index]
+    assert announcements < 30
+    fin = (await events_of(admin, 1, "finished"))[0]
+    assert fin["data"]["packet_id"] == sent["packet_id"]  # type: ignore[index]
+    for c in [admin, *clients]:
+        await c.close()
