@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import secrets
+import signal
 import socket
 import sys
 from collections.abc import Iterator
@@ -128,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # uvicorn drains on SIGTERM, then raises the signal again; end with a clean exit instead, so the
+    # cleanup below (the embedded Valkey's shutdown) still runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     settings = Settings.from_env()
     if args.command in ("up", "serve"):
         if args.host:

@@ -146,6 +146,7 @@ async def hub_process(settings: Settings) -> AsyncIterator[HubUnderTest]:
             proc.terminate()
         await asyncio.to_thread(proc.wait, 30)
         await drain
+        proc.stdout.close()
 
 
 async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0) -> None:

@@ -1,0 +1,114 @@
+"""Hubs as separate processes (``redpacket serve``): fan-out across processes, and SIGTERM draining."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+from websockets.exceptions import ConnectionClosed
+
+from server import keys, protocol
+from server.client import HubClient
+from server.settings import Settings
+from tests.hubtools import hub_process
+
+
+async def _members(h: Any, n: int, prefix: str) -> tuple[int, str, int, list[tuple[int, str]]]:
+    admin, token = await h.login(f"{prefix}admin")
+    await h.api("POST", "/api/topup", token, amount=1_000_000, request_id="seed")
+    group = (await h.api("POST", "/api/groups", token, name="big"))["group_id"]
+    people = [await h.login(f"{prefix}{i}") for i in range(n)]
+    await h.api("POST", f"/api/groups/{group}/members", token, user_ids=[u for u, _ in people])
+    return admin, token, group, people
+
+
+async def _until_finished(c: HubClient, packet_id: int) -> list[tuple[str, str]]:
+    seen = []
+    while True:
+        ev = await c.next_event(timeout=30)
+        seen.append((str(ev["offset"]), str(ev["event"])))
+        if ev["event"] == "finished" and ev["data"]["packet_id"] == packet_id:
+            return seen
+
+
+async def test_two_hubs_200_members_see_the_same_events_in_the_same_order(hub_settings: Settings) -> None:
+    async with hub_process(hub_settings) as a, hub_process(hub_settings) as b:
+        _, admin_token, group, people = await _members(a, 200, "p")
+        admin = await HubClient.connect(a.ws, admin_token)
+        clients = [await HubClient.connect((a if i % 2 else b).ws, t) for i, (_, t) in enumerate(people)]
+        await admin.sync()
+        await asyncio.gather(*(c.sync() for c in clients))
+        sent = await admin.request("send", group=group, kind="lucky", total=10_000, count=10)
+        # Ten grabbers, half on each hub.
+        grabbers = clients[:10]
+        results = await asyncio.gather(
+            *(c.request("grab", group=group, packet=sent["packet_id"]) for c in grabbers)
+        )
+        assert sum(r["amount"] for r in results) == 10_000
+        streams = await asyncio.gather(*(_until_finished(c, sent["packet_id"]) for c in [admin, *clients]))
+        # From the packet on, every client saw the same events in the same order, none twice.
+        tails = []
+        for s in streams:
+            start = next(i for i, (_, kind) in enumerate(s) if kind == "packet")
+            tails.append(s[start:])
+        assert all(t == tails[0] for t in tails)
+        offsets = [o for o, _ in tails[0]]
+        assert len(offsets) == len(set(offsets))
+        assert sorted(offsets, key=protocol.offset_key) == offsets
+        kinds = [k for _, k in tails[0]]
+        assert kinds[0] == "packet" and kinds[-1] == "finished" and "grabs" in kinds
+        for c in [admin, *clients]:
+            await c.close()
+
+
+async def test_sigterm_sends_1012_and_loses_no_grab_in_flight(hub_settings: Settings) -> None:
+    async with hub_process(hub_settings) as a, hub_process(hub_settings) as b:
+        _, admin_token, group, people = await _members(a, 60, "s")
+        admin = await HubClient.connect(a.ws, admin_token)
+        sent = await admin.request("send", group=group, kind="lucky", total=6_000, count=60)
+        doomed = [await HubClient.connect(b.ws, t) for _, t in people]
+        answered: list[dict[str, Any]] = []
+
+        async def grab(c: HubClient) -> None:
+            try:
+                answered.append(await c.request("grab", group=group, packet=sent["packet_id"]))
+            except (TimeoutError, ConnectionClosed):
+                pass
+
+        storm = [asyncio.create_task(grab(c)) for c in doomed]
+        await asyncio.sleep(0)  # let the storm start before the signal
+        assert b.process is not None
+        b.process.send_signal(signal.SIGTERM)
+        await asyncio.gather(*storm)
+        assert await asyncio.to_thread(b.process.wait, 30) == 0
+        codes = {c.ws.close_code for c in doomed}
+        assert codes == {protocol.CLOSE_RESTART}, codes
+        # Every grab Redis recorded, answered or not, had its credit queued before the hub exited.
+        core_grabs = await a_redis_grabs(hub_settings, sent["packet_id"])
+        assert len(core_grabs) >= len(answered)
+        for seq in core_grabs:
+            assert await a_redis_exists(hub_settings, keys.credit_job_key(sent["packet_id"], seq))
+        for c in [admin, *doomed]:
+            await c.close()
+
+
+async def a_redis_grabs(settings: Settings, packet_id: int) -> list[int]:
+    from redis.asyncio import Redis
+
+    r = Redis.from_url(settings.redis_url)
+    try:
+        raw = await r.hgetall(keys.packet_grabs(packet_id))
+    finally:
+        await r.aclose()
+    return [int(v.split(b":")[0]) for v in raw.values()]
+
+
+async def a_redis_exists(settings: Settings, key: str) -> bool:
+    from redis.asyncio import Redis
+
+    r = Redis.from_url(settings.redis_url)
+    try:
+        return bool(await r.exists(key))
+    finally:
+        await r.aclose()
