@@ -102,6 +102,18 @@ async def _raw_packet(core: Core, group_id: int, shares: int) -> int:
     return packet_id
 
 
+async def fresh_ids(core: Core) -> None:
+    """Start a throw-away SQLite database's packet, group and user ids where no earlier run's Redis keys
+    can be (ids restart at 1 in a new file; the bench's Redis may still hold an old packet 1)."""
+    start = ledger.now_ms()
+    await core.db.run(
+        lambda tx: tx.executemany(
+            "INSERT INTO sqlite_sequence (name, seq) VALUES (%s, %s)",
+            [("red_packets", start), ("chat_groups", start), ("users", start)],
+        )
+    )
+
+
 async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     s = settings.with_(
@@ -117,13 +129,7 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
     cleanup: list[str] = [BENCH_QUEUE]
     try:
         async with open_core(s) as core:
-            # Packet and group ids of this throw-away database must not meet an earlier run's Redis keys.
-            await core.db.run(
-                lambda tx: tx.executemany(
-                    "INSERT INTO sqlite_sequence (name, seq) VALUES (%s, %s)",
-                    [("red_packets", ledger.now_ms()), ("chat_groups", ledger.now_ms())],
-                )
-            )
+            await fresh_ids(core)
             users = await ledger.create_users(core.db, [f"bench{i}" for i in range(grabs)])
             admin = users[0]
             await ledger.topup(core.db, admin, 3 * grabs * 10, "bench")

@@ -68,6 +68,7 @@ async def _serve(settings: Settings, with_worker: bool) -> None:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.host, settings.port))
+    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn_config(create_app(settings, run_worker=with_worker), settings))
     db = settings.database_url or f"SQLite {settings.sqlite_path}"
@@ -124,8 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     rec = sub.add_parser("recover", help="rebuild packets' Redis state from the database")
     rec.add_argument("packet_ids", type=int, nargs="+")
     bench = sub.add_parser("bench", help="print benchmark figures and a JSON line")
-    bench.add_argument("what", choices=["grab"])
-    bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode")
+    bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot"])
+    bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
+    bench.add_argument("--clients", type=int, default=10_000, help="connected clients (hot)")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -151,9 +153,17 @@ def main(argv: list[str] | None = None) -> None:
             elif args.command == "recover":
                 uvloop.run(_recover(s, args.packet_ids))
             elif args.command == "bench":
+                from server import hubbench
                 from server.bench import run_grab_bench
 
-                uvloop.run(run_grab_bench(s, args.grabs))
+                if args.what == "grab":
+                    uvloop.run(run_grab_bench(s, args.grabs))
+                elif args.what == "hub-grab":
+                    uvloop.run(hubbench.bench_hub_grab(s))
+                elif args.what == "fanout":
+                    uvloop.run(hubbench.bench_fanout(s))
+                else:
+                    uvloop.run(hubbench.bench_hot(s, args.clients))
     except KeyboardInterrupt:
         pass
     sys.exit(0)

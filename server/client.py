@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
+from websockets.typing import Subprotocol
 
 from server.errors import RedPacketError
 from server.protocol import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Format, offset_key
@@ -46,7 +47,9 @@ class HubClient:
     @classmethod
     async def connect(cls, url: str, token: str, fmt: Format = "msgpack", **options: Any) -> HubClient:
         sub = SUBPROTOCOL_MSGPACK if fmt == "msgpack" else SUBPROTOCOL_JSON
-        ws = await connect(f"{url}?token={token}", subprotocols=[sub], compression=None, **options)  # type: ignore[list-item]
+        ws = await connect(
+            f"{url}?token={token}", subprotocols=[Subprotocol(sub)], compression=None, **options
+        )
         client = cls(ws, fmt)
         client._reader = asyncio.create_task(client._read())
         welcomed = asyncio.create_task(client._welcomed.wait())

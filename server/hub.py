@@ -156,6 +156,8 @@ class Hub:
         self.id = uuid.uuid4().hex[:12]
         self.by_group: dict[int, set[Connection]] = {}
         self.by_user: dict[int, set[Connection]] = {}
+        # (group, user) → that user's local connections in the group: presence changes at 0 ↔ 1.
+        self.local: dict[tuple[int, int], int] = {}
         self.delivered: dict[int, str] = {}
         self.announcer = Announcer(self)
         self._pubsub: PubSub | None = None
@@ -223,13 +225,14 @@ class Hub:
     async def _attach(self, conn: Connection, g: int) -> None:
         conn.groups.add(g)
         members = self.by_group.setdefault(g, set())
-        first_of_user = not any(c.user_id == conn.user_id for c in members)
         members.add(conn)
+        pair = (g, conn.user_id)
+        self.local[pair] = self.local.get(pair, 0) + 1
         if len(members) == 1:
             async with self._sub_lock:
                 if self._pubsub is not None and g in self.by_group:
                     await self._pubsub.subscribe(keys.group_channel(g))
-        if first_of_user:
+        if self.local[pair] == 1:
             self.spawn(self._presence(g, conn.user_id, "join"))
 
     async def _detach(self, conn: Connection, g: int) -> None:
@@ -238,8 +241,13 @@ class Hub:
         members = self.by_group.get(g)
         if members is None:
             return
+        if conn not in members:
+            return
         members.discard(conn)
-        if not any(c.user_id == conn.user_id for c in members):
+        pair = (g, conn.user_id)
+        self.local[pair] -= 1
+        if self.local[pair] == 0:
+            del self.local[pair]
             self.spawn(self._presence(g, conn.user_id, "leave"))
         if not members:
             del self.by_group[g]
@@ -283,8 +291,7 @@ class Hub:
         every = max(1.0, self.core.settings.presence_lapse_seconds / 3)
         while True:
             await asyncio.sleep(every)
-            pairs = {(g, c.user_id) for g, conns in self.by_group.items() for c in conns}
-            for g, user in pairs:
+            for g, user in list(self.local):
                 with contextlib.suppress(Exception):
                     await self._presence(g, user, "refresh")
 

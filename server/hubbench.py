@@ -1,0 +1,363 @@
+"""Hub benchmarks: ``redpacket bench hub-grab | fanout | hot``. Each prints a table and a JSON line.
+
+Every figure is compared with a baseline measured in the same run on the same machine: a bare Starlette
+websocket app under the same uvicorn settings (echo for round trips, an encode-once send loop for
+fan-out), driven by the same client code. Hubs run as separate ``redpacket serve`` processes on the
+configured Redis and a throw-away SQLite file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+from starlette.applications import Starlette
+from starlette.routing import WebSocketRoute
+from starlette.websockets import WebSocket
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.typing import Subprotocol
+
+from server import events, groups, ledger, packets
+from server.bench import fresh_ids
+from server.client import HubClient
+from server.core import open_core
+from server.protocol import SUBPROTOCOL_MSGPACK
+from server.settings import Settings
+from server.tokens import make_token
+
+SECRET = "bench-secret"
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _hwm_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+@asynccontextmanager
+async def _process(args: list[str], env: dict[str, str], pattern: str) -> AsyncIterator[tuple[str, int]]:
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # noqa: ASYNC220
+    if proc.stdout is None:
+        raise RuntimeError("no pipe")
+    url = None
+    lines: list[str] = []
+    while url is None:
+        line = await asyncio.to_thread(proc.stdout.readline)
+        if not line:
+            raise RuntimeError("server did not start:\n" + "".join(lines))
+        lines.append(line)
+        m = re.search(pattern, line)
+        url = m.group(1) if m else None
+    drain = asyncio.create_task(asyncio.to_thread(proc.stdout.read))
+    try:
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 60)
+        await drain
+        proc.stdout.close()
+
+
+def _hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
+    env.update(
+        REDPACKET_REDIS_URL=settings.redis_url,
+        REDPACKET_DATABASE_URL=db_url,
+        REDPACKET_SECRET=SECRET,
+        REDPACKET_QUEUE_NAME="redpacket:bench:queue",
+        REDPACKET_MAX_COUNT="1000",
+        REDPACKET_MAX_TOTAL_CENTS=str(10**9),
+        REDPACKET_GRABS_PER_SECOND="1000000",
+        REDPACKET_GRABS_BURST="1000000",
+        REDPACKET_MSGS_PER_SECOND="1000000",
+        REDPACKET_MSGS_BURST="1000000",
+        REDPACKET_SEND_QUEUE_FRAMES="100000",
+        REDPACKET_PRESENCE_EVENT_LIMIT="0",
+        **extra,
+    )
+    return env
+
+
+def _hub(settings: Settings, db_url: str, **extra: str) -> Any:
+    return _process(
+        [sys.executable, "-m", "server", "serve", "--port", "0"],
+        _hub_env(settings, db_url, **extra),
+        r"websocket (ws://\S+)",
+    )
+
+
+def _bare(mode: str) -> Any:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
+    return _process([sys.executable, "-m", "server.hubbench", mode], env, r"bare on (ws://\S+)")
+
+
+async def _world(settings: Settings, db_url: str, users: int, topup: int) -> tuple[int, int, list[int]]:
+    """Users (the first is the admin), one group with all of them, money for the admin."""
+    s = settings.with_(database_url=db_url, max_count=1000, max_total_cents=10**9)
+    async with open_core(s) as core:
+        await fresh_ids(core)
+        ids: list[int] = []
+        for i in range(0, users, 5000):
+            ids += await ledger.create_users(core.db, [f"b{n}" for n in range(i, min(i + 5000, users))])
+        await ledger.topup(core.db, ids[0], topup, "bench")
+        group = await groups.create_group(core.db, ids[0], "bench")
+        await groups.add_members(core.db, core.membership, group, ids[1:])
+    return ids[0], group, ids
+
+
+def _token(user: int) -> str:
+    return make_token(SECRET.encode(), user, int(time.time()), 3600)
+
+
+async def _send_packets(
+    settings: Settings, db_url: str, admin: int, group: int, n: int, count: int
+) -> list[int]:
+    s = settings.with_(database_url=db_url, max_count=1000, max_total_cents=10**9)
+    async with open_core(s) as core:
+        return [
+            (await packets.send_packet(core, admin, group, "equal", count * 10, count)).packet_id
+            for _ in range(n)
+        ]
+
+
+# -- bench hub-grab ------------------------------------------------------------------------------------
+
+
+async def bench_hub_grab(settings: Settings, connections: int = 100, packets_n: int = 40) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
+    db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
+    admin, group, ids = await _world(settings, db_url, connections + 1, 10**8)
+    pids = await _send_packets(settings, db_url, admin, group, packets_n, connections)
+    figures: dict[str, Any] = {"connections": connections, "round_trips": connections * packets_n}
+    async with _hub(settings, db_url) as (ws_url, _):
+        clients = [await HubClient.connect(ws_url, _token(u)) for u in ids[1:]]
+
+        async def lane(c: HubClient) -> None:
+            for p in pids:
+                r = await c.request("grab", group=group, packet=p)
+                if r["outcome"] != "won":
+                    raise RuntimeError(f"bench grab answered {r['outcome']}")
+
+        start = time.perf_counter()
+        await asyncio.gather(*(lane(c) for c in clients))
+        figures["hub_grabs_per_s"] = round(connections * packets_n / (time.perf_counter() - start))
+        for c in clients:
+            await c.close()
+    async with _bare("echo") as (ws_url, _):
+        frame = msgpack.packb({"id": 1, "type": "grab", "group": group, "packet": pids[0]})
+        conns = [await connect(ws_url, compression=None) for _ in range(connections)]
+
+        async def echo_lane(ws: ClientConnection) -> None:
+            for _ in range(packets_n):
+                await ws.send(frame)
+                await ws.recv()
+
+        start = time.perf_counter()
+        await asyncio.gather(*(echo_lane(ws) for ws in conns))
+        figures["bare_echo_per_s"] = round(connections * packets_n / (time.perf_counter() - start))
+        for ws in conns:
+            await ws.close()
+    figures["ratio"] = round(figures["hub_grabs_per_s"] / figures["bare_echo_per_s"], 3)
+    return _report("hub-grab", figures)
+
+
+# -- bench fanout --------------------------------------------------------------------------------------
+
+
+async def _receive_all(conns: list[ClientConnection], n: int) -> float:
+    async def drain(ws: ClientConnection) -> None:
+        for _ in range(n):
+            await ws.recv()
+
+    await asyncio.gather(*(drain(ws) for ws in conns))
+    return time.perf_counter()
+
+
+async def bench_fanout(settings: Settings, members: int = 500, events_n: int = 200) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
+    db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
+    _, group, ids = await _world(settings, db_url, members, 1)
+    figures: dict[str, Any] = {"members": members, "events": events_n, "deliveries": members * events_n}
+    async with _hub(settings, db_url) as (ws_url, _):
+        # Raw sockets on both sides: the client does the same work per frame (receive, no decode).
+        sub = [Subprotocol(SUBPROTOCOL_MSGPACK)]
+        conns = [
+            await connect(f"{ws_url}?token={_token(u)}", subprotocols=sub, compression=None) for u in ids
+        ]
+        sync = msgpack.packb({"id": 1, "type": "sync", "groups": {str(group): None}})
+        for ws in conns:
+            await ws.recv()  # welcome
+            await ws.send(sync)
+            await ws.recv()  # the sync reply
+        s = settings.with_(database_url=db_url)
+        async with open_core(s) as core:
+            start = time.perf_counter()
+            for i in range(events_n):
+                await events.publish(core, group, "chat", {"user": 1, "text": f"event {i}"})
+            await _receive_all(conns, events_n)
+        figures["hub_deliveries_per_s"] = round(members * events_n / (time.perf_counter() - start))
+        for ws in conns:
+            await ws.close()
+    async with _bare("broadcast") as (ws_url, _):
+        conns = [await connect(f"{ws_url}?n={members}", compression=None) for _ in range(members)]
+        start = time.perf_counter()
+        await conns[0].send(json.dumps({"events": events_n}))
+        await _receive_all(conns, events_n)
+        figures["bare_broadcast_per_s"] = round(members * events_n / (time.perf_counter() - start))
+        for ws in conns:
+            await ws.close()
+    figures["ratio"] = round(figures["hub_deliveries_per_s"] / figures["bare_broadcast_per_s"], 3)
+    return _report("fanout", figures)
+
+
+# -- bench hot -------------------------------------------------------------------------------------------
+
+
+async def bench_hot(settings: Settings, clients_n: int = 10_000, shares: int = 1_000) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
+    db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
+    admin, group, ids = await _world(settings, db_url, clients_n + 1, 10**8)
+    figures: dict[str, Any] = {"clients": clients_n, "shares": shares}
+    async with _hub(settings, db_url, REDPACKET_WS_PING_INTERVAL="120") as (ws_url, hub_pid):
+        figures["hub_rss_empty_mb"] = round(_rss_kb(hub_pid) / 1024, 1)
+        start = time.perf_counter()
+        clients: list[HubClient] = []
+        for i in range(0, clients_n, 500):
+            clients += await asyncio.gather(
+                *(HubClient.connect(ws_url, _token(u)) for u in ids[1 + i : 1 + i + 500])
+            )
+        figures["connect_s"] = round(time.perf_counter() - start, 2)
+        for i in range(0, clients_n, 1000):
+            await asyncio.gather(*(c.sync() for c in clients[i : i + 1000]))
+        figures["hub_rss_connected_mb"] = round(_rss_kb(hub_pid) / 1024, 1)
+        (packet_id,) = await _send_packets(settings, db_url, admin, group, 1, shares)
+        latencies: list[float] = []
+        outcomes: dict[str, int] = {}
+
+        async def grab(c: HubClient) -> None:
+            t = time.perf_counter()
+            try:
+                outcome = (await c.request("grab", group=group, packet=packet_id, timeout=120))["outcome"]
+            except Exception as e:
+                outcome = getattr(e, "code", type(e).__name__)
+            latencies.append(time.perf_counter() - t)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+        start = time.perf_counter()
+        await asyncio.gather(*(grab(c) for c in clients))
+        figures["all_replies_s"] = round(time.perf_counter() - start, 3)
+        latencies.sort()
+        figures["reply_p50_ms"] = round(statistics.median(latencies) * 1000, 1)
+        figures["reply_p99_ms"] = round(latencies[int(len(latencies) * 0.99) - 1] * 1000, 1)
+        figures["outcomes"] = outcomes
+        figures["hub_rss_peak_mb"] = round(_hwm_kb(hub_pid) / 1024, 1)
+        figures["rss_per_connection_kb"] = round(
+            (figures["hub_rss_connected_mb"] - figures["hub_rss_empty_mb"]) * 1024 / clients_n, 1
+        )
+        s = settings.with_(database_url=db_url)
+        async with open_core(s) as core:
+            view = await packets.open_packet(core, packet_id, group, admin)
+            figures["time_to_empty_ms"] = view.duration_ms
+            figures["redis_paid_cents"] = sum(g.amount for g in view.grabs)
+            row = await core.db.fetchone(
+                "SELECT SUM(amount), COUNT(*) FROM red_packet_shares WHERE packet_id = %s", (packet_id,)
+            )
+            total = int(row[0]) if row else 0
+            figures["over_issue_cents"] = figures["redis_paid_cents"] - total
+            figures["distinct_winners"] = len({g.user_id for g in view.grabs})
+        for i in range(0, clients_n, 1000):
+            await asyncio.gather(*(c.close() for c in clients[i : i + 1000]))
+    return _report("hot", figures)
+
+
+def _report(name: str, figures: dict[str, Any]) -> dict[str, Any]:
+    print(f"{name} benchmark")
+    for k, v in figures.items():
+        print(f"  {k:<28} {v}")
+    print(json.dumps({"bench": name, **figures}))
+    return figures
+
+
+# -- the bare baselines, run as their own process ----------------------------------------------------------
+
+
+def _bare_app(mode: str) -> Starlette:
+    conns: list[WebSocket] = []
+    ready = asyncio.Event()
+
+    async def echo(ws: WebSocket) -> None:
+        await ws.accept()
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            await ws.send_bytes(message.get("bytes") or b"")
+
+    async def broadcast(ws: WebSocket) -> None:
+        await ws.accept()
+        expected = int(ws.query_params.get("n", "1"))
+        conns.append(ws)
+        if len(conns) == expected:
+            ready.set()
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message.get("text"):
+                await ready.wait()
+                n = json.loads(message["text"])["events"]
+                for i in range(n):
+                    # The same frame encoded once, sent to every connection in a plain loop.
+                    frame = msgpack.packb(
+                        {
+                            "type": "event",
+                            "group": 1,
+                            "offset": f"{i}-0",
+                            "event": "chat",
+                            "data": {"user": 1, "text": f"event {i}"},
+                        }
+                    )
+                    for c in conns:
+                        await c.send_bytes(frame)
+
+    return Starlette(routes=[WebSocketRoute("/ws", echo if mode == "echo" else broadcast)])
+
+
+def _serve_bare(mode: str) -> None:
+    import socket
+
+    import uvicorn
+    import uvloop
+
+    from server.cli import uvicorn_config
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    config = uvicorn_config(_bare_app(mode), Settings(ws_ping_interval=120))
+    print(f"bare on ws://127.0.0.1:{sock.getsockname()[1]}/ws", flush=True)
+    uvloop.run(uvicorn.Server(config).serve(sockets=[sock]))
+
+
+if __name__ == "__main__":
+    _serve_bare(sys.argv[1])
