@@ -9,28 +9,30 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 PREFIX = "REDPACKET_"
+N = TypeVar("N", int, float)
+
+
+def _number(env: Mapping[str, str], name: str, default: N, kind: type[N]) -> N:
+    raw = env.get(PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError as e:
+        raise ValueError(
+            f"{PREFIX}{name} must be a{'n integer' if kind is int else ' number'}, got {raw!r}"
+        ) from e
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(PREFIX + name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as e:
-        raise ValueError(f"{PREFIX}{name} must be an integer, got {raw!r}") from e
+    return _number(env, name, default, int)
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(PREFIX + name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError as e:
-        raise ValueError(f"{PREFIX}{name} must be a number, got {raw!r}") from e
+    return _number(env, name, default, float)
 
 
 @dataclass(frozen=True)
