@@ -13,6 +13,7 @@ import msgpack
 
 from server import keys
 from server.core import Core
+from server.packets import call_script
 from server.protocol import offset_key
 
 
@@ -27,8 +28,6 @@ def unpack(payload: bytes) -> tuple[str, dict[str, Any]]:
 
 async def publish(core: Core, group_id: int, kind: str, data: dict[str, Any]) -> str:
     """Publish one event to a group; returns its offset."""
-    from server.packets import call_script
-
     s = core.settings
     offset = await call_script(
         core,

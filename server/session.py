@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from server import errors, events, groups, packets, protocol
+from server import errors, events, groups, keys, packets, protocol
 from server.errors import Conflict, Forbidden, InvalidRequest, RedPacketError
 from server.hub import Connection, Hub
 from server.packets import call_script
@@ -208,8 +208,6 @@ async def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any]:
 
 async def _gate(s: Session) -> None:
     user = s.conn.user_id
-    from server import keys
-
     res = await call_script(
         s.core,
         s.core.scripts.grab_gate,
