@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import uvicorn
@@ -103,6 +103,17 @@ async def hub_in_process(settings: Settings) -> AsyncIterator[HubUnderTest]:
         await asyncio.wait_for(task, 30)
 
 
+def hub_url(output: IO[str]) -> str:
+    """The address a starting ``redpacket up`` / ``serve`` prints; fails with all it printed if none."""
+    seen: list[str] = []
+    for line in iter(output.readline, ""):
+        seen.append(line)
+        m = re.search(r"redpacket hub on (http://\S+)", line)
+        if m:
+            return m.group(1)
+    raise AssertionError("the hub did not start:\n" + "".join(seen))
+
+
 def hub_env(settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
     env.update(
@@ -128,16 +139,7 @@ async def hub_process(settings: Settings) -> AsyncIterator[HubUnderTest]:
         text=True,
     )
     assert proc.stdout is not None
-    seen: list[str] = []
-    url = None
-    while url is None:
-        line = await asyncio.to_thread(proc.stdout.readline)
-        if not line:
-            break
-        seen.append(line)
-        m = re.search(r"redpacket hub on (http://\S+)", line)
-        url = m.group(1) if m else None
-    assert url, "".join(seen)
+    url = await asyncio.to_thread(hub_url, proc.stdout)
     drain = asyncio.create_task(asyncio.to_thread(proc.stdout.read))
     try:
         yield HubUnderTest(url, settings, process=proc)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import httpx
 import pytest
 
 from server.client import HubClient, HubError
+from tests.hubtools import hub_url
 
 
 @pytest.fixture
@@ -29,17 +29,7 @@ def up(tmp_path: Path) -> Iterator[str]:
         text=True,
     )
     assert proc.stdout is not None
-    url = None
-    seen = []
-    deadline = time.monotonic() + 60
-    while url is None and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        m = re.search(r"redpacket hub on (http://\S+)", line)
-        url = m.group(1) if m else None
-    assert url, "".join(seen)
+    url = hub_url(proc.stdout)
     try:
         yield url
     finally:
