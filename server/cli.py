@@ -105,6 +105,21 @@ async def _migrate(settings: Settings) -> None:
         await db.close()
 
 
+async def _reconcile(settings: Settings) -> bool:
+    from server import schema
+    from server.db import connect
+    from server.reconcile import reconcile, render
+
+    db = await connect(settings.effective_database_url)
+    try:
+        await schema.migrate(db)
+        report = await reconcile(db)
+    finally:
+        await db.close()
+    print(render(report))
+    return report.ok
+
+
 async def _recover(settings: Settings, packet_ids: list[int]) -> None:
     from server.packets import recover_packet
 
@@ -127,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         "worker", help="run the credit worker against REDPACKET_REDIS_URL / REDPACKET_DATABASE_URL"
     )
     sub.add_parser("migrate", help="apply database migrations")
+    sub.add_parser("reconcile", help="check every cent; print a report; exit 1 on any difference")
     rec = sub.add_parser("recover", help="rebuild packets' Redis state from the database")
     rec.add_argument("packet_ids", type=int, nargs="+")
     bench = sub.add_parser("bench", help="print benchmark figures and a JSON line")
@@ -155,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
                 uvloop.run(_worker(s))
             elif args.command == "migrate":
                 uvloop.run(_migrate(s))
+            elif args.command == "reconcile":
+                if not uvloop.run(_reconcile(s)):
+                    sys.exit(1)
             elif args.command == "recover":
                 uvloop.run(_recover(s, args.packet_ids))
             elif args.command == "bench":

@@ -52,6 +52,8 @@ class Dialect:
     name: str
     # Appended to a SELECT that must hold a shared row lock until commit (SQLite has one writer anyway).
     share_lock: str
+    # Appended to a SELECT that must hold an exclusive row lock until commit.
+    for_update: str
     # Counts the tables named %s in the current database.
     table_exists: str
     ddl: dict[str, str]
@@ -63,6 +65,7 @@ class Dialect:
 MYSQL = Dialect(
     name="mysql",
     share_lock=" LOCK IN SHARE MODE",
+    for_update=" FOR UPDATE",
     table_exists="SELECT COUNT(*) FROM information_schema.tables"
     " WHERE table_schema = DATABASE() AND table_name = %s",
     ddl={
@@ -73,6 +76,7 @@ MYSQL = Dialect(
 SQLITE = Dialect(
     name="sqlite",
     share_lock="",
+    for_update="",
     table_exists="SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = %s",
     ddl={"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "table_options": ""},
 )

@@ -17,8 +17,8 @@ from worker.main import make_worker
 
 
 async def run_worker(core: Core) -> int:
-    """Run every queued job, then return how many ran."""
-    w = make_worker(core, burst=True, poll_delay=0)
+    """Run every queued job, then return how many ran. (No cron jobs: tests call those directly.)"""
+    w = make_worker(core, burst=True, poll_delay=0, cron_jobs=[])
     await w.async_run()
     return int(w.jobs_complete)
 

@@ -8,11 +8,13 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from arq import Worker
+from arq.cron import cron
 from arq.worker import func
 
 from server.core import Core
 from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
 from worker.credit import credit_grab_job
+from worker.settle import reconcile_job, refund_expired_job, sweep_job
 
 # A credit job's result is kept this long; while it is, enqueueing the same grab again is a no-op.
 KEEP_RESULT_SECONDS = 24 * 3600
@@ -23,6 +25,11 @@ def make_worker(core: Core, **overrides: Any) -> Worker:
     options: dict[str, Any] = {
         # arq types ctx as a plain dict; our jobs take the TypedDict that says what is in it.
         "functions": [func(cast(Any, credit_grab_job), name=CREDIT_GRAB, max_tries=20)],
+        "cron_jobs": [
+            cron(cast(Any, refund_expired_job), second=0, unique=True, timeout=600),
+            cron(cast(Any, sweep_job), second={15, 45}, unique=True, timeout=300),
+            cron(cast(Any, reconcile_job), minute=set(range(0, 60, 10)), second=30, unique=True, timeout=600),
+        ],
         "redis_pool": core.redis,
         "queue_name": core.settings.queue_name,
         "ctx": {"core": core},

@@ -1,0 +1,144 @@
+"""Refunds, the sweeper and reconciliation, on both dialects. The clock is passed in, never slept on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+from server import keys, ledger, packets, settlement
+from server.core import Core
+from server.errors import RedPacketError
+from server.reconcile import reconcile
+from tests.conftest import make_world
+from tests.test_credit import assert_books_balance, run_worker
+
+
+async def _expire(core: Core, packet_id: int) -> int:
+    """Move the packet's expiry into the past (the database and Redis agree on it); return 'now'."""
+    row = await core.db.fetchone("SELECT expires_ms FROM red_packets WHERE id = %s", (packet_id,))
+    assert row is not None
+    return int(row[0]) + 1
+
+
+async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -> None:
+    w = await make_world(core, members=5, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 1_000, 5)
+    grabs = [await packets.grab(core, p.packet_id, w.group, u) for u in w.members[:2]]
+    taken = sum(g.grab.amount for g in grabs)
+    # The credit jobs never ran: the refund itself settles the grabs first, so they are paid, not refunded.
+    r = await settlement.refund_packet(core, p.packet_id, now=await _expire(core, p.packet_id))
+    assert (r.outcome, r.amount) == ("refunded", 1_000 - taken)
+    for g in grabs:
+        assert await ledger.balance(core.db, g.grab.user_id) == g.grab.amount
+    assert await ledger.balance(core.db, w.admin) == 10_000 - taken
+    assert await core.redis.exists(*keys.packet_keys(p.packet_id)) == 0
+    # Nothing more to grab, and a second refund pays nothing.
+    try:
+        await packets.grab(core, p.packet_id, w.group, w.members[3])
+        raise AssertionError("grab after refund")
+    except RedPacketError as e:
+        assert e.code in ("packet_expired", "packet_not_found")
+    again = await settlement.refund_packet(core, p.packet_id, now=await _expire(core, p.packet_id))
+    assert again.outcome == "taken"
+    assert await run_worker(core) == 2  # the queued credit jobs run and pay nothing more
+    report = await reconcile(core.db)
+    assert report.ok, report.differences
+    await assert_books_balance(core)
+
+
+async def test_two_refunders_refund_once(core: Core) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 2)
+    await packets.grab(core, p.packet_id, w.group, w.members[0])
+    now = await _expire(core, p.packet_id)
+    results = await asyncio.gather(*(settlement.refund_packet(core, p.packet_id, now=now) for _ in range(4)))
+    assert [r.outcome for r in results].count("refunded") == 1
+    rows = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'refund'")
+    assert rows is not None and int(rows[0]) == 1
+    assert (await reconcile(core.db)).ok
+
+
+async def test_a_packet_not_yet_due_is_left_alone(core: Core) -> None:
+    w = await make_world(core, members=1, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 1)
+    r = await settlement.refund_packet(core, p.packet_id)
+    assert r.outcome == "not_due"
+    assert await settlement.due_for_refund(core) == []
+    assert (await packets.grab(core, p.packet_id, w.group, w.members[0])).outcome == "won"
+
+
+async def test_an_emptied_packet_is_finished_not_refunded(core: Core) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "equal", 600, 2)
+    for u in w.members:
+        await packets.grab(core, p.packet_id, w.group, u)
+    await run_worker(core)
+    assert await settlement.mark_finished(core) == 1
+    row = await core.db.fetchone("SELECT status FROM red_packets WHERE id = %s", (p.packet_id,))
+    assert row is not None and row[0] == "finished"
+    assert await settlement.due_for_refund(core, now=await _expire(core, p.packet_id)) == []
+    refunds = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'refund'")
+    assert refunds is not None and int(refunds[0]) == 0
+    assert (await reconcile(core.db)).ok
+
+
+async def test_sweeper_pays_a_grab_whose_enqueue_was_lost(core: Core) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 800, 2)
+    g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
+    # As if the hub died right after the Lua grab: no credit job exists.
+    await core.redis.delete(keys.credit_job_key(p.packet_id, g.seq), core.settings.queue_name)
+    assert await run_worker(core) == 0
+    assert await ledger.balance(core.db, w.members[0]) == 0
+    swept = await settlement.sweep(core)
+    assert (swept.credited_now, swept.refused) == (1, 0)
+    assert await ledger.balance(core.db, w.members[0]) == g.amount
+    assert (await settlement.sweep(core)).credited_now == 0
+    assert (await reconcile(core.db)).ok
+
+
+async def test_reconciliation_finds_a_cent_out_of_place(core: Core) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 700, 2)
+    await packets.grab(core, p.packet_id, w.group, w.members[0])
+    await run_worker(core)
+    clean = await reconcile(core.db)
+    assert clean.ok and clean.money_in == 10_000 and clean.held_in_packets > 0
+    await core.db.run(
+        lambda tx: tx.execute("UPDATE accounts SET balance = balance + 1 WHERE user_id = %s", (w.members[1],))
+    )
+    report = await reconcile(core.db)
+    assert {d.check for d in report.differences} == {"account_journal", "global"}
+    # The command prints the report and exits non-zero.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
+    env.update(REDPACKET_DATABASE_URL=core.settings.database_url, REDPACKET_REDIS_URL=core.settings.redis_url)
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "server", "reconcile"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "DIFFERENCE account_journal" in done.stdout, done.stdout + done.stderr
+
+
+async def test_the_periodic_jobs(core: Core) -> None:
+    import dataclasses
+
+    from worker.credit import Ctx
+    from worker.main import make_worker
+    from worker.settle import reconcile_job, refund_expired_job, sweep_job
+
+    names = {c.name for c in make_worker(core).cron_jobs}
+    assert {"cron:refund_expired_job", "cron:sweep_job", "cron:reconcile_job"} <= names
+    w = await make_world(core, members=1, admin_cents=10_000)
+    expired = dataclasses.replace(core, settings=core.settings.with_(packet_ttl_seconds=0))
+    await packets.send_packet(expired, w.admin, w.group, "lucky", 400, 1)
+    ctx: Ctx = {"core": core}
+    assert (await refund_expired_job(ctx)).get("refunded") == 1
+    assert await ledger.balance(core.db, w.admin) == 10_000
+    assert await sweep_job(ctx) == {"credited": 0, "refused": 0}
+    assert await reconcile_job(ctx) == 0
