@@ -87,10 +87,26 @@ async def _serve(settings: Settings, with_worker: bool) -> None:
 async def _worker(settings: Settings) -> None:
     from worker.main import make_worker
 
-    async with open_core(settings) as core:
+    # A worker process runs a few hundred credit jobs at once; each needs a Redis connection.
+    async with open_core(settings.with_(redis_pool_size=max(settings.redis_pool_size, 256))) as core:
         worker = make_worker(core, handle_signals=True)
         log.info("worker consuming %s", settings.queue_name)
         await worker.async_run()
+
+
+async def _worker_healthy(settings: Settings) -> bool:
+    """arq writes a health line under ``<queue>:health-check`` every minute; present means alive."""
+    from arq.constants import health_check_key_suffix
+
+    from server.queue import make_redis
+
+    redis = make_redis(settings)
+    try:
+        line = await redis.get(settings.queue_name + health_check_key_suffix)
+    finally:
+        await redis.aclose(close_connection_pool=True)
+    print(line.decode() if line else "no worker health line")
+    return line is not None
 
 
 async def _migrate(settings: Settings) -> None:
@@ -168,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
             elif args.command == "serve":
                 uvloop.run(_serve(s, with_worker=False))
             elif args.command == "worker":
+                if args.check:
+                    sys.exit(0 if uvloop.run(_worker_healthy(s)) else 1)
                 uvloop.run(_worker(s))
             elif args.command == "migrate":
                 uvloop.run(_migrate(s))

@@ -13,7 +13,7 @@ from arq.worker import func
 
 from server.core import Core
 from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
-from worker.credit import credit_grab_job
+from worker.credit import CreditBatcher, credit_grab_job
 from worker.settle import reconcile_job, refund_expired_job, sweep_job
 
 # A credit job's result is kept this long; while it is, enqueueing the same grab again is a no-op.
@@ -32,12 +32,15 @@ def make_worker(core: Core, **overrides: Any) -> Worker:
         ],
         "redis_pool": core.redis,
         "queue_name": core.settings.queue_name,
-        "ctx": {"core": core},
+        "ctx": {"core": core, "batcher": CreditBatcher(core.db)},
         "job_serializer": job_serializer,
         "job_deserializer": job_deserializer,
         "keep_result": KEEP_RESULT_SECONDS,
-        "max_jobs": 50,
+        # Enough jobs at once to fill credit batches, but fewer than Redis connections (the pool is not
+        # first-come-first-served: more waiters than connections starve some past its timeout).
+        "max_jobs": max(10, core.settings.redis_pool_size - 16),
         "handle_signals": False,
+        "health_check_interval": 60,
     }
     options.update(overrides)
     return Worker(**options)

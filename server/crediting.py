@@ -1,0 +1,130 @@
+"""Batched crediting: many grabs paid in one transaction, exactly once.
+
+The same rules as ``ledger.credit_grab`` (the share must be the one the database pre-split, one share
+per user, one user per share, nothing on a refunded packet), decided for a whole batch from three reads,
+then written as multi-row inserts and one balance update per account, accounts in a fixed order so two
+batches never deadlock. If another worker credited one of these grabs in the meantime the batch rolls
+back on the unique keys and falls back to crediting one by one; either way each grab is paid once.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from server import errors
+from server.db import Database, IntegrityError, Tx
+from server.errors import RedPacketError
+from server.ledger import Credit, credit_grab, now_ms
+
+Outcome = str  # "credited", "already", or the error code that refused it
+
+
+async def credit_many(db: Database, credits: list[Credit]) -> list[Outcome]:
+    """Credit every grab in ``credits``; one outcome per credit, in order.
+
+    Cancelled before the commit: nothing is written and every grab can be credited again later.
+    """
+    if not credits:
+        return []
+    try:
+        return await db.run(lambda tx: _batch(tx, credits))
+    except IntegrityError:
+        out: list[Outcome] = []
+        for c in credits:
+            try:
+                out.append(await credit_grab(db, c))
+            except RedPacketError as e:
+                out.append(e.code)
+        return out
+
+
+def _marks(n: int) -> str:
+    return ", ".join(["%s"] * n)
+
+
+async def _batch(tx: Tx, credits: list[Credit]) -> list[Outcome]:
+    pids = sorted({c.packet_id for c in credits})
+    lock = tx.dialect.share_lock
+    status = {
+        int(r[0]): str(r[1])
+        for r in await tx.fetchall(
+            f"SELECT id, status FROM red_packets WHERE id IN ({_marks(len(pids))}){lock}", pids
+        )
+    }
+    shares = {
+        (int(r[0]), int(r[1])): int(r[2])
+        for r in await tx.fetchall(
+            f"SELECT packet_id, seq, amount FROM red_packet_shares WHERE packet_id IN ({_marks(len(pids))})",
+            pids,
+        )
+    }
+    by_seq: dict[tuple[int, int], tuple[int, str]] = {}
+    by_user: dict[tuple[int, int], int] = {}
+    held = await tx.fetchall(
+        f"SELECT packet_id, user_id, seq, status FROM grab_records WHERE packet_id IN ({_marks(len(pids))})"
+        + lock,
+        pids,
+    )
+    for pid, uid, seq, st in held:
+        by_seq[(int(pid), int(seq))] = (int(uid), str(st))
+        by_user[(int(pid), int(uid))] = int(seq)
+
+    out: list[Outcome] = []
+    inserts: list[Credit] = []
+    updates: list[Credit] = []
+    for c in credits:
+        seq_key, user_key = (c.packet_id, c.seq), (c.packet_id, c.user_id)
+        if c.packet_id not in status:
+            out.append(errors.PACKET_NOT_FOUND)
+        elif shares.get(seq_key) != c.amount:
+            out.append(errors.SHARE_CONFLICT)
+        elif seq_key in by_seq:
+            holder, st = by_seq[seq_key]
+            if holder != c.user_id:
+                out.append(errors.SHARE_CONFLICT)
+            elif st == "credited":
+                out.append("already")
+            elif status[c.packet_id] == "refunded":
+                out.append(errors.PACKET_EXPIRED)
+            else:
+                updates.append(c)
+                by_seq[seq_key] = (c.user_id, "credited")
+                out.append("credited")
+        elif user_key in by_user:
+            out.append(errors.SHARE_CONFLICT)
+        elif status[c.packet_id] == "refunded":
+            out.append(errors.PACKET_EXPIRED)
+        else:
+            inserts.append(c)
+            by_seq[seq_key] = (c.user_id, "credited")
+            by_user[user_key] = c.seq
+            out.append("credited")
+
+    ts = now_ms()
+    await tx.executemany(
+        "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
+        " VALUES (%s, %s, %s, %s, 'credited', %s, %s)",
+        [(c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, ts) for c in inserts],
+    )
+    for c in updates:
+        await tx.execute(
+            "UPDATE grab_records SET status = 'credited', credited_ms = %s WHERE packet_id = %s AND seq = %s",
+            (ts, c.packet_id, c.seq),
+        )
+    paid = inserts + updates
+    await tx.executemany(
+        "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms)"
+        " VALUES (%s, %s, 'grab', %s, %s, %s)",
+        [(c.user_id, c.amount, f"grab:{c.packet_id}:{c.seq}", c.packet_id, ts) for c in paid],
+    )
+    per_account: dict[int, int] = defaultdict(int)
+    for c in paid:
+        per_account[c.user_id] += c.amount
+    for user in sorted(per_account):  # a fixed order: two batches never wait on each other in a cycle
+        changed = await tx.execute(
+            "UPDATE accounts SET balance = balance + %s, updated_ms = %s WHERE user_id = %s",
+            (per_account[user], ts, user),
+        )
+        if changed != 1:
+            raise RedPacketError(errors.USER_NOT_FOUND, f"no account for user {user}")
+    return out
