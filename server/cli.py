@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     rec = sub.add_parser("recover", help="rebuild packets' Redis state from the database")
     rec.add_argument("packet_ids", type=int, nargs="+")
     bench = sub.add_parser("bench", help="print benchmark figures and a JSON line")
-    bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot"])
+    bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot", "credit"])
     bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
     bench.add_argument("--clients", type=int, default=10_000, help="connected clients (hot)")
     args = parser.parse_args(argv)
@@ -202,6 +202,10 @@ def main(argv: list[str] | None = None) -> None:
                     uvloop.run(run_grab_bench(s, args.grabs))
                 elif args.what == "hub-grab":
                     uvloop.run(hubbench.bench_hub_grab(s))
+                elif args.what == "credit":
+                    from server.creditbench import bench_credit
+
+                    uvloop.run(bench_credit(s))
                 elif args.what == "fanout":
                     uvloop.run(hubbench.bench_fanout(s))
                 else:

@@ -29,7 +29,7 @@ class CreditBatcher:
     arq runs the job again and it finds the grab already credited.
     """
 
-    def __init__(self, db: Database, max_batch: int = 500, linger: float = 0.002) -> None:
+    def __init__(self, db: Database, max_batch: int = 500, linger: float = 0.01) -> None:
         self.db = db
         self.max_batch = max_batch
         self.linger = linger
