@@ -51,23 +51,29 @@ async def _batch(tx: Tx, credits: list[Credit]) -> list[Outcome]:
             f"SELECT id, status FROM red_packets WHERE id IN ({_marks(len(pids))}){lock}", pids
         )
     }
-    shares = {
-        (int(r[0]), int(r[1])): int(r[2])
-        for r in await tx.fetchall(
-            f"SELECT packet_id, seq, amount FROM red_packet_shares WHERE packet_id IN ({_marks(len(pids))})",
-            pids,
-        )
-    }
+    # Only the rows this batch is about: its shares, and grab records holding its shares or its users.
+    # (Plain IN lists, which the engines search fast; pairs are matched exactly below.)
+    seq_pairs = {(c.packet_id, c.seq) for c in credits}
+    user_pairs = {(c.packet_id, c.user_id) for c in credits}
+    seqs = sorted({c.seq for c in credits})
+    users = sorted({c.user_id for c in credits})
+    share_rows = await tx.fetchall(
+        f"SELECT packet_id, seq, amount FROM red_packet_shares"
+        f" WHERE packet_id IN ({_marks(len(pids))}) AND seq IN ({_marks(len(seqs))})",
+        [*pids, *seqs],
+    )
+    shares = {(int(r[0]), int(r[1])): int(r[2]) for r in share_rows if (int(r[0]), int(r[1])) in seq_pairs}
     by_seq: dict[tuple[int, int], tuple[int, str]] = {}
     by_user: dict[tuple[int, int], int] = {}
     held = await tx.fetchall(
         f"SELECT packet_id, user_id, seq, status FROM grab_records WHERE packet_id IN ({_marks(len(pids))})"
-        + lock,
-        pids,
+        f" AND (seq IN ({_marks(len(seqs))}) OR user_id IN ({_marks(len(users))}))" + lock,
+        [*pids, *seqs, *users],
     )
     for pid, uid, seq, st in held:
-        by_seq[(int(pid), int(seq))] = (int(uid), str(st))
-        by_user[(int(pid), int(uid))] = int(seq)
+        if (int(pid), int(seq)) in seq_pairs or (int(pid), int(uid)) in user_pairs:
+            by_seq[(int(pid), int(seq))] = (int(uid), str(st))
+            by_user[(int(pid), int(uid))] = int(seq)
 
     out: list[Outcome] = []
     inserts: list[Credit] = []
