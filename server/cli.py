@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import logging
@@ -91,7 +92,10 @@ async def _worker(settings: Settings) -> None:
     async with open_core(settings.with_(redis_pool_size=max(settings.redis_pool_size, 256))) as core:
         worker = make_worker(core, handle_signals=True)
         log.info("worker consuming %s", settings.queue_name)
-        await worker.async_run()
+        # On SIGINT/SIGTERM arq cancels its running jobs (each rolls back; arq runs it again later)
+        # and its main task: that cancellation is the normal way out.
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker.async_run()
 
 
 async def _worker_healthy(settings: Settings) -> bool:
@@ -154,8 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     serve = sub.add_parser("serve", help="serve the API only (run workers with `redpacket worker`)")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
-    sub.add_parser(
-        "worker", help="run the credit worker against REDPACKET_REDIS_URL / REDPACKET_DATABASE_URL"
+    wk = sub.add_parser(
+        "worker", help="run the arq worker against REDPACKET_REDIS_URL / REDPACKET_DATABASE_URL"
+    )
+    wk.add_argument(
+        "--check", action="store_true", help="exit 0 if a worker reported healthy recently, else 1"
     )
     sub.add_parser("migrate", help="apply database migrations")
     sub.add_parser("reconcile", help="check every cent; print a report; exit 1 on any difference")
