@@ -125,6 +125,19 @@ async def _migrate(settings: Settings) -> None:
         await db.close()
 
 
+async def _blocks(settings: Settings, lift: int | None) -> None:
+    from server import bots
+
+    async with open_core(settings) as core:
+        if lift is not None:
+            print(f"user {lift}: {'unblocked' if await bots.lift(core, lift) else 'was not blocked'}")
+            return
+        shown = await bots.list_blocks(core)
+        for b in shown:
+            print(f"user {b.user} blocked until {b.until_ms} (unix ms): {b.reasons}")
+        print(f"{len(shown)} blocked")
+
+
 async def _reconcile(settings: Settings) -> bool:
     from server import schema
     from server.db import connect
@@ -166,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     sub.add_parser("migrate", help="apply database migrations")
     sub.add_parser("reconcile", help="check every cent; print a report; exit 1 on any difference")
+    blocks = sub.add_parser("blocks", help="list the users the bot detector blocked; --lift USER to unblock")
+    blocks.add_argument("--lift", type=int, metavar="USER")
     rec = sub.add_parser("recover", help="rebuild packets' Redis state from the database")
     rec.add_argument("packet_ids", type=int, nargs="+")
     bench = sub.add_parser("bench", help="print benchmark figures and a JSON line")
@@ -196,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                 uvloop.run(_worker(s))
             elif args.command == "migrate":
                 uvloop.run(_migrate(s))
+            elif args.command == "blocks":
+                uvloop.run(_blocks(s, args.lift))
             elif args.command == "reconcile":
                 if not uvloop.run(_reconcile(s)):
                     sys.exit(1)

@@ -45,11 +45,13 @@ class HubClient:
         self.closed: ConnectionClosed | None = None
 
     @classmethod
-    async def connect(cls, url: str, token: str, fmt: Format = "msgpack", **options: Any) -> HubClient:
+    async def connect(
+        cls, url: str, token: str, fmt: Format = "msgpack", device: str | None = None, **options: Any
+    ) -> HubClient:
+        """Open a socket; ``device`` identifies the client device to the bot detector."""
         sub = SUBPROTOCOL_MSGPACK if fmt == "msgpack" else SUBPROTOCOL_JSON
-        ws = await connect(
-            f"{url}?token={token}", subprotocols=[Subprotocol(sub)], compression=None, **options
-        )
+        query = f"?token={token}" + (f"&device={device}" if device else "")
+        ws = await connect(f"{url}{query}", subprotocols=[Subprotocol(sub)], compression=None, **options)
         client = cls(ws, fmt)
         client._reader = asyncio.create_task(client._read())
         welcomed = asyncio.create_task(client._welcomed.wait())

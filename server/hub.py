@@ -34,7 +34,7 @@ OffsetKey = tuple[int, int]
 class Connection:
     """One client socket as the hub sees it: a bounded send queue drained by one writer task."""
 
-    def __init__(self, hub: Hub, ws: WebSocket, user_id: int, fmt: Format) -> None:
+    def __init__(self, hub: Hub, ws: WebSocket, user_id: int, fmt: Format, device: str = "") -> None:
         self.hub = hub
         self.ws = ws
         self.user_id = user_id
@@ -45,6 +45,9 @@ class Connection:
         # Per group: the newest offset delivered; events of a group are held until the client syncs it.
         self.last: dict[int, OffsetKey] = {}
         self.held: dict[int, list[tuple[OffsetKey, bytes | str]]] = {}
+        # When each packet was shown on this socket (unix ms): the bot detector's reaction time.
+        self.announced: dict[int, int] = {}
+        self.device = device or self.id
         self.closing = asyncio.Event()
         self.close_code = protocol.CLOSE_NORMAL
         self.close_reason = ""
@@ -362,6 +365,12 @@ class Hub:
             return
         message = protocol.event(g, offset, kind, data)
         key = offset_key(offset)
+        if kind == "packet":
+            shown = int(time.time() * 1000)
+            for conn in conns:
+                conn.announced[int(data["packet_id"])] = shown
+                if len(conn.announced) > 256:  # keep the recent packets only
+                    del conn.announced[next(iter(conn.announced))]
         frames: dict[str, bytes | str] = {}
         for conn in list(conns):
             frame = frames.get(conn.fmt)

@@ -98,3 +98,14 @@ def grab_bucket(user_id: int) -> str:
 def user_block(user_id: int) -> str:
     """Present while the bot detector blocks this user from grabbing; its TTL is the block's length."""
     return f"rp:{{u{user_id}}}:block"
+
+
+def grab_throttle(user_id: int) -> str:
+    """Present while the bot detector throttles this user: its value is the grabs per second allowed."""
+    return f"rp:{{u{user_id}}}:throttle"
+
+
+# Every grab attempt, for the bot detector: a capped stream (user, group, packet, reaction, device).
+GRAB_ATTEMPTS = "rp:attempts"
+# Sorted set user id → when their block ends (unix ms): what operators list and lift.
+BLOCKS = "rp:blocks"

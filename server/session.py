@@ -190,6 +190,7 @@ async def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     try:
         group = s.member_of(body)
         packet_id = field_int(body, "packet")
+        s.hub.spawn(_record_attempt(s, group, packet_id))
         r = await packets.grab(s.core, packet_id, group, s.conn.user_id, gate=_gate(s))
     except RedPacketError as e:
         outcome = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}.get(e.code, "denied")
@@ -206,12 +207,27 @@ async def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     return {"packet": packet_id, "outcome": r.outcome, **asdict(r.grab), "remaining": r.remaining}
 
 
+async def _record_attempt(s: Session, group: int, packet_id: int) -> None:
+    """One line for the bot detector: who grabbed what, how long after this socket was shown it."""
+    shown = s.conn.announced.get(packet_id)
+    now = int(time.time() * 1000)
+    fields = {
+        "user": s.conn.user_id,
+        "group": group,
+        "packet": packet_id,
+        "reaction_ms": "" if shown is None else now - shown,
+        "device": s.conn.device,
+        "ms": now,
+    }
+    await s.core.redis.xadd(keys.GRAB_ATTEMPTS, fields, maxlen=100_000, approximate=True)  # type: ignore[arg-type]
+
+
 async def _gate(s: Session) -> None:
     user = s.conn.user_id
     res = await call_script(
         s.core,
         s.core.scripts.grab_gate,
-        [keys.user_block(user), keys.grab_bucket(user)],
+        [keys.user_block(user), keys.grab_bucket(user), keys.grab_throttle(user)],
         [s.core.settings.grabs_per_second, s.core.settings.grabs_burst],
     )
     if res[0] == b"blocked":
@@ -273,7 +289,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     except TokenError as e:
         await ws.close(protocol.CLOSE_UNAUTHORIZED, e.code)
         return
-    conn = Connection(hub, ws, user_id, fmt)
+    conn = Connection(hub, ws, user_id, fmt, device=str(ws.query_params.get("device", ""))[:64])
     mine = await groups.groups_of(core.db, user_id)
     await hub.join(conn, [int(g["group_id"]) for g in mine])  # type: ignore[call-overload]
     conn.send(

@@ -378,3 +378,39 @@ async def test_grab_storm_is_announced_in_coalesced_events(h: HubUnderTest) -> N
     assert fin["data"]["packet_id"] == sent["packet_id"]  # type: ignore[index]
     for c in [admin, *clients]:
         await c.close()
+
+
+async def test_a_bot_that_grabs_faster_than_a_human_is_blocked_and_can_be_lifted(
+    hub_settings: Settings,
+) -> None:
+    from server import bots
+
+    s = hub_settings.with_(grabs_per_second=1000, grabs_burst=1000)
+    async with hub_in_process(s) as h:
+        room = await make_room(h, 2)
+        admin = await h.client(room.admin_token)
+        bot_uid, bot_token = room.members[0]
+        bot = await h.client(bot_token, device="farm-1")
+        for _ in range(3):
+            sent = await admin.request("send", group=room.group, total=200, count=2)
+            ev = (await events_of(bot, 1, "packet"))[0]
+            assert ev["data"]["packet_id"] == sent["packet_id"]  # type: ignore[index]
+            await bot.request("grab", group=room.group, packet=sent["packet_id"])  # at once: a bot
+        await eventually(lambda: _attempts(h, 3))
+        rows = await h.core.redis.xrange(keys.GRAB_ATTEMPTS)
+        assert all(int(f[b"reaction_ms"]) < 100 and f[b"device"] == b"farm-1" for _, f in rows)
+        decisions = await bots.run_detector(h.core)
+        assert set(decisions) == {bot_uid} and decisions[bot_uid].action == "block"
+        sent = await admin.request("send", group=room.group, total=200, count=2)
+        with pytest.raises(HubError) as e:
+            await bot.request("grab", group=room.group, packet=sent["packet_id"])
+        assert e.value.code == "blocked"
+        assert [b.user for b in await bots.list_blocks(h.core)] == [bot_uid]
+        assert await bots.lift(h.core, bot_uid)
+        assert (await bot.request("grab", group=room.group, packet=sent["packet_id"]))["outcome"] == "won"
+        await admin.close()
+        await bot.close()
+
+
+async def _attempts(h: HubUnderTest, n: int) -> bool:
+    return int(await h.core.redis.xlen(keys.GRAB_ATTEMPTS)) >= n

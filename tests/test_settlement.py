@@ -133,7 +133,7 @@ async def test_the_periodic_jobs(core: Core) -> None:
     from worker.settle import reconcile_job, refund_expired_job, sweep_job
 
     names = {c.name for c in make_worker(core).cron_jobs}
-    assert {"cron:refund_expired_job", "cron:sweep_job", "cron:reconcile_job"} <= names
+    assert {"cron:refund_expired_job", "cron:sweep_job", "cron:reconcile_job", "cron:score_bots_job"} <= names
     w = await make_world(core, members=1, admin_cents=10_000)
     expired = dataclasses.replace(core, settings=core.settings.with_(packet_ttl_seconds=0))
     await packets.send_packet(expired, w.admin, w.group, "lucky", 400, 1)

@@ -1,4 +1,4 @@
-"""Periodic money jobs: refunds of expired packets, the sweeper of stranded grabs, reconciliation.
+"""Periodic jobs: refunds of expired packets, the sweeper of stranded grabs, reconciliation, bot scoring.
 
 Each is idempotent; arq's ``unique`` cron runs each tick once across workers, and a second run (or two
 workers racing) changes nothing more.
@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from server import settlement
+from server.bots import run_detector
 from server.reconcile import reconcile
 from worker.credit import Ctx
 
@@ -33,6 +34,12 @@ async def sweep_job(ctx: Ctx) -> dict[str, int]:
     if s.credited_now:
         log.warning("sweeper credited %d stranded grab(s)", s.credited_now)
     return {"credited": s.credited_now, "refused": s.refused}
+
+
+async def score_bots_job(ctx: Ctx) -> int:
+    """Score the last minute of grab attempts; set throttles and blocks. Returns the blocks set."""
+    decisions = await run_detector(ctx["core"])
+    return sum(d.action == "block" for d in decisions.values())
 
 
 async def reconcile_job(ctx: Ctx) -> int:
