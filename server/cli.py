@@ -90,8 +90,15 @@ async def _worker(settings: Settings) -> None:
 
     # A worker process runs a few hundred credit jobs at once; each needs a Redis connection.
     async with open_core(settings.with_(redis_pool_size=max(settings.redis_pool_size, 256))) as core:
-        worker = make_worker(core, handle_signals=True)
-        log.info("worker consuming %s", settings.queue_name)
+        from prometheus_client import start_http_server
+
+        from worker.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics()
+        if settings.worker_metrics_port:
+            start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
+        worker = make_worker(core, metrics, handle_signals=True)
+        log.info("worker consuming %s; metrics on port %s", settings.queue_name, settings.worker_metrics_port)
         # On SIGINT/SIGTERM arq cancels its running jobs (each rolls back; arq runs it again later)
         # and its main task: that cancellation is the normal way out.
         with contextlib.suppress(asyncio.CancelledError):

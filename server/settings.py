@@ -83,6 +83,7 @@ class Settings:
     presence_lapse_seconds: int = 60
     presence_event_limit: int = 500
     shutdown_seconds: int = 20
+    worker_metrics_port: int = 9108  # `redpacket worker` serves Prometheus metrics here (0: off)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -123,6 +124,7 @@ class Settings:
             presence_lapse_seconds=_int(env, "PRESENCE_LAPSE_SECONDS", d.presence_lapse_seconds),
             presence_event_limit=_int(env, "PRESENCE_EVENT_LIMIT", d.presence_event_limit),
             shutdown_seconds=_int(env, "SHUTDOWN_SECONDS", d.shutdown_seconds),
+            worker_metrics_port=_int(env, "WORKER_METRICS_PORT", d.worker_metrics_port),
         )
 
     def with_(self, **changes: object) -> Settings:

@@ -75,6 +75,11 @@ async def test_the_worker_credits_a_storm_in_batches(core: Core) -> None:
     assert w.jobs_complete == 100
     sizes = w.ctx["batcher"].sizes
     assert sum(sizes) == 100 and max(sizes) > 1
+    metrics = w.ctx["metrics"]
+    assert metrics.credit_lag._sum.get() > 0
+    lag_count = sum(b.get() for b in metrics.credit_lag._buckets)
+    assert lag_count == 100
+    assert sum(b.get() for b in metrics.batch_size._buckets) == len(sizes)
     for c in credits:
         assert await ledger.balance(core.db, c.user_id) == c.amount
     assert (await reconcile(core.db)).ok

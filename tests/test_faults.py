@@ -59,6 +59,7 @@ async def test_a_worker_killed_mid_batch_then_a_new_worker_finishes(core: Core) 
         REDPACKET_REDIS_URL=core.settings.redis_url,
         REDPACKET_DATABASE_URL=core.settings.database_url,
         REDPACKET_QUEUE_NAME=core.settings.queue_name,
+        REDPACKET_WORKER_METRICS_PORT="0",
     )
     worker = subprocess.Popen(  # noqa: ASYNC220 - one process per test
         [sys.executable, "-m", "server", "worker"],

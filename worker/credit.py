@@ -16,7 +16,8 @@ from server.core import Core
 from server.crediting import credit_many
 from server.db import Database, RetryableError
 from server.errors import Conflict, NotFound
-from server.ledger import Credit, credit_grab
+from server.ledger import Credit, credit_grab, now_ms
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,11 @@ class CreditBatcher:
     arq runs the job again and it finds the grab already credited.
     """
 
-    def __init__(self, db: Database, max_batch: int = 500, linger: float = 0.01) -> None:
+    def __init__(
+        self, db: Database, metrics: WorkerMetrics | None = None, max_batch: int = 500, linger: float = 0.01
+    ) -> None:
         self.db = db
+        self.metrics = metrics or WorkerMetrics()
         self.max_batch = max_batch
         self.linger = linger
         self.pending: list[tuple[Credit, asyncio.Future[str]]] = []
@@ -66,7 +70,11 @@ class CreditBatcher:
                 if not fut.done():
                     fut.set_exception(e if isinstance(e, Exception) else RuntimeError("batch cancelled"))
             raise
-        for (_, fut), outcome in zip(batch, outcomes, strict=True):
+        self.metrics.batch_size.observe(len(batch))
+        now = now_ms()
+        for (c, fut), outcome in zip(batch, outcomes, strict=True):
+            if outcome == "credited":
+                self.metrics.credit_lag.observe(max(0, now - c.grabbed_ms) / 1000)
             if not fut.done():
                 fut.set_result(outcome)
 
@@ -76,6 +84,7 @@ class Ctx(TypedDict, total=False):
 
     core: Core
     batcher: CreditBatcher
+    metrics: WorkerMetrics
     job_try: int
 
 

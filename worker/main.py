@@ -14,14 +14,16 @@ from arq.worker import func
 from server.core import Core
 from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
 from worker.credit import CreditBatcher, credit_grab_job
+from worker.metrics import WorkerMetrics
 from worker.settle import reconcile_job, refund_expired_job, score_bots_job, sweep_job
 
 # A credit job's result is kept this long; while it is, enqueueing the same grab again is a no-op.
 KEEP_RESULT_SECONDS = 24 * 3600
 
 
-def make_worker(core: Core, **overrides: Any) -> Worker:
+def make_worker(core: Core, metrics: WorkerMetrics | None = None, **overrides: Any) -> Worker:
     """A worker that runs every job family against ``core``'s database, on its queue."""
+    metrics = metrics or WorkerMetrics()
     options: dict[str, Any] = {
         # arq types ctx as a plain dict; our jobs take the TypedDict that says what is in it.
         "functions": [func(cast(Any, credit_grab_job), name=CREDIT_GRAB, max_tries=20)],
@@ -33,7 +35,7 @@ def make_worker(core: Core, **overrides: Any) -> Worker:
         ],
         "redis_pool": core.redis,
         "queue_name": core.settings.queue_name,
-        "ctx": {"core": core, "batcher": CreditBatcher(core.db)},
+        "ctx": {"core": core, "batcher": CreditBatcher(core.db, metrics), "metrics": metrics},
         "job_serializer": job_serializer,
         "job_deserializer": job_deserializer,
         "keep_result": KEEP_RESULT_SECONDS,

@@ -20,17 +20,29 @@ log = logging.getLogger(__name__)
 async def refund_expired_job(ctx: Ctx) -> dict[str, Any]:
     """Refund every packet past its expiry (and finish refunds a dead worker left half-way)."""
     core = ctx["core"]
+    metrics = ctx.get("metrics")
     done: dict[str, int] = {}
     for packet_id in await settlement.due_for_refund(core):
-        r = await settlement.refund_packet(core, packet_id)
+        try:
+            r = await settlement.refund_packet(core, packet_id)
+        except Exception:
+            log.exception("refund of packet %d failed; the next run tries again", packet_id)
+            if metrics:
+                metrics.refund_failures.inc()
+            continue
         done[r.outcome] = done.get(r.outcome, 0) + 1
+        if metrics:
+            metrics.refunds.labels(r.outcome).inc()
     done["finished"] = done.get("finished", 0) + await settlement.mark_finished(core)
     return done
 
 
 async def sweep_job(ctx: Ctx) -> dict[str, int]:
     """Credit grabs that Redis holds and the database never received."""
-    s = await settlement.sweep(ctx["core"])
+    core = ctx["core"]
+    if "metrics" in ctx:
+        ctx["metrics"].queue_depth.set(await core.redis.zcard(core.settings.queue_name))
+    s = await settlement.sweep(core)
     if s.credited_now:
         log.warning("sweeper credited %d stranded grab(s)", s.credited_now)
     return {"credited": s.credited_now, "refused": s.refused}
@@ -39,12 +51,17 @@ async def sweep_job(ctx: Ctx) -> dict[str, int]:
 async def score_bots_job(ctx: Ctx) -> int:
     """Score the last minute of grab attempts; set throttles and blocks. Returns the blocks set."""
     decisions = await run_detector(ctx["core"])
-    return sum(d.action == "block" for d in decisions.values())
+    blocks = sum(d.action == "block" for d in decisions.values())
+    if "metrics" in ctx:
+        ctx["metrics"].blocks_set.inc(blocks)
+    return blocks
 
 
 async def reconcile_job(ctx: Ctx) -> int:
     """Log every difference in the books; returns how many there were."""
     report = await reconcile(ctx["core"].db)
+    if "metrics" in ctx:
+        ctx["metrics"].reconcile_differences.set(len(report.differences))
     for d in report.differences:
         log.error("reconciliation: %s", d)
     return len(report.differences)
