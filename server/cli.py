@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     rec = sub.add_parser("recover", help="rebuild packets' Redis state from the database")
     rec.add_argument("packet_ids", type=int, nargs="+")
     bench = sub.add_parser("bench", help="print benchmark figures and a JSON line")
-    bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot", "credit"])
+    bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm"])
     bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
     bench.add_argument("--clients", type=int, default=10_000, help="connected clients (hot)")
     args = parser.parse_args(argv)
@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> None:
                     from server.creditbench import bench_credit
 
                     uvloop.run(bench_credit(s))
+                elif args.what == "storm":
+                    from server.creditbench import bench_storm
+
+                    uvloop.run(bench_storm(s))
                 elif args.what == "fanout":
                     uvloop.run(hubbench.bench_fanout(s))
                 else:

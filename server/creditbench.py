@@ -127,3 +127,111 @@ async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: in
         print(f"  {k:<28} {v}")
     print(json.dumps({"bench": "credit", **figures}))
     return figures
+
+
+async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) -> dict[str, Any]:
+    """Grabs at ``rate``/s for ``seconds`` through the core while a ``redpacket worker`` process
+    credits them: grab → credited latency, and the queue backlog sampled every second."""
+    import asyncio
+    import os
+    import statistics
+    import subprocess
+    import sys
+
+    tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
+    s = settings.with_(
+        database_url=settings.database_url or f"sqlite:///{tmp / 'bench.sqlite3'}",
+        max_count=1000,
+        max_total_cents=10**9,
+        queue_name="redpacket:bench:storm",
+        redis_pool_size=256,
+    )
+    total = rate * seconds
+    figures: dict[str, Any] = {
+        "rate": rate,
+        "seconds": seconds,
+        "grabs": total,
+        "database": s.database_url[:5],
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
+    env.update(
+        REDPACKET_REDIS_URL=s.redis_url,
+        REDPACKET_DATABASE_URL=s.database_url,
+        REDPACKET_QUEUE_NAME=s.queue_name,
+        REDPACKET_WORKER_METRICS_PORT="0",
+    )
+    try:
+        async with open_core(s) as core:
+            if s.database_url.startswith("sqlite"):
+                await fresh_ids(core)
+            stamp = ledger.now_ms()
+            users = await ledger.create_users(core.db, [f"s{stamp}_{i}" for i in range(1001)])
+            admin, grabbers = users[0], users[1:]
+            await ledger.topup(core.db, admin, total * 10, f"storm{stamp}")
+            group = await groups.create_group(core.db, admin, "storm")
+            await groups.add_members(core.db, core.membership, group, grabbers)
+            await core.membership.is_member(group, admin)
+            pids = [
+                (await packets.send_packet(core, admin, group, "equal", 10 * 1000, 1000)).packet_id
+                for _ in range(total // 1000)
+            ]
+            worker = subprocess.Popen(  # noqa: ASYNC220 - the worker under test, started once
+                [sys.executable, "-m", "server", "worker"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            backlog: list[int] = []
+            try:
+                jobs = [(p, u) for p in pids for u in grabbers]
+                tasks: list[asyncio.Task[Any]] = []
+                start = time.perf_counter()
+                tick = 0.01
+                per_tick = max(1, int(rate * tick))
+                for i in range(0, len(jobs), per_tick):
+                    due = start + (i // per_tick) * tick
+                    delay = due - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    tasks += [
+                        asyncio.create_task(packets.grab(core, p, group, u))
+                        for p, u in jobs[i : i + per_tick]
+                    ]
+                    if i % rate < per_tick:
+                        backlog.append(int(await core.redis.zcard(s.queue_name)))
+                await asyncio.gather(*tasks)
+                figures["achieved_grabs_per_s"] = round(total / (time.perf_counter() - start))
+                deadline = time.perf_counter() + 300
+                while time.perf_counter() < deadline:
+                    row = await core.db.fetchone(
+                        "SELECT COUNT(*) FROM grab_records WHERE status = 'credited'"
+                        f" AND packet_id IN ({', '.join(['%s'] * len(pids))})",
+                        pids,
+                    )
+                    depth = int(await core.redis.zcard(s.queue_name))
+                    backlog.append(depth)
+                    if row and int(row[0]) >= total:
+                        break
+                    await asyncio.sleep(1)
+                figures["drained_after_s"] = round(time.perf_counter() - start, 1)
+            finally:
+                worker.terminate()
+                await asyncio.to_thread(worker.wait, 60)
+            marks = ", ".join(["%s"] * len(pids))
+            rows = await core.db.fetchall(
+                f"SELECT credited_ms - grabbed_ms FROM grab_records WHERE packet_id IN ({marks})", pids
+            )
+            lags = sorted(int(r[0]) for r in rows)
+            figures["credited"] = len(lags)
+            if lags:
+                figures["lag_p50_ms"] = int(statistics.median(lags))
+                figures["lag_p99_ms"] = lags[int(len(lags) * 0.99) - 1]
+            figures["backlog_per_s"] = backlog
+            await core.redis.delete(s.queue_name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("storm benchmark")
+    for k, v in figures.items():
+        print(f"  {k:<22} {v}")
+    print(json.dumps({"bench": "storm", **figures}))
+    return figures
