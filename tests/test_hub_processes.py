@@ -112,3 +112,41 @@ async def a_redis_exists(settings: Settings, key: str) -> bool:
         return bool(await r.exists(key))
     finally:
         await r.aclose()
+
+
+async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> None:
+    """SIGKILL between a Lua grab and its enqueue: the sweeper pays what Redis recorded."""
+    from server import settlement
+    from server.core import open_core
+    from server.reconcile import reconcile
+    from tests.test_credit import run_worker
+
+    async with hub_process(hub_settings) as a, hub_process(hub_settings) as b:
+        _, admin_token, group, people = await _members(a, 80, "k")
+        admin = await HubClient.connect(a.ws, admin_token)
+        sent = await admin.request("send", group=group, kind="lucky", total=8_000, count=80)
+        doomed = [await HubClient.connect(b.ws, t) for _, t in people]
+
+        async def grab(c: HubClient) -> None:
+            try:
+                await c.request("grab", group=group, packet=sent["packet_id"], timeout=10)
+            except (TimeoutError, ConnectionClosed):
+                pass
+
+        storm = [asyncio.create_task(grab(c)) for c in doomed]
+        await asyncio.sleep(0)
+        assert b.process is not None
+        b.process.send_signal(signal.SIGKILL)
+        await asyncio.gather(*storm)
+        async with open_core(hub_settings) as core:
+            held = await a_redis_grabs(hub_settings, sent["packet_id"])
+            await settlement.sweep(core)
+            await run_worker(core)
+            rows = await core.db.fetchall(
+                "SELECT seq FROM grab_records WHERE packet_id = %s AND status = 'credited'",
+                (sent["packet_id"],),
+            )
+            assert sorted(int(r[0]) for r in rows) == sorted(held)
+            assert (await reconcile(core.db)).ok
+        for c in [admin, *doomed]:
+            await c.close()
