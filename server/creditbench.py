@@ -56,43 +56,57 @@ async def _raw(core: Core, credits: list[Credit], batch: int) -> None:
             await add_to_balances(tx, dict(per), ts)
 
 
-async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: int = 2_000) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
-    s = settings.with_(
+def _bench_settings(settings: Settings, tmp: Path, queue: str) -> Settings:
+    return settings.with_(
         database_url=settings.database_url or f"sqlite:///{tmp / 'bench.sqlite3'}",
         max_count=1000,
         max_total_cents=10**9,
-        queue_name=QUEUE,
+        queue_name=queue,
         redis_pool_size=256,
     )
+
+
+async def _bench_world(core: Core, members: int, money: int) -> tuple[int, int, list[int], list[int]]:
+    """An admin with ``money``, ``members`` others in one group, and packets of 1,000 equal 10-cent
+    shares spending it: (admin, group, members, packet ids)."""
+    if core.settings.database_url.startswith("sqlite"):
+        await fresh_ids(core)
+    stamp = ledger.now_ms()
+    users = await ledger.create_users(core.db, [f"b{stamp}_{i}" for i in range(members + 1)])
+    admin, others = users[0], users[1:]
+    await ledger.topup(core.db, admin, money, f"bench{stamp}")
+    group = await groups.create_group(core.db, admin, "bench")
+    await groups.add_members(core.db, core.membership, group, others)
+    await core.membership.is_member(group, admin)  # warm the member cache
+    pids = [
+        (await packets.send_packet(core, admin, group, "equal", 10 * 1000, 1000)).packet_id
+        for _ in range(money // 10_000)
+    ]
+    return admin, group, others, pids
+
+
+async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: int = 2_000) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
+    s = _bench_settings(settings, tmp, QUEUE)
     figures: dict[str, Any] = {"credits": credits_n, "database": s.database_url.split(":", 1)[0]}
     try:
         async with open_core(s) as core:
-            if s.database_url.startswith("sqlite"):
-                await fresh_ids(core)
+            _, _, members, pids = await _bench_world(core, 1000, credits_n * 10)
             stamp = ledger.now_ms()
-            users = await ledger.create_users(core.db, [f"c{stamp}_{i}" for i in range(1000)])
-            await ledger.topup(core.db, users[0], credits_n * 10, f"bench{stamp}")
-            group = await groups.create_group(core.db, users[0], "credit bench")
-            await groups.add_members(core.db, core.membership, group, users[1:])
-            credits: list[Credit] = []
-            while len(credits) < credits_n:
-                p = await packets.send_packet(core, users[0], group, "equal", 10 * 1000, 1000)
-                credits += [Credit(p.packet_id, users[i], i + 1, 10, stamp) for i in range(1000)]
-            credits = credits[:credits_n]
+            credits = [Credit(p, members[i], i + 1, 10, stamp) for p in pids for i in range(1000)]
 
-            await _reset(core, users)
+            await _reset(core, members)
             start = time.perf_counter()
             await _raw(core, credits, 500)
             figures["raw_batched_insert_per_s"] = round(credits_n / (time.perf_counter() - start))
 
-            await _reset(core, users)
+            await _reset(core, members)
             start = time.perf_counter()
             for i in range(0, credits_n, 500):
                 await credit_many(core.db, credits[i : i + 500])
             figures["credit_many_500_per_s"] = round(credits_n / (time.perf_counter() - start))
 
-            await _reset(core, users)
+            await _reset(core, members)
             from worker.main import make_worker
 
             for c in credits:
@@ -112,7 +126,7 @@ async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: in
             paid = await core.db.fetchone("SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM grab_records")
             figures["worker_paid"] = [int(paid[0]), int(paid[1])] if paid else None
 
-            await _reset(core, users)
+            await _reset(core, members)
             start = time.perf_counter()
             for c in credits[:single_n]:
                 await credit_grab(core.db, c)
@@ -139,13 +153,7 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
     import sys
 
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
-    s = settings.with_(
-        database_url=settings.database_url or f"sqlite:///{tmp / 'bench.sqlite3'}",
-        max_count=1000,
-        max_total_cents=10**9,
-        queue_name="redpacket:bench:storm",
-        redis_pool_size=256,
-    )
+    s = _bench_settings(settings, tmp, "redpacket:bench:storm")
     total = rate * seconds
     figures: dict[str, Any] = {
         "rate": rate,
@@ -162,19 +170,7 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
     )
     try:
         async with open_core(s) as core:
-            if s.database_url.startswith("sqlite"):
-                await fresh_ids(core)
-            stamp = ledger.now_ms()
-            users = await ledger.create_users(core.db, [f"s{stamp}_{i}" for i in range(1001)])
-            admin, grabbers = users[0], users[1:]
-            await ledger.topup(core.db, admin, total * 10, f"storm{stamp}")
-            group = await groups.create_group(core.db, admin, "storm")
-            await groups.add_members(core.db, core.membership, group, grabbers)
-            await core.membership.is_member(group, admin)
-            pids = [
-                (await packets.send_packet(core, admin, group, "equal", 10 * 1000, 1000)).packet_id
-                for _ in range(total // 1000)
-            ]
+            _, group, grabbers, pids = await _bench_world(core, 1000, total * 10)
             worker = subprocess.Popen(  # noqa: ASYNC220 - the worker under test, started once
                 [sys.executable, "-m", "server", "worker"],
                 env=env,

@@ -69,14 +69,7 @@ async def test_sigterm_sends_1012_and_loses_no_grab_in_flight(hub_settings: Sett
         sent = await admin.request("send", group=group, kind="lucky", total=6_000, count=60)
         doomed = [await HubClient.connect(b.ws, t) for _, t in people]
         answered: list[dict[str, Any]] = []
-
-        async def grab(c: HubClient) -> None:
-            try:
-                answered.append(await c.request("grab", group=group, packet=sent["packet_id"]))
-            except (TimeoutError, ConnectionClosed):
-                pass
-
-        storm = [asyncio.create_task(grab(c)) for c in doomed]
+        storm = [asyncio.create_task(_grab(c, group, sent["packet_id"], answered)) for c in doomed]
         await asyncio.sleep(0)  # let the storm start before the signal
         assert b.process is not None
         b.process.send_signal(signal.SIGTERM)
@@ -91,6 +84,14 @@ async def test_sigterm_sends_1012_and_loses_no_grab_in_flight(hub_settings: Sett
             assert await a_redis_exists(hub_settings, keys.credit_job_key(sent["packet_id"], seq))
         for c in [admin, *doomed]:
             await c.close()
+
+
+async def _grab(c: HubClient, group: int, packet_id: int, answered: list[dict[str, Any]]) -> None:
+    """One grab of a storm whose hub is about to die: the answer if it comes."""
+    try:
+        answered.append(await c.request("grab", group=group, packet=packet_id, timeout=10))
+    except (TimeoutError, ConnectionClosed):
+        pass
 
 
 async def a_redis_grabs(settings: Settings, packet_id: int) -> list[int]:
@@ -127,13 +128,7 @@ async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> N
         sent = await admin.request("send", group=group, kind="lucky", total=8_000, count=80)
         doomed = [await HubClient.connect(b.ws, t) for _, t in people]
 
-        async def grab(c: HubClient) -> None:
-            try:
-                await c.request("grab", group=group, packet=sent["packet_id"], timeout=10)
-            except (TimeoutError, ConnectionClosed):
-                pass
-
-        storm = [asyncio.create_task(grab(c)) for c in doomed]
+        storm = [asyncio.create_task(_grab(c, group, sent["packet_id"], [])) for c in doomed]
         await asyncio.sleep(0)
         assert b.process is not None
         b.process.send_signal(signal.SIGKILL)
