@@ -86,6 +86,7 @@ async def _serve(settings: Settings, with_worker: bool) -> None:
 
 
 async def _worker(settings: Settings) -> None:
+    from worker.drain import CreditDrain
     from worker.main import make_worker
 
     # A worker process runs a few hundred credit jobs at once; each needs a Redis connection.
@@ -99,10 +100,16 @@ async def _worker(settings: Settings) -> None:
             start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
         worker = make_worker(core, metrics, handle_signals=True)
         log.info("worker consuming %s; metrics on port %s", settings.queue_name, settings.worker_metrics_port)
+        drain = asyncio.create_task(CreditDrain(core, metrics).run())
         # On SIGINT/SIGTERM arq cancels its running jobs (each rolls back; arq runs it again later)
-        # and its main task: that cancellation is the normal way out.
-        with contextlib.suppress(asyncio.CancelledError):
-            await worker.async_run()
+        # and its main task: that cancellation is the normal way out. The credit drain stops with it.
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker.async_run()
+        finally:
+            drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await drain
 
 
 async def _worker_healthy(settings: Settings) -> bool:

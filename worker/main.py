@@ -14,6 +14,7 @@ from arq.worker import func
 from server.core import Core
 from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
 from worker.credit import CreditBatcher, credit_grab_job
+from worker.drain import CreditDrain
 from worker.metrics import WorkerMetrics
 from worker.settle import reconcile_job, refund_expired_job, score_bots_job, sweep_job
 
@@ -51,12 +52,14 @@ def make_worker(core: Core, metrics: WorkerMetrics | None = None, **overrides: A
 
 @contextlib.asynccontextmanager
 async def running_worker(core: Core) -> AsyncIterator[None]:
-    """A worker in this process for the duration of the block (``redpacket up``)."""
-    worker = make_worker(core)
-    task = asyncio.create_task(worker.async_run())
+    """A worker and a credit drain in this process for the duration of the block (``redpacket up``)."""
+    metrics = WorkerMetrics()
+    worker = make_worker(core, metrics)
+    tasks = [asyncio.create_task(worker.async_run()), asyncio.create_task(CreditDrain(core, metrics).run())]
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
