@@ -22,18 +22,26 @@ from worker.settle import reconcile_job, refund_expired_job, score_bots_job, swe
 KEEP_RESULT_SECONDS = 24 * 3600
 
 
+def job_functions() -> tuple[list[Any], list[Any]]:
+    """Every job and cron job the worker runs."""
+    functions = [func(cast(Any, credit_grab_job), name=CREDIT_GRAB, max_tries=20)]
+    crons = [
+        cron(cast(Any, refund_expired_job), second=0, unique=True, timeout=600),
+        cron(cast(Any, sweep_job), second={15, 45}, unique=True, timeout=300),
+        cron(cast(Any, reconcile_job), minute=set(range(0, 60, 10)), second=30, unique=True, timeout=600),
+        cron(cast(Any, score_bots_job), second=set(range(5, 60, 10)), unique=True, timeout=60),
+    ]
+    return functions, crons
+
+
 def make_worker(core: Core, metrics: WorkerMetrics | None = None, **overrides: Any) -> Worker:
     """A worker that runs every job family against ``core``'s database, on its queue."""
     metrics = metrics or WorkerMetrics()
+    functions, crons = job_functions()
     options: dict[str, Any] = {
         # arq types ctx as a plain dict; our jobs take the TypedDict that says what is in it.
-        "functions": [func(cast(Any, credit_grab_job), name=CREDIT_GRAB, max_tries=20)],
-        "cron_jobs": [
-            cron(cast(Any, refund_expired_job), second=0, unique=True, timeout=600),
-            cron(cast(Any, sweep_job), second={15, 45}, unique=True, timeout=300),
-            cron(cast(Any, reconcile_job), minute=set(range(0, 60, 10)), second=30, unique=True, timeout=600),
-            cron(cast(Any, score_bots_job), second=set(range(5, 60, 10)), unique=True, timeout=60),
-        ],
+        "functions": functions,
+        "cron_jobs": crons,
         "redis_pool": core.redis,
         "queue_name": core.settings.queue_name,
         "ctx": {"core": core, "batcher": CreditBatcher(core.db, metrics), "metrics": metrics},
