@@ -131,8 +131,8 @@ async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
                 "packets": await _open_packets(s, group),
             }
             continue
-        floor = offset_key(since)
-        s.conn.last[group] = floor
+        # Never send again what this socket already received: a second sync only adds what is newer.
+        s.conn.last[group] = max(offset_key(since), s.conn.last.get(group, (0, 0)))
         for offset, kind, data in missed.events:
             key = offset_key(offset)
             if key > s.conn.last[group]:
