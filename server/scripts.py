@@ -37,6 +37,8 @@ class Scripts:
     publish_event: AsyncScript
     grab_gate: AsyncScript
     presence: AsyncScript
+    claim_jobs: AsyncScript
+    finish_jobs: AsyncScript
 
     def __init__(self, redis: Redis, directory: Path = LUA_DIR) -> None:
         self.sources = read_sources(directory)

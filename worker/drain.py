@@ -43,22 +43,17 @@ class CreditDrain:
         ids = [i for i in due if i.startswith(b"credit:")][: self.batch]
         if not ids:
             return 0
-        async with redis.pipeline(transaction=False) as pipe:
-            for job_id in ids:
-                pipe.set(in_progress_key_prefix + job_id.decode(), b"drain", nx=True, px=CLAIM_MS)
-            claimed = await pipe.execute()
-        mine = [job_id.decode() for job_id, ok in zip(ids, claimed, strict=True) if ok]
+        scripts = self.core.scripts
+        got = await scripts.claim_jobs(
+            args=[in_progress_key_prefix, job_key_prefix, CLAIM_MS, *[i.decode() for i in ids]]
+        )
+        mine = [got[i].decode() for i in range(0, len(got), 2)]
+        payloads = [got[i] for i in range(1, len(got), 2)]
         if not mine:
             return 0
-        async with redis.pipeline(transaction=False) as pipe:
-            for job_id in mine:
-                pipe.get(job_key_prefix + job_id)
-            payloads = await pipe.execute()
         jobs: list[tuple[str, Any, Credit]] = []
-        gone: list[str] = []
         for job_id, payload in zip(mine, payloads, strict=True):
-            if payload is None:  # expired before anyone ran it: the sweeper pays its grab
-                gone.append(job_id)
+            if not payload:  # expired before anyone ran it: finished below, and the sweeper pays its grab
                 continue
             job = deserialize_job(payload, deserializer=job_deserializer)
             packet_id, user_id, seq, amount, grabbed_ms = job.args
@@ -68,28 +63,31 @@ class CreditDrain:
             outcomes = await credit_many(self.core.db, [c for _, _, c in jobs]) if jobs else []
         except Exception:
             # Nothing was committed: let the jobs go back to whoever takes them next.
-            await redis.delete(*[in_progress_key_prefix + j for j in mine])
+            await redis.delete(*[in_progress_key_prefix + j for j in mine])  # give them back
             raise
         finished = now_ms()
         self.metrics.batch_size.observe(len(jobs))
-        async with redis.pipeline(transaction=True) as pipe:
-            pipe.zrem(queue, *mine)
-            pipe.delete(*[job_key_prefix + j for j in mine], *[in_progress_key_prefix + j for j in mine])
-            for (job_id, job, c), outcome in zip(jobs, outcomes, strict=True):
-                if outcome == "credited":
-                    self.credited += 1
-                    self.metrics.credit_lag.observe(max(0, finished - c.grabbed_ms) / 1000)
-                elif outcome != "already":
-                    log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
-                # The same result arq would keep: while it exists, enqueueing this grab again is a no-op.
-                enqueued = int(job.enqueue_time.timestamp() * 1000)
-                result = serialize_result(
-                    CREDIT_GRAB, job.args, job.kwargs, job.job_try or 1, enqueued,
-                    True, outcome, started, finished, job_id, queue, job_id, serializer=job_serializer,
-                )  # fmt: skip
-                if result is not None:
-                    pipe.set(result_key_prefix + job_id, result, px=KEEP_RESULT_MS)
-            await pipe.execute()
+        results: dict[str, bytes] = {}
+        for (job_id, job, c), outcome in zip(jobs, outcomes, strict=True):
+            if outcome == "credited":
+                self.credited += 1
+                self.metrics.credit_lag.observe(max(0, finished - c.grabbed_ms) / 1000)
+            elif outcome != "already":
+                log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
+            # The same result arq would keep: while it exists, enqueueing this grab again is a no-op.
+            enqueued = int(job.enqueue_time.timestamp() * 1000)
+            result = serialize_result(
+                CREDIT_GRAB, job.args, job.kwargs, job.job_try or 1, enqueued,
+                True, outcome, started, finished, job_id, queue, job_id, serializer=job_serializer,
+            )  # fmt: skip
+            results[job_id] = result or b""
+        pairs: list[str | bytes] = []
+        for job_id in mine:
+            pairs += [job_id, results.get(job_id, b"")]
+        await scripts.finish_jobs(
+            keys=[queue],
+            args=[in_progress_key_prefix, job_key_prefix, result_key_prefix, KEEP_RESULT_MS, *pairs],
+        )
         return len(mine)
 
     async def run(self, idle_sleep: float = 0.05) -> None:
