@@ -414,3 +414,38 @@ async def test_a_bot_that_grabs_faster_than_a_human_is_blocked_and_can_be_lifted
 
 async def _attempts(h: HubUnderTest, n: int) -> bool:
     return int(await h.core.redis.xlen(keys.GRAB_ATTEMPTS)) >= n
+
+
+async def test_a_second_sync_never_resends_what_the_socket_already_has(h: HubUnderTest) -> None:
+    import msgpack
+
+    room = await make_room(h, 1)
+    talker = await h.client(room.admin_token)
+    raw = await websockets.connect(
+        f"{h.ws}?token={room.members[0][1]}", subprotocols=["redpacket.v1.msgpack"]
+    )  # type: ignore[list-item]
+    welcome = msgpack.unpackb(await raw.recv())
+    assert welcome["type"] == "welcome"
+    await raw.send(msgpack.packb({"id": 1, "type": "sync", "groups": {str(room.group): None}}))
+    frames: list[dict[str, object]] = []
+    while True:
+        f = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 10))
+        if f.get("type") == "reply" and f.get("id") == 1:
+            start = f["data"]["groups"][str(room.group)]["offset"]
+            break
+        frames.append(f)
+    for i in range(3):
+        await talker.request("chat", group=room.group, text=str(i))
+    while len([f for f in frames if f.get("event") == "chat"]) < 3:
+        frames.append(msgpack.unpackb(await asyncio.wait_for(raw.recv(), 10)))
+    # Sync again from before those chats: nothing this socket already received comes twice.
+    await raw.send(msgpack.packb({"id": 2, "type": "sync", "groups": {str(room.group): start}}))
+    while True:
+        f = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 10))
+        frames.append(f)
+        if f.get("type") == "reply" and f.get("id") == 2:
+            break
+    seen = [str(f["offset"]) for f in frames if f.get("type") == "event"]
+    assert len(seen) == len(set(seen)), seen
+    await raw.close()
+    await talker.close()
