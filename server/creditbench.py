@@ -17,7 +17,7 @@ from server.bench import fresh_ids
 from server.core import Core, open_core
 from server.crediting import add_to_balances, credit_many
 from server.ledger import Credit, credit_grab
-from server.settings import Settings
+from server.settings import Settings, child_env
 
 QUEUE = "redpacket:bench:credit"
 
@@ -158,7 +158,6 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
     """Grabs at ``rate``/s for ``seconds`` through the core while a ``redpacket worker`` process
     credits them: grab → credited latency, and the queue backlog sampled every second."""
     import asyncio
-    import os
     import statistics
     import subprocess
     import sys
@@ -172,8 +171,7 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
         "grabs": total,
         "database": s.database_url[:5],
     }
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
-    env.update(
+    env = child_env(
         REDPACKET_REDIS_URL=s.redis_url,
         REDPACKET_DATABASE_URL=s.database_url,
         REDPACKET_QUEUE_NAME=s.queue_name,

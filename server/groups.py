@@ -115,11 +115,6 @@ async def role_of(tx: Tx, group_id: int, user_id: int) -> tuple[Role | None, boo
     return role, bool(group[0])
 
 
-async def member_ids(db: Database, group_id: int) -> list[int]:
-    rows = await db.fetchall("SELECT user_id FROM group_members WHERE group_id = %s", (group_id,))
-    return [int(r[0]) for r in rows]
-
-
 async def require_admin(db: Database, group_id: int, user_id: int) -> None:
     async with db.transaction() as tx:
         role, _ = await role_of(tx, group_id, user_id)

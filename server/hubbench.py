@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -34,22 +33,16 @@ from server.bench import fresh_ids
 from server.client import HubClient
 from server.core import open_core
 from server.protocol import SUBPROTOCOL_MSGPACK
-from server.settings import Settings
+from server.settings import Settings, child_env
 from server.tokens import make_token
 
 SECRET = "bench-secret"
 
 
-def _rss_kb(pid: int) -> int:
+def _memory_kb(pid: int, field: str) -> int:
+    """A memory figure of a process from /proc: VmRSS (now) or VmHWM (peak)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
-def _hwm_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
 
@@ -79,8 +72,7 @@ async def _process(args: list[str], env: dict[str, str], pattern: str) -> AsyncI
 
 
 def _hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
-    env.update(
+    return child_env(
         REDPACKET_REDIS_URL=settings.redis_url,
         REDPACKET_DATABASE_URL=db_url,
         REDPACKET_SECRET=SECRET,
@@ -95,7 +87,6 @@ def _hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:
         REDPACKET_PRESENCE_EVENT_LIMIT="0",
         **extra,
     )
-    return env
 
 
 def _hub(settings: Settings, db_url: str, **extra: str) -> Any:
@@ -107,8 +98,7 @@ def _hub(settings: Settings, db_url: str, **extra: str) -> Any:
 
 
 def _bare(mode: str) -> Any:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
-    return _process([sys.executable, "-m", "server.hubbench", mode], env, r"bare on (ws://\S+)")
+    return _process([sys.executable, "-m", "server.hubbench", mode], child_env(), r"bare on (ws://\S+)")
 
 
 async def _world(settings: Settings, db_url: str, users: int, topup: int) -> tuple[int, int, list[int]]:
@@ -242,7 +232,7 @@ async def bench_hot(settings: Settings, clients_n: int = 10_000, shares: int = 1
     admin, group, ids = await _world(settings, db_url, clients_n + 1, 10**8)
     figures: dict[str, Any] = {"clients": clients_n, "shares": shares}
     async with _hub(settings, db_url, REDPACKET_WS_PING_INTERVAL="120") as (ws_url, hub_pid):
-        figures["hub_rss_empty_mb"] = round(_rss_kb(hub_pid) / 1024, 1)
+        figures["hub_rss_empty_mb"] = round(_memory_kb(hub_pid, "VmRSS") / 1024, 1)
         start = time.perf_counter()
         clients: list[HubClient] = []
         for i in range(0, clients_n, 500):
@@ -252,7 +242,7 @@ async def bench_hot(settings: Settings, clients_n: int = 10_000, shares: int = 1
         figures["connect_s"] = round(time.perf_counter() - start, 2)
         for i in range(0, clients_n, 1000):
             await asyncio.gather(*(c.sync() for c in clients[i : i + 1000]))
-        figures["hub_rss_connected_mb"] = round(_rss_kb(hub_pid) / 1024, 1)
+        figures["hub_rss_connected_mb"] = round(_memory_kb(hub_pid, "VmRSS") / 1024, 1)
         (packet_id,) = await _send_packets(settings, db_url, admin, group, 1, shares)
         latencies: list[float] = []
         outcomes: dict[str, int] = {}
@@ -273,7 +263,7 @@ async def bench_hot(settings: Settings, clients_n: int = 10_000, shares: int = 1
         figures["reply_p50_ms"] = round(statistics.median(latencies) * 1000, 1)
         figures["reply_p99_ms"] = round(latencies[int(len(latencies) * 0.99) - 1] * 1000, 1)
         figures["outcomes"] = outcomes
-        figures["hub_rss_peak_mb"] = round(_hwm_kb(hub_pid) / 1024, 1)
+        figures["hub_rss_peak_mb"] = round(_memory_kb(hub_pid, "VmHWM") / 1024, 1)
         figures["rss_per_connection_kb"] = round(
             (figures["hub_rss_connected_mb"] - figures["hub_rss_empty_mb"]) * 1024 / clients_n, 1
         )

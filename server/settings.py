@@ -35,6 +35,14 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     return _number(env, name, default, float)
 
 
+def child_env(**values: str) -> dict[str, str]:
+    """The environment for a child process (a hub, a worker): this one's, without any REDPACKET_
+    setting of its own, plus ``values`` (e.g. ``REDPACKET_REDIS_URL=...``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
+    env.update(values)
+    return env
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every tunable of the system. See the README's configuration table."""

@@ -4,7 +4,6 @@ separate ``redpacket serve`` processes; logging in and calling the HTTP API; wai
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import socket
 import subprocess
@@ -24,7 +23,7 @@ from server.cli import uvicorn_config
 from server.client import HubClient
 from server.core import Core
 from server.hub import Hub
-from server.settings import Settings
+from server.settings import Settings, child_env
 
 
 class _Server(uvicorn.Server):
@@ -115,8 +114,7 @@ def hub_url(output: IO[str]) -> str:
 
 
 def hub_env(settings: Settings) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
-    env.update(
+    return child_env(
         REDPACKET_REDIS_URL=settings.redis_url,
         REDPACKET_DATABASE_URL=settings.database_url,
         REDPACKET_SECRET=settings.secret,
@@ -125,7 +123,6 @@ def hub_env(settings: Settings) -> dict[str, str]:
         REDPACKET_QUEUE_NAME=settings.queue_name,
         REDPACKET_SHUTDOWN_SECONDS="10",
     )
-    return env
 
 
 @asynccontextmanager

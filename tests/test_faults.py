@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -24,6 +23,7 @@ from server.core import Core, open_core
 from server.crediting import credit_many
 from server.ledger import Credit
 from server.reconcile import reconcile
+from server.settings import child_env
 from tests.conftest import make_world
 from tests.hubtools import eventually
 from tests.test_credit import assert_books_balance, run_worker
@@ -54,8 +54,7 @@ async def _storm(core: Core, members: int) -> tuple[int, list[int], list[Credit]
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)
 async def test_a_worker_killed_mid_batch_then_a_new_worker_finishes(core: Core) -> None:
     _, _, credits = await _storm(core, 100)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
-    env.update(
+    env = child_env(
         REDPACKET_REDIS_URL=core.settings.redis_url,
         REDPACKET_DATABASE_URL=core.settings.database_url,
         REDPACKET_QUEUE_NAME=core.settings.queue_name,

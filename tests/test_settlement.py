@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ from server import keys, ledger, packets, settlement
 from server.core import Core
 from server.errors import RedPacketError
 from server.reconcile import reconcile
+from server.settings import child_env
 from tests.conftest import make_world
 from tests.test_credit import assert_books_balance, run_worker
 
@@ -112,8 +112,9 @@ async def test_reconciliation_finds_a_cent_out_of_place(core: Core) -> None:
     report = await reconcile(core.db)
     assert {d.check for d in report.differences} == {"account_journal", "global"}
     # The command prints the report and exits non-zero.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
-    env.update(REDPACKET_DATABASE_URL=core.settings.database_url, REDPACKET_REDIS_URL=core.settings.redis_url)
+    env = child_env(
+        REDPACKET_DATABASE_URL=core.settings.database_url, REDPACKET_REDIS_URL=core.settings.redis_url
+    )
     done = await asyncio.to_thread(
         subprocess.run,
         [sys.executable, "-m", "server", "reconcile"],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,13 +13,13 @@ import httpx
 import pytest
 
 from server.client import HubClient, HubError
+from server.settings import child_env
 from tests.hubtools import hub_url
 
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDPACKET_")}
-    env["REDPACKET_DATA_DIR"] = str(tmp_path / "data")
+    env = child_env(REDPACKET_DATA_DIR=str(tmp_path / "data"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "up", "--port", "0"],
         env=env,
