@@ -117,7 +117,7 @@ async def send_packet(
     """
     req = validate_request(kind, total, count, greeting, target_user_id, core.limits)
     if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):
-        raise InvalidRequest(errors.NAME_INVALID, "request_id is 1 to 64 characters")
+        raise InvalidRequest(errors.BAD_REQUEST, "request_id is 1 to 64 characters")
     shares = split(req, core.rng)
 
     async def work(tx: Tx) -> Packet:
