@@ -219,7 +219,15 @@ async def _record_attempt(s: Session, group: int, packet_id: int) -> None:
         "device": s.conn.device,
         "ms": now,
     }
-    await s.core.redis.xadd(keys.GRAB_ATTEMPTS, fields, maxlen=100_000, approximate=True)  # type: ignore[arg-type]
+
+    def add(pipe: Any) -> Any:
+        return pipe.xadd(keys.GRAB_ATTEMPTS, fields, maxlen=100_000, approximate=True)
+
+    # Rides in the grab's own pipeline when the core batches: no extra round trip on the hot path.
+    if s.core.batcher is not None:
+        await s.core.batcher.call(add)
+    else:
+        await add(s.core.redis)
 
 
 async def _gate(s: Session) -> None:
