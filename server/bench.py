@@ -54,13 +54,13 @@ async def _grab_all(core: Core, packet_id: int, group_id: int, users: list[int],
 
 
 async def _script_only(core: Core, packet_id: int, group_id: int, n: int, concurrency: int) -> float:
-    """The grab script alone (no membership check, no credit enqueue): what the client side costs."""
-    k = keys.packet_keys(packet_id)
+    """The grab script alone (its credit enqueue included, no member check): what the client side costs."""
     base = 10**9 + concurrency * 10**7
 
     async def lane(lane_no: int) -> None:
         for i in range(lane_no, n, concurrency):
-            res = await packets.call_script(core, core.scripts.grab, k, [base + i, group_id])
+            k, args = packets.grab_call(core, packet_id, group_id, base + i, False, False)
+            res = await packets.call_script(core, core.scripts.grab, k, args)
             if res[0] != b"won":
                 raise RuntimeError(f"bench grab answered {res[0]!r}")
 
@@ -74,12 +74,12 @@ def _redis_benchmark(core: Core, url: str, group_id: int, packet_id: int, pipeli
     if exe is None:
         return None
     u = urlparse(url)
-    k = keys.packet_keys(packet_id)
+    k, args = packets.grab_call(core, packet_id, group_id, 0, False, False)
     db = u.path.lstrip("/") or "0"
     cmd = [
         exe, "-h", u.hostname or "127.0.0.1", "-p", str(u.port or 6379), "--dbnum", db,
         "-n", "200000", "-c", "50", "-P", str(pipeline), "-r", "100000000", "-q",
-        "EVALSHA", core.scripts.sha("grab"), "3", *k, "__rand_int__", str(group_id),
+        "EVALSHA", core.scripts.sha("grab"), str(len(k)), *k, "__rand_int__", *map(str, args[1:]),
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
     m = re.findall(r"([\d.]+) requests per second", out)
@@ -162,8 +162,11 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
             figures["redis_benchmark_evalsha_c50_p16"] = await asyncio.to_thread(
                 _redis_benchmark, core, url, group, raw, 16
             )
+            # The raw packet's credit jobs: redis-benchmark's grabs queue theirs too.
+            jobs = keys.JOB_KEY_PREFIX + keys.credit_job_id_prefix(raw) + "*"
+            cleanup += [k async for k in core.redis.scan_iter(match=jobs, count=10_000)]
             for i in range(0, len(cleanup), 1000):
-                await core.redis.delete(*cleanup[i : i + 1000])
+                await core.redis.unlink(*cleanup[i : i + 1000])
             await core.redis.delete(*[keys.group_members(group), keys.group_members_version(group)])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,12 +1,17 @@
 """Every Redis key and channel name the project uses, built here and nowhere else.
 
-All keys of one packet share the hash tag ``{p<id>}`` (and of one group ``{g<id>}``), so every Lua
-script touches a single slot and runs unchanged on Redis Cluster.
+All keys of one packet share the hash tag ``{p<id>}`` (and of one group ``{g<id>}``, of one user
+``{u<id>}``). The grab script is the exception that spans them, with the arq queue: one round trip per
+grab needs one standalone Redis, which arq's queue on the same server needs anyway.
 """
 
 from __future__ import annotations
 
 from arq.constants import job_key_prefix, result_key_prefix
+
+# arq's own prefixes of a job's key and of its kept result (the grab script builds credit job keys).
+JOB_KEY_PREFIX: str = job_key_prefix
+RESULT_KEY_PREFIX: str = result_key_prefix
 
 
 def packet_meta(packet_id: int) -> str:
@@ -43,9 +48,14 @@ def group_members_version(group_id: int) -> str:
 LOADED = b"*"
 
 
+def credit_job_id_prefix(packet_id: int) -> str:
+    """What the credit job ids of one packet's shares start with (``lua/grab.lua`` appends the seq)."""
+    return f"credit:{packet_id}:"
+
+
 def credit_job_id(packet_id: int, seq: int) -> str:
     """arq job id of the credit of one share: enqueueing the same grab twice makes one job."""
-    return f"credit:{packet_id}:{seq}"
+    return credit_job_id_prefix(packet_id) + str(seq)
 
 
 def credit_job_key(packet_id: int, seq: int) -> str:

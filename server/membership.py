@@ -30,6 +30,10 @@ def parse_change(note: bytes) -> tuple[int, list[int], Change]:
     return int(body["group"]), [int(u) for u in body["users"]], body["change"]
 
 
+def not_member(group_id: int, user_id: int) -> Forbidden:
+    return Forbidden(errors.NOT_MEMBER, f"user {user_id} is not a member of group {group_id}")
+
+
 class Membership:
     def __init__(
         self, db: Database, redis: Redis, scripts: Scripts, cache_seconds: int, batcher: Batcher | None = None
@@ -55,7 +59,7 @@ class Membership:
 
     async def require(self, group_id: int, user_id: int) -> None:
         if not await self.is_member(group_id, user_id):
-            raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not a member of group {group_id}")
+            raise not_member(group_id, user_id)
 
     async def changed(self, group_id: int, user_ids: list[int], change: Change) -> None:
         """Call after a membership change has committed: drops the cache, and tells every hub, so that a

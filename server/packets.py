@@ -7,10 +7,8 @@ Redis state from the database. The pure pieces (the view of a packet) are plain 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,6 +21,7 @@ from server.core import Core
 from server.db import IntegrityError, Row, Tx
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
 from server.ledger import Credit, now_ms, post
+from server.membership import not_member
 from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
 from server.split import Kind, PacketRequest, split, validate_request
 
@@ -328,40 +327,73 @@ def parse_record(user_id: int, record: bytes | str) -> Grab:
     return Grab(user_id, int(seq), int(amount), int(ms))
 
 
-async def grab(
-    core: Core, packet_id: int, group_id: int, user_id: int, gate: Awaitable[None] | None = None
-) -> GrabResult:
+async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bool = False) -> GrabResult:
     """Take one share of a packet for ``user_id``, or the share they took before.
 
-    Membership is checked first (Redis cache of MySQL). The share is taken by one atomic Lua call; a
-    second grab by the same user returns the same share. The share's credit is enqueued with a
-    deterministic job id (again on every repeat, a no-op once queued); if that enqueue fails, the grab
-    still stands and the sweeper pays it. Cancelled after the script ran: the grab stands, and the next
-    call for it (or the sweeper) queues its credit.
-    If Redis no longer knows a live packet, it is recovered from the database once and the grab retried.
-    ``gate`` (the hub's rate limit and block check) runs beside the membership check, in the same batch.
+    One Lua call, one round trip: the member check (Redis cache of the database), the block and rate
+    limit when ``gate`` (the hub's), the share, and its credit queued as an arq job with a deterministic
+    id (again on a repeat, a no-op while queued or its result kept). A share is never taken without its
+    credit queued in the same atomic call. A second grab by the same user returns the same share.
+    A cold member cache costs one database read and a second call; so does a live packet that Redis no
+    longer knows, recovered from the database first.
     """
+
+    async def attempt(check_members: bool, gate: bool) -> tuple[str, Any]:
+        keys_, args = grab_call(core, packet_id, group_id, user_id, check_members, gate)
+        res = await call_script(core, core.scripts.grab, keys_, args)
+        return res[0].decode(), res
+
     try:
-        if gate is None:
+        status, res = await attempt(True, gate)
+        if status == "members":
+            # The cache was cold and the script stopped before the gate: it still applies.
             await core.membership.require(group_id, user_id)
-        else:
-            await asyncio.gather(core.membership.require(group_id, user_id), gate)
-        grab_keys = keys.packet_keys(packet_id)
-        res = await call_script(core, core.scripts.grab, grab_keys, [user_id, group_id])
-        if res[0] == b"unknown":
-            if not await _recover_if_live(core, packet_id, group_id):
-                raise _refusal("unknown")
-            res = await call_script(core, core.scripts.grab, grab_keys, [user_id, group_id])
+            status, res = await attempt(False, gate)
+        if status == "unknown" and await _recover_if_live(core, packet_id, group_id):
+            # This attempt passed the member check and the gate already: not charged twice.
+            status, res = await attempt(False, False)
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
-    status = res[0].decode()
-    if status not in ("won", "already"):
-        raise _refusal(status)
-    g = parse_record(user_id, res[1])
-    # Also on "already": whoever is told of a share has its credit queued, even if the call that won it
-    # died before enqueueing. A no-op while the job is queued or its result kept.
-    await enqueue_credit(core, Credit(packet_id, user_id, g.seq, g.amount, g.grabbed_ms))
-    return GrabResult(status, packet_id, g, int(res[2]))
+    if status == "not_member":
+        raise not_member(group_id, user_id)
+    if status == "blocked":
+        raise Forbidden(errors.BLOCKED, "grabbing is blocked for this account for now")
+    if status == "limited":
+        raise Conflict(errors.RATE_LIMITED, f"too many grabs: try again in {int(res[1])} ms")
+    if status in ("won", "already"):
+        outcome: Literal["won", "already"] = "won" if status == "won" else "already"
+        return GrabResult(outcome, packet_id, parse_record(user_id, res[1]), int(res[2]))
+    raise _refusal(status)
+
+
+def grab_call(
+    core: Core, packet_id: int, group_id: int, user_id: int, check_members: bool, gate: bool
+) -> tuple[list[str], list[Any]]:
+    """The keys and arguments of one call of ``lua/grab.lua`` (its header says what each one is)."""
+    s = core.settings
+    keys_ = [
+        *keys.packet_keys(packet_id),
+        keys.group_members(group_id),
+        keys.user_block(user_id),
+        keys.grab_bucket(user_id),
+        keys.grab_throttle(user_id),
+        s.queue_name,
+    ]
+    args = [
+        user_id,
+        group_id,
+        "1" if check_members else "0",
+        s.grabs_per_second if gate else "",
+        s.grabs_burst,
+        packet_id,
+        keys.credit_job_id_prefix(packet_id),
+        keys.JOB_KEY_PREFIX,
+        keys.RESULT_KEY_PREFIX,
+        CREDIT_GRAB,
+        JOB_TTL_MS,
+        keys.LOADED,
+    ]
+    return keys_, args
 
 
 async def _recover_if_live(core: Core, packet_id: int, group_id: int) -> bool:
@@ -494,7 +526,7 @@ async def open_packet(core: Core, packet_id: int, group_id: int, user_id: int) -
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
     if not member:
-        raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not a member of group {group_id}")
+        raise not_member(group_id, user_id)
     meta = _text(meta_raw)
     if meta and meta.get("group") == str(group_id):
         records = {int(u): parse_record(int(u), r) for u, r in _text(grabs_raw).items()}

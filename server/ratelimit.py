@@ -1,5 +1,5 @@
 """A token bucket, pure: the per-connection message limit. (The per-user grab limit, shared by every
-hub, is the same arithmetic in ``lua/grab_gate.lua``.)"""
+hub, is the same arithmetic inside ``lua/grab.lua``.)"""
 
 from __future__ import annotations
 

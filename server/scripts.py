@@ -35,7 +35,6 @@ class Scripts:
     enqueue_job: AsyncScript
     fill_members: AsyncScript
     publish_event: AsyncScript
-    grab_gate: AsyncScript
     presence: AsyncScript
     claim_jobs: AsyncScript
     finish_jobs: AsyncScript

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from arq.jobs import serialize_job
 
 from server import errors, keys, ledger, packets
 from server.core import Core
 from server.errors import Conflict
 from server.ledger import Credit
-from server.queue import CREDIT_GRAB
+from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
 from tests.conftest import make_world
 from worker.credit import Ctx, credit_grab_job
 from worker.main import make_worker
@@ -55,6 +56,35 @@ async def test_full_packet_is_credited_exactly(core: Core) -> None:
     rows = await core.db.fetchall("SELECT status FROM grab_records WHERE packet_id = %s", (p.packet_id,))
     assert [r[0] for r in rows] == ["credited"] * 10
     await assert_books_balance(core)
+
+
+async def test_the_grab_script_queues_the_job_arq_itself_would(core: Core) -> None:
+    """lua/grab.lua builds the credit job's msgpack itself: byte for byte what arq's enqueue makes."""
+    w = await make_world(core, members=1, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 777, 1)
+    g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
+    await _assert_arq_job(core, (p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms))
+    # Ids and amounts past 32 bits, on a packet that lives only in Redis.
+    big, user = 2**40 + 3, 2**33 + 5
+    meta, shares, _ = keys.packet_keys(big)
+    await core.redis.hset(meta, mapping={"group": w.group, "expires_ms": ledger.now_ms() + 60_000})
+    await core.redis.rpush(shares, f"70000:{2**31 + 7}")
+    k, args = packets.grab_call(core, big, w.group, user, False, False)
+    res = await core.scripts.grab(keys=k, args=args)
+    assert res[0] == b"won"
+    g = packets.parse_record(user, res[1])
+    await _assert_arq_job(core, (big, user, 70_000, 2**31 + 7, g.grabbed_ms))
+    await core.redis.delete(*keys.packet_keys(big), keys.credit_job_key(big, 70_000))
+
+
+async def _assert_arq_job(core: Core, args: tuple[int, int, int, int, int]) -> None:
+    job_id = keys.credit_job_id(args[0], args[2])
+    blob = await core.redis.get(keys.credit_job_key(args[0], args[2]))
+    assert isinstance(blob, bytes)
+    et = job_deserializer(blob)["et"]
+    assert abs(et - args[4]) <= 1
+    assert blob == serialize_job(CREDIT_GRAB, args, {}, None, et, serializer=job_serializer)
+    assert await core.redis.zscore(core.settings.queue_name, job_id) == et
 
 
 async def test_a_credit_run_twice_pays_once(core: Core) -> None:
