@@ -10,15 +10,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 
 from server import errors, groups, ledger, packets
 from server.core import Core, open_core
@@ -30,6 +33,15 @@ from server.settings import Settings
 from server.tokens import TokenError, make_token, verify_token
 
 log = logging.getLogger(__name__)
+
+
+def _web_dir() -> Path:
+    # The source tree (and editable installs) first; a wheel puts the page under share/redpacket/web.
+    here = Path(__file__).resolve().parent.parent / "web"
+    return here if here.is_dir() else Path(sys.prefix) / "share" / "redpacket" / "web"
+
+
+WEB_DIR = _web_dir()
 
 _STATUS = {
     InvalidRequest: 400,
@@ -132,6 +144,12 @@ async def create_group(request: Request, core: Core, user: int) -> dict[str, Any
     )
     await core.membership.changed(gid, [user], "added")
     return {"group_id": gid}
+
+
+async def list_members(request: Request, core: Core, user: int) -> dict[str, Any]:
+    gid = _int(request.path_params["group_id"], "group_id")
+    await core.membership.require(gid, user)
+    return {"group_id": gid, "members": await groups.members_of(core.db, gid)}
 
 
 async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]:
@@ -252,10 +270,13 @@ def create_app(settings: Settings, run_worker: bool = False) -> Starlette:
             Route("/api/me/packets", endpoint(my_packets)),
             Route("/api/topup", endpoint(topup), methods=["POST"]),
             Route("/api/groups", endpoint(create_group), methods=["POST"]),
+            Route("/api/groups/{group_id}/members", endpoint(list_members), methods=["GET"]),
             Route("/api/groups/{group_id}/members", endpoint(add_members), methods=["POST"]),
             Route("/api/groups/{group_id}/members/{user_id}", endpoint(remove_member), methods=["DELETE"]),
             Route("/api/groups/{group_id}/admins/{user_id}", endpoint(make_admin), methods=["POST"]),
             Route("/api/packets/{packet_id}", endpoint(packet_detail)),
+            # The demo page: static files, no build step (web/README.md).
+            Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
         ],
         lifespan=lifespan,
     )

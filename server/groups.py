@@ -142,3 +142,13 @@ async def groups_of(db: Database, user_id: int) -> list[dict[str, object]]:
         }
         for r in rows
     ]
+
+
+async def members_of(db: Database, group_id: int) -> list[dict[str, object]]:
+    """A group's members with their names and roles, admins first."""
+    rows = await db.fetchall(
+        "SELECT u.id, u.name, m.role FROM group_members m JOIN users u ON u.id = m.user_id"
+        " WHERE m.group_id = %s ORDER BY m.role = 'admin' DESC, u.name",
+        (group_id,),
+    )
+    return [{"user_id": int(r[0]), "name": r[1], "role": r[2]} for r in rows]

@@ -85,8 +85,9 @@ def _bound_socket() -> socket.socket:
 
 
 @asynccontextmanager
-async def hub_in_process(settings: Settings) -> AsyncIterator[HubUnderTest]:
-    app = create_app(settings)
+async def hub_in_process(settings: Settings, run_worker: bool = False) -> AsyncIterator[HubUnderTest]:
+    """A hub in this process; with ``run_worker``, a credit worker beside it as under ``redpacket up``."""
+    app = create_app(settings, run_worker=run_worker)
     sock = _bound_socket()
     server = _Server(uvicorn_config(app, settings))
     task = asyncio.create_task(server.serve(sockets=[sock]))

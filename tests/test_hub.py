@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import httpx
 import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
@@ -134,6 +135,14 @@ async def test_non_members_see_nothing_and_may_do_nothing(h: HubUnderTest) -> No
     await admin.request("chat", group=room.group, text="private")
     assert (await events_of(member, 1, "chat"))[0]["data"]["text"] == "private"  # type: ignore[index]
     assert stranger.events.empty()
+    # The member list (names for the page) is for members only.
+    listed = await h.api("GET", f"/api/groups/{room.group}/members", room.members[0][1])
+    assert [(m["user_id"], m["role"]) for m in listed["members"]] == [
+        (room.admin, "admin"),
+        (room.members[0][0], "member"),
+    ]
+    refused = await h.api("GET", f"/api/groups/{room.group}/members", stranger_token)
+    assert refused["error"]["code"] == "not_member"
     for c in (stranger, admin, member):
         await c.close()
 
@@ -449,3 +458,13 @@ async def test_a_second_sync_never_resends_what_the_socket_already_has(h: HubUnd
     assert len(seen) == len(set(seen)), seen
     await raw.close()
     await talker.close()
+
+
+async def test_the_demo_page_is_served_at_the_root(h: HubUnderTest) -> None:
+    async with httpx.AsyncClient(base_url=h.http) as http:
+        page = await http.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert '<script src="app.js">' in page.text
+        for asset in ("app.js", "style.css", "packet.svg"):
+            assert (await http.get(f"/{asset}")).status_code == 200, asset
+        assert (await http.get("/nope.js")).status_code == 404
