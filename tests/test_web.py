@@ -265,3 +265,48 @@ async def test_a_dropped_connection_shows_reconnects_and_fills_in_what_was_misse
             await page.screenshot(path=str(ARTIFACTS / "web-reconnected.png"))
             await page.context.close()
         await sender.close()
+
+
+async def test_refusals_are_shown_in_words_and_removal_takes_effect_on_the_page(
+    browser: Browser, hub_settings: Settings
+) -> None:
+    # Packets that expire two seconds after they are sent.
+    async with hub_in_process(hub_settings.with_(packet_ttl_seconds=2), run_worker=True) as hub:
+        _, alice_token = await hub.login("alice")
+        bob, _ = await hub.login("bob")
+        await hub.api("POST", "/api/topup", alice_token, amount=5_000, request_id="t1")
+        group = (await hub.api("POST", "/api/groups", alice_token, name="club"))["group_id"]
+        await hub.api("POST", f"/api/groups/{group}/members", alice_token, user_ids=[bob])
+        sender = await hub.client(alice_token, fmt="json")
+
+        page = await open_page(browser, hub.http, PHONE)
+        await log_in(page, "bob")
+        await page.click("#group-list button:has-text('club')")
+        sent = await sender.request("send", group=group, total=500, count=2, greeting="too slow")
+        bubble = page.locator(f".packet[data-packet='{sent['packet_id']}']")
+        await expect(bubble).to_contain_text("Tap to open")
+        await page.wait_for_function(f"Date.now() > {sent['expires_ms']} + 100")
+
+        # Tapping an expired packet: a sentence, no amount, nothing credited.
+        await bubble.click()
+        await expect(page.locator("#pd-note")).to_have_text("This red packet has expired.")
+        await expect(page.locator("#pd-amount")).to_be_empty()
+        assert await hub.api("GET", "/api/me", (await hub.login("bob"))[1]) == {
+            "user_id": bob,
+            "name": "bob",
+            "balance": 0,
+            "groups": [
+                {"group_id": group, "name": "club", "role": "member", "members_can_send": False, "members": 2}
+            ],
+        }
+        await page.click("#packet-close")
+
+        # Removed by the admin while looking at the group: the page says so and the group is gone.
+        await hub.api("DELETE", f"/api/groups/{group}/members/{bob}", alice_token)
+        await expect(page.locator("#toast")).to_have_text("You were removed from a group.")
+        await expect(page.locator("#group-list button:has-text('club')")).to_have_count(0)
+        await expect(page.locator("#composer")).to_be_hidden()
+        ARTIFACTS.mkdir(exist_ok=True)
+        await page.screenshot(path=str(ARTIFACTS / "web-removed.png"))
+        await page.context.close()
+        await sender.close()
