@@ -87,6 +87,16 @@ async def ledger_amount(hub: HubUnderTest, packet_id: int, user_id: int) -> tupl
         await db.close()
 
 
+async def pair_in_group(hub: HubUnderTest, name: str) -> tuple[str, int, int]:
+    """Over the HTTP API: alice (admin, ¥50) and bob in a new group. Alice's token, bob's id, the group."""
+    _, alice_token = await hub.login("alice")
+    bob, _ = await hub.login("bob")
+    await hub.api("POST", "/api/topup", alice_token, amount=5_000, request_id="t1")
+    group = (await hub.api("POST", "/api/groups", alice_token, name=name))["group_id"]
+    await hub.api("POST", f"/api/groups/{group}/members", alice_token, user_ids=[bob])
+    return alice_token, bob, int(group)
+
+
 async def test_admin_sends_member_grabs_both_see_it_and_the_balance_rises(
     browser: Browser, hub_settings: Settings
 ) -> None:
@@ -222,11 +232,7 @@ async def test_a_dropped_connection_shows_reconnects_and_fills_in_what_was_misse
     browser: Browser, hub_settings: Settings
 ) -> None:
     async with hub_in_process(hub_settings, run_worker=True) as hub:
-        _, alice_token = await hub.login("alice")
-        bob, _ = await hub.login("bob")
-        await hub.api("POST", "/api/topup", alice_token, amount=5_000, request_id="t1")
-        group = (await hub.api("POST", "/api/groups", alice_token, name="friends"))["group_id"]
-        await hub.api("POST", f"/api/groups/{group}/members", alice_token, user_ids=[bob])
+        alice_token, _, group = await pair_in_group(hub, "friends")
         sender = await hub.client(alice_token, fmt="json")
         await sender.request("chat", group=group, text="before the drop")
 
@@ -272,11 +278,7 @@ async def test_refusals_are_shown_in_words_and_removal_takes_effect_on_the_page(
 ) -> None:
     # Packets that expire two seconds after they are sent.
     async with hub_in_process(hub_settings.with_(packet_ttl_seconds=2), run_worker=True) as hub:
-        _, alice_token = await hub.login("alice")
-        bob, _ = await hub.login("bob")
-        await hub.api("POST", "/api/topup", alice_token, amount=5_000, request_id="t1")
-        group = (await hub.api("POST", "/api/groups", alice_token, name="club"))["group_id"]
-        await hub.api("POST", f"/api/groups/{group}/members", alice_token, user_ids=[bob])
+        alice_token, bob, group = await pair_in_group(hub, "club")
         sender = await hub.client(alice_token, fmt="json")
 
         page = await open_page(browser, hub.http, PHONE)
