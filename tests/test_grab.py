@@ -15,9 +15,9 @@ from server.membership import Membership
 from tests.conftest import bulk_users, make_world
 
 
-async def _grab_code(core: Core, packet_id: int, group_id: int, user: int) -> str:
+async def _grab_code(core: Core, packet_id: int, group_id: int, user: int, gate: bool = False) -> str:
     try:
-        return (await packets.grab(core, packet_id, group_id, user)).outcome
+        return (await packets.grab(core, packet_id, group_id, user, gate=gate)).outcome
     except RedPacketError as e:
         return e.code
 
@@ -99,6 +99,32 @@ async def test_refusals_have_stable_codes(core: Core) -> None:
     ex = await packets.send_packet(core, w.admin, w.group, "exclusive", 300, None, "for you", w.members[2])
     assert await _grab_code(core, ex.packet_id, w.group, w.members[1]) == errors.NOT_TARGET
     assert await _grab_code(core, ex.packet_id, w.group, w.members[2]) == "won"
+
+
+async def test_the_gate_charges_one_attempt_once_and_refuses_before_any_share_is_taken(core: Core) -> None:
+    """The hub's block and rate limit run inside the grab script: a cold member cache or a packet
+    recovered from the database (each a second call) never takes two tokens for one attempt."""
+    one_token = dataclasses.replace(core, settings=core.settings.with_(grabs_per_second=0.001, grabs_burst=1))
+    w = await make_world(core, members=4, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 400, 4)
+    a, b, c, d = w.members
+    # Cold member cache: the first call stops before the gate, the second takes the one token.
+    await core.redis.delete(keys.group_members(w.group))
+    assert await _grab_code(one_token, p.packet_id, w.group, a, gate=True) == "won"
+    assert await _grab_code(one_token, p.packet_id, w.group, a, gate=True) == errors.RATE_LIMITED
+    # Packet keys lost: the call that finds it unknown took the token; the call after recovery takes none.
+    await core.redis.delete(*keys.packet_keys(p.packet_id))
+    assert await _grab_code(one_token, p.packet_id, w.group, b, gate=True) == "won"
+    # Blocked, and limited: refused before any share is taken, nothing queued for them.
+    await core.redis.set(keys.user_block(c), 1, ex=60)
+    assert await _grab_code(one_token, p.packet_id, w.group, c, gate=True) == errors.BLOCKED
+    assert await _grab_code(one_token, p.packet_id, w.group, b, gate=True) == errors.RATE_LIMITED
+    assert await core.redis.llen(keys.packet_shares(p.packet_id)) == 2
+    assert await core.redis.hkeys(keys.packet_grabs(p.packet_id)) == [str(u).encode() for u in (a, b)]
+    assert await core.redis.zcard(core.settings.queue_name) == 2
+    # Without the gate (not the hub) neither applies.
+    assert await _grab_code(one_token, p.packet_id, w.group, c) == "won"
+    assert await _grab_code(one_token, p.packet_id, w.group, d, gate=True) == "won"
 
 
 async def test_removed_member_cannot_grab(core: Core) -> None:
