@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+from redis.asyncio import Redis
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
@@ -37,6 +39,17 @@ from server.settings import Settings, child_env
 from server.tokens import make_token
 
 SECRET = "bench-secret"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _redis_cpu_seconds(redis: Any) -> float:
+    info = await redis.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def _memory_kb(pid: int, field: str) -> int:
@@ -142,35 +155,48 @@ async def bench_hub_grab(settings: Settings, connections: int = 100, packets_n: 
     # The same raw client on both sides: send one msgpack frame, read one frame back and decode it.
     sub = [Subprotocol(SUBPROTOCOL_MSGPACK)]
 
-    async def lane(ws: ClientConnection, frames: list[bytes], hub: bool) -> None:
+    async def lane(ws: ClientConnection, frames: list[bytes], hub: str | None) -> None:
+        """``hub``: what every reply must be ("grab": a win, "ping": ok); None for the echo."""
         for frame in frames:
             await ws.send(frame)
             reply = msgpack.unpackb(await ws.recv())
-            if hub and not (reply.get("ok") and reply["data"]["outcome"] == "won"):
-                raise RuntimeError(f"bench grab answered {reply}")
+            if hub and not (reply.get("ok") and (hub == "ping" or reply["data"]["outcome"] == "won")):
+                raise RuntimeError(f"bench {hub} answered {reply}")
 
     grab_frames = [
         msgpack.packb({"id": i, "type": "grab", "group": group, "packet": p}) for i, p in enumerate(pids)
     ]
-    async with _hub(settings, db_url) as (ws_url, _):
+    # The hub's cheapest request (no Redis, no database) through the same session machinery.
+    ping_frames = [msgpack.packb({"id": i, "type": "ping"}) for i in range(packets_n)]
+    n = connections * packets_n
+    async with _hub(settings, db_url) as (ws_url, hub_pid), Redis.from_url(settings.redis_url) as redis:
         conns = [
             await connect(f"{ws_url}?token={_token(u)}", subprotocols=sub, compression=None) for u in ids[1:]
         ]
         for ws in conns:
             await ws.recv()  # welcome; no sync, so no group events are sent to these sockets
-        start = time.perf_counter()
-        await asyncio.gather(*(lane(ws, grab_frames, True) for ws in conns))
-        figures["hub_grabs_per_s"] = round(connections * packets_n / (time.perf_counter() - start))
+        for kind, frames in (("grab", grab_frames), ("ping", ping_frames)):
+            cpu, redis_cpu = _cpu_seconds(hub_pid), await _redis_cpu_seconds(redis)
+            start = time.perf_counter()
+            await asyncio.gather(*(lane(ws, frames, kind) for ws in conns))
+            figures[f"hub_{kind}s_per_s"] = round(n / (time.perf_counter() - start))
+            # CPU per round trip: where the time goes on a machine whose two cores all of it shares.
+            figures[f"hub_cpu_us_per_{kind}"] = round((_cpu_seconds(hub_pid) - cpu) * 1e6 / n)
+            redis_used = await _redis_cpu_seconds(redis) - redis_cpu
+            figures[f"redis_cpu_us_per_{kind}"] = round(redis_used * 1e6 / n)
         for ws in conns:
             await ws.close()
-    async with _bare("echo") as (ws_url, _):
+    async with _bare("echo") as (ws_url, bare_pid):
         conns = [await connect(ws_url, compression=None) for _ in range(connections)]
+        cpu = _cpu_seconds(bare_pid)
         start = time.perf_counter()
-        await asyncio.gather(*(lane(ws, grab_frames, False) for ws in conns))
-        figures["bare_echo_per_s"] = round(connections * packets_n / (time.perf_counter() - start))
+        await asyncio.gather(*(lane(ws, grab_frames, None) for ws in conns))
+        figures["bare_echo_per_s"] = round(n / (time.perf_counter() - start))
+        figures["bare_cpu_us_per_echo"] = round((_cpu_seconds(bare_pid) - cpu) * 1e6 / n)
         for ws in conns:
             await ws.close()
     figures["ratio"] = round(figures["hub_grabs_per_s"] / figures["bare_echo_per_s"], 3)
+    figures["ping_ratio"] = round(figures["hub_pings_per_s"] / figures["bare_echo_per_s"], 3)
     return _report("hub-grab", figures)
 
 
