@@ -1,10 +1,15 @@
-"""The I/O around bot scoring: read the last minute of grab attempts, apply the decisions as
-time-limited throttles and blocks that every hub enforces at grab time, list and lift blocks."""
+"""The I/O around bot scoring: record grab attempts (hubs), read the last minute of them, apply the
+decisions as time-limited throttles and blocks that every hub enforces at grab time, list and lift
+blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
+
+import msgpack
+from redis.exceptions import RedisError
 
 from server import keys
 from server.botscore import Attempt, Decision, Rules, score
@@ -18,21 +23,57 @@ def _text(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
+class AttemptLog:
+    """Grab attempts as a hub records them for the detector: kept in memory and written as one stream
+    entry (a msgpack list of attempts) per ``interval``, so a grab storm costs the stream one entry per
+    interval, not one per grab. A hub that dies loses at most one interval of them: they only advise."""
+
+    def __init__(self, core: Core, interval: float = 0.1) -> None:
+        self.core = core
+        self.interval = interval
+        self.pending: list[list[object]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.writing: set[asyncio.Task[None]] = set()
+
+    def record(self, a: Attempt) -> None:
+        self.pending.append([a.user, a.group, a.packet, a.reaction_ms, a.device, a.ms])
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.interval, self._write_soon)
+
+    def _write_soon(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.flush())
+        self.writing.add(task)
+        task.add_done_callback(self.writing.discard)
+
+    async def flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch, self.pending = self.pending, []
+        if not batch:
+            return
+        try:
+            await self.core.redis.xadd(
+                keys.GRAB_ATTEMPTS, {"a": msgpack.packb(batch)}, maxlen=10_000, approximate=True
+            )
+        except RedisError as e:
+            log.warning("%d grab attempts not recorded for the bot detector: %s", len(batch), e)
+
+    async def close(self) -> None:
+        await self.flush()
+        if self.writing:
+            await asyncio.gather(*self.writing, return_exceptions=True)
+
+
 async def recent_attempts(core: Core, now: int, window_ms: int = 60_000) -> list[Attempt]:
-    rows = await core.redis.xrange(keys.GRAB_ATTEMPTS, min=str(now - window_ms), max="+")
+    # An entry is written up to one interval after its attempts: read a little further back, then
+    # keep the attempts of the window by their own time.
+    rows = await core.redis.xrange(keys.GRAB_ATTEMPTS, min=str(now - window_ms - 5_000), max="+")
     out = []
     for _, f in rows:
-        d = {_text(k): _text(v) for k, v in f.items()}
-        out.append(
-            Attempt(
-                user=int(d["user"]),
-                group=int(d["group"]),
-                packet=int(d["packet"]),
-                reaction_ms=int(d["reaction_ms"]) if d.get("reaction_ms") else None,
-                device=d.get("device", ""),
-                ms=int(d["ms"]),
-            )
-        )
+        for user, group, packet, reaction_ms, device, ms in msgpack.unpackb(f[b"a"]):
+            if ms >= now - window_ms:
+                out.append(Attempt(user, group, packet, reaction_ms, device, ms))
     return out
 
 

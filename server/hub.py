@@ -20,6 +20,7 @@ from redis.asyncio.client import PubSub
 from starlette.websockets import WebSocket
 
 from server import events, keys, protocol
+from server.bots import AttemptLog
 from server.core import Core
 from server.membership import parse_change
 from server.metrics import HubMetrics
@@ -163,6 +164,7 @@ class Hub:
         self.local: dict[tuple[int, int], int] = {}
         self.delivered: dict[int, str] = {}
         self.announcer = Announcer(self)
+        self.attempts = AttemptLog(core)
         self._pubsub: PubSub | None = None
         self._sub_lock = asyncio.Lock()
         self._ready = asyncio.Event()
@@ -180,6 +182,7 @@ class Hub:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.announcer.close()
+        await self.attempts.close()
         for task in (self._runner, self._refresher):
             if task is not None:
                 task.cancel()

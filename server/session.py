@@ -17,7 +17,8 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from server import errors, events, groups, keys, packets, protocol
+from server import errors, events, groups, packets, protocol
+from server.botscore import Attempt
 from server.errors import Forbidden, InvalidRequest, RedPacketError
 from server.hub import Connection, Hub
 from server.protocol import ProtocolError, Request, field_int, offset_key
@@ -216,31 +217,11 @@ async def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _record_attempt(s: Session, group: int, packet_id: int) -> None:
-    """One line for the bot detector: who grabbed what, how long after this socket was shown it. It
-    rides in the grab's own pipeline (no task, no round trip of its own) and is never waited for."""
+    """For the bot detector: who grabbed what, how long after this socket was shown it."""
     shown = s.conn.announced.get(packet_id)
     now = int(time.time() * 1000)
-    fields = {
-        "user": s.conn.user_id,
-        "group": group,
-        "packet": packet_id,
-        "reaction_ms": "" if shown is None else now - shown,
-        "device": s.conn.device,
-        "ms": now,
-    }
-
-    def add(pipe: Any) -> Any:
-        return pipe.xadd(keys.GRAB_ATTEMPTS, fields, maxlen=100_000, approximate=True)
-
-    if s.core.batcher is not None:
-        s.core.batcher.submit(add).add_done_callback(_log_failure)
-    else:
-        s.hub.spawn(add(s.core.redis))
-
-
-def _log_failure(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.warning("grab attempt not recorded for the bot detector: %s", fut.exception())
+    reaction = None if shown is None else now - shown
+    s.hub.attempts.record(Attempt(s.conn.user_id, group, packet_id, reaction, s.conn.device, now))
 
 
 async def _announce_finished(s: Session, group: int, packet_id: int) -> None:

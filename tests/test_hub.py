@@ -10,8 +10,10 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
-from server import keys, protocol
+from server import bots, keys, protocol
+from server.botscore import Attempt
 from server.client import HubClient, HubError
+from server.ledger import now_ms
 from server.settings import Settings
 from server.tokens import make_token
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
@@ -392,8 +394,6 @@ async def test_grab_storm_is_announced_in_coalesced_events(h: HubUnderTest) -> N
 async def test_a_bot_that_grabs_faster_than_a_human_is_blocked_and_can_be_lifted(
     hub_settings: Settings,
 ) -> None:
-    from server import bots
-
     s = hub_settings.with_(grabs_per_second=1000, grabs_burst=1000)
     async with hub_in_process(s) as h:
         room = await make_room(h, 2)
@@ -405,9 +405,10 @@ async def test_a_bot_that_grabs_faster_than_a_human_is_blocked_and_can_be_lifted
             ev = (await events_of(bot, 1, "packet"))[0]
             assert ev["data"]["packet_id"] == sent["packet_id"]  # type: ignore[index]
             await bot.request("grab", group=room.group, packet=sent["packet_id"])  # at once: a bot
-        await eventually(lambda: _attempts(h, 3))
-        rows = await h.core.redis.xrange(keys.GRAB_ATTEMPTS)
-        assert all(int(f[b"reaction_ms"]) < 100 and f[b"device"] == b"farm-1" for _, f in rows)
+        await h.hub.attempts.flush()
+        seen = await bots.recent_attempts(h.core, now_ms())
+        assert len(seen) == 3 and {a.user for a in seen} == {bot_uid}
+        assert all(a.reaction_ms is not None and a.reaction_ms < 100 and a.device == "farm-1" for a in seen)
         decisions = await bots.run_detector(h.core)
         assert set(decisions) == {bot_uid} and decisions[bot_uid].action == "block"
         sent = await admin.request("send", group=room.group, total=200, count=2)
@@ -419,10 +420,6 @@ async def test_a_bot_that_grabs_faster_than_a_human_is_blocked_and_can_be_lifted
         assert (await bot.request("grab", group=room.group, packet=sent["packet_id"]))["outcome"] == "won"
         await admin.close()
         await bot.close()
-
-
-async def _attempts(h: HubUnderTest, n: int) -> bool:
-    return int(await h.core.redis.xlen(keys.GRAB_ATTEMPTS)) >= n
 
 
 async def test_a_second_sync_never_resends_what_the_socket_already_has(h: HubUnderTest) -> None:
@@ -468,3 +465,17 @@ async def test_the_demo_page_is_served_at_the_root(h: HubUnderTest) -> None:
         for asset in ("app.js", "style.css", "packet.svg"):
             assert (await http.get(f"/{asset}")).status_code == 200, asset
         assert (await http.get("/nope.js")).status_code == 404
+
+
+async def test_grab_attempts_are_written_one_stream_entry_per_interval(h: HubUnderTest) -> None:
+    log = bots.AttemptLog(h.core, interval=3600)  # only an explicit flush writes
+    now = now_ms()
+    log.record(Attempt(1, 2, 3, None, "d", now - 120_000))  # outside the detector's minute
+    for i in range(500):
+        log.record(Attempt(10 + i, 2, 3, 50, "phone", now - i))
+    before = int(await h.core.redis.xlen(keys.GRAB_ATTEMPTS))
+    await log.close()
+    assert int(await h.core.redis.xlen(keys.GRAB_ATTEMPTS)) == before + 1
+    seen = [a for a in await bots.recent_attempts(h.core, now) if a.device == "phone"]
+    assert sorted(a.user for a in seen) == list(range(10, 510))
+    assert all(a.ms >= now - 60_000 for a in await bots.recent_attempts(h.core, now))
