@@ -60,3 +60,29 @@ async def test_a_drain_that_died_mid_batch_leaves_jobs_that_run_again(core: Core
     await core.redis.delete(*[in_progress_key_prefix + i.decode() for i in ids])  # the claims expire
     assert await CreditDrain(core).until_empty() == 30
     assert sum([await ledger.balance(core.db, u) for u in told]) == sum(told.values())
+
+
+async def test_the_drain_steps_over_jobs_held_elsewhere_and_leaves_other_jobs_alone(core: Core) -> None:
+    from arq.constants import in_progress_key_prefix
+
+    told = await _storm(core, 40)
+    queue = core.settings.queue_name
+    # Another kind of job, due first, and the first half of the credits held by another worker.
+    other = await core.redis.enqueue_job("refund_packet", 1, _job_id="refund:1", _queue_name=queue)
+    assert other is not None
+    ids = [i.decode() for i in await core.redis.zrange(queue, 0, -1) if i.startswith(b"credit:")]
+    held = ids[:20]
+    for job_id in held:
+        await core.redis.set(in_progress_key_prefix + job_id, b"other", px=60_000)
+    drain = CreditDrain(core, batch=7)
+    assert await drain.until_empty() == 20
+    left = {i.decode() for i in await core.redis.zrange(queue, 0, -1)}
+    assert left == {"refund:1", *held}
+    paid = {u for u in told if await ledger.balance(core.db, u) > 0}
+    assert len(paid) == 20
+    # The other worker's claims lapse: the rest is paid, once.
+    await core.redis.delete(*[in_progress_key_prefix + j for j in held])
+    assert await CreditDrain(core).until_empty() == 20
+    assert sum([await ledger.balance(core.db, u) for u in told]) == sum(told.values())
+    assert {i.decode() for i in await core.redis.zrange(queue, 0, -1)} == {"refund:1"}
+    await core.redis.delete(queue)

@@ -11,11 +11,13 @@ database's unique keys make that a no-op. Jobs it does not take still run throug
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix
-from arq.jobs import deserialize_job, serialize_result
+from arq.jobs import serialize_result
 
 from server.core import Core
 from server.crediting import credit_many
@@ -29,7 +31,19 @@ CLAIM_MS = 60_000
 KEEP_RESULT_MS = 24 * 3600 * 1000
 
 
+@dataclass
+class Batch:
+    """Jobs claimed together: every claimed id, and the credits of those whose payload still existed."""
+
+    ids: list[str]
+    jobs: list[tuple[str, dict[str, Any], Credit]]
+    paying_from_ms: int = 0
+
+
 class CreditDrain:
+    """Takes ``batch`` jobs at a time. While one batch is paid in the database the next one is claimed
+    from Redis and the previous one finished, so Redis and database work overlap."""
+
     def __init__(self, core: Core, metrics: WorkerMetrics | None = None, batch: int = 500) -> None:
         self.core = core
         self.metrics = metrics or WorkerMetrics()
@@ -38,74 +52,113 @@ class CreditDrain:
 
     async def once(self) -> int:
         """Take up to ``batch`` due credit jobs and finish them; returns how many were taken."""
-        redis, queue = self.core.redis, self.core.settings.queue_name
-        due = await redis.zrangebyscore(queue, "-inf", now_ms(), start=0, num=self.batch * 2)
-        ids = [i for i in due if i.startswith(b"credit:")][: self.batch]
-        if not ids:
+        taken = await self._claim()
+        if taken is None:
             return 0
-        scripts = self.core.scripts
-        got = await scripts.claim_jobs(
-            args=[in_progress_key_prefix, job_key_prefix, CLAIM_MS, *[i.decode() for i in ids]]
+        await self._finish(taken, await self._pay(taken))
+        return len(taken.ids)
+
+    async def run(self, idle_sleep: float = 0.05) -> None:
+        """Drain until cancelled. Cancelled mid-batch: its claims are given back (or expire) and the
+        jobs run again; the database pays nothing twice."""
+        while True:
+            try:
+                await self._drain(until_empty=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("credit drain failed; retrying")
+                await asyncio.sleep(1)
+            await asyncio.sleep(idle_sleep)
+
+    async def until_empty(self) -> int:
+        """Drain until no credit job is due (tests, benchmarks); returns how many were credited."""
+        await self._drain(until_empty=True)
+        return self.credited
+
+    async def _drain(self, until_empty: bool) -> None:
+        claiming: asyncio.Future[Batch | None] = asyncio.ensure_future(self._claim())
+        finishing: asyncio.Future[None] | None = None
+        try:
+            while True:
+                taken = await claiming
+                if taken is None:
+                    return
+                claiming = asyncio.ensure_future(self._claim())  # the next batch, while this one pays
+                outcomes = await self._pay(taken)
+                if finishing is not None:
+                    await finishing
+                finishing = asyncio.ensure_future(self._finish(taken, outcomes))
+        finally:
+            if finishing is not None:
+                await asyncio.shield(finishing)
+            if not claiming.done():
+                claiming.cancel()
+            with contextlib.suppress(BaseException):
+                unpaid = await claiming
+                if unpaid is not None:
+                    await self._release(unpaid)
+
+    async def _claim(self) -> Batch | None:
+        queue = self.core.settings.queue_name
+        got = await self.core.scripts.claim_jobs(
+            keys=[queue],
+            args=[
+                in_progress_key_prefix,
+                job_key_prefix,
+                CLAIM_MS,
+                now_ms(),
+                self.batch,
+                "credit:",
+                self.batch * 8,
+            ],
         )
-        mine = [got[i].decode() for i in range(0, len(got), 2)]
-        payloads = [got[i] for i in range(1, len(got), 2)]
-        if not mine:
-            return 0
-        jobs: list[tuple[str, Any, Credit]] = []
-        for job_id, payload in zip(mine, payloads, strict=True):
+        if not got:
+            return None
+        ids = [got[i].decode() for i in range(0, len(got), 2)]
+        jobs = []
+        for job_id, payload in zip(ids, got[1::2], strict=True):
             if not payload:  # expired before anyone ran it: finished below, and the sweeper pays its grab
                 continue
-            job = deserialize_job(payload, deserializer=job_deserializer)
-            packet_id, user_id, seq, amount, grabbed_ms = job.args
+            job = job_deserializer(payload)  # arq's job map {t, f, a, k, et}
+            packet_id, user_id, seq, amount, grabbed_ms = job["a"]
             jobs.append((job_id, job, Credit(packet_id, user_id, seq, amount, grabbed_ms)))
-        started = now_ms()
+        return Batch(ids, jobs)
+
+    async def _pay(self, taken: Batch) -> list[str]:
+        taken.paying_from_ms = now_ms()
         try:
-            outcomes = await credit_many(self.core.db, [c for _, _, c in jobs]) if jobs else []
-        except Exception:
+            return await credit_many(self.core.db, [c for _, _, c in taken.jobs]) if taken.jobs else []
+        except BaseException:
             # Nothing was committed: let the jobs go back to whoever takes them next.
-            await redis.delete(*[in_progress_key_prefix + j for j in mine])  # give them back
+            with contextlib.suppress(Exception):
+                await self._release(taken)
             raise
+
+    async def _release(self, taken: Batch) -> None:
+        await self.core.redis.delete(*[in_progress_key_prefix + j for j in taken.ids])
+
+    async def _finish(self, taken: Batch, outcomes: list[str]) -> None:
+        queue = self.core.settings.queue_name
         finished = now_ms()
-        self.metrics.batch_size.observe(len(jobs))
+        self.metrics.batch_size.observe(len(taken.jobs))
         results: dict[str, bytes] = {}
-        for (job_id, job, c), outcome in zip(jobs, outcomes, strict=True):
+        for (job_id, job, c), outcome in zip(taken.jobs, outcomes, strict=True):
             if outcome == "credited":
                 self.credited += 1
                 self.metrics.credit_lag.observe(max(0, finished - c.grabbed_ms) / 1000)
             elif outcome != "already":
                 log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
             # The same result arq would keep: while it exists, enqueueing this grab again is a no-op.
-            enqueued = int(job.enqueue_time.timestamp() * 1000)
             result = serialize_result(
-                CREDIT_GRAB, job.args, job.kwargs, job.job_try or 1, enqueued,
-                True, outcome, started, finished, job_id, queue, job_id, serializer=job_serializer,
+                CREDIT_GRAB, tuple(job["a"]), job["k"], job.get("t") or 1, job["et"], True, outcome,
+                taken.paying_from_ms, finished, job_id, queue, job_id, serializer=job_serializer,
             )  # fmt: skip
             results[job_id] = result or b""
         pairs: list[str | bytes] = []
-        for job_id in mine:
+        for job_id in taken.ids:
             pairs += [job_id, results.get(job_id, b"")]
-        await scripts.finish_jobs(
+        await self.core.scripts.finish_jobs(
             keys=[queue],
             args=[in_progress_key_prefix, job_key_prefix, result_key_prefix, KEEP_RESULT_MS, *pairs],
         )
-        return len(mine)
-
-    async def run(self, idle_sleep: float = 0.05) -> None:
-        """Drain until cancelled. Cancelled mid-batch: its claims expire and the jobs run again."""
-        while True:
-            try:
-                taken = await self.once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("credit drain failed; retrying")
-                taken = 0
-                await asyncio.sleep(1)
-            if not taken:
-                await asyncio.sleep(idle_sleep)
-
-    async def until_empty(self) -> int:
-        """Drain until no credit job is due (tests, benchmarks); returns how many were credited."""
-        while await self.once():
-            pass
-        return self.credited
