@@ -79,13 +79,18 @@ class CreditDrain:
     async def _drain(self, until_empty: bool) -> None:
         claiming: asyncio.Future[Batch | None] = asyncio.ensure_future(self._claim())
         finishing: asyncio.Future[None] | None = None
+        paid = False
         try:
             while True:
                 taken = await claiming
+                if taken is None and paid:
+                    # That claim ran while the last batch was being paid: look again for what came since.
+                    taken = await self._claim()
                 if taken is None:
                     return
                 claiming = asyncio.ensure_future(self._claim())  # the next batch, while this one pays
                 outcomes = await self._pay(taken)
+                paid = True
                 if finishing is not None:
                     await finishing
                 finishing = asyncio.ensure_future(self._finish(taken, outcomes))
