@@ -106,14 +106,28 @@ class Connection:
 
 class Announcer:
     """Successful grabs, announced to their group: one event per grab while it is quiet, one event per
-    ``grab_coalesce_ms`` per process carrying all the grabs of that interval when the room is hot."""
+    ``grab_coalesce_ms`` per process carrying the grabs of that interval when the room is hot. In a
+    big room (more than ``big_room_online`` members online, across hubs) the events come further apart
+    and list only the latest grabs (``protocol.grabs_announcement``)."""
 
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
-        self.interval = hub.core.settings.grab_coalesce_ms / 1000
+        s = hub.core.settings
+        self.base = s.grab_coalesce_ms / 1000
         self.pending: dict[int, list[dict[str, Any]]] = {}
         self.last_sent: dict[int, float] = {}
         self.timers: dict[int, asyncio.TimerHandle] = {}
+        # Members online in the room across hubs (presence), read at most every ONLINE_TTL seconds.
+        self.online: dict[int, tuple[int, float]] = {}
+
+    ONLINE_TTL = 2.0
+
+    def _online(self, group: int) -> int:
+        local = len(self.hub.by_group.get(group, ()))
+        return max(local, self.online.get(group, (0, 0.0))[0])
+
+    def _big(self, group: int) -> bool:
+        return self._online(group) > self.hub.core.settings.big_room_online
 
     def grabbed(self, group: int, packet_id: int, g: Grab, remaining: int) -> None:
         item = {
@@ -122,11 +136,16 @@ class Announcer:
             "amount": g.amount,
             "seq": g.seq,
             "ms": g.grabbed_ms,
+            "remaining": remaining,
         }
-        self.pending.setdefault(group, []).append({**item, "remaining": remaining})
+        self.pending.setdefault(group, []).append(item)
         if group in self.timers:
             return
-        wait = self.last_sent.get(group, 0.0) + self.interval - time.monotonic()
+        s = self.hub.core.settings
+        interval = protocol.announce_interval(
+            self.base, self._online(group), s.big_room_online, s.big_room_frames_per_second
+        )
+        wait = self.last_sent.get(group, 0.0) + interval - time.monotonic()
         if wait <= 0:
             self.hub.spawn(self.flush(group))
         else:
@@ -141,7 +160,11 @@ class Announcer:
         if not items:
             return
         self.last_sent[group] = time.monotonic()
-        await self.hub.publish(group, "grabs", {"grabs": items})
+        listed = self.hub.core.settings.big_room_grabs_listed if self._big(group) else None
+        await self.hub.publish(group, "grabs", protocol.grabs_announcement(items, listed))
+        _, read_at = self.online.get(group, (0, 0.0))
+        if time.monotonic() - read_at > self.ONLINE_TTL:
+            self.online[group] = (await self.hub.online_count(group), time.monotonic())
 
     async def finished(self, group: int, data: dict[str, Any]) -> None:
         """The packet's last share went: its grabs first, then the result."""
@@ -286,6 +309,10 @@ class Hub:
             # In a big room join/leave events would outnumber everything else; clients ask instead.
             if online <= self.core.settings.presence_event_limit:
                 await self.publish(group, "presence", {"user": user, "online": action == "join"})
+
+    async def online_count(self, group: int) -> int:
+        """Members of the group online on any hub (entries of a dead hub count until they lapse)."""
+        return int(await self.core.redis.zcard(keys.presence_online(group)))
 
     async def online(self, group: int) -> list[int]:
         now = int(time.time() * 1000)

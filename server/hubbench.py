@@ -289,6 +289,18 @@ async def bench_hot(settings: Settings, clients_n: int = 10_000, shares: int = 1
         figures["reply_p50_ms"] = round(statistics.median(latencies) * 1000, 1)
         figures["reply_p99_ms"] = round(latencies[int(len(latencies) * 0.99) - 1] * 1000, 1)
         figures["outcomes"] = outcomes
+        # What the room was sent: every client's events up to the packet's "finished" (the last one).
+        frames = items = 0
+        for c in clients:
+            while True:
+                ev = await c.next_event(timeout=60)
+                frames += 1
+                if ev["event"] == "grabs":
+                    items += len(ev["data"]["grabs"])
+                if ev["event"] == "finished":
+                    break
+        figures["event_frames_delivered"] = frames
+        figures["grab_items_delivered"] = items
         figures["hub_rss_peak_mb"] = round(_memory_kb(hub_pid, "VmHWM") / 1024, 1)
         figures["rss_per_connection_kb"] = round(
             (figures["hub_rss_connected_mb"] - figures["hub_rss_empty_mb"]) * 1024 / clients_n, 1

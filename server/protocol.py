@@ -118,3 +118,23 @@ def offset_key(offset: str | bytes) -> tuple[int, int]:
     text = offset.decode() if isinstance(offset, bytes) else offset
     ms, _, seq = text.partition("-")
     return int(ms), int(seq or 0)
+
+
+def grabs_announcement(items: list[dict[str, Any]], listed: int | None) -> dict[str, Any]:
+    """The data of a ``grabs`` event for the grabs of one interval, in grab order. ``listed`` (big
+    rooms): only the latest that many grabs, how many more there were, and every packet's shares left
+    — so what a storm sends each member grows with time, not with the number of grabs."""
+    if listed is None or len(items) <= listed:
+        return {"grabs": items}
+    left: dict[str, int] = {}
+    for item in items:
+        key = str(item["packet_id"])
+        left[key] = min(left.get(key, item["remaining"]), item["remaining"])
+    return {"grabs": items[len(items) - listed :], "more": len(items) - listed, "remaining": left}
+
+
+def announce_interval(base: float, online: int, big_room: int, frames_per_second: int) -> float:
+    """Seconds between two grab announcements of one room from one hub."""
+    if online <= big_room:
+        return base
+    return max(base, online / frames_per_second)

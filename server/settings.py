@@ -85,6 +85,11 @@ class Settings:
     grabs_per_second: float = 5.0
     grabs_burst: int = 10
     grab_coalesce_ms: int = 100
+    # A room with more members online than this is big: its grab announcements list only the latest
+    # few grabs of each interval, and come at most often enough for this many frames a second per hub.
+    big_room_online: int = 500
+    big_room_grabs_listed: int = 10
+    big_room_frames_per_second: int = 20_000
     stream_maxlen: int = 1000
     stream_ttl_seconds: int = 7 * 24 * 3600
     sync_limit: int = 500
@@ -127,6 +132,9 @@ class Settings:
             grabs_per_second=_float(env, "GRABS_PER_SECOND", d.grabs_per_second),
             grabs_burst=_int(env, "GRABS_BURST", d.grabs_burst),
             grab_coalesce_ms=_int(env, "GRAB_COALESCE_MS", d.grab_coalesce_ms),
+            big_room_online=_int(env, "BIG_ROOM_ONLINE", d.big_room_online),
+            big_room_grabs_listed=_int(env, "BIG_ROOM_GRABS_LISTED", d.big_room_grabs_listed),
+            big_room_frames_per_second=_int(env, "BIG_ROOM_FRAMES_PER_SECOND", d.big_room_frames_per_second),
             stream_maxlen=_int(env, "STREAM_MAXLEN", d.stream_maxlen),
             sync_limit=_int(env, "SYNC_LIMIT", d.sync_limit),
             presence_lapse_seconds=_int(env, "PRESENCE_LAPSE_SECONDS", d.presence_lapse_seconds),

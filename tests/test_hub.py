@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -479,3 +480,46 @@ async def test_grab_attempts_are_written_one_stream_entry_per_interval(h: HubUnd
     seen = [a for a in await bots.recent_attempts(h.core, now) if a.device == "phone"]
     assert sorted(a.user for a in seen) == list(range(10, 510))
     assert all(a.ms >= now - 60_000 for a in await bots.recent_attempts(h.core, now))
+
+
+def test_big_room_announcements_list_the_latest_grabs_and_what_is_left() -> None:
+    items = [
+        {"packet_id": 1 + i % 2, "user": i, "amount": 5, "seq": i, "ms": i, "remaining": 20 - i}
+        for i in range(12)
+    ]
+    assert protocol.grabs_announcement(items, None) == {"grabs": items}
+    assert protocol.grabs_announcement(items[:3], 10) == {"grabs": items[:3]}
+    big = protocol.grabs_announcement(items, 10)
+    assert big["grabs"] == items[2:] and big["more"] == 2
+    assert big["remaining"] == {"1": 10, "2": 9}
+    assert protocol.announce_interval(0.1, 500, 500, 20_000) == 0.1
+    assert protocol.announce_interval(0.1, 1_000, 500, 20_000) == 0.1
+    assert protocol.announce_interval(0.1, 10_000, 500, 20_000) == 0.5
+
+
+async def test_a_big_room_storm_sends_each_member_a_bounded_list(hub_settings: Settings) -> None:
+    s = hub_settings.with_(big_room_online=3, big_room_grabs_listed=2, grab_coalesce_ms=200)
+    async with hub_in_process(s) as h:
+        room = await make_room(h, 12)
+        admin = await h.client(room.admin_token)
+        clients = [await h.client(t) for _, t in room.members]
+        sent = await admin.request("send", group=room.group, total=1_200, count=12)
+        await asyncio.gather(
+            *(c.request("grab", group=room.group, packet=sent["packet_id"]) for c in clients)
+        )
+        listed = more = 0
+        while True:
+            ev = await admin.next_event()
+            if ev["event"] == "finished":
+                break
+            if ev["event"] == "grabs":
+                data: Any = ev["data"]
+                assert len(data["grabs"]) <= 2
+                listed += len(data["grabs"])
+                more += data.get("more", 0)
+                if "more" in data:
+                    assert data["remaining"][str(sent["packet_id"])] == data["grabs"][-1]["remaining"]
+        assert listed + more == 12 and more > 0  # every grab counted, not every grab listed
+        assert len((await admin.request("open", group=room.group, packet=sent["packet_id"]))["grabs"]) == 12
+        for c in [admin, *clients]:
+            await c.close()

@@ -318,6 +318,12 @@ function onEvent(msg) {
         count: d.count, greeting: d.greeting, remaining: d.count, expires_ms: d.expires_ms, grabs: [], mine: null });
       break;
     case "grabs":
+      // A big room lists only the latest grabs of an interval: "more" says how many it left out.
+      if (d.more) g.items.push({ kind: "system", text: `${d.more} more ${d.more === 1 ? "person" : "people"} grabbed a red packet` });
+      for (const [pid, left] of Object.entries(d.remaining || {})) {
+        const p = g.packets.get(Number(pid));
+        if (p) p.remaining = Math.min(p.remaining, left);
+      }
       for (const x of d.grabs) {
         const p = g.packets.get(x.packet_id);
         if (p) p.remaining = Math.min(p.remaining, x.remaining);
