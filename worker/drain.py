@@ -50,20 +50,12 @@ class CreditDrain:
         self.batch = batch
         self.credited = 0
 
-    async def once(self) -> int:
-        """Take up to ``batch`` due credit jobs and finish them; returns how many were taken."""
-        taken = await self._claim()
-        if taken is None:
-            return 0
-        await self._finish(taken, await self._pay(taken))
-        return len(taken.ids)
-
     async def run(self, idle_sleep: float = 0.05) -> None:
         """Drain until cancelled. Cancelled mid-batch: its claims are given back (or expire) and the
         jobs run again; the database pays nothing twice."""
         while True:
             try:
-                await self._drain(until_empty=True)
+                await self._drain()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -73,10 +65,11 @@ class CreditDrain:
 
     async def until_empty(self) -> int:
         """Drain until no credit job is due (tests, benchmarks); returns how many were credited."""
-        await self._drain(until_empty=True)
+        await self._drain()
         return self.credited
 
-    async def _drain(self, until_empty: bool) -> None:
+    async def _drain(self) -> None:
+        """Claim, pay and finish batches until nothing is due."""
         claiming: asyncio.Future[Batch | None] = asyncio.ensure_future(self._claim())
         finishing: asyncio.Future[None] | None = None
         paid = False
