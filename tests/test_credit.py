@@ -77,14 +77,32 @@ async def test_the_grab_script_queues_the_job_arq_itself_would(core: Core) -> No
     await core.redis.delete(*keys.packet_keys(big), keys.credit_job_key(big, 70_000))
 
 
-async def _assert_arq_job(core: Core, args: tuple[int, int, int, int, int]) -> None:
+Args5 = tuple[int, int, int, int, int]
+
+
+async def _assert_arq_job(core: Core, args: Args5, queued_at_grab: bool = True) -> None:
     job_id = keys.credit_job_id(args[0], args[2])
     blob = await core.redis.get(keys.credit_job_key(args[0], args[2]))
     assert isinstance(blob, bytes)
     et = job_deserializer(blob)["et"]
-    assert abs(et - args[4]) <= 1
+    assert abs(et - args[4]) <= 1 or not queued_at_grab
     assert blob == serialize_job(CREDIT_GRAB, args, {}, None, et, serializer=job_serializer)
     assert await core.redis.zscore(core.settings.queue_name, job_id) == et
+
+
+async def test_a_repeat_grab_queues_a_lost_credit_again_and_it_pays_once(core: Core) -> None:
+    w = await make_world(core, members=1, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 600, 1)
+    g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
+    await core.redis.delete(keys.credit_job_key(p.packet_id, g.seq), core.settings.queue_name)
+    again = await packets.grab(core, p.packet_id, w.group, w.members[0])
+    assert again.outcome == "already" and again.grab == g
+    await _assert_arq_job(core, (p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms), queued_at_grab=False)
+    assert await run_worker(core) == 1
+    # Once paid, its kept result makes a further repeat queue nothing.
+    assert (await packets.grab(core, p.packet_id, w.group, w.members[0])).outcome == "already"
+    assert await core.redis.zcard(core.settings.queue_name) == 0
+    assert await ledger.balance(core.db, w.members[0]) == 600
 
 
 async def test_a_credit_run_twice_pays_once(core: Core) -> None:

@@ -88,7 +88,7 @@ async def test_sweeper_pays_a_grab_whose_enqueue_was_lost(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 800, 2)
     g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
-    # As if the hub died right after the Lua grab: no credit job exists.
+    # As if the credit job were lost (it expired unrun after a day, or Redis lost it): none exists.
     await core.redis.delete(keys.credit_job_key(p.packet_id, g.seq), core.settings.queue_name)
     assert await run_worker(core) == 0
     assert await ledger.balance(core.db, w.members[0]) == 0
