@@ -276,8 +276,9 @@ async def test_a_dropped_connection_shows_reconnects_and_fills_in_what_was_misse
 async def test_refusals_are_shown_in_words_and_removal_takes_effect_on_the_page(
     browser: Browser, hub_settings: Settings
 ) -> None:
-    # Packets that expire two seconds after they are sent.
-    async with hub_in_process(hub_settings.with_(packet_ttl_seconds=2), run_worker=True) as hub:
+    # Packets that expire two seconds after they are sent; one grab attempt per user, then a long wait.
+    s = hub_settings.with_(packet_ttl_seconds=2, grabs_per_second=0.001, grabs_burst=1)
+    async with hub_in_process(s, run_worker=True) as hub:
         alice_token, bob, group = await pair_in_group(hub, "club")
         sender = await hub.client(alice_token, fmt="json")
 
@@ -302,6 +303,15 @@ async def test_refusals_are_shown_in_words_and_removal_takes_effect_on_the_page(
             ],
         }
         await page.click("#packet-close")
+
+        # Too many grabs: said in words, and the packet stays closed for the next try.
+        fresh = await sender.request("send", group=group, total=300, count=1, greeting="next one")
+        next_bubble = page.locator(f".packet[data-packet='{fresh['packet_id']}']")
+        await next_bubble.click()
+        too_fast = "You are going too fast. Wait a moment and try again."
+        await expect(page.locator("#toast")).to_have_text(too_fast)
+        await expect(page.locator("#packet-dialog")).not_to_be_visible()
+        await expect(next_bubble).to_contain_text("Tap to open")
 
         # Removed by the admin while looking at the group: the page says so and the group is gone.
         await hub.api("DELETE", f"/api/groups/{group}/members/{bob}", alice_token)
