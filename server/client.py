@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -31,9 +32,13 @@ class HubError(RedPacketError):
 
 
 class HubClient:
-    def __init__(self, ws: ClientConnection, fmt: Format) -> None:
+    def __init__(
+        self, ws: ClientConnection, fmt: Format, on_event: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
         self.ws = ws
         self.fmt: Format = fmt
+        # Called with each new event instead of queueing it (a bench that must not keep them all).
+        self.on_event = on_event
         self.welcome: dict[str, Any] = {}
         self.offsets: dict[int, str] = {}
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -46,13 +51,19 @@ class HubClient:
 
     @classmethod
     async def connect(
-        cls, url: str, token: str, fmt: Format = "msgpack", device: str | None = None, **options: Any
+        cls,
+        url: str,
+        token: str,
+        fmt: Format = "msgpack",
+        device: str | None = None,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        **options: Any,
     ) -> HubClient:
         """Open a socket; ``device`` identifies the client device to the bot detector."""
         sub = SUBPROTOCOL_MSGPACK if fmt == "msgpack" else SUBPROTOCOL_JSON
         query = f"?token={token}" + (f"&device={device}" if device else "")
         ws = await connect(f"{url}{query}", subprotocols=[Subprotocol(sub)], compression=None, **options)
-        client = cls(ws, fmt)
+        client = cls(ws, fmt, on_event)
         client._reader = asyncio.create_task(client._read())
         welcomed = asyncio.create_task(client._welcomed.wait())
         await asyncio.wait({welcomed, client._reader}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
@@ -137,7 +148,10 @@ class HubClient:
                 seen = self.offsets.get(group)
                 if seen is None or offset_key(message["offset"]) > offset_key(seen):
                     self.offsets[group] = message["offset"]
-                    self.events.put_nowait(message)
+                    if self.on_event is None:
+                        self.events.put_nowait(message)
+                    else:
+                        self.on_event(message)
             else:  # welcome, removed, added, gap, and replies nobody waits for (to unreadable frames)
                 if kind == "welcome":
                     self.welcome = message
