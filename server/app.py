@@ -206,8 +206,9 @@ async def packet_detail(request: Request, core: Core, user: int) -> dict[str, An
 
 async def my_packets(request: Request, core: Core, user: int) -> dict[str, Any]:
     sent = await core.db.fetchall(
-        "SELECT id, group_id, kind, total, share_count, greeting, status, created_ms FROM red_packets"
-        " WHERE sender_id = %s ORDER BY id DESC LIMIT 100",
+        "SELECT p.id, p.group_id, p.kind, p.total, p.share_count, p.greeting, p.status, p.created_ms,"
+        " (SELECT COUNT(*) FROM grab_records g WHERE g.packet_id = p.id)"
+        " FROM red_packets p WHERE p.sender_id = %s ORDER BY p.id DESC LIMIT 100",
         (user,),
     )
     got = await core.db.fetchall(
@@ -215,7 +216,7 @@ async def my_packets(request: Request, core: Core, user: int) -> dict[str, Any]:
         " JOIN red_packets p ON p.id = g.packet_id WHERE g.user_id = %s ORDER BY g.grabbed_ms DESC LIMIT 100",
         (user,),
     )
-    keys_ = ("packet_id", "group_id", "kind", "total", "count", "greeting", "status", "created_ms")
+    keys_ = "packet_id group_id kind total count greeting status created_ms paid_out".split()
     return {
         "sent": [dict(zip(keys_, r, strict=True)) for r in sent],
         "received": [

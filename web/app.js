@@ -314,7 +314,7 @@ function onEvent(msg) {
       g.items.push({ kind: "chat", user: d.user, text: d.text });
       break;
     case "packet":
-      addPacketView(msg.group, { packet_id: d.packet_id, sender_id: d.sender, kind: d.kind, total: d.total,
+      addPacketView(msg.group, { packet_id: d.packet_id, sender_id: d.sender, kind: d.kind, total: d.total, target: d.target,
         count: d.count, greeting: d.greeting, remaining: d.count, expires_ms: d.expires_ms, grabs: [], mine: null });
       break;
     case "grabs":
@@ -461,7 +461,9 @@ function packetBubble(groupId, p) {
     el("div", { class: "face" }, el("img", { src: "packet.svg", alt: "" }),
       el("div", {}, el("div", { class: "greeting" }, p.greeting || "Best wishes!"),
         el("div", { class: "state" }, packetState(p)))),
-    el("div", { class: "foot" }, `Red packet · ${p.kind === "equal" ? "equal shares" : "lucky"} · ${shares(p.count)}`));
+    el("div", { class: "foot" }, p.kind === "exclusive" && p.target
+      ? `Red packet · for ${p.target === state.me?.user_id ? "you" : nameOf(p.target)}`
+      : `Red packet · ${p.kind === "equal" ? "equal shares" : "lucky"} · ${shares(p.count)}`));
 }
 
 function renderMembers() {
@@ -578,8 +580,9 @@ async function sendPacket(ev) {
   ev.preventDefault();
   const err = $("send-error");
   err.textContent = "";
+  const kind = document.querySelector('input[name="kind"]:checked').value;
   const total = parseCents($("send-total").value);
-  const count = Number($("send-count").value);
+  const count = kind === "exclusive" ? 1 : Number($("send-count").value);
   if (total === null || total <= 0) {
     err.textContent = say("amount_invalid");
     return;
@@ -588,14 +591,14 @@ async function sendPacket(ev) {
     err.textContent = say("count_invalid");
     return;
   }
-  const kind = document.querySelector('input[name="kind"]:checked').value;
+  const target = kind === "exclusive" ? Number($("send-target").value) : undefined;
   const btn = $("send-submit");
   btn.disabled = true;
   try {
     // One request id per dialog: a retry after a lost reply pays once.
     const form = $("send-form");
     form.dataset.requestId = form.dataset.requestId || uuid();
-    await request("send", { group: state.current, kind, total, count, greeting: $("send-greeting").value,
+    await request("send", { group: state.current, kind, total, count, target, greeting: $("send-greeting").value,
       request_id: form.dataset.requestId });
     delete form.dataset.requestId;
     $("send-dialog").close();
@@ -686,13 +689,53 @@ for (const name of ["alice", "bob", "carol", "dave"]) {
 $("logout").addEventListener("click", logout);
 $("back").addEventListener("click", () => selectGroup(null));
 $("composer").addEventListener("submit", sendChat);
+function kindChanged() {
+  // "For one person": one share, for a member picked from the group.
+  const exclusive = document.querySelector('input[name="kind"]:checked').value === "exclusive";
+  $("send-count-row").hidden = exclusive;
+  $("send-target-row").hidden = !exclusive;
+}
+
 $("open-send").addEventListener("click", () => {
   $("send-error").textContent = "";
+  const g = group(state.current);
+  $("send-target").replaceChildren(...[...g.members.values()]
+    .filter((m) => m.user_id !== state.me.user_id)
+    .map((m) => el("option", { value: m.user_id }, m.name)));
+  kindChanged();
   $("send-dialog").showModal();
 });
+for (const radio of document.querySelectorAll('input[name="kind"]')) radio.addEventListener("change", kindChanged);
 $("send-cancel").addEventListener("click", () => $("send-dialog").close());
 $("send-form").addEventListener("submit", sendPacket);
 $("packet-close").addEventListener("click", () => $("packet-dialog").close());
+const STATUS = { credited: "in your balance", grabbed: "on its way" };
+const SENT_STATUS = { finished: "all paid out", refunding: "expired, refund under way", refunded: "expired, the rest refunded" };
+
+async function showHistory() {
+  let data;
+  try {
+    data = await api("GET", "/api/me/packets");
+  } catch (e) {
+    showError(e);
+    return;
+  }
+  const groupName = (id) => state.groups.get(id)?.info.name || `group ${id}`;
+  $("history-received").replaceChildren(...data.received.map((r) => el("li", { "data-packet": r.packet_id },
+    el("span", {}, groupName(r.group_id), " ", el("span", { class: "status" }, STATUS[r.status] || r.status)),
+    el("span", {}, yuan(r.amount)))));
+  const sentState = (p) => (p.status in SENT_STATUS ? SENT_STATUS[p.status] : `${p.paid_out} of ${p.count} paid out`);
+  $("history-sent").replaceChildren(...data.sent.map((p) => el("li", { "data-packet": p.packet_id },
+    el("span", {}, `${groupName(p.group_id)} · ${p.greeting || "Best wishes!"} `,
+      el("span", { class: "status" }, sentState(p))),
+    el("span", {}, `${yuan(p.total)} · ${shares(p.count)}`))));
+  if (!data.received.length) $("history-received").append(el("li", { class: "status" }, "Nothing yet"));
+  if (!data.sent.length) $("history-sent").append(el("li", { class: "status" }, "Nothing yet"));
+  $("history-dialog").showModal();
+}
+
+$("my-packets").addEventListener("click", showHistory);
+$("history-close").addEventListener("click", () => $("history-dialog").close());
 $("members-toggle").addEventListener("click", () => ($("members-pane").hidden = !$("members-pane").hidden));
 $("topup").addEventListener("click", async () => {
   try {
