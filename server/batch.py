@@ -36,10 +36,6 @@ class Batcher:
 
     async def call(self, queue: Queue) -> Any:
         """Queue one command (``queue(pipe)`` adds it to a pipeline) and wait for its own result."""
-        return await self.submit(queue)
-
-    def submit(self, queue: Queue) -> asyncio.Future[Any]:
-        """Queue one command for the next batch without waiting: its result's future."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending.append((queue, fut))
@@ -48,7 +44,7 @@ class Batcher:
         elif not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush)
-        return fut
+        return await fut
 
     async def script(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
         """EVALSHA ``script`` in the next batch. After a SCRIPT FLUSH or a restart the first answer is
