@@ -4,6 +4,7 @@ beside one transaction per credit, all in one run on the configured database (Ma
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import tempfile
@@ -17,9 +18,22 @@ from server.bench import fresh_ids
 from server.core import Core, open_core
 from server.crediting import add_to_balances, credit_many
 from server.ledger import Credit, credit_grab
+from server.queue import CREDIT_GRAB
 from server.settings import Settings, child_env
 
 QUEUE = "redpacket:bench:credit"
+
+
+async def _enqueue(core: Core, credits: list[Credit]) -> None:
+    """Queue each credit as its grab would have: an arq job with the credit's own job id."""
+
+    async def one(c: Credit) -> None:
+        job_id = keys.credit_job_id(c.packet_id, c.seq)
+        args = (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms)
+        await core.redis.enqueue_job(CREDIT_GRAB, *args, _job_id=job_id)
+
+    for i in range(0, len(credits), 50):
+        await asyncio.gather(*(one(c) for c in credits[i : i + 50]))
 
 
 async def _reset(core: Core, users: list[int]) -> None:
@@ -110,8 +124,7 @@ async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: in
             from worker.drain import CreditDrain
             from worker.main import make_worker
 
-            for c in credits:
-                await packets.enqueue_credit(core, c)
+            await _enqueue(core, credits)
             drain = CreditDrain(core)
             start = time.perf_counter()
             await drain.until_empty()
@@ -121,8 +134,7 @@ async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: in
 
             await _reset(core, members)
             await core.redis.delete(*[keys.credit_result_key(c.packet_id, c.seq) for c in credits])
-            for c in credits:
-                await packets.enqueue_credit(core, c)
+            await _enqueue(core, credits)
             w = make_worker(core, burst=True, poll_delay=0, cron_jobs=[], max_jobs=200)
             start = time.perf_counter()
             await w.async_run()

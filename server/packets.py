@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from arq.jobs import deserialize_job, serialize_job
+from arq.jobs import deserialize_job
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
@@ -20,9 +20,9 @@ from server import errors, groups, keys
 from server.core import Core
 from server.db import IntegrityError, Row, Tx
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
-from server.ledger import Credit, now_ms, post
+from server.ledger import now_ms, post
 from server.membership import not_member
-from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
+from server.queue import CREDIT_GRAB, job_deserializer
 from server.split import Kind, PacketRequest, split, validate_request
 
 log = logging.getLogger(__name__)
@@ -409,41 +409,6 @@ async def call_script(core: Core, script: AsyncScript, keys_: list[str], args: l
     if core.batcher is not None:
         return await core.batcher.script(script, keys_, args)
     return await script(keys=keys_, args=args)
-
-
-async def enqueue_credit(core: Core, c: Credit) -> bool:
-    """Queue the credit of one grab as an arq job with a deterministic id, in one atomic call.
-
-    Returns False if that job is already queued (or its result kept), or if the queue is unreachable;
-    in the last case the grab still stands in Redis and the sweeper pays it.
-    """
-    job_id = keys.credit_job_id(c.packet_id, c.seq)
-    now = now_ms()
-    job = serialize_job(
-        CREDIT_GRAB,
-        (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms),
-        {},
-        None,
-        now,
-        serializer=job_serializer,
-    )
-    try:
-        queued = await call_script(
-            core,
-            core.scripts.enqueue_job,
-            [
-                keys.credit_job_key(c.packet_id, c.seq),
-                keys.credit_result_key(c.packet_id, c.seq),
-                core.settings.queue_name,
-            ],
-            [job_id, job, now, JOB_TTL_MS],
-        )
-    except RedisError as e:
-        log.error(
-            "credit of packet %d share %d not enqueued (%s): the sweeper must pay it", c.packet_id, c.seq, e
-        )
-        return False
-    return bool(queued)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ class Scripts:
 
     grab: AsyncScript
     load_packet: AsyncScript
-    enqueue_job: AsyncScript
     fill_members: AsyncScript
     publish_event: AsyncScript
     presence: AsyncScript
