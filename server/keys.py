@@ -7,11 +7,16 @@ grab needs one standalone Redis, which arq's queue on the same server needs anyw
 
 from __future__ import annotations
 
-from arq.constants import job_key_prefix, result_key_prefix
+from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix
 
-# arq's own prefixes of a job's key and of its kept result (the grab script builds credit job keys).
+# arq's own prefixes of a job's key, of its kept result and of a worker's claim on it (the grab script
+# builds credit job keys; the credit drain claims and finishes jobs as arq does).
 JOB_KEY_PREFIX: str = job_key_prefix
 RESULT_KEY_PREFIX: str = result_key_prefix
+IN_PROGRESS_KEY_PREFIX: str = in_progress_key_prefix
+
+# Every credit job id starts with this; the drain takes only such jobs from the shared queue.
+CREDIT_JOB_ID_PREFIX = "credit:"
 
 
 def packet_meta(packet_id: int) -> str:
@@ -50,7 +55,7 @@ LOADED = b"*"
 
 def credit_job_id_prefix(packet_id: int) -> str:
     """What the credit job ids of one packet's shares start with (``lua/grab.lua`` appends the seq)."""
-    return f"credit:{packet_id}:"
+    return f"{CREDIT_JOB_ID_PREFIX}{packet_id}:"
 
 
 def credit_job_id(packet_id: int, seq: int) -> str:

@@ -16,9 +16,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix
 from arq.jobs import serialize_result
 
+from server import keys
 from server.core import Core
 from server.crediting import credit_many
 from server.ledger import Credit, now_ms
@@ -99,15 +99,16 @@ class CreditDrain:
 
     async def _claim(self) -> Batch | None:
         queue = self.core.settings.queue_name
+        # Steps over at most 8 batches' worth of jobs that other workers hold before giving up for now.
         got = await self.core.scripts.claim_jobs(
             keys=[queue],
             args=[
-                in_progress_key_prefix,
-                job_key_prefix,
+                keys.IN_PROGRESS_KEY_PREFIX,
+                keys.JOB_KEY_PREFIX,
                 CLAIM_MS,
                 now_ms(),
                 self.batch,
-                "credit:",
+                keys.CREDIT_JOB_ID_PREFIX,
                 self.batch * 8,
             ],
         )
@@ -134,7 +135,7 @@ class CreditDrain:
             raise
 
     async def _release(self, taken: Batch) -> None:
-        await self.core.redis.delete(*[in_progress_key_prefix + j for j in taken.ids])
+        await self.core.redis.delete(*[keys.IN_PROGRESS_KEY_PREFIX + j for j in taken.ids])
 
     async def _finish(self, taken: Batch, outcomes: list[str]) -> None:
         queue = self.core.settings.queue_name
@@ -158,5 +159,11 @@ class CreditDrain:
             pairs += [job_id, results.get(job_id, b"")]
         await self.core.scripts.finish_jobs(
             keys=[queue],
-            args=[in_progress_key_prefix, job_key_prefix, result_key_prefix, KEEP_RESULT_MS, *pairs],
+            args=[
+                keys.IN_PROGRESS_KEY_PREFIX,
+                keys.JOB_KEY_PREFIX,
+                keys.RESULT_KEY_PREFIX,
+                KEEP_RESULT_MS,
+                *pairs,
+            ],
         )
