@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -30,18 +28,13 @@ from server.hub import Hub
 from server.metrics import HubMetrics
 from server.session import view_dict, websocket_endpoint
 from server.settings import Settings
+from server.shipped import shipped_dir
 from server.tokens import TokenError, make_token, verify_token
 
 log = logging.getLogger(__name__)
 
 
-def _web_dir() -> Path:
-    # The source tree (and editable installs) first; a wheel puts the page under share/redpacket/web.
-    here = Path(__file__).resolve().parent.parent / "web"
-    return here if here.is_dir() else Path(sys.prefix) / "share" / "redpacket" / "web"
-
-
-WEB_DIR = _web_dir()
+WEB_DIR = shipped_dir("web")
 
 _STATUS = {
     InvalidRequest: 400,

@@ -6,20 +6,14 @@ it by itself after a ``SCRIPT FLUSH`` or a Redis restart (NOSCRIPT → SCRIPT LO
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from server.shipped import shipped_dir
 
-def _lua_dir() -> Path:
-    # The source tree (and editable installs) first; a wheel puts the scripts under share/redpacket/lua.
-    here = Path(__file__).resolve().parent.parent / "lua"
-    return here if here.is_dir() else Path(sys.prefix) / "share" / "redpacket" / "lua"
-
-
-LUA_DIR = _lua_dir()
+LUA_DIR = shipped_dir("lua")
 
 
 def read_sources(directory: Path = LUA_DIR) -> dict[str, str]:
