@@ -116,7 +116,8 @@ async def a_redis_exists(settings: Settings, key: str) -> bool:
 
 
 async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> None:
-    """SIGKILL between a Lua grab and its enqueue: the sweeper pays what Redis recorded."""
+    """SIGKILL mid-storm: every grab Redis recorded is paid — its credit job was queued in the same
+    Lua call, and the sweeper pays any whose job is gone."""
     from server import settlement
     from server.core import open_core
     from server.reconcile import reconcile
