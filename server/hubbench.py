@@ -48,7 +48,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _redis_cpu_seconds(redis: Any) -> float:
+async def _redis_cpu_seconds(redis: Redis) -> float:
     info = await redis.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
