@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from server import errors, groups, ledger, packets
+from server import errors, groups, ledger, packets, text
 from server.core import Core, open_core
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
 from server.hub import Hub
@@ -78,6 +78,10 @@ async def _body(request: Request) -> dict[str, Any]:
     data = await request.json()
     if not isinstance(data, dict):
         raise InvalidRequest(errors.BAD_REQUEST, "the body must be a JSON object")
+    if text.has_surrogates(data):
+        raise InvalidRequest(
+            errors.BAD_REQUEST, "a string holds a lone surrogate (\\ud800-\\udfff): not text"
+        )
     return data
 
 

@@ -52,6 +52,7 @@ COUNT_EXCEEDS_AMOUNT = "count_exceeds_amount"
 EQUAL_NOT_DIVISIBLE = "equal_not_divisible"
 KIND_INVALID = "kind_invalid"
 GREETING_TOO_LONG = "greeting_too_long"
+GREETING_INVALID = "greeting_invalid"
 TARGET_INVALID = "target_invalid"
 NAME_INVALID = "name_invalid"
 NAME_TAKEN = "name_taken"
@@ -89,6 +90,7 @@ ALL_CODES = (
     EQUAL_NOT_DIVISIBLE,
     KIND_INVALID,
     GREETING_TOO_LONG,
+    GREETING_INVALID,
     TARGET_INVALID,
     NAME_INVALID,
     NAME_TAKEN,

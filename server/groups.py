@@ -8,7 +8,7 @@ from typing import Literal
 from server import errors
 from server.db import Database, Tx
 from server.errors import Forbidden, InvalidRequest, NotFound
-from server.ledger import now_ms
+from server.ledger import check_name, now_ms
 from server.membership import Membership
 
 Role = Literal["admin", "member"]
@@ -16,8 +16,7 @@ Role = Literal["admin", "member"]
 
 async def create_group(db: Database, owner_id: int, name: str, members_can_send: bool = False) -> int:
     """A new group whose owner is its first admin."""
-    if not isinstance(name, str) or not name.strip() or len(name.strip()) > 64:
-        raise InvalidRequest(errors.NAME_INVALID, "a group name is 1 to 64 characters")
+    name = check_name(name)
 
     async def work(tx: Tx) -> int:
         if await tx.fetchone("SELECT 1 FROM users WHERE id = %s", (owner_id,)) is None:
@@ -25,7 +24,7 @@ async def create_group(db: Database, owner_id: int, name: str, members_can_send:
         ts = now_ms()
         await tx.execute(
             "INSERT INTO chat_groups (name, owner_id, members_can_send, created_ms) VALUES (%s, %s, %s, %s)",
-            (name.strip(), owner_id, int(members_can_send), ts),
+            (name, owner_id, int(members_can_send), ts),
         )
         group_id = tx.lastrowid
         if group_id is None:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from server import errors
+from server import errors, text
 from server.db import Database, IntegrityError, Tx
 from server.errors import Conflict, InvalidRequest, NotFound
 
@@ -66,15 +66,20 @@ async def post(
     raise Conflict(errors.INSUFFICIENT_FUNDS, "the balance is too low")
 
 
-def _check_name(name: object) -> str:
+def check_name(name: object) -> str:
+    """A user or group name, stripped: 1 to 64 characters, printable (``server.text.name_ok``)."""
     if not isinstance(name, str) or not name.strip() or len(name.strip()) > 64:
         raise InvalidRequest(errors.NAME_INVALID, "a name is 1 to 64 characters")
+    if not text.name_ok(name.strip()):
+        raise InvalidRequest(
+            errors.NAME_INVALID, "a name may not hold control characters or invisible formatting"
+        )
     return name.strip()
 
 
 async def create_user(db: Database, name: str) -> int:
     """A new user with an empty account."""
-    name = _check_name(name)
+    name = check_name(name)
 
     async def work(tx: Tx) -> int:
         ts = now_ms()
@@ -95,7 +100,7 @@ async def create_user(db: Database, name: str) -> int:
 
 async def create_users(db: Database, names: list[str]) -> list[int]:
     """Many new users with empty accounts in one transaction (imports, benchmarks, tests)."""
-    clean = [_check_name(n) for n in names]
+    clean = [check_name(n) for n in names]
 
     async def work(tx: Tx) -> list[int]:
         ts = now_ms()
@@ -121,7 +126,7 @@ async def create_users(db: Database, names: list[str]) -> list[int]:
 
 
 async def user_by_name(db: Database, name: str) -> int | None:
-    row = await db.fetchone("SELECT id FROM users WHERE name = %s", (_check_name(name),))
+    row = await db.fetchone("SELECT id FROM users WHERE name = %s", (check_name(name),))
     return None if row is None else int(row[0])
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from server import errors
+from server import errors, text
 from server.errors import RedPacketError
 
 VERSION = 1
@@ -76,9 +76,13 @@ def parse_request(message: Any) -> Request:
     """Validate the envelope of a request; the fields of each type are checked by its handler."""
     if not isinstance(message, dict):
         raise ProtocolError(errors.BAD_REQUEST, "a request is a map")
-    rid = message.get("id")
-    if isinstance(rid, bool) or not isinstance(rid, int | str) or (isinstance(rid, str) and len(rid) > 64):
-        raise ProtocolError(errors.BAD_REQUEST, "id must be an integer or a string of at most 64 characters")
+    if request_id_of(message) is None:
+        raise ProtocolError(
+            errors.BAD_REQUEST, "id must be a 64-bit integer or a string of at most 64 characters"
+        )
+    if text.has_surrogates(message):
+        raise ProtocolError(errors.BAD_REQUEST, "a string holds a lone surrogate (\\ud800-\\udfff): not text")
+    rid = message["id"]
     kind = message.get("type")
     if kind not in REQUEST_TYPES:
         raise ProtocolError(errors.UNKNOWN_TYPE, f"unknown request type {kind!r}")
@@ -86,10 +90,13 @@ def parse_request(message: Any) -> Request:
 
 
 def request_id_of(message: Any) -> int | str | None:
-    """The id to answer a malformed request with, if one can be read."""
+    """The id to answer a request with, if it is a valid one: a 64-bit integer, or a string of at most
+    64 characters that is text (any other is answered with null)."""
     if isinstance(message, dict):
         rid = message.get("id")
-        if isinstance(rid, int | str) and not isinstance(rid, bool):
+        if isinstance(rid, int) and not isinstance(rid, bool) and -(2**63) <= rid < 2**64:
+            return rid
+        if isinstance(rid, str) and len(rid) <= 64 and not text.has_surrogates(rid):
             return rid
     return None
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from server import errors, events, groups, packets, protocol
+from server import errors, events, groups, packets, protocol, text
 from server.botscore import Attempt
 from server.errors import Forbidden, InvalidRequest, RedPacketError
 from server.hub import Connection, Hub
@@ -145,10 +145,14 @@ async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
 
 async def on_chat(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     group = s.member_of(body)
-    text = body.get("text")
-    if not isinstance(text, str) or not text.strip() or len(text) > protocol.MAX_TEXT_CHARS:
+    said = body.get("text")
+    if not isinstance(said, str) or not said.strip() or len(said) > protocol.MAX_TEXT_CHARS:
         raise InvalidRequest(errors.TEXT_INVALID, f"text is 1 to {protocol.MAX_TEXT_CHARS} characters")
-    offset = await s.hub.publish(group, "chat", {"user": s.conn.user_id, "text": text})
+    if not text.chat_ok(said):
+        raise InvalidRequest(
+            errors.TEXT_INVALID, "chat may hold line feeds and tabs, no other control characters or overrides"
+        )
+    offset = await s.hub.publish(group, "chat", {"user": s.conn.user_id, "text": said})
     return {"offset": offset}
 
 
@@ -277,7 +281,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     except TokenError as e:
         await ws.close(protocol.CLOSE_UNAUTHORIZED, e.code)
         return
-    conn = Connection(hub, ws, user_id, fmt, device=str(ws.query_params.get("device", ""))[:64])
+    conn = Connection(hub, ws, user_id, fmt, device=text.device_id(ws.query_params.get("device", "")))
     mine = await groups.groups_of(core.db, user_id)
     await hub.join(conn, [int(g["group_id"]) for g in mine])  # type: ignore[call-overload]
     conn.send(

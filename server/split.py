@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal, TypeGuard
 
-from server import errors
+from server import errors, text
 from server.errors import InvalidRequest
 
 Kind = Literal["lucky", "equal", "exclusive"]
@@ -70,10 +70,14 @@ def validate_request(
     if greeting is None:
         greeting = ""
     if not isinstance(greeting, str):
-        raise InvalidRequest(errors.GREETING_TOO_LONG, "greeting must be text")
+        raise InvalidRequest(errors.GREETING_INVALID, "greeting must be text")
     if len(greeting) > limits.max_greeting_chars:
         raise InvalidRequest(
             errors.GREETING_TOO_LONG, f"greeting must be at most {limits.max_greeting_chars} characters"
+        )
+    if not text.greeting_ok(greeting):
+        raise InvalidRequest(
+            errors.GREETING_INVALID, "a greeting may not hold control characters or direction overrides"
         )
     if kind == "exclusive":
         if count != 1:

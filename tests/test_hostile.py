@@ -4,14 +4,18 @@ oversized and never-finished handshakes. Each gets a clear answer and moves no m
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from urllib.parse import quote
 
 import httpx
 import pytest
 import websockets
+from hypothesis import given
+from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 
-from server import protocol, tokens
+from server import protocol, text, tokens
 from server.settings import Settings
 from tests.hubtools import HubUnderTest, hub_in_process
 from tests.test_hub import make_room
@@ -51,7 +55,7 @@ async def _refused_with(url: str) -> tuple[int, str]:
 
 
 async def test_a_non_ascii_token_closes_with_4001(h: HubUnderTest) -> None:
-    uid, token = await h.login("li")
+    _, token = await h.login("li")
     user, expires, sig = token.split(".")
     bad_tokens = [f"{user}.{expires}.{sig[:-1]}é", f"²{user}.{expires}.{sig}", "红包.1.2"]
     for bad in bad_tokens:
@@ -62,3 +66,96 @@ async def test_a_non_ascii_token_closes_with_4001(h: HubUnderTest) -> None:
             header = b"Bearer " + bad.encode()
             r = await http.get("/api/me", headers={"authorization": header})
             assert r.status_code == 401 and r.json()["error"]["code"] == "token_invalid"
+
+
+# -- text: lone surrogates and control characters ----------------------------------------------------------
+
+
+class RawJson:
+    """A websocket speaking raw JSON text frames, for frames no well-behaved client would send."""
+
+    def __init__(self, ws: websockets.ClientConnection) -> None:
+        self.ws = ws
+
+    async def ask(self, frame: str) -> dict[str, object]:
+        await self.ws.send(frame)
+        while True:
+            msg = json.loads(await asyncio.wait_for(self.ws.recv(), 10))
+            if msg["type"] == "reply":
+                return msg  # type: ignore[no-any-return]
+
+
+async def _raw(h: HubUnderTest, token: str) -> RawJson:
+    ws = await websockets.connect(f"{h.ws}?token={token}", subprotocols=[protocol.SUBPROTOCOL_JSON])  # type: ignore[list-item]
+    return RawJson(ws)
+
+
+async def test_lone_surrogates_are_bad_requests_and_move_nothing(
+    h: HubUnderTest, caplog: pytest.LogCaptureFixture
+) -> None:
+    room = await make_room(h, 1)
+    raw = await _raw(h, room.admin_token)
+    g = room.group
+    for frame, rid in [
+        (f'{{"id": 1, "type": "chat", "group": {g}, "text": "hi \\ud800"}}', 1),
+        (f'{{"id": 2, "type": "send", "group": {g}, "total": 100, "count": 1, "greeting": "\\udfff"}}', 2),
+        (f'{{"id": 3, "type": "send", "group": {g}, "total": 100, "count": 1, "request_id": "\\ud83d"}}', 3),
+        ('{"id": "\\ud800", "type": "ping"}', None),
+        ('{"id": 5, "type": "sync", "groups": {"\\ud800": null}}', 5),
+    ]:
+        reply = await raw.ask(frame)
+        assert reply["ok"] is False and reply["id"] == rid, reply
+        assert reply["error"]["code"] == "bad_request", reply  # type: ignore[index]
+    assert (await raw.ask('{"id": 9, "type": "ping"}'))["ok"] is True  # the socket is still fine
+    await raw.ws.close()
+    me = await h.api("GET", "/api/me", room.admin_token)
+    assert me["balance"] == 1_000_000
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    # The HTTP API says the same, as its JSON error.
+    async with httpx.AsyncClient(base_url=h.http, timeout=10) as http:
+        r = await http.post(
+            "/api/groups",
+            content=b'{"name": "x\\ud800"}',
+            headers={"authorization": f"Bearer {room.admin_token}"},
+        )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
+
+
+async def test_control_characters_are_refused_in_names_greetings_and_chat(h: HubUnderTest) -> None:
+    room = await make_room(h, 1)
+    for name in ["li\x00", "\x1b[31mli", "li\u202egnp.exe", "l\u200bi", "\ufeffli", "a\u2028b"]:
+        reply = await h.api("POST", "/api/login", name=name)
+        assert reply["error"]["code"] == "name_invalid", name
+        reply = await h.api("POST", "/api/groups", room.admin_token, name=name)
+        assert reply["error"]["code"] == "name_invalid", name
+    family = "\U0001f468\u200d\U0001f469\u200d\U0001f467"  # a ZWJ emoji sequence is a fine name
+    assert "user_id" in await h.api("POST", "/api/login", name=family)
+    raw = await _raw(h, room.admin_token)
+    g = room.group
+    for said in ["a\x00b", "\x1b]0;pwned\x07", "abc\u202edcba", "x\u2066y", "\x7f"]:
+        reply = await raw.ask(json.dumps({"id": 1, "type": "chat", "group": g, "text": said}))
+        assert reply["error"]["code"] == "text_invalid", said  # type: ignore[index]
+        frame = {"id": 2, "type": "send", "group": g, "total": 100, "count": 1, "greeting": said}
+        reply = await raw.ask(json.dumps(frame))
+        assert reply["error"]["code"] == "greeting_invalid", said  # type: ignore[index]
+    ok = await raw.ask(json.dumps({"id": 3, "type": "chat", "group": g, "text": "two\nlines\tand a tab"}))
+    assert ok["ok"] is True
+    await raw.ws.close()
+    assert (await h.api("GET", "/api/me", room.admin_token))["balance"] == 1_000_000
+
+
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cf", "Cs", "Zl", "Zp")), max_size=20))
+def test_text_policy_takes_printable_text_and_refuses_any_control(s: str) -> None:
+    assert text.name_ok(s) and text.greeting_ok(s) and text.chat_ok(s)
+    for bad in ["\x00", "\x1b", "\x85", "\u202e", "\u2067", "\u2029"]:
+        mixed = s[: len(s) // 2] + bad + s[len(s) // 2 :]
+        assert not text.name_ok(mixed) and not text.greeting_ok(mixed) and not text.chat_ok(mixed)
+    assert not text.name_ok(s + "\u200b") and text.chat_ok(s + "\n\t")
+
+
+def test_device_ids_are_kept_when_plain_and_hashed_when_not() -> None:
+    assert text.device_id("") == ""
+    assert text.device_id("iphone-15:A1B2") == "iphone-15:A1B2"
+    hashed = text.device_id("\x1b[2J" + "x" * 100)
+    assert hashed.startswith("h:") and len(hashed) == 34 and hashed == text.device_id("\x1b[2J" + "x" * 100)
+    assert text.device_id("\ud800") != text.device_id("\udfff")

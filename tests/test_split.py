@@ -89,7 +89,7 @@ def test_a_lucky_split_actually_varies() -> None:
         ("equal", 100, 3, "", None, errors.EQUAL_NOT_DIVISIBLE),
         ("weird", 100, 1, "", None, errors.KIND_INVALID),
         ("lucky", 100, 1, "x" * 65, None, errors.GREETING_TOO_LONG),
-        ("lucky", 100, 1, 42, None, errors.GREETING_TOO_LONG),
+        ("lucky", 100, 1, 42, None, errors.GREETING_INVALID),
         ("exclusive", 100, 2, "", 5, errors.COUNT_INVALID),
         ("exclusive", 100, 1, "", None, errors.TARGET_INVALID),
         ("lucky", 100, 1, "", 5, errors.TARGET_INVALID),
