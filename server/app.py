@@ -16,16 +16,18 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from server import errors, groups, ledger, packets, text
-from server.core import Core, open_core
+from server.core import Core, open_core, unavailable
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
 from server.hub import Hub
 from server.metrics import HubMetrics
+from server.protocol import MAX_ID
 from server.session import view_dict, websocket_endpoint
 from server.settings import Settings
 from server.shipped import shipped_dir
@@ -70,6 +72,11 @@ def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awai
             return _error(e.code, e.message, _STATUS.get(type(e), 400))
         except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
             return _error(errors.BAD_REQUEST, f"malformed request: {e}", 400)
+        except Exception as e:
+            down = unavailable(e)
+            if down is not None:
+                return _error(down.code, down.message, 503)
+            raise  # a bug: the app's exception handler answers the documented JSON error
 
     return run
 
@@ -85,12 +92,21 @@ async def _body(request: Request) -> dict[str, Any]:
     return data
 
 
-def _int(value: object, what: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    raise InvalidRequest(errors.BAD_REQUEST, f"{what} must be a whole number")
+def _id(value: object, unknown: str, what: str) -> int:
+    """An id from a path or a body: ``bad_request`` unless it is a whole number, ``unknown`` (not found)
+    when no id can be that number."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequest(errors.BAD_REQUEST, f"{what} must be a whole number")
+    if not 1 <= value <= MAX_ID:
+        raise NotFound(unknown, f"no {what} {value}")
+    return value
+
+
+def _path_id(request: Request, name: str) -> int:
+    unknown = {"group_id": errors.GROUP_NOT_FOUND, "user_id": errors.USER_NOT_FOUND}
+    return _id(request.path_params[name], unknown.get(name, errors.PACKET_NOT_FOUND), name)
 
 
 async def login(request: Request, core: Core, _: int) -> dict[str, Any]:
@@ -144,16 +160,16 @@ async def create_group(request: Request, core: Core, user: int) -> dict[str, Any
 
 
 async def list_members(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = _int(request.path_params["group_id"], "group_id")
+    gid = _path_id(request, "group_id")
     await core.membership.require(gid, user)
     return {"group_id": gid, "members": await groups.members_of(core.db, gid)}
 
 
 async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = _int(request.path_params["group_id"], "group_id")
+    gid = _path_id(request, "group_id")
     await groups.require_admin(core.db, gid, user)
     body = await _body(request)
-    ids = [_int(u, "user_ids[]") for u in body.get("user_ids", [])]
+    ids = [_id(u, errors.USER_NOT_FOUND, "user") for u in body.get("user_ids", [])]
     for name in body.get("names", []):
         found = await ledger.user_by_name(core.db, name)
         if found is None:
@@ -168,8 +184,8 @@ async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]
 
 
 async def remove_member(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = _int(request.path_params["group_id"], "group_id")
-    target = _int(request.path_params["user_id"], "user_id")
+    gid = _path_id(request, "group_id")
+    target = _path_id(request, "user_id")
     if target != user:  # anyone may leave; only admins remove others
         await groups.require_admin(core.db, gid, user)
     removed = await groups.remove_member(core.db, core.membership, gid, target)
@@ -179,8 +195,8 @@ async def remove_member(request: Request, core: Core, user: int) -> dict[str, An
 
 
 async def make_admin(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = _int(request.path_params["group_id"], "group_id")
-    target = _int(request.path_params["user_id"], "user_id")
+    gid = _path_id(request, "group_id")
+    target = _path_id(request, "user_id")
     await groups.require_admin(core.db, gid, user)
     await groups.set_role(core.db, core.membership, gid, target, "admin")
     await request.app.state.hub.publish(gid, "member_role", {"user": target, "role": "admin", "by": user})
@@ -188,7 +204,7 @@ async def make_admin(request: Request, core: Core, user: int) -> dict[str, Any]:
 
 
 async def packet_detail(request: Request, core: Core, user: int) -> dict[str, Any]:
-    pid = _int(request.path_params["packet_id"], "packet_id")
+    pid = _path_id(request, "packet_id")
     row = await core.db.fetchone("SELECT group_id, status FROM red_packets WHERE id = %s", (pid,))
     if row is None:
         raise NotFound(errors.PACKET_NOT_FOUND, "no such packet")
@@ -236,6 +252,22 @@ async def healthz(request: Request) -> Response:
     return JSONResponse({"ok": True})
 
 
+_HTTP_CODES = {404: errors.NOT_FOUND, 405: errors.METHOD_NOT_ALLOWED}
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route or file, wrong method) as the documented JSON error."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    return _error(_HTTP_CODES.get(status, errors.BAD_REQUEST), str(detail), status)
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    """A bug: logged with its traceback; the caller gets the documented JSON error, never a text page."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return _error(errors.INTERNAL, "internal error", 500)
+
+
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -277,4 +309,5 @@ def create_app(settings: Settings, run_worker: bool = False) -> Starlette:
             Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
         ],
         lifespan=lifespan,
+        exception_handlers={HTTPException: http_error, Exception: server_error},
     )

@@ -8,15 +8,30 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from arq.connections import ArqRedis
+from redis.exceptions import RedisError
 
-from server import schema
+from server import errors, schema
 from server.batch import Batcher
-from server.db import Database, connect
+from server.db import Database, DatabaseError, connect
+from server.errors import Unavailable
 from server.membership import Membership
 from server.queue import make_redis
 from server.scripts import Scripts
 from server.settings import Settings
 from server.split import Limits
+
+
+def unavailable(e: BaseException) -> Unavailable | None:
+    """The error a client gets when ``e`` means a backing service is down (Redis unreachable, restarting
+    or loading its data; the database unreachable or its connection lost): retry later. None for any
+    other exception, which is a bug."""
+    if isinstance(e, Unavailable):
+        return e
+    if isinstance(e, RedisError):
+        return Unavailable(errors.REDIS_UNAVAILABLE, f"Redis is unavailable: {e}")
+    if isinstance(e, DatabaseError):
+        return Unavailable(errors.DATABASE_UNAVAILABLE, f"the database is unavailable: {e}")
+    return None
 
 
 @dataclass

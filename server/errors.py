@@ -80,6 +80,8 @@ BLOCKED = "blocked"
 TEXT_INVALID = "text_invalid"
 DISABLED = "disabled"
 INTERNAL = "internal"
+NOT_FOUND = "not_found"
+METHOD_NOT_ALLOWED = "method_not_allowed"
 
 ALL_CODES = (
     AMOUNT_INVALID,
@@ -118,4 +120,6 @@ ALL_CODES = (
     TEXT_INVALID,
     DISABLED,
     INTERNAL,
+    NOT_FOUND,
+    METHOD_NOT_ALLOWED,
 )

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import msgpack
 
 from server import errors, text
-from server.errors import RedPacketError
+from server.errors import NotFound, RedPacketError
 
 VERSION = 1
 SUBPROTOCOL_MSGPACK = "redpacket.v1.msgpack"
@@ -31,6 +31,8 @@ CLOSE_SLOW_CONSUMER = 4008  # the client did not read fast enough: its send queu
 CLOSE_RATE_LIMITED = 4029  # the client kept sending past its rate limit
 
 REQUEST_TYPES = ("ping", "sync", "chat", "send", "grab", "open", "presence")
+# Users, groups and packets are numbered from 1 in signed 64-bit database columns.
+MAX_ID = 2**63 - 1
 MAX_TEXT_CHARS = 2000
 
 
@@ -105,6 +107,15 @@ def field_int(body: dict[str, Any], name: str) -> int:
     v = body.get(name)
     if isinstance(v, bool) or not isinstance(v, int):
         raise ProtocolError(errors.BAD_REQUEST, f"{name} must be an integer")
+    return v
+
+
+def field_id(body: dict[str, Any], name: str, unknown: str) -> int:
+    """An id field: an integer (else ``bad_request``); ``NotFound(unknown)`` when no id can be that
+    number (a database would fail on it, not find nothing)."""
+    v = field_int(body, name)
+    if not 1 <= v <= MAX_ID:
+        raise NotFound(unknown, f"no {name} {v}")
     return v
 
 

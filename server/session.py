@@ -19,9 +19,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from server import errors, events, groups, packets, protocol, text
 from server.botscore import Attempt
+from server.core import unavailable
 from server.errors import Forbidden, InvalidRequest, RedPacketError
 from server.hub import Connection, Hub
-from server.protocol import ProtocolError, Request, field_int, offset_key
+from server.protocol import ProtocolError, Request, field_id, field_int, offset_key
 from server.ratelimit import TokenBucket
 from server.tokens import TokenError, verify_token
 
@@ -51,7 +52,10 @@ class Session:
             return protocol.reply_ok(req.id, await HANDLERS[req.type](self, req.body))
         except RedPacketError as e:
             return protocol.reply_error(req.id, e.code, e.message)
-        except Exception:
+        except Exception as e:
+            down = unavailable(e)
+            if down is not None:
+                return protocol.reply_error(req.id, down.code, down.message)
             log.exception("request %s failed", req.type)
             return protocol.reply_error(req.id, errors.INTERNAL, "internal error")
 
@@ -193,7 +197,7 @@ async def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     metrics = s.hub.metrics
     try:
         group = s.member_of(body)
-        packet_id = field_int(body, "packet")
+        packet_id = field_id(body, "packet", errors.PACKET_NOT_FOUND)
         _record_attempt(s, group, packet_id)
         r = await packets.grab(s.core, packet_id, group, s.conn.user_id, gate=True)
     except RedPacketError as e:
@@ -249,7 +253,11 @@ def view_dict(v: packets.PacketView) -> dict[str, Any]:
 
 async def on_open(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     group = s.member_of(body)
-    return view_dict(await packets.open_packet(s.core, field_int(body, "packet"), group, s.conn.user_id))
+    return view_dict(
+        await packets.open_packet(
+            s.core, field_id(body, "packet", errors.PACKET_NOT_FOUND), group, s.conn.user_id
+        )
+    )
 
 
 async def on_presence(s: Session, body: dict[str, Any]) -> dict[str, Any]:

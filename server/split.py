@@ -12,6 +12,7 @@ from typing import Literal, TypeGuard
 
 from server import errors, text
 from server.errors import InvalidRequest
+from server.protocol import MAX_ID
 
 Kind = Literal["lucky", "equal", "exclusive"]
 KINDS: tuple[Kind, ...] = ("lucky", "equal", "exclusive")
@@ -82,7 +83,7 @@ def validate_request(
     if kind == "exclusive":
         if count != 1:
             raise InvalidRequest(errors.COUNT_INVALID, "an exclusive packet has exactly one share")
-        if not _is_int(target_user_id):
+        if not _is_int(target_user_id) or not 1 <= target_user_id <= MAX_ID:
             raise InvalidRequest(errors.TARGET_INVALID, "an exclusive packet needs a target user")
         target: int | None = target_user_id
     else:

@@ -12,6 +12,7 @@ import re
 
 from server import errors
 from server.errors import RedPacketError
+from server.protocol import MAX_ID
 
 
 class TokenError(RedPacketError):
@@ -21,7 +22,6 @@ class TokenError(RedPacketError):
 # ASCII digits only (``str.isdigit`` also takes "²" and other scripts' digits), a user id that fits a
 # signed 64-bit column, and a lowercase hex SHA-256.
 _SHAPE = re.compile(r"([1-9][0-9]{0,18})\.([0-9]{1,12})\.([0-9a-f]{64})", re.ASCII)
-MAX_USER_ID = 2**63 - 1
 
 
 def _sign(secret: bytes, body: str) -> str:
@@ -36,7 +36,7 @@ def make_token(secret: bytes, user_id: int, now: int, ttl_seconds: int) -> str:
 def verify_token(secret: bytes, token: object, now: int) -> int:
     """The user id the token was made for; ``TokenError`` if it is malformed, tampered or expired."""
     shape = _SHAPE.fullmatch(token) if isinstance(token, str) and len(token) <= 200 else None
-    if shape is None or int(shape[1]) > MAX_USER_ID:
+    if shape is None or int(shape[1]) > MAX_ID:
         raise TokenError(errors.TOKEN_INVALID, "malformed token")
     user, expires, signature = shape.groups()
     if not hmac.compare_digest(_sign(secret, f"{user}.{expires}"), signature):

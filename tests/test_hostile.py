@@ -159,3 +159,84 @@ def test_device_ids_are_kept_when_plain_and_hashed_when_not() -> None:
     hashed = text.device_id("\x1b[2J" + "x" * 100)
     assert hashed.startswith("h:") and len(hashed) == 34 and hashed == text.device_id("\x1b[2J" + "x" * 100)
     assert text.device_id("\ud800") != text.device_id("\udfff")
+
+
+# -- ids out of range, and every HTTP error as JSON ---------------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "mysql"])
+async def h_any(
+    request: pytest.FixtureRequest, hub_settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> HubUnderTest:
+    """A hub on each database: SQLite's integers stop at 2**63 - 1 and it refuses bigger ones loudly."""
+    s = hub_settings
+    if request.param == "sqlite":
+        s = s.with_(database_url=f"sqlite:///{tmp_path_factory.mktemp('db') / 'hub.sqlite3'}")
+    async with hub_in_process(s) as hub:
+        yield hub  # type: ignore[misc]
+
+
+BIG = [2**63, 2**63 + 1, 2**64 - 1, 2**64 + 5, 0, -1]
+
+
+async def test_ids_out_of_range_are_not_found_on_both_databases(
+    h_any: HubUnderTest, caplog: pytest.LogCaptureFixture
+) -> None:
+    h = h_any
+    room = await make_room(h, 1)
+    raw = await _raw(h, room.members[0][1])
+    admin = await _raw(h, room.admin_token)
+    g = room.group
+    for big in BIG:
+        for kind in ("grab", "open"):
+            reply = await raw.ask(json.dumps({"id": 1, "type": kind, "group": g, "packet": big}))
+            assert reply["error"]["code"] == "packet_not_found", (kind, big, reply)  # type: ignore[index]
+        reply = await raw.ask(json.dumps({"id": 2, "type": "grab", "group": big, "packet": 1}))
+        assert reply["error"]["code"] == "not_member", reply  # type: ignore[index]
+        frame = {"id": 3, "type": "send", "group": g, "kind": "exclusive", "total": 100, "target": big}
+        reply = await admin.ask(json.dumps(frame))
+        assert reply["error"]["code"] == "target_invalid", reply  # type: ignore[index]
+    await raw.ws.close()
+    await admin.ws.close()
+    t = room.admin_token
+    for big in BIG[:4]:
+        for method, path, body, code in [
+            ("GET", f"/api/packets/{big}", {}, "packet_not_found"),
+            ("GET", f"/api/groups/{big}/members", {}, "group_not_found"),
+            ("POST", f"/api/groups/{big}/members", {"user_ids": [1]}, "group_not_found"),
+            ("POST", f"/api/groups/{g}/members", {"user_ids": [big]}, "user_not_found"),
+            ("DELETE", f"/api/groups/{g}/members/{big}", {}, "user_not_found"),
+            ("POST", f"/api/groups/{g}/admins/{big}", {}, "user_not_found"),
+        ]:
+            async with httpx.AsyncClient(base_url=h.http, timeout=10) as http:
+                r = await http.request(
+                    method, path, json=body or None, headers={"authorization": f"Bearer {t}"}
+                )
+            assert r.status_code == 404 and r.json()["error"]["code"] == code, (path, r.text)
+    assert (await h.api("GET", "/api/me", t))["balance"] == 1_000_000
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+async def test_every_http_error_is_the_documented_json(
+    h: HubUnderTest, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, token = await h.login("li")
+    async with httpx.AsyncClient(base_url=h.http, timeout=10) as http:
+        auth = {"authorization": f"Bearer {token}"}
+        for method, path, status, code in [
+            ("GET", "/api/nothing-here", 404, "not_found"),
+            ("GET", "/no-such-file.png", 404, "not_found"),
+            ("DELETE", "/api/me", 405, "method_not_allowed"),
+            ("GET", "/api/packets/%C2%B2", 400, "bad_request"),
+            ("GET", "/api/packets/abc", 400, "bad_request"),
+        ]:
+            r = await http.request(method, path, headers=auth)
+            assert r.status_code == status and r.json()["error"]["code"] == code, (path, r.text)
+
+        async def broken(*args: object) -> int:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr("server.ledger.balance", broken)
+        r = await http.get("/api/me", headers=auth)
+    assert r.status_code == 500 and r.json() == {"error": {"code": "internal", "message": "internal error"}}
+    assert "a bug" in caplog.text  # the operator still sees the traceback
