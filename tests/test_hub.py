@@ -178,6 +178,13 @@ async def test_a_removed_admin_loses_the_group_on_the_live_socket(h: HubUnderTes
     await second.close()
 
 
+async def _presence_seen(c: HubClient, user: int, online: bool) -> None:
+    while True:
+        ev = await c.next_event()
+        if ev["event"] == "presence" and ev["data"] == {"user": user, "online": online}:
+            return
+
+
 async def test_reconnect_replays_exactly_what_was_missed(h: HubUnderTest) -> None:
     room = await make_room(h, 2)
     talker = await h.client(room.members[0][1])
@@ -187,13 +194,16 @@ async def test_reconnect_replays_exactly_what_was_missed(h: HubUnderTest) -> Non
     seen = await events_of(listener, 3, "chat")
     offsets = dict(listener.offsets)
     await listener.close()
+    who = room.members[1][0]
+    await _presence_seen(talker, who, online=False)
     for i in range(5):
         await talker.request("chat", group=room.group, text=f"missed {i}")
     back = await h.client(room.members[1][1], sync=False)
+    await _presence_seen(talker, who, online=True)  # published by the hub on its own, not before the sync
     back.offsets = dict(offsets)
     reply = await back.sync()
-    # The five chats, and the presence change of the listener's own leaving.
-    assert reply["groups"][str(room.group)]["replayed"] == 6
+    # The listener's leaving, the five chats, and its coming back.
+    assert reply["groups"][str(room.group)]["replayed"] == 7
     replayed = await events_of(back, 5, "chat")
     assert [e["data"]["text"] for e in replayed] == [f"missed {i}" for i in range(5)]  # type: ignore[index]
     assert all(
