@@ -18,6 +18,7 @@ import uvloop
 
 from server.core import open_core
 from server.embedded import embedded_valkey
+from server.handshake import bounded_protocols
 from server.settings import Settings
 
 log = logging.getLogger("redpacket")
@@ -34,10 +35,13 @@ def _redis_url(settings: Settings) -> Iterator[Settings]:
 
 
 def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
-    """How the hub runs under uvicorn: websockets-sansio, no compression unless asked, frame cap, pings."""
+    """How the hub runs under uvicorn: websockets-sansio with bounded handshakes (``server.handshake``),
+    no compression unless asked, frame cap, pings."""
+    http, ws = bounded_protocols(settings.handshake_seconds)
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
-        ws="websockets-sansio",
+        http=http,
+        ws=ws,
         ws_per_message_deflate=settings.ws_compression,
         ws_max_size=settings.ws_max_frame_bytes,
         ws_ping_interval=settings.ws_ping_interval,

@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from redis.asyncio.client import PubSub
+from redis.exceptions import RedisError
 from starlette.websockets import WebSocket
 
 from server import events, keys, protocol
@@ -242,14 +243,15 @@ class Hub:
             await self._attach(conn, g)
 
     async def leave(self, conn: Connection) -> None:
+        """Take a connection out of its groups; safe to call for one that never fully joined."""
         for g in list(conn.groups):
             await self._detach(conn, g)
         mine = self.by_user.get(conn.user_id)
-        if mine is not None:
+        if mine is not None and conn in mine:
             mine.discard(conn)
             if not mine:
                 del self.by_user[conn.user_id]
-        self.metrics.connections.dec()
+            self.metrics.connections.dec()
 
     async def _attach(self, conn: Connection, g: int) -> None:
         conn.groups.add(g)
@@ -258,9 +260,7 @@ class Hub:
         pair = (g, conn.user_id)
         self.local[pair] = self.local.get(pair, 0) + 1
         if len(members) == 1:
-            async with self._sub_lock:
-                if self._pubsub is not None and g in self.by_group:
-                    await self._pubsub.subscribe(keys.group_channel(g))
+            await self._subscription(g, True)
         if self.local[pair] == 1:
             self.spawn(self._presence(g, conn.user_id, "join"))
 
@@ -280,9 +280,23 @@ class Hub:
             self.spawn(self._presence(g, conn.user_id, "leave"))
         if not members:
             del self.by_group[g]
-            async with self._sub_lock:
-                if self._pubsub is not None and g not in self.by_group:
-                    await self._pubsub.unsubscribe(keys.group_channel(g))
+            await self._subscription(g, False)
+
+    async def _subscription(self, g: int, subscribe: bool) -> None:
+        """(Un)subscribe a group's channel as its first local member arrives (last one leaves). If that
+        fails, the pub/sub connection is dropped: the reconnect subscribes every group with local members
+        and fills the gap from the streams, so no group is left deaf."""
+        async with self._sub_lock:
+            pubsub = self._pubsub
+            if pubsub is None or (g in self.by_group) != subscribe:
+                return  # not connected: the reconnect subscribes what is needed then
+            channel = keys.group_channel(g)
+            try:
+                await (pubsub.subscribe(channel) if subscribe else pubsub.unsubscribe(channel))
+            except RedisError as e:
+                log.warning("pub/sub (un)subscribe of group %d failed (%s); reconnecting", g, e)
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _membership_changed(self, group: int, users: list[int], change: str) -> None:
         for user in users:

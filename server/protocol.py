@@ -25,6 +25,7 @@ Format = Literal["msgpack", "json"]
 CLOSE_NORMAL = 1000
 CLOSE_TOO_BIG = 1009  # a frame over the size limit (sent by the server's websocket layer)
 CLOSE_RESTART = 1012  # the hub is shutting down: reconnect, to another hub if you can
+CLOSE_TRY_AGAIN = 1013  # a backing service is down or slow: reconnect after a moment
 CLOSE_UNAUTHORIZED = 4001  # missing, malformed, tampered or expired token
 CLOSE_HEARTBEAT = 4002  # nothing heard from the client within the heartbeat timeout
 CLOSE_SLOW_CONSUMER = 4008  # the client did not read fast enough: its send queue overflowed

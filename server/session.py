@@ -290,8 +290,19 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         await ws.close(protocol.CLOSE_UNAUTHORIZED, e.code)
         return
     conn = Connection(hub, ws, user_id, fmt, device=text.device_id(ws.query_params.get("device", "")))
-    mine = await groups.groups_of(core.db, user_id)
-    await hub.join(conn, [int(g["group_id"]) for g in mine])  # type: ignore[call-overload]
+    try:
+        # Bounded: a stalled database or Redis must not hold the socket open unanswered.
+        async with asyncio.timeout(core.settings.handshake_seconds):
+            mine = await groups.groups_of(core.db, user_id)
+            await hub.join(conn, [int(g["group_id"]) for g in mine])  # type: ignore[call-overload]
+    except Exception as e:
+        down = unavailable(e)
+        if down is None and not isinstance(e, TimeoutError):
+            raise
+        await hub.leave(conn)
+        log.warning("connection of user %d refused: %s", user_id, down.message if down else "timed out")
+        await ws.close(protocol.CLOSE_TRY_AGAIN, down.code if down else "timeout")
+        return
     conn.send(
         {
             "type": "welcome",

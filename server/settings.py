@@ -79,6 +79,9 @@ class Settings:
     ws_max_frame_bytes: int = 64 * 1024
     ws_ping_interval: float = 20.0
     ws_ping_timeout: float = 20.0
+    # A connection's request (or websocket upgrade) must arrive whole within this many seconds, and a
+    # websocket must be authenticated and welcomed within as many again.
+    handshake_seconds: float = 10.0
     send_queue_frames: int = 1024
     msgs_per_second: float = 20.0
     msgs_burst: int = 40
@@ -126,6 +129,7 @@ class Settings:
             ws_max_frame_bytes=_int(env, "WS_MAX_FRAME_BYTES", d.ws_max_frame_bytes),
             ws_ping_interval=_float(env, "WS_PING_INTERVAL", d.ws_ping_interval),
             ws_ping_timeout=_float(env, "WS_PING_TIMEOUT", d.ws_ping_timeout),
+            handshake_seconds=_float(env, "HANDSHAKE_SECONDS", d.handshake_seconds),
             send_queue_frames=_int(env, "SEND_QUEUE_FRAMES", d.send_queue_frames),
             msgs_per_second=_float(env, "MSGS_PER_SECOND", d.msgs_per_second),
             msgs_burst=_int(env, "MSGS_BURST", d.msgs_burst),

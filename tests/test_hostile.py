@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from urllib.parse import quote
+from urllib.parse import quote, urlparse
 
 import httpx
+import pymysql
 import pytest
 import websockets
 from hypothesis import given
@@ -240,3 +241,88 @@ async def test_every_http_error_is_the_documented_json(
         r = await http.get("/api/me", headers=auth)
     assert r.status_code == 500 and r.json() == {"error": {"code": "internal", "message": "internal error"}}
     assert "a bug" in caplog.text  # the operator still sees the traceback
+
+
+# -- handshakes: oversized, never finished, stalled ----------------------------------------------------------
+
+
+@pytest.fixture
+async def h_quick(hub_settings: Settings) -> HubUnderTest:
+    """A hub that gives a connection one second to send its request whole."""
+    async with hub_in_process(hub_settings.with_(handshake_seconds=1.0)) as hub:
+        yield hub  # type: ignore[misc]
+
+
+async def _answer(host: str, port: int, request: bytes, then_wait: bool = False) -> bytes:
+    """Send ``request`` on a raw TCP connection; return everything the server sends until it closes.
+    Fails if the server neither answers nor closes within 15 s."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 15)
+    finally:
+        writer.close()
+
+
+def _upgrade(path: str, extra: str = "") -> bytes:
+    return (
+        f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{extra}\r\n"
+    ).encode()
+
+
+async def test_an_oversized_upgrade_request_is_answered_and_closed(h: HubUnderTest) -> None:
+    host, port = h.http.removeprefix("http://").split(":")
+    answer = await _answer(host, int(port), _upgrade("/ws?token=" + "a" * 9_000))
+    assert answer.startswith(b"HTTP/1.1 414"), answer[:100]
+    answer = await _answer(host, int(port), _upgrade("/ws?token=x", f"X-Long: {'b' * 9_000}\r\n"))
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    many = "".join(f"X-{i}: y\r\n" for i in range(200))
+    answer = await _answer(host, int(port), _upgrade("/ws?token=x", many))
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    # The hub is fine afterwards.
+    _, token = await h.login("li")
+    c = await h.client(token)
+    assert (await c.request("ping"))["ts"] > 0
+    await c.close()
+
+
+async def test_a_connection_that_never_finishes_its_request_is_closed_in_time(h_quick: HubUnderTest) -> None:
+    h = h_quick
+    host, port = h.http.removeprefix("http://").split(":")
+    _, token = await h.login("li")
+    early = await h.client(token)  # welcomed before the slow ones come: their deadline is not its
+    silent = asyncio.create_task(_answer(host, int(port), b""))
+    trickle = asyncio.create_task(_answer(host, int(port), b"GET /ws?token=x HTTP/1.1\r\nHost: x\r\n"))
+    half_body = asyncio.create_task(
+        _answer(host, int(port), b"POST /api/login HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    )
+    for task in (silent, trickle):
+        assert (await task).startswith(b"HTTP/1.1 408"), task
+    assert await half_body == b""  # a body that stops coming: the connection is cut
+    # Keep-alive: a finished request does not count against the next one, and a welcomed socket stays.
+    async with httpx.AsyncClient(base_url=h.http, timeout=10) as http:
+        for _ in range(3):
+            assert (await http.get("/healthz")).json() == {"ok": True}
+    assert (await early.request("ping"))["ts"] > 0
+    await early.close()
+
+
+async def test_a_stalled_database_during_the_welcome_closes_with_1013(h_quick: HubUnderTest) -> None:
+    h = h_quick
+    _, token = await h.login("li")
+    u = urlparse(h.settings.database_url)
+    locker = pymysql.connect(
+        host=u.hostname, port=u.port or 3306, user=u.username or "root", database=u.path[1:]
+    )
+    try:
+        with locker.cursor() as cur:
+            # Another session holds the member table: the hub's read of the user's groups waits on it.
+            cur.execute("LOCK TABLES group_members WRITE, chat_groups WRITE")
+        assert await _refused_with(f"{h.ws}?token={token}") == (1013, "timeout")
+    finally:
+        locker.close()  # releases the lock
+    c = await h.client(token)
+    assert (await c.request("ping"))["ts"] > 0
+    await c.close()
