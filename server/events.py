@@ -26,16 +26,38 @@ def unpack(payload: bytes) -> tuple[str, dict[str, Any]]:
     return str(body["event"]), dict(body["data"])
 
 
-async def publish(core: Core, group_id: int, kind: str, data: dict[str, Any]) -> str:
-    """Publish one event to a group; returns its offset."""
+@dataclass(frozen=True)
+class Once:
+    """Publish an event at most once: ``name`` identifies it within its group (``packet:17``); a second
+    publish within ``ttl_seconds`` returns the first one's offset and publishes nothing."""
+
+    name: str
+    ttl_seconds: int
+
+
+async def publish(
+    core: Core, group_id: int, kind: str, data: dict[str, Any], once: Once | None = None
+) -> str:
+    """Publish one event to a group; returns its offset. With ``once``, safe to retry after a failure
+    whose outcome is unknown (a lost reply): it is published once."""
     s = core.settings
-    offset = await call_script(
-        core,
-        core.scripts.publish_event,
-        [keys.group_events(group_id)],
-        [keys.group_channel(group_id), s.stream_maxlen, pack(kind, data), s.stream_ttl_seconds],
-    )
-    return offset.decode() if isinstance(offset, bytes) else str(offset)
+    keys_ = [keys.group_events(group_id)]
+    args: list[Any] = [keys.group_channel(group_id), s.stream_maxlen, pack(kind, data), s.stream_ttl_seconds]
+    if once is not None:
+        keys_.append(keys.group_once(group_id, once.name))
+        args.append(once.ttl_seconds)
+    offset = await call_script(core, core.scripts.publish_event, keys_, args)
+    return _text(offset)
+
+
+async def published(core: Core, group_id: int, name: str) -> str | None:
+    """The offset of a once-published event, or None if it was not published (or is forgotten)."""
+    offset = await core.redis.get(keys.group_once(group_id, name))
+    return None if offset is None else _text(offset)
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,12 @@ def group_channel(group_id: int) -> str:
     return f"rp:{{g{group_id}}}:ch"
 
 
+def group_once(group_id: int, event: str) -> str:
+    """Present once an event that must be published at most once (a packet's announcement, its result,
+    a retried grab announcement) has been: holds its offset. ``event`` names it, e.g. ``packet:17``."""
+    return f"rp:{{g{group_id}}}:once:{event}"
+
+
 def channel_group(channel: bytes | str) -> int | None:
     """The group id of a ``group_channel`` name, or None for any other channel."""
     text = channel.decode() if isinstance(channel, bytes) else channel

@@ -32,7 +32,7 @@ JOB_TTL_MS = 24 * 3600 * 1000
 
 _PACKET_COLUMNS = (
     "id, sender_id, group_id, kind, total, share_count, greeting, target_user_id, status, request_id,"
-    " created_ms, expires_ms, finished_ms"
+    " created_ms, expires_ms, finished_ms, announced_ms"
 )
 
 
@@ -54,6 +54,8 @@ class Packet:
     published: bool = True
     # True when ``request_id`` matched an earlier send: nothing new was debited.
     replay: bool = False
+    # When its event was published to the group (``server.announce``); None until then.
+    announced_ms: int | None = None
 
 
 def _packet_from_row(row: Row) -> Packet:
@@ -69,6 +71,7 @@ def _packet_from_row(row: Row) -> Packet:
         status=str(row[8]),
         created_ms=int(row[10]),
         expires_ms=int(row[11]),
+        announced_ms=None if row[13] is None else int(row[13]),
     )
 
 
@@ -111,13 +114,16 @@ async def send_packet(
 
     Bad input raises ``InvalidRequest`` before anything is written. The debit, the packet, its shares
     and the journal row commit together or not at all. With ``request_id`` a retried send returns the
-    first packet instead of paying twice. Cancelled before the commit: nothing is written; after it: the
-    packet exists and is published by ``recover_packet`` or the first grab.
+    first packet instead of paying twice. Redis must answer first (``redis_unavailable`` otherwise, and
+    nothing is debited): a packet is sent only when it can be put up at once. Cancelled before the
+    commit: nothing is written; after it: the packet exists, ``published`` or not, and
+    ``server.announce`` (the sender's retry, or a worker) puts it up and announces it.
     """
     req = validate_request(kind, total, count, greeting, target_user_id, core.limits)
     if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):
         raise InvalidRequest(errors.BAD_REQUEST, "request_id is 1 to 64 characters")
     shares = split(req, core.rng)
+    await _require_redis(core)
 
     async def work(tx: Tx) -> Packet:
         role, members_can_send = await groups.role_of(tx, group_id, sender_id)
@@ -201,6 +207,16 @@ async def send_packet(
     return packet
 
 
+async def _require_redis(core: Core) -> None:
+    try:
+        if core.batcher is not None:
+            await core.batcher.call(lambda pipe: pipe.ping())
+        else:
+            await core.redis.ping()
+    except RedisError as e:
+        raise Unavailable(errors.REDIS_UNAVAILABLE, f"Redis is unavailable, nothing was sent: {e}") from e
+
+
 async def _load(
     core: Core,
     p: Packet,
@@ -241,16 +257,21 @@ class Recovered:
     grabs_known: int
 
 
+async def load_packet(core: Core, packet_id: int) -> Packet | None:
+    """A packet as the database has it, or None."""
+    row = await core.db.fetchone(f"SELECT {_PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
+    return None if row is None else _packet_from_row(row)
+
+
 async def recover_packet(core: Core, packet_id: int) -> Recovered:
     """Rebuild a packet's Redis state from the database: shares not yet taken, grabs already made.
 
     Safe while grabs continue and safe to repeat: the script runs alone, keeps every grab Redis already
     holds, and never puts back a share that Redis or the database shows as taken.
     """
-    row = await core.db.fetchone(f"SELECT {_PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
-    if row is None:
+    p = await load_packet(core, packet_id)
+    if p is None:
         raise NotFound(errors.PACKET_NOT_FOUND, f"packet {packet_id} does not exist")
-    p = _packet_from_row(row)
     if p.status == "refunded":
         raise Conflict(errors.PACKET_EXPIRED, f"packet {packet_id} was refunded")
     shares = await core.db.fetchall(

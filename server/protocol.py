@@ -8,6 +8,7 @@ subprotocol). Every request ``{"id", "type", ...}`` gets exactly one reply with 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -130,6 +131,22 @@ def reply_error(rid: int | str | None, code: str, message: str) -> dict[str, Any
 
 def event(group: int, offset: str, kind: str, data: dict[str, Any]) -> dict[str, Any]:
     return {"type": "event", "group": group, "offset": offset, "event": kind, "data": data}
+
+
+_OFFSET = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?", re.ASCII)
+
+
+def parse_offset(value: object) -> str | None:
+    """A client's last offset of a group: null, or ``"<ms>-<seq>"`` as events carry it (``"<ms>"`` alone
+    means ``"<ms>-0"``). Anything else is ``bad_request``."""
+    if value is None:
+        return None
+    m = _OFFSET.fullmatch(value) if isinstance(value, str) else None
+    if m is None or int(m[1]) >= 2**64 or int(m[2] or 0) >= 2**64:
+        raise ProtocolError(
+            errors.BAD_REQUEST, "an offset is null or a string '<ms>-<seq>' as events carry it"
+        )
+    return f"{int(m[1])}-{int(m[2] or 0)}"
 
 
 def offset_key(offset: str | bytes) -> tuple[int, int]:

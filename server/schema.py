@@ -105,6 +105,16 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "CREATE INDEX grab_records_user ON grab_records (user_id, grabbed_ms)",
         ],
     ),
+    (
+        2,
+        "when a packet was announced to its group",
+        [
+            # NULL until the packet's event is published; hubs and a worker announce what is left NULL.
+            "ALTER TABLE red_packets ADD COLUMN announced_ms BIGINT NULL",
+            "UPDATE red_packets SET announced_ms = created_ms",
+            "CREATE INDEX red_packets_unannounced ON red_packets (announced_ms, created_ms)",
+        ],
+    ),
 ]
 
 LATEST = MIGRATIONS[-1][0]

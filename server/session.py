@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from server import errors, events, groups, packets, protocol, text
+from server import announce, errors, events, groups, packets, protocol, text
 from server.botscore import Attempt
 from server.core import unavailable
 from server.errors import Forbidden, InvalidRequest, RedPacketError
@@ -115,19 +115,29 @@ async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     wanted = body.get("groups")
     if not isinstance(wanted, dict):
         raise InvalidRequest(errors.BAD_REQUEST, "groups must map group id to the last offset seen (or null)")
+    # Every offset is checked before anything is held or sent: a malformed one refuses the whole sync.
+    plan = [(raw, protocol.parse_offset(since)) for raw, since in wanted.items()]
     out: dict[str, Any] = {}
-    for raw_group, since in wanted.items():
-        group = int(raw_group) if isinstance(raw_group, str) and raw_group.isdigit() else raw_group
+    for raw_group, since in plan:
+        group = (
+            int(raw_group)
+            if isinstance(raw_group, str) and raw_group.isascii() and raw_group.isdigit()
+            else raw_group
+        )
         if not isinstance(group, int) or group not in s.conn.groups:
             out[str(raw_group)] = {"error": errors.NOT_MEMBER}
             continue
-        if since is not None and not isinstance(since, str):
-            raise InvalidRequest(errors.BAD_REQUEST, "an offset is a string like '1700000000000-0'")
-        if group not in s.conn.held:
+        holding = group not in s.conn.held
+        if holding:
             s.conn.held[group] = []  # a second sync of the same group holds live events again meanwhile
-        latest = await events.latest_offset(s.core, group)
-        missed = await events.since(s.core, group, since, s.core.settings.sync_limit) if since else None
-        if not since or missed is None or missed.too_old:
+        try:
+            latest = await events.latest_offset(s.core, group)
+            missed = await events.since(s.core, group, since, s.core.settings.sync_limit) if since else None
+        except BaseException:
+            if holding:  # this sync failed (Redis is down): the group goes on live as before
+                s.conn.release(group, s.conn.last.get(group, (0, 0)))
+            raise
+        if since is None or missed is None or missed.too_old:
             s.conn.release(group, offset_key(latest))
             out[str(group)] = {
                 "offset": latest,
@@ -176,20 +186,11 @@ async def on_send(s: Session, body: dict[str, Any]) -> dict[str, Any]:
         body.get("target"),
         request_id,
     )
-    data = {
-        "packet_id": p.packet_id,
-        "sender": p.sender_id,
-        "kind": p.kind,
-        "total": p.total,
-        "count": p.count,
-        "greeting": p.greeting,
-        "target": p.target_user_id,
-        "created_ms": p.created_ms,
-        "expires_ms": p.expires_ms,
-    }
-    if not p.replay:
-        data["offset"] = await s.hub.publish(group, "packet", data)
-    return {**data, "replay": p.replay}
+    # Paid for and saved: announced now, or (offset null) by a retry or a worker once Redis is back.
+    offset = await announce.announce_packet(s.core, p)
+    if offset is not None and not p.replay:
+        s.hub.metrics.events_published.inc()
+    return {**announce.packet_event(p), "offset": offset, "replay": p.replay}
 
 
 async def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
 from worker.credit import CreditBatcher, credit_grab_job
 from worker.drain import CreditDrain
 from worker.metrics import WorkerMetrics
-from worker.settle import reconcile_job, refund_expired_job, score_bots_job, sweep_job
+from worker.settle import announce_job, reconcile_job, refund_expired_job, score_bots_job, sweep_job
 
 # A credit job's result is kept this long; while it is, enqueueing the same grab again is a no-op.
 KEEP_RESULT_SECONDS = 24 * 3600
@@ -27,6 +27,7 @@ def job_functions() -> tuple[list[Any], list[Any]]:
     functions = [func(cast(Any, credit_grab_job), name=CREDIT_GRAB, max_tries=20)]
     crons = [
         cron(cast(Any, refund_expired_job), second=0, unique=True, timeout=600),
+        cron(cast(Any, announce_job), second=set(range(2, 60, 5)), unique=True, timeout=60),
         cron(cast(Any, sweep_job), second={15, 45}, unique=True, timeout=300),
         cron(cast(Any, reconcile_job), minute=set(range(0, 60, 10)), second=30, unique=True, timeout=600),
         cron(cast(Any, score_bots_job), second=set(range(5, 60, 10)), unique=True, timeout=60),

@@ -1,4 +1,5 @@
-"""Periodic jobs: refunds of expired packets, the sweeper of stranded grabs, reconciliation, bot scoring.
+"""Periodic jobs: refunds of expired packets, announcements Redis missed, the sweeper of stranded grabs,
+reconciliation, bot scoring.
 
 Each is idempotent; arq's ``unique`` cron runs each tick once across workers, and a second run (or two
 workers racing) changes nothing more.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from server import settlement
+from server import announce, settlement
 from server.bots import run_detector
 from server.reconcile import reconcile
 from worker.credit import Ctx
@@ -35,6 +36,11 @@ async def refund_expired_job(ctx: Ctx) -> dict[str, Any]:
             metrics.refunds.labels(r.outcome).inc()
     done["finished"] = done.get("finished", 0) + await settlement.mark_finished(core)
     return done
+
+
+async def announce_job(ctx: Ctx) -> int:
+    """Announce packets that were paid for and saved while Redis was unavailable (exactly once)."""
+    return await announce.announce_pending(ctx["core"])
 
 
 async def sweep_job(ctx: Ctx) -> dict[str, int]:

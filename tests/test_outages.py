@@ -1,0 +1,139 @@
+"""Redis going away under a running hub: every request that needs it answers ``redis_unavailable`` and
+moves no money; a packet whose announcement failed after it was paid for is announced exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server import announce, keys
+from server.client import HubClient, HubError
+from server.ledger import now_ms
+from server.settings import Settings
+from tests.hubtools import HubUnderTest, hub_in_process
+from tests.redisproc import needs_redis_server, redis_process
+from tests.test_hub import make_room
+
+
+async def _code(c: HubClient, kind: str, **fields: object) -> str:
+    with pytest.raises(HubError) as e:
+        await c.request(kind, **fields)
+    return e.value.code
+
+
+@needs_redis_server
+async def test_while_redis_is_down_requests_answer_redis_unavailable_and_move_nothing(
+    hub_settings: Settings, tmp_path: Path
+) -> None:
+    async with redis_process(tmp_path) as r, hub_in_process(hub_settings.with_(redis_url=r.url)) as h:
+        room = await make_room(h, 1)
+        admin = await h.client(room.admin_token)
+        member = await h.client(room.members[0][1])
+        before = await admin.request("send", group=room.group, total=500, count=1)
+        assert (await _event(member, "packet"))["data"]["packet_id"] == before["packet_id"]  # type: ignore[index]
+        await r.kill()
+        g = room.group
+        assert await _code(admin, "chat", group=g, text="hello") == "redis_unavailable"
+        send = {"group": g, "total": 300, "count": 1, "request_id": "during"}
+        assert await _code(admin, "send", **send) == "redis_unavailable"
+        assert await _code(member, "grab", group=g, packet=before["packet_id"]) == "redis_unavailable"
+        assert await _code(member, "open", group=g, packet=before["packet_id"]) == "redis_unavailable"
+        assert await _code(member, "presence", group=g) == "redis_unavailable"
+        assert await _code(member, "sync", groups={str(g): None}) == "redis_unavailable"
+        assert (await member.request("ping"))["ts"] > 0  # needs no Redis
+        async with httpx.AsyncClient(base_url=h.http, timeout=10) as http:
+            health = await http.get("/healthz")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "redis_unavailable"
+        me = await h.api("GET", "/api/me", room.admin_token)
+        assert me["balance"] == 1_000_000 - 500  # the refused send debited nothing
+        rows = await h.core.db.fetchone("SELECT COUNT(*) FROM red_packets")
+        assert rows is not None and int(rows[0]) == 1
+
+        await r.start()  # back, with its AOF: the same sockets work again, no process restarted
+        sent = await _retry(lambda: admin.request("send", **send))
+        assert sent["replay"] is False and sent["offset"] is not None
+        seen = await _event(member, "packet")
+        assert seen["data"]["packet_id"] == sent["packet_id"]  # type: ignore[index]
+        got = await member.request("grab", group=g, packet=before["packet_id"])
+        assert got["amount"] == 500
+        for c in (admin, member):
+            await c.close()
+
+
+async def _retry(call: object, timeout: float = 30) -> dict[str, object]:
+    """Retry a request that answers redis_unavailable until Redis is back (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            return await call()  # type: ignore[operator, no-any-return]
+        except HubError as e:
+            if e.code != "redis_unavailable" or loop.time() > deadline:
+                raise
+        await asyncio.sleep(0.05)
+
+
+async def _event(c: HubClient, kind: str) -> dict[str, object]:
+    while True:
+        ev = await c.next_event()
+        if ev["event"] == kind:
+            return ev
+
+
+async def _packet_events(h: HubUnderTest, group: int, packet_id: int) -> list[str]:
+    """The offsets of the group stream's ``packet`` events for this packet."""
+    from server import events
+
+    missed = await events.since(h.core, group, "0-0", 10_000)
+    return [o for o, kind, data in missed.events if kind == "packet" and data["packet_id"] == packet_id]
+
+
+async def test_a_paid_packet_whose_publish_failed_is_announced_once_by_a_retry_or_the_worker(
+    hub_settings: Settings,
+) -> None:
+    async with hub_in_process(hub_settings) as h:
+        room = await make_room(h, 1)
+        admin = await h.client(room.admin_token)
+        member = await h.client(room.members[0][1])
+        g = room.group
+        stream = keys.group_events(g)
+        bad_stream = lambda: h.core.redis.set(stream, "not a stream")  # noqa: E731 - makes XADD fail
+
+        # The publish fails after the packet was paid for and saved: the send still succeeds, unannounced.
+        await bad_stream()
+        first = await admin.request("send", group=g, total=400, count=1, request_id="r1")
+        assert first["offset"] is None and first["replay"] is False
+        assert (await h.api("GET", "/api/me", room.admin_token))["balance"] == 1_000_000 - 400
+        await h.core.redis.delete(stream)
+        # The sender's retry announces it, once.
+        again = await admin.request("send", group=g, total=400, count=1, request_id="r1")
+        assert again["replay"] is True and again["offset"] is not None
+        assert (await _event(member, "packet"))["data"]["packet_id"] == first["packet_id"]  # type: ignore[index]
+        third = await admin.request("send", group=g, total=400, count=1, request_id="r1")
+        assert third["offset"] == again["offset"]
+        assert await _packet_events(h, g, int(first["packet_id"])) == [again["offset"]]
+
+        # Nobody retries this one: the worker finds it and announces it, once.
+        await bad_stream()
+        second = await admin.request("send", group=g, total=300, count=1, request_id="r2")
+        assert second["offset"] is None
+        await h.core.redis.delete(stream)
+        later = now_ms() + announce.WORKER_AFTER_MS
+        assert await announce.announce_pending(h.core, now=later) == 1
+        assert await announce.announce_pending(h.core, now=later) == 0
+        assert (await _event(member, "packet"))["data"]["packet_id"] == second["packet_id"]  # type: ignore[index]
+        offsets = await _packet_events(h, g, int(second["packet_id"]))
+        assert len(offsets) == 1
+        retried = await admin.request("send", group=g, total=300, count=1, request_id="r2")
+        assert retried["offset"] == offsets[0] and retried["replay"] is True
+        assert await _packet_events(h, g, int(second["packet_id"])) == offsets
+        got = await member.request("grab", group=g, packet=second["packet_id"])
+        assert got["amount"] == 300
+        # And the database says both were announced.
+        rows = await h.core.db.fetchall("SELECT announced_ms FROM red_packets ORDER BY id")
+        assert all(r[0] is not None for r in rows)
+        for c in (admin, member):
+            await c.close()
