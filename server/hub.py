@@ -21,11 +21,12 @@ from redis.exceptions import RedisError
 from starlette.websockets import WebSocket
 
 from server import events, keys, protocol
+from server.announce import Announcer
 from server.bots import AttemptLog
 from server.core import Core
 from server.membership import parse_change
 from server.metrics import HubMetrics
-from server.packets import Grab, call_script
+from server.packets import call_script
 from server.protocol import Format, offset_key
 
 log = logging.getLogger(__name__)
@@ -105,78 +106,6 @@ class Connection:
             self.hub.metrics.frames_out.inc()
 
 
-class Announcer:
-    """Successful grabs, announced to their group: one event per grab while it is quiet, one event per
-    ``grab_coalesce_ms`` per process carrying the grabs of that interval when the room is hot. In a
-    big room (more than ``big_room_online`` members online, across hubs) the events come further apart
-    and list only the latest grabs (``protocol.grabs_announcement``)."""
-
-    def __init__(self, hub: Hub) -> None:
-        self.hub = hub
-        s = hub.core.settings
-        self.base = s.grab_coalesce_ms / 1000
-        self.pending: dict[int, list[dict[str, Any]]] = {}
-        self.last_sent: dict[int, float] = {}
-        self.timers: dict[int, asyncio.TimerHandle] = {}
-        # Members online in the room across hubs (presence), read at most every ONLINE_TTL seconds.
-        self.online: dict[int, tuple[int, float]] = {}
-
-    ONLINE_TTL = 2.0
-
-    def _online(self, group: int) -> int:
-        local = len(self.hub.by_group.get(group, ()))
-        return max(local, self.online.get(group, (0, 0.0))[0])
-
-    def _big(self, group: int) -> bool:
-        return self._online(group) > self.hub.core.settings.big_room_online
-
-    def grabbed(self, group: int, packet_id: int, g: Grab, remaining: int) -> None:
-        item = {
-            "packet_id": packet_id,
-            "user": g.user_id,
-            "amount": g.amount,
-            "seq": g.seq,
-            "ms": g.grabbed_ms,
-            "remaining": remaining,
-        }
-        self.pending.setdefault(group, []).append(item)
-        if group in self.timers:
-            return
-        s = self.hub.core.settings
-        interval = protocol.announce_interval(
-            self.base, self._online(group), s.big_room_online, s.big_room_frames_per_second
-        )
-        wait = self.last_sent.get(group, 0.0) + interval - time.monotonic()
-        if wait <= 0:
-            self.hub.spawn(self.flush(group))
-        else:
-            loop = asyncio.get_running_loop()
-            self.timers[group] = loop.call_later(wait, lambda: self.hub.spawn(self.flush(group)))
-
-    async def flush(self, group: int) -> None:
-        timer = self.timers.pop(group, None)
-        if timer is not None:
-            timer.cancel()
-        items = self.pending.pop(group, [])
-        if not items:
-            return
-        self.last_sent[group] = time.monotonic()
-        listed = self.hub.core.settings.big_room_grabs_listed if self._big(group) else None
-        await self.hub.publish(group, "grabs", protocol.grabs_announcement(items, listed))
-        _, read_at = self.online.get(group, (0, 0.0))
-        if time.monotonic() - read_at > self.ONLINE_TTL:
-            self.online[group] = (await self.hub.online_count(group), time.monotonic())
-
-    async def finished(self, group: int, data: dict[str, Any]) -> None:
-        """The packet's last share went: its grabs first, then the result."""
-        await self.flush(group)
-        await self.hub.publish(group, "finished", data)
-
-    async def close(self) -> None:
-        for group in list(self.pending):
-            await self.flush(group)
-
-
 class Hub:
     def __init__(self, core: Core, metrics: HubMetrics) -> None:
         self.core = core
@@ -205,7 +134,8 @@ class Hub:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.announcer.close()
+        # Budget for announcements still pending if Redis is down: a part of the shutdown budget.
+        await self.announcer.close(min(5.0, self.core.settings.shutdown_seconds / 4))
         await self.attempts.close()
         for task in (self._runner, self._refresher):
             if task is not None:
@@ -228,8 +158,10 @@ class Hub:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def publish(self, group: int, kind: str, data: dict[str, Any]) -> str:
-        offset = await events.publish(self.core, group, kind, data)
+    async def publish(
+        self, group: int, kind: str, data: dict[str, Any], once: events.Once | None = None
+    ) -> str:
+        offset = await events.publish(self.core, group, kind, data, once)
         self.metrics.events_published.inc()
         return offset
 

@@ -212,7 +212,7 @@ async def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any]:
         s.hub.announcer.grabbed(group, packet_id, r.grab, r.remaining)
         if r.remaining == 0:
             # Exactly one grab empties a packet: it announces the result, after the grabs.
-            s.hub.spawn(_announce_finished(s, group, packet_id))
+            s.hub.spawn(s.hub.announcer.finished(group, packet_id, s.conn.user_id))
     g = r.grab
     return {
         "packet": packet_id,
@@ -231,21 +231,6 @@ def _record_attempt(s: Session, group: int, packet_id: int) -> None:
     now = int(time.time() * 1000)
     reaction = None if shown is None else now - shown
     s.hub.attempts.record(Attempt(s.conn.user_id, group, packet_id, reaction, s.conn.device, now))
-
-
-async def _announce_finished(s: Session, group: int, packet_id: int) -> None:
-    v = await packets.open_packet(s.core, packet_id, group, s.conn.user_id)
-    best = v.best_luck
-    await s.hub.announcer.finished(
-        group,
-        {
-            "packet_id": packet_id,
-            "total": v.total,
-            "count": v.count,
-            "duration_ms": v.duration_ms,
-            "best_luck": None if best is None else {"user": best.user_id, "amount": best.amount},
-        },
-    )
 
 
 def view_dict(v: packets.PacketView) -> dict[str, Any]:

@@ -137,3 +137,41 @@ async def test_a_paid_packet_whose_publish_failed_is_announced_once_by_a_retry_o
         assert all(r[0] is not None for r in rows)
         for c in (admin, member):
             await c.close()
+
+
+async def test_grab_announcements_survive_failed_publishes_and_come_once_in_order(
+    hub_settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with hub_in_process(hub_settings) as h:
+        room = await make_room(h, 2)
+        admin = await h.client(room.admin_token)
+        grabbers = [await h.client(t) for _, t in room.members]
+        g = room.group
+        sent = await admin.request("send", group=g, total=900, count=2)
+        assert (await _event(admin, "packet"))["data"]["packet_id"] == sent["packet_id"]  # type: ignore[index]
+        stream = keys.group_events(g)
+        await h.core.redis.set(stream, "not a stream")  # every publish to the group fails from here
+        got = [await c.request("grab", group=g, packet=sent["packet_id"]) for c in grabbers]
+        assert sum(int(r["amount"]) for r in got) == 900  # the grabs themselves need no announcement
+        await h.core.redis.delete(stream)  # Redis takes publishes again: the retries go through
+        grabs: list[dict[str, object]] = []
+        while True:
+            ev = await admin.next_event(timeout=30)
+            if ev["event"] == "finished":
+                break
+            assert ev["event"] == "grabs"
+            grabs += ev["data"]["grabs"]  # type: ignore[arg-type]
+        assert sorted((x["user"], x["amount"]) for x in grabs) == sorted(  # type: ignore[type-var]
+            (c.welcome["user"], r["amount"]) for c, r in zip(grabbers, got, strict=True)
+        )
+        assert ev["data"]["best_luck"]["amount"] == max(int(r["amount"]) for r in got)  # type: ignore[index]
+        # Exactly once in the group's stream: one finished, each grab in one grabs event.
+        from server import events
+
+        kept = (await events.since(h.core, g, "0-0", 1_000)).events
+        assert [k for _, k, _ in kept].count("finished") == 1
+        listed = [x["user"] for _, k, d in kept if k == "grabs" for x in d["grabs"]]
+        assert sorted(listed) == sorted(c.welcome["user"] for c in grabbers)
+        assert "hub background task failed" not in caplog.text
+        for c in (admin, *grabbers):
+            await c.close()
