@@ -126,7 +126,8 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
         redis_pool_size=256,
     )
     figures: dict[str, Any] = {"grabs_per_mode": grabs}
-    cleanup: list[str] = [BENCH_QUEUE]
+    # Every grab queues its credit in the bench's own credit queue: deleted with the rest at the end.
+    cleanup: list[str] = [keys.credit_queue(BENCH_QUEUE), keys.credit_claims(BENCH_QUEUE)]
     try:
         async with open_core(s) as core:
             await fresh_ids(core)
@@ -146,8 +147,7 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
             ]
             for name, c, concurrency in modes:
                 p = await packets.send_packet(c, admin, group, "equal", grabs * 10, grabs)
-                cleanup += keys.packet_keys(p.packet_id)
-                cleanup += [keys.credit_job_key(p.packet_id, i) for i in range(1, grabs + 1)]
+                cleanup += [*keys.packet_keys(p.packet_id), keys.packet_paid(p.packet_id)]
                 figures[name] = round(await _grab_all(c, p.packet_id, group, users, concurrency))
             raw = await _raw_packet(core, group, 1_200_000)
             cleanup += keys.packet_keys(raw)
@@ -162,9 +162,6 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
             figures["redis_benchmark_evalsha_c50_p16"] = await asyncio.to_thread(
                 _redis_benchmark, core, url, group, raw, 16
             )
-            # The raw packet's credit jobs: redis-benchmark's grabs queue theirs too.
-            jobs = keys.JOB_KEY_PREFIX + keys.credit_job_id_prefix(raw) + "*"
-            cleanup += [k async for k in core.redis.scan_iter(match=jobs, count=10_000)]
             for i in range(0, len(cleanup), 1000):
                 await core.redis.unlink(*cleanup[i : i + 1000])
             await core.redis.delete(*[keys.group_members(group), keys.group_members_version(group)])

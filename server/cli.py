@@ -1,37 +1,92 @@
-"""The ``redpacket`` command: ``up``, ``worker``, ``migrate``, ``recover`` and ``bench``."""
+"""Live red packets in group chat: run the hub and the worker, and the operator's tools.
+
+Every mistake an operator can make (a missing secret, a busy port, a wrong URL, a database or Redis that
+does not answer) ends the command with one line on stderr saying what is wrong and what to do, and a
+non-zero exit code: 2 for a setting that is wrong as written, 1 for anything else.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import datetime
 import gc
 import logging
+import re
 import secrets
 import signal
 import socket
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 
 import uvicorn
 import uvloop
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from server.core import open_core
-from server.embedded import embedded_valkey
+from server.db import DatabaseError
+from server.embedded import EmbeddedError, embedded_valkey
 from server.handshake import bounded_protocols
-from server.settings import Settings
+from server.settings import Settings, redact
 
 log = logging.getLogger("redpacket")
 
+# A backing service that does not answer within this long at start-up is reported, not waited on.
+STARTUP_CHECK_SECONDS = 5.0
+
+
+class OperatorError(Exception):
+    """Something the operator can fix; ``main`` prints it as one line and exits with ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
 
 @contextlib.contextmanager
-def _redis_url(settings: Settings) -> Iterator[Settings]:
-    """The settings with a Redis URL: the configured one, or an embedded Valkey started now."""
+def _redis_url(settings: Settings, command: str) -> Iterator[Settings]:
+    """The settings with a Redis URL: the configured one, or the data directory's embedded Valkey (the
+    one a running ``redpacket`` process serves, or one started now)."""
     if settings.redis_url:
         yield settings
         return
-    with embedded_valkey(settings.data_dir) as url:
-        yield settings.with_(redis_url=url)
+    try:
+        with embedded_valkey(
+            settings.data_dir, settings.embedded_redis_port, exclusive=command == "up", owner=command
+        ) as url:
+            yield settings.with_(redis_url=url)
+    except EmbeddedError as e:
+        raise OperatorError(str(e)) from None
+
+
+async def _check_services(settings: Settings, redis_too: bool = True) -> None:
+    """Fail fast, in one line, if the database or Redis does not answer."""
+    from server.db import connect
+
+    try:
+        db = await asyncio.wait_for(connect(settings.effective_database_url, 1), STARTUP_CHECK_SECONDS)
+        await db.close()
+    except (DatabaseError, TimeoutError) as e:
+        raise OperatorError(
+            f"the database at {redact(settings.effective_database_url)} does not answer: {e or 'timed out'}"
+            " (check REDPACKET_DATABASE_URL)"
+        ) from None
+    if not redis_too:
+        return
+    r = Redis.from_url(settings.redis_url, socket_connect_timeout=STARTUP_CHECK_SECONDS, socket_timeout=5)
+    try:
+        await asyncio.wait_for(r.ping(), STARTUP_CHECK_SECONDS + 1)
+    except (RedisError, OSError, TimeoutError) as e:
+        raise OperatorError(
+            f"Redis at {redact(settings.redis_url)} does not answer: {e or 'timed out'}"
+            " (check REDPACKET_REDIS_URL)"
+        ) from None
+    finally:
+        await r.aclose()
 
 
 def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
@@ -64,17 +119,35 @@ def _demo_secret(settings: Settings) -> Settings:
     return settings.with_(secret=path.read_text().strip(), dev_login=True, demo_topup=True)
 
 
-async def _serve(settings: Settings, with_worker: bool) -> None:
-    from server.app import create_app
-
-    # Bind first, so that port 0 works and the address printed is the one listening.
+def _listen(settings: Settings) -> socket.socket:
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only when the listening
     # socket says so; without it every reply behind an event waits out a 40 ms delayed ACK.
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as e:
+        sock.close()
+        raise OperatorError(
+            f"cannot listen on {settings.host}:{settings.port}: {e.strerror}"
+            " (choose another with --port / --host or REDPACKET_PORT / REDPACKET_HOST)"
+        ) from None
     sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
+    return sock
+
+
+async def _serve(settings: Settings, with_worker: bool) -> None:
+    from server.app import create_app
+
+    if not settings.secret:
+        raise OperatorError(
+            "REDPACKET_SECRET is not set: `redpacket serve` signs tokens with it (a long random string,"
+            " the same on every hub); `redpacket up` makes one for a demo",
+            2,
+        )
+    sock = _listen(settings)  # first, so that port 0 works and the address printed is the one listening
+    await _check_services(settings)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn_config(create_app(settings, run_worker=with_worker), settings))
     # With 10k sockets open a full collection pauses the loop for most of a second: keep start-up objects
@@ -83,58 +156,73 @@ async def _serve(settings: Settings, with_worker: bool) -> None:
     gc.set_threshold(20_000, 20, 100)
     db = settings.database_url or f"SQLite {settings.sqlite_path}"
     print(f"redpacket hub on http://{settings.host}:{port}  websocket ws://{settings.host}:{port}/ws")
-    print(f"  Redis {settings.redis_url}, database {db}", flush=True)
+    print(f"  Redis {redact(settings.redis_url)}, database {redact(db)}", flush=True)
     if settings.dev_login:
         print(f'  try: curl -s -XPOST http://{settings.host}:{port}/api/login -d \'{{"name": "li"}}\'')
     await server.serve(sockets=[sock])
 
 
 async def _worker(settings: Settings) -> None:
-    from worker.drain import CreditDrain
-    from worker.main import make_worker
+    from prometheus_client import start_http_server
 
-    # A worker process runs a few hundred credit jobs at once; each needs a Redis connection.
-    async with open_core(settings.with_(redis_pool_size=max(settings.redis_pool_size, 256))) as core:
-        from prometheus_client import start_http_server
+    from worker.main import running_worker
+    from worker.metrics import WorkerMetrics
 
-        from worker.metrics import WorkerMetrics
-
+    await _check_services(settings)
+    async with open_core(settings) as core:
         metrics = WorkerMetrics()
         if settings.worker_metrics_port:
-            start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
-        worker = make_worker(core, metrics, handle_signals=True)
-        log.info("worker consuming %s; metrics on port %s", settings.queue_name, settings.worker_metrics_port)
-        drain = asyncio.create_task(CreditDrain(core, metrics).run())
-        # On SIGINT/SIGTERM arq cancels its running jobs (each rolls back; arq runs it again later)
-        # and its main task: that cancellation is the normal way out. The credit drain stops with it.
-        try:
-            with contextlib.suppress(asyncio.CancelledError):
-                await worker.async_run()
-        finally:
-            drain.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await drain
+            try:
+                start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
+            except OSError as e:
+                raise OperatorError(
+                    f"cannot serve worker metrics on {settings.host}:{settings.worker_metrics_port}:"
+                    f" {e.strerror} (set REDPACKET_WORKER_METRICS_PORT, 0 for none)"
+                ) from None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        # SIGINT/SIGTERM: the drain gives back the claims of a batch not yet paid (or they lapse), arq's
+        # running jobs are cancelled (each is idempotent and runs again later); then the process exits.
+        async with running_worker(core, metrics):
+            log.info("worker running; metrics on port %s", settings.worker_metrics_port or "(off)")
+            await stop.wait()
 
 
-async def _worker_healthy(settings: Settings) -> bool:
-    """arq writes a health line under ``<queue>:health-check`` every minute; present means alive."""
-    from arq.constants import health_check_key_suffix
+def _worker_healthy(settings: Settings) -> bool:
+    """The health of the worker whose metrics this host serves on ``REDPACKET_WORKER_METRICS_PORT``
+    (in compose: the worker of this container): healthy if its last heartbeat reached Redis and the
+    database within ``HEALTHY_WITHIN`` seconds."""
+    from worker.main import HEALTHY_WITHIN
 
-    from server.queue import make_redis
-
-    redis = make_redis(settings)
+    if not settings.worker_metrics_port:
+        raise OperatorError(
+            "worker --check reads the worker's metrics: REDPACKET_WORKER_METRICS_PORT is 0", 2
+        )
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "", "::") else settings.host
+    url = f"http://{host}:{settings.worker_metrics_port}/metrics"
     try:
-        line = await redis.get(settings.queue_name + health_check_key_suffix)
-    finally:
-        await redis.aclose(close_connection_pool=True)
-    print(line.decode() if line else "no worker health line")
-    return line is not None
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+    except OSError as e:
+        print(f"unhealthy: no worker answers on {url} ({e})")
+        return False
+    beat = re.search(r"^redpacket_worker_healthy_at_seconds (\S+)$", text, re.MULTILINE)
+    at = float(beat[1]) if beat else 0.0
+    if not at:
+        print("unhealthy: the worker has not reached Redis and the database yet")
+        return False
+    age = time.time() - at
+    print(f"{'healthy' if age < HEALTHY_WITHIN else 'unhealthy'}: last heartbeat {age:.0f} s ago")
+    return age < HEALTHY_WITHIN
 
 
 async def _migrate(settings: Settings) -> None:
     from server import schema
     from server.db import connect
 
+    await _check_services(settings, redis_too=False)
     db = await connect(settings.effective_database_url)
     try:
         applied = await schema.migrate(db)
@@ -143,16 +231,23 @@ async def _migrate(settings: Settings) -> None:
         await db.close()
 
 
+def _when(ms: int) -> str:
+    at = datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC)
+    left = max(0, ms // 1000 - int(time.time()))
+    return f"{at:%Y-%m-%d %H:%M:%S} UTC (in {left // 60} min {left % 60} s)"
+
+
 async def _blocks(settings: Settings, lift: int | None) -> None:
     from server import bots
 
+    await _check_services(settings)
     async with open_core(settings) as core:
         if lift is not None:
             print(f"user {lift}: {'unblocked' if await bots.lift(core, lift) else 'was not blocked'}")
             return
         shown = await bots.list_blocks(core)
         for b in shown:
-            print(f"user {b.user} blocked until {b.until_ms} (unix ms): {b.reasons}")
+            print(f"user {b.user} blocked until {_when(b.until_ms)}: {b.reasons}")
         print(f"{len(shown)} blocked")
 
 
@@ -161,6 +256,7 @@ async def _reconcile(settings: Settings) -> bool:
     from server.db import connect
     from server.reconcile import reconcile, render
 
+    await _check_services(settings, redis_too=False)
     db = await connect(settings.effective_database_url)
     try:
         await schema.migrate(db)
@@ -172,90 +268,138 @@ async def _reconcile(settings: Settings) -> bool:
 
 
 async def _recover(settings: Settings, packet_ids: list[int]) -> None:
+    from server.errors import RedPacketError
     from server.packets import recover_packet
+    from server.protocol import MAX_ID
 
+    if bad := [p for p in packet_ids if not 1 <= p <= MAX_ID]:
+        raise OperatorError(f"no packet can have the id {bad[0]}", 2)
+    await _check_services(settings)
     async with open_core(settings) as core:
         for pid in packet_ids:
-            r = await recover_packet(core, pid)
+            try:
+                r = await recover_packet(core, pid)
+            except RedPacketError as e:
+                print(f"packet {pid}: {e.message}")
+                continue
             print(f"packet {pid}: {r.shares_left} shares left, {r.grabs_known} grabs known")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="redpacket", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start everything on this machine (embedded Valkey + SQLite by default)")
-    up.add_argument("--host")
-    up.add_argument("--port", type=int)
-    serve = sub.add_parser("serve", help="serve the API only (run workers with `redpacket worker`)")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
+async def _bench(settings: Settings, what: str, grabs: int, clients: int) -> None:
+    from server import hubbench
+    from server.bench import run_grab_bench
+    from server.creditbench import bench_credit, bench_storm
+
+    await _check_services(settings)
+    if what == "grab":
+        await run_grab_bench(settings, grabs)
+    elif what == "hub-grab":
+        await hubbench.bench_hub_grab(settings)
+    elif what == "credit":
+        await bench_credit(settings)
+    elif what == "storm":
+        await bench_storm(settings)
+    elif what == "fanout":
+        await hubbench.bench_fanout(settings)
+    else:
+        await hubbench.bench_hot(settings, clients)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="redpacket",
+        description="Live red packets in group chat: the hub, the worker, and the operator's tools.",
+        epilog="Settings come from REDPACKET_* environment variables (README: Configuration). Without"
+        " REDPACKET_REDIS_URL and REDPACKET_DATABASE_URL everything runs on an embedded Valkey and a"
+        " SQLite file under REDPACKET_DATA_DIR (.redpacket).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def listen_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--host", help="address to listen on (default: REDPACKET_HOST or 127.0.0.1)")
+        p.add_argument(
+            "--port", type=int, help="port to listen on, 0 for any free one (default: REDPACKET_PORT or 8000)"
+        )
+
+    listen_options(
+        sub.add_parser("up", help="the hub and a worker in one process, dev login and demo money on (a demo)")
+    )
+    listen_options(
+        sub.add_parser("serve", help="the hub only (production; needs REDPACKET_SECRET; run workers apart)")
+    )
     wk = sub.add_parser(
-        "worker", help="run the arq worker against REDPACKET_REDIS_URL / REDPACKET_DATABASE_URL"
+        "worker", help="the worker: credits, refunds, announcements, sweeper, reconciliation, bots"
     )
     wk.add_argument(
-        "--check", action="store_true", help="exit 0 if a worker reported healthy recently, else 1"
+        "--check", action="store_true", help="exit 0 if this host's worker is healthy (its metrics port)"
     )
-    sub.add_parser("migrate", help="apply database migrations")
+    sub.add_parser("migrate", help="apply database migrations (every start does this too)")
     sub.add_parser("reconcile", help="check every cent; print a report; exit 1 on any difference")
-    blocks = sub.add_parser("blocks", help="list the users the bot detector blocked; --lift USER to unblock")
-    blocks.add_argument("--lift", type=int, metavar="USER")
-    rec = sub.add_parser("recover", help="rebuild packets' Redis state from the database")
-    rec.add_argument("packet_ids", type=int, nargs="+")
-    bench = sub.add_parser("bench", help="print benchmark figures and a JSON line")
+    blocks = sub.add_parser("blocks", help="list the users the bot detector blocked, and why and until when")
+    blocks.add_argument(
+        "--lift", type=int, metavar="USER", help="lift the block (and throttle) of this user id"
+    )
+    rec = sub.add_parser(
+        "recover", help="rebuild packets' Redis state from the database (safe while grabs go on)"
+    )
+    rec.add_argument("packet_ids", type=int, nargs="+", metavar="PACKET_ID")
+    bench = sub.add_parser("bench", help="print benchmark figures and a JSON line (docs/benchmarks.md)")
     bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm"])
     bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
     bench.add_argument("--clients", type=int, default=10_000, help="connected clients (hot)")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _run(args: argparse.Namespace, settings: Settings) -> int:
+    command = args.command
+    if command == "worker" and args.check:
+        return 0 if _worker_healthy(settings) else 1
+    if command == "migrate":
+        uvloop.run(_migrate(settings))
+        return 0
+    if command == "reconcile":
+        return 0 if uvloop.run(_reconcile(settings)) else 1
+    with _redis_url(settings, command) as s:
+        if command == "up":
+            uvloop.run(_serve(_demo_secret(s), with_worker=True))
+        elif command == "serve":
+            uvloop.run(_serve(s, with_worker=False))
+        elif command == "worker":
+            uvloop.run(_worker(s))
+        elif command == "blocks":
+            uvloop.run(_blocks(s, args.lift))
+        elif command == "recover":
+            uvloop.run(_recover(s, args.packet_ids))
+        else:
+            uvloop.run(_bench(s, args.what, args.grabs, args.clients))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # uvicorn drains on SIGTERM, then raises the signal again; end with a clean exit instead, so the
     # cleanup below (the embedded Valkey's shutdown) still runs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    settings = Settings.from_env()
-    if args.command in ("up", "serve"):
-        if args.host:
-            settings = settings.with_(host=args.host)
-        if args.port is not None:
-            settings = settings.with_(port=args.port)
     try:
-        with _redis_url(settings) as s:
-            if args.command == "up":
-                uvloop.run(_serve(_demo_secret(s), with_worker=True))
-            elif args.command == "serve":
-                uvloop.run(_serve(s, with_worker=False))
-            elif args.command == "worker":
-                if args.check:
-                    sys.exit(0 if uvloop.run(_worker_healthy(s)) else 1)
-                uvloop.run(_worker(s))
-            elif args.command == "migrate":
-                uvloop.run(_migrate(s))
-            elif args.command == "blocks":
-                uvloop.run(_blocks(s, args.lift))
-            elif args.command == "reconcile":
-                if not uvloop.run(_reconcile(s)):
-                    sys.exit(1)
-            elif args.command == "recover":
-                uvloop.run(_recover(s, args.packet_ids))
-            elif args.command == "bench":
-                from server import hubbench
-                from server.bench import run_grab_bench
-
-                if args.what == "grab":
-                    uvloop.run(run_grab_bench(s, args.grabs))
-                elif args.what == "hub-grab":
-                    uvloop.run(hubbench.bench_hub_grab(s))
-                elif args.what == "credit":
-                    from server.creditbench import bench_credit
-
-                    uvloop.run(bench_credit(s))
-                elif args.what == "storm":
-                    from server.creditbench import bench_storm
-
-                    uvloop.run(bench_storm(s))
-                elif args.what == "fanout":
-                    uvloop.run(hubbench.bench_fanout(s))
-                else:
-                    uvloop.run(hubbench.bench_hot(s, args.clients))
+        code = _run(args, _settings(args))
+    except OperatorError as e:
+        print(f"redpacket: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        pass
-    sys.exit(0)
+        code = 0
+    sys.exit(code)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    try:
+        settings = Settings.from_env()
+        if args.command in ("up", "serve"):
+            if args.host:
+                settings = settings.with_(host=args.host)
+            if args.port is not None:
+                settings = settings.with_(port=args.port)
+        settings.check()
+    except ValueError as e:  # a setting that cannot be read as written
+        raise OperatorError(str(e), 2) from None
+    return settings

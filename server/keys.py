@@ -1,22 +1,11 @@
 """Every Redis key and channel name the project uses, built here and nowhere else.
 
 All keys of one packet share the hash tag ``{p<id>}`` (and of one group ``{g<id>}``, of one user
-``{u<id>}``). The grab script is the exception that spans them, with the arq queue: one round trip per
-grab needs one standalone Redis, which arq's queue on the same server needs anyway.
+``{u<id>}``). The grab script is the exception that spans them, with the credit queue: one round trip per
+grab on one standalone Redis.
 """
 
 from __future__ import annotations
-
-from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix
-
-# arq's own prefixes of a job's key, of its kept result and of a worker's claim on it (the grab script
-# builds credit job keys; the credit drain claims and finishes jobs as arq does).
-JOB_KEY_PREFIX: str = job_key_prefix
-RESULT_KEY_PREFIX: str = result_key_prefix
-IN_PROGRESS_KEY_PREFIX: str = in_progress_key_prefix
-
-# Every credit job id starts with this; the drain takes only such jobs from the shared queue.
-CREDIT_JOB_ID_PREFIX = "credit:"
 
 
 def packet_meta(packet_id: int) -> str:
@@ -53,24 +42,32 @@ def group_members_version(group_id: int) -> str:
 LOADED = b"*"
 
 
-def credit_job_id_prefix(packet_id: int) -> str:
-    """What the credit job ids of one packet's shares start with (``lua/grab.lua`` appends the seq)."""
-    return f"{CREDIT_JOB_ID_PREFIX}{packet_id}:"
+def packet_paid(packet_id: int) -> str:
+    """Set of the seqs whose credit a worker has committed: a repeat grab does not queue them again."""
+    return f"rp:{{p{packet_id}}}:paid"
 
 
-def credit_job_id(packet_id: int, seq: int) -> str:
-    """arq job id of the credit of one share: enqueueing the same grab twice makes one job."""
-    return credit_job_id_prefix(packet_id) + str(seq)
+def credit_queue(queue_name: str) -> str:
+    """Sorted set of credits waiting to be paid, by when they became due (unix ms). A member is
+    ``credit_entry(...)``: everything the worker needs, so nothing else is read to pay it."""
+    return f"{queue_name}:credits"
 
 
-def credit_job_key(packet_id: int, seq: int) -> str:
-    """Where arq keeps a queued credit job (arq owns the prefix)."""
-    return job_key_prefix + credit_job_id(packet_id, seq)
+def credit_claims(queue_name: str) -> str:
+    """Sorted set of the credits workers are paying, by when each claim lapses (unix ms) unless renewed."""
+    return f"{queue_name}:credits:claimed"
 
 
-def credit_result_key(packet_id: int, seq: int) -> str:
-    """Where arq keeps a finished credit job's result; while it exists the job is not enqueued again."""
-    return result_key_prefix + credit_job_id(packet_id, seq)
+def credit_entry(packet_id: int, user_id: int, seq: int, amount: int, grabbed_ms: int) -> str:
+    """``"<packet>:<user>:<seq>:<amount>:<grabbed_ms>"`` (``lua/grab.lua`` builds the same)."""
+    return f"{packet_id}:{user_id}:{seq}:{amount}:{grabbed_ms}"
+
+
+def parse_credit_entry(entry: bytes | str) -> tuple[int, int, int, int, int]:
+    """(packet, user, seq, amount, grabbed_ms) of a ``credit_entry``."""
+    text = entry.decode() if isinstance(entry, bytes) else entry
+    packet, user, seq, amount, ms = (int(x) for x in text.split(":"))
+    return packet, user, seq, amount, ms
 
 
 def group_events(group_id: int) -> str:

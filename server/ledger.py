@@ -168,6 +168,23 @@ class Credit:
 CreditOutcome = Literal["credited", "already"]
 
 
+async def finish_paid(tx: Tx, packet_ids: list[int]) -> int:
+    """Among these active packets, those whose every share is now credited become ``finished``, in the
+    caller's transaction (the one that credited their last share): ``finished`` means every share is
+    paid, from the moment it is. ``finished_ms`` is when the last share was grabbed."""
+    ids = sorted(set(packet_ids))
+    if not ids:
+        return 0
+    marks = ", ".join(["%s"] * len(ids))
+    return await tx.execute(
+        "UPDATE red_packets SET status = 'finished',"
+        " finished_ms = (SELECT MAX(g.grabbed_ms) FROM grab_records g WHERE g.packet_id = red_packets.id)"
+        f" WHERE id IN ({marks}) AND status = 'active' AND share_count = (SELECT COUNT(*)"
+        " FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = 'credited')",
+        ids,
+    )
+
+
 async def credit_grab(db: Database, c: Credit) -> CreditOutcome:
     """Pay one grab: its grab record, its journal row and the balance change, in one transaction.
 
@@ -178,8 +195,9 @@ async def credit_grab(db: Database, c: Credit) -> CreditOutcome:
     """
 
     async def work(tx: Tx) -> CreditOutcome:
+        # Exclusive: the credit may finish the packet, and a shared lock upgraded later deadlocks.
         packet = await tx.fetchone(
-            "SELECT status FROM red_packets WHERE id = %s" + tx.dialect.share_lock, (c.packet_id,)
+            "SELECT status FROM red_packets WHERE id = %s" + tx.dialect.for_update, (c.packet_id,)
         )
         if packet is None:
             raise NotFound(errors.PACKET_NOT_FOUND, f"packet {c.packet_id} does not exist")
@@ -215,6 +233,8 @@ async def credit_grab(db: Database, c: Credit) -> CreditOutcome:
         if packet[0] == "refunded":
             raise Conflict(errors.PACKET_EXPIRED, f"packet {c.packet_id} was refunded before this credit")
         posted = await post(tx, c.user_id, c.amount, "grab", f"grab:{c.packet_id}:{c.seq}", c.packet_id)
+        if posted:
+            await finish_paid(tx, [c.packet_id])
         return "credited" if posted else "already"
 
     return await db.run(work)

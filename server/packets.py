@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from arq.jobs import deserialize_job
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
@@ -22,13 +21,9 @@ from server.db import IntegrityError, Row, Tx
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
 from server.ledger import now_ms, post
 from server.membership import not_member
-from server.queue import CREDIT_GRAB, job_deserializer
 from server.split import Kind, PacketRequest, split, validate_request
 
 log = logging.getLogger(__name__)
-
-# How long a queued credit job may wait before arq drops it: arq's own default. The sweeper pays later.
-JOB_TTL_MS = 24 * 3600 * 1000
 
 _PACKET_COLUMNS = (
     "id, sender_id, group_id, kind, total, share_count, greeting, target_user_id, status, request_id,"
@@ -295,23 +290,23 @@ async def recover_packet(core: Core, packet_id: int) -> Recovered:
 
 
 async def _queued_credits(core: Core, packet_id: int, seqs: list[int]) -> list[tuple[int, int, int, int]]:
-    """Grabs whose credit job still waits in the queue: told to their grabber, not yet in the database.
+    """Grabs whose credit still waits in the queue (or is being paid): told to their grabber, not yet in
+    the database, as (user, seq, amount, grabbed_ms).
 
     When only the packet's keys were lost (not the whole Redis), these keep their share instead of it
-    being handed out a second time.
+    being handed out a second time. A scan of the queue: recovery is rare and the queue short.
     """
     if not seqs:
         return []
-    async with core.redis.pipeline(transaction=False) as pipe:
-        for seq in seqs:
-            pipe.get(keys.credit_job_key(packet_id, seq))
-        raw = await pipe.execute()
-    found = []
-    for blob in raw:
-        if blob:
-            args = deserialize_job(blob, deserializer=job_deserializer).args
-            found.append((int(args[1]), int(args[2]), int(args[3]), int(args[4])))
-    return found
+    wanted = set(seqs)
+    found: dict[int, tuple[int, int, int, int]] = {}
+    queue = core.settings.queue_name
+    for zset in (keys.credit_queue(queue), keys.credit_claims(queue)):
+        async for entry, _ in core.redis.zscan_iter(zset, match=f"{packet_id}:*", count=1000):
+            _, user, seq, amount, ms = keys.parse_credit_entry(entry)
+            if seq in wanted:
+                found[seq] = (user, seq, amount, ms)
+    return list(found.values())
 
 
 @dataclass(frozen=True)
@@ -352,9 +347,9 @@ async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bo
     """Take one share of a packet for ``user_id``, or the share they took before.
 
     One Lua call, one round trip: the member check (Redis cache of the database), the block and rate
-    limit when ``gate`` (the hub's), the share, and its credit queued as an arq job with a deterministic
-    id (again on a repeat, a no-op while queued or its result kept). A share is never taken without its
-    credit queued in the same atomic call. A second grab by the same user returns the same share.
+    limit when ``gate`` (the hub's), the share, and its credit queued for the workers (again on a repeat,
+    a no-op while it is queued, being paid or paid). A share is never taken without its credit queued
+    in the same atomic call. A second grab by the same user returns the same share.
     A cold member cache costs one database read and a second call; so does a live packet that Redis no
     longer knows, recovered from the database first.
     """
@@ -394,11 +389,13 @@ def grab_call(
     s = core.settings
     keys_ = [
         *keys.packet_keys(packet_id),
+        keys.packet_paid(packet_id),
         keys.group_members(group_id),
         keys.user_block(user_id),
         keys.grab_bucket(user_id),
         keys.grab_throttle(user_id),
-        s.queue_name,
+        keys.credit_queue(s.queue_name),
+        keys.credit_claims(s.queue_name),
     ]
     args = [
         user_id,
@@ -407,11 +404,6 @@ def grab_call(
         s.grabs_per_second if gate else "",
         s.grabs_burst,
         packet_id,
-        keys.credit_job_id_prefix(packet_id),
-        keys.JOB_KEY_PREFIX,
-        keys.RESULT_KEY_PREFIX,
-        CREDIT_GRAB,
-        JOB_TTL_MS,
         keys.LOADED,
     ]
     return keys_, args

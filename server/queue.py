@@ -1,7 +1,7 @@
-"""The Redis client shared by the hub and the workers, and the arq queue on it.
+"""The Redis client shared by the hub and the workers, which is also arq's connection for its queue.
 
 One bounded pool (a burst of grabs waits for a connection instead of opening thousands), msgpack for
-arq jobs, and the name of every job function the workers run.
+arq's jobs (the periodic ones; credits have their own queue, ``worker.drain``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.connection import Connection
 
 from server.settings import Settings
-
-CREDIT_GRAB = "credit_grab"
 
 
 def job_serializer(obj: dict[str, Any]) -> bytes:
@@ -49,6 +47,9 @@ def make_redis(settings: Settings) -> ArqRedis:
         settings.redis_url,
         max_connections=settings.redis_pool_size,
         timeout=10,
+        # A Redis that is down refuses at once; one that is unreachable must not hang a request for
+        # the OS's minutes-long connect timeout.
+        socket_connect_timeout=5,
         connection_class=PackedConnection,
     )
     return ArqRedis(

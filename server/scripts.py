@@ -29,8 +29,7 @@ class Scripts:
     fill_members: AsyncScript
     publish_event: AsyncScript
     presence: AsyncScript
-    claim_jobs: AsyncScript
-    finish_jobs: AsyncScript
+    claim_credits: AsyncScript
 
     def __init__(self, redis: Redis, directory: Path = LUA_DIR) -> None:
         self.sources = read_sources(directory)

@@ -6,12 +6,15 @@ Nothing else in the project reads ``os.environ``.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
 PREFIX = "REDPACKET_"
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+DATABASE_SCHEMES = ("mysql://", "mariadb://", "sqlite:///")
 N = TypeVar("N", int, float)
 
 
@@ -35,6 +38,11 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     return _number(env, name, default, float)
 
 
+def redact(url: str) -> str:
+    """A URL fit to print: its password replaced by ``***``."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
 def child_env(**values: str) -> dict[str, str]:
     """The environment for a child process (a hub, a worker): this one's, without any REDPACKET_
     setting of its own, plus ``values`` (e.g. ``REDPACKET_REDIS_URL=...``)."""
@@ -51,6 +59,8 @@ class Settings:
     redis_url: str = ""
     database_url: str = ""
     data_dir: Path = field(default_factory=lambda: Path(".redpacket"))
+    # Where the embedded Valkey listens (0: any free port; it is written to <data_dir>/valkey.json).
+    embedded_redis_port: int = 0
 
     # Product limits: what a real app would refuse (WeChat caps at 200 yuan and 100 shares).
     max_count: int = 100
@@ -109,6 +119,7 @@ class Settings:
             redis_url=env.get(PREFIX + "REDIS_URL", d.redis_url),
             database_url=env.get(PREFIX + "DATABASE_URL", d.database_url),
             data_dir=Path(env.get(PREFIX + "DATA_DIR", str(d.data_dir))),
+            embedded_redis_port=_int(env, "EMBEDDED_REDIS_PORT", d.embedded_redis_port),
             max_count=_int(env, "MAX_COUNT", d.max_count),
             max_total_cents=_int(env, "MAX_TOTAL_CENTS", d.max_total_cents),
             max_greeting_chars=_int(env, "MAX_GREETING_CHARS", d.max_greeting_chars),
@@ -146,6 +157,23 @@ class Settings:
             shutdown_seconds=_int(env, "SHUTDOWN_SECONDS", d.shutdown_seconds),
             worker_metrics_port=_int(env, "WORKER_METRICS_PORT", d.worker_metrics_port),
         )
+
+    def check(self) -> None:
+        """Raise ``ValueError`` (one line: what is wrong, what to do) for a setting no run can use."""
+        if self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):
+            raise ValueError(
+                f"{PREFIX}REDIS_URL must start with {', '.join(REDIS_SCHEMES)}"
+                f" (got {redact(self.redis_url)!r}); leave it empty for the embedded Valkey"
+            )
+        if self.database_url and not self.database_url.startswith(DATABASE_SCHEMES):
+            raise ValueError(
+                f"{PREFIX}DATABASE_URL must start with {', '.join(DATABASE_SCHEMES)}"
+                f" (got {redact(self.database_url)!r}); leave it empty for SQLite in the data directory"
+            )
+        for name, port in (("PORT", self.port), ("WORKER_METRICS_PORT", self.worker_metrics_port),
+                           ("EMBEDDED_REDIS_PORT", self.embedded_redis_port)):  # fmt: skip
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{PREFIX}{name} must be a port number, 0 to 65535 (got {port})")
 
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from server import keys
 from server.core import Core
 from server.db import Tx
 from server.errors import RedPacketError
-from server.ledger import Credit, credit_grab, now_ms, post
+from server.ledger import Credit, credit_grab, finish_paid, now_ms, post
 from server.packets import parse_record
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ async def refund_packet(core: Core, packet_id: int, now: int | None = None) -> R
     result = await core.db.run(pay_back)
     if result.outcome in ("refunded", "finished"):
         try:
-            await core.redis.delete(*keys.packet_keys(packet_id))
+            await core.redis.delete(*keys.packet_keys(packet_id), keys.packet_paid(packet_id))
         except RedisError as e:
             log.warning("packet %d settled; its Redis keys stay until they expire (%s)", packet_id, e)
         log.info("packet %d %s, %d cents back to the sender", packet_id, result.outcome, result.amount)
@@ -144,17 +144,14 @@ async def due_for_refund(core: Core, now: int | None = None, limit: int = 500) -
 
 
 async def mark_finished(core: Core) -> int:
-    """Active packets whose every share is credited become ``finished``; returns how many."""
-
-    async def work(tx: Tx) -> int:
-        return await tx.execute(
-            "UPDATE red_packets SET status = 'finished', finished_ms = %s"
-            " WHERE status = 'active' AND share_count = (SELECT COUNT(*) FROM grab_records g"
-            " WHERE g.packet_id = red_packets.id AND g.status = 'credited')",
-            (now_ms(),),
-        )
-
-    return await core.db.run(work)
+    """Active packets whose every share is credited become ``finished``; returns how many. (Crediting
+    the last share does this already; this catches packets credited before it did.)"""
+    rows = await core.db.fetchall(
+        "SELECT id FROM red_packets WHERE status = 'active' AND share_count = (SELECT COUNT(*)"
+        " FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = 'credited')"
+    )
+    ids = [int(r[0]) for r in rows]
+    return await core.db.run(lambda tx: finish_paid(tx, ids)) if ids else 0
 
 
 async def sweep(core: Core, now: int | None = None, window_ms: int = 26 * 3600 * 1000) -> Settled:

@@ -76,6 +76,13 @@ class HubUnderTest:
         return c
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _bound_socket() -> socket.socket:
     # IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only when the listener says TCP.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -16,21 +15,17 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.hubtools import free_port
+
 needs_redis_server = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="needs redis-server to start, kill and restart one"
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RedisProcess:
     def __init__(self, directory: Path, *extra: str) -> None:
         self.dir = directory
-        self.port = _free_port()
+        self.port = free_port()
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -1,27 +1,31 @@
-"""send → grab → credit → balance, through a real arq worker, exactly once."""
+"""send → grab → credit → balance, through the workers' credit drain, exactly once."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-from arq.jobs import serialize_job
 
 from server import errors, keys, ledger, packets
 from server.core import Core
 from server.errors import Conflict
 from server.ledger import Credit
-from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
 from tests.conftest import make_world
-from worker.credit import Ctx, credit_grab_job
-from worker.main import make_worker
+from worker.drain import CreditDrain
 
 
 async def run_worker(core: Core) -> int:
-    """Run every queued job, then return how many ran. (No cron jobs: tests call those directly.)"""
-    w = make_worker(core, burst=True, poll_delay=0, cron_jobs=[])
-    await w.async_run()
-    return int(w.jobs_complete)
+    """Pay every queued credit as a worker does; return how many queue entries were handled (paid now,
+    found paid already, or refused). (No cron jobs: tests call those directly.)"""
+    drain = CreditDrain(core)
+    await drain.until_empty()
+    return drain.processed
+
+
+async def queued(core: Core) -> dict[str, float]:
+    """The credit queue: entry → when due."""
+    rows = await core.redis.zrange(keys.credit_queue(core.settings.queue_name), 0, -1, withscores=True)
+    return {e.decode(): score for e, score in rows}
 
 
 async def assert_books_balance(core: Core) -> None:
@@ -58,12 +62,13 @@ async def test_full_packet_is_credited_exactly(core: Core) -> None:
     await assert_books_balance(core)
 
 
-async def test_the_grab_script_queues_the_job_arq_itself_would(core: Core) -> None:
-    """lua/grab.lua builds the credit job's msgpack itself: byte for byte what arq's enqueue makes."""
+async def test_the_grab_queues_its_credit_in_the_same_call(core: Core) -> None:
+    """lua/grab.lua queues the credit entry keys.credit_entry names, due at the grab."""
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 777, 1)
     g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
-    await _assert_arq_job(core, (p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms))
+    entry = keys.credit_entry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
+    assert await queued(core) == {entry: g.grabbed_ms}
     # Ids and amounts past 32 bits, on a packet that lives only in Redis.
     big, user = 2**40 + 3, 2**33 + 5
     meta, shares, _ = keys.packet_keys(big)
@@ -72,36 +77,26 @@ async def test_the_grab_script_queues_the_job_arq_itself_would(core: Core) -> No
     k, args = packets.grab_call(core, big, w.group, user, False, False)
     res = await core.scripts.grab(keys=k, args=args)
     assert res[0] == b"won"
-    g = packets.parse_record(user, res[1])
-    await _assert_arq_job(core, (big, user, 70_000, 2**31 + 7, g.grabbed_ms))
-    await core.redis.delete(*keys.packet_keys(big), keys.credit_job_key(big, 70_000))
-
-
-Args5 = tuple[int, int, int, int, int]
-
-
-async def _assert_arq_job(core: Core, args: Args5, queued_at_grab: bool = True) -> None:
-    job_id = keys.credit_job_id(args[0], args[2])
-    blob = await core.redis.get(keys.credit_job_key(args[0], args[2]))
-    assert isinstance(blob, bytes)
-    et = job_deserializer(blob)["et"]
-    assert abs(et - args[4]) <= 1 or not queued_at_grab
-    assert blob == serialize_job(CREDIT_GRAB, args, {}, None, et, serializer=job_serializer)
-    assert await core.redis.zscore(core.settings.queue_name, job_id) == et
+    g2 = packets.parse_record(user, res[1])
+    big_entry = keys.credit_entry(big, user, 70_000, 2**31 + 7, g2.grabbed_ms)
+    assert await queued(core) == {entry: g.grabbed_ms, big_entry: g2.grabbed_ms}
+    assert keys.parse_credit_entry(big_entry) == (big, user, 70_000, 2**31 + 7, g2.grabbed_ms)
+    await core.redis.delete(*keys.packet_keys(big))
 
 
 async def test_a_repeat_grab_queues_a_lost_credit_again_and_it_pays_once(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 600, 1)
     g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
-    await core.redis.delete(keys.credit_job_key(p.packet_id, g.seq), core.settings.queue_name)
+    await core.redis.delete(keys.credit_queue(core.settings.queue_name))  # as if the entry were lost
     again = await packets.grab(core, p.packet_id, w.group, w.members[0])
     assert again.outcome == "already" and again.grab == g
-    await _assert_arq_job(core, (p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms), queued_at_grab=False)
+    entry = keys.credit_entry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
+    assert list(await queued(core)) == [entry]
     assert await run_worker(core) == 1
-    # Once paid, its kept result makes a further repeat queue nothing.
+    # Once paid, a further repeat queues nothing.
     assert (await packets.grab(core, p.packet_id, w.group, w.members[0])).outcome == "already"
-    assert await core.redis.zcard(core.settings.queue_name) == 0
+    assert await queued(core) == {}
     assert await ledger.balance(core.db, w.members[0]) == 600
 
 
@@ -109,22 +104,13 @@ async def test_a_credit_run_twice_pays_once(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 1)
     g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
-    # The grab enqueued its job; enqueueing the same grab again is refused by the job id.
-    again = await core.redis.enqueue_job(
-        CREDIT_GRAB,
-        p.packet_id,
-        g.user_id,
-        g.seq,
-        g.amount,
-        g.grabbed_ms,
-        _job_id=keys.credit_job_id(p.packet_id, g.seq),
-    )
-    assert again is None
-    ctx: Ctx = {"core": core}
-    args = (p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
-    assert await credit_grab_job(ctx, *args) == "credited"
-    assert await credit_grab_job(ctx, *args) == "already"
-    assert await run_worker(core) == 1  # the queued job runs too, and pays nothing more
+    # The grab queued its credit; queueing the same grab again adds nothing.
+    entry = keys.credit_entry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
+    assert await core.redis.zadd(keys.credit_queue(core.settings.queue_name), {entry: 1}, nx=True) == 0
+    c = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
+    assert await ledger.credit_grab(core.db, c) == "credited"
+    assert await ledger.credit_grab(core.db, c) == "already"
+    assert await run_worker(core) == 1  # the queued credit is handled too, and pays nothing more
     assert await ledger.balance(core.db, w.members[0]) == 500
     row = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'grab'")
     assert row is not None and int(row[0]) == 1
@@ -172,3 +158,29 @@ async def test_no_credit_lands_on_a_refunded_packet(core: Core) -> None:
         await ledger.credit_grab(core.db, Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms))
     assert e.value.code == errors.PACKET_EXPIRED
     assert await ledger.balance(core.db, w.members[0]) == 0
+
+
+async def _status(core: Core, packet_id: int) -> tuple[str, int | None]:
+    row = await core.db.fetchone("SELECT status, finished_ms FROM red_packets WHERE id = %s", (packet_id,))
+    assert row is not None
+    return str(row[0]), None if row[1] is None else int(row[1])
+
+
+async def test_a_packet_is_finished_by_the_transaction_that_credits_its_last_share(core: Core) -> None:
+    from server.crediting import credit_many
+
+    w = await make_world(core, members=3, admin_cents=10_000)
+    for last_alone in (True, False):
+        p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 3)
+        gs = [(await packets.grab(core, p.packet_id, w.group, u)).grab for u in w.members]
+        credits = [Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms) for g in gs]
+        assert await credit_many(core.db, credits[:2]) == ["credited", "credited"]
+        assert await _status(core, p.packet_id) == ("active", None)
+        if last_alone:
+            assert await ledger.credit_grab(core.db, credits[2]) == "credited"
+        else:
+            assert await credit_many(core.db, credits) == ["already", "already", "credited"]
+        # "finished" means every share paid, from the commit that paid the last one; finished_ms is when
+        # the last share was grabbed (what "all grabbed in 1.3 s" is computed from).
+        assert await _status(core, p.packet_id) == ("finished", max(g.grabbed_ms for g in gs))
+    await assert_books_balance(core)

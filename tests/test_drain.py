@@ -1,14 +1,18 @@
-"""The bulk credit drain: hundreds of queued credit jobs per batch, finished as arq would finish them."""
+"""The credit drain: hundreds of queued credits per batch, claimed with short leases that a dead worker's
+replacement takes over within seconds."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from server import keys, ledger, packets
 from server.core import Core
+from server.ledger import now_ms
 from server.reconcile import reconcile
 from tests.conftest import make_world
-from tests.test_credit import assert_books_balance, run_worker
+from tests.hubtools import eventually
+from tests.test_credit import assert_books_balance, queued, run_worker
 from worker.drain import CreditDrain
 
 
@@ -19,6 +23,10 @@ async def _storm(core: Core, members: int) -> dict[int, int]:
     return {r.grab.user_id: r.grab.amount for r in results}
 
 
+async def _claimed(core: Core) -> list[str]:
+    return [e.decode() for e in await core.redis.zrange(keys.credit_claims(core.settings.queue_name), 0, -1)]
+
+
 async def test_the_drain_pays_a_storm_in_big_batches(core: Core) -> None:
     told = await _storm(core, 100)
     drain = CreditDrain(core, batch=60)
@@ -26,21 +34,20 @@ async def test_the_drain_pays_a_storm_in_big_batches(core: Core) -> None:
     assert sum(b.get() for b in drain.metrics.batch_size._buckets) == 2  # 60 + 40
     for user, amount in told.items():
         assert await ledger.balance(core.db, user) == amount
-    assert await core.redis.zcard(core.settings.queue_name) == 0
-    # Finished like arq: the job is gone, its result kept, so enqueueing the grab again is a no-op.
+    assert await queued(core) == {} and await _claimed(core) == []
+    # Marked paid in the packet's own keys: a repeat grab queues nothing again.
     pid = int((await core.db.fetchone("SELECT MAX(id) FROM red_packets"))[0])  # type: ignore[index]
-    assert await core.redis.exists(keys.credit_job_key(pid, 1)) == 0
-    assert await core.redis.exists(keys.credit_result_key(pid, 1)) == 1
+    assert await core.redis.scard(keys.packet_paid(pid)) == 100
     assert await run_worker(core) == 0
     assert (await reconcile(core.db)).ok
     await assert_books_balance(core)
 
 
-async def test_the_drain_and_arq_share_a_queue_without_running_a_job_twice(core: Core) -> None:
+async def test_two_drains_share_the_queue_without_paying_anything_twice(core: Core) -> None:
     told = await _storm(core, 80)
-    drain = CreditDrain(core, batch=20)
-    ran = await asyncio.gather(drain.until_empty(), run_worker(core))
-    assert ran[0] + ran[1] == 80  # every job ran once, by one of them
+    a, b = CreditDrain(core, batch=20), CreditDrain(core, batch=20)
+    await asyncio.gather(a.until_empty(), b.until_empty())
+    assert a.processed + b.processed == 80 and a.credited + b.credited == 80
     for user, amount in told.items():
         assert await ledger.balance(core.db, user) == amount
     rows = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'grab'")
@@ -48,41 +55,56 @@ async def test_the_drain_and_arq_share_a_queue_without_running_a_job_twice(core:
     assert (await reconcile(core.db)).ok
 
 
-async def test_a_drain_that_died_mid_batch_leaves_jobs_that_run_again(core: Core) -> None:
-    from arq.constants import in_progress_key_prefix
-
+async def test_claims_of_a_dead_drain_lapse_and_another_takes_them_over(core: Core) -> None:
     told = await _storm(core, 30)
-    # A drain claimed every job and died before paying: its claims outlive it until they expire.
-    ids = await core.redis.zrange(core.settings.queue_name, 0, -1)
-    for job_id in ids:
-        await core.redis.set(in_progress_key_prefix + job_id.decode(), b"drain", px=60_000)
-    assert await CreditDrain(core).until_empty() == 0
-    await core.redis.delete(*[in_progress_key_prefix + i.decode() for i in ids])  # the claims expire
-    assert await CreditDrain(core).until_empty() == 30
+    # A drain claims every credit with a short lease, then dies before paying (no release, no renewal).
+    dead = CreditDrain(core, lease_ms=300)
+    taken = await dead._claim()
+    assert taken is not None and len(taken.entries) == 30 and await queued(core) == {}
+    alive = CreditDrain(core)
+    assert await alive.until_empty() == 0  # held: not yet anyone else's
+    started = time.monotonic()
+    # Once the lease lapses the next claim puts them back and pays them: wait for that, bounded.
+    await eventually(lambda: _pays(alive, 30), timeout=30)
+    assert time.monotonic() - started < 30
     assert sum([await ledger.balance(core.db, u) for u in told]) == sum(told.values())
+    assert await _claimed(core) == []
 
 
-async def test_the_drain_steps_over_jobs_held_elsewhere_and_leaves_other_jobs_alone(core: Core) -> None:
-    from arq.constants import in_progress_key_prefix
+async def _pays(drain: CreditDrain, total: int) -> bool:
+    await drain.until_empty()
+    return drain.credited == total
 
-    told = await _storm(core, 40)
-    queue = core.settings.queue_name
-    # Another kind of job, due first, and the first half of the credits held by another worker.
-    other = await core.redis.enqueue_job("refund_packet", 1, _job_id="refund:1", _queue_name=queue)
-    assert other is not None
-    ids = [i.decode() for i in await core.redis.zrange(queue, 0, -1) if i.startswith(b"credit:")]
-    held = ids[:20]
-    for job_id in held:
-        await core.redis.set(in_progress_key_prefix + job_id, b"other", px=60_000)
-    drain = CreditDrain(core, batch=7)
-    assert await drain.until_empty() == 20
-    left = {i.decode() for i in await core.redis.zrange(queue, 0, -1)}
-    assert left == {"refund:1", *held}
-    paid = {u for u in told if await ledger.balance(core.db, u) > 0}
-    assert len(paid) == 20
-    # The other worker's claims lapse: the rest is paid, once.
-    await core.redis.delete(*[in_progress_key_prefix + j for j in held])
-    assert await CreditDrain(core).until_empty() == 20
-    assert sum([await ledger.balance(core.db, u) for u in told]) == sum(told.values())
-    assert {i.decode() for i in await core.redis.zrange(queue, 0, -1)} == {"refund:1"}
-    await core.redis.delete(queue)
+
+async def test_a_live_drain_renews_its_leases_while_it_pays(core: Core) -> None:
+    await _storm(core, 10)
+    drain = CreditDrain(core, lease_ms=400)
+    taken = await drain._claim()
+    assert taken is not None
+    renewer = asyncio.ensure_future(drain._renew_leases())
+    try:
+        first = now_ms()
+        # However long the database takes, the claims stay ahead of the clock while the drain lives.
+        await eventually(lambda: _renewed_past(core, first + 400), timeout=10)
+        other = CreditDrain(core)
+        assert await other._claim() is None  # nothing lapsed, nothing to take
+    finally:
+        renewer.cancel()
+    outcomes = await drain._pay(taken)
+    await drain._finish(taken, outcomes)
+    assert drain.credited == 10 and await _claimed(core) == []
+
+
+async def _renewed_past(core: Core, ms: int) -> bool:
+    rows = await core.redis.zrange(keys.credit_claims(core.settings.queue_name), 0, -1, withscores=True)
+    return bool(rows) and min(score for _, score in rows) > ms
+
+
+async def test_a_batch_that_fails_before_commit_is_given_back(core: Core) -> None:
+    await _storm(core, 5)
+    drain = CreditDrain(core)
+    taken = await drain._claim()
+    assert taken is not None
+    await drain._release(taken)
+    assert len(await queued(core)) == 5 and await _claimed(core) == []
+    assert await CreditDrain(core).until_empty() == 5

@@ -121,7 +121,7 @@ async def test_the_gate_charges_one_attempt_once_and_refuses_before_any_share_is
     assert await _grab_code(one_token, p.packet_id, w.group, b, gate=True) == errors.RATE_LIMITED
     assert await core.redis.llen(keys.packet_shares(p.packet_id)) == 2
     assert await core.redis.hkeys(keys.packet_grabs(p.packet_id)) == [str(u).encode() for u in (a, b)]
-    assert await core.redis.zcard(core.settings.queue_name) == 2
+    assert await core.redis.zcard(keys.credit_queue(core.settings.queue_name)) == 2
     # Without the gate (not the hub) neither applies.
     assert await _grab_code(one_token, p.packet_id, w.group, c) == "won"
     assert await _grab_code(one_token, p.packet_id, w.group, d, gate=True) == "won"

@@ -80,8 +80,7 @@ async def test_sigterm_sends_1012_and_loses_no_grab_in_flight(hub_settings: Sett
         # Every grab Redis recorded, answered or not, had its credit queued before the hub exited.
         core_grabs = await a_redis_grabs(hub_settings, sent["packet_id"])
         assert len(core_grabs) >= len(answered)
-        for seq in core_grabs:
-            assert await a_redis_exists(hub_settings, keys.credit_job_key(sent["packet_id"], seq))
+        assert sorted(core_grabs) == await queued_seqs(hub_settings, sent["packet_id"])
         for c in [admin, *doomed]:
             await c.close()
 
@@ -105,14 +104,17 @@ async def a_redis_grabs(settings: Settings, packet_id: int) -> list[int]:
     return [int(v.split(b":")[0]) for v in raw.values()]
 
 
-async def a_redis_exists(settings: Settings, key: str) -> bool:
+async def queued_seqs(settings: Settings, packet_id: int) -> list[int]:
+    """The seqs of the packet's credits waiting in the credit queue."""
     from redis.asyncio import Redis
 
     r = Redis.from_url(settings.redis_url)
     try:
-        return bool(await r.exists(key))
+        entries = await r.zrange(keys.credit_queue(settings.queue_name), 0, -1)
     finally:
         await r.aclose()
+    parsed = [keys.parse_credit_entry(e) for e in entries]
+    return sorted(seq for packet, _, seq, _, _ in parsed if packet == packet_id)
 
 
 async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> None:

@@ -1,20 +1,72 @@
-"""The worker process's own surface: its health line for compose, its jobs and crons."""
+"""The worker process's own surface: its health check for compose, and arq's own command."""
 
 from __future__ import annotations
 
-from server.cli import _worker_healthy
+import asyncio
+import subprocess
+import sys
+
+from server import packets
 from server.core import Core
-from worker.main import make_worker
+from server.ledger import balance
+from server.settings import Settings, child_env
+from tests.conftest import make_world
+from tests.hubtools import eventually, free_port
 
 
-async def test_health_check_reports_a_running_worker(core: Core) -> None:
-    assert not await _worker_healthy(core.settings)
-    w = make_worker(core, burst=True, poll_delay=0, cron_jobs=[])
-    await w.async_run()  # a worker that ran writes its health line (and keeps it while alive)
-    assert await _worker_healthy(core.settings)
+def _env(s: Settings, metrics_port: int) -> dict[str, str]:
+    return child_env(
+        REDPACKET_REDIS_URL=s.redis_url,
+        REDPACKET_DATABASE_URL=s.database_url,
+        REDPACKET_QUEUE_NAME=s.queue_name,
+        REDPACKET_WORKER_METRICS_PORT=str(metrics_port),
+    )
 
 
-async def test_arq_can_run_the_worker_settings(core: Core) -> None:
+async def _check(s: Settings, metrics_port: int) -> int:
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "server", "worker", "--check"],
+        env=_env(s, metrics_port),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done.returncode
+
+
+async def test_worker_check_reports_the_worker_of_this_host_not_any_worker(core: Core) -> None:
+    s = core.settings
+    ports = [free_port(), free_port()]
+    workers = [
+        subprocess.Popen(  # noqa: ASYNC220 - two worker processes for the test
+            [sys.executable, "-m", "server", "worker"],
+            env=_env(s, port),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for port in ports
+    ]
+    try:
+        for port in ports:
+            await eventually(lambda p=port: _healthy(s, p), timeout=60)  # type: ignore[misc]
+        workers[0].kill()
+        await asyncio.to_thread(workers[0].wait, 30)
+        # The first one's check fails although another worker is healthy: it asks its own worker.
+        assert await _check(s, ports[0]) == 1
+        assert await _check(s, ports[1]) == 0
+    finally:
+        for w in workers:
+            w.kill()
+            await asyncio.to_thread(w.wait, 30)
+
+
+async def _healthy(s: Settings, port: int) -> bool:
+    return await _check(s, port) == 0
+
+
+async def test_arq_can_run_the_worker_settings_and_they_pay_credits(core: Core) -> None:
+    import importlib
     import os
 
     from arq.worker import create_worker
@@ -23,8 +75,6 @@ async def test_arq_can_run_the_worker_settings(core: Core) -> None:
     os.environ["REDPACKET_DATABASE_URL"] = core.settings.database_url
     os.environ["REDPACKET_QUEUE_NAME"] = core.settings.queue_name
     try:
-        import importlib
-
         import worker.settings
 
         settings_module = importlib.reload(worker.settings)
@@ -33,11 +83,18 @@ async def test_arq_can_run_the_worker_settings(core: Core) -> None:
             del os.environ[k]
     ws = settings_module.WorkerSettings
     assert ws.queue_name == core.settings.queue_name
-    w = create_worker(ws, burst=True, poll_delay=0, cron_jobs=[], handle_signals=False)
+    names = {c.name for c in create_worker(ws, handle_signals=False).cron_jobs}
+    assert {"cron:refund_expired_job", "cron:announce_job", "cron:sweep_job"} <= names
+    w = await make_world(core, members=1, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 321, 1)
+    await packets.grab(core, p.packet_id, w.group, w.members[0])
+    ctx: dict[str, object] = {}
+    await ws.on_startup(ctx)  # what arq calls first: it starts the credit drain
     try:
-        await w.async_run()
+        await eventually(lambda: _balance_is(core, w.members[0], 321), timeout=30)
     finally:
-        # (Worker.close() calls a redis-py method deprecated in 5.x: shut down by hand.)
-        await ws.on_shutdown(w.ctx)
-        await w.pool.aclose(close_connection_pool=True)
-    assert {"credit_grab"} <= set(w.functions)
+        await ws.on_shutdown(ctx)
+
+
+async def _balance_is(core: Core, user: int, cents: int) -> bool:
+    return await balance(core.db, user) == cents

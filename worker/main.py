@@ -1,57 +1,59 @@
-"""Build and run the arq worker. ``redpacket worker`` runs it as its own process."""
+"""The worker: the credit drain, arq running the periodic jobs, and a health heartbeat, all in one process
+(``redpacket worker``, or beside the hub under ``redpacket up``).
+
+Every part rides out Redis and the database going away on its own: the drain retries with back-off,
+arq's loop (which stops on the first Redis error) is started again with back-off, and the heartbeat
+just stops beating until both answer again. Nothing needs a supervisor to restart the process.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from arq import Worker
 from arq.cron import cron
-from arq.worker import func
 
 from server.core import Core
-from server.queue import CREDIT_GRAB, job_deserializer, job_serializer
-from worker.credit import CreditBatcher, credit_grab_job
+from server.queue import job_deserializer, job_serializer
 from worker.drain import CreditDrain
 from worker.metrics import WorkerMetrics
 from worker.settle import announce_job, reconcile_job, refund_expired_job, score_bots_job, sweep_job
 
-# A credit job's result is kept this long; while it is, enqueueing the same grab again is a no-op.
-KEEP_RESULT_SECONDS = 24 * 3600
+log = logging.getLogger(__name__)
+
+# How often the heartbeat checks Redis and the database; `redpacket worker --check` wants a beat newer
+# than HEALTHY_WITHIN seconds.
+BEAT_SECONDS = 5.0
+HEALTHY_WITHIN = 30.0
 
 
-def job_functions() -> tuple[list[Any], list[Any]]:
-    """Every job and cron job the worker runs."""
-    functions = [func(cast(Any, credit_grab_job), name=CREDIT_GRAB, max_tries=20)]
-    crons = [
+def cron_jobs() -> list[Any]:
+    """Every periodic job; arq's ``unique`` runs each tick once across workers."""
+    return [
         cron(cast(Any, refund_expired_job), second=0, unique=True, timeout=600),
         cron(cast(Any, announce_job), second=set(range(2, 60, 5)), unique=True, timeout=60),
         cron(cast(Any, sweep_job), second={15, 45}, unique=True, timeout=300),
         cron(cast(Any, reconcile_job), minute=set(range(0, 60, 10)), second=30, unique=True, timeout=600),
         cron(cast(Any, score_bots_job), second=set(range(5, 60, 10)), unique=True, timeout=60),
     ]
-    return functions, crons
 
 
 def make_worker(core: Core, metrics: WorkerMetrics | None = None, **overrides: Any) -> Worker:
-    """A worker that runs every job family against ``core``'s database, on its queue."""
-    metrics = metrics or WorkerMetrics()
-    functions, crons = job_functions()
+    """arq's worker running the periodic jobs against ``core``, on its queue."""
     options: dict[str, Any] = {
-        # arq types ctx as a plain dict; our jobs take the TypedDict that says what is in it.
-        "functions": functions,
-        "cron_jobs": crons,
+        "functions": [],
+        "cron_jobs": cron_jobs(),
         "redis_pool": core.redis,
         "queue_name": core.settings.queue_name,
-        "ctx": {"core": core, "batcher": CreditBatcher(core.db, metrics), "metrics": metrics},
+        # arq types ctx as a plain dict; our jobs take the TypedDict that says what is in it.
+        "ctx": {"core": core, "metrics": metrics or WorkerMetrics()},
         "job_serializer": job_serializer,
         "job_deserializer": job_deserializer,
-        "keep_result": KEEP_RESULT_SECONDS,
-        # Enough jobs at once to fill credit batches, but fewer than Redis connections (the pool is not
-        # first-come-first-served: more waiters than connections starve some past its timeout).
-        "max_jobs": max(10, core.settings.redis_pool_size - 16),
         "handle_signals": False,
         "health_check_interval": 60,
     }
@@ -59,16 +61,57 @@ def make_worker(core: Core, metrics: WorkerMetrics | None = None, **overrides: A
     return Worker(**options)
 
 
+async def run_arq(core: Core, metrics: WorkerMetrics) -> None:
+    """arq's loop, until cancelled. arq stops at the first Redis error; here a new loop starts after a
+    back-off (0.1 s doubling to 5 s), so an outage of any length ends with the crons running again."""
+    failures = 0
+    while True:
+        worker = make_worker(core, metrics)
+        started = time.monotonic()
+        try:
+            await worker.async_run()
+            return
+        except Exception as e:
+            if time.monotonic() - started > 30:
+                failures = 0  # it ran for a while: this is a new outage
+            failures += 1
+            if failures == 1:
+                log.warning(
+                    "arq's loop stopped (%s: %s); starting it again with back-off", type(e).__name__, e
+                )
+        finally:
+            # Its running jobs (a refund half-way, say) are idempotent: cancelled now, run again later.
+            running = [t for t in worker.tasks.values() if not t.done()]
+            for t in running:
+                t.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.sleep(min(0.1 * 2 ** (failures - 1), 5.0))
+
+
+async def heartbeat(core: Core, metrics: WorkerMetrics) -> None:
+    """Beat (``metrics.healthy_at``) every ``BEAT_SECONDS`` while Redis and the database both answer."""
+    while True:
+        try:
+            await core.redis.ping()
+            await core.db.fetchone("SELECT 1")
+            metrics.healthy_at.set(time.time())
+        except Exception as e:
+            log.debug("heartbeat skipped: %s", e)
+        await asyncio.sleep(BEAT_SECONDS)
+
+
 @contextlib.asynccontextmanager
-async def running_worker(core: Core) -> AsyncIterator[None]:
-    """A worker and a credit drain in this process for the duration of the block (``redpacket up``)."""
-    metrics = WorkerMetrics()
-    worker = make_worker(core, metrics)
-    tasks = [asyncio.create_task(worker.async_run()), asyncio.create_task(CreditDrain(core, metrics).run())]
+async def running_worker(core: Core, metrics: WorkerMetrics | None = None) -> AsyncIterator[WorkerMetrics]:
+    """The whole worker in this process for the duration of the block: the drain, arq, the heartbeat."""
+    metrics = metrics or WorkerMetrics()
+    tasks = [
+        asyncio.create_task(CreditDrain(core, metrics).run()),
+        asyncio.create_task(run_arq(core, metrics)),
+        asyncio.create_task(heartbeat(core, metrics)),
+    ]
     try:
-        yield
+        yield metrics
     finally:
         for task in tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*tasks, return_exceptions=True)

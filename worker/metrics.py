@@ -20,7 +20,14 @@ class WorkerMetrics:
             buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500),
             registry=r,
         )
-        self.queue_depth = Gauge("redpacket_queue_depth", "jobs waiting in the queue", registry=r)
+        self.queue_depth = Gauge(
+            "redpacket_queue_depth", "credits queued or being paid (read by the sweeper)", registry=r
+        )
+        self.healthy_at = Gauge(
+            "redpacket_worker_healthy_at_seconds",
+            "unix time of the last heartbeat that reached both Redis and the database",
+            registry=r,
+        )
         self.refunds = Counter("redpacket_refunds", "refund attempts by outcome", ["outcome"], registry=r)
         self.refund_failures = Counter("redpacket_refund_failures", "refunds that raised", registry=r)
         self.reconcile_differences = Gauge(

@@ -8,14 +8,23 @@ workers racing) changes nothing more.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypedDict
 
-from server import announce, settlement
+from server import announce, keys, settlement
 from server.bots import run_detector
+from server.core import Core
 from server.reconcile import reconcile
-from worker.credit import Ctx
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
+
+
+class Ctx(TypedDict, total=False):
+    """What arq passes every job: our Core under "core", the worker's metrics, arq's own fields."""
+
+    core: Core
+    metrics: WorkerMetrics
+    job_try: int
 
 
 async def refund_expired_job(ctx: Ctx) -> dict[str, Any]:
@@ -47,7 +56,12 @@ async def sweep_job(ctx: Ctx) -> dict[str, int]:
     """Credit grabs that Redis holds and the database never received."""
     core = ctx["core"]
     if "metrics" in ctx:
-        ctx["metrics"].queue_depth.set(await core.redis.zcard(core.settings.queue_name))
+        queue = core.settings.queue_name
+        async with core.redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(keys.credit_queue(queue))
+            pipe.zcard(keys.credit_claims(queue))
+            waiting, paying = await pipe.execute()
+        ctx["metrics"].queue_depth.set(int(waiting) + int(paying))
     s = await settlement.sweep(core)
     if s.credited_now:
         log.warning("sweeper credited %d stranded grab(s)", s.credited_now)
