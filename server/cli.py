@@ -137,16 +137,9 @@ def _listen(settings: Settings) -> socket.socket:
     return sock
 
 
-async def _serve(settings: Settings, with_worker: bool) -> None:
+async def _serve(settings: Settings, sock: socket.socket, with_worker: bool) -> None:
     from server.app import create_app
 
-    if not settings.secret:
-        raise OperatorError(
-            "REDPACKET_SECRET is not set: `redpacket serve` signs tokens with it (a long random string,"
-            " the same on every hub); `redpacket up` makes one for a demo",
-            2,
-        )
-    sock = _listen(settings)  # first, so that port 0 works and the address printed is the one listening
     await _check_services(settings)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn_config(create_app(settings, run_worker=with_worker), settings))
@@ -359,11 +352,22 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     if command == "reconcile":
         return 0 if uvloop.run(_reconcile(settings)) else 1
+    sock = None
+    if command == "serve" and not settings.secret:
+        raise OperatorError(
+            "REDPACKET_SECRET is not set: `redpacket serve` signs tokens with it (a long random string,"
+            " the same on every hub); `redpacket up` makes one for a demo",
+            2,
+        )
+    if command in ("up", "serve"):
+        # Bound first, before anything starts: a busy port is said at once, port 0 works, and the address
+        # printed is the one listening.
+        sock = _listen(settings)
     with _redis_url(settings, command) as s:
-        if command == "up":
-            uvloop.run(_serve(_demo_secret(s), with_worker=True))
-        elif command == "serve":
-            uvloop.run(_serve(s, with_worker=False))
+        if command == "up" and sock is not None:
+            uvloop.run(_serve(_demo_secret(s), sock, with_worker=True))
+        elif command == "serve" and sock is not None:
+            uvloop.run(_serve(s, sock, with_worker=False))
         elif command == "worker":
             uvloop.run(_worker(s))
         elif command == "blocks":

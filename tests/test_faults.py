@@ -26,6 +26,7 @@ from server.reconcile import reconcile
 from server.settings import child_env
 from tests.conftest import make_world
 from tests.hubtools import eventually
+from tests.redisproc import needs_redis_server, redis_process
 from tests.test_credit import assert_books_balance, run_worker
 from worker.drain import CreditDrain
 
@@ -213,3 +214,82 @@ async def _pings(c: Core) -> bool:
         return bool(await c.redis.ping())
     except Exception:
         return False
+
+
+@needs_redis_server
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
+async def test_redis_killed_and_restarted_under_two_workers_that_ride_it_out(
+    core: Core, tmp_path: Path
+) -> None:
+    """kill -9 of Redis while two ``redpacket worker`` processes run: neither exits, both resume on their
+    own, and every grab made before and after is credited once. No process is restarted by the test."""
+    async with redis_process(tmp_path) as r:
+        s = core.settings.with_(redis_url=r.url)
+        env = child_env(
+            REDPACKET_REDIS_URL=s.redis_url,
+            REDPACKET_DATABASE_URL=s.database_url,
+            REDPACKET_QUEUE_NAME=s.queue_name,
+            REDPACKET_WORKER_METRICS_PORT="0",
+        )
+        logs = [tmp_path / f"worker{i}.log" for i in range(2)]
+        outputs = [log.open("w") for log in logs]
+        workers = [
+            subprocess.Popen(  # noqa: ASYNC220 - the two workers under test
+                [sys.executable, "-m", "server", "worker"], env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+            for out in outputs
+        ]
+        try:
+            for log in logs:  # both started (a worker that cannot reach Redis at start-up exits: wrong URL)
+                await eventually(lambda log=log: "worker running" in log.read_text(), timeout=60)  # type: ignore[misc]
+            async with open_core(s) as c:
+                w = await make_world(c, members=40, admin_cents=100_000)
+                told: dict[tuple[int, int], int] = {}
+                before = await packets.send_packet(c, w.admin, w.group, "lucky", 4_000, 40)
+                for u in w.members:
+                    told[(before.packet_id, u)] = (
+                        await packets.grab(c, before.packet_id, w.group, u)
+                    ).grab.amount
+                await r.kill()
+                # Both workers notice (their loops fail) and keep running.
+                for log in logs:
+                    await eventually(lambda log=log: "starting it again" in log.read_text(), timeout=60)  # type: ignore[misc]
+                assert all(wk.poll() is None for wk in workers)
+                await r.start()
+                await eventually(lambda: _pings(c), timeout=30)
+                after = await _retrying_send(c, w.admin, w.group)
+                for u in w.members:
+                    told[(after.packet_id, u)] = (
+                        await packets.grab(c, after.packet_id, w.group, u)
+                    ).grab.amount
+                await eventually(lambda: _credited(c, len(told)), timeout=120)
+                rows = await c.db.fetchall(
+                    "SELECT packet_id, user_id, amount FROM grab_records WHERE status = 'credited'"
+                )
+                assert {(int(p), int(u)): int(a) for p, u, a in rows} == told
+                assert sum(told.values()) == 8_000
+                assert (await reconcile(c.db)).ok
+                await assert_books_balance(c)
+            assert all(wk.poll() is None for wk in workers), [log.read_text()[-2000:] for log in logs]
+        finally:
+            for wk in workers:
+                wk.terminate()
+                await asyncio.to_thread(wk.wait, 30)
+            for out in outputs:
+                out.close()
+
+
+async def _retrying_send(c: Core, admin: int, group: int) -> packets.Packet:
+    from server.errors import Unavailable
+
+    for _ in range(100):
+        try:
+            return await packets.send_packet(c, admin, group, "lucky", 4_000, 40)
+        except Unavailable:
+            await asyncio.sleep(0.1)
+    raise AssertionError("Redis did not come back for sends")
+
+
+async def _credited(c: Core, n: int) -> bool:
+    row = await c.db.fetchone("SELECT COUNT(*) FROM grab_records WHERE status = 'credited'")
+    return row is not None and int(row[0]) == n

@@ -1,0 +1,194 @@
+"""The ``redpacket`` command as an operator meets it: mistakes end in one clear line and an exit code,
+and every command on a data directory uses the embedded Valkey a running ``redpacket up`` serves."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from server import keys
+from server.settings import Settings, child_env
+from tests.hubtools import hub_url
+
+
+def redpacket(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run the command as an operator would; a hang fails the test (``timeout``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "server", *args],
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr + done.stdout
+    assert len(lines) == 1 and lines[0].startswith("redpacket: "), done.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def test_operator_mistakes_are_one_line_and_an_exit_code(
+    tmp_path: Path, redis_url: str, mysql_url: str
+) -> None:
+    data = str(tmp_path / "data")
+    ok_db, ok_redis = {"REDPACKET_DATABASE_URL": mysql_url}, {"REDPACKET_REDIS_URL": redis_url}
+    cases = [
+        (("serve",), {**ok_db, **ok_redis}, 2, "REDPACKET_SECRET"),
+        (("blocks",), {"REDPACKET_REDIS_URL": "htp://nowhere"}, 2, "REDPACKET_REDIS_URL"),
+        (("reconcile",), {"REDPACKET_DATABASE_URL": "postgres://x/y"}, 2, "REDPACKET_DATABASE_URL"),
+        (("migrate",), {"REDPACKET_PORT": "eighty"}, 2, "REDPACKET_PORT"),
+        (("worker", "--check"), {"REDPACKET_WORKER_METRICS_PORT": "0"}, 2, "METRICS_PORT"),
+        (("migrate",), {"REDPACKET_DATABASE_URL": "mysql://root@127.0.0.1:1/x"}, 1, "does not answer"),
+        (("reconcile",), {"REDPACKET_DATABASE_URL": mysql_url + "_no_such_db"}, 1, "Unknown database"),
+        (("worker",), {**ok_db, "REDPACKET_REDIS_URL": "redis://127.0.0.1:1/0"}, 1, "Redis at"),
+        (("blocks",), {**ok_db, "REDPACKET_REDIS_URL": "redis://127.0.0.1:1/0"}, 1, "Redis at"),
+        (("recover", "0"), {**ok_db, **ok_redis}, 2, "no packet"),
+        (
+            ("serve", "--port", "0"),
+            {"REDPACKET_SECRET": "s", **ok_redis, "REDPACKET_DATABASE_URL": "mysql://root@127.0.0.1:1/x"},
+            1,
+            "database",
+        ),
+    ]
+    for args, env, code, word in cases:
+        assert_one_line_error(redpacket(*args, REDPACKET_DATA_DIR=data, **env), code, word)
+
+
+def test_a_busy_port_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = redpacket("up", "--port", str(port), REDPACKET_DATA_DIR=str(tmp_path / "data"))
+    line = assert_one_line_error(done, 1, f"127.0.0.1:{port}", "--port")
+    assert "in use" in line
+
+
+def test_help_lists_every_command_with_help_and_no_markup() -> None:
+    top = redpacket("--help")
+    assert top.returncode == 0 and "``" not in top.stdout
+    for command in ("up", "serve", "worker", "migrate", "reconcile", "blocks", "recover", "bench"):
+        assert re.search(rf"^    {command}\b", top.stdout, re.MULTILINE), command
+    assert "--lift USER  lift the block" in redpacket("blocks", "--help").stdout
+    up = redpacket("up", "--help").stdout
+    assert "--host HOST  address to listen on" in up and "--port PORT  port to listen on" in up
+
+
+def test_blocks_shows_deadlines_as_dates(redis_url: str, mysql_url: str, tmp_path: Path) -> None:
+    r = redis.Redis.from_url(redis_url)
+    try:
+        r.flushdb()
+        until = int(time.time() * 1000) + 600_000
+        r.set(keys.user_block(42), "grabs faster than a human", px=600_000)
+        r.zadd(keys.BLOCKS, {"42": until})
+        env = {"REDPACKET_REDIS_URL": redis_url, "REDPACKET_DATABASE_URL": mysql_url}
+        shown = redpacket("blocks", **env)
+        assert shown.returncode == 0, shown.stderr
+        line = next(x for x in shown.stdout.splitlines() if x.startswith("user 42"))
+        assert time.strftime("%Y-%m-%d", time.gmtime(until / 1000)) in line and " UTC (in 9 min " in line
+        assert str(until) not in line and "grabs faster than a human" in line
+        assert "user 42: unblocked" in redpacket("blocks", "--lift", "42", **env).stdout
+        assert r.exists(keys.user_block(42)) == 0
+    finally:
+        r.flushdb()
+        r.close()
+
+
+# -- the embedded default: one Valkey per data directory -----------------------------------------------------
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+    data = tmp_path / "data"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "up", "--port", "0"],
+        env=child_env(REDPACKET_DATA_DIR=str(data)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    hub_url(proc.stdout)
+    try:
+        yield data, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        proc.stdout.close()
+
+
+def _state(data: Path) -> dict[str, object]:
+    return json.loads((data / "valkey.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_commands_beside_a_running_up_use_its_valkey(up: tuple[Path, subprocess.Popen[str]]) -> None:
+    data, proc = up
+    state = _state(data)
+    live = redis.Redis.from_url(str(state["url"]))
+    try:
+        live.set(keys.user_block(2), "a test block", ex=600)
+        live.zadd(keys.BLOCKS, {"2": int(time.time() * 1000) + 600_000})
+        env = {"REDPACKET_DATA_DIR": str(data)}
+        listed = redpacket("blocks", **env)
+        assert listed.returncode == 0 and "user 2 blocked until" in listed.stdout, (
+            listed.stdout + listed.stderr
+        )
+        assert "user 2: unblocked" in redpacket("blocks", "--lift", "2", **env).stdout
+        assert live.exists(keys.user_block(2)) == 0  # lifted in the server `up` uses
+        # The live server's files are untouched, and it is the only one that ever served them.
+        assert _state(data) == state
+        assert (data / "valkey" / "valkey.conf").exists()
+        assert live.ping()
+        # A second `up` on the same directory refuses, in one line.
+        again = redpacket("up", "--port", "0", **env)
+        assert_one_line_error(again, 1, "in use by `redpacket up`", str(proc.pid))
+    finally:
+        live.close()
+    # The database-only commands start no Valkey at all.
+    fresh = data.parent / "fresh"
+    assert redpacket("reconcile", REDPACKET_DATA_DIR=str(fresh)).returncode == 0
+    assert redpacket("migrate", REDPACKET_DATA_DIR=str(fresh)).returncode == 0
+    assert not (fresh / "valkey").exists() and not (fresh / "valkey.json").exists()
+
+
+def test_a_valkey_orphaned_by_a_killed_up_is_shut_down_before_another_opens_its_files(
+    up: tuple[Path, subprocess.Popen[str]],
+) -> None:
+    data, proc = up
+    state = _state(data)
+    orphan = int(state["valkey_pid"])  # type: ignore[call-overload]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    os.kill(orphan, 0)  # still running: its parent died without stopping it
+    done = redpacket("blocks", REDPACKET_DATA_DIR=str(data))
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):  # the orphan was shut down (and reaped by init); bounded
+            os.kill(orphan, 0)
+            time.sleep(0.05)
+    assert not (data / "valkey.json").exists()  # the command's own Valkey stopped with it
+
+
+def test_settings_check_names_the_setting() -> None:
+    with pytest.raises(ValueError, match="REDPACKET_REDIS_URL"):
+        Settings(redis_url="localhost:6379").check()
+    with pytest.raises(ValueError, match="REDPACKET_WORKER_METRICS_PORT"):
+        Settings(worker_metrics_port=70_000).check()
+    Settings(redis_url="redis://h:1/0", database_url="sqlite:///x").check()
