@@ -1,0 +1,18 @@
+# One image for the hub and the worker: the project installed once, when the image is built (never at
+# container start). docker-compose.yml runs it as `redpacket serve` and `redpacket worker`.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY server server
+COPY worker worker
+COPY lua lua
+COPY web web
+RUN pip install .
+RUN useradd --system --uid 10001 --no-create-home redpacket
+USER redpacket
+
+EXPOSE 8000 9108
+# Exec form: redpacket is PID 1 and gets SIGTERM itself (the hub drains, the worker stops cleanly).
+CMD ["redpacket", "serve"]

@@ -1,0 +1,146 @@
+"""docker-compose.yml and the Dockerfile, checked without a Docker engine: what the files say, and the
+Dockerfile's install step run as plain shell into a throw-away virtualenv."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())  # type: ignore[no-any-return]
+
+
+def _seconds(value: str) -> int:
+    m = re.fullmatch(r"(\d+)(s|m)", value)
+    assert m, value
+    return int(m[1]) * (60 if m[2] == "m" else 1)
+
+
+def _instructions() -> list[tuple[str, str]]:
+    out = []
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_the_app_services_run_one_built_image_in_exec_form_and_stop_gracefully() -> None:
+    compose = _compose()
+    services = compose["services"]
+    for name in ("hub", "worker"):
+        s = services[name]
+        assert s["build"] == "." and s["image"] == "redpacket:latest", name
+        command = s["command"]
+        # Exec form, the program itself as PID 1 (no `sh -c`, so SIGTERM reaches it), nothing installed.
+        assert isinstance(command, list) and command[0] == "redpacket", command
+        assert not any("pip" in part or part in ("sh", "bash") for part in command), command
+        assert s["restart"] == "unless-stopped"
+        budget = int(s["environment"]["REDPACKET_SHUTDOWN_SECONDS"])
+        assert _seconds(s["stop_grace_period"]) > budget, (s["stop_grace_period"], budget)
+        for dep in s["depends_on"]:
+            assert dep in services and s["depends_on"][dep]["condition"] == "service_healthy"
+    assert services["hub"]["command"] == ["redpacket", "serve"]
+    assert services["worker"]["command"] == ["redpacket", "worker"]
+    hub_check = services["hub"]["healthcheck"]
+    assert "start_period" in hub_check and "/healthz" in " ".join(hub_check["test"])
+    assert services["worker"]["healthcheck"]["test"] == ["CMD", "redpacket", "worker", "--check"]
+    # What the worker's check reads is published by the worker of the same container.
+    assert services["worker"]["environment"].get("REDPACKET_WORKER_METRICS_PORT", "9108") == "9108"
+    for volume in (v.split(":")[0] for s in services.values() for v in s.get("volumes", [])):
+        assert volume in compose["volumes"], volume
+
+
+def test_the_dockerfile_installs_once_and_runs_redpacket_in_exec_form() -> None:
+    steps = _instructions()
+    runs = [rest for word, rest in steps if word == "RUN"]
+    assert runs and any(r.startswith("pip install") for r in runs)
+    cmd = next(rest for word, rest in steps if word == "CMD")
+    assert cmd.startswith("[") and cmd.endswith("]") and "redpacket" in cmd  # exec form
+    copied = [rest.split()[:-1] for word, rest in steps if word == "COPY"]
+    for sources in copied:
+        for source in sources:
+            assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+
+
+@pytest.mark.skipif(shutil.which("python3") is None, reason="needs python3 to make a virtualenv")
+def test_the_dockerfile_install_step_gives_a_working_redpacket(tmp_path: Path) -> None:
+    """The image's build, as plain shell: exactly what the COPY lines bring, installed by pip into a new
+    environment the way the RUN line does, then the command run from outside the source tree."""
+    context = tmp_path / "app"
+    context.mkdir()
+    for word, rest in _instructions():
+        if word == "COPY":
+            *sources, dest = rest.split()
+            for source in sources:
+                target = context / (source if dest in ("./", ".") else dest)
+                if (ROOT / source).is_dir():
+                    shutil.copytree(ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    shutil.copy(ROOT / source, target)
+    # pip builds the wheel from that context (build isolation, as in the image); the dependencies are
+    # this test run's own, so nothing more is downloaded.
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(context)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--prefix",
+            str(venv),
+            *wheels.glob("*.whl"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "PYTHONPATH": ":".join(deps)}
+    probe = (
+        "import server, sys; from server.shipped import shipped_dir;"
+        "print(server.__file__); print(shipped_dir('lua')); print(shipped_dir('web'))"
+    )
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    installed, lua, web = out.stdout.split()
+    assert installed.startswith(str(venv)), installed  # the installed copy, not this source tree
+    assert (Path(lua) / "grab.lua").exists() and (Path(web) / "index.html").exists(), (lua, web)
+    # The console script, run by the new environment's interpreter (pip wrote this run's into its #!).
+    helped = subprocess.run(
+        [str(venv / "bin" / "python"), str(venv / "bin" / "redpacket"), "--help"],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert helped.returncode == 0 and "serve" in helped.stdout, helped.stderr
