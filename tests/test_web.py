@@ -22,7 +22,7 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 from server import ledger
 from server.db import connect
 from server.settings import Settings
-from tests.hubtools import HubUnderTest, hub_in_process
+from tests.hubtools import HubUnderTest, eventually, hub_in_process
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 CHROMIUM_FLAGS = [
@@ -75,14 +75,22 @@ def yuan(cents: int) -> str:
 
 
 async def ledger_amount(hub: HubUnderTest, packet_id: int, user_id: int) -> tuple[int, int]:
-    """What the database says: the user's share of the packet, and the user's balance."""
+    """What the database says once the worker has credited the grab (waited for, within WAIT_MS: the
+    page shows the amount from Redis first): the user's share of the packet, and the user's balance."""
     db = await connect(hub.settings.database_url)
     try:
-        row = await db.fetchone(
-            "SELECT amount FROM grab_records WHERE packet_id = %s AND user_id = %s", (packet_id, user_id)
-        )
-        assert row is not None
-        return int(row[0]), await ledger.balance(db, user_id)
+        rows: list[tuple[object, ...]] = []
+
+        async def credited() -> bool:
+            rows[:] = await db.fetchall(
+                "SELECT amount FROM grab_records"
+                " WHERE packet_id = %s AND user_id = %s AND status = 'credited'",
+                (packet_id, user_id),
+            )
+            return bool(rows)
+
+        await eventually(credited, timeout=WAIT_MS / 1000)
+        return int(rows[0][0]), await ledger.balance(db, user_id)  # type: ignore[call-overload]
     finally:
         await db.close()
 
