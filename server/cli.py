@@ -382,6 +382,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # arq writes a line per periodic job run (several a minute); its warnings and errors still show.
+    logging.getLogger("arq.worker").setLevel(logging.WARNING)
     # uvicorn drains on SIGTERM, then raises the signal again; end with a clean exit instead, so the
     # cleanup below (the embedded Valkey's shutdown) still runs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -96,6 +96,7 @@ async def on_ping(s: Session, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _open_packets(s: Session, group: int) -> list[dict[str, Any]]:
+    """The group's newest 20 packets that can still be grabbed (before expiry, with shares left)."""
     now = int(time.time() * 1000)
     rows = await s.core.db.fetchall(
         "SELECT id FROM red_packets WHERE group_id = %s AND status = 'active' AND expires_ms > %s"
@@ -105,7 +106,9 @@ async def _open_packets(s: Session, group: int) -> list[dict[str, Any]]:
     views = []
     for (pid,) in rows:
         with contextlib.suppress(RedPacketError):
-            views.append(view_dict(await packets.open_packet(s.core, int(pid), group, s.conn.user_id)))
+            view = await packets.open_packet(s.core, int(pid), group, s.conn.user_id)
+            if view.remaining > 0 and view.expires_ms > now:
+                views.append(view_dict(view))
     return views
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 import httpx
@@ -153,6 +156,32 @@ async def hub_process(settings: Settings) -> AsyncIterator[HubUnderTest]:
             proc.terminate()
         await asyncio.to_thread(proc.wait, 30)
         await drain
+        proc.stdout.close()
+
+
+@contextmanager
+def redpacket_up(data_dir: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """``redpacket up --port 0`` on ``data_dir`` as a newcomer runs it: (its address, the process). Its
+    output is drained so it never blocks on a full pipe; stopped with SIGINT (Ctrl-C) unless already
+    gone."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "up", "--port", "0", *args],
+        env=child_env(REDPACKET_DATA_DIR=str(data_dir)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    url = hub_url(proc.stdout)
+    drain = threading.Thread(target=proc.stdout.read, daemon=True)
+    drain.start()
+    try:
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        drain.join(timeout=30)
         proc.stdout.close()
 
 

@@ -19,7 +19,7 @@ import redis
 
 from server import keys
 from server.settings import Settings, child_env
-from tests.hubtools import hub_url
+from tests.hubtools import redpacket_up
 
 
 def redpacket(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
@@ -94,14 +94,14 @@ def test_blocks_shows_deadlines_as_dates(redis_url: str, mysql_url: str, tmp_pat
     r = redis.Redis.from_url(redis_url)
     try:
         r.flushdb()
-        until = int(time.time() * 1000) + 600_000
+        until = int(time.time() * 1000) + 630_000
         r.set(keys.user_block(42), "grabs faster than a human", px=600_000)
         r.zadd(keys.BLOCKS, {"42": until})
         env = {"REDPACKET_REDIS_URL": redis_url, "REDPACKET_DATABASE_URL": mysql_url}
         shown = redpacket("blocks", **env)
         assert shown.returncode == 0, shown.stderr
         line = next(x for x in shown.stdout.splitlines() if x.startswith("user 42"))
-        assert time.strftime("%Y-%m-%d", time.gmtime(until / 1000)) in line and " UTC (in 9 min " in line
+        assert time.strftime("%Y-%m-%d", time.gmtime(until / 1000)) in line and " UTC (in 10 min " in line
         assert str(until) not in line and "grabs faster than a human" in line
         assert "user 42: unblocked" in redpacket("blocks", "--lift", "42", **env).stdout
         assert r.exists(keys.user_block(42)) == 0
@@ -115,23 +115,8 @@ def test_blocks_shows_deadlines_as_dates(redis_url: str, mysql_url: str, tmp_pat
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
-    data = tmp_path / "data"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "up", "--port", "0"],
-        env=child_env(REDPACKET_DATA_DIR=str(data)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    hub_url(proc.stdout)
-    try:
-        yield data, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
-        proc.stdout.close()
+    with redpacket_up(tmp_path / "data") as (_, proc):
+        yield tmp_path / "data", proc
 
 
 def _state(data: Path) -> dict[str, object]:

@@ -98,19 +98,17 @@ def test_the_dockerfile_install_step_gives_a_working_redpacket(tmp_path: Path) -
         capture_output=True,
         timeout=300,
     )
+    # A new environment with its own pip (never this run's pip: it would swap out this run's install).
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pip",
+            str(venv / "bin" / "pip"),
             "install",
             "-q",
             "--no-deps",
-            "--prefix",
-            str(venv),
-            *wheels.glob("*.whl"),
+            "--no-index",
+            *map(str, wheels.glob("*.whl")),
         ],
         check=True,
         capture_output=True,

@@ -326,3 +326,16 @@ async def test_a_stalled_database_during_the_welcome_closes_with_1013(h_quick: H
     c = await h.client(token)
     assert (await c.request("ping"))["ts"] > 0
     await c.close()
+
+
+async def test_malformed_offsets_refuse_the_sync_and_hold_nothing(h: HubUnderTest) -> None:
+    room = await make_room(h, 1)
+    raw = await _raw(h, room.members[0][1])
+    g = str(room.group)
+    for offset in ["abc", 5, "1-2-3", "", "-1", "18446744073709551616-0", "1-", ["1-0"], True]:
+        reply = await raw.ask(json.dumps({"id": 1, "type": "sync", "groups": {g: offset}}))
+        assert reply["ok"] is False and reply["error"]["code"] == "bad_request", (offset, reply)  # type: ignore[index]
+    # "<ms>" alone means "<ms>-0": everything after that millisecond's first event.
+    reply = await raw.ask(json.dumps({"id": 2, "type": "sync", "groups": {g: "0"}}))
+    assert reply["ok"] is True and reply["data"]["groups"][g]["too_old"] is False  # type: ignore[index]
+    await raw.ws.close()

@@ -533,3 +533,17 @@ async def test_a_big_room_storm_sends_each_member_a_bounded_list(hub_settings: S
         assert len((await admin.request("open", group=room.group, packet=sent["packet_id"]))["grabs"]) == 12
         for c in [admin, *clients]:
             await c.close()
+
+
+async def test_a_fresh_sync_lists_only_packets_that_can_still_be_grabbed(h: HubUnderTest) -> None:
+    room = await make_room(h, 1)
+    admin = await h.client(room.admin_token)
+    member = await h.client(room.members[0][1])
+    emptied = await admin.request("send", group=room.group, total=100, count=1)
+    await member.request("grab", group=room.group, packet=emptied["packet_id"])
+    open_one = await admin.request("send", group=room.group, total=200, count=1)
+    fresh = await h.client(room.members[0][1], sync=False)
+    state = (await fresh.sync())["groups"][str(room.group)]
+    assert [p["packet_id"] for p in state["packets"]] == [open_one["packet_id"]]
+    for c in (admin, member, fresh):
+        await c.close()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,28 +11,15 @@ import httpx
 import pytest
 
 from server.client import HubClient, HubError
-from server.settings import child_env
-from tests.hubtools import hub_url
+from tests.hubtools import redpacket_up
 
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[str]:
-    env = child_env(REDPACKET_DATA_DIR=str(tmp_path / "data"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "up", "--port", "0"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    url = hub_url(proc.stdout)
-    try:
+    with redpacket_up(tmp_path / "data") as (url, proc):
         yield url
-    finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-        proc.stdout.close()
     # The embedded Valkey kept its append-only file under the data directory.
     assert list((tmp_path / "data" / "valkey").rglob("*.aof*"))
 
