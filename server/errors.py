@@ -81,6 +81,8 @@ TEXT_INVALID = "text_invalid"
 DISABLED = "disabled"
 INTERNAL = "internal"
 NOT_FOUND = "not_found"
+REQUEST_TIMEOUT = "request_timeout"
+REQUEST_TOO_LARGE = "request_too_large"
 METHOD_NOT_ALLOWED = "method_not_allowed"
 
 ALL_CODES = (
@@ -122,4 +124,6 @@ ALL_CODES = (
     INTERNAL,
     NOT_FOUND,
     METHOD_NOT_ALLOWED,
+    REQUEST_TIMEOUT,
+    REQUEST_TOO_LARGE,
 )

@@ -6,8 +6,10 @@
   ``408 Request Timeout`` and the connection is closed ``handshake_seconds`` after it opened (or after the
   previous response), unless its request or upgrade has arrived whole by then.
 - **An oversized upgrade request is answered.** websockets refuses a request line or header over 8 KB
-  (or more than 128 headers) and prepares the answer (414 / 431), but uvicorn's websockets-sansio
-  protocol never writes it and never closes the socket. Here it is written and the socket closed.
+  (or more than 128 headers) and prepares an answer (414 / 431), but uvicorn's websockets-sansio
+  protocol never writes it and never closes the socket. Here it is answered and the socket closed.
+
+Both answers carry the HTTP API's JSON error (``request_timeout``, ``request_too_large``).
 
 What happens after the upgrade (the token check, the welcome) is bounded by the app itself
 (``server.session``). These classes subclass uvicorn's own (``uvicorn.protocols``); the tests in
@@ -17,19 +19,28 @@ What happens after the upgrade (the token check, the welcome) is bounded by the 
 from __future__ import annotations
 
 import asyncio
+import json
+from http import HTTPStatus
 from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import SecurityError
 
-_TIMEOUT = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 28\r\n"
-    b"connection: close\r\n\r\nthe request took too long.\r\n"
-)
-_BAD = (
-    b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: 36\r\n"
-    b"connection: close\r\n\r\nnot a valid websocket upgrade request\n"
-)
+from server import errors
+
+
+def _answer(status: int, code: str, message: str) -> bytes:
+    """A complete HTTP/1.1 answer carrying the API's JSON error, after which the connection closes."""
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_TIMEOUT = _answer(408, errors.REQUEST_TIMEOUT, "the request did not arrive whole in time")
 
 
 class BoundedHttp(HttpToolsProtocol):
@@ -93,10 +104,15 @@ class BoundedWebSocket(WebSocketsSansIOProtocol):
         super().data_received(data)
         if self.handshake_initiated or self.conn.handshake_exc is None or self.transport.is_closing():
             return
-        # websockets prepared a 414 / 431 answer for an oversized request; anything else it could not
-        # parse gets a plain 400.
-        answer = b"".join(self.conn.data_to_send())
-        self.transport.write(answer if answer.startswith(b"HTTP/") else _BAD)
+        # websockets refused an oversized request line (414) or headers (431), or could not parse it (400).
+        prepared = b"".join(self.conn.data_to_send())
+        refused = self.conn.handshake_exc
+        if isinstance(refused, SecurityError):
+            status = int(prepared.split(b" ", 2)[1]) if prepared.startswith(b"HTTP/1.1 4") else 431
+            answer = _answer(status, errors.REQUEST_TOO_LARGE, "the request line or headers are too large")
+        else:
+            answer = _answer(400, errors.BAD_REQUEST, "not a valid websocket upgrade request")
+        self.transport.write(answer)
         self.transport.close()
 
 

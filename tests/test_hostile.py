@@ -9,6 +9,7 @@ import logging
 from urllib.parse import quote, urlparse
 
 import httpx
+import msgpack
 import pymysql
 import pytest
 import websockets
@@ -265,6 +266,12 @@ async def _answer(host: str, port: int, request: bytes, then_wait: bool = False)
         writer.close()
 
 
+def _status_and_code(answer: bytes) -> tuple[int, str]:
+    """An HTTP answer's status and the code of its JSON error body."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)["error"]["code"]
+
+
 def _upgrade(path: str, extra: str = "") -> bytes:
     return (
         f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -275,12 +282,12 @@ def _upgrade(path: str, extra: str = "") -> bytes:
 async def test_an_oversized_upgrade_request_is_answered_and_closed(h: HubUnderTest) -> None:
     host, port = h.http.removeprefix("http://").split(":")
     answer = await _answer(host, int(port), _upgrade("/ws?token=" + "a" * 9_000))
-    assert answer.startswith(b"HTTP/1.1 414"), answer[:100]
+    assert _status_and_code(answer) == (414, "request_too_large"), answer[:100]
     answer = await _answer(host, int(port), _upgrade("/ws?token=x", f"X-Long: {'b' * 9_000}\r\n"))
-    assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    assert _status_and_code(answer) == (431, "request_too_large"), answer[:100]
     many = "".join(f"X-{i}: y\r\n" for i in range(200))
     answer = await _answer(host, int(port), _upgrade("/ws?token=x", many))
-    assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    assert _status_and_code(answer) == (431, "request_too_large"), answer[:100]
     # The hub is fine afterwards.
     _, token = await h.login("li")
     c = await h.client(token)
@@ -299,7 +306,7 @@ async def test_a_connection_that_never_finishes_its_request_is_closed_in_time(h_
         _answer(host, int(port), b"POST /api/login HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
     )
     for task in (silent, trickle):
-        assert (await task).startswith(b"HTTP/1.1 408"), task
+        assert _status_and_code(await task) == (408, "request_timeout")
     assert await half_body == b""  # a body that stops coming: the connection is cut
     # Keep-alive: a finished request does not count against the next one, and a welcomed socket stays.
     async with httpx.AsyncClient(base_url=h.http, timeout=10) as http:
@@ -339,3 +346,22 @@ async def test_malformed_offsets_refuse_the_sync_and_hold_nothing(h: HubUnderTes
     reply = await raw.ask(json.dumps({"id": 2, "type": "sync", "groups": {g: "0"}}))
     assert reply["ok"] is True and reply["data"]["groups"][g]["too_old"] is False  # type: ignore[index]
     await raw.ws.close()
+
+
+async def test_invalid_utf8_in_a_text_frame_closes_with_1007(h: HubUnderTest) -> None:
+    _, token = await h.login("li")
+    async with websockets.connect(f"{h.ws}?token={token}", subprotocols=[protocol.SUBPROTOCOL_JSON]) as ws:  # type: ignore[list-item]
+        assert json.loads(await ws.recv())["type"] == "welcome"
+        await ws.send(b'{"id": 1, "type": "ping", "x": "\xff\xfe"}', text=True)
+        with pytest.raises(ConnectionClosed) as e:
+            while True:
+                await asyncio.wait_for(ws.recv(), 10)
+    assert e.value.rcvd is not None and e.value.rcvd.code == 1007
+
+
+async def test_an_unknown_subprotocol_gets_msgpack(h: HubUnderTest) -> None:
+    _, token = await h.login("li")
+    async with websockets.connect(f"{h.ws}?token={token}", subprotocols=["chat.v9"]) as ws:  # type: ignore[list-item]
+        assert ws.subprotocol is None
+        welcome = await asyncio.wait_for(ws.recv(), 10)
+        assert isinstance(welcome, bytes) and msgpack.unpackb(welcome)["type"] == "welcome"
