@@ -8,7 +8,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from arq.connections import ArqRedis
-from redis.exceptions import RedisError
+from redis.exceptions import ClusterDownError, ReadOnlyError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from server import errors, schema
 from server.batch import Batcher
@@ -20,6 +22,10 @@ from server.scripts import Scripts
 from server.settings import Settings
 from server.split import Limits
 
+# Redis is down, restarting, loading its data (BusyLoadingError is a ConnectionError), or failing over
+# (a replica refusing writes, a cluster without a primary). Any other Redis error is a bug.
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, TryAgainError, ClusterDownError)
+
 
 def unavailable(e: BaseException) -> Unavailable | None:
     """The error a client gets when ``e`` means a backing service is down (Redis unreachable, restarting
@@ -27,7 +33,7 @@ def unavailable(e: BaseException) -> Unavailable | None:
     other exception, which is a bug."""
     if isinstance(e, Unavailable):
         return e
-    if isinstance(e, RedisError):
+    if isinstance(e, REDIS_DOWN):
         return Unavailable(errors.REDIS_UNAVAILABLE, f"Redis is unavailable: {e}")
     if isinstance(e, DatabaseError):
         return Unavailable(errors.DATABASE_UNAVAILABLE, f"the database is unavailable: {e}")

@@ -365,3 +365,13 @@ async def test_an_unknown_subprotocol_gets_msgpack(h: HubUnderTest) -> None:
         assert ws.subprotocol is None
         welcome = await asyncio.wait_for(ws.recv(), 10)
         assert isinstance(welcome, bytes) and msgpack.unpackb(welcome)["type"] == "welcome"
+
+
+async def test_an_id_too_long_is_answered_with_null(h: HubUnderTest) -> None:
+    _, token = await h.login("li")
+    raw = await _raw(h, token)
+    for bad in ["x" * 65, 1.5, 2**64, [1], None]:
+        reply = await raw.ask(json.dumps({"id": bad, "type": "ping"}))
+        assert reply["id"] is None and reply["error"]["code"] == "bad_request", (bad, reply)  # type: ignore[index]
+    assert (await raw.ask(json.dumps({"id": "x" * 64, "type": "ping"})))["id"] == "x" * 64
+    await raw.ws.close()
