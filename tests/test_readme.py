@@ -4,9 +4,12 @@ against a real ``redpacket up``, and exactly two commands for a newcomer."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.hubtools import redpacket_up
 
@@ -28,6 +31,7 @@ def test_two_commands_for_a_newcomer() -> None:
     assert "redpacket up" in commands[0] and "pytest" in commands[1]
 
 
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the README's HTTP lines use curl")
 def test_try_it_runs_as_written(tmp_path: Path) -> None:
     with redpacket_up(tmp_path / "data") as (url, _):
         address = url.removeprefix("http://")
