@@ -1,8 +1,16 @@
-"""Coalesce the Redis calls that concurrent requests make in one event-loop tick into one pipeline.
+"""Coalesce the Redis calls that concurrent requests make in one event-loop tick into one pipeline per
+master, and make the grabs among them durable with one wait per pipeline (group commit).
 
 One Python process awaiting one EVALSHA per request tops out near 20k/s; the same calls sent as one
 pipeline per tick go several times faster, with the same per-call answers. Each call still gets its own
-result or its own exception.
+result or its own exception. On a Redis Cluster the calls of a tick are grouped by the master that owns
+their slot.
+
+**Durability** (``REDPACKET_GRAB_DURABILITY``): a pipeline that carries a durable call (a grab) ends with
+``WAITAOF 1 0`` (``aof``: the master has fsynced its append-only file up to these writes) or ``WAIT 1``
+(``replica``: a replica has them), on the same connection as the writes. If the wait falls short within
+the timeout, every durable call of the pipeline fails with ``NotDurable`` (``redis_unavailable``): the
+share stays taken, and the grabber's retry answers it again, waiting once more.
 
 Cancelling a waiting caller does not unsend its command: a grab already in the pipeline still happens in
 Redis (the Lua script is atomic either way), exactly as with an unbatched call cancelled mid-flight.
@@ -12,79 +20,145 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
+from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
-from redis.asyncio.client import Redis as _Redis
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
+
+from server import errors
+from server.errors import Unavailable
+from server.redisnodes import RedisNodes, moved
 
 Queue = Callable[[Pipeline], object]
+Durability = Literal["none", "aof", "replica"]
+
+
+class NotDurable(Unavailable):
+    """The writes were made but not confirmed durable in time: retry (a grab answers the same share)."""
+
+
+@dataclass
+class _Call:
+    queue: Queue
+    future: asyncio.Future[Any]
+    durable: bool
 
 
 class Batcher:
-    """Send every call queued during one loop tick as one non-transactional pipeline."""
+    """Send every call queued during one loop tick as one non-transactional pipeline per master."""
 
-    def __init__(self, redis: _Redis, max_batch: int = 512) -> None:
-        self._redis = redis
+    def __init__(
+        self,
+        nodes: RedisNodes,
+        durability: Durability = "none",
+        timeout_ms: int = 1000,
+        max_batch: int = 512,
+    ) -> None:
+        self._nodes = nodes
+        self.durability = durability
+        self._timeout_ms = timeout_ms
         self._max_batch = max_batch
-        self._pending: list[tuple[Queue, asyncio.Future[Any]]] = []
+        self._pending: dict[Redis, list[_Call]] = {}
+        self._count = 0
         self._scheduled = False
         self._inflight: set[asyncio.Task[None]] = set()
         self.batches = 0
         self.calls = 0
 
-    async def call(self, queue: Queue) -> Any:
-        """Queue one command (``queue(pipe)`` adds it to a pipeline) and wait for its own result."""
+    async def call(self, queue: Queue, key: str, durable: bool = False) -> Any:
+        """Queue one command (``queue(pipe)`` adds it to a pipeline) for the master that owns ``key``, and
+        wait for its own result. ``durable``: not answered until the configured durability is reached."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((queue, fut))
-        if len(self._pending) >= self._max_batch:
+        self._pending.setdefault(self._nodes.node_client(key), []).append(_Call(queue, fut, durable))
+        self._count += 1
+        if self._count >= self._max_batch:
             self._flush()
         elif not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush)
         return await fut
 
-    async def script(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
+    async def script(
+        self, script: AsyncScript, keys: list[str], args: list[Any], durable: bool = False
+    ) -> Any:
         """EVALSHA ``script`` in the next batch. After a SCRIPT FLUSH or a restart the first answer is
-        NOSCRIPT (the script did not run), and the call is made again directly, which reloads it."""
+        NOSCRIPT (the script did not run): it is loaded on that master and called again."""
+        sha = script.sha
         try:
-            return await self.call(lambda pipe: pipe.evalsha(script.sha, len(keys), *keys, *args))
+            return await self.call(lambda pipe: pipe.evalsha(sha, len(keys), *keys, *args), keys[0], durable)
         except NoScriptError:
-            return await script(keys=keys, args=args)
+            await self._nodes.node_client(keys[0]).script_load(script.script)
+            return await self.call(lambda pipe: pipe.evalsha(sha, len(keys), *keys, *args), keys[0], durable)
 
     def _flush(self) -> None:
         self._scheduled = False
-        batch, self._pending = self._pending, []
-        if batch:
-            task = asyncio.get_running_loop().create_task(self._send(batch))
+        pending, self._pending, self._count = self._pending, {}, 0
+        loop = asyncio.get_running_loop()
+        for node, batch in pending.items():
+            task = loop.create_task(self._send(node, batch))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 
-    async def _send(self, batch: list[tuple[Queue, asyncio.Future[Any]]]) -> None:
+    async def _send(self, node: Redis, batch: list[_Call]) -> None:
         self.batches += 1
         self.calls += len(batch)
+        wait = self.durability != "none" and any(c.durable for c in batch)
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for queue, _ in batch:
-                    queue(pipe)
+            async with node.pipeline(transaction=False) as pipe:
+                for c in batch:
+                    c.queue(pipe)
+                if wait and self.durability == "aof":
+                    pipe.execute_command("WAITAOF", 1, 0, self._timeout_ms)
+                elif wait:
+                    pipe.execute_command("WAIT", 1, self._timeout_ms)
                 results = await pipe.execute(raise_on_error=False)
         except Exception as e:
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
+            for c in batch:
+                if not c.future.done():
+                    c.future.set_exception(e)
+            if moved(e):
+                await self._refresh()
             return
-        for (_, fut), result in zip(batch, results, strict=True):
-            if fut.done():
+        short = None
+        if wait:
+            short = _shortfall(self.durability, results.pop())
+        if any(isinstance(r, RedisError) and moved(r) for r in results):
+            await self._refresh()
+        for c, result in zip(batch, results, strict=True):
+            if c.future.done():
                 continue
             if isinstance(result, Exception):
-                fut.set_exception(result)
+                c.future.set_exception(result)
+            elif c.durable and short is not None:
+                c.future.set_exception(NotDurable(errors.REDIS_UNAVAILABLE, short))
             else:
-                fut.set_result(result)
+                c.future.set_result(result)
+
+    async def _refresh(self) -> None:
+        try:
+            await self._nodes.refresh()
+        except RedisError:
+            pass  # the next call's error says it again
 
     async def drain(self) -> None:
         """Wait for every batch already sent."""
         self._flush()
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
+
+
+def _shortfall(durability: Durability, answer: object) -> str | None:
+    """Why a WAIT / WAITAOF answer falls short of the durability asked for, or None if it does not."""
+    if isinstance(answer, Exception):
+        return f"the grab could not be made durable ({durability}): {answer}"
+    if durability == "aof":
+        local = int(answer[0]) if isinstance(answer, list | tuple) and answer else 0
+        if local < 1:
+            return "the grab is not yet on disk: retry"
+    elif int(answer) < 1:  # type: ignore[call-overload]
+        return "no replica has the grab yet: retry"
+    return None

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from server import groups, keys, ledger, packets
+from server.batch import Batcher
 from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.membership import Membership
@@ -89,7 +90,7 @@ def _redis_benchmark(core: Core, url: str, group_id: int, packet_id: int, pipeli
 async def _raw_packet(core: Core, group_id: int, shares: int) -> int:
     """A packet that lives only in Redis, big enough that redis-benchmark's grabs keep winning."""
     packet_id = 10**15 + int(time.time())
-    meta, pile, _ = keys.packet_keys(packet_id)
+    meta, pile, _, _ = keys.packet_keys(group_id, packet_id)
     far = ledger.now_ms() + 3600_000
     fields = {"group": group_id, "expires_ms": far, "target": "", "count": shares}
     async with core.redis.pipeline(transaction=False) as pipe:
@@ -97,9 +98,23 @@ async def _raw_packet(core: Core, group_id: int, shares: int) -> int:
         for start in range(1, shares + 1, 10_000):
             pipe.rpush(pile, *[f"{i}:1" for i in range(start, min(start + 10_000, shares + 1))])
         await pipe.execute()
-    for key in keys.packet_keys(packet_id):
+    for key in keys.packet_keys(group_id, packet_id):
         await core.redis.pexpire(key, 3600_000)
     return packet_id
+
+
+async def drop_bench_credits(core: Core, packet_ids: set[int]) -> None:
+    """Take the bench's credit records out of the shard outboxes (they name packets of the bench's
+    throw-away database; a worker of a system sharing this Redis would refuse them)."""
+    for n in range(keys.SHARDS):
+        outbox = keys.credit_outbox(n)
+        ids = [
+            entry_id
+            for entry_id, fields in await core.redis.xrange(outbox)
+            if keys.parse_credit_entry(fields[b"c"])[0] in packet_ids
+        ]
+        for i in range(0, len(ids), 1000):
+            await core.redis.xdel(outbox, *ids[i : i + 1000])
 
 
 async def fresh_ids(core: Core) -> None:
@@ -126,8 +141,8 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
         redis_pool_size=256,
     )
     figures: dict[str, Any] = {"grabs_per_mode": grabs}
-    # Every grab queues its credit in the bench's own credit queue: deleted with the rest at the end.
-    cleanup: list[str] = [keys.credit_queue(BENCH_QUEUE), keys.credit_claims(BENCH_QUEUE)]
+    cleanup: list[str] = []
+    bench_packets: set[int] = set()
     try:
         async with open_core(s) as core:
             await fresh_ids(core)
@@ -137,8 +152,11 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
             group = await groups.create_group(core.db, admin, "bench")
             await groups.add_members(core.db, core.membership, group, users)
             await core.membership.is_member(group, admin)  # warm the member cache
+            one_by_one = Batcher(core.nodes, core.batcher.durability, core.settings.durability_timeout_ms, 1)
             unbatched = dataclasses.replace(
-                core, batcher=None, membership=Membership(core.db, core.redis, core.scripts, 300, None)
+                core,
+                batcher=one_by_one,
+                membership=Membership(core.db, core.redis, core.scripts, 300, one_by_one),
             )
             modes = [
                 ("core_sequential", unbatched, 1),
@@ -147,10 +165,12 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
             ]
             for name, c, concurrency in modes:
                 p = await packets.send_packet(c, admin, group, "equal", grabs * 10, grabs)
-                cleanup += [*keys.packet_keys(p.packet_id), keys.packet_paid(p.packet_id)]
+                cleanup += keys.packet_keys(group, p.packet_id)
+                bench_packets.add(p.packet_id)
                 figures[name] = round(await _grab_all(c, p.packet_id, group, users, concurrency))
             raw = await _raw_packet(core, group, 1_200_000)
-            cleanup += keys.packet_keys(raw)
+            cleanup += keys.packet_keys(group, raw)
+            bench_packets.add(raw)
             figures["script_only_sequential"] = round(await _script_only(unbatched, raw, group, grabs, 1))
             figures["script_only_200_concurrent_batched"] = round(
                 await _script_only(core, raw, group, grabs, 200)
@@ -162,8 +182,9 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
             figures["redis_benchmark_evalsha_c50_p16"] = await asyncio.to_thread(
                 _redis_benchmark, core, url, group, raw, 16
             )
-            for i in range(0, len(cleanup), 1000):
-                await core.redis.unlink(*cleanup[i : i + 1000])
+            for key in cleanup:
+                await core.redis.unlink(key)
+            await drop_bench_credits(core, bench_packets)
             await core.redis.delete(*[keys.group_members(group), keys.group_members_version(group)])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import cast
 
 import msgpack
 from redis.exceptions import RedisError
@@ -78,20 +80,52 @@ async def recent_attempts(core: Core, now: int, window_ms: int = 60_000) -> list
 
 
 async def apply(core: Core, decisions: dict[int, Decision], rules: Rules, now: int) -> int:
-    """Set the throttles and blocks; returns how many blocks were set."""
+    """Set the throttles and blocks; returns how many blocks were set.
+
+    The grab script reads them in its own slot, so each decision is written into every shard's gate
+    (``keys.shard_gate``); blocks are also listed for operators under ``{ctl}``. Entries past their end are
+    removed here too. Blocks are rare: a few dozen writes per decision is cheap.
+    """
     blocks = 0
+    async with core.redis.pipeline(transaction=False) as pipe:
+        for d in decisions.values():
+            until = now + d.seconds * 1000
+            for n in range(keys.SHARDS):
+                if d.action == "block":
+                    pipe.hset(keys.shard_gate(n), f"b:{d.user}", str(until))
+                else:
+                    slower = f"{rules.throttled_grabs_per_second}:{until}"
+                    pipe.hset(keys.shard_gate(n), f"t:{d.user}", slower)
+            if d.action == "block":
+                pipe.zadd(keys.BLOCKS, {str(d.user): until})
+                pipe.hset(keys.BLOCK_REASONS, str(d.user), "; ".join(d.reasons))
+        await pipe.execute()
     for d in decisions.values():
         if d.action == "block":
-            async with core.redis.pipeline(transaction=True) as pipe:
-                pipe.set(keys.user_block(d.user), "; ".join(d.reasons), ex=d.seconds)
-                pipe.zadd(keys.BLOCKS, {str(d.user): now + d.seconds * 1000})
-                await pipe.execute()
             blocks += 1
             log.warning("blocked user %d for %d s: %s", d.user, d.seconds, "; ".join(d.reasons))
         else:
-            await core.redis.set(keys.grab_throttle(d.user), rules.throttled_grabs_per_second, ex=d.seconds)
             log.info("throttled user %d for %d s: %s", d.user, d.seconds, "; ".join(d.reasons))
+    await _forget_expired(core, now)
     return blocks
+
+
+async def _forget_expired(core: Core, now: int) -> None:
+    """Drop gate entries whose time is over (they no longer apply; this keeps the gates small)."""
+    async with core.redis.pipeline(transaction=False) as pipe:
+        for n in range(keys.SHARDS):
+            pipe.hgetall(keys.shard_gate(n))
+        gates = await pipe.execute()
+    async with core.redis.pipeline(transaction=False) as pipe:
+        for n, gate in enumerate(gates):
+            over = [field for field, value in gate.items() if int(_text(value).rsplit(":", 1)[-1]) <= now]
+            if over:
+                pipe.hdel(keys.shard_gate(n), *over)
+        expired = await core.redis.zrangebyscore(keys.BLOCKS, "-inf", now)
+        if expired:
+            pipe.zrem(keys.BLOCKS, *expired)
+            pipe.hdel(keys.BLOCK_REASONS, *expired)
+        await pipe.execute()
 
 
 async def run_detector(core: Core, rules: Rules | None = None, now: int | None = None) -> dict[int, Decision]:
@@ -111,18 +145,19 @@ class Block:
 
 async def list_blocks(core: Core) -> list[Block]:
     now = now_ms()
-    await core.redis.zremrangebyscore(keys.BLOCKS, "-inf", now)
     out = []
-    for user, until in await core.redis.zrange(keys.BLOCKS, 0, -1, withscores=True):
-        reasons = await core.redis.get(keys.user_block(int(user)))
-        if reasons is not None:
-            out.append(Block(int(user), int(until), _text(reasons)))
+    for user, until in await core.redis.zrangebyscore(keys.BLOCKS, f"({now}", "+inf", withscores=True):
+        reasons = await cast(Awaitable[bytes | None], core.redis.hget(keys.BLOCK_REASONS, user))
+        out.append(Block(int(user), int(until), _text(reasons or b"")))
     return out
 
 
 async def lift(core: Core, user: int) -> bool:
-    async with core.redis.pipeline(transaction=True) as pipe:
-        pipe.delete(keys.user_block(user), keys.grab_throttle(user))
+    """End a user's block and throttle on every shard; True if they were blocked or throttled."""
+    async with core.redis.pipeline(transaction=False) as pipe:
+        for n in range(keys.SHARDS):
+            pipe.hdel(keys.shard_gate(n), f"b:{user}", f"t:{user}")
         pipe.zrem(keys.BLOCKS, str(user))
-        deleted, _ = await pipe.execute()
-    return bool(deleted)
+        pipe.hdel(keys.BLOCK_REASONS, str(user))
+        results = await pipe.execute()
+    return any(results[: keys.SHARDS]) or bool(results[-2])

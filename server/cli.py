@@ -27,10 +27,12 @@ import uvloop
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from server import keys
 from server.core import open_core
 from server.db import DatabaseError
 from server.embedded import EmbeddedError, embedded_valkey
 from server.handshake import bounded_protocols
+from server.redisnodes import RedisNodes
 from server.settings import Settings, redact
 
 log = logging.getLogger("redpacket")
@@ -54,11 +56,19 @@ def _redis_url(settings: Settings, command: str) -> Iterator[Settings]:
     if settings.redis_url:
         yield settings
         return
+    # The embedded Valkey makes grabs durable on its disk unless told otherwise: appendfsync always
+    # (the event loop fsyncs all of one iteration's writes at once), and every grab waits for it.
+    durability = settings.grab_durability or "aof"
+    fsync = "always" if durability == "aof" else "everysec"
     try:
         with embedded_valkey(
-            settings.data_dir, settings.embedded_redis_port, exclusive=command == "up", owner=command
+            settings.data_dir,
+            settings.embedded_redis_port,
+            exclusive=command == "up",
+            owner=command,
+            fsync=fsync,
         ) as url:
-            yield settings.with_(redis_url=url)
+            yield settings.with_(redis_url=url, grab_durability=durability)
     except EmbeddedError as e:
         raise OperatorError(str(e)) from None
 
@@ -77,16 +87,61 @@ async def _check_services(settings: Settings, redis_too: bool = True) -> None:
         ) from None
     if not redis_too:
         return
-    r = Redis.from_url(settings.redis_url, socket_connect_timeout=STARTUP_CHECK_SECONDS, socket_timeout=5)
+    nodes = RedisNodes(settings.redis_url, 4)
     try:
-        await asyncio.wait_for(r.ping(), STARTUP_CHECK_SECONDS + 1)
+        await asyncio.wait_for(nodes.open(), STARTUP_CHECK_SECONDS + 1)
+        masters = await asyncio.wait_for(_masters(nodes), STARTUP_CHECK_SECONDS + 1)
     except (RedisError, OSError, TimeoutError) as e:
         raise OperatorError(
             f"Redis at {redact(settings.redis_url)} does not answer: {e or 'timed out'}"
             " (check REDPACKET_REDIS_URL)"
         ) from None
+    try:
+        for name, client in masters:
+            await _check_durability(settings, name, client)
     finally:
-        await r.aclose()
+        await nodes.aclose()
+    if settings.queue_url != settings.redis_url:
+        q = Redis.from_url(settings.queue_url, socket_connect_timeout=STARTUP_CHECK_SECONDS, socket_timeout=5)
+        try:
+            await asyncio.wait_for(q.ping(), STARTUP_CHECK_SECONDS + 1)
+        except (RedisError, OSError, TimeoutError) as e:
+            raise OperatorError(
+                f"arq's queue Redis at {redact(settings.queue_url)} does not answer: {e or 'timed out'}"
+                " (check REDPACKET_QUEUE_REDIS_URL)"
+            ) from None
+        finally:
+            await q.aclose()
+
+
+async def _masters(nodes: RedisNodes) -> list[tuple[str, Redis]]:
+    """A client of each master, each pinged."""
+    out: list[tuple[str, Redis]] = []
+    for n in range(keys.SHARDS):
+        client = nodes.node_client(keys.credit_outbox(n))
+        if all(c is not client for _, c in out):
+            await client.ping()
+            kwargs = client.connection_pool.connection_kwargs
+            out.append((f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}", client))
+    return out
+
+
+async def _check_durability(settings: Settings, name: str, client: Redis) -> None:
+    """Refuse to start when grabs cannot be made as durable as REDPACKET_GRAB_DURABILITY asks."""
+    if settings.durability == "aof":
+        try:
+            await client.execute_command("WAITAOF", 1, 0, 100)  # type: ignore[no-untyped-call]
+        except RedisError as e:
+            raise OperatorError(
+                f"REDPACKET_GRAB_DURABILITY=aof needs WAITAOF (Redis 7.2 or later, or Valkey) with appendonly"
+                f" yes, and Redis at {name} says: {e} (use a server that has it, or choose none)"
+            ) from None
+    elif settings.durability == "replica":
+        info = await client.info("replication")
+        if int(info.get("connected_slaves", 0)) < 1:
+            raise OperatorError(
+                f"REDPACKET_GRAB_DURABILITY=replica needs a replica of every master; {name} has none"
+            )
 
 
 def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:

@@ -6,18 +6,22 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 from arq.connections import ArqRedis
+from redis.asyncio import Redis
 from redis.exceptions import ClusterDownError, ReadOnlyError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from server import errors, schema
-from server.batch import Batcher
+from server.batch import Batcher, Durability
 from server.db import Database, DatabaseError, connect
 from server.errors import Unavailable
 from server.membership import Membership
-from server.queue import make_redis
+from server.queue import make_queue
+from server.redisnodes import RedisNodes
+from server.repair import Repairs
 from server.scripts import Scripts
 from server.settings import Settings
 from server.split import Limits
@@ -44,13 +48,22 @@ def unavailable(e: BaseException) -> Unavailable | None:
 class Core:
     settings: Settings
     db: Database
-    redis: ArqRedis
+    nodes: RedisNodes
+    # arq's queue server (the main Redis unless that is a cluster).
+    queue: ArqRedis
     scripts: Scripts
     membership: Membership
+    # Sends the Redis calls of one loop tick as one pipeline per master, waiting for durability.
+    batcher: Batcher
+    # Which packets were checked against the database since Redis last restarted or failed over.
+    repairs: Repairs
     # The OS CSPRNG in production; tests pass a seeded random.Random.
     rng: random.Random = field(default_factory=random.SystemRandom)
-    # Coalesces the grab path's Redis calls of one loop tick into one pipeline; None sends each alone.
-    batcher: Batcher | None = None
+
+    @property
+    def redis(self) -> Redis:
+        """The client for keyed commands and pipelines (routed by slot on a cluster)."""
+        return self.nodes.client
 
     @property
     def limits(self) -> Limits:
@@ -62,23 +75,35 @@ class Core:
 async def open_core(
     settings: Settings, rng: random.Random | None = None, migrate: bool = True
 ) -> AsyncIterator[Core]:
-    """Connect to the database and Redis named by ``settings``; close both on exit."""
+    """Connect to the database, Redis (one server or a cluster) and arq's queue server named by
+    ``settings``; close them all on exit."""
     db = await connect(settings.effective_database_url, settings.db_pool_size)
-    redis = make_redis(settings)
+    if not settings.redis_url:
+        await db.close()
+        raise ValueError("no Redis URL: start the embedded Valkey first (see server.embedded)")
+    nodes = RedisNodes(settings.redis_url, settings.redis_pool_size)
+    queue = make_queue(settings)
     try:
+        await nodes.open()
         if migrate:
             await schema.migrate(db)
-        scripts = Scripts(redis)
-        batcher = Batcher(redis) if settings.batch_redis else None
+        scripts = Scripts(nodes.client)
+        durability = cast(Durability, settings.durability)
+        batcher = Batcher(
+            nodes, durability, settings.durability_timeout_ms, max_batch=512 if settings.batch_redis else 1
+        )
         yield Core(
             settings=settings,
             db=db,
-            redis=redis,
+            nodes=nodes,
+            queue=queue,
             scripts=scripts,
-            membership=Membership(db, redis, scripts, settings.membership_cache_seconds, batcher),
-            rng=rng or random.SystemRandom(),
+            membership=Membership(db, nodes.client, scripts, settings.membership_cache_seconds, batcher),
             batcher=batcher,
+            repairs=Repairs(nodes),
+            rng=rng or random.SystemRandom(),
         )
     finally:
-        await redis.aclose(close_connection_pool=True)
+        await queue.aclose(close_connection_pool=True)
+        await nodes.aclose()
         await db.close()

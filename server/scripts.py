@@ -29,7 +29,8 @@ class Scripts:
     fill_members: AsyncScript
     publish_event: AsyncScript
     presence: AsyncScript
-    claim_credits: AsyncScript
+    ack_credits: AsyncScript
+    read_events: AsyncScript
 
     def __init__(self, redis: Redis, directory: Path = LUA_DIR) -> None:
         self.sources = read_sources(directory)

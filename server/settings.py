@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TypeVar
 
 PREFIX = "REDPACKET_"
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
+DURABILITY = ("none", "aof", "replica")
 DATABASE_SCHEMES = ("mysql://", "mariadb://", "sqlite:///")
 N = TypeVar("N", int, float)
 
@@ -61,6 +62,12 @@ class Settings:
     data_dir: Path = field(default_factory=lambda: Path(".redpacket"))
     # Where the embedded Valkey listens (0: any free port; it is written to <data_dir>/valkey.json).
     embedded_redis_port: int = 0
+    # arq's queue needs one server: by default the main one, required apart when that is a cluster.
+    queue_redis_url: str = ""
+    # What a grab answered "won" survives: none, aof (the master fsynced it), replica (a replica has it).
+    # Empty: aof on the embedded Valkey, none otherwise.
+    grab_durability: str = ""
+    durability_timeout_ms: int = 1000
 
     # Product limits: what a real app would refuse (WeChat caps at 200 yuan and 100 shares).
     max_count: int = 100
@@ -120,6 +127,9 @@ class Settings:
             database_url=env.get(PREFIX + "DATABASE_URL", d.database_url),
             data_dir=Path(env.get(PREFIX + "DATA_DIR", str(d.data_dir))),
             embedded_redis_port=_int(env, "EMBEDDED_REDIS_PORT", d.embedded_redis_port),
+            queue_redis_url=env.get(PREFIX + "QUEUE_REDIS_URL", d.queue_redis_url),
+            grab_durability=env.get(PREFIX + "GRAB_DURABILITY", d.grab_durability),
+            durability_timeout_ms=_int(env, "DURABILITY_TIMEOUT_MS", d.durability_timeout_ms),
             max_count=_int(env, "MAX_COUNT", d.max_count),
             max_total_cents=_int(env, "MAX_TOTAL_CENTS", d.max_total_cents),
             max_greeting_chars=_int(env, "MAX_GREETING_CHARS", d.max_greeting_chars),
@@ -170,6 +180,20 @@ class Settings:
                 f"{PREFIX}DATABASE_URL must start with {', '.join(DATABASE_SCHEMES)}"
                 f" (got {redact(self.database_url)!r}); leave it empty for SQLite in the data directory"
             )
+        if self.queue_redis_url and not self.queue_redis_url.startswith(REDIS_SCHEMES[:3]):
+            raise ValueError(
+                f"{PREFIX}QUEUE_REDIS_URL must be one server: redis://, rediss:// or unix://"
+                f" (got {redact(self.queue_redis_url)!r})"
+            )
+        if self.redis_url.startswith("redis+cluster://") and not self.queue_redis_url:
+            raise ValueError(
+                f"{PREFIX}QUEUE_REDIS_URL is required with a Redis Cluster: arq's queue needs one server"
+            )
+        if self.grab_durability not in ("", *DURABILITY):
+            raise ValueError(
+                f"{PREFIX}GRAB_DURABILITY must be one of {', '.join(DURABILITY)}"
+                f" (got {self.grab_durability!r})"
+            )
         for name, port in (("PORT", self.port), ("WORKER_METRICS_PORT", self.worker_metrics_port),
                            ("EMBEDDED_REDIS_PORT", self.embedded_redis_port)):  # fmt: skip
             if not 0 <= port <= 65535:
@@ -181,6 +205,15 @@ class Settings:
     @property
     def embedded_redis(self) -> bool:
         return not self.redis_url
+
+    @property
+    def durability(self) -> str:
+        """none, aof or replica (the embedded Valkey is started with aof chosen, unless set)."""
+        return self.grab_durability or "none"
+
+    @property
+    def queue_url(self) -> str:
+        return self.queue_redis_url or self.redis_url
 
     @property
     def sqlite_path(self) -> Path:

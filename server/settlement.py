@@ -30,13 +30,15 @@ class Settled:
     refused: int
 
 
-async def settle(core: Core, packet_id: int) -> Settled:
+async def settle(core: Core, packet_id: int, group_id: int) -> Settled:
     """Credit every grab of the packet that Redis holds and the database does not (idempotent).
 
     Cancelled half-way: the credits already committed stand; running it again pays the rest once.
     """
     try:
-        held = await cast(Awaitable[dict[bytes, bytes]], core.redis.hgetall(keys.packet_grabs(packet_id)))
+        held = await cast(
+            Awaitable[dict[bytes, bytes]], core.redis.hgetall(keys.packet_grabs(group_id, packet_id))
+        )
     except RedisError as e:
         log.warning(
             "packet %d: cannot read its grabs from Redis (%s); settling what the database has", packet_id, e
@@ -88,16 +90,19 @@ async def refund_packet(core: Core, packet_id: int, now: int | None = None) -> R
             (packet_id, now),
         )
 
-    if await core.db.run(claim) == 0:
-        row = await core.db.fetchone("SELECT status FROM red_packets WHERE id = %s", (packet_id,))
-        if row is None or row[0] != "refunding":
-            return Refund(packet_id, "not_due" if row and row[0] == "active" else "taken")
+    claimed = await core.db.run(claim)
+    row = await core.db.fetchone("SELECT status, group_id FROM red_packets WHERE id = %s", (packet_id,))
+    if row is None:
+        return Refund(packet_id, "taken")
+    group_id = int(row[1])
+    if claimed == 0 and row[0] != "refunding":
+        return Refund(packet_id, "not_due" if row[0] == "active" else "taken")
     # No grab may start after this point: the packet is closed in Redis before its grabs are read.
     try:
-        await cast(Awaitable[int], core.redis.hset(keys.packet_meta(packet_id), "closed", "1"))
+        await cast(Awaitable[int], core.redis.hset(keys.packet_meta(group_id, packet_id), "closed", "1"))
     except RedisError as e:
         log.warning("packet %d: could not close it in Redis (%s)", packet_id, e)
-    await settle(core, packet_id)
+    await settle(core, packet_id, group_id)
 
     async def pay_back(tx: Tx) -> Refund:
         p = await tx.fetchone(
@@ -125,7 +130,7 @@ async def refund_packet(core: Core, packet_id: int, now: int | None = None) -> R
     result = await core.db.run(pay_back)
     if result.outcome in ("refunded", "finished"):
         try:
-            await core.redis.delete(*keys.packet_keys(packet_id), keys.packet_paid(packet_id))
+            await core.redis.delete(*keys.packet_keys(group_id, packet_id))
         except RedisError as e:
             log.warning("packet %d settled; its Redis keys stay until they expire (%s)", packet_id, e)
         log.info("packet %d %s, %d cents back to the sender", packet_id, result.outcome, result.amount)
@@ -159,12 +164,12 @@ async def sweep(core: Core, now: int | None = None, window_ms: int = 26 * 3600 *
     the enqueue, or the enqueue failed), for every live packet of the window."""
     now = now_ms() if now is None else now
     rows = await core.db.fetchall(
-        "SELECT id FROM red_packets WHERE status IN ('active', 'refunding') AND created_ms >= %s",
+        "SELECT id, group_id FROM red_packets WHERE status IN ('active', 'refunding') AND created_ms >= %s",
         (now - window_ms,),
     )
     credited = refused = 0
-    for (pid,) in rows:
-        s = await settle(core, int(pid))
+    for pid, gid in rows:
+        s = await settle(core, int(pid), int(gid))
         credited += s.credited_now
         refused += s.refused
     return Settled(credited, refused)

@@ -163,3 +163,19 @@ async def hub_settings(redis_url: str, mysql_url: str) -> AsyncIterator[Settings
     finally:
         await db.close()
     yield s
+
+
+async def block(core: Core, user: int, seconds: int = 60, action: str = "block") -> None:
+    """What the bot detector does to a user (a block, or a throttle), through its own code."""
+    from server import bots
+    from server.botscore import Decision, Rules
+
+    await bots.apply(core, {user: Decision(user, action, seconds, ["a test"])}, Rules(), ledger.now_ms())
+
+
+async def outbox(core: Core, group: int) -> list[tuple[int, int, int, int, int, int]]:
+    """The credit records waiting in a group's shard outbox, as parsed entries, in order."""
+    from server import keys
+
+    rows = await core.redis.xrange(keys.outbox_for(group))
+    return [keys.parse_credit_entry(fields[b"c"]) for _, fields in rows]

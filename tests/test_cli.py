@@ -90,13 +90,24 @@ def test_help_lists_every_command_with_help_and_no_markup() -> None:
     assert "--host HOST  address to listen on" in up and "--port PORT  port to listen on" in up
 
 
+def _blocked(r: redis.Redis, user: int, until: int, why: str) -> None:
+    """What the bot detector writes for a block (``server.bots.apply``), written from outside."""
+    for n in range(keys.SHARDS):
+        r.hset(keys.shard_gate(n), f"b:{user}", until)
+    r.zadd(keys.BLOCKS, {str(user): until})
+    r.hset(keys.BLOCK_REASONS, str(user), why)
+
+
+def _still_blocked(r: redis.Redis, user: int) -> bool:
+    return bool(r.hexists(keys.shard_gate(0), f"b:{user}") or r.zscore(keys.BLOCKS, str(user)))
+
+
 def test_blocks_shows_deadlines_as_dates(redis_url: str, mysql_url: str, tmp_path: Path) -> None:
     r = redis.Redis.from_url(redis_url)
     try:
         r.flushdb()
         until = int(time.time() * 1000) + 630_000
-        r.set(keys.user_block(42), "grabs faster than a human", px=600_000)
-        r.zadd(keys.BLOCKS, {"42": until})
+        _blocked(r, 42, until, "grabs faster than a human")
         env = {"REDPACKET_REDIS_URL": redis_url, "REDPACKET_DATABASE_URL": mysql_url}
         shown = redpacket("blocks", **env)
         assert shown.returncode == 0, shown.stderr
@@ -104,7 +115,7 @@ def test_blocks_shows_deadlines_as_dates(redis_url: str, mysql_url: str, tmp_pat
         assert time.strftime("%Y-%m-%d", time.gmtime(until / 1000)) in line and " UTC (in 10 min " in line
         assert str(until) not in line and "grabs faster than a human" in line
         assert "user 42: unblocked" in redpacket("blocks", "--lift", "42", **env).stdout
-        assert r.exists(keys.user_block(42)) == 0
+        assert not _still_blocked(r, 42)
     finally:
         r.flushdb()
         r.close()
@@ -128,15 +139,14 @@ def test_commands_beside_a_running_up_use_its_valkey(up: tuple[Path, subprocess.
     state = _state(data)
     live = redis.Redis.from_url(str(state["url"]))
     try:
-        live.set(keys.user_block(2), "a test block", ex=600)
-        live.zadd(keys.BLOCKS, {"2": int(time.time() * 1000) + 600_000})
+        _blocked(live, 2, int(time.time() * 1000) + 600_000, "a test block")
         env = {"REDPACKET_DATA_DIR": str(data)}
         listed = redpacket("blocks", **env)
         assert listed.returncode == 0 and "user 2 blocked until" in listed.stdout, (
             listed.stdout + listed.stderr
         )
         assert "user 2: unblocked" in redpacket("blocks", "--lift", "2", **env).stdout
-        assert live.exists(keys.user_block(2)) == 0  # lifted in the server `up` uses
+        assert not _still_blocked(live, 2)  # lifted in the server `up` uses
         # The live server's files are untouched, and it is the only one that ever served them.
         assert _state(data) == state
         assert (data / "valkey" / "valkey.conf").exists()

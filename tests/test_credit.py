@@ -10,7 +10,7 @@ from server import errors, keys, ledger, packets
 from server.core import Core
 from server.errors import Conflict
 from server.ledger import Credit
-from tests.conftest import make_world
+from tests.conftest import make_world, outbox
 from worker.drain import CreditDrain
 
 
@@ -20,12 +20,6 @@ async def run_worker(core: Core) -> int:
     drain = CreditDrain(core)
     await drain.until_empty()
     return drain.processed
-
-
-async def queued(core: Core) -> dict[str, float]:
-    """The credit queue: entry → when due."""
-    rows = await core.redis.zrange(keys.credit_queue(core.settings.queue_name), 0, -1, withscores=True)
-    return {e.decode(): score for e, score in rows}
 
 
 async def assert_books_balance(core: Core) -> None:
@@ -62,41 +56,36 @@ async def test_full_packet_is_credited_exactly(core: Core) -> None:
     await assert_books_balance(core)
 
 
-async def test_the_grab_queues_its_credit_in_the_same_call(core: Core) -> None:
-    """lua/grab.lua queues the credit entry keys.credit_entry names, due at the grab."""
+async def test_the_grab_records_its_credit_in_the_same_call(core: Core) -> None:
+    """lua/grab.lua writes the credit record keys.credit_entry names to the shard's outbox."""
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 777, 1)
     g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
-    entry = keys.credit_entry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
-    assert await queued(core) == {entry: g.grabbed_ms}
+    mine = (p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
+    assert await outbox(core, w.group) == [mine]
     # Ids and amounts past 32 bits, on a packet that lives only in Redis.
     big, user = 2**40 + 3, 2**33 + 5
-    meta, shares, _ = keys.packet_keys(big)
+    meta, shares, _, _ = keys.packet_keys(w.group, big)
     await core.redis.hset(meta, mapping={"group": w.group, "expires_ms": ledger.now_ms() + 60_000})
     await core.redis.rpush(shares, f"70000:{2**31 + 7}")
     k, args = packets.grab_call(core, big, w.group, user, False, False)
     res = await core.scripts.grab(keys=k, args=args)
     assert res[0] == b"won"
     g2 = packets.parse_record(user, res[1])
-    big_entry = keys.credit_entry(big, user, 70_000, 2**31 + 7, g2.grabbed_ms)
-    assert await queued(core) == {entry: g.grabbed_ms, big_entry: g2.grabbed_ms}
-    assert keys.parse_credit_entry(big_entry) == (big, user, 70_000, 2**31 + 7, g2.grabbed_ms)
-    await core.redis.delete(*keys.packet_keys(big))
+    assert await outbox(core, w.group) == [mine, (big, user, 70_000, 2**31 + 7, g2.grabbed_ms, w.group)]
+    await core.redis.delete(*keys.packet_keys(w.group, big))
 
 
-async def test_a_repeat_grab_queues_a_lost_credit_again_and_it_pays_once(core: Core) -> None:
+async def test_a_repeat_grab_answers_the_same_share_and_records_no_second_credit(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 600, 1)
     g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
-    await core.redis.delete(keys.credit_queue(core.settings.queue_name))  # as if the entry were lost
     again = await packets.grab(core, p.packet_id, w.group, w.members[0])
     assert again.outcome == "already" and again.grab == g
-    entry = keys.credit_entry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
-    assert list(await queued(core)) == [entry]
+    assert len(await outbox(core, w.group)) == 1
     assert await run_worker(core) == 1
-    # Once paid, a further repeat queues nothing.
     assert (await packets.grab(core, p.packet_id, w.group, w.members[0])).outcome == "already"
-    assert await queued(core) == {}
+    assert await outbox(core, w.group) == []  # paid: off the outbox
     assert await ledger.balance(core.db, w.members[0]) == 600
 
 
@@ -104,13 +93,10 @@ async def test_a_credit_run_twice_pays_once(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 1)
     g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
-    # The grab queued its credit; queueing the same grab again adds nothing.
-    entry = keys.credit_entry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
-    assert await core.redis.zadd(keys.credit_queue(core.settings.queue_name), {entry: 1}, nx=True) == 0
-    c = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
+    c = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
     assert await ledger.credit_grab(core.db, c) == "credited"
     assert await ledger.credit_grab(core.db, c) == "already"
-    assert await run_worker(core) == 1  # the queued credit is handled too, and pays nothing more
+    assert await run_worker(core) == 1  # the recorded credit is handled too, and pays nothing more
     assert await ledger.balance(core.db, w.members[0]) == 500
     row = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'grab'")
     assert row is not None and int(row[0]) == 1

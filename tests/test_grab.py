@@ -9,10 +9,11 @@ from collections import Counter
 import pytest
 
 from server import errors, groups, keys, ledger, packets
+from server.batch import Batcher
 from server.core import Core
 from server.errors import RedPacketError
 from server.membership import Membership
-from tests.conftest import bulk_users, make_world
+from tests.conftest import block, bulk_users, make_world, outbox
 
 
 async def _grab_code(core: Core, packet_id: int, group_id: int, user: int, gate: bool = False) -> str:
@@ -24,8 +25,9 @@ async def _grab_code(core: Core, packet_id: int, group_id: int, user: int, gate:
 
 def unbatched(core: Core) -> Core:
     """The same core with every Redis call sent on its own."""
-    m = Membership(core.db, core.redis, core.scripts, core.settings.membership_cache_seconds, None)
-    return dataclasses.replace(core, batcher=None, membership=m)
+    alone = Batcher(core.nodes, core.batcher.durability, core.settings.durability_timeout_ms, max_batch=1)
+    m = Membership(core.db, core.redis, core.scripts, core.settings.membership_cache_seconds, alone)
+    return dataclasses.replace(core, batcher=alone, membership=m)
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
@@ -57,7 +59,7 @@ async def test_fifty_grabs_by_one_user_take_one_share(core: Core, batched: bool)
     )
     assert Counter(r.outcome for r in results) == {"won": 1, "already": 49}
     assert len({(r.grab.seq, r.grab.amount, r.grab.grabbed_ms) for r in results}) == 1
-    assert await core.redis.llen(keys.packet_shares(p.packet_id)) == 1
+    assert await core.redis.llen(keys.packet_shares(w.group, p.packet_id)) == 1
     other = await packets.grab(core, p.packet_id, w.group, w.members[1])
     assert other.grab.amount + results[0].grab.amount == 1_000
 
@@ -78,13 +80,13 @@ async def test_refusals_have_stable_codes(core: Core) -> None:
     await groups.add_members(core.db, core.membership, other_group, [w.members[0]])
 
     books = await _books(core)
-    shares_left = await core.redis.lrange(keys.packet_shares(p.packet_id), 0, -1)
+    shares_left = await core.redis.lrange(keys.packet_shares(w.group, p.packet_id), 0, -1)
     assert await _grab_code(core, p.packet_id, w.group, outsider) == errors.NOT_MEMBER
     assert await _grab_code(core, 424242, w.group, w.members[0]) == errors.PACKET_NOT_FOUND
     # A packet asked for through another group the user is in: not found, nothing leaks.
     assert await _grab_code(core, p.packet_id, other_group, w.members[0]) == errors.PACKET_NOT_FOUND
     # Refused grabs took no share and moved no money.
-    assert await core.redis.lrange(keys.packet_shares(p.packet_id), 0, -1) == shares_left
+    assert await core.redis.lrange(keys.packet_shares(w.group, p.packet_id), 0, -1) == shares_left
     assert await _books(core) == books
     assert await _grab_code(core, p.packet_id, w.group, w.members[0]) == "won"
     assert await _grab_code(core, p.packet_id, w.group, w.members[1]) == errors.PACKET_EMPTY
@@ -93,7 +95,7 @@ async def test_refusals_have_stable_codes(core: Core) -> None:
     q = await packets.send_packet(expired_core, w.admin, w.group, "lucky", 100, 2)
     books = await _books(core)
     assert await _grab_code(core, q.packet_id, w.group, w.members[0]) == errors.PACKET_EXPIRED
-    assert await core.redis.llen(keys.packet_shares(q.packet_id)) == 2
+    assert await core.redis.llen(keys.packet_shares(w.group, q.packet_id)) == 2
     assert await _books(core) == books
 
     ex = await packets.send_packet(core, w.admin, w.group, "exclusive", 300, None, "for you", w.members[2])
@@ -113,15 +115,17 @@ async def test_the_gate_charges_one_attempt_once_and_refuses_before_any_share_is
     assert await _grab_code(one_token, p.packet_id, w.group, a, gate=True) == "won"
     assert await _grab_code(one_token, p.packet_id, w.group, a, gate=True) == errors.RATE_LIMITED
     # Packet keys lost: the call that finds it unknown took the token; the call after recovery takes none.
-    await core.redis.delete(*keys.packet_keys(p.packet_id))
+    await core.redis.delete(*keys.packet_keys(w.group, p.packet_id))
     assert await _grab_code(one_token, p.packet_id, w.group, b, gate=True) == "won"
     # Blocked, and limited: refused before any share is taken, nothing queued for them.
-    await core.redis.set(keys.user_block(c), 1, ex=60)
+    await block(core, c)
     assert await _grab_code(one_token, p.packet_id, w.group, c, gate=True) == errors.BLOCKED
     assert await _grab_code(one_token, p.packet_id, w.group, b, gate=True) == errors.RATE_LIMITED
-    assert await core.redis.llen(keys.packet_shares(p.packet_id)) == 2
-    assert await core.redis.hkeys(keys.packet_grabs(p.packet_id)) == [str(u).encode() for u in (a, b)]
-    assert await core.redis.zcard(keys.credit_queue(core.settings.queue_name)) == 2
+    assert await core.redis.llen(keys.packet_shares(w.group, p.packet_id)) == 2
+    assert await core.redis.hkeys(keys.packet_grabs(w.group, p.packet_id)) == [
+        str(u).encode() for u in (a, b)
+    ]
+    assert len(await outbox(core, w.group)) == 2
     # Without the gate (not the hub) neither applies.
     assert await _grab_code(one_token, p.packet_id, w.group, c) == "won"
     assert await _grab_code(one_token, p.packet_id, w.group, d, gate=True) == "won"
@@ -164,7 +168,7 @@ async def test_open_is_a_read_with_grab_order_best_luck_and_duration(core: Core)
     assert sum(g.amount for g in v.grabs) == 999 and v.remaining == 0 and v.greeting == "大吉"
     assert v.best_luck is not None and v.best_luck.amount == max(r.grab.amount for r in results)
     assert v.duration_ms is not None and v.duration_ms >= 0
-    assert await core.redis.llen(keys.packet_shares(p.packet_id)) == 0
+    assert await core.redis.llen(keys.packet_shares(w.group, p.packet_id)) == 0
 
 
 async def test_open_refuses_non_members(core: Core) -> None:

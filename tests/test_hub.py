@@ -17,6 +17,7 @@ from server.client import HubClient, HubError
 from server.ledger import now_ms
 from server.settings import Settings
 from server.tokens import make_token
+from tests.conftest import block
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
 
 
@@ -318,7 +319,7 @@ async def test_rate_limits_and_blocks(hub_settings: Settings) -> None:
             except HubError as e:
                 codes.append(e.code)
         assert codes == ["won", "already", "rate_limited"]
-        await h.core.redis.set(keys.user_block(room.admin), 1, ex=60)
+        await block(h.core, room.admin)
         with pytest.raises(HubError) as e:
             await admin.request("grab", group=room.group, packet=sent["packet_id"])
         assert e.value.code == "blocked"

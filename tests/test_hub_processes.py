@@ -78,9 +78,9 @@ async def test_sigterm_sends_1012_and_loses_no_grab_in_flight(hub_settings: Sett
         codes = {c.ws.close_code for c in doomed}
         assert codes == {protocol.CLOSE_RESTART}, codes
         # Every grab Redis recorded, answered or not, had its credit queued before the hub exited.
-        core_grabs = await a_redis_grabs(hub_settings, sent["packet_id"])
+        core_grabs = await a_redis_grabs(hub_settings, group, sent["packet_id"])
         assert len(core_grabs) >= len(answered)
-        assert sorted(core_grabs) == await queued_seqs(hub_settings, sent["packet_id"])
+        assert sorted(core_grabs) == await queued_seqs(hub_settings, group, sent["packet_id"])
         for c in [admin, *doomed]:
             await c.close()
 
@@ -93,28 +93,28 @@ async def _grab(c: HubClient, group: int, packet_id: int, answered: list[dict[st
         pass
 
 
-async def a_redis_grabs(settings: Settings, packet_id: int) -> list[int]:
+async def a_redis_grabs(settings: Settings, group: int, packet_id: int) -> list[int]:
     from redis.asyncio import Redis
 
     r = Redis.from_url(settings.redis_url)
     try:
-        raw = await r.hgetall(keys.packet_grabs(packet_id))
+        raw = await r.hgetall(keys.packet_grabs(group, packet_id))
     finally:
         await r.aclose()
     return [int(v.split(b":")[0]) for v in raw.values()]
 
 
-async def queued_seqs(settings: Settings, packet_id: int) -> list[int]:
-    """The seqs of the packet's credits waiting in the credit queue."""
+async def queued_seqs(settings: Settings, group: int, packet_id: int) -> list[int]:
+    """The seqs of the packet's credits waiting in its shard's outbox."""
     from redis.asyncio import Redis
 
     r = Redis.from_url(settings.redis_url)
     try:
-        entries = await r.zrange(keys.credit_queue(settings.queue_name), 0, -1)
+        rows = await r.xrange(keys.outbox_for(group))
     finally:
         await r.aclose()
-    parsed = [keys.parse_credit_entry(e) for e in entries]
-    return sorted(seq for packet, _, seq, _, _ in parsed if packet == packet_id)
+    parsed = [keys.parse_credit_entry(fields[b"c"]) for _, fields in rows]
+    return sorted(entry[2] for entry in parsed if entry[0] == packet_id)
 
 
 async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> None:
@@ -137,7 +137,7 @@ async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> N
         b.process.send_signal(signal.SIGKILL)
         await asyncio.gather(*storm)
         async with open_core(hub_settings) as core:
-            held = await a_redis_grabs(hub_settings, sent["packet_id"])
+            held = await a_redis_grabs(hub_settings, group, sent["packet_id"])
             await settlement.sweep(core)
             await run_worker(core)
             rows = await core.db.fetchall(

@@ -26,7 +26,7 @@ async def test_keys_lost_half_way_then_recovered_and_grabbing_goes_on(core: Core
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 5_000, 10)
     first = [await packets.grab(core, p.packet_id, w.group, u) for u in w.members[:5]]
     assert await run_worker(core) == 5
-    await core.redis.delete(*keys.packet_keys(p.packet_id))
+    await core.redis.delete(*keys.packet_keys(w.group, p.packet_id))
 
     # The next grab finds the packet gone from Redis and brings it back from the database.
     nxt = await packets.grab(core, p.packet_id, w.group, w.members[5])
@@ -68,7 +68,7 @@ async def test_grabs_still_queued_for_credit_keep_their_share_through_recovery(c
     told = {}
     for u in w.members[:2]:
         told[u] = (await packets.grab(core, p.packet_id, w.group, u)).grab.amount
-    await core.redis.delete(*keys.packet_keys(p.packet_id))
+    await core.redis.delete(*keys.packet_keys(w.group, p.packet_id))
     for u in w.members[2:]:
         try:
             told[u] = (await packets.grab(core, p.packet_id, w.group, u)).grab.amount

@@ -33,7 +33,7 @@ async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -
     for g in grabs:
         assert await ledger.balance(core.db, g.grab.user_id) == g.grab.amount
     assert await ledger.balance(core.db, w.admin) == 10_000 - taken
-    assert await core.redis.exists(*keys.packet_keys(p.packet_id)) == 0
+    assert await core.redis.exists(*keys.packet_keys(w.group, p.packet_id)) == 0
     # Nothing more to grab, and a second refund pays nothing.
     try:
         await packets.grab(core, p.packet_id, w.group, w.members[3])
@@ -42,7 +42,7 @@ async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -
         assert e.code in ("packet_expired", "packet_not_found")
     again = await settlement.refund_packet(core, p.packet_id, now=await _expire(core, p.packet_id))
     assert again.outcome == "taken"
-    assert await run_worker(core) == 2  # the queued credit jobs run and pay nothing more
+    assert await run_worker(core) == 2  # the recorded credits are handled and pay nothing more
     report = await reconcile(core.db)
     assert report.ok, report.differences
     await assert_books_balance(core)
@@ -90,7 +90,7 @@ async def test_sweeper_pays_a_grab_whose_enqueue_was_lost(core: Core) -> None:
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 800, 2)
     g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
     # As if the credit job were lost (it expired unrun after a day, or Redis lost it): none exists.
-    await core.redis.delete(keys.credit_queue(core.settings.queue_name))
+    await core.redis.delete(keys.outbox_for(w.group))
     assert await run_worker(core) == 0
     assert await ledger.balance(core.db, w.members[0]) == 0
     swept = await settlement.sweep(core)

@@ -1,13 +1,14 @@
-"""The credit drain: every worker's way of paying grabs. It takes hundreds of queued credits at a time,
+"""The credit drain: every worker's way of paying grabs. It reads the credit records that the grab script
+writes next to each share (one outbox stream per shard, ``keys.credit_outbox``), hundreds at a time,
 pays them in one transaction per batch (``credit_many``, exactly once by the database's unique keys),
-then marks them done.
+and only then acknowledges them (``lua/ack_credits.lua``: off the outbox, shares marked paid).
 
-The queue is the drain's own (``keys.credit_queue``; ``lua/grab.lua`` queues each credit in the grab's own
-call). A worker *claims* a batch for a short lease (``LEASE_MS``) and renews its leases every
-``LEASE_MS / 4`` while it holds them, so a worker that dies — kill -9, a lost machine — leaves claims that
-lapse within seconds; the next claim by any worker puts them back at the head of the queue and pays
-them. A worker that only stalled past its lease may pay a batch another worker also pays: the database
-credits each share once, so that is only wasted work.
+All workers read every shard's outbox as one consumer group (``keys.CREDIT_GROUP``), each under its own
+consumer name, so each record goes to one worker. What a worker has read and not acknowledged stays
+*pending* under its name: it renews its hold every ``LEASE_MS / 4`` while it pays, so a worker that dies
+(kill -9, a lost machine) leaves entries that fall idle, and every worker takes over entries idle longer
+than ``LEASE_MS`` (``XAUTOCLAIM``, looked for every second). A worker that only stalled past its lease may
+pay a batch another worker also pays: the database credits each share once, so that is wasted work only.
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
+import time
+import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import ResponseError
 
 from server import keys
 from server.core import Core
@@ -27,37 +35,48 @@ from worker.metrics import WorkerMetrics
 log = logging.getLogger(__name__)
 
 LEASE_MS = 5_000
+TAKEOVER_EVERY = 1.0
+PAY_AT_ONCE = 500
 
 
 @dataclass
 class Batch:
-    """Credits claimed together: their queue entries, and the credits they name."""
+    """Outbox entries read together: per shard their ids, and the credits they name (shard, id, credit)."""
 
-    entries: list[str]
-    credits: list[Credit]
+    items: list[tuple[int, bytes, Credit]] = field(default_factory=list)
+    deleted: dict[int, list[bytes]] = field(default_factory=dict)  # pending ids whose entry is gone
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 class CreditDrain:
-    """Takes ``batch`` credits at a time. While one batch is paid in the database the next one is claimed
-    from Redis and the previous one marked done, so Redis and database work overlap."""
+    """Reads up to ``batch`` credits per shard at a time. While one batch is paid in the database the next
+    one is read from Redis and the previous one acknowledged, so Redis and database work overlap."""
 
     def __init__(
-        self, core: Core, metrics: WorkerMetrics | None = None, batch: int = 500, lease_ms: int = LEASE_MS
+        self,
+        core: Core,
+        metrics: WorkerMetrics | None = None,
+        batch: int = PAY_AT_ONCE,
+        lease_ms: int = LEASE_MS,
+        consumer: str | None = None,
     ) -> None:
         self.core = core
         self.metrics = metrics or WorkerMetrics()
         self.batch = batch
         self.lease_ms = lease_ms
-        queue = core.settings.queue_name
-        self.queue, self.claims = keys.credit_queue(queue), keys.credit_claims(queue)
-        self.holding: set[str] = set()  # entries this drain has claimed and not yet finished or released
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.holding: dict[int, set[bytes]] = defaultdict(set)  # shard → ids read and not yet acknowledged
         self.credited = 0  # shares newly credited
-        self.processed = 0  # queue entries finished (credited, already paid, or refused)
+        self.processed = 0  # outbox entries acknowledged (credited, already paid, or refused)
+        self._groups_made = False
+        self._last_takeover = 0.0
 
     async def run(self, idle_sleep: float = 0.05) -> None:
         """Drain until cancelled, riding out Redis and database outages (retrying with back-off).
-        Cancelled mid-batch: its claims are given back (or lapse) and the credits are paid later; the
-        database pays nothing twice."""
+        Cancelled mid-batch: its entries stay pending under this consumer, fall idle, and are paid by
+        whoever takes them over; the database pays nothing twice."""
         failures = 0
         while True:
             try:
@@ -72,28 +91,31 @@ class CreditDrain:
                 failures += 1
                 if failures == 1:
                     log.warning("credit drain failed (%s); retrying with back-off", e)
+                self._groups_made = False  # Redis may have come back without them
                 await asyncio.sleep(min(0.1 * 2**failures, 2.0))
 
     async def until_empty(self) -> int:
-        """Drain until no credit is due (tests, benchmarks); returns how many were newly credited."""
+        """Drain until no credit is waiting (tests, benchmarks); returns how many were newly credited."""
+        self._last_takeover = 0.0
         await self._drain()
         return self.credited
 
     async def _drain(self) -> None:
-        """Claim, pay and finish batches until nothing is due."""
+        """Read, pay and acknowledge batches until nothing is waiting."""
+        await self._make_groups()
         renewing = asyncio.ensure_future(self._renew_leases())
-        claiming: asyncio.Future[Batch | None] = asyncio.ensure_future(self._claim())
+        reading: asyncio.Future[Batch | None] = asyncio.ensure_future(self._read())
         finishing: asyncio.Future[None] | None = None
         paid = False
         try:
             while True:
-                taken = await claiming
+                taken = await reading
                 if taken is None and paid:
-                    # That claim ran while the last batch was being paid: look again for what came since.
-                    taken = await self._claim()
+                    # That read ran while the last batch was being paid: look again for what came since.
+                    taken = await self._read()
                 if taken is None:
                     return
-                claiming = asyncio.ensure_future(self._claim())  # the next batch, while this one pays
+                reading = asyncio.ensure_future(self._read())  # the next batch, while this one pays
                 outcomes = await self._pay(taken)
                 paid = True
                 if finishing is not None:
@@ -102,56 +124,138 @@ class CreditDrain:
         finally:
             if finishing is not None:
                 await asyncio.shield(finishing)
-            if not claiming.done():
-                claiming.cancel()
+            if not reading.done():
+                reading.cancel()
             with contextlib.suppress(BaseException):
-                unpaid = await claiming
+                unpaid = await reading
                 if unpaid is not None:
                     await self._release(unpaid)
             renewing.cancel()
             with contextlib.suppress(BaseException):
                 await renewing
 
+    async def _make_groups(self) -> None:
+        """The consumer group on every shard's outbox, from its first entry (idempotent)."""
+        if self._groups_made:
+            return
+        async with self.core.redis.pipeline(transaction=False) as pipe:
+            for n in range(keys.SHARDS):
+                pipe.xgroup_create(keys.credit_outbox(n), keys.CREDIT_GROUP, id="0", mkstream=True)
+            results = await pipe.execute(raise_on_error=False)
+        for r in results:
+            if isinstance(r, Exception) and "BUSYGROUP" not in str(r):
+                raise r
+        self._groups_made = True
+
     async def _renew_leases(self) -> None:
         while True:
             await asyncio.sleep(self.lease_ms / 4000)
-            held = list(self.holding)
+            held: dict[int, list[Any]] = {n: sorted(ids) for n, ids in self.holding.items() if ids}
             if held:
-                until = now_ms() + self.lease_ms
                 with contextlib.suppress(Exception):  # a lapsed lease only costs a second payment attempt
-                    await self.core.redis.zadd(self.claims, dict.fromkeys(held, until), xx=True)
+                    async with self.core.redis.pipeline(transaction=False) as pipe:
+                        for n, ids in held.items():
+                            pipe.xclaim(
+                                keys.credit_outbox(n), keys.CREDIT_GROUP, self.consumer, 0, ids, justid=True
+                            )
+                        await pipe.execute()
 
-    async def _claim(self) -> Batch | None:
-        got = await self.core.scripts.claim_credits(
-            keys=[self.queue, self.claims], args=[now_ms(), self.lease_ms, self.batch]
-        )
-        if not got:
-            return None
-        entries = [e.decode() if isinstance(e, bytes) else str(e) for e in got]
-        self.holding.update(entries)
-        return Batch(entries, [Credit(*keys.parse_credit_entry(e)) for e in entries])
+    async def _read(self) -> Batch | None:
+        """Entries other workers left idle past their lease (looked for once a second), then new ones."""
+        batch = Batch()
+        if time.monotonic() - self._last_takeover >= TAKEOVER_EVERY:
+            self._last_takeover = time.monotonic()
+            await self._take_over(batch)
+        async with self.core.redis.pipeline(transaction=False) as pipe:
+            for n in range(keys.SHARDS):
+                pipe.xreadgroup(
+                    keys.CREDIT_GROUP, self.consumer, {keys.credit_outbox(n): ">"}, count=self.batch
+                )
+            results = await pipe.execute(raise_on_error=False)
+        for n, result in enumerate(results):
+            if isinstance(result, ResponseError) and "NOGROUP" in str(result):
+                self._groups_made = False  # Redis lost it (a restart): made again on the next drain
+                continue
+            if isinstance(result, Exception):
+                raise result
+            for _, entries in result or []:
+                self._add(batch, n, entries)
+        return batch if batch.items or batch.deleted else None
+
+    async def _take_over(self, batch: Batch) -> None:
+        async with self.core.redis.pipeline(transaction=False) as pipe:
+            for n in range(keys.SHARDS):
+                pipe.xautoclaim(
+                    keys.credit_outbox(n),
+                    keys.CREDIT_GROUP,
+                    self.consumer,
+                    self.lease_ms,
+                    "0-0",
+                    count=self.batch,
+                )
+            results = await pipe.execute(raise_on_error=False)
+        taken = 0
+        for n, result in enumerate(results):
+            if isinstance(result, Exception):
+                continue  # NOGROUP after a restart: the group is made again; nothing was pending there
+            entries = result[1] if len(result) > 1 else []
+            deleted = result[2] if len(result) > 2 else []
+            taken += len(entries)
+            self._add(batch, n, entries)
+            if deleted:
+                batch.deleted.setdefault(n, []).extend(deleted)
+        if taken:
+            log.warning("took over %d credit(s) another worker left unpaid", taken)
+
+    def _add(self, batch: Batch, n: int, entries: list[Any]) -> None:
+        for entry_id, fields in entries:
+            if not fields:
+                batch.deleted.setdefault(n, []).append(entry_id)
+                continue
+            packet, user, seq, amount, ms, group = keys.parse_credit_entry(fields[b"c"])
+            batch.items.append((n, entry_id, Credit(packet, user, seq, amount, ms, group)))
+            self.holding[n].add(entry_id)
 
     async def _pay(self, taken: Batch) -> list[str]:
+        credits = [c for _, _, c in taken.items]
         try:
-            return await credit_many(self.core.db, taken.credits)
+            outcomes: list[str] = []
+            for i in range(0, len(credits), PAY_AT_ONCE):
+                outcomes += await credit_many(self.core.db, credits[i : i + PAY_AT_ONCE])
+            return outcomes
         except BaseException:
-            # Nothing was committed: give the claims back for whoever takes them next.
+            # Nothing more was committed: let these go to whoever takes them next, at once.
             with contextlib.suppress(Exception):
                 await self._release(taken)
             raise
 
     async def _release(self, taken: Batch) -> None:
-        async with self.core.redis.pipeline(transaction=True) as pipe:
-            pipe.zrem(self.claims, *taken.entries)
-            pipe.zadd(self.queue, dict.fromkeys(taken.entries, 0))
+        """Give entries back: marked long idle, so the next takeover (by any worker) pays them."""
+        per_shard: dict[int, list[Any]] = defaultdict(list)
+        for n, entry_id, _ in taken.items:
+            per_shard[n].append(entry_id)
+        async with self.core.redis.pipeline(transaction=False) as pipe:
+            for n, ids in per_shard.items():
+                pipe.xclaim(
+                    keys.credit_outbox(n),
+                    keys.CREDIT_GROUP,
+                    self.consumer,
+                    0,
+                    ids,
+                    idle=10 * self.lease_ms,
+                    justid=True,
+                )
             await pipe.execute()
-        self.holding.difference_update(taken.entries)
+        for n, ids in per_shard.items():
+            self.holding[n].difference_update(ids)
 
     async def _finish(self, taken: Batch, outcomes: list[str]) -> None:
         finished = now_ms()
-        self.metrics.batch_size.observe(len(taken.credits))
-        paid: dict[int, list[int]] = defaultdict(list)
-        for c, outcome in zip(taken.credits, outcomes, strict=True):
+        self.metrics.batch_size.observe(len(taken.items))
+        acks: dict[int, list[bytes]] = {n: list(ids) for n, ids in taken.deleted.items()}
+        paid: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+        for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):
+            acks.setdefault(n, []).append(entry_id)
             if outcome == "credited":
                 self.credited += 1
                 self.metrics.credit_lag.observe(max(0, finished - c.grabbed_ms) / 1000)
@@ -159,13 +263,19 @@ class CreditDrain:
                 # Retrying cannot fix a refusal; the reconciliation report shows it. Never pay on a guess.
                 log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
                 continue
-            paid[c.packet_id].append(c.seq)
+            paid[n][keys.packet_paid(c.group_id, c.packet_id)].append(c.seq)
         s = self.core.settings
-        async with self.core.redis.pipeline(transaction=False) as pipe:
-            pipe.zrem(self.claims, *taken.entries)
-            for packet_id, seqs in paid.items():
-                pipe.sadd(keys.packet_paid(packet_id), *seqs)
-                pipe.expire(keys.packet_paid(packet_id), s.packet_ttl_seconds + s.redis_grace_seconds)
-            await pipe.execute()
-        self.holding.difference_update(taken.entries)
-        self.processed += len(taken.entries)
+        ttl = s.packet_ttl_seconds + s.redis_grace_seconds
+        calls = []
+        for n, ids in acks.items():
+            sets = paid.get(n, {})
+            args: list[Any] = [keys.CREDIT_GROUP, ttl, len(ids), *ids]
+            for seqs in sets.values():
+                args += [len(seqs), *seqs]
+            calls.append(
+                self.core.batcher.script(self.core.scripts.ack_credits, [keys.credit_outbox(n), *sets], args)
+            )
+        await asyncio.gather(*calls)  # one pipeline per master
+        for n, ids in acks.items():
+            self.holding[n].difference_update(ids)
+        self.processed += len(taken.items)

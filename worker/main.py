@@ -48,7 +48,7 @@ def make_worker(core: Core, metrics: WorkerMetrics | None = None, **overrides: A
     options: dict[str, Any] = {
         "functions": [],
         "cron_jobs": cron_jobs(),
-        "redis_pool": core.redis,
+        "redis_pool": core.queue,
         "queue_name": core.settings.queue_name,
         # arq types ctx as a plain dict; our jobs take the TypedDict that says what is in it.
         "ctx": {"core": core, "metrics": metrics or WorkerMetrics()},

@@ -21,7 +21,9 @@ class WorkerMetrics:
             registry=r,
         )
         self.queue_depth = Gauge(
-            "redpacket_queue_depth", "credits queued or being paid (read by the sweeper)", registry=r
+            "redpacket_queue_depth",
+            "credits in the outboxes, waiting or being paid (read by the sweeper)",
+            registry=r,
         )
         self.healthy_at = Gauge(
             "redpacket_worker_healthy_at_seconds",

@@ -56,12 +56,11 @@ async def sweep_job(ctx: Ctx) -> dict[str, int]:
     """Credit grabs that Redis holds and the database never received."""
     core = ctx["core"]
     if "metrics" in ctx:
-        queue = core.settings.queue_name
         async with core.redis.pipeline(transaction=False) as pipe:
-            pipe.zcard(keys.credit_queue(queue))
-            pipe.zcard(keys.credit_claims(queue))
-            waiting, paying = await pipe.execute()
-        ctx["metrics"].queue_depth.set(int(waiting) + int(paying))
+            for n in range(keys.SHARDS):
+                pipe.xlen(keys.credit_outbox(n))
+            depths = await pipe.execute()
+        ctx["metrics"].queue_depth.set(sum(int(d) for d in depths))
     s = await settlement.sweep(core)
     if s.credited_now:
         log.warning("sweeper credited %d stranded grab(s)", s.credited_now)
