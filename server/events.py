@@ -53,7 +53,8 @@ async def publish(
 
 async def published(core: Core, group_id: int, name: str) -> str | None:
     """The offset of a once-published event, or None if it was not published (or is forgotten)."""
-    offset = await core.redis.get(keys.group_once(group_id, name))
+    key = keys.group_once(group_id, name)
+    offset = await core.batcher.call(lambda pipe: pipe.get(key), key)
     return None if offset is None else _text(offset)
 
 
@@ -73,7 +74,9 @@ async def since(core: Core, group_id: int, offset: str, limit: int) -> Missed:
     """Events of a group after ``offset`` (exclusive), or too_old if the stream no longer holds them all.
     One script call reads the stream's figures and the events at one moment (``lua/read_events.lua``)."""
     try:
-        got = await core.scripts.read_events(keys=[keys.group_events(group_id)], args=[offset, limit + 1])
+        got = await call_script(
+            core, core.scripts.read_events, [keys.group_events(group_id)], [offset, limit + 1]
+        )
     except ResponseError:
         return Missed([], too_old=True)  # not a stream (or an offset Redis cannot read): start over
     if not got or int(got[0]) == 0:
@@ -95,7 +98,8 @@ async def since(core: Core, group_id: int, offset: str, limit: int) -> Missed:
 
 async def latest_offset(core: Core, group_id: int) -> str:
     """The offset of the group's newest event ("0-0" when it has none): where a fresh client starts."""
-    rows = await core.redis.xrevrange(keys.group_events(group_id), count=1)
+    stream = keys.group_events(group_id)
+    rows = await core.batcher.call(lambda pipe: pipe.xrevrange(stream, count=1), stream)
     if not rows:
         return "0-0"
     rid = rows[0][0]

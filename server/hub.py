@@ -230,18 +230,20 @@ class Hub:
             [action, user, self.id, lapse],
         )
         if changed and action in ("join", "leave"):
-            online = await self.core.redis.zcard(keys.presence_online(group))
+            online = await self.online_count(group)
             # In a big room join/leave events would outnumber everything else; clients ask instead.
             if online <= self.core.settings.presence_event_limit:
                 await self.publish(group, "presence", {"user": user, "online": action == "join"})
 
     async def online_count(self, group: int) -> int:
         """Members of the group online on any hub (entries of a dead hub count until they lapse)."""
-        return int(await self.core.redis.zcard(keys.presence_online(group)))
+        key = keys.presence_online(group)
+        return int(await self.core.batcher.call(lambda pipe: pipe.zcard(key), key))
 
     async def online(self, group: int) -> list[int]:
         now = int(time.time() * 1000)
-        users = await self.core.redis.zrangebyscore(keys.presence_online(group), f"({now}", "+inf")
+        key = keys.presence_online(group)
+        users = await self.core.batcher.call(lambda pipe: pipe.zrangebyscore(key, f"({now}", "+inf"), key)
         return sorted(int(u) for u in users)
 
     async def _refresh_presence(self) -> None:

@@ -67,7 +67,8 @@ class Membership:
             pipe.incr(keys.group_members_version(group_id))
             pipe.delete(keys.group_members(group_id))
             await pipe.execute()
-        await self._redis.spublish(keys.MEMBERSHIP_CHANNEL, note)
+        # (The cluster client has no spublish(); the command is routed by its channel's slot.)
+        await self._redis.execute_command("SPUBLISH", keys.MEMBERSHIP_CHANNEL, note)  # type: ignore[no-untyped-call]
 
     async def _load(self, group_id: int) -> frozenset[int]:
         # The load runs as its own task: a cancelled caller does not cancel it for the others waiting.

@@ -106,8 +106,14 @@ class RedisNodes:
         self._nodes: dict[str, Redis] = {}
         if self.cluster:
             startup = [ClusterNode(host, port) for host, port in _cluster_nodes(url)]
+            # The cluster client's nodes refuse a connection past max_connections instead of waiting for
+            # one: the hot paths go through the batcher (per-master blocking pools of pool_size), and
+            # this bound is for everything else.
             cluster = RedisCluster(
-                startup_nodes=startup, max_connections=pool_size, connection_error_retry_attempts=0, **common
+                startup_nodes=startup,
+                max_connections=pool_size * 8,
+                connection_error_retry_attempts=0,
+                **common,
             )
             # The nodes' connections are made from these (RedisCluster takes no connection class).
             cluster.nodes_manager.connection_kwargs.update(
@@ -130,9 +136,15 @@ class RedisNodes:
         return self.identities.generation
 
     async def open(self) -> RedisNodes:
-        """Learn the cluster's slot map (a single server needs nothing yet: connections open on use)."""
+        """Learn the cluster's slot map and meet every master now, so that the servers this process
+        starts with are known before its first grab (a server met later means a failover or a restart)."""
         if self.cluster:
-            await cast(RedisCluster, self.client).initialize()
+            cluster = cast(RedisCluster, self.client)
+            await cluster.initialize()
+            for node in cluster.get_primaries():
+                await self._node(node.host, int(node.port)).ping()
+        else:
+            await self.client.ping()
         return self
 
     def node_client(self, key: str | bytes) -> Redis:
@@ -168,7 +180,7 @@ class RedisNodes:
             cluster = cast(RedisCluster, self.client)
             node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(key))
             kwargs = {**cluster.nodes_manager.connection_kwargs, "host": node.host, "port": node.port}
-        for k in ("connection_class", "max_connections"):
+        for k in ("connection_class", "max_connections", "response_callbacks"):
             kwargs.pop(k, None)
         kwargs["identities"] = self.identities
         return kwargs

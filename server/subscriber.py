@@ -184,9 +184,12 @@ class Subscriber:
                 continue
             self.reconnects += 1
             for link in ended:
-                with contextlib.suppress(BaseException):
-                    link.task.result()  # type: ignore[union-attr]
-                link.task = None
+                task, link.task = link.task, None
+                if task is not None and not task.cancelled() and task.exception() is not None:
+                    if backoff == 0.05:  # the first failure of a streak: say it once
+                        log.warning(
+                            "sharded pub/sub to %s lost: %s; reconnecting", link.address, task.exception()
+                        )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
             try:

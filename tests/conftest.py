@@ -179,3 +179,54 @@ async def outbox(core: Core, group: int) -> list[tuple[int, int, int, int, int, 
 
     rows = await core.redis.xrange(keys.outbox_for(group))
     return [keys.parse_credit_entry(fields[b"c"]) for _, fields in rows]
+
+
+@pytest.fixture(scope="session")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[object]:
+    """One local Redis Cluster (3 masters, 3 replicas) for the session's cluster tests."""
+    import shutil
+
+    from tests.redisproc import local_cluster
+
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("needs redis-server and redis-cli to make a local cluster")
+    async with local_cluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+@pytest.fixture(params=["sqlite", "mysql"])
+async def cluster_core(
+    request: pytest.FixtureRequest, cluster: object, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Core]:
+    """A Core on the local cluster (arq's queue on the test Redis), on a clean database of each dialect."""
+    from tests.redisproc import LocalCluster
+
+    assert isinstance(cluster, LocalCluster)
+    if request.param == "mysql":
+        db_url = request.getfixturevalue("mysql_url")
+    else:
+        db_url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'ledger.sqlite3'}"
+    cluster.flush()
+    settings = Settings(
+        redis_url=cluster.url,
+        queue_redis_url=redis_url,
+        database_url=db_url,
+        queue_name="redpacket:test:queue",
+    )
+    async with open_core(settings, rng=random.Random(20261130)) as c:
+        await _clean(c.db)
+        yield c
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+async def any_hub_settings(
+    request: pytest.FixtureRequest, hub_settings: Settings, redis_url: str, cluster: object
+) -> Settings:
+    """Hub settings on the one test Redis, and on the local cluster (arq's queue on the test Redis)."""
+    if request.param == "standalone":
+        return hub_settings
+    from tests.redisproc import LocalCluster
+
+    assert isinstance(cluster, LocalCluster)
+    cluster.flush()
+    return hub_settings.with_(redis_url=cluster.url, queue_redis_url=redis_url)

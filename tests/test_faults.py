@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pymysql
@@ -149,28 +146,11 @@ async def test_a_database_connection_killed_mid_transaction(core: Core) -> None:
     await assert_books_balance(core)
 
 
-@contextlib.asynccontextmanager
-async def _own_redis(tmp: Path) -> AsyncIterator[tuple[int, subprocess.Popen[bytes]]]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp), "--save", "",
-            "--appendonly", "yes", "--appendfsync", "everysec"]  # fmt: skip
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)  # noqa: ASYNC220 - one server per test
-    try:
-        yield port, proc
-    finally:
-        proc.terminate()
-        await asyncio.to_thread(proc.wait, 30)
-
-
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server to restart one")
+@needs_redis_server
 async def test_redis_restarted_with_aof_in_a_grab_storm(core: Core, tmp_path: Path) -> None:
-    async with _own_redis(tmp_path) as (port, proc):
-        s = core.settings.with_(redis_url=f"redis://127.0.0.1:{port}/0")
+    async with redis_process(tmp_path) as r:
+        s = core.settings.with_(redis_url=r.url)
         async with open_core(s) as c:
-            await eventually(lambda: _pings(c))
             w = await make_world(c, members=60, admin_cents=100_000)
             p = await packets.send_packet(c, w.admin, w.group, "lucky", 6_000, 60)
             told: dict[int, int] = {}
@@ -183,30 +163,21 @@ async def test_redis_restarted_with_aof_in_a_grab_storm(core: Core, tmp_path: Pa
                     except Exception:
                         await asyncio.sleep(0.05)
 
-            first = [asyncio.create_task(grab(u)) for u in w.members[:30]]
-            await asyncio.gather(*first)
+            await asyncio.gather(*(grab(u) for u in w.members[:30]))
             # A clean restart: Redis writes its append-only file and comes back with every grab.
             await c.redis.shutdown(nosave=False)
-            await asyncio.to_thread(proc.wait, 30)
-            again = subprocess.Popen(  # noqa: ASYNC220
-                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-                 "--save", "", "--appendonly", "yes", "--appendfsync", "everysec"],
-                stdout=subprocess.DEVNULL,
-            )  # fmt: skip
-            try:
-                await eventually(lambda: _pings(c))
-                await asyncio.gather(*(grab(u) for u in w.members[30:]))
-                # Repeats after the restart answer the same share.
-                for u in w.members[:30]:
-                    assert (await packets.grab(c, p.packet_id, w.group, u)).grab.amount == told[u]
-                await run_worker(c)
-                for u in w.members:
-                    assert await ledger.balance(c.db, u) == told[u]
-                assert sum(told.values()) == 6_000
-                assert (await reconcile(c.db)).ok
-            finally:
-                again.terminate()
-                await asyncio.to_thread(again.wait, 30)
+            assert r.proc is not None
+            await asyncio.to_thread(r.proc.wait, 30)
+            await r.start()
+            await asyncio.gather(*(grab(u) for u in w.members[30:]))
+            # Repeats after the restart answer the same share.
+            for u in w.members[:30]:
+                assert (await packets.grab(c, p.packet_id, w.group, u)).grab.amount == told[u]
+            await run_worker(c)
+            for u in w.members:
+                assert await ledger.balance(c.db, u) == told[u]
+            assert sum(told.values()) == 6_000
+            assert (await reconcile(c.db)).ok
 
 
 async def _pings(c: Core) -> bool:

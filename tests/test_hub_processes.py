@@ -32,8 +32,8 @@ async def _until_finished(c: HubClient, packet_id: int) -> list[tuple[str, str]]
             return seen
 
 
-async def test_two_hubs_200_members_see_the_same_events_in_the_same_order(hub_settings: Settings) -> None:
-    async with hub_process(hub_settings) as a, hub_process(hub_settings) as b:
+async def test_two_hubs_200_members_see_the_same_events_in_the_same_order(any_hub_settings: Settings) -> None:
+    async with hub_process(any_hub_settings) as a, hub_process(any_hub_settings) as b:
         _, admin_token, group, people = await _members(a, 200, "p")
         admin = await HubClient.connect(a.ws, admin_token)
         clients = [await HubClient.connect((a if i % 2 else b).ws, t) for i, (_, t) in enumerate(people)]
