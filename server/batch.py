@@ -40,11 +40,19 @@ class NotDurable(Unavailable):
     """The writes were made but not confirmed durable in time: retry (a grab answers the same share)."""
 
 
+# Whether a call's answer needs the durability wait: True for every answer, or a test of the answer (a
+# grab that only read, say a cold member cache, needs none).
+Durable = bool | Callable[[Any], bool]
+
+
 @dataclass
 class _Call:
     queue: Queue
     future: asyncio.Future[Any]
-    durable: bool
+    durable: Durable
+
+    def needs_wait(self, answer: Any) -> bool:
+        return self.durable(answer) if callable(self.durable) else self.durable
 
 
 class Batcher:
@@ -68,9 +76,10 @@ class Batcher:
         self.batches = 0
         self.calls = 0
 
-    async def call(self, queue: Queue, key: str, durable: bool = False) -> Any:
+    async def call(self, queue: Queue, key: str, durable: Durable = False) -> Any:
         """Queue one command (``queue(pipe)`` adds it to a pipeline) for the master that owns ``key``, and
-        wait for its own result. ``durable``: not answered until the configured durability is reached."""
+        wait for its own result. ``durable``: not answered until the configured durability is reached
+        (or only the answers it accepts, if it is a test of the answer)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending.setdefault(self._nodes.node_client(key), []).append(_Call(queue, fut, durable))
@@ -83,7 +92,7 @@ class Batcher:
         return await fut
 
     async def script(
-        self, script: AsyncScript, keys: list[str], args: list[Any], durable: bool = False
+        self, script: AsyncScript, keys: list[str], args: list[Any], durable: Durable = False
     ) -> Any:
         """EVALSHA ``script`` in the next batch. After a SCRIPT FLUSH or a restart the first answer is
         NOSCRIPT (the script did not run): it is loaded on that master and called again."""
@@ -106,7 +115,7 @@ class Batcher:
     async def _send(self, node: Redis, batch: list[_Call]) -> None:
         self.batches += 1
         self.calls += len(batch)
-        wait = self.durability != "none" and any(c.durable for c in batch)
+        wait = self.durability != "none" and any(c.durable for c in batch)  # a test counts as maybe
         try:
             async with node.pipeline(transaction=False) as pipe:
                 for c in batch:
@@ -133,7 +142,7 @@ class Batcher:
                 continue
             if isinstance(result, Exception):
                 c.future.set_exception(result)
-            elif c.durable and short is not None:
+            elif short is not None and c.needs_wait(result):
                 c.future.set_exception(NotDurable(errors.REDIS_UNAVAILABLE, short))
             else:
                 c.future.set_result(result)

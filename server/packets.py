@@ -369,7 +369,7 @@ async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bo
 
     async def attempt(check_members: bool, gate: bool) -> tuple[str, Any]:
         keys_, args = grab_call(core, packet_id, group_id, user_id, check_members, gate)
-        res = await core.batcher.script(core.scripts.grab, keys_, args, durable=True)
+        res = await core.batcher.script(core.scripts.grab, keys_, args, durable=_took_or_holds_a_share)
         return res[0].decode(), res
 
     try:
@@ -407,6 +407,11 @@ async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bo
         outcome: Literal["won", "already"] = "won" if status == "won" else "already"
         return GrabResult(outcome, packet_id, parse_record(user_id, res[1]), int(res[2]))
     raise _refusal(status)
+
+
+def _took_or_holds_a_share(answer: Any) -> bool:
+    """A grab answer that says a share is this user's ("won", "already") waits for durability."""
+    return bool(answer) and answer[0] in (b"won", b"already")
 
 
 async def _check(core: Core, packet_id: int) -> None:

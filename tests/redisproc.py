@@ -24,6 +24,7 @@ needs_redis_server = pytest.mark.skipif(
 
 class RedisProcess:
     def __init__(self, directory: Path, *extra: str, binary: str = "redis-server") -> None:
+        directory.mkdir(parents=True, exist_ok=True)
         self.dir = directory
         self.port = free_port()
         self.extra = extra
@@ -60,7 +61,11 @@ class RedisProcess:
     async def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            await asyncio.to_thread(self.proc.wait, 30)
+            try:
+                await asyncio.to_thread(self.proc.wait, 10)
+            except subprocess.TimeoutExpired:  # a master waiting for lost replicas: the test is over
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.wait, 30)
 
 
 @asynccontextmanager
