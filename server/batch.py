@@ -26,6 +26,7 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from server import errors
@@ -129,8 +130,8 @@ class Batcher:
             for c in batch:
                 if not c.future.done():
                     c.future.set_exception(e)
-            if moved(e):
-                await self._refresh()
+            if moved(e) or isinstance(e, ConnectionError | TimeoutError | RedisConnectionError):
+                await self._refresh()  # a master may have died: who owns its slots now?
             return
         short = None
         if wait:

@@ -18,7 +18,9 @@ Every connection packs commands with hiredis (C) instead of redis-py's Python pa
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import urlparse
@@ -104,6 +106,8 @@ class RedisNodes:
             "socket_connect_timeout": 5,
         }
         self._nodes: dict[str, Redis] = {}
+        self._refreshing = asyncio.Lock()
+        self._refreshed = 0.0
         if self.cluster:
             startup = [ClusterNode(host, port) for host, port in _cluster_nodes(url)]
             # The cluster client's nodes refuse a connection past max_connections instead of waiting for
@@ -191,8 +195,14 @@ class RedisNodes:
         return str(kwargs.get("path") or f"{kwargs.get('host', '127.0.0.1')}:{kwargs.get('port', 6379)}")
 
     async def refresh(self) -> None:
-        """Read the slot map again (a failover, a slot moved); no-op on a single server."""
-        if self.cluster:
+        """Read the slot map again (a failover, a slot moved); no-op on a single server. Concurrent
+        callers share one reading, and it is read at most every half second."""
+        if not self.cluster:
+            return
+        async with self._refreshing:
+            if time.monotonic() - self._refreshed < 0.5:
+                return
+            self._refreshed = time.monotonic()
             await cast(RedisCluster, self.client).nodes_manager.initialize()
 
     async def aclose(self) -> None:

@@ -177,8 +177,12 @@ class Subscriber:
                     link.task = asyncio.create_task(link.run())
             tasks = [link.task for link in self.links.values() if link.task is not None]
             wake = asyncio.create_task(self._wake.wait())
-            await asyncio.wait([*tasks, wake], return_when=asyncio.FIRST_COMPLETED)
-            wake.cancel()
+            try:
+                await asyncio.wait([*tasks, wake], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                wake.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await wake
             ended = [link for link in self.links.values() if link.task is not None and link.task.done()]
             if not ended:
                 continue
@@ -223,8 +227,8 @@ class Subscriber:
 
     async def _fill_when_up(self) -> None:
         while not all(link.up.is_set() for link in self.links.values()):
-            down = [link for link in self.links.values() if not link.up.is_set()]
-            await asyncio.wait([asyncio.create_task(link.up.wait()) for link in down])
+            for link in list(self.links.values()):
+                await link.up.wait()
         try:
             await self.on_resubscribed()
         except Exception:

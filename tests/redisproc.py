@@ -120,10 +120,13 @@ class LocalCluster:
         )
         await self.wait_ok()
 
-    async def wait_ok(self, timeout: float = 60) -> None:
-        """Until every live node says the cluster is ok and agrees on who owns every slot (bounded)."""
+    async def wait_ok(self, timeout: float = 60, replicated: bool = False) -> None:
+        """Until every live node says the cluster is ok and agrees on who owns every slot (bounded);
+        ``replicated``: and every master has a replica that finished its sync."""
         deadline = time.monotonic() + timeout
-        while not await asyncio.to_thread(self._ok):
+        while not await asyncio.to_thread(self._ok) or (
+            replicated and not await asyncio.to_thread(self._replicated)
+        ):
             if time.monotonic() > deadline:
                 raise AssertionError("the cluster did not become ok")
             await asyncio.sleep(0.1)
@@ -146,6 +149,24 @@ class LocalCluster:
             except redis.RedisError:
                 return False
         return len(owners) == 1
+
+    def _replicated(self) -> bool:
+        for n in self.nodes:
+            if n.proc is None or n.proc.poll() is not None:
+                continue
+            c = redis.Redis(port=n.port, socket_connect_timeout=0.5)
+            try:
+                info = c.info("replication")
+            except redis.RedisError:
+                return False
+            finally:
+                c.close()
+            if info.get("role") == "master" and not any(
+                k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online"
+                for k, v in info.items()
+            ):
+                return False
+        return True
 
     def flush(self) -> None:
         """Empty every master (the replicas follow)."""

@@ -21,9 +21,11 @@ import socket
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from server import keys
@@ -138,27 +140,43 @@ class CreditDrain:
         """The consumer group on every shard's outbox, from its first entry (idempotent)."""
         if self._groups_made:
             return
-        async with self.core.redis.pipeline(transaction=False) as pipe:
-            for n in range(keys.SHARDS):
-                pipe.xgroup_create(keys.credit_outbox(n), keys.CREDIT_GROUP, id="0", mkstream=True)
-            results = await pipe.execute(raise_on_error=False)
+        results = await self._each_shard(
+            lambda n, pipe: pipe.xgroup_create(
+                keys.credit_outbox(n), keys.CREDIT_GROUP, id="0", mkstream=True
+            )
+        )
         for r in results:
             if isinstance(r, Exception) and "BUSYGROUP" not in str(r):
                 raise r
         self._groups_made = True
+
+    async def _each_shard(
+        self, command: Callable[[int, Pipeline], object], shards: list[int] | None = None
+    ) -> list[Any]:
+        """One command per shard's outbox, sent as one pipeline per master (``server.batch``); each
+        answer, or the exception that answered it, in shard order."""
+        b = self.core.batcher
+
+        def one(n: int) -> Callable[[Pipeline], object]:
+            return lambda pipe: command(n, pipe)
+
+        calls = [
+            b.call(one(n), keys.credit_outbox(n)) for n in (range(keys.SHARDS) if shards is None else shards)
+        ]
+        return list(await asyncio.gather(*calls, return_exceptions=True))
 
     async def _renew_leases(self) -> None:
         while True:
             await asyncio.sleep(self.lease_ms / 4000)
             held: dict[int, list[Any]] = {n: sorted(ids) for n, ids in self.holding.items() if ids}
             if held:
-                with contextlib.suppress(Exception):  # a lapsed lease only costs a second payment attempt
-                    async with self.core.redis.pipeline(transaction=False) as pipe:
-                        for n, ids in held.items():
-                            pipe.xclaim(
-                                keys.credit_outbox(n), keys.CREDIT_GROUP, self.consumer, 0, ids, justid=True
-                            )
-                        await pipe.execute()
+                # A lapsed lease only costs a second payment attempt: failures here are not worth more.
+                await self._each_shard(
+                    lambda n, pipe, held=held: pipe.xclaim(  # type: ignore[misc]
+                        keys.credit_outbox(n), keys.CREDIT_GROUP, self.consumer, 0, held[n], justid=True
+                    ),
+                    list(held),
+                )
 
     async def _read(self) -> Batch | None:
         """Entries other workers left idle past their lease (looked for once a second), then new ones."""
@@ -166,12 +184,11 @@ class CreditDrain:
         if time.monotonic() - self._last_takeover >= TAKEOVER_EVERY:
             self._last_takeover = time.monotonic()
             await self._take_over(batch)
-        async with self.core.redis.pipeline(transaction=False) as pipe:
-            for n in range(keys.SHARDS):
-                pipe.xreadgroup(
-                    keys.CREDIT_GROUP, self.consumer, {keys.credit_outbox(n): ">"}, count=self.batch
-                )
-            results = await pipe.execute(raise_on_error=False)
+        results = await self._each_shard(
+            lambda n, pipe: pipe.xreadgroup(
+                keys.CREDIT_GROUP, self.consumer, {keys.credit_outbox(n): ">"}, count=self.batch
+            )
+        )
         for n, result in enumerate(results):
             if isinstance(result, ResponseError) and "NOGROUP" in str(result):
                 self._groups_made = False  # Redis lost it (a restart): made again on the next drain
@@ -183,17 +200,16 @@ class CreditDrain:
         return batch if batch.items or batch.deleted else None
 
     async def _take_over(self, batch: Batch) -> None:
-        async with self.core.redis.pipeline(transaction=False) as pipe:
-            for n in range(keys.SHARDS):
-                pipe.xautoclaim(
-                    keys.credit_outbox(n),
-                    keys.CREDIT_GROUP,
-                    self.consumer,
-                    self.lease_ms,
-                    "0-0",
-                    count=self.batch,
-                )
-            results = await pipe.execute(raise_on_error=False)
+        results = await self._each_shard(
+            lambda n, pipe: pipe.xautoclaim(
+                keys.credit_outbox(n),
+                keys.CREDIT_GROUP,
+                self.consumer,
+                self.lease_ms,
+                "0-0",
+                count=self.batch,
+            )
+        )
         taken = 0
         for n, result in enumerate(results):
             if isinstance(result, Exception):
@@ -234,18 +250,21 @@ class CreditDrain:
         per_shard: dict[int, list[Any]] = defaultdict(list)
         for n, entry_id, _ in taken.items:
             per_shard[n].append(entry_id)
-        async with self.core.redis.pipeline(transaction=False) as pipe:
-            for n, ids in per_shard.items():
-                pipe.xclaim(
-                    keys.credit_outbox(n),
-                    keys.CREDIT_GROUP,
-                    self.consumer,
-                    0,
-                    ids,
-                    idle=10 * self.lease_ms,
-                    justid=True,
-                )
-            await pipe.execute()
+        answers = await self._each_shard(
+            lambda n, pipe: pipe.xclaim(
+                keys.credit_outbox(n),
+                keys.CREDIT_GROUP,
+                self.consumer,
+                0,
+                per_shard[n],
+                idle=10 * self.lease_ms,
+                justid=True,
+            ),
+            list(per_shard),
+        )
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise answer
         for n, ids in per_shard.items():
             self.holding[n].difference_update(ids)
 
