@@ -1,11 +1,15 @@
 """``redpacket bench grab``: grabs per second through the core, beside the raw Redis figure.
 
-Measured in one run, on this machine, against the configured Redis (the embedded Valkey by default):
-  - the core's ``grab()`` (membership check, grab script, credit enqueue) from one Python process:
+Measured in one run, on this machine, against the configured Redis — one server or a cluster (the
+embedded Valkey by default):
+  - the core's ``grab()`` (membership check, grab script, credit record) from one Python process:
     one at a time, 200 concurrent sending each call alone, and 200 concurrent with batching;
+  - the hub's grab (block and rate limit too) spread over 12 groups (so over shards and masters), under
+    each durability level the server allows as it is configured: grabs/s, grab P50/P99, and the Redis CPU
+    each grab cost, in all and per master;
   - the grab script alone from the same process, one at a time and 200 concurrent batched;
-  - ``redis-benchmark`` running EVALSHA of the same grab script with 50 clients, without and with
-    pipelining (the ceiling one Redis core gives).
+  - ``redis-benchmark`` running EVALSHA of the same grab script with 50 clients on the packet's master,
+    without and with pipelining (the ceiling one Redis core gives).
 Setup uses a throw-away SQLite file; every bench key is deleted at the end. Prints a table, then one JSON
 line.
 """
@@ -22,10 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+
+from redis.exceptions import RedisError
 
 from server import groups, keys, ledger, packets
-from server.batch import Batcher
+from server.batch import Batcher, Durability
 from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.membership import Membership
@@ -70,20 +75,26 @@ async def _script_only(core: Core, packet_id: int, group_id: int, n: int, concur
     return n / (time.perf_counter() - start)
 
 
-def _redis_benchmark(core: Core, url: str, group_id: int, packet_id: int, pipeline: int) -> float | None:
+async def _redis_benchmark(core: Core, group_id: int, packet_id: int, pipeline: int) -> float | None:
+    """``redis-benchmark`` EVALSHA of the grab script (no member check, no gate), 50 clients, on the
+    master that owns the packet (the script is loaded there first)."""
     exe = shutil.which("redis-benchmark") or shutil.which("valkey-benchmark")
     if exe is None:
         return None
-    u = urlparse(url)
     k, args = packets.grab_call(core, packet_id, group_id, 0, False, False)
-    db = u.path.lstrip("/") or "0"
+    node = core.nodes.node_client(k[0])
+    await node.script_load(core.scripts.sources["grab"])
+    kwargs = node.connection_pool.connection_kwargs
     cmd = [
-        exe, "-h", u.hostname or "127.0.0.1", "-p", str(u.port or 6379), "--dbnum", db,
+        exe, "-h", str(kwargs.get("host", "127.0.0.1")), "-p", str(kwargs.get("port", 6379)),
+        "--dbnum", str(kwargs.get("db", 0)),
         "-n", "200000", "-c", "50", "-P", str(pipeline), "-r", "100000000", "-q",
         "EVALSHA", core.scripts.sha("grab"), str(len(k)), *k, "__rand_int__", *map(str, args[1:]),
     ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
-    m = re.findall(r"([\d.]+) requests per second", out)
+    done = await asyncio.to_thread(
+        subprocess.run, cmd, capture_output=True, text=True, timeout=300, check=True
+    )
+    m = re.findall(r"([\d.]+) requests per second", done.stdout)
     return float(m[-1]) if m else None
 
 
@@ -129,7 +140,79 @@ async def fresh_ids(core: Core) -> None:
     )
 
 
-async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
+async def masters_cpu(core: Core) -> dict[str, float]:
+    """CPU seconds (user + system) each master has used so far, by address."""
+    out = {}
+    for name, client in core.nodes.masters().items():
+        info = await client.info("cpu")
+        out[name] = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return out
+
+
+async def _durability_ready(core: Core, level: str) -> str | None:
+    """Why ``level`` cannot be had on this Redis as it is configured, or None if it can."""
+    for name, client in core.nodes.masters().items():
+        if level == "aof":
+            try:
+                await client.execute_command("WAITAOF", 1, 0, 100)  # type: ignore[no-untyped-call]
+            except RedisError as e:
+                return f"{name}: {e}"
+        elif level == "replica":
+            info = await client.info("replication")
+            if int(info.get("connected_slaves", 0)) < 1:
+                return f"{name} has no replica"
+    return None
+
+
+async def _spread_storm(
+    core: Core, admin: int, targets: list[int], users: list[int], concurrency: int, gate: bool
+) -> dict[str, Any]:
+    """Every user grabs once, in the group ``targets[user index % len(targets)]`` (each its own packet),
+    ``concurrency`` at a time: grabs/s, grab latency, and Redis CPU per grab, in all and per master."""
+    per_group = [users[i :: len(targets)] for i in range(len(targets))]
+    sent = [
+        await packets.send_packet(core, admin, g, "equal", len(members) * 10, len(members))
+        for g, members in zip(targets, per_group, strict=True)
+    ]
+    jobs = [
+        (p.packet_id, g, u) for p, g, members in zip(sent, targets, per_group, strict=True) for u in members
+    ]
+    for p in sent:  # the first grab of a packet after a (re)start checks it: not measured
+        await packets.recover_packet(core, p.packet_id)
+    latencies: list[float] = []
+    outcomes: dict[str, int] = {}
+
+    async def lane(mine: list[tuple[int, int, int]]) -> None:
+        for packet_id, group_id, u in mine:
+            t = time.perf_counter()
+            outcome: str
+            try:
+                outcome = (await packets.grab(core, packet_id, group_id, u, gate=gate)).outcome
+            except RedPacketError as e:
+                outcome = f"{e.code}: {e.message}"
+            latencies.append(time.perf_counter() - t)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    cpu = await masters_cpu(core)
+    start = time.perf_counter()
+    await asyncio.gather(*(lane(jobs[i::concurrency]) for i in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    used = {name: t - cpu[name] for name, t in (await masters_cpu(core)).items()}
+    if outcomes != {"won": len(jobs)}:
+        raise RuntimeError(f"bench expected {len(jobs)} wins, got {outcomes}")
+    latencies.sort()
+    n = len(jobs)
+    return {
+        "grabs_per_s": round(n / elapsed),
+        "p50_ms": round(latencies[n // 2] * 1000, 2),
+        "p99_ms": round(latencies[int(n * 0.99) - 1] * 1000, 2),
+        "redis_cpu_us_per_grab": round(sum(used.values()) * 1e6 / n, 1),
+        "redis_cpu_us_per_grab_per_master": {k: round(v * 1e6 / n, 1) for k, v in sorted(used.items())},
+        "packets": [p.packet_id for p in sent],
+    }
+
+
+async def run_grab_bench(settings: Settings, grabs: int, groups_n: int = 12) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     s = settings.with_(
         database_url=f"sqlite:///{tmp / 'bench.sqlite3'}",
@@ -139,19 +222,31 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
         # Unbatched, 200 coroutines each hold a connection per call; fewer connections than callers
         # starves some waiters past the pool timeout (redis-py's BlockingConnectionPool is not FIFO).
         redis_pool_size=256,
+        grabs_per_second=1000.0,
+        grabs_burst=1000,
     )
-    figures: dict[str, Any] = {"grabs_per_mode": grabs}
+    figures: dict[str, Any] = {
+        "grabs_per_mode": grabs,
+        "redis": "cluster" if s.redis_url.startswith("redis+cluster") else "one server",
+    }
     cleanup: list[str] = []
     bench_packets: set[int] = set()
     try:
         async with open_core(s) as core:
+            figures["masters"] = len(core.nodes.masters())
             await fresh_ids(core)
             users = await ledger.create_users(core.db, [f"bench{i}" for i in range(grabs)])
             admin = users[0]
-            await ledger.topup(core.db, admin, 3 * grabs * 10, "bench")
+            await ledger.topup(core.db, admin, 10 * grabs * 10, "bench")
             group = await groups.create_group(core.db, admin, "bench")
-            await groups.add_members(core.db, core.membership, group, users)
-            await core.membership.is_member(group, admin)  # warm the member cache
+            spread = [group]
+            for i in range(groups_n - 1):
+                spread.append(await groups.create_group(core.db, admin, f"bench{i}"))
+            for g in spread:
+                await groups.add_members(core.db, core.membership, g, users)
+                await core.membership.is_member(g, admin)  # warm the member cache
+            figures["groups"] = len(spread)
+            figures["shards"] = len({keys.shard(g) for g in spread})
             one_by_one = Batcher(core.nodes, core.batcher.durability, core.settings.durability_timeout_ms, 1)
             unbatched = dataclasses.replace(
                 core,
@@ -168,6 +263,24 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
                 cleanup += keys.packet_keys(group, p.packet_id)
                 bench_packets.add(p.packet_id)
                 figures[name] = round(await _grab_all(c, p.packet_id, group, users, concurrency))
+            # The hub's grab (block and rate limit included) spread over the groups' shards, under each
+            # durability level the server allows as configured, in this run.
+            levels: tuple[Durability, ...] = ("none", "aof", "replica")
+            for level in levels:
+                why_not = await _durability_ready(core, level)
+                if why_not is not None:
+                    figures[f"durability_{level}"] = f"n/a ({why_not})"
+                    continue
+                durable = dataclasses.replace(
+                    core,
+                    settings=core.settings.with_(grab_durability=level),
+                    batcher=Batcher(core.nodes, level, core.settings.durability_timeout_ms),
+                )
+                got = await _spread_storm(durable, admin, spread, users, 200, gate=True)
+                for pid in got.pop("packets"):
+                    bench_packets.add(pid)
+                    cleanup += [k for g in spread for k in keys.packet_keys(g, pid)]
+                figures[f"durability_{level}"] = got
             raw = await _raw_packet(core, group, 1_200_000)
             cleanup += keys.packet_keys(group, raw)
             bench_packets.add(raw)
@@ -175,17 +288,13 @@ async def run_grab_bench(settings: Settings, grabs: int) -> dict[str, Any]:
             figures["script_only_200_concurrent_batched"] = round(
                 await _script_only(core, raw, group, grabs, 200)
             )
-            url = s.redis_url
-            figures["redis_benchmark_evalsha_c50"] = await asyncio.to_thread(
-                _redis_benchmark, core, url, group, raw, 1
-            )
-            figures["redis_benchmark_evalsha_c50_p16"] = await asyncio.to_thread(
-                _redis_benchmark, core, url, group, raw, 16
-            )
+            figures["redis_benchmark_evalsha_c50"] = await _redis_benchmark(core, group, raw, 1)
+            figures["redis_benchmark_evalsha_c50_p16"] = await _redis_benchmark(core, group, raw, 16)
             for key in cleanup:
                 await core.redis.unlink(key)
             await drop_bench_credits(core, bench_packets)
-            await core.redis.delete(*[keys.group_members(group), keys.group_members_version(group)])
+            for g in spread:
+                await core.redis.delete(*[keys.group_members(g), keys.group_members_version(g)])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     raw_c50 = figures["redis_benchmark_evalsha_c50"]

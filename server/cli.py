@@ -27,7 +27,6 @@ import uvloop
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from server import keys
 from server.core import open_core
 from server.db import DatabaseError
 from server.embedded import EmbeddedError, embedded_valkey
@@ -90,7 +89,7 @@ async def _check_services(settings: Settings, redis_too: bool = True) -> None:
     nodes = RedisNodes(settings.redis_url, 4)
     try:
         await asyncio.wait_for(nodes.open(), STARTUP_CHECK_SECONDS + 1)
-        masters = await asyncio.wait_for(_masters(nodes), STARTUP_CHECK_SECONDS + 1)
+        masters = nodes.masters().items()
     except (RedisError, OSError, TimeoutError) as e:
         raise OperatorError(
             f"Redis at {redact(settings.redis_url)} does not answer: {e or 'timed out'}"
@@ -112,18 +111,6 @@ async def _check_services(settings: Settings, redis_too: bool = True) -> None:
             ) from None
         finally:
             await q.aclose()
-
-
-async def _masters(nodes: RedisNodes) -> list[tuple[str, Redis]]:
-    """A client of each master, each pinged."""
-    out: list[tuple[str, Redis]] = []
-    for n in range(keys.SHARDS):
-        client = nodes.node_client(keys.credit_outbox(n))
-        if all(c is not client for _, c in out):
-            await client.ping()
-            kwargs = client.connection_pool.connection_kwargs
-            out.append((f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}", client))
-    return out
 
 
 async def _check_durability(settings: Settings, name: str, client: Redis) -> None:

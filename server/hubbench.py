@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-from redis.asyncio import Redis
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
@@ -36,6 +35,7 @@ from server.bench import fresh_ids
 from server.client import HubClient
 from server.core import open_core
 from server.protocol import SUBPROTOCOL_MSGPACK
+from server.redisnodes import RedisNodes
 from server.settings import Settings, child_env
 from server.tokens import make_token
 
@@ -48,9 +48,13 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _redis_cpu_seconds(redis: Redis) -> float:
-    info = await redis.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+async def _redis_cpu_seconds(nodes: RedisNodes) -> float:
+    """CPU seconds used so far by every master of the configured Redis (one server, or a cluster's)."""
+    total = 0.0
+    for client in nodes.masters().values():
+        info = await client.info("cpu")
+        total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return total
 
 
 def _memory_kb(pid: int, field: str) -> int:
@@ -88,6 +92,8 @@ async def _process(args: list[str], env: dict[str, str], pattern: str) -> AsyncI
 def _hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:
     return child_env(
         REDPACKET_REDIS_URL=settings.redis_url,
+        REDPACKET_QUEUE_REDIS_URL=settings.queue_redis_url,
+        REDPACKET_GRAB_DURABILITY=settings.grab_durability,
         REDPACKET_DATABASE_URL=db_url,
         REDPACKET_SECRET=SECRET,
         REDPACKET_QUEUE_NAME="redpacket:bench:queue",
@@ -170,7 +176,8 @@ async def bench_hub_grab(settings: Settings, connections: int = 100, packets_n: 
     # The hub's cheapest request (no Redis, no database) through the same session machinery.
     ping_frames = [msgpack.packb({"id": i, "type": "ping"}) for i in range(packets_n)]
     n = connections * packets_n
-    async with _hub(settings, db_url) as (ws_url, hub_pid), Redis.from_url(settings.redis_url) as redis:
+    redis = await RedisNodes(settings.redis_url, 4).open()
+    async with _hub(settings, db_url) as (ws_url, hub_pid):
         conns = [
             await connect(f"{ws_url}?token={_token(u)}", subprotocols=sub, compression=None) for u in ids[1:]
         ]
@@ -187,6 +194,7 @@ async def bench_hub_grab(settings: Settings, connections: int = 100, packets_n: 
             figures[f"redis_cpu_us_per_{kind}"] = round(redis_used * 1e6 / n)
         for ws in conns:
             await ws.close()
+    await redis.aclose()
     async with _bare("echo") as (ws_url, bare_pid):
         conns = [await connect(ws_url, compression=None) for _ in range(connections)]
         cpu = _cpu_seconds(bare_pid)

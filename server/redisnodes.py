@@ -175,6 +175,16 @@ class RedisNodes:
             client = self._nodes[name] = Redis(connection_pool=pool)
         return client
 
+    def masters(self) -> dict[str, Redis]:
+        """A plain client of every master, by ``host:port`` (the one server's client on a single server)."""
+        if not self.cluster:
+            kwargs = cast(BlockingConnectionPool, self.client.connection_pool).connection_kwargs
+            return {self.address(kwargs): self.client}
+        return {
+            f"{n.host}:{n.port}": self._node(n.host, int(n.port))
+            for n in cast(RedisCluster, self.client).get_primaries()
+        }
+
     def dedicated(self, key: str | bytes) -> dict[str, Any]:
         """What a connection of its own to the master owning ``key``'s slot is made from (a sharded pub/sub
         subscriber): ``PackedConnection(**dedicated(key))``."""

