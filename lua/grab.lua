@@ -5,7 +5,8 @@
 --
 -- KEYS[1] meta hash, KEYS[2] shares list, KEYS[3] grabs hash (the packet's keys)
 -- KEYS[4] the group's member cache, KEYS[5] the shard's gate (blocks, throttles), KEYS[6] this user's
--- grab bucket in this group, KEYS[7] the shard's credit outbox (a stream)
+-- grab rate limit in this group (a string: when the next grab is due, unix ms), KEYS[7] the shard's
+-- credit outbox (a stream)
 -- ARGV[1] user id, ARGV[2] group id the client believes the packet is in, ARGV[3] packet id
 -- ARGV[4] '1' to check the member cache, '0' when the caller has just checked the database
 -- ARGV[5] grab tokens per second, ARGV[6] bucket size: ARGV[5] = '' skips block and rate limit
@@ -34,7 +35,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 if ARGV[5] ~= '' then
-  -- The checks about the user, not the packet: a block set by the bot detector, then a token bucket of
+  -- The checks about the user, not the packet: a block set by the bot detector, then a rate limit of
   -- grab attempts in this group shared by every hub (a throttle set by the bot detector lowers its rate).
   local gate = redis.call('HMGET', KEYS[5], 'b:' .. user, 't:' .. user)
   if gate[1] and tonumber(gate[1]) > now then
@@ -48,18 +49,16 @@ if ARGV[5] ~= '' then
       burst = 1
     end
   end
-  local b = redis.call('HMGET', KEYS[6], 'tokens', 'ms')
-  local tokens, last = tonumber(b[1]) or burst, tonumber(b[2]) or now
-  tokens = math.min(burst, tokens + (now - last) * rate / 1000)
-  local allowed = tokens >= 1
-  if allowed then
-    tokens = tokens - 1
+  -- GCRA: the bucket is one number, when the next grab is due ("theoretical arrival time"); a grab
+  -- may come up to (burst - 1) intervals early. The same answers as a token bucket of that size, with
+  -- one read and, when the grab is allowed, one write.
+  local every = math.floor(1000 / rate)
+  local due = math.max(tonumber(redis.call('GET', KEYS[6]) or 0), now)
+  local early = due - (burst - 1) * every - now
+  if early > 0 then
+    return {'limited', early}
   end
-  redis.call('HSET', KEYS[6], 'tokens', tostring(tokens), 'ms', now)
-  redis.call('PEXPIRE', KEYS[6], math.ceil(burst * 1000 / rate) + 1000)
-  if not allowed then
-    return {'limited', math.ceil((1 - tokens) * 1000 / rate)}
-  end
+  redis.call('SET', KEYS[6], string.format('%d', due + every), 'PX', math.max(1, due + every - now + every))
 end
 
 local meta = redis.call('HMGET', KEYS[1], 'group', 'expires_ms', 'target', 'closed')

@@ -119,7 +119,7 @@ def presence_hubs(group_id: int, user_id: int) -> str:
 
 
 def grab_bucket(group_id: int, user_id: int) -> str:
-    """Token bucket of one user's grab attempts in one group (every hub shares it)."""
+    """Rate limit of one user's grab attempts in one group, every hub's: when the next is due (GCRA)."""
     return _g(group_id) + f":u{user_id}:rate"
 
 
