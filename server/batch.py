@@ -51,6 +51,8 @@ class _Call:
     queue: Queue
     future: asyncio.Future[Any]
     durable: Durable
+    script: AsyncScript | None = None  # the script an EVALSHA call runs (loaded again after NOSCRIPT)
+    hops: int = 0  # times it was sent again after a MOVED or NOSCRIPT answer
 
     def needs_wait(self, answer: Any) -> bool:
         return self.durable(answer) if callable(self.durable) else self.durable
@@ -77,32 +79,35 @@ class Batcher:
         self.batches = 0
         self.calls = 0
 
-    async def call(self, queue: Queue, key: str, durable: Durable = False) -> Any:
+    async def call(
+        self, queue: Queue, key: str, durable: Durable = False, script: AsyncScript | None = None
+    ) -> Any:
         """Queue one command (``queue(pipe)`` adds it to a pipeline) for the master that owns ``key``, and
         wait for its own result. ``durable``: not answered until the configured durability is reached
         (or only the answers it accepts, if it is a test of the answer)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._pending.setdefault(self._nodes.node_client(key), []).append(_Call(queue, fut, durable))
+        self._queue(self._nodes.node_client(key), _Call(queue, fut, durable, script))
+        return await fut
+
+    def _queue(self, node: Redis, call: _Call) -> None:
+        self._pending.setdefault(node, []).append(call)
         self._count += 1
         if self._count >= self._max_batch:
             self._flush()
         elif not self._scheduled:
             self._scheduled = True
-            loop.call_soon(self._flush)
-        return await fut
+            asyncio.get_running_loop().call_soon(self._flush)
 
     async def script(
         self, script: AsyncScript, keys: list[str], args: list[Any], durable: Durable = False
     ) -> Any:
-        """EVALSHA ``script`` in the next batch. After a SCRIPT FLUSH or a restart the first answer is
-        NOSCRIPT (the script did not run): it is loaded on that master and called again."""
+        """EVALSHA ``script`` in the next batch. After a SCRIPT FLUSH, a restart or a failover the first
+        answer is NOSCRIPT (the script did not run): it is loaded on that server and sent again."""
         sha = script.sha
-        try:
-            return await self.call(lambda pipe: pipe.evalsha(sha, len(keys), *keys, *args), keys[0], durable)
-        except NoScriptError:
-            await self._nodes.node_client(keys[0]).script_load(script.script)
-            return await self.call(lambda pipe: pipe.evalsha(sha, len(keys), *keys, *args), keys[0], durable)
+        return await self.call(
+            lambda pipe: pipe.evalsha(sha, len(keys), *keys, *args), keys[0], durable, script
+        )
 
     def _flush(self) -> None:
         self._scheduled = False
@@ -141,7 +146,21 @@ class Batcher:
         for c, result in zip(batch, results, strict=True):
             if c.future.done():
                 continue
-            if isinstance(result, Exception):
+            target = _moved_to(result)
+            if target is not None and c.hops < MAX_HOPS:
+                # A failover or a slot migration: the command did not run here. Send it where the
+                # answer says the slot lives now (the slot map may not know yet).
+                c.hops += 1
+                self._queue(self._nodes.at(target), c)
+            elif isinstance(result, NoScriptError) and c.script is not None and c.hops < MAX_HOPS:
+                c.hops += 1
+                try:
+                    await node.script_load(c.script.script)
+                except RedisError as e:
+                    c.future.set_exception(e)
+                else:
+                    self._queue(node, c)
+            elif isinstance(result, Exception):
                 c.future.set_exception(result)
             elif short is not None and c.needs_wait(result):
                 c.future.set_exception(NotDurable(errors.REDIS_UNAVAILABLE, short))
@@ -159,6 +178,17 @@ class Batcher:
         self._flush()
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
+
+
+MAX_HOPS = 2
+
+
+def _moved_to(answer: object) -> str | None:
+    """``host:port`` from a ``MOVED <slot> <host:port>`` error answer, else None."""
+    if not isinstance(answer, RedisError):
+        return None
+    parts = str(answer).split()
+    return parts[2] if len(parts) == 3 and parts[0] == "MOVED" else None
 
 
 def _shortfall(durability: Durability, answer: object) -> str | None:

@@ -10,7 +10,7 @@ from typing import cast
 
 from arq.connections import ArqRedis
 from redis.asyncio import Redis
-from redis.exceptions import ClusterDownError, ReadOnlyError, TryAgainError
+from redis.exceptions import ClusterDownError, ReadOnlyError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -20,7 +20,7 @@ from server.db import Database, DatabaseError, connect
 from server.errors import Unavailable
 from server.membership import Membership
 from server.queue import make_queue
-from server.redisnodes import RedisNodes
+from server.redisnodes import RedisNodes, moved
 from server.repair import Repairs
 from server.scripts import Scripts
 from server.settings import Settings
@@ -37,7 +37,7 @@ def unavailable(e: BaseException) -> Unavailable | None:
     other exception, which is a bug."""
     if isinstance(e, Unavailable):
         return e
-    if isinstance(e, REDIS_DOWN):
+    if isinstance(e, REDIS_DOWN) or (isinstance(e, ResponseError) and moved(e)):
         return Unavailable(errors.REDIS_UNAVAILABLE, f"Redis is unavailable: {e}")
     if isinstance(e, DatabaseError):
         return Unavailable(errors.DATABASE_UNAVAILABLE, f"the database is unavailable: {e}")

@@ -17,7 +17,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from server import errors, groups, keys
-from server.core import Core
+from server.core import Core, unavailable
 from server.db import IntegrityError, Row, Tx
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
 from server.ledger import now_ms, post
@@ -396,7 +396,10 @@ async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bo
         else:
             raise Unavailable(errors.REDIS_UNAVAILABLE, "Redis keeps changing under this grab: retry")
     except RedisError as e:
-        raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
+        down = unavailable(e)
+        if down is None:
+            raise  # not Redis being away: a bug, answered internal and logged by the caller
+        raise down from e
     if status == "not_member":
         raise not_member(group_id, user_id)
     if status == "blocked":

@@ -159,6 +159,11 @@ class RedisNodes:
         node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(key))
         return self._node(node.host, int(node.port))
 
+    def at(self, address: str) -> Redis:
+        """The plain client of the node at ``host:port`` (a MOVED answer's target)."""
+        host, _, port = address.rpartition(":")
+        return self._node(host, int(port)) if self.cluster else self.client
+
     def _node(self, host: str, port: int) -> Redis:
         name = f"{host}:{port}"
         client = self._nodes.get(name)
