@@ -173,6 +173,8 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
         REDPACKET_REDIS_URL=s.redis_url,
         REDPACKET_DATABASE_URL=s.database_url,
         REDPACKET_QUEUE_NAME=s.queue_name,
+        REDPACKET_QUEUE_REDIS_URL=s.queue_redis_url,
+        REDPACKET_GRAB_DURABILITY=s.grab_durability,
         REDPACKET_WORKER_METRICS_PORT="0",
     )
     try:

@@ -84,6 +84,9 @@ async def _process(args: list[str], env: dict[str, str], pattern: str) -> AsyncI
         yield url, proc.pid
     finally:
         proc.terminate()
+        said = [line for line in (await drain).splitlines() if " WARNING " in line or " ERROR " in line]
+        if said:  # what the server complained of during the bench (its errors say why figures look off)
+            print(f"  ({len(said)} warning/error lines from the server; the first: {said[0][:300]})")
         await asyncio.to_thread(proc.wait, 60)
         await drain
         proc.stdout.close()
