@@ -42,6 +42,7 @@ class _Link:
         self.conn: PackedConnection | None = None
         self.lock = asyncio.Lock()
         self.up = asyncio.Event()
+        self.served = False  # it was up (connected and subscribed) since it was last started
         self.task: asyncio.Task[None] | None = None
         self.heard = time.monotonic()
 
@@ -62,6 +63,7 @@ class _Link:
                 for name in sorted(self.channels):
                     await conn.send_command("SSUBSCRIBE", name)
             self.up.set()
+            self.served = True
             pinger = asyncio.create_task(self._ping())
             try:
                 while True:
@@ -174,6 +176,7 @@ class Subscriber:
             self._wake.clear()
             for link in self.links.values():
                 if link.task is None:
+                    link.served = False
                     link.task = asyncio.create_task(link.run())
             tasks = [link.task for link in self.links.values() if link.task is not None]
             wake = asyncio.create_task(self._wake.wait())
@@ -189,11 +192,11 @@ class Subscriber:
             self.reconnects += 1
             for link in ended:
                 task, link.task = link.task, None
-                if task is not None and not task.cancelled() and task.exception() is not None:
-                    if backoff == 0.05:  # the first failure of a streak: say it once
-                        log.warning(
-                            "sharded pub/sub to %s lost: %s; reconnecting", link.address, task.exception()
-                        )
+                error = task.exception() if task is not None and not task.cancelled() else None
+                if link.served:
+                    backoff = 0.05  # it was working: a new streak of failures, retried at once
+                    if error is not None:  # said once per streak, not at every retry
+                        log.warning("sharded pub/sub to %s lost: %s; reconnecting", link.address, error)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
             try:
@@ -205,8 +208,6 @@ class Subscriber:
             if self._filler is not None:
                 self._filler.cancel()
             self._filler = asyncio.create_task(self._fill_when_up())
-            if all(link.up.is_set() for link in self.links.values() if link.task is not None):
-                backoff = 0.05
 
     def _regroup(self) -> None:
         """Every wanted channel on the link of its slot's master now; links whose channels changed (or

@@ -7,17 +7,19 @@ import asyncio
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from server import bots, errors, events, keys, ledger, packets, settlement
 from server.botscore import Decision, Rules
+from server.client import HubClient, HubError
 from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.reconcile import reconcile
-from server.settings import child_env
+from server.settings import Settings, child_env
 from tests.conftest import make_world
-from tests.hubtools import eventually
+from tests.hubtools import eventually, hub_process
 from tests.redisproc import LocalCluster, local_cluster
 from tests.test_credit import assert_books_balance, run_worker
 from worker.drain import CreditDrain
@@ -203,3 +205,63 @@ async def test_a_master_killed_mid_storm_loses_no_won_grab_with_replica_durabili
             assert len({q for q, _ in paid.values()}) == 100 and sum(a for _, a in paid.values()) == 10_000
             assert (await reconcile(c.db)).ok
             await assert_books_balance(c)
+
+
+async def _until_event(c: HubClient, kind: str, timeout: float = 60) -> dict[str, Any]:
+    while True:
+        ev = await c.next_event(timeout=timeout)
+        if ev["event"] == kind:
+            return ev
+
+
+async def _retried(c: HubClient, request: str, /, **fields: Any) -> dict[str, Any]:
+    """A request retried while the hub answers redis_unavailable, as the protocol tells clients to."""
+    for _ in range(600):
+        try:
+            return await c.request(request, **fields)
+        except HubError as e:
+            if e.code != errors.REDIS_UNAVAILABLE:
+                raise
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{request}: Redis stayed unavailable")
+
+
+async def test_a_hub_keeps_its_room_live_through_a_master_failover(
+    hub_settings: Settings, redis_url: str, tmp_path: Path
+) -> None:
+    """kill -9 of the master that owns a group's slot under a running hub: the replica takes over, and
+    the hub's sockets, without reconnecting, see the next packet and its grabs (the hub subscribed again
+    on the new master, and sent the grab where the slot lives now)."""
+    async with local_cluster(tmp_path) as cl:
+        await cl.wait_ok(replicated=True)
+        s = hub_settings.with_(redis_url=cl.url, queue_redis_url=redis_url)
+        async with hub_process(s) as h:
+            _, admin_token = await h.login("fadmin")
+            await h.api("POST", "/api/topup", admin_token, amount=100_000, request_id="seed")
+            group = (await h.api("POST", "/api/groups", admin_token, name="failover"))["group_id"]
+            member, member_token = await h.login("fmember")
+            await h.api("POST", f"/api/groups/{group}/members", admin_token, user_ids=[member])
+            async with (
+                await HubClient.connect(h.ws, admin_token) as admin,
+                await HubClient.connect(h.ws, member_token) as li,
+            ):
+                await admin.sync()
+                await li.sync()
+                first = await admin.request("send", group=group, kind="lucky", total=300, count=2)
+                assert (await _until_event(li, "packet"))["data"]["packet_id"] == first["packet_id"]
+
+                doomed = cl.master_of(keys.group_channel(group))
+                await doomed.kill()
+                await eventually(lambda: cl.master_of(keys.group_channel(group)) is not doomed, 60)
+                second = await _retried(admin, "send", group=group, kind="lucky", total=500, count=2)
+                event = await _until_event(li, "packet")
+                while event["data"]["packet_id"] != second["packet_id"]:
+                    event = await _until_event(li, "packet")
+                got = await _retried(li, "grab", group=group, packet=second["packet_id"])
+                assert got["outcome"] == "won" and 1 <= got["amount"] <= 499
+                announced: list[dict[str, Any]] = []
+                while not any(g["packet_id"] == second["packet_id"] for g in announced):
+                    announced = (await _until_event(admin, "grabs"))["data"]["grabs"]
+                mine = [g for g in announced if g["packet_id"] == second["packet_id"]]
+                assert [(g["user"], g["amount"]) for g in mine] == [(member, got["amount"])]
+                await doomed.start()
