@@ -50,7 +50,8 @@ def test_the_app_services_run_one_built_image_in_exec_form_and_stop_gracefully()
         budget = int(s["environment"]["REDPACKET_SHUTDOWN_SECONDS"])
         assert _seconds(s["stop_grace_period"]) > budget, (s["stop_grace_period"], budget)
         for dep in s["depends_on"]:
-            assert dep in services and s["depends_on"][dep]["condition"] == "service_healthy"
+            wanted = "service_completed_successfully" if dep == "redis-cluster" else "service_healthy"
+            assert dep in services and s["depends_on"][dep]["condition"] == wanted
     assert services["hub"]["command"] == ["redpacket", "serve"]
     assert services["worker"]["command"] == ["redpacket", "worker"]
     hub_check = services["hub"]["healthcheck"]
@@ -142,3 +143,46 @@ def test_the_dockerfile_install_step_gives_a_working_redpacket(tmp_path: Path) -
         timeout=60,
     )
     assert helped.returncode == 0 and "serve" in helped.stdout, helped.stderr
+
+
+def test_the_default_stack_makes_grabs_durable_on_disk() -> None:
+    services = _compose()["services"]
+    env = services["hub"]["environment"]
+    assert env == services["worker"]["environment"]
+    assert env["REDPACKET_GRAB_DURABILITY"] == "${REDPACKET_GRAB_DURABILITY:-aof}"
+    # WAITAOF answers when the write is fsynced: with appendfsync always that is the same event-loop
+    # turn (group commit), with everysec up to a second later, past the grab's durability timeout.
+    command = services["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--appendfsync") + 1] == "always"
+    assert services["redis"]["image"].split(":")[1] >= "7.2"  # WAITAOF
+
+
+def test_the_cluster_variant_is_six_nodes_formed_once_and_named_as_the_readme_says() -> None:
+    compose = _compose()
+    services = compose["services"]
+    nodes = [f"redis-{n}" for n in range(1, 7)]
+    for name in nodes:
+        s = services[name]
+        assert s["profiles"] == ["cluster"], name
+        c = s["command"]
+        assert c[c.index("--cluster-enabled") + 1] == "yes"
+        assert c[c.index("--cluster-announce-hostname") + 1] == name  # MOVED answers name the service
+        assert c[c.index("--appendonly") + 1] == "yes"
+        assert s["volumes"] == [f"{name}-data:/data"]
+    init = services["redis-cluster"]
+    assert init["profiles"] == ["cluster"] and set(init["depends_on"]) == set(nodes)
+    script = init["command"][0]
+    assert "--cluster-replicas 1" in script and "cluster_state:ok ||" in script
+    for app in ("hub", "worker"):
+        dep = services[app]["depends_on"]["redis-cluster"]
+        assert dep == {"condition": "service_completed_successfully", "required": False}
+    # The README's command names masters of this file and the plain server as arq's queue.
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(
+        r"REDPACKET_REDIS_URL=redis\+cluster://(\S+) \\\n(.*)docker compose --profile cluster up", readme
+    )
+    assert m, "README: the cluster variant's command"
+    assert {h.split(":")[0] for h in m[1].split(",")} <= set(nodes)
+    assert "REDPACKET_QUEUE_REDIS_URL=redis://redis:6379/0" in m[2]
+    assert "REDPACKET_REDIS_URL=redis+cluster://redis-1:6379" in (ROOT / "docker-compose.yml").read_text()
