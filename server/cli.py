@@ -33,6 +33,7 @@ from server.embedded import EmbeddedError, embedded_valkey
 from server.handshake import bounded_protocols
 from server.redisnodes import RedisNodes
 from server.settings import Settings, redact
+from server.wire import HubWebSocket
 
 log = logging.getLogger("redpacket")
 
@@ -134,11 +135,11 @@ async def _check_durability(settings: Settings, name: str, client: Redis) -> Non
 def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
     """How the hub runs under uvicorn: websockets-sansio with bounded handshakes (``server.handshake``),
     no compression unless asked, frame cap, pings."""
-    http, ws = bounded_protocols(settings.handshake_seconds)
+    http, _ = bounded_protocols(settings.handshake_seconds)
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         http=http,
-        ws=ws,
+        ws=HubWebSocket,  # bounded handshakes, and the hub's frames below ASGI
         ws_per_message_deflate=settings.ws_compression,
         ws_max_size=settings.ws_max_frame_bytes,
         ws_ping_interval=settings.ws_ping_interval,

@@ -13,20 +13,21 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable
 from typing import Any
-
-from starlette.websockets import WebSocket
 
 from server import events, keys, protocol
 from server.announce import Announcer
 from server.bots import AttemptLog
 from server.core import Core
+from server.known import Known
 from server.membership import parse_change
 from server.metrics import HubMetrics
 from server.packets import call_script
 from server.protocol import Format, offset_key
 from server.subscriber import Subscriber
+from server.wire import HubWebSocket, data_frame
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +35,20 @@ OffsetKey = tuple[int, int]
 
 
 class Connection:
-    """One client socket as the hub sees it: a bounded send queue drained by one writer task."""
+    """One client socket as the hub sees it. A frame goes straight to the socket's transport while it
+    takes more; otherwise it waits in a bounded queue, replies ahead of events, until the transport
+    drains (``server.wire``). A client whose queue overflows is too slow and is cut, never waited on."""
 
-    def __init__(self, hub: Hub, ws: WebSocket, user_id: int, fmt: Format, device: str = "") -> None:
+    def __init__(self, hub: Hub, wire: HubWebSocket, user_id: int, fmt: Format, device: str = "") -> None:
         self.hub = hub
-        self.ws = ws
+        self.wire = wire
         self.user_id = user_id
         self.fmt: Format = fmt
         self.id = uuid.uuid4().hex[:12]
-        self.queue: asyncio.Queue[bytes | str] = asyncio.Queue(hub.core.settings.send_queue_frames)
+        # Framed bytes waiting for the transport: replies go out before events (a grab's reply does not
+        # wait behind the room's announcements); each kind keeps its own order.
+        self.replies: deque[bytes] = deque()
+        self.events: deque[bytes] = deque()
         self.groups: set[int] = set()
         # Per group: the newest offset delivered; events of a group are held until the client syncs it.
         self.last: dict[int, OffsetKey] = {}
@@ -54,55 +60,72 @@ class Connection:
         self.close_code = protocol.CLOSE_NORMAL
         self.close_reason = ""
 
-    def push(self, frame: bytes | str) -> None:
-        """Queue a frame; a client whose queue is full is too slow and is disconnected, never waited on."""
+    def _write(self, raw: bytes, queue: deque[bytes]) -> bool:
+        """Write now if nothing it must follow waits and the transport takes it, else queue; False if it
+        was dropped. A reply follows only replies; an event follows everything queued."""
         if self.closing.is_set():
-            return
-        try:
-            self.queue.put_nowait(frame)
-        except asyncio.QueueFull:
+            return False
+        if not queue and not self.replies and self.wire.writable_now:
+            self.wire.write(raw)
+            return True
+        queue.append(raw)
+        if len(self.replies) + len(self.events) > self.hub.core.settings.send_queue_frames:
             self.hub.metrics.send_queue_drops.inc()
             self.close(protocol.CLOSE_SLOW_CONSUMER, "send queue overflow: read faster")
+            return False
+        return True
+
+    def push(self, payload: bytes | str, raw: bytes | None = None) -> bool:
+        """Send an event frame (``raw``: the same payload already framed for a plain socket)."""
+        framed = raw if raw is not None and self.wire.plain else self.wire.frame(payload)
+        return self._write(framed, self.events)
+
+    def reply(self, message: dict[str, Any]) -> None:
+        """Send a reply: ahead of any events still waiting for the transport."""
+        if self._write(self.wire.frame(protocol.encode(self.fmt, message)), self.replies):
+            self.hub.metrics.frames_out.inc()
 
     def send(self, message: dict[str, Any]) -> None:
-        self.push(protocol.encode(self.fmt, message))
+        """Send a frame in order with the events (a sync's reply after the events it replayed)."""
+        if self.push(protocol.encode(self.fmt, message)):
+            self.hub.metrics.frames_out.inc()
 
-    def deliver(self, group: int, key: OffsetKey, frame: bytes | str) -> None:
+    def on_writable(self) -> None:
+        """The transport drained: write what waits, replies first, until it is full again."""
+        wire = self.wire
+        for queue in (self.replies, self.events):
+            while queue and wire.writable_now:
+                wire.write(queue.popleft())
+
+    def deliver(self, group: int, key: OffsetKey, frame: bytes | str, raw: bytes | None = None) -> bool:
+        """An event of ``group``: sent if this socket is live in the group and has not had it."""
         if group not in self.groups:
-            return
+            return False
         held = self.held.get(group)
         if held is not None:
             held.append((key, frame))
             if len(held) > self.hub.core.settings.send_queue_frames:
                 self.close(protocol.CLOSE_SLOW_CONSUMER, "too many events held before sync")
-            return
+            return False
         if key <= self.last.get(group, (0, 0)):
-            return
+            return False
         self.last[group] = key
-        self.push(frame)
+        return self.push(frame, raw)
 
     def release(self, group: int, floor: OffsetKey) -> None:
         """End holding a group after a sync up to ``floor``: send the held events newer than it."""
         self.last[group] = max(floor, self.last.get(group, (0, 0)))
+        sent = 0
         for key, frame in self.held.pop(group, []):
             if key > self.last[group]:
                 self.last[group] = key
-                self.push(frame)
+                sent += self.push(frame)
+        self.hub.metrics.frames_out.inc(sent)
 
     def close(self, code: int, reason: str) -> None:
         if not self.closing.is_set():
             self.close_code, self.close_reason = code, reason
             self.closing.set()
-
-    async def writer(self) -> None:
-        """Send queued frames in order until cancelled."""
-        while True:
-            frame = await self.queue.get()
-            if isinstance(frame, bytes):
-                await self.ws.send_bytes(frame)
-            else:
-                await self.ws.send_text(frame)
-            self.hub.metrics.frames_out.inc()
 
 
 class Hub:
@@ -116,6 +139,7 @@ class Hub:
         self.local: dict[tuple[int, int], int] = {}
         self.delivered: dict[int, str] = {}
         self.announcer = Announcer(self)
+        self.known = Known(core)
         self.attempts = AttemptLog(core)
         self.subscriber = Subscriber(core.nodes, self._on_message, self._fill_gaps)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -291,15 +315,22 @@ class Hub:
             return
         message = protocol.event(g, offset, kind, data)
         key = offset_key(offset)
+        if kind == "finished":
+            self.known.saw_closed(g, int(data["packet_id"]))
         if kind == "packet":
+            self.known.saw_packet(g, int(data["packet_id"]))
             shown = int(time.time() * 1000)
             for conn in conns:
                 conn.announced[int(data["packet_id"])] = shown
                 if len(conn.announced) > 256:  # keep the recent packets only
                     del conn.announced[next(iter(conn.announced))]
-        frames: dict[str, bytes | str] = {}
+        # Encoded once per format, framed once per format for every plain socket.
+        frames: dict[str, tuple[bytes | str, bytes]] = {}
+        sent = 0
         for conn in list(conns):
-            frame = frames.get(conn.fmt)
-            if frame is None:
-                frame = frames[conn.fmt] = protocol.encode(conn.fmt, message)
-            conn.deliver(g, key, frame)
+            pair = frames.get(conn.fmt)
+            if pair is None:
+                payload = protocol.encode(conn.fmt, message)
+                pair = frames[conn.fmt] = (payload, data_frame(payload))
+            sent += conn.deliver(g, key, pair[0], pair[1])
+        self.metrics.frames_out.inc(sent)

@@ -23,6 +23,11 @@ class HubMetrics:
             ["outcome"],
             registry=r,
         )
+        self.grabs_answered_locally = Counter(
+            "redpacket_grabs_answered_locally",
+            "grabs of packets this hub knew closed (or unknown) answered without Redis",
+            registry=r,
+        )
         self.pubsub_reconnects = Counter(
             "redpacket_pubsub_reconnects", "times the hub's pub/sub connection was re-established", registry=r
         )

@@ -1,8 +1,9 @@
 """One websocket session: authenticate, join the user's groups, read requests, answer each exactly once.
 
-Requests of one connection are handled one at a time, in order. A request being handled when the client
-disconnects (or the hub shuts down) runs to the end: a grab in flight is never cut between its Lua call
-and its credit enqueue.
+Requests of one connection are handled one at a time, in order (``Session``). Frames come from the
+socket's protocol by callback and replies go straight to its transport (``server.wire``). A request
+being handled when the client disconnects (or the hub shuts down) runs to the end: a grab in flight is
+never cut between its Lua call and its credit record.
 """
 
 from __future__ import annotations
@@ -11,27 +12,37 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
-from server import announce, errors, events, groups, packets, protocol, text
+from server import announce, errors, events, groups, known, packets, protocol, text
 from server.botscore import Attempt
 from server.core import unavailable
 from server.errors import Forbidden, InvalidRequest, RedPacketError
 from server.hub import Connection, Hub
-from server.protocol import ProtocolError, Request, field_id, field_int, offset_key
+from server.protocol import ProtocolError, field_id, field_int, offset_key
 from server.ratelimit import TokenBucket
 from server.tokens import TokenError, verify_token
+from server.wire import EXTENSION, HubWebSocket
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[["Session", dict[str, Any]], Awaitable[dict[str, Any]]]
+# A handler answers at once (a dict) or returns what to await for the answer; errors are RedPacketErrors.
+Handler = Callable[["Session", dict[str, Any]], dict[str, Any] | Awaitable[dict[str, Any]]]
 
 
 class Session:
+    """The requests of one socket, in order, one at a time. A request answered from memory (``ping``, a
+    grab of a packet the hub knows is closed) is answered as its frame is parsed; one that needs Redis
+    or the database runs as a task, and frames that come meanwhile wait (reading pauses past
+    ``WAITING_LIMIT``). Nothing cancels that task: a grab in flight is never cut."""
+
+    WAITING_LIMIT = 32
+
     def __init__(self, hub: Hub, conn: Connection) -> None:
         self.hub = hub
         self.core = hub.core
@@ -39,7 +50,9 @@ class Session:
         s = self.core.settings
         self.bucket = TokenBucket(s.msgs_per_second, s.msgs_burst, time.monotonic())
         self.strikes = 0
-        self.inflight: asyncio.Future[None] | None = None
+        self.inflight: asyncio.Task[None] | None = None
+        self.waiting: deque[bytes | str] = deque()
+        self.stopped = False
 
     def member_of(self, body: dict[str, Any]) -> int:
         group = field_int(body, "group")
@@ -47,38 +60,93 @@ class Session:
             raise Forbidden(errors.NOT_MEMBER, f"you are not a member of group {group}")
         return group
 
-    async def handle(self, req: Request) -> dict[str, Any]:
-        try:
-            return protocol.reply_ok(req.id, await HANDLERS[req.type](self, req.body))
-        except RedPacketError as e:
-            return protocol.reply_error(req.id, e.code, e.message)
-        except Exception as e:
-            down = unavailable(e)
-            if down is not None:
-                return protocol.reply_error(req.id, down.code, down.message)
-            log.exception("request %s failed", req.type)
-            return protocol.reply_error(req.id, errors.INTERNAL, "internal error")
+    # -- wire.Listener --------------------------------------------------------------------------------
 
-    async def on_frame(self, frame: bytes | str) -> None:
+    def on_message(self, frame: bytes | str) -> None:
+        if self.inflight is not None or self.waiting:
+            self.waiting.append(frame)
+            if len(self.waiting) >= self.WAITING_LIMIT:
+                self.conn.wire.hold_reading()
+            return
+        self._run(frame)
+
+    def on_writable(self) -> None:
+        self.conn.on_writable()
+
+    def stop(self) -> None:
+        """The socket is gone: frames not started are dropped (the one in flight finishes)."""
+        self.stopped = True
+        self.waiting.clear()
+
+    # -- running requests -----------------------------------------------------------------------------
+
+    def _run(self, frame: bytes | str) -> None:
+        """Answer this frame and those waiting behind it, until one needs a task."""
+        while True:
+            pending = self._start(frame)
+            if pending is not None:
+                self.inflight = asyncio.get_running_loop().create_task(self._finish(*pending))
+                return
+            if not self.waiting or self.stopped:
+                self.conn.wire.resume_reading()
+                return
+            frame = self.waiting.popleft()
+
+    async def _finish(self, rid: int | str, work: Awaitable[dict[str, Any]], kind: str) -> None:
+        try:
+            reply = protocol.reply_ok(rid, await work)
+        except Exception as e:
+            reply = self._error(rid, kind, e)
+        self._answer(kind, reply)
+        self.inflight = None
+        if self.waiting and not self.stopped:
+            self._run(self.waiting.popleft())
+        else:
+            self.conn.wire.resume_reading()
+
+    def _start(self, frame: bytes | str) -> tuple[int | str, Awaitable[dict[str, Any]], str] | None:
+        """Answer now, or return what to await for the answer."""
         self.hub.metrics.frames_in.inc()
         if not self.bucket.take(time.monotonic()):
             self.strikes += 1
             if self.strikes > self.core.settings.msgs_burst:
                 self.conn.close(protocol.CLOSE_RATE_LIMITED, "too many messages")
-            message = _try_decode(frame)
-            rid = protocol.request_id_of(message)
-            self.conn.send(protocol.reply_error(rid, errors.RATE_LIMITED, "too many messages: slow down"))
-            return
+            rid = protocol.request_id_of(_try_decode(frame))
+            self.conn.reply(protocol.reply_error(rid, errors.RATE_LIMITED, "too many messages: slow down"))
+            return None
         self.strikes = 0
         try:
-            message = protocol.decode(frame)
-            req = protocol.parse_request(message)
+            req = protocol.parse_request(protocol.decode(frame))
         except ProtocolError as e:
-            self.conn.send(
-                protocol.reply_error(protocol.request_id_of(_try_decode(frame)), e.code, e.message)
-            )
-            return
-        self.conn.send(await self.handle(req))
+            rid = protocol.request_id_of(_try_decode(frame))
+            self.conn.reply(protocol.reply_error(rid, e.code, e.message))
+            return None
+        try:
+            result = HANDLERS[req.type](self, req.body)
+        except Exception as e:
+            self._answer(req.type, self._error(req.id, req.type, e))
+            return None
+        if isinstance(result, dict):
+            self._answer(req.type, protocol.reply_ok(req.id, result))
+            return None
+        return req.id, result, req.type
+
+    def _answer(self, kind: str, reply: dict[str, Any]) -> None:
+        # A sync's reply comes after the events it replayed; every other reply may pass queued events.
+        if kind == "sync":
+            self.conn.send(reply)
+        else:
+            self.conn.reply(reply)
+
+    @staticmethod
+    def _error(rid: int | str, kind: str, e: Exception) -> dict[str, Any]:
+        if isinstance(e, RedPacketError):
+            return protocol.reply_error(rid, e.code, e.message)
+        down = unavailable(e)
+        if down is not None:
+            return protocol.reply_error(rid, down.code, down.message)
+        log.error("request %s failed", kind, exc_info=e)
+        return protocol.reply_error(rid, errors.INTERNAL, "internal error")
 
 
 def _try_decode(frame: bytes | str) -> Any:
@@ -91,7 +159,7 @@ def _try_decode(frame: bytes | str) -> Any:
 # -- request handlers: each returns the reply's data or raises a RedPacketError ---------------------------
 
 
-async def on_ping(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+def on_ping(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     return {"ts": int(time.time() * 1000)}
 
 
@@ -190,23 +258,46 @@ async def on_send(s: Session, body: dict[str, Any]) -> dict[str, Any]:
         request_id,
     )
     # Paid for and saved: announced now, or (offset null) by a retry or a worker once Redis is back.
+    s.hub.known.saw_packet(group, p.packet_id)
     offset = await announce.announce_packet(s.core, p)
     if offset is not None and not p.replay:
         s.hub.metrics.events_published.inc()
     return {**announce.packet_event(p), "offset": offset, "replay": p.replay}
 
 
-async def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any]:
-    started = time.perf_counter()
+def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any] | Awaitable[dict[str, Any]]:
     metrics = s.hub.metrics
+    group = packet_id = 0
     try:
         group = s.member_of(body)
         packet_id = field_id(body, "packet", errors.PACKET_NOT_FOUND)
         _record_attempt(s, group, packet_id)
+    except RedPacketError:
+        metrics.grab_outcomes.labels("denied").inc()
+        raise
+    # A packet this hub knows to be closed (or no packet at all) is answered from memory.
+    refusal = s.hub.known.refusal(group, packet_id, s.conn.user_id)
+    if refusal is not None:
+        metrics.grab_outcomes.labels(_OUTCOMES.get(refusal, "denied")).inc()
+        metrics.grabs_answered_locally.inc()
+        raise known.refusal_error(refusal)
+    return _grab(s, group, packet_id)
+
+
+_OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
+
+
+async def _grab(s: Session, group: int, packet_id: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    metrics = s.hub.metrics
+    try:
         r = await packets.grab(s.core, packet_id, group, s.conn.user_id, gate=True)
     except RedPacketError as e:
-        outcome = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}.get(e.code, "denied")
-        metrics.grab_outcomes.labels(outcome).inc()
+        metrics.grab_outcomes.labels(_OUTCOMES.get(e.code, "denied")).inc()
+        if e.code in _OUTCOMES:
+            s.hub.known.saw_closed(group, packet_id)
+        elif e.code == errors.PACKET_NOT_FOUND:
+            s.hub.known.saw_unknown(group, packet_id)
         raise
     finally:
         metrics.grab_seconds.observe(time.perf_counter() - started)
@@ -216,6 +307,8 @@ async def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any]:
         if r.remaining == 0:
             # Exactly one grab empties a packet: it announces the result, after the grabs.
             s.hub.spawn(s.hub.announcer.finished(group, packet_id, s.conn.user_id))
+    if r.remaining == 0:
+        s.hub.known.saw_closed(group, packet_id)
     g = r.grab
     return {
         "packet": packet_id,
@@ -271,6 +364,12 @@ HANDLERS: dict[str, Handler] = {
 async def websocket_endpoint(ws: WebSocket) -> None:
     hub: Hub = ws.app.state.hub
     core = hub.core
+    wire = ws.scope.get("extensions", {}).get(EXTENSION)
+    if not isinstance(wire, HubWebSocket):
+        # The hub writes its frames below ASGI (server.wire): it runs under `redpacket serve` / `up`.
+        log.error("websocket refused: the hub needs uvicorn with server.wire's protocol (redpacket serve)")
+        await ws.close(1011)
+        return
     fmt, subprotocol = protocol.choose_format(list(ws.scope.get("subprotocols", [])))
     await ws.accept(subprotocol=subprotocol)
     try:
@@ -278,7 +377,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     except TokenError as e:
         await ws.close(protocol.CLOSE_UNAUTHORIZED, e.code)
         return
-    conn = Connection(hub, ws, user_id, fmt, device=text.device_id(ws.query_params.get("device", "")))
+    conn = Connection(hub, wire, user_id, fmt, device=text.device_id(ws.query_params.get("device", "")))
     try:
         # Bounded: a stalled database or Redis must not hold the socket open unanswered.
         async with asyncio.timeout(core.settings.handshake_seconds):
@@ -303,56 +402,31 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         }
     )
     session = Session(hub, conn)
-    writer = asyncio.create_task(conn.writer())
-    reader = asyncio.create_task(_read(ws, session))
-    closing = asyncio.create_task(conn.closing.wait())
+    wire.listen(session)  # frames that came before the welcome are handled now, in order
+    # What is left to the ASGI side: the disconnect, or our own decision to close.
+    gone = asyncio.ensure_future(ws.receive())
+    closing = asyncio.ensure_future(conn.closing.wait())
     try:
-        await asyncio.wait({writer, reader, closing}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({gone, closing}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        session.stop()
         await hub.leave(conn)
-        # A request already started finishes (the reader is shielded per request); then stop reading.
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect, Exception):
-            await reader
+        # A request already started finishes (nothing cancels it), then the socket closes.
         if session.inflight is not None:
             with contextlib.suppress(Exception):
                 await session.inflight
+        gone.cancel()
         closing.cancel()
-        if conn.closing.is_set():
-            # Let the writer flush what the client can still take, then close with our code.
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await writer
+        if conn.closing.is_set() and not wire.disconnected:
+            # Close with our code once what waits is written, unless the client stopped reading.
             try:
                 await asyncio.wait_for(ws.close(conn.close_code, conn.close_reason), 1)
             except Exception:
-                _abort(ws)
-        else:
-            writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await writer
+                _abort(wire)
 
 
-def _abort(ws: WebSocket) -> None:
+def _abort(wire: HubWebSocket) -> None:
     """Drop the TCP connection of a client that stopped reading. uvicorn waits for a writable transport
     even to send a close frame, and a closing transport waits to flush, so such a socket would otherwise
     stay open (holding its buffers) for as long as the peer keeps it."""
-    transport = getattr(getattr(ws._send, "__self__", None), "transport", None)
-    if transport is not None:
-        transport.abort()
-
-
-async def _read(ws: WebSocket, session: Session) -> None:
-    while True:
-        message = await ws.receive()
-        if message["type"] == "websocket.disconnect":
-            return
-        frame = message.get("bytes")
-        if frame is None:
-            frame = message.get("text")
-        if frame is None:
-            continue
-        # Shielded: cancelling the reader (the client left, the hub stops) never cuts a request in half;
-        # the endpoint waits for ``inflight`` before it returns.
-        session.inflight = asyncio.ensure_future(session.on_frame(frame))
-        await asyncio.shield(session.inflight)
+    wire.transport.abort()
