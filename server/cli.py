@@ -180,22 +180,37 @@ def _listen(settings: Settings) -> socket.socket:
     return sock
 
 
-async def _serve(settings: Settings, sock: socket.socket, with_worker: bool) -> None:
+def _banner(settings: Settings, port: int, workers: int = 1) -> None:
+    db = settings.database_url or f"SQLite {settings.sqlite_path}"
+    print(f"redpacket hub on http://{settings.host}:{port}  websocket ws://{settings.host}:{port}/ws")
+    processes = f", {workers} hub processes" if workers > 1 else ""
+    print(f"  Redis {redact(settings.redis_url)}, database {redact(db)}{processes}", flush=True)
+    if settings.dev_login:
+        print(f'  try: curl -s -XPOST http://{settings.host}:{port}/api/login -d \'{{"name": "li"}}\'')
+
+
+async def _serve(settings: Settings, sock: socket.socket, with_worker: bool, banner: bool = True) -> None:
     from server.app import create_app
 
-    await _check_services(settings)
-    port = sock.getsockname()[1]
+    if banner:
+        await _check_services(settings)
     server = uvicorn.Server(uvicorn_config(create_app(settings, run_worker=with_worker), settings))
     # With 10k sockets open a full collection pauses the loop for most of a second: keep start-up objects
     # out of it, and collect the young generation less often during bursts.
     gc.freeze()
     gc.set_threshold(20_000, 20, 100)
-    db = settings.database_url or f"SQLite {settings.sqlite_path}"
-    print(f"redpacket hub on http://{settings.host}:{port}  websocket ws://{settings.host}:{port}/ws")
-    print(f"  Redis {redact(settings.redis_url)}, database {redact(db)}", flush=True)
-    if settings.dev_login:
-        print(f'  try: curl -s -XPOST http://{settings.host}:{port}/api/login -d \'{{"name": "li"}}\'')
+    if banner:
+        _banner(settings, sock.getsockname()[1])
     await server.serve(sockets=[sock])
+
+
+def _serve_processes(settings: Settings, sock: socket.socket, workers: int) -> int:
+    """``serve --workers N``: the services checked once, then N hub processes on the one socket."""
+    from server.procs import supervise
+
+    uvloop.run(_check_services(settings))
+    _banner(settings, sock.getsockname()[1], workers)
+    return supervise(workers, lambda: uvloop.run(_serve(settings, sock, with_worker=False, banner=False)))
 
 
 async def _worker(settings: Settings) -> None:
@@ -321,14 +336,15 @@ async def _recover(settings: Settings, packet_ids: list[int]) -> None:
             print(f"packet {pid}: {r.shares_left} shares left, {r.grabs_known} grabs known")
 
 
-async def _bench(settings: Settings, what: str, grabs: int, clients: int) -> None:
-    from server import hubbench
+async def _bench(settings: Settings, args: argparse.Namespace) -> None:
+    from server import hotbench, hubbench
     from server.bench import run_grab_bench
     from server.creditbench import bench_credit, bench_storm
 
     await _check_services(settings)
+    what = args.what
     if what == "grab":
-        await run_grab_bench(settings, grabs)
+        await run_grab_bench(settings, args.grabs)
     elif what == "hub-grab":
         await hubbench.bench_hub_grab(settings)
     elif what == "credit":
@@ -338,7 +354,7 @@ async def _bench(settings: Settings, what: str, grabs: int, clients: int) -> Non
     elif what == "fanout":
         await hubbench.bench_fanout(settings)
     else:
-        await hubbench.bench_hot(settings, clients)
+        await hotbench.bench_hot(settings, args.clients, workers=args.workers, client_procs=args.client_procs)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -360,8 +376,16 @@ def _parser() -> argparse.ArgumentParser:
     listen_options(
         sub.add_parser("up", help="the hub and a worker in one process, dev login and demo money on (a demo)")
     )
-    listen_options(
-        sub.add_parser("serve", help="the hub only (production; needs REDPACKET_SECRET; run workers apart)")
+    serve = sub.add_parser(
+        "serve", help="the hub only (production; needs REDPACKET_SECRET; run workers apart)"
+    )
+    listen_options(serve)
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="hub processes sharing the listening socket, one core each (default 1)",
     )
     wk = sub.add_parser(
         "worker", help="the worker: credits, refunds, announcements, sweeper, reconciliation, bots"
@@ -383,6 +407,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm"])
     bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
     bench.add_argument("--clients", type=int, default=10_000, help="connected clients (hot)")
+    bench.add_argument("--workers", type=int, default=1, help="hub processes: serve --workers (hot)")
+    bench.add_argument("--client-procs", type=int, default=1, help="load client processes (hot)")
     return parser
 
 
@@ -402,6 +428,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
             " the same on every hub); `redpacket up` makes one for a demo",
             2,
         )
+    if command == "serve" and not 1 <= args.workers <= 64:
+        raise OperatorError("--workers is 1 to 64 (hub processes on this machine, one core each)", 2)
     if command in ("up", "serve"):
         # Bound first, before anything starts: a busy port is said at once, port 0 works, and the address
         # printed is the one listening.
@@ -409,6 +437,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     with _redis_url(settings, command) as s:
         if command == "up" and sock is not None:
             uvloop.run(_serve(_demo_secret(s), sock, with_worker=True))
+        elif command == "serve" and sock is not None and args.workers > 1:
+            return _serve_processes(s, sock, args.workers)
         elif command == "serve" and sock is not None:
             uvloop.run(_serve(s, sock, with_worker=False))
         elif command == "worker":
@@ -418,7 +448,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         elif command == "recover":
             uvloop.run(_recover(s, args.packet_ids))
         else:
-            uvloop.run(_bench(s, args.what, args.grabs, args.clients))
+            uvloop.run(_bench(s, args))
     return 0
 
 

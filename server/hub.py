@@ -148,6 +148,7 @@ class Hub:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Hub:
+        self.metrics.watch_gc()
         await self.subscriber.start([keys.MEMBERSHIP_CHANNEL])
         self._refresher = asyncio.create_task(self._refresh_presence())
         return self
@@ -161,6 +162,7 @@ class Hub:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
         await self.subscriber.close()
+        self.metrics.unwatch_gc()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 

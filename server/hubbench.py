@@ -9,11 +9,9 @@ configured Redis and a throw-away SQLite file.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +30,6 @@ from websockets.typing import Subprotocol
 
 from server import events, groups, ledger, packets
 from server.bench import fresh_ids
-from server.client import HubClient
 from server.core import open_core
 from server.protocol import SUBPROTOCOL_MSGPACK
 from server.redisnodes import RedisNodes
@@ -42,13 +39,32 @@ from server.tokens import make_token
 SECRET = "bench-secret"
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU a process has used, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _tree(pid: int) -> list[int]:
+    """A process and its descendants (a hub run with ``--workers`` is a supervisor and its workers)."""
+    pids, i = [pid], 0
+    while i < len(pids):
+        try:
+            children = Path(f"/proc/{pids[i]}/task/{pids[i]}/children").read_text().split()
+        except OSError:
+            children = []
+        pids += [int(c) for c in children]
+        i += 1
+    return pids
 
 
-async def _redis_cpu_seconds(nodes: RedisNodes) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU a process and its descendants have used, from /proc."""
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+async def redis_cpu_seconds(nodes: RedisNodes) -> float:
     """CPU seconds used so far by every master of the configured Redis (one server, or a cluster's)."""
     total = 0.0
     for client in nodes.masters().values():
@@ -57,16 +73,22 @@ async def _redis_cpu_seconds(nodes: RedisNodes) -> float:
     return total
 
 
-def _memory_kb(pid: int, field: str) -> int:
-    """A memory figure of a process from /proc: VmRSS (now) or VmHWM (peak)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
+def memory_kb(pid: int, field: str) -> int:
+    """A memory figure of a process and its descendants from /proc: VmRSS (now) or VmHWM (peak)."""
+    total = 0
+    for p in _tree(pid):
+        try:
+            lines = Path(f"/proc/{p}/status").read_text().splitlines()
+        except OSError:
+            continue
+        total += sum(int(line.split()[1]) for line in lines if line.startswith(field + ":"))
+    return total
 
 
 @asynccontextmanager
-async def _process(args: list[str], env: dict[str, str], pattern: str) -> AsyncIterator[tuple[str, int]]:
+async def server_process(
+    args: list[str], env: dict[str, str], pattern: str
+) -> AsyncIterator[tuple[str, int]]:
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # noqa: ASYNC220
     if proc.stdout is None:
         raise RuntimeError("no pipe")
@@ -92,7 +114,7 @@ async def _process(args: list[str], env: dict[str, str], pattern: str) -> AsyncI
         proc.stdout.close()
 
 
-def _hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:
+def hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:
     return child_env(
         REDPACKET_REDIS_URL=settings.redis_url,
         REDPACKET_QUEUE_REDIS_URL=settings.queue_redis_url,
@@ -112,19 +134,19 @@ def _hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:
     )
 
 
-def _hub(settings: Settings, db_url: str, **extra: str) -> Any:
-    return _process(
-        [sys.executable, "-m", "server", "serve", "--port", "0"],
-        _hub_env(settings, db_url, **extra),
+def hub_process(settings: Settings, db_url: str, workers: int = 1, **extra: str) -> Any:
+    return server_process(
+        [sys.executable, "-m", "server", "serve", "--port", "0", "--workers", str(workers)],
+        hub_env(settings, db_url, **extra),
         r"websocket (ws://\S+)",
     )
 
 
-def _bare(mode: str) -> Any:
-    return _process([sys.executable, "-m", "server.hubbench", mode], child_env(), r"bare on (ws://\S+)")
+def bare_process(mode: str) -> Any:
+    return server_process([sys.executable, "-m", "server.hubbench", mode], child_env(), r"bare on (ws://\S+)")
 
 
-async def _world(settings: Settings, db_url: str, users: int, topup: int) -> tuple[int, int, list[int]]:
+async def make_world(settings: Settings, db_url: str, users: int, topup: int) -> tuple[int, int, list[int]]:
     """Users (the first is the admin), one group with all of them, money for the admin."""
     s = settings.with_(database_url=db_url, max_count=1000, max_total_cents=10**9)
     async with open_core(s) as core:
@@ -138,11 +160,11 @@ async def _world(settings: Settings, db_url: str, users: int, topup: int) -> tup
     return ids[0], group, ids
 
 
-def _token(user: int) -> str:
+def token(user: int) -> str:
     return make_token(SECRET.encode(), user, int(time.time()), 3600)
 
 
-async def _send_packets(
+async def send_packets(
     settings: Settings, db_url: str, admin: int, group: int, n: int, count: int
 ) -> list[int]:
     s = settings.with_(database_url=db_url, max_count=1000, max_total_cents=10**9)
@@ -159,8 +181,8 @@ async def _send_packets(
 async def bench_hub_grab(settings: Settings, connections: int = 100, packets_n: int = 40) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
-    admin, group, ids = await _world(settings, db_url, connections + 1, 10**8)
-    pids = await _send_packets(settings, db_url, admin, group, packets_n, connections)
+    admin, group, ids = await make_world(settings, db_url, connections + 1, 10**8)
+    pids = await send_packets(settings, db_url, admin, group, packets_n, connections)
     figures: dict[str, Any] = {"connections": connections, "round_trips": connections * packets_n}
     # The same raw client on both sides: send one msgpack frame, read one frame back and decode it.
     sub = [Subprotocol(SUBPROTOCOL_MSGPACK)]
@@ -180,36 +202,36 @@ async def bench_hub_grab(settings: Settings, connections: int = 100, packets_n: 
     ping_frames = [msgpack.packb({"id": i, "type": "ping"}) for i in range(packets_n)]
     n = connections * packets_n
     redis = await RedisNodes(settings.redis_url, 4).open()
-    async with _hub(settings, db_url) as (ws_url, hub_pid):
+    async with hub_process(settings, db_url) as (ws_url, hub_pid):
         conns = [
-            await connect(f"{ws_url}?token={_token(u)}", subprotocols=sub, compression=None) for u in ids[1:]
+            await connect(f"{ws_url}?token={token(u)}", subprotocols=sub, compression=None) for u in ids[1:]
         ]
         for ws in conns:
             await ws.recv()  # welcome; no sync, so no group events are sent to these sockets
         for kind, frames in (("grab", grab_frames), ("ping", ping_frames)):
-            cpu, redis_cpu = _cpu_seconds(hub_pid), await _redis_cpu_seconds(redis)
+            cpu, redis_cpu = cpu_seconds(hub_pid), await redis_cpu_seconds(redis)
             start = time.perf_counter()
             await asyncio.gather(*(lane(ws, frames, kind) for ws in conns))
             figures[f"hub_{kind}s_per_s"] = round(n / (time.perf_counter() - start))
             # CPU per round trip: where the time goes on a machine whose two cores all of it shares.
-            figures[f"hub_cpu_us_per_{kind}"] = round((_cpu_seconds(hub_pid) - cpu) * 1e6 / n)
-            redis_used = await _redis_cpu_seconds(redis) - redis_cpu
+            figures[f"hub_cpu_us_per_{kind}"] = round((cpu_seconds(hub_pid) - cpu) * 1e6 / n)
+            redis_used = await redis_cpu_seconds(redis) - redis_cpu
             figures[f"redis_cpu_us_per_{kind}"] = round(redis_used * 1e6 / n)
         for ws in conns:
             await ws.close()
     await redis.aclose()
-    async with _bare("echo") as (ws_url, bare_pid):
+    async with bare_process("echo") as (ws_url, bare_pid):
         conns = [await connect(ws_url, compression=None) for _ in range(connections)]
-        cpu = _cpu_seconds(bare_pid)
+        cpu = cpu_seconds(bare_pid)
         start = time.perf_counter()
         await asyncio.gather(*(lane(ws, grab_frames, None) for ws in conns))
         figures["bare_echo_per_s"] = round(n / (time.perf_counter() - start))
-        figures["bare_cpu_us_per_echo"] = round((_cpu_seconds(bare_pid) - cpu) * 1e6 / n)
+        figures["bare_cpu_us_per_echo"] = round((cpu_seconds(bare_pid) - cpu) * 1e6 / n)
         for ws in conns:
             await ws.close()
     figures["ratio"] = round(figures["hub_grabs_per_s"] / figures["bare_echo_per_s"], 3)
     figures["ping_ratio"] = round(figures["hub_pings_per_s"] / figures["bare_echo_per_s"], 3)
-    return _report("hub-grab", figures)
+    return report("hub-grab", figures)
 
 
 # -- bench fanout --------------------------------------------------------------------------------------
@@ -227,14 +249,12 @@ async def _receive_all(conns: list[ClientConnection], n: int) -> float:
 async def bench_fanout(settings: Settings, members: int = 500, events_n: int = 200) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
-    _, group, ids = await _world(settings, db_url, members, 1)
+    _, group, ids = await make_world(settings, db_url, members, 1)
     figures: dict[str, Any] = {"members": members, "events": events_n, "deliveries": members * events_n}
-    async with _hub(settings, db_url) as (ws_url, _):
+    async with hub_process(settings, db_url) as (ws_url, _):
         # Raw sockets on both sides: the client does the same work per frame (receive, no decode).
         sub = [Subprotocol(SUBPROTOCOL_MSGPACK)]
-        conns = [
-            await connect(f"{ws_url}?token={_token(u)}", subprotocols=sub, compression=None) for u in ids
-        ]
+        conns = [await connect(f"{ws_url}?token={token(u)}", subprotocols=sub, compression=None) for u in ids]
         sync = msgpack.packb({"id": 1, "type": "sync", "groups": {str(group): None}})
         for ws in conns:
             await ws.recv()  # welcome
@@ -249,7 +269,7 @@ async def bench_fanout(settings: Settings, members: int = 500, events_n: int = 2
         figures["hub_deliveries_per_s"] = round(members * events_n / (time.perf_counter() - start))
         for ws in conns:
             await ws.close()
-    async with _bare("broadcast") as (ws_url, _):
+    async with bare_process("broadcast") as (ws_url, _):
         conns = [await connect(f"{ws_url}?n={members}", compression=None) for _ in range(members)]
         start = time.perf_counter()
         await conns[0].send(json.dumps({"events": events_n}))
@@ -258,90 +278,10 @@ async def bench_fanout(settings: Settings, members: int = 500, events_n: int = 2
         for ws in conns:
             await ws.close()
     figures["ratio"] = round(figures["hub_deliveries_per_s"] / figures["bare_broadcast_per_s"], 3)
-    return _report("fanout", figures)
+    return report("fanout", figures)
 
 
-# -- bench hot -------------------------------------------------------------------------------------------
-
-
-async def bench_hot(settings: Settings, clients_n: int = 10_000, shares: int = 1_000) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
-    db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
-    admin, group, ids = await _world(settings, db_url, clients_n + 1, 10**8)
-    figures: dict[str, Any] = {"clients": clients_n, "shares": shares}
-    async with _hub(settings, db_url, REDPACKET_WS_PING_INTERVAL="120") as (ws_url, hub_pid):
-        figures["hub_rss_empty_mb"] = round(_memory_kb(hub_pid, "VmRSS") / 1024, 1)
-        start = time.perf_counter()
-        # What the room is sent, counted as it arrives (10,000 clients keeping every event would make
-        # the bench process, not the hub, the bottleneck).
-        delivered = {"frames": 0, "items": 0, "finished": 0}
-        all_finished = asyncio.Event()
-
-        def count(ev: dict[str, Any]) -> None:
-            delivered["frames"] += 1
-            if ev["event"] == "grabs":
-                delivered["items"] += len(ev["data"]["grabs"])
-            elif ev["event"] == "finished":
-                delivered["finished"] += 1
-                if delivered["finished"] == clients_n:
-                    all_finished.set()
-
-        clients: list[HubClient] = []
-        for i in range(0, clients_n, 500):
-            clients += await asyncio.gather(
-                *(HubClient.connect(ws_url, _token(u), on_event=count) for u in ids[1 + i : 1 + i + 500])
-            )
-        figures["connect_s"] = round(time.perf_counter() - start, 2)
-        for i in range(0, clients_n, 1000):
-            await asyncio.gather(*(c.sync() for c in clients[i : i + 1000]))
-        figures["hub_rss_connected_mb"] = round(_memory_kb(hub_pid, "VmRSS") / 1024, 1)
-        (packet_id,) = await _send_packets(settings, db_url, admin, group, 1, shares)
-        latencies: list[float] = []
-        outcomes: dict[str, int] = {}
-
-        async def grab(c: HubClient) -> None:
-            t = time.perf_counter()
-            try:
-                outcome = (await c.request("grab", group=group, packet=packet_id, timeout=120))["outcome"]
-            except Exception as e:
-                outcome = getattr(e, "code", type(e).__name__)
-            latencies.append(time.perf_counter() - t)
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
-
-        start = time.perf_counter()
-        await asyncio.gather(*(grab(c) for c in clients))
-        figures["all_replies_s"] = round(time.perf_counter() - start, 3)
-        latencies.sort()
-        figures["reply_p50_ms"] = round(statistics.median(latencies) * 1000, 1)
-        figures["reply_p99_ms"] = round(latencies[int(len(latencies) * 0.99) - 1] * 1000, 1)
-        figures["outcomes"] = outcomes
-        # Every client's events up to the packet's "finished" (the last one).
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(all_finished.wait(), 120)
-        figures["event_frames_delivered"] = delivered["frames"]
-        figures["grab_items_delivered"] = delivered["items"]
-        figures["finished_delivered"] = delivered["finished"]
-        figures["hub_rss_peak_mb"] = round(_memory_kb(hub_pid, "VmHWM") / 1024, 1)
-        figures["rss_per_connection_kb"] = round(
-            (figures["hub_rss_connected_mb"] - figures["hub_rss_empty_mb"]) * 1024 / clients_n, 1
-        )
-        s = settings.with_(database_url=db_url)
-        async with open_core(s) as core:
-            view = await packets.open_packet(core, packet_id, group, admin)
-            figures["time_to_empty_ms"] = view.duration_ms
-            figures["redis_paid_cents"] = sum(g.amount for g in view.grabs)
-            row = await core.db.fetchone(
-                "SELECT SUM(amount), COUNT(*) FROM red_packet_shares WHERE packet_id = %s", (packet_id,)
-            )
-            total = int(row[0]) if row else 0
-            figures["over_issue_cents"] = figures["redis_paid_cents"] - total
-            figures["distinct_winners"] = len({g.user_id for g in view.grabs})
-        for i in range(0, clients_n, 1000):
-            await asyncio.gather(*(c.close() for c in clients[i : i + 1000]))
-    return _report("hot", figures)
-
-
-def _report(name: str, figures: dict[str, Any]) -> dict[str, Any]:
+def report(name: str, figures: dict[str, Any]) -> dict[str, Any]:
     print(f"{name} benchmark")
     for k, v in figures.items():
         print(f"  {k:<28} {v}")

@@ -397,6 +397,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
             "version": protocol.VERSION,
             "user": user_id,
             "connection": conn.id,
+            "hub": hub.id,
             "groups": mine,
             "server_ms": int(time.time() * 1000),
         }

@@ -139,10 +139,10 @@ def hub_env(settings: Settings) -> dict[str, str]:
 
 
 @asynccontextmanager
-async def hub_process(settings: Settings) -> AsyncIterator[HubUnderTest]:
-    """``redpacket serve`` as its own process."""
+async def hub_process(settings: Settings, *args: str) -> AsyncIterator[HubUnderTest]:
+    """``redpacket serve`` (with ``args``) as its own process."""
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once per test, not on a hot path
-        [sys.executable, "-m", "server", "serve", "--port", "0"],
+        [sys.executable, "-m", "server", "serve", "--port", "0", *args],
         env=hub_env(settings),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from websockets.exceptions import ConnectionClosed
 from server import bots, keys, protocol
 from server.botscore import Attempt
 from server.client import HubClient, HubError
+from server.known import Closed, local_refusal
 from server.ledger import now_ms
 from server.settings import Settings
 from server.tokens import make_token
@@ -550,3 +552,63 @@ async def test_a_fresh_sync_lists_only_packets_that_can_still_be_grabbed(h: HubU
     assert [p["packet_id"] for p in state["packets"]] == [open_one["packet_id"]]
     for c in (admin, member, fresh):
         await c.close()
+
+
+def _answered_locally(h: HubUnderTest) -> float:
+    return float(h.hub.metrics.grabs_answered_locally._value.get())
+
+
+async def test_grabs_of_a_closed_or_unknown_packet_are_answered_by_the_hub(h: HubUnderTest) -> None:
+    room = await make_room(h, 3, "closed")
+    admin = await h.client(room.admin_token)
+    winner = await h.client(room.members[0][1])
+    late = await h.client(room.members[1][1])
+    sent = await admin.request("send", group=room.group, total=100, count=1)
+    won = await winner.request("grab", group=room.group, packet=sent["packet_id"])
+    assert (won["outcome"], won["remaining"]) == ("won", 0)
+    # The last share went: the hub reads the packet's final state once, then answers from memory.
+    await eventually(lambda: sent["packet_id"] in h.hub.known.closed)
+    before = _answered_locally(h)
+    with pytest.raises(HubError) as e:
+        await late.request("grab", group=room.group, packet=sent["packet_id"])
+    assert e.value.code == "packet_empty"
+    assert _answered_locally(h) == before + 1
+    # The winner's repeat still goes to Redis, and answers the same share.
+    again = await winner.request("grab", group=room.group, packet=sent["packet_id"])
+    assert (again["outcome"], again["amount"], again["seq"]) == ("already", won["amount"], won["seq"])
+    assert _answered_locally(h) == before + 1
+    # After Redis may have lost writes (a new generation), nothing known before is used.
+    h.core.nodes.identities.generation += 1
+    with pytest.raises(HubError) as e:
+        await late.request("grab", group=room.group, packet=sent["packet_id"])
+    assert e.value.code == "packet_empty"
+    assert _answered_locally(h) == before + 1
+    # An id that is no packet: the first grab asks the database, the next is answered from memory.
+    bogus = sent["packet_id"] + 1_000_000
+    for answered in (before + 1, before + 2):
+        with pytest.raises(HubError) as e:
+            await late.request("grab", group=room.group, packet=bogus)
+        assert e.value.code == "packet_not_found"
+        assert _answered_locally(h) == answered
+    for c in (admin, winner, late):
+        await c.close()
+
+
+def test_a_local_answer_is_the_one_the_grab_script_gives() -> None:
+    c = Closed(
+        group=1,
+        winners=frozenset({7}),
+        expires_ms=10_000,
+        target=None,
+        closed=False,
+        empty=True,
+        generation=1,
+    )
+    assert local_refusal(c, 1, 8, 5_000) == "packet_empty"
+    assert local_refusal(c, 1, 7, 5_000) is None  # a winner: only Redis answers their share
+    assert local_refusal(c, 2, 8, 5_000) is None  # another group: Redis answers "no such packet"
+    assert local_refusal(c, 1, 8, 10_000) == "packet_expired"
+    assert local_refusal(dataclasses.replace(c, closed=True), 1, 8, 5_000) == "packet_expired"
+    exclusive = dataclasses.replace(c, target=9)
+    assert local_refusal(exclusive, 1, 8, 5_000) == "not_target"
+    assert local_refusal(dataclasses.replace(c, empty=False), 1, 8, 5_000) is None

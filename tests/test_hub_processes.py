@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from typing import Any
 
@@ -11,7 +12,7 @@ from websockets.exceptions import ConnectionClosed
 from server import keys, protocol
 from server.client import HubClient
 from server.settings import Settings
-from tests.hubtools import hub_process
+from tests.hubtools import eventually, hub_process
 
 
 async def _members(h: Any, n: int, prefix: str) -> tuple[int, str, int, list[tuple[int, str]]]:
@@ -148,3 +149,56 @@ async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> N
             assert (await reconcile(core.db)).ok
         for c in [admin, *doomed]:
             await c.close()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+async def test_serve_workers_share_a_port_replace_a_dead_one_and_stop_together(
+    hub_settings: Settings,
+) -> None:
+    async with hub_process(hub_settings, "--workers", "2") as h:
+        assert h.process is not None
+        supervisor = h.process.pid
+        await eventually(lambda: len(_children(supervisor)) == 2, 30)
+        _, token, group, people = await _members(h, 40, "w")
+        # The kernel hands each connection to one of the two processes: connect until both hold some.
+        clients: list[HubClient] = []
+        hubs: dict[str, list[HubClient]] = {}
+        for _, t in people:
+            c = await h.client(t)
+            clients.append(c)
+            hubs.setdefault(str(c.welcome["hub"]), []).append(c)
+        if len(hubs) < 2:  # all landed on one (possible on an idle machine): connect in parallel
+            more = await asyncio.gather(*(h.client(t) for _, t in people))
+            clients += more
+            for c in more:
+                hubs.setdefault(str(c.welcome["hub"]), []).append(c)
+        assert len(hubs) == 2
+        # One room across both processes: a chat from one is seen on the other, once.
+        on_first, on_second = hubs.values()
+        said = await on_first[0].request("chat", group=group, text="across processes")
+        ev = await on_second[0].next_event(timeout=30)
+        while ev["event"] != "chat":  # presence events of the members joining come first
+            ev = await on_second[0].next_event(timeout=30)
+        assert (ev["event"], ev["offset"], ev["data"]["text"]) == ("chat", said["offset"], "across processes")
+        # kill -9 of one hub process: the supervisor starts another; the other's sockets stay up.
+        victim = _children(supervisor)[0]
+        os.kill(victim, signal.SIGKILL)
+        await eventually(lambda: len(_children(supervisor)) == 2 and victim not in _children(supervisor), 30)
+        survivors = [c for c in clients if c.ws.close_code is None]
+        assert survivors, "the sockets of the process that was not killed stay open"
+        await survivors[0].request("ping")
+        replacement = await h.client(token)
+        assert (await replacement.request("ping"))["ts"] > 0
+        for c in [*clients, replacement]:
+            await c.close()
+        # SIGTERM to the supervisor: every hub process drains and exits, and so does it, with 0.
+        h.process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(h.process.wait, 60) == 0
+        assert _children(supervisor) == []

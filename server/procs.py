@@ -1,0 +1,84 @@
+"""``redpacket serve --workers N``: N hub processes on one listening socket.
+
+Python runs one core per process; a hub is one process. All of a hub's state that matters is in Redis
+and the database, so N hubs on one machine are N independent hubs (each with its own pub/sub connection,
+presence and announcements) that happen to share a port: the kernel hands each new connection to one of
+them. The supervisor (this module) binds the socket, forks the workers, restarts one that dies, and on
+SIGTERM / SIGINT passes the signal on and waits while each drains (``REDPACKET_SHUTDOWN_SECONDS``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+# A worker that dies this soon after it started is failing at start: wait before starting it again.
+FAILING_START_SECONDS = 5.0
+
+
+def supervise(n: int, run_one: Callable[[], None], poll_seconds: float = 0.2) -> int:
+    """Run ``run_one`` in ``n`` forked processes until a signal says stop; the exit code."""
+    children: dict[int, tuple[int, float]] = {}  # pid → (slot, started at)
+    stopping = False
+
+    def start(slot: int) -> None:
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                run_one()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0
+            except KeyboardInterrupt:
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+        children[pid] = (slot, time.monotonic())
+
+    def stop(signum: int, _: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    for slot in range(n):
+        start(slot)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    failed = 0
+    while children:
+        time.sleep(poll_seconds)
+        for pid, (slot, started) in list(children.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if not done:
+                continue
+            del children[pid]
+            code = os.waitstatus_to_exitcode(status)
+            if stopping:
+                continue
+            log.error("hub worker %d (pid %d) exited with %d; starting another", slot, pid, code)
+            if time.monotonic() - started < FAILING_START_SECONDS:
+                failed += 1
+                time.sleep(min(30.0, FAILING_START_SECONDS * failed))
+            else:
+                failed = 0
+            if not stopping:
+                start(slot)
+    return 0
