@@ -129,16 +129,23 @@ async def _burst(
     return figures
 
 
-async def _connect(clients: ClientProcs, url: str, tokens: list[str] | int, group: int | None) -> Any:
+async def _phase(clients: ClientProcs, commands: list[dict[str, Any]], server_pid: int) -> dict[str, float]:
+    """A phase every client process runs (connect, sync): how long it took, the CPU of each side."""
+    cpu = hubbench.cpu_seconds(server_pid)
+    answers = await clients.ask(commands)
+    return {
+        "s": round(max(a["done"] for a in answers) - min(a["began"] for a in answers), 2),
+        "server_cpu_s": round(hubbench.cpu_seconds(server_pid) - cpu, 2),
+        "client_cpu_s": round(sum(a["cpu"] for a in answers), 2),
+    }
+
+
+async def _connect(
+    clients: ClientProcs, url: str, tokens: list[str] | int, server_pid: int
+) -> dict[str, float]:
     n = len(clients.procs)
     parts = _slices(tokens, n) if isinstance(tokens, list) else [tokens // n] * n
-    answers = await clients.ask(
-        [{"cmd": "connect", "url": url, "tokens": part, "sync": group} for part in parts]
-    )
-    return (
-        round(max(a["done"] for a in answers) - min(a["began"] for a in answers), 2),
-        round(sum(a["cpu"] for a in answers), 2),
-    )
+    return await _phase(clients, [{"cmd": "connect", "url": url, "tokens": p} for p in parts], server_pid)
 
 
 async def _send_and_announce(settings: Settings, db_url: str, admin: int, group: int, shares: int) -> int:
@@ -162,7 +169,10 @@ async def bench_hot(
     try:
         # 1. The bare echo: connecting, then one frame from every client at once.
         async with hubbench.bare_process("echo") as (ws_url, bare_pid):
-            figures["echo_connect_s"], _ = await _connect(clients, ws_url, clients_n, None)
+            connect = await _connect(clients, ws_url, clients_n, bare_pid)
+            figures["echo_connect_s"] = connect["s"]
+            figures["echo_connect_server_cpu_s"] = connect["server_cpu_s"]
+            figures["echo_connect_client_cpu_s"] = connect["client_cpu_s"]
             echo = await _burst(clients, msgpack.packb({"id": 1, "type": "ping"}), bare_pid, None, False)
             await clients.ask([{"cmd": "close"}] * client_procs)
         figures["echo_all_replies_s"] = echo["all_replies_s"]
@@ -180,9 +190,14 @@ async def bench_hot(
             await asyncio.sleep(0.5 if workers > 1 else 0)  # every worker is listening (each says so)
             rss_empty = hubbench.memory_kb(hub_pid, "VmRSS")
             tokens = [hubbench.token(u) for u in ids[1:]]
-            figures["hub_connect_s"], figures["connect_client_cpu_s"] = await _connect(
-                clients, ws_url, tokens, group
-            )
+            connect = await _connect(clients, ws_url, tokens, hub_pid)
+            figures["hub_connect_s"] = connect["s"]
+            figures["hub_connect_server_cpu_s"] = connect["server_cpu_s"]
+            figures["hub_connect_client_cpu_s"] = connect["client_cpu_s"]
+            # Then every client syncs the group (the hub sends it the room's events from then on).
+            sync = await _phase(clients, [{"cmd": "sync", "group": group}] * client_procs, hub_pid)
+            figures["hub_sync_s"] = sync["s"]
+            figures["hub_sync_server_cpu_s"] = sync["server_cpu_s"]
             rss_idle = hubbench.memory_kb(hub_pid, "VmRSS")
             figures["rss_per_connection_kb"] = round((rss_idle - rss_empty) / clients_n, 1)
             packet_id = await _send_and_announce(settings, db_url, admin, group, shares)
@@ -239,6 +254,8 @@ def _client_main() -> None:
             self.shown = 0
             self.all_shown = asyncio.Event()
             self.frames = 0
+            self.synced = 0
+            self.all_synced = asyncio.Event()
 
     class Client(WSListener):
         def __init__(self, shared: Shared, echo: bool) -> None:
@@ -267,7 +284,9 @@ def _client_main() -> None:
             if self.echo or data[6:12] == b"\xa5reply":
                 if self.sync_pending:  # the sync's reply: this client is live in the room
                     self.sync_pending = False
-                    self.ready.set_result(None)
+                    shared.synced += 1
+                    if shared.synced == len(CLIENTS):
+                        shared.all_synced.set()
                     return
                 self.replied_at = time.monotonic()
                 reply: Any = (
@@ -278,13 +297,8 @@ def _client_main() -> None:
                 if shared.replies == shared.expected:
                     shared.all_replied.set()
             elif data[6:14] == b"\xa7welcome":
-                if self.ready.done():
-                    return
-                if self.shared.expected < 0:  # no sync wanted
+                if not self.ready.done():
                     self.ready.set_result(None)
-                    return
-                self.sync_pending = True
-                transport.send(WSMsgType.BINARY, SYNC[0])
             elif b"\xa6packet\xa4data" in data and not self.seen_packet:
                 self.seen_packet = True
                 shared.shown += 1
@@ -296,7 +310,6 @@ def _client_main() -> None:
                 if shared.finished == shared.wait_finished:
                     shared.all_finished.set()
 
-    SYNC: list[bytes] = [b""]
     CLIENTS: list[Client] = []
 
     async def connect(shared: Shared, url: str, echo: bool, window: asyncio.Semaphore) -> Client:
@@ -327,16 +340,21 @@ def _client_main() -> None:
                     if echo
                     else [f"{command['url']}?token={t}" for t in command["tokens"]]
                 )
-                if command["sync"] is not None:
-                    SYNC[0] = msgpack.packb({"id": 0, "type": "sync", "groups": {str(command["sync"]): None}})
-                    shared.expected = 0
-                else:
-                    shared.expected = -1
                 cpu, began = time.process_time(), time.monotonic()
                 window = asyncio.Semaphore(WINDOW)
                 CLIENTS.extend(await asyncio.gather(*(connect(shared, u, echo, window) for u in targets)))
                 gc.collect()
                 gc.freeze()
+                say({"began": began, "done": time.monotonic(), "cpu": time.process_time() - cpu})
+            elif cmd == "sync":
+                frame = msgpack.packb({"id": 0, "type": "sync", "groups": {str(command["group"]): None}})
+                shared.synced = 0
+                cpu, began = time.process_time(), time.monotonic()
+                for c in CLIENTS:
+                    c.sync_pending = True
+                    assert c.transport is not None
+                    c.transport.send(WSMsgType.BINARY, frame)
+                await asyncio.wait_for(shared.all_synced.wait(), 300)
                 say({"began": began, "done": time.monotonic(), "cpu": time.process_time() - cpu})
             elif cmd == "await_packet":
                 await asyncio.wait_for(shared.all_shown.wait(), 120)
@@ -376,8 +394,9 @@ def _client_main() -> None:
                     if c.transport is not None:
                         c.transport.disconnect()
                 CLIENTS.clear()
-                shared.finished = shared.shown = 0
+                shared.finished = shared.shown = shared.synced = 0
                 shared.all_finished.clear()
+                shared.all_synced.clear()
                 shared.all_shown.clear()
                 gc.unfreeze()
                 say({"closed": True})

@@ -290,16 +290,32 @@ _OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
 async def _grab(s: Session, group: int, packet_id: int) -> dict[str, Any]:
     started = time.perf_counter()
     metrics = s.hub.metrics
+    kp = s.hub.known
+    # In a storm, grabs beyond the shares left wait here, and most are then answered from memory.
+    if not await kp.admit(packet_id):
+        refusal = kp.refusal(group, packet_id, s.conn.user_id)
+        if refusal is not None:
+            metrics.grab_outcomes.labels(_OUTCOMES.get(refusal, "denied")).inc()
+            metrics.grabs_answered_locally.inc()
+            metrics.grab_seconds.observe(time.perf_counter() - started)
+            raise known.refusal_error(refusal)
+        kp.go(packet_id)
+    remaining: int | None = None
     try:
         r = await packets.grab(s.core, packet_id, group, s.conn.user_id, gate=True)
+        remaining = r.remaining
+        if remaining == 0:
+            kp.saw_closed(group, packet_id)
     except RedPacketError as e:
         metrics.grab_outcomes.labels(_OUTCOMES.get(e.code, "denied")).inc()
         if e.code in _OUTCOMES:
-            s.hub.known.saw_closed(group, packet_id)
+            remaining = 0
+            kp.saw_closed(group, packet_id)
         elif e.code == errors.PACKET_NOT_FOUND:
-            s.hub.known.saw_unknown(group, packet_id)
+            kp.saw_unknown(group, packet_id)
         raise
     finally:
+        kp.landed(packet_id, remaining)
         metrics.grab_seconds.observe(time.perf_counter() - started)
     metrics.grab_outcomes.labels(r.outcome).inc()
     if r.outcome == "won":
@@ -307,8 +323,6 @@ async def _grab(s: Session, group: int, packet_id: int) -> dict[str, Any]:
         if r.remaining == 0:
             # Exactly one grab empties a packet: it announces the result, after the grabs.
             s.hub.spawn(s.hub.announcer.finished(group, packet_id, s.conn.user_id))
-    if r.remaining == 0:
-        s.hub.known.saw_closed(group, packet_id)
     g = r.grab
     return {
         "packet": packet_id,

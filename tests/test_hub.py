@@ -12,7 +12,7 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
-from server import bots, keys, protocol
+from server import bots, keys, known, protocol
 from server.botscore import Attempt
 from server.client import HubClient, HubError
 from server.known import Closed, local_refusal
@@ -612,3 +612,32 @@ def test_a_local_answer_is_the_one_the_grab_script_gives() -> None:
     exclusive = dataclasses.replace(c, target=9)
     assert local_refusal(exclusive, 1, 8, 5_000) == "not_target"
     assert local_refusal(dataclasses.replace(c, empty=False), 1, 8, 5_000) is None
+
+
+async def test_a_storm_sends_redis_about_as_many_grabs_as_shares(
+    h: HubUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(known, "FIRST_FLIGHT", 2)
+    monkeypatch.setattr(known, "MIN_FLIGHT", 1)
+    room = await make_room(h, 30, "storm")
+    admin = await h.client(room.admin_token)
+    members = [await h.client(t) for _, t in room.members]
+    sent = await admin.request("send", group=room.group, total=300, count=3)
+    before = _answered_locally(h)
+
+    async def grab(c: HubClient) -> tuple[str, int]:
+        try:
+            r = await c.request("grab", group=room.group, packet=sent["packet_id"])
+            return str(r["outcome"]), int(r["amount"])
+        except HubError as e:
+            return e.code, 0
+
+    got = await asyncio.gather(*(grab(c) for c in members))
+    assert sorted(o for o, _ in got).count("won") == 3
+    assert [o for o, _ in got].count("packet_empty") == 27
+    assert sum(a for _, a in got) == 300
+    # Most of the 27 waited for a slot and were answered from the packet's final state.
+    assert _answered_locally(h) - before >= 20
+    assert h.hub.known.flights == {}
+    for c in [admin, *members]:
+        await c.close()
