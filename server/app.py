@@ -7,6 +7,7 @@ under ``redpacket up``, an in-process credit worker. HTTP callers authenticate w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -25,6 +26,7 @@ from starlette.staticfiles import StaticFiles
 from server import errors, groups, ledger, packets, text
 from server.core import Core, open_core, unavailable
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
+from server.gcpolicy import keep_collections_out_of_bursts
 from server.hub import Hub
 from server.metrics import HubMetrics
 from server.protocol import MAX_ID
@@ -272,8 +274,10 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(settings: Settings, run_worker: bool = False) -> Starlette:
-    """The hub app for ``settings``; nothing connects until the lifespan starts."""
+def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = False) -> Starlette:
+    """The hub app for ``settings``; nothing connects until the lifespan starts. ``manage_gc``: this
+    process is the hub's own (``redpacket serve`` / ``up``): keep collections out of bursts
+    (``server.gcpolicy``)."""
     if not settings.secret:
         raise ValueError("REDPACKET_SECRET is required to sign tokens")
 
@@ -282,13 +286,25 @@ def create_app(settings: Settings, run_worker: bool = False) -> Starlette:
         app.state.metrics = HubMetrics()
         async with open_core(settings) as core, Hub(core, app.state.metrics) as hub:
             app.state.core, app.state.hub = core, hub
-            if run_worker:
-                from worker.main import running_worker
+            frames = app.state.metrics.frames_in
+            keeper = (
+                asyncio.create_task(keep_collections_out_of_bursts(lambda: float(frames._value.get())))
+                if manage_gc
+                else None
+            )
+            try:
+                if run_worker:
+                    from worker.main import running_worker
 
-                async with running_worker(core):
+                    async with running_worker(core):
+                        yield
+                else:
                     yield
-            else:
-                yield
+            finally:
+                if keeper is not None:
+                    keeper.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await keeper
 
     return Starlette(
         routes=[

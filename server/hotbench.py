@@ -91,12 +91,23 @@ def _slices(items: list[Any], n: int) -> list[list[Any]]:
     return [items[i::n] for i in range(n)]
 
 
-def _gc_max_pause_ms(http_url: str) -> float:
-    """The hub's longest garbage-collector pause so far (``redpacket_hub_gc_pause_max_seconds``)."""
+def _gc_pauses(http_url: str) -> dict[str, float]:
+    """The hub's garbage-collector pauses so far (``redpacket_hub_gc_pause_seconds``): how many, their
+    total, how many took over 10 ms, and the longest ever."""
     with urllib.request.urlopen(f"{http_url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    m = re.search(r"^redpacket_hub_gc_pause_max_seconds (\S+)$", text, re.MULTILINE)
-    return round(float(m[1]) * 1000, 1) if m else -1.0
+
+    def value(pattern: str) -> float:
+        m = re.search(pattern, text, re.MULTILINE)
+        return float(m[1]) if m else 0.0
+
+    count = value(r"^redpacket_hub_gc_pause_seconds_count (\S+)$")
+    return {
+        "n": count,
+        "s": value(r"^redpacket_hub_gc_pause_seconds_sum (\S+)$"),
+        "over_10ms": count - value(r'^redpacket_hub_gc_pause_seconds_bucket\{le="0.01"\} (\S+)$'),
+        "max": value(r"^redpacket_hub_gc_pause_max_seconds (\S+)$"),
+    }
 
 
 async def _burst(
@@ -203,14 +214,19 @@ async def bench_hot(
             packet_id = await _send_and_announce(settings, db_url, admin, group, shares)
             # Every client has been shown the packet before the burst (as a person would be).
             await clients.ask([{"cmd": "await_packet"}] * client_procs)
-            gc_before = _gc_max_pause_ms(http_url) if workers == 1 else -1.0
+            gc_before = _gc_pauses(http_url) if workers == 1 else None
             frame = msgpack.packb({"id": 1, "type": "grab", "group": group, "packet": packet_id})
             hub = await _burst(clients, frame, hub_pid, redis, True)
             figures.update({f"hub_{k}": v for k, v in hub.items() if k != "outcomes"})
             figures["outcomes"] = hub["outcomes"]
-            if workers == 1:
-                gc_after = _gc_max_pause_ms(http_url)
-                figures["hub_gc_max_pause_ms"] = gc_after if gc_after > gc_before else 0.0
+            if gc_before is not None:  # one process answers /metrics: the figures are its own
+                gc_after = _gc_pauses(http_url)
+                figures["hub_gc_pauses_in_burst"] = int(gc_after["n"] - gc_before["n"])
+                figures["hub_gc_ms_in_burst"] = round((gc_after["s"] - gc_before["s"]) * 1000, 1)
+                figures["hub_gc_pauses_over_10ms_in_burst"] = int(
+                    gc_after["over_10ms"] - gc_before["over_10ms"]
+                )
+                figures["hub_gc_longest_pause_ever_ms"] = round(gc_after["max"] * 1000, 1)
             figures["hub_rss_peak_mb"] = round(hubbench.memory_kb(hub_pid, "VmHWM") / 1024, 1)
             await clients.ask([{"cmd": "close"}] * client_procs)
         await redis.aclose()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -37,18 +38,25 @@ OffsetKey = tuple[int, int]
 class Connection:
     """One client socket as the hub sees it. A frame goes straight to the socket's transport while it
     takes more; otherwise it waits in a bounded queue, replies ahead of events, until the transport
-    drains (``server.wire``). A client whose queue overflows is too slow and is cut, never waited on."""
+    drains (``server.wire``). A client whose queue overflows is too slow and is cut, never waited on.
+    ``ended`` resolves when the client has gone or the hub decided to close it (``closing``)."""
+
+    # Ten thousand of these live in a hub: no per-instance dict, queues made only when needed.
+    __slots__ = (
+        "_events", "_replies", "announced", "close_code", "close_reason", "closing", "device", "ended",
+        "fmt", "groups", "held", "hub", "id", "last", "user_id", "wire",
+    )  # fmt: skip
 
     def __init__(self, hub: Hub, wire: HubWebSocket, user_id: int, fmt: Format, device: str = "") -> None:
         self.hub = hub
         self.wire = wire
         self.user_id = user_id
         self.fmt: Format = fmt
-        self.id = uuid.uuid4().hex[:12]
+        self.id = f"{hub.id[:6]}{next(hub.serial) & 0xFFFFFF:06x}"
         # Framed bytes waiting for the transport: replies go out before events (a grab's reply does not
         # wait behind the room's announcements); each kind keeps its own order.
-        self.replies: deque[bytes] = deque()
-        self.events: deque[bytes] = deque()
+        self._replies: deque[bytes] | None = None
+        self._events: deque[bytes] | None = None
         self.groups: set[int] = set()
         # Per group: the newest offset delivered; events of a group are held until the client syncs it.
         self.last: dict[int, OffsetKey] = {}
@@ -56,20 +64,36 @@ class Connection:
         # When each packet was shown on this socket (unix ms): the bot detector's reaction time.
         self.announced: dict[int, int] = {}
         self.device = device or self.id
-        self.closing = asyncio.Event()
+        self.closing = False
         self.close_code = protocol.CLOSE_NORMAL
         self.close_reason = ""
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def replies(self) -> deque[bytes]:
+        if self._replies is None:
+            self._replies = deque()
+        return self._replies
+
+    @property
+    def events(self) -> deque[bytes]:
+        if self._events is None:
+            self._events = deque()
+        return self._events
+
+    def waiting(self) -> int:
+        return (len(self._replies) if self._replies else 0) + (len(self._events) if self._events else 0)
 
     def _write(self, raw: bytes, queue: deque[bytes]) -> bool:
         """Write now if nothing it must follow waits and the transport takes it, else queue; False if it
         was dropped. A reply follows only replies; an event follows everything queued."""
-        if self.closing.is_set():
+        if self.closing:
             return False
-        if not queue and not self.replies and self.wire.writable_now:
+        if not queue and not self._replies and self.wire.writable_now:
             self.wire.write(raw)
             return True
         queue.append(raw)
-        if len(self.replies) + len(self.events) > self.hub.core.settings.send_queue_frames:
+        if self.waiting() > self.hub.core.settings.send_queue_frames:
             self.hub.metrics.send_queue_drops.inc()
             self.close(protocol.CLOSE_SLOW_CONSUMER, "send queue overflow: read faster")
             return False
@@ -78,12 +102,20 @@ class Connection:
     def push(self, payload: bytes | str, raw: bytes | None = None) -> bool:
         """Send an event frame (``raw``: the same payload already framed for a plain socket)."""
         framed = raw if raw is not None and self.wire.plain else self.wire.frame(payload)
+        if not self._events and not self._replies and not self.closing and self.wire.writable_now:
+            self.wire.write(framed)  # the common case, without touching the queues
+            return True
         return self._write(framed, self.events)
 
     def reply(self, message: dict[str, Any]) -> None:
         """Send a reply: ahead of any events still waiting for the transport."""
-        if self._write(self.wire.frame(protocol.encode(self.fmt, message)), self.replies):
-            self.hub.metrics.frames_out.inc()
+        framed = self.wire.frame(protocol.encode(self.fmt, message))
+        if self._replies or self.closing or not self.wire.writable_now:
+            if not self._write(framed, self.replies):
+                return
+        else:
+            self.wire.write(framed)
+        self.hub.metrics.frames_out.inc()
 
     def send(self, message: dict[str, Any]) -> None:
         """Send a frame in order with the events (a sync's reply after the events it replayed)."""
@@ -93,9 +125,14 @@ class Connection:
     def on_writable(self) -> None:
         """The transport drained: write what waits, replies first, until it is full again."""
         wire = self.wire
-        for queue in (self.replies, self.events):
+        for queue in (self._replies, self._events):
             while queue and wire.writable_now:
                 wire.write(queue.popleft())
+
+    def gone(self) -> None:
+        """The client went away (or the hub is shutting its socket)."""
+        if not self.ended.done():
+            self.ended.set_result(None)
 
     def deliver(self, group: int, key: OffsetKey, frame: bytes | str, raw: bytes | None = None) -> bool:
         """An event of ``group``: sent if this socket is live in the group and has not had it."""
@@ -123,9 +160,11 @@ class Connection:
         self.hub.metrics.frames_out.inc(sent)
 
     def close(self, code: int, reason: str) -> None:
-        if not self.closing.is_set():
+        """The hub closes this socket with ``code`` (after what is queued, if the client reads)."""
+        if not self.closing:
             self.close_code, self.close_reason = code, reason
-            self.closing.set()
+            self.closing = True
+            self.gone()
 
 
 class Hub:
@@ -133,6 +172,7 @@ class Hub:
         self.core = core
         self.metrics = metrics
         self.id = uuid.uuid4().hex[:12]
+        self.serial = itertools.count(1)
         self.by_group: dict[int, set[Connection]] = {}
         self.by_user: dict[int, set[Connection]] = {}
         # (group, user) → that user's local connections in the group: presence changes at 0 ↔ 1.
@@ -256,6 +296,8 @@ class Hub:
             [action, user, self.id, lapse],
         )
         if changed and action in ("join", "leave"):
+            if len(self.by_group.get(group, ())) > self.core.settings.presence_event_limit:
+                return  # more online here alone than events are sent for: no need to count them all
             online = await self.online_count(group)
             # In a big room join/leave events would outnumber everything else; clients ask instead.
             if online <= self.core.settings.presence_event_limit:
@@ -277,9 +319,13 @@ class Hub:
         every = max(1.0, self.core.settings.presence_lapse_seconds / 3)
         while True:
             await asyncio.sleep(every)
-            for g, user in list(self.local):
-                with contextlib.suppress(Exception):
-                    await self._presence(g, user, "refresh")
+            # A thousand at a time, each thousand in one pipeline (not one round trip per user).
+            pairs = list(self.local)
+            for i in range(0, len(pairs), 1000):
+                await asyncio.gather(
+                    *(self._presence(g, user, "refresh") for g, user in pairs[i : i + 1000]),
+                    return_exceptions=True,
+                )
 
     # -- pub/sub -------------------------------------------------------------------------------------
 

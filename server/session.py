@@ -42,6 +42,7 @@ class Session:
     ``WAITING_LIMIT``). Nothing cancels that task: a grab in flight is never cut."""
 
     WAITING_LIMIT = 32
+    __slots__ = ("bucket", "conn", "core", "hub", "inflight", "stopped", "strikes", "waiting")
 
     def __init__(self, hub: Hub, conn: Connection) -> None:
         self.hub = hub
@@ -51,7 +52,7 @@ class Session:
         self.bucket = TokenBucket(s.msgs_per_second, s.msgs_burst, time.monotonic())
         self.strikes = 0
         self.inflight: asyncio.Task[None] | None = None
-        self.waiting: deque[bytes | str] = deque()
+        self.waiting: deque[bytes | str] | None = None  # made when a frame has to wait
         self.stopped = False
 
     def member_of(self, body: dict[str, Any]) -> int:
@@ -64,6 +65,8 @@ class Session:
 
     def on_message(self, frame: bytes | str) -> None:
         if self.inflight is not None or self.waiting:
+            if self.waiting is None:
+                self.waiting = deque()
             self.waiting.append(frame)
             if len(self.waiting) >= self.WAITING_LIMIT:
                 self.conn.wire.hold_reading()
@@ -73,10 +76,13 @@ class Session:
     def on_writable(self) -> None:
         self.conn.on_writable()
 
+    def on_gone(self) -> None:
+        self.conn.gone()
+
     def stop(self) -> None:
         """The socket is gone: frames not started are dropped (the one in flight finishes)."""
         self.stopped = True
-        self.waiting.clear()
+        self.waiting = None
 
     # -- running requests -----------------------------------------------------------------------------
 
@@ -418,11 +424,10 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     )
     session = Session(hub, conn)
     wire.listen(session)  # frames that came before the welcome are handled now, in order
-    # What is left to the ASGI side: the disconnect, or our own decision to close.
-    gone = asyncio.ensure_future(ws.receive())
-    closing = asyncio.ensure_future(conn.closing.wait())
+    if wire.close_sent or wire.disconnected:
+        conn.gone()  # it ended before it was listened to
     try:
-        await asyncio.wait({gone, closing}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.shield(conn.ended)  # the client went, or the hub closes it
     finally:
         session.stop()
         await hub.leave(conn)
@@ -430,9 +435,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         if session.inflight is not None:
             with contextlib.suppress(Exception):
                 await session.inflight
-        gone.cancel()
-        closing.cancel()
-        if conn.closing.is_set() and not wire.disconnected:
+        if conn.closing and not wire.disconnected and not wire.close_sent:
             # Close with our code once what waits is written, unless the client stopped reading.
             try:
                 await asyncio.wait_for(ws.close(conn.close_code, conn.close_reason), 1)

@@ -10,8 +10,9 @@ protocol class ``redpacket serve`` gives uvicorn) hands each complete message to
 - ``writable`` says whether the transport takes more now; when it does not (the peer reads slowly and
   the kernel buffer is full) the caller keeps the frame and ``on_writable`` says when to go on.
 
-The handshake, pings, the close handshake and parsing stay uvicorn's and websockets'. The ASGI side
-still sees the connect and the disconnect, so the websocket endpoint is an ordinary Starlette one.
+The handshake, pings, the close handshake and parsing stay uvicorn's and websockets'. The end of the
+socket (closed by the client, lost, timed out, or the server shutting down) is told to the listener
+too (``on_gone``), so the endpoint waits on one future, not on a task reading ASGI messages.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Listener(Protocol):
     def on_message(self, data: bytes | str) -> None: ...
 
     def on_writable(self) -> None: ...
+
+    def on_gone(self) -> None: ...
 
 
 def data_frame(payload: bytes | str) -> bytes:
@@ -144,3 +147,29 @@ class HubWebSocket(BoundedWebSocket):
         super().resume_writing()
         if self.listener is not None:
             self.listener.on_writable()
+
+    # -- the end: every way uvicorn tells the app the socket is done also tells the listener ----------
+
+    def _gone(self) -> None:
+        if self.listener is not None:
+            self.listener.on_gone()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._gone()
+
+    def handle_close(self, event: Any) -> None:
+        super().handle_close(event)
+        self._gone()
+
+    def handle_parser_exception(self) -> None:
+        super().handle_parser_exception()
+        self._gone()
+
+    def keepalive_timeout(self) -> None:
+        super().keepalive_timeout()
+        self._gone()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._gone()
