@@ -348,7 +348,7 @@ async def _bench(settings: Settings, args: argparse.Namespace) -> None:
     if what == "grab":
         await run_grab_bench(settings, args.grabs)
     elif what == "hub-grab":
-        await hubbench.bench_hub_grab(settings)
+        await hubbench.bench_hub_grab(settings, workers=args.workers)
     elif what == "credit":
         await bench_credit(settings)
     elif what == "storm":
@@ -409,7 +409,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm"])
     bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
     bench.add_argument("--clients", type=int, default=10_000, help="connected clients (hot)")
-    bench.add_argument("--workers", type=int, default=1, help="hub processes: serve --workers (hot)")
+    bench.add_argument(
+        "--workers", type=int, default=1, help="hub processes: serve --workers (hub-grab, hot)"
+    )
     bench.add_argument("--client-procs", type=int, default=1, help="load client processes (hot)")
     return parser
 

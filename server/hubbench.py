@@ -178,12 +178,15 @@ async def send_packets(
 # -- bench hub-grab ------------------------------------------------------------------------------------
 
 
-async def bench_hub_grab(settings: Settings, connections: int = 100, packets_n: int = 40) -> dict[str, Any]:
+async def bench_hub_grab(
+    settings: Settings, connections: int = 100, packets_n: int = 40, workers: int = 1
+) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
     admin, group, ids = await make_world(settings, db_url, connections + 1, 10**8)
     pids = await send_packets(settings, db_url, admin, group, packets_n, connections)
     figures: dict[str, Any] = {"connections": connections, "round_trips": connections * packets_n}
+    figures["workers"] = workers
     # The same raw client on both sides: send one msgpack frame, read one frame back and decode it.
     sub = [Subprotocol(SUBPROTOCOL_MSGPACK)]
 
@@ -202,7 +205,7 @@ async def bench_hub_grab(settings: Settings, connections: int = 100, packets_n: 
     ping_frames = [msgpack.packb({"id": i, "type": "ping"}) for i in range(packets_n)]
     n = connections * packets_n
     redis = await RedisNodes(settings.redis_url, 4).open()
-    async with hub_process(settings, db_url) as (ws_url, hub_pid):
+    async with hub_process(settings, db_url, workers) as (ws_url, hub_pid):
         conns = [
             await connect(f"{ws_url}?token={token(u)}", subprotocols=sub, compression=None) for u in ids[1:]
         ]
