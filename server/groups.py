@@ -3,6 +3,7 @@ invalidating the Redis cache that the grab path reads (``server.membership``).""
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 from server import errors
@@ -123,21 +124,60 @@ async def require_admin(db: Database, group_id: int, user_id: int) -> None:
         raise Forbidden(errors.NOT_ADMIN, "only group admins may do this")
 
 
-async def groups_of(db: Database, user_id: int) -> list[dict[str, object]]:
-    """The groups a user is in, with their role and each group's settings."""
+class MemberCounts:
+    """How many members each group has, remembered for ``ttl`` seconds (and forgotten at once when a
+    membership change is heard): a reconnect storm in a 10,000-member group must not count its members
+    once per connection."""
+
+    def __init__(self, ttl: float = 2.0, limit: int = 10_000) -> None:
+        self.ttl = ttl
+        self.limit = limit
+        self._counts: dict[int, tuple[int, float]] = {}
+
+    def get(self, group_id: int) -> int | None:
+        hit = self._counts.get(group_id)
+        if hit is None or hit[1] < time.monotonic():
+            return None
+        return hit[0]
+
+    def put(self, group_id: int, count: int) -> None:
+        if len(self._counts) >= self.limit:
+            self._counts.clear()
+        self._counts[group_id] = (count, time.monotonic() + self.ttl)
+
+    def forget(self, group_id: int) -> None:
+        self._counts.pop(group_id, None)
+
+
+async def groups_of(
+    db: Database, user_id: int, counts: MemberCounts | None = None
+) -> list[dict[str, object]]:
+    """The groups a user is in, with their role and each group's settings and member count (from
+    ``counts`` when it holds them)."""
     rows = await db.fetchall(
-        "SELECT g.id, g.name, m.role, g.members_can_send,"
-        " (SELECT COUNT(*) FROM group_members c WHERE c.group_id = g.id)"
+        "SELECT g.id, g.name, m.role, g.members_can_send"
         " FROM group_members m JOIN chat_groups g ON g.id = m.group_id WHERE m.user_id = %s ORDER BY g.id",
         (user_id,),
     )
+    members = {int(r[0]): counts.get(int(r[0])) if counts else None for r in rows}
+    missing = [g for g, n in members.items() if n is None]
+    if missing:
+        found = await db.fetchall(
+            "SELECT group_id, COUNT(*) FROM group_members WHERE group_id IN"
+            f" ({', '.join(['%s'] * len(missing))}) GROUP BY group_id",
+            tuple(missing),
+        )
+        for g, n in found:
+            members[int(g)] = int(n)
+            if counts is not None:
+                counts.put(int(g), int(n))
     return [
         {
             "group_id": int(r[0]),
             "name": r[1],
             "role": r[2],
             "members_can_send": bool(r[3]),
-            "members": int(r[4]),
+            "members": members.get(int(r[0])) or 0,
         }
         for r in rows
     ]

@@ -22,6 +22,7 @@ from server import events, keys, protocol
 from server.announce import Announcer
 from server.bots import AttemptLog
 from server.core import Core
+from server.groups import MemberCounts
 from server.known import Known
 from server.membership import parse_change
 from server.metrics import HubMetrics
@@ -33,6 +34,8 @@ from server.wire import HubWebSocket, data_frame
 log = logging.getLogger(__name__)
 
 OffsetKey = tuple[int, int]
+# Users per presence script call (their keys all in the group's slot).
+PRESENCE_BATCH = 500
 
 
 class Connection:
@@ -180,6 +183,8 @@ class Hub:
         self.delivered: dict[int, str] = {}
         self.announcer = Announcer(self)
         self.known = Known(core)
+        self.member_counts = MemberCounts()
+        self._presence_pending: list[tuple[int, int, str]] = []
         self.attempts = AttemptLog(core)
         self.subscriber = Subscriber(core.nodes, self._on_message, self._fill_gaps)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -255,7 +260,7 @@ class Hub:
         if len(members) == 1:
             await self.subscriber.add(keys.group_channel(g))
         if self.local[pair] == 1:
-            self.spawn(self._presence(g, conn.user_id, "join"))
+            self._presence_soon(g, conn.user_id, "join")
 
     async def _detach(self, conn: Connection, g: int) -> None:
         conn.groups.discard(g)
@@ -270,12 +275,13 @@ class Hub:
         self.local[pair] -= 1
         if self.local[pair] == 0:
             del self.local[pair]
-            self.spawn(self._presence(g, conn.user_id, "leave"))
+            self._presence_soon(g, conn.user_id, "leave")
         if not members:
             del self.by_group[g]
             await self.subscriber.remove(keys.group_channel(g))
 
     async def _membership_changed(self, group: int, users: list[int], change: str) -> None:
+        self.member_counts.forget(group)
         for user in users:
             for conn in list(self.by_user.get(user, ())):
                 if change == "removed" and group in conn.groups:
@@ -287,21 +293,42 @@ class Hub:
 
     # -- presence --------------------------------------------------------------------------------------
 
-    async def _presence(self, group: int, user: int, action: str) -> None:
+    def _presence_soon(self, group: int, user: int, action: str) -> None:
+        """Queue a join or leave; those of one loop tick go out together, in order, as one script call
+        per run of one action in one group (a reconnect storm is not one call per socket)."""
+        self._presence_pending.append((group, user, action))
+        if len(self._presence_pending) == 1:
+            asyncio.get_running_loop().call_soon(lambda: self.spawn(self._presence_flush()))
+
+    async def _presence_flush(self) -> None:
+        pending, self._presence_pending = self._presence_pending, []
+        runs: list[tuple[int, str, list[int]]] = []
+        for g, user, action in pending:
+            if runs and runs[-1][:2] == (g, action) and len(runs[-1][2]) < PRESENCE_BATCH:
+                runs[-1][2].append(user)
+            else:
+                runs.append((g, action, [user]))
+        # Each call is queued before the next starts: they reach Redis in this order.
+        await asyncio.gather(*(self._presence(g, users, action) for g, action, users in runs))
+
+    async def _presence(self, group: int, users: list[int], action: str) -> None:
         lapse = int(time.time() * 1000) + self.core.settings.presence_lapse_seconds * 1000
         changed = await call_script(
             self.core,
             self.core.scripts.presence,
-            [keys.presence_online(group), keys.presence_hubs(group, user)],
-            [action, user, self.id, lapse],
+            [keys.presence_online(group), *(keys.presence_hubs(group, u) for u in users)],
+            [action, self.id, lapse, *users],
         )
-        if changed and action in ("join", "leave"):
-            if len(self.by_group.get(group, ())) > self.core.settings.presence_event_limit:
-                return  # more online here alone than events are sent for: no need to count them all
-            online = await self.online_count(group)
-            # In a big room join/leave events would outnumber everything else; clients ask instead.
-            if online <= self.core.settings.presence_event_limit:
-                await self.publish(group, "presence", {"user": user, "online": action == "join"})
+        came_or_went = [u for u, c in zip(users, changed, strict=True) if c]
+        if not came_or_went or action == "refresh":
+            return
+        limit = self.core.settings.presence_event_limit
+        if len(self.by_group.get(group, ())) > limit:
+            return  # more online here alone than events are sent for: no need to count them all
+        # In a big room join/leave events would outnumber everything else; clients ask instead.
+        if await self.online_count(group) <= limit:
+            for u in came_or_went:
+                await self.publish(group, "presence", {"user": u, "online": action == "join"})
 
     async def online_count(self, group: int) -> int:
         """Members of the group online on any hub (entries of a dead hub count until they lapse)."""
@@ -319,13 +346,13 @@ class Hub:
         every = max(1.0, self.core.settings.presence_lapse_seconds / 3)
         while True:
             await asyncio.sleep(every)
-            # A thousand at a time, each thousand in one pipeline (not one round trip per user).
-            pairs = list(self.local)
-            for i in range(0, len(pairs), 1000):
-                await asyncio.gather(
-                    *(self._presence(g, user, "refresh") for g, user in pairs[i : i + 1000]),
-                    return_exceptions=True,
-                )
+            users: dict[int, list[int]] = {}
+            for g, user in list(self.local):
+                users.setdefault(g, []).append(user)
+            for g, members in users.items():
+                for i in range(0, len(members), PRESENCE_BATCH):
+                    with contextlib.suppress(Exception):
+                        await self._presence(g, members[i : i + PRESENCE_BATCH], "refresh")
 
     # -- pub/sub -------------------------------------------------------------------------------------
 

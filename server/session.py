@@ -122,7 +122,7 @@ class Session:
             return None
         self.strikes = 0
         try:
-            req = protocol.parse_request(protocol.decode(frame))
+            req = protocol.parse_request(protocol.decode(frame), from_msgpack=isinstance(frame, bytes))
         except ProtocolError as e:
             rid = protocol.request_id_of(_try_decode(frame))
             self.conn.reply(protocol.reply_error(rid, e.code, e.message))
@@ -401,7 +401,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     try:
         # Bounded: a stalled database or Redis must not hold the socket open unanswered.
         async with asyncio.timeout(core.settings.handshake_seconds):
-            mine = await groups.groups_of(core.db, user_id)
+            mine = await groups.groups_of(core.db, user_id, hub.member_counts)
             await hub.join(conn, [int(g["group_id"]) for g in mine])  # type: ignore[call-overload]
     except Exception as e:
         down = unavailable(e)
