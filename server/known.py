@@ -97,9 +97,10 @@ class Known:
 
     # -- how many grabs of a packet go to Redis at once ------------------------------------------------
 
-    async def admit(self, packet_id: int) -> bool:
-        """Wait for a slot to send a grab of this packet to Redis. True: go (and call ``landed`` after);
-        False: the packet closed meanwhile, ask ``refusal`` first (a winner still goes, with ``go``)."""
+    def admit(self, packet_id: int) -> bool | asyncio.Future[bool]:
+        """A slot to send a grab of this packet to Redis: True now, or a future that says when. True:
+        go (and call ``landed`` after); False: the packet closed meanwhile, ask ``refusal`` first (a
+        winner still goes, with ``go``)."""
         flight = self.flights.get(packet_id)
         if flight is None:
             flight = self.flights[packet_id] = Flight()
@@ -108,7 +109,7 @@ class Known:
             return True
         turn: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         flight.waiting.append(turn)
-        return await turn
+        return turn
 
     def go(self, packet_id: int) -> None:
         """A grab sent to Redis without waiting its turn (after ``admit`` answered False)."""

@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from starlette.websockets import WebSocket
@@ -31,8 +31,20 @@ from server.wire import EXTENSION, HubWebSocket
 
 log = logging.getLogger(__name__)
 
-# A handler answers at once (a dict) or returns what to await for the answer; errors are RedPacketErrors.
-Handler = Callable[["Session", dict[str, Any]], dict[str, Any] | Awaitable[dict[str, Any]]]
+Answer = dict[str, Any] | Awaitable[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Later:
+    """An answer that waits for ``turn`` without a task of its own; then ``then(turn's result)``."""
+
+    turn: asyncio.Future[bool]
+    then: Callable[[bool], Answer]
+
+
+# A handler answers at once (a dict), returns what to await for the answer, or a ``Later``; errors are
+# RedPacketErrors.
+Handler = Callable[["Session", dict[str, Any]], "Answer | Later"]
 
 
 class Session:
@@ -51,7 +63,7 @@ class Session:
         s = self.core.settings
         self.bucket = TokenBucket(s.msgs_per_second, s.msgs_burst, time.monotonic())
         self.strikes = 0
-        self.inflight: asyncio.Task[None] | None = None
+        self.inflight: asyncio.Future[Any] | None = None
         self.waiting: deque[bytes | str] | None = None  # made when a frame has to wait
         self.stopped = False
 
@@ -87,16 +99,19 @@ class Session:
     # -- running requests -----------------------------------------------------------------------------
 
     def _run(self, frame: bytes | str) -> None:
-        """Answer this frame and those waiting behind it, until one needs a task."""
-        while True:
-            pending = self._start(frame)
-            if pending is not None:
-                self.inflight = asyncio.get_running_loop().create_task(self._finish(*pending))
-                return
+        """Answer this frame and those waiting behind it, until one has to wait."""
+        while not self._start(frame):
             if not self.waiting or self.stopped:
                 self.conn.wire.resume_reading()
                 return
             frame = self.waiting.popleft()
+
+    def _next(self) -> None:
+        self.inflight = None
+        if self.waiting and not self.stopped:
+            self._run(self.waiting.popleft())
+        else:
+            self.conn.wire.resume_reading()
 
     async def _finish(self, rid: int | str, work: Awaitable[dict[str, Any]], kind: str) -> None:
         try:
@@ -104,14 +119,33 @@ class Session:
         except Exception as e:
             reply = self._error(rid, kind, e)
         self._answer(kind, reply)
-        self.inflight = None
-        if self.waiting and not self.stopped:
-            self._run(self.waiting.popleft())
-        else:
-            self.conn.wire.resume_reading()
+        self._next()
 
-    def _start(self, frame: bytes | str) -> tuple[int | str, Awaitable[dict[str, Any]], str] | None:
-        """Answer now, or return what to await for the answer."""
+    def _settle(self, rid: int | str, kind: str, result: Answer | Later) -> bool:
+        """Answer with ``result`` now, or start what it waits for; True while it is not answered."""
+        if isinstance(result, dict):
+            self._answer(kind, protocol.reply_ok(rid, result))
+            return False
+        if isinstance(result, Later):
+            later = result
+            self.inflight = later.turn
+            later.turn.add_done_callback(lambda turn: self._after(rid, kind, later, turn))
+            return True
+        self.inflight = asyncio.get_running_loop().create_task(self._finish(rid, result, kind))
+        return True
+
+    def _after(self, rid: int | str, kind: str, later: Later, turn: asyncio.Future[bool]) -> None:
+        try:
+            result = later.then(not turn.cancelled() and turn.result())
+        except Exception as e:
+            self._answer(kind, self._error(rid, kind, e))
+            self._next()
+            return
+        if not self._settle(rid, kind, result):
+            self._next()
+
+    def _start(self, frame: bytes | str) -> bool:
+        """Answer this frame now (False), or start what its answer waits for (True)."""
         self.hub.metrics.frames_in.inc()
         if not self.bucket.take(time.monotonic()):
             self.strikes += 1
@@ -119,23 +153,20 @@ class Session:
                 self.conn.close(protocol.CLOSE_RATE_LIMITED, "too many messages")
             rid = protocol.request_id_of(_try_decode(frame))
             self.conn.reply(protocol.reply_error(rid, errors.RATE_LIMITED, "too many messages: slow down"))
-            return None
+            return False
         self.strikes = 0
         try:
             req = protocol.parse_request(protocol.decode(frame), from_msgpack=isinstance(frame, bytes))
         except ProtocolError as e:
             rid = protocol.request_id_of(_try_decode(frame))
             self.conn.reply(protocol.reply_error(rid, e.code, e.message))
-            return None
+            return False
         try:
             result = HANDLERS[req.type](self, req.body)
         except Exception as e:
             self._answer(req.type, self._error(req.id, req.type, e))
-            return None
-        if isinstance(result, dict):
-            self._answer(req.type, protocol.reply_ok(req.id, result))
-            return None
-        return req.id, result, req.type
+            return False
+        return self._settle(req.id, req.type, result)
 
     def _answer(self, kind: str, reply: dict[str, Any]) -> None:
         # A sync's reply comes after the events it replayed; every other reply may pass queued events.
@@ -271,8 +302,10 @@ async def on_send(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     return {**announce.packet_event(p), "offset": offset, "replay": p.replay}
 
 
-def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any] | Awaitable[dict[str, Any]]:
+def on_grab(s: Session, body: dict[str, Any]) -> Answer | Later:
+    started = time.perf_counter()
     metrics = s.hub.metrics
+    kp = s.hub.known
     group = packet_id = 0
     try:
         group = s.member_of(body)
@@ -282,30 +315,42 @@ def on_grab(s: Session, body: dict[str, Any]) -> dict[str, Any] | Awaitable[dict
         metrics.grab_outcomes.labels("denied").inc()
         raise
     # A packet this hub knows to be closed (or no packet at all) is answered from memory.
+    _refuse_if_known(s, group, packet_id)
+    # In a storm, grabs beyond the shares left wait their turn (no task each); most are then answered
+    # from memory when the packet empties.
+    turn = kp.admit(packet_id)
+    if turn is True:
+        return _grab(s, group, packet_id, started)
+
+    def then(admitted: bool) -> Answer:
+        if not admitted:
+            _refuse_if_known(s, group, packet_id, started)
+            kp.go(packet_id)  # a winner (only Redis answers their share), or the state could not be read
+        return _grab(s, group, packet_id, started)
+
+    assert not isinstance(turn, bool)
+    return Later(turn, then)
+
+
+def _refuse_if_known(s: Session, group: int, packet_id: int, started: float | None = None) -> None:
     refusal = s.hub.known.refusal(group, packet_id, s.conn.user_id)
-    if refusal is not None:
-        metrics.grab_outcomes.labels(_OUTCOMES.get(refusal, "denied")).inc()
-        metrics.grabs_answered_locally.inc()
-        raise known.refusal_error(refusal)
-    return _grab(s, group, packet_id)
+    if refusal is None:
+        return
+    metrics = s.hub.metrics
+    metrics.grab_outcomes.labels(_OUTCOMES.get(refusal, "denied")).inc()
+    metrics.grabs_answered_locally.inc()
+    if started is not None:
+        metrics.grab_seconds.observe(time.perf_counter() - started)
+    raise known.refusal_error(refusal)
 
 
 _OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
 
 
-async def _grab(s: Session, group: int, packet_id: int) -> dict[str, Any]:
-    started = time.perf_counter()
+async def _grab(s: Session, group: int, packet_id: int, started: float) -> dict[str, Any]:
+    """The grab in Redis, with a slot of the packet's flight (``Known.admit``) already taken."""
     metrics = s.hub.metrics
     kp = s.hub.known
-    # In a storm, grabs beyond the shares left wait here, and most are then answered from memory.
-    if not await kp.admit(packet_id):
-        refusal = kp.refusal(group, packet_id, s.conn.user_id)
-        if refusal is not None:
-            metrics.grab_outcomes.labels(_OUTCOMES.get(refusal, "denied")).inc()
-            metrics.grabs_answered_locally.inc()
-            metrics.grab_seconds.observe(time.perf_counter() - started)
-            raise known.refusal_error(refusal)
-        kp.go(packet_id)
     remaining: int | None = None
     try:
         r = await packets.grab(s.core, packet_id, group, s.conn.user_id, gate=True)
@@ -432,9 +477,12 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         session.stop()
         await hub.leave(conn)
         # A request already started finishes (nothing cancels it), then the socket closes.
-        if session.inflight is not None:
+        while session.inflight is not None:  # a grab's turn, then its call to Redis
+            inflight = session.inflight
             with contextlib.suppress(Exception):
-                await session.inflight
+                await inflight
+            if session.inflight is inflight:
+                break
         if conn.closing and not wire.disconnected and not wire.close_sent:
             # Close with our code once what waits is written, unless the client stopped reading.
             try:
