@@ -50,6 +50,20 @@ def data_frame(payload: bytes | str) -> bytes:
     return struct.pack("!BBQ", first, 127, n) + body
 
 
+class _Unread:
+    """uvicorn's ASGI receive queue once the hub listens to a socket directly: what uvicorn still puts
+    there (a disconnect) is heard through ``Listener.on_gone`` instead."""
+
+    def put_nowait(self, message: object) -> None:
+        pass
+
+    def empty(self) -> bool:
+        return True
+
+    async def get(self) -> object:
+        raise RuntimeError("a hub socket is read by server.wire, not through ASGI receive")
+
+
 class HubWebSocket(BoundedWebSocket):
     """uvicorn's websockets-sansio protocol (with bounded handshakes) and a direct path for data."""
 
@@ -66,16 +80,16 @@ class HubWebSocket(BoundedWebSocket):
         """From now on every message goes to ``listener.on_message``; those that came before, waiting
         for the app's ``receive``, are handed over first, in order."""
         self.listener = listener
-        kept = []
-        while not self.queue.empty():
-            message = self.queue.get_nowait()
+        waiting = self.queue
+        # From here the ASGI side hears nothing more (the end comes through ``on_gone``): uvicorn's
+        # queue and the handshake's request and response are let go (a few KB a socket).
+        self.queue = _Unread()  # type: ignore[assignment]
+        self.request = self.response = None  # type: ignore[assignment]
+        while not waiting.empty():
+            message = waiting.get_nowait()
             if message["type"] == "websocket.receive":
                 data = message.get("bytes")
                 listener.on_message(data if data is not None else message.get("text") or "")
-            else:
-                kept.append(message)  # a disconnect stays for the endpoint's receive
-        for message in kept:
-            self.queue.put_nowait(message)
         if self.read_paused:
             self.read_paused = False
             self.transport.resume_reading()
