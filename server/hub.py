@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 OffsetKey = tuple[int, int]
 # Users per presence script call (their keys all in the group's slot).
 PRESENCE_BATCH = 500
+# Sockets an event is written to per loop iteration before other work gets a turn.
+FANOUT_CHUNK = 1000
 
 
 class Connection:
@@ -185,6 +187,7 @@ class Hub:
         self.known = Known(core)
         self.member_counts = MemberCounts()
         self._presence_pending: list[tuple[int, int, str]] = []
+        self._fanouts: deque[_FanOut] = deque()
         self.attempts = AttemptLog(core)
         self.subscriber = Subscriber(core.nodes, self._on_message, self._fill_gaps)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -384,28 +387,63 @@ class Hub:
         self._fan_out(g, offset.decode(), kind, body)
 
     def _fan_out(self, g: int, offset: str, kind: str, data: dict[str, Any]) -> None:
+        """Send a group event to every local member. A big room is served ``FANOUT_CHUNK`` sockets per
+        loop iteration, so replies (and other rooms) are not held up for a whole fan-out; events are
+        served strictly one after another, so each socket still gets them in order."""
         self.delivered[g] = offset
         conns = self.by_group.get(g)
         if not conns:
             return
-        message = protocol.event(g, offset, kind, data)
-        key = offset_key(offset)
         if kind == "finished":
             self.known.saw_closed(g, int(data["packet_id"]))
+        packet = None
         if kind == "packet":
-            self.known.saw_packet(g, int(data["packet_id"]))
-            shown = int(time.time() * 1000)
-            for conn in conns:
-                conn.announced[int(data["packet_id"])] = shown
-                if len(conn.announced) > 256:  # keep the recent packets only
-                    del conn.announced[next(iter(conn.announced))]
-        # Encoded once per format, framed once per format for every plain socket.
-        frames: dict[str, tuple[bytes | str, bytes]] = {}
+            packet = int(data["packet_id"])
+            self.known.saw_packet(g, packet)
+        job = _FanOut(g, offset_key(offset), protocol.event(g, offset, kind, data), list(conns), packet)
+        self._fanouts.append(job)
+        if len(self._fanouts) == 1:
+            self._fan_out_some()
+
+    def _fan_out_some(self) -> None:
+        budget = FANOUT_CHUNK
         sent = 0
-        for conn in list(conns):
-            pair = frames.get(conn.fmt)
-            if pair is None:
-                payload = protocol.encode(conn.fmt, message)
-                pair = frames[conn.fmt] = (payload, data_frame(payload))
-            sent += conn.deliver(g, key, pair[0], pair[1])
+        while self._fanouts and budget > 0:
+            job = self._fanouts[0]
+            end = min(len(job.conns), job.done + budget)
+            shown = int(time.time() * 1000)
+            for conn in job.conns[job.done : end]:
+                if job.packet is not None:  # when the packet was shown here: the bot detector's clock
+                    conn.announced[job.packet] = shown
+                    if len(conn.announced) > 256:  # keep the recent packets only
+                        del conn.announced[next(iter(conn.announced))]
+                pair = job.frames.get(conn.fmt)
+                if pair is None:
+                    # Encoded once per format, framed once per format for every plain socket.
+                    payload = protocol.encode(conn.fmt, job.message)
+                    pair = job.frames[conn.fmt] = (payload, data_frame(payload))
+                sent += conn.deliver(job.group, job.key, pair[0], pair[1])
+            budget -= end - job.done
+            job.done = end
+            if job.done == len(job.conns):
+                self._fanouts.popleft()
         self.metrics.frames_out.inc(sent)
+        if self._fanouts:
+            asyncio.get_running_loop().call_soon(self._fan_out_some)
+
+
+class _FanOut:
+    """One group event on its way to the local members of the group."""
+
+    __slots__ = ("conns", "done", "frames", "group", "key", "message", "packet")
+
+    def __init__(
+        self, group: int, key: OffsetKey, message: dict[str, Any], conns: list[Connection], packet: int | None
+    ) -> None:
+        self.group = group
+        self.key = key
+        self.message = message
+        self.conns = conns
+        self.packet = packet
+        self.done = 0
+        self.frames: dict[str, tuple[bytes | str, bytes]] = {}
