@@ -222,12 +222,16 @@ class MySQLDatabase(Database):
 
 
 class SQLiteDatabase(Database):
-    """One connection behind a lock: SQLite has one writer at a time anyway."""
+    """One connection behind a lock for transactions: SQLite has one writer at a time anyway. A read of
+    one statement outside a transaction (``fetchone`` / ``fetchall``) goes to a second connection
+    instead, without the lock and in one trip to aiosqlite's thread: in WAL mode it sees every committed
+    transaction and never waits for a writer (a reconnect storm is 10,000 of them)."""
 
     dialect = SQLITE
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: aiosqlite.Connection, reader: aiosqlite.Connection | None = None) -> None:
         self._conn = conn
+        self._reader = reader
         self._lock = asyncio.Lock()
 
     @classmethod
@@ -239,9 +243,34 @@ class SQLiteDatabase(Database):
             await conn.execute("PRAGMA journal_mode=WAL")
             await conn.execute("PRAGMA synchronous=FULL")
             await conn.execute("PRAGMA foreign_keys=ON")
+            reader = None
+            if path != ":memory:":  # a second in-memory connection would be another database
+                reader = await aiosqlite.connect(path, isolation_level=None)
+                await reader.execute("PRAGMA query_only=ON")
         except (sqlite3.Error, OSError) as e:
             raise DatabaseError(f"cannot open the SQLite database {path}: {e}") from e
-        return cls(conn)
+        return cls(conn, reader)
+
+    async def _read(self, statement: str, params: Params) -> list[Row]:
+        assert self._reader is not None
+        try:
+            rows: Any = await self._reader.execute_fetchall(self.dialect.sql(statement), tuple(params))
+        except sqlite3.OperationalError as e:
+            if "locked" in str(e) or "busy" in str(e):
+                raise RetryableError(str(e)) from e
+            raise DatabaseError(str(e)) from e
+        return [tuple(r) for r in rows]
+
+    async def fetchone(self, statement: str, params: Params = ()) -> Row | None:
+        if self._reader is None:
+            return await super().fetchone(statement, params)
+        rows = await self._read(statement, params)
+        return rows[0] if rows else None
+
+    async def fetchall(self, statement: str, params: Params = ()) -> list[Row]:
+        if self._reader is None:
+            return await super().fetchall(statement, params)
+        return await self._read(statement, params)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Tx]:
@@ -263,6 +292,8 @@ class SQLiteDatabase(Database):
                 await cur.close()
 
     async def close(self) -> None:
+        if self._reader is not None:
+            await self._reader.close()
         await self._conn.close()
 
 
