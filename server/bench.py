@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -315,4 +316,36 @@ async def run_grab_bench(settings: Settings, grabs: int, groups_n: int = 12) -> 
     for k, v in figures.items():
         print(f"  {k:<36} {v if v is not None else 'n/a (redis-benchmark not found)'}")
     print(json.dumps({"bench": "grab", **figures}))
+    return figures
+
+
+# -- bench db-read ---------------------------------------------------------------------------------------
+
+
+async def run_db_read_bench(settings: Settings, reads: int = 4000, concurrency: int = 50) -> dict[str, Any]:
+    """A lone read (the welcome's groups, a sync's packets) the way ``Database.fetchone`` does it, against
+    the same read in its own BEGIN ... COMMIT transaction (how every read went before), on the configured
+    database: reads/s and this process's CPU per read, each twice, alternating."""
+    from server.db import Database, Row
+
+    figures: dict[str, Any] = {"database": settings.effective_database_url.split(":", 1)[0], "reads": reads}
+    async with open_core(settings) as core:  # migrated: the users table is there
+        db = core.db
+        sql = "SELECT id, name FROM users WHERE id = %s"
+        ways: dict[str, Callable[[int], Awaitable[Row | None]]] = {
+            "transaction": lambda i: Database.fetchone(db, sql, (i,)),
+            "lone_read": lambda i: db.fetchone(sql, (i,)),
+        }
+        for run in (1, 2):
+            for name, read in ways.items():
+                cpu, start = time.process_time(), time.perf_counter()
+                for i in range(0, reads, concurrency):
+                    await asyncio.gather(*(read(j) for j in range(i, i + concurrency)))
+                wall, used = time.perf_counter() - start, time.process_time() - cpu
+                figures[f"{name}_per_s_{run}"] = round(reads / wall)
+                figures[f"{name}_cpu_us_{run}"] = round(used * 1e6 / reads)
+    print("db-read benchmark")
+    for k, v in figures.items():
+        print(f"  {k:<28} {v}")
+    print(json.dumps({"bench": "db-read", **figures}))
     return figures

@@ -340,13 +340,15 @@ async def _recover(settings: Settings, packet_ids: list[int]) -> None:
 
 async def _bench(settings: Settings, args: argparse.Namespace) -> None:
     from server import hotbench, hubbench
-    from server.bench import run_grab_bench
+    from server.bench import run_db_read_bench, run_grab_bench
     from server.creditbench import bench_credit, bench_storm
 
     await _check_services(settings)
     what = args.what
     if what == "grab":
         await run_grab_bench(settings, args.grabs)
+    elif what == "db-read":
+        await run_db_read_bench(settings)
     elif what == "hub-grab":
         await hubbench.bench_hub_grab(settings, workers=args.workers)
     elif what == "credit":
@@ -406,7 +408,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     rec.add_argument("packet_ids", type=int, nargs="+", metavar="PACKET_ID")
     bench = sub.add_parser("bench", help="print benchmark figures and a JSON line (docs/benchmarks.md)")
-    bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm"])
+    bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm", "db-read"])
     bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
     bench.add_argument("--clients", type=int, default=10_000, help="connected clients (hot)")
     bench.add_argument(

@@ -160,6 +160,12 @@ class Database:
         await self.close()
 
 
+def _mysql_error(e: pymysql.err.OperationalError) -> DatabaseError:
+    if e.args and e.args[0] in _MYSQL_RETRYABLE:
+        return RetryableError(str(e))
+    return DatabaseError(str(e))
+
+
 class MySQLDatabase(Database):
     dialect = MYSQL
 
@@ -177,7 +183,9 @@ class MySQLDatabase(Database):
                 user=unquote(u.username or "root"),
                 password=unquote(u.password or ""),
                 db=name,
-                autocommit=False,
+                # A transaction is an explicit BEGIN ... COMMIT (``transaction``); a lone read is one
+                # statement and one round trip (``fetchone`` / ``fetchall``).
+                autocommit=True,
                 minsize=1,
                 maxsize=pool_size,
                 charset="utf8mb4",
@@ -210,11 +218,28 @@ class MySQLDatabase(Database):
                         conn.close()
                     raise
         except pymysql.err.OperationalError as e:
-            if e.args and e.args[0] in _MYSQL_RETRYABLE:
-                raise RetryableError(str(e)) from e
-            raise DatabaseError(str(e)) from e
+            raise _mysql_error(e) from e
         except pymysql.err.InterfaceError as e:
             raise RetryableError(str(e)) from e
+
+    async def _read(self, statement: str, params: Params) -> list[Row]:
+        """One statement in autocommit: no BEGIN and COMMIT round trips around a lone read."""
+        try:
+            async with self._pool.acquire() as conn, conn.cursor() as cur:
+                await cur.execute(self.dialect.sql(statement), tuple(params))
+                rows: Any = await cur.fetchall()
+        except pymysql.err.OperationalError as e:
+            raise _mysql_error(e) from e
+        except pymysql.err.InterfaceError as e:
+            raise RetryableError(str(e)) from e
+        return [tuple(r) for r in rows]
+
+    async def fetchone(self, statement: str, params: Params = ()) -> Row | None:
+        rows = await self._read(statement, params)
+        return rows[0] if rows else None
+
+    async def fetchall(self, statement: str, params: Params = ()) -> list[Row]:
+        return await self._read(statement, params)
 
     async def close(self) -> None:
         self._pool.close()
