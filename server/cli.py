@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import faulthandler
 import gc
 import logging
 import re
@@ -21,6 +22,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from types import FrameType
 
 import uvicorn
 import uvloop
@@ -132,6 +134,17 @@ async def _check_durability(settings: Settings, name: str, client: Redis) -> Non
             )
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server; a stop that takes longer than the drain budget says where it is stuck: every
+    thread's stack on stderr (it keeps stopping meanwhile)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            budget = self.config.timeout_graceful_shutdown or 0
+            faulthandler.dump_traceback_later(budget + 5, exit=False)
+        super().handle_exit(sig, frame)
+
+
 def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
     """How the hub runs under uvicorn: websockets-sansio with bounded handshakes (``server.handshake``),
     no compression unless asked, frame cap, pings."""
@@ -195,7 +208,7 @@ async def _serve(settings: Settings, sock: socket.socket, with_worker: bool, ban
     if banner:
         await _check_services(settings)
     app = create_app(settings, run_worker=with_worker, manage_gc=True)
-    server = uvicorn.Server(uvicorn_config(app, settings))
+    server = _Server(uvicorn_config(app, settings))
     # With 10k sockets open a full collection pauses the loop for a quarter of a second: start-up objects
     # stay out of it, full collections wait for a quiet moment (server.gcpolicy), and the young
     # generation is collected less often during bursts.
@@ -466,14 +479,20 @@ def main(argv: list[str] | None = None) -> None:
     # uvicorn drains on SIGTERM, then raises the signal again; end with a clean exit instead, so the
     # cleanup below (the embedded Valkey's shutdown) still runs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    faulthandler.enable()  # a crash in C code (or SIGABRT) still says where
     try:
-        code = _run(args, _settings(args))
-    except OperatorError as e:
-        print(f"redpacket: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        code = 0
-    sys.exit(code)
+        try:
+            code = _run(args, _settings(args))
+        except OperatorError as e:
+            print(f"redpacket: {e}", file=sys.stderr)
+            code = e.exit_code
+        except KeyboardInterrupt:
+            code = 0
+        sys.exit(code)
+    finally:
+        # Exiting waits for every non-daemon thread (aiosqlite runs one per connection). Should one be
+        # left running, say where everything is after 15 s and end the process rather than hang.
+        faulthandler.dump_traceback_later(15, exit=True)
 
 
 def _settings(args: argparse.Namespace) -> Settings:

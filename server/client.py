@@ -66,7 +66,8 @@ class HubClient:
         client = cls(ws, fmt, on_event)
         client._reader = asyncio.create_task(client._read())
         welcomed = asyncio.create_task(client._welcomed.wait())
-        await asyncio.wait({welcomed, client._reader}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        # A bound, not a wait: the welcome comes at once unless the hub (or the machine) is swamped.
+        await asyncio.wait({welcomed, client._reader}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
         welcomed.cancel()
         if not client._welcomed.is_set():
             # Refused (bad token: close 4001) or nothing arrived in time.
@@ -120,10 +121,10 @@ class HubClient:
         wanted = {str(g): self.offsets.get(g) for g in (self.groups if groups is None else groups)}
         return await self.request("sync", groups=wanted)
 
-    async def next_event(self, timeout: float = 10) -> dict[str, Any]:
+    async def next_event(self, timeout: float = 30) -> dict[str, Any]:
         return await asyncio.wait_for(self.events.get(), timeout)
 
-    async def next_notice(self, timeout: float = 10) -> dict[str, Any]:
+    async def next_notice(self, timeout: float = 30) -> dict[str, Any]:
         return await asyncio.wait_for(self.notices.get(), timeout)
 
     async def _read(self) -> None:

@@ -317,9 +317,12 @@ class SQLiteDatabase(Database):
                 await cur.close()
 
     async def close(self) -> None:
-        if self._reader is not None:
-            await self._reader.close()
-        await self._conn.close()
+        # Both, whatever happens to the first: each runs a thread that would keep the process alive.
+        try:
+            if self._reader is not None:
+                await self._reader.close()
+        finally:
+            await self._conn.close()
 
 
 async def connect(url: str, pool_size: int = 10) -> Database:

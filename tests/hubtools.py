@@ -177,19 +177,26 @@ def redpacket_up(data_dir: Path, *args: str) -> Iterator[tuple[str, subprocess.P
     )
     assert proc.stdout is not None
     url = hub_url(proc.stdout)
-    drain = threading.Thread(target=proc.stdout.read, daemon=True)
+    said: list[str] = []
+    drain = threading.Thread(target=lambda: said.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     drain.start()
     try:
         yield url, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # not left running into the next test; what it said (stacks included) is shown
+            proc.wait(timeout=30)
+            drain.join(timeout=30)
+            raise AssertionError("redpacket up did not stop on Ctrl-C:\n" + "".join(said)[-20000:]) from None
         drain.join(timeout=30)
         proc.stdout.close()
 
 
-async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0) -> None:
+async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = 30.0) -> None:
     """Wait until ``check()`` is true, polling briefly; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:

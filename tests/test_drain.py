@@ -87,7 +87,7 @@ async def test_a_live_drain_renews_its_hold_while_it_pays(core: Core) -> None:
         # another drain looking for idle entries finds none, again and again.
         other = CreditDrain(core, lease_ms=400, consumer="other")
         for _ in range(5):
-            await eventually(lambda: _idle_below(core, group, 400), timeout=10)
+            await eventually(lambda: _idle_below(core, group, 400), timeout=30)
             batch = await other._read()
             assert batch is None or not batch.items
             other._last_takeover = 0.0

@@ -366,7 +366,7 @@ async def test_dead_connections_are_found_by_heartbeat(hub_settings: Settings) -
         ws = await websockets.connect(f"{h.ws}?token={token}", ping_interval=None, max_queue=1)
         ws.transport.pause_reading()  # type: ignore[attr-defined]
         await eventually(lambda: uid in h.hub.by_user)
-        await eventually(lambda: uid not in h.hub.by_user, timeout=10)
+        await eventually(lambda: uid not in h.hub.by_user, timeout=30)
         ws.transport.abort()  # type: ignore[attr-defined]
 
 

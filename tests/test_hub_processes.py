@@ -89,7 +89,7 @@ async def test_sigterm_sends_1012_and_loses_no_grab_in_flight(hub_settings: Sett
 async def _grab(c: HubClient, group: int, packet_id: int, answered: list[dict[str, Any]]) -> None:
     """One grab of a storm whose hub is about to die: the answer if it comes."""
     try:
-        answered.append(await c.request("grab", group=group, packet=packet_id, timeout=10))
+        answered.append(await c.request("grab", group=group, packet=packet_id, timeout=30))
     except (TimeoutError, ConnectionClosed):
         pass
 
