@@ -142,7 +142,18 @@ class _Server(uvicorn.Server):
         if not self.should_exit:
             budget = self.config.timeout_graceful_shutdown or 0
             faulthandler.dump_traceback_later(budget + 5, exit=False)
+            with contextlib.suppress(RuntimeError):  # and what every task still waits for
+                asyncio.get_running_loop().call_later(budget + 5, _print_tasks)
         super().handle_exit(sig, frame)
+
+
+def _print_tasks() -> None:
+    tasks = asyncio.all_tasks()
+    print(f"still running after the drain budget: {len(tasks)} task(s)", file=sys.stderr)
+    for task in tasks:
+        print(f"--- {task!r}", file=sys.stderr)
+        task.print_stack(limit=12, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
