@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 from server import errors, keys
 from server.core import Core
-from server.errors import Conflict, Forbidden, NotFound, RedPacketError
 
 UNKNOWN_SECONDS = 30.0
 # Grabs of one packet in flight to Redis from this hub: at first, and never fewer while it has shares.
@@ -74,17 +73,6 @@ def local_refusal(c: Closed, group: int, user: int, now_ms: int) -> str | None:
     return None
 
 
-def refusal_error(code: str) -> RedPacketError:
-    """The error a grab answers for ``code``, with the words the Redis path uses."""
-    if code == errors.PACKET_EMPTY:
-        return Conflict(code, "every share has been grabbed")
-    if code == errors.PACKET_EXPIRED:
-        return Conflict(code, "the packet has expired")
-    if code == errors.NOT_TARGET:
-        return Forbidden(code, "this packet is for someone else")
-    return NotFound(errors.PACKET_NOT_FOUND, "no such packet in this group")
-
-
 class Known:
     def __init__(self, core: Core, remember: int = 10_000) -> None:
         self.core = core
@@ -93,7 +81,6 @@ class Known:
         self.unknown: OrderedDict[tuple[int, int], float] = OrderedDict()
         self._loading: dict[int, asyncio.Task[None]] = {}
         self.flights: dict[int, Flight] = {}
-        self.answered = 0
 
     # -- how many grabs of a packet go to Redis at once ------------------------------------------------
 
@@ -101,9 +88,7 @@ class Known:
         """A slot to send a grab of this packet to Redis: True now, or a future that says when. True:
         go (and call ``landed`` after); False: the packet closed meanwhile, ask ``refusal`` first (a
         winner still goes, with ``go``)."""
-        flight = self.flights.get(packet_id)
-        if flight is None:
-            flight = self.flights[packet_id] = Flight()
+        flight = self._flight(packet_id)
         if flight.inflight < flight.limit and not flight.waiting:
             flight.inflight += 1
             return True
@@ -113,10 +98,13 @@ class Known:
 
     def go(self, packet_id: int) -> None:
         """A grab sent to Redis without waiting its turn (after ``admit`` answered False)."""
+        self._flight(packet_id).inflight += 1
+
+    def _flight(self, packet_id: int) -> Flight:
         flight = self.flights.get(packet_id)
         if flight is None:
             flight = self.flights[packet_id] = Flight()
-        flight.inflight += 1
+        return flight
 
     def landed(self, packet_id: int, remaining: int | None) -> None:
         """A grab sent to Redis was answered: ``remaining`` shares are left (0 when it answered empty or
@@ -177,8 +165,6 @@ class Known:
                 del self.unknown[(group, packet_id)]
                 return None
             code = errors.PACKET_NOT_FOUND
-        if code is not None:
-            self.answered += 1
         return code
 
     def saw_closed(self, group: int, packet_id: int) -> None:

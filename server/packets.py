@@ -337,15 +337,25 @@ class GrabResult:
     remaining: int
 
 
+def refusal_error(code: str) -> RedPacketError:
+    """The error a grab answers with for ``code`` (``packet_empty``, ``packet_expired``, ``not_target``;
+    anything else: ``packet_not_found``), whether Redis or the hub (``server.known``) decided it."""
+    if code == errors.PACKET_EMPTY:
+        return Conflict(code, "every share has been grabbed")
+    if code == errors.PACKET_EXPIRED:
+        return Conflict(code, "the packet has expired")
+    if code == errors.NOT_TARGET:
+        return Forbidden(code, "this packet is for someone else")
+    return NotFound(errors.PACKET_NOT_FOUND, "no such packet in this group")
+
+
+# The grab script's refusals (``lua/grab.lua``) and the error code of each.
+_REFUSALS = {"empty": errors.PACKET_EMPTY, "expired": errors.PACKET_EXPIRED, "not_target": errors.NOT_TARGET}
+
+
 def _refusal(status: str) -> RedPacketError:
     """The error for a grab script answer other than won / already."""
-    if status == "empty":
-        return Conflict(errors.PACKET_EMPTY, "every share has been grabbed")
-    if status == "expired":
-        return Conflict(errors.PACKET_EXPIRED, "the packet has expired")
-    if status == "not_target":
-        return Forbidden(errors.NOT_TARGET, "this packet is for someone else")
-    return NotFound(errors.PACKET_NOT_FOUND, "no such packet in this group")
+    return refusal_error(_REFUSALS.get(status, errors.PACKET_NOT_FOUND))
 
 
 def parse_record(user_id: int, record: bytes | str) -> Grab:

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
-from server import announce, errors, events, groups, known, packets, protocol, text
+from server import announce, errors, events, groups, packets, protocol, text
 from server.botscore import Attempt
 from server.core import unavailable
 from server.errors import Forbidden, InvalidRequest, RedPacketError
@@ -306,7 +306,6 @@ def on_grab(s: Session, body: dict[str, Any]) -> Answer | Later:
     started = time.perf_counter()
     metrics = s.hub.metrics
     kp = s.hub.known
-    group = packet_id = 0
     try:
         group = s.member_of(body)
         packet_id = field_id(body, "packet", errors.PACKET_NOT_FOUND)
@@ -341,7 +340,7 @@ def _refuse_if_known(s: Session, group: int, packet_id: int, started: float | No
     metrics.grabs_answered_locally.inc()
     if started is not None:
         metrics.grab_seconds.observe(time.perf_counter() - started)
-    raise known.refusal_error(refusal)
+    raise packets.refusal_error(refusal)
 
 
 _OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
