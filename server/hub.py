@@ -89,15 +89,15 @@ class Connection:
     def waiting(self) -> int:
         return (len(self._replies) if self._replies else 0) + (len(self._events) if self._events else 0)
 
-    def _write(self, raw: bytes, queue: deque[bytes]) -> bool:
+    def _write(self, raw: bytes, reply: bool) -> bool:
         """Write now if nothing it must follow waits and the transport takes it, else queue; False if it
         was dropped. A reply follows only replies; an event follows everything queued."""
         if self.closing:
             return False
-        if not queue and not self._replies and self.wire.writable_now:
-            self.wire.write(raw)
+        if not self._replies and (reply or not self._events) and self.wire.writable_now:
+            self.wire.write(raw)  # the common case: the queues are not even made
             return True
-        queue.append(raw)
+        (self.replies if reply else self.events).append(raw)
         if self.waiting() > self.hub.core.settings.send_queue_frames:
             self.hub.metrics.send_queue_drops.inc()
             self.close(protocol.CLOSE_SLOW_CONSUMER, "send queue overflow: read faster")
@@ -106,21 +106,12 @@ class Connection:
 
     def push(self, payload: bytes | str, raw: bytes | None = None) -> bool:
         """Send an event frame (``raw``: the same payload already framed for a plain socket)."""
-        framed = raw if raw is not None and self.wire.plain else self.wire.frame(payload)
-        if not self._events and not self._replies and not self.closing and self.wire.writable_now:
-            self.wire.write(framed)  # the common case, without touching the queues
-            return True
-        return self._write(framed, self.events)
+        return self._write(raw if raw is not None and self.wire.plain else self.wire.frame(payload), False)
 
     def reply(self, message: dict[str, Any]) -> None:
         """Send a reply: ahead of any events still waiting for the transport."""
-        framed = self.wire.frame(protocol.encode(self.fmt, message))
-        if self._replies or self.closing or not self.wire.writable_now:
-            if not self._write(framed, self.replies):
-                return
-        else:
-            self.wire.write(framed)
-        self.hub.metrics.frames_out.inc()
+        if self._write(self.wire.frame(protocol.encode(self.fmt, message)), True):
+            self.hub.metrics.frames_out.inc()
 
     def send(self, message: dict[str, Any]) -> None:
         """Send a frame in order with the events (a sync's reply after the events it replayed)."""
