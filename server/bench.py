@@ -326,14 +326,19 @@ async def run_db_read_bench(settings: Settings, reads: int = 4000, concurrency: 
     """A lone read (the welcome's groups, a sync's packets) the way ``Database.fetchone`` does it, against
     the same read in its own BEGIN ... COMMIT transaction (how every read went before), on the configured
     database: reads/s and this process's CPU per read, each twice, alternating."""
-    from server.db import Database, Row
+    from server.db import Row
 
     figures: dict[str, Any] = {"database": settings.effective_database_url.split(":", 1)[0], "reads": reads}
     async with open_core(settings) as core:  # migrated: the users table is there
         db = core.db
         sql = "SELECT id, name FROM users WHERE id = %s"
+
+        async def in_transaction(i: int) -> Row | None:
+            async with db.transaction() as tx:
+                return await tx.fetchone(sql, (i,))
+
         ways: dict[str, Callable[[int], Awaitable[Row | None]]] = {
-            "transaction": lambda i: Database.fetchone(db, sql, (i,)),
+            "transaction": in_transaction,
             "lone_read": lambda i: db.fetchone(sql, (i,)),
         }
         for run in (1, 2):

@@ -146,10 +146,15 @@ class Database:
         raise AssertionError("unreachable")
 
     async def fetchone(self, statement: str, params: Params = ()) -> Row | None:
-        async with self.transaction() as tx:
-            return await tx.fetchone(statement, params)
+        """One read outside any transaction: sees what is committed."""
+        rows = await self._read(statement, params)
+        return rows[0] if rows else None
 
     async def fetchall(self, statement: str, params: Params = ()) -> list[Row]:
+        return await self._read(statement, params)
+
+    async def _read(self, statement: str, params: Params) -> list[Row]:
+        """A lone read, in a transaction of its own unless the engine does better (both do)."""
         async with self.transaction() as tx:
             return await tx.fetchall(statement, params)
 
@@ -234,16 +239,15 @@ class MySQLDatabase(Database):
             raise RetryableError(str(e)) from e
         return [tuple(r) for r in rows]
 
-    async def fetchone(self, statement: str, params: Params = ()) -> Row | None:
-        rows = await self._read(statement, params)
-        return rows[0] if rows else None
-
-    async def fetchall(self, statement: str, params: Params = ()) -> list[Row]:
-        return await self._read(statement, params)
-
     async def close(self) -> None:
         self._pool.close()
         await self._pool.wait_closed()
+
+
+def _sqlite_error(e: sqlite3.OperationalError) -> DatabaseError:
+    if "locked" in str(e) or "busy" in str(e):
+        return RetryableError(str(e))
+    return DatabaseError(str(e))
 
 
 class SQLiteDatabase(Database):
@@ -277,25 +281,13 @@ class SQLiteDatabase(Database):
         return cls(conn, reader)
 
     async def _read(self, statement: str, params: Params) -> list[Row]:
-        assert self._reader is not None
+        if self._reader is None:  # in memory: the one connection, in a transaction
+            return await super()._read(statement, params)
         try:
             rows: Any = await self._reader.execute_fetchall(self.dialect.sql(statement), tuple(params))
         except sqlite3.OperationalError as e:
-            if "locked" in str(e) or "busy" in str(e):
-                raise RetryableError(str(e)) from e
-            raise DatabaseError(str(e)) from e
+            raise _sqlite_error(e) from e
         return [tuple(r) for r in rows]
-
-    async def fetchone(self, statement: str, params: Params = ()) -> Row | None:
-        if self._reader is None:
-            return await super().fetchone(statement, params)
-        rows = await self._read(statement, params)
-        return rows[0] if rows else None
-
-    async def fetchall(self, statement: str, params: Params = ()) -> list[Row]:
-        if self._reader is None:
-            return await super().fetchall(statement, params)
-        return await self._read(statement, params)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Tx]:
@@ -310,9 +302,7 @@ class SQLiteDatabase(Database):
                     await cur.execute("ROLLBACK")
                     raise
             except sqlite3.OperationalError as e:
-                if "locked" in str(e) or "busy" in str(e):
-                    raise RetryableError(str(e)) from e
-                raise DatabaseError(str(e)) from e
+                raise _sqlite_error(e) from e
             finally:
                 await cur.close()
 
