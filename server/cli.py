@@ -213,10 +213,14 @@ def _banner(settings: Settings, port: int, workers: int = 1) -> None:
         print(f'  try: curl -s -XPOST http://{settings.host}:{port}/api/login -d \'{{"name": "li"}}\'')
 
 
-async def _serve(settings: Settings, sock: socket.socket, with_worker: bool, banner: bool = True) -> None:
+async def _serve(
+    settings: Settings, sock: socket.socket, with_worker: bool, supervised: bool = False
+) -> None:
+    """One hub process on ``sock``. ``supervised``: one of ``serve --workers``, whose supervisor has
+    checked the services and printed the address already."""
     from server.app import create_app
 
-    if banner:
+    if not supervised:
         await _check_services(settings)
     app = create_app(settings, run_worker=with_worker, manage_gc=True)
     server = _Server(uvicorn_config(app, settings))
@@ -225,7 +229,7 @@ async def _serve(settings: Settings, sock: socket.socket, with_worker: bool, ban
     # generation is collected less often during bursts.
     gc.freeze()
     gc.set_threshold(20_000, 20, 100)
-    if banner:
+    if not supervised:
         _banner(settings, sock.getsockname()[1])
     await server.serve(sockets=[sock])
 
@@ -236,7 +240,7 @@ def _serve_processes(settings: Settings, sock: socket.socket, workers: int) -> i
 
     uvloop.run(_check_services(settings))
     _banner(settings, sock.getsockname()[1], workers)
-    return supervise(workers, lambda: uvloop.run(_serve(settings, sock, with_worker=False, banner=False)))
+    return supervise(workers, lambda: uvloop.run(_serve(settings, sock, with_worker=False, supervised=True)))
 
 
 async def _worker(settings: Settings) -> None:

@@ -36,7 +36,7 @@ from typing import Any, cast
 
 import msgpack
 
-from server import announce, hubbench, packets
+from server import hubbench, packets
 from server.core import open_core
 from server.redisnodes import RedisNodes
 from server.settings import Settings
@@ -159,15 +159,6 @@ async def _connect(
     return await _phase(clients, [{"cmd": "connect", "url": url, "tokens": p} for p in parts], server_pid)
 
 
-async def _send_and_announce(settings: Settings, db_url: str, admin: int, group: int, shares: int) -> int:
-    s = settings.with_(database_url=db_url, max_count=shares, max_total_cents=10**9)
-    async with open_core(s) as core:
-        p = await packets.send_packet(core, admin, group, "equal", shares * 10, shares)
-        if await announce.announce_packet(core, p) is None:
-            raise RuntimeError("the bench packet could not be announced")
-        return p.packet_id
-
-
 async def bench_hot(
     settings: Settings, clients_n: int = 10_000, shares: int = 1_000, workers: int = 1, client_procs: int = 1
 ) -> dict[str, Any]:
@@ -211,7 +202,9 @@ async def bench_hot(
             figures["hub_sync_server_cpu_s"] = sync["server_cpu_s"]
             rss_idle = hubbench.memory_kb(hub_pid, "VmRSS")
             figures["rss_per_connection_kb"] = round((rss_idle - rss_empty) / clients_n, 1)
-            packet_id = await _send_and_announce(settings, db_url, admin, group, shares)
+            (packet_id,) = await hubbench.send_packets(
+                settings, db_url, admin, group, 1, shares, announced=True
+            )
             # Every client has been shown the packet before the burst (as a person would be).
             await clients.ask([{"cmd": "await_packet"}] * client_procs)
             gc_before = _gc_pauses(http_url) if workers == 1 else None

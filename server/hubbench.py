@@ -28,7 +28,7 @@ from starlette.websockets import WebSocket
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
-from server import events, groups, ledger, packets
+from server import announce, events, groups, ledger, packets
 from server.bench import fresh_ids
 from server.core import open_core
 from server.protocol import SUBPROTOCOL_MSGPACK
@@ -165,14 +165,19 @@ def token(user: int) -> str:
 
 
 async def send_packets(
-    settings: Settings, db_url: str, admin: int, group: int, n: int, count: int
+    settings: Settings, db_url: str, admin: int, group: int, n: int, count: int, announced: bool = False
 ) -> list[int]:
-    s = settings.with_(database_url=db_url, max_count=1000, max_total_cents=10**9)
+    """``n`` equal packets of ``count`` shares; ``announced``: put up and shown to the room as a hub's
+    send does (else only saved)."""
+    s = settings.with_(database_url=db_url, max_count=max(1000, count), max_total_cents=10**9)
+    ids = []
     async with open_core(s) as core:
-        return [
-            (await packets.send_packet(core, admin, group, "equal", count * 10, count)).packet_id
-            for _ in range(n)
-        ]
+        for _ in range(n):
+            p = await packets.send_packet(core, admin, group, "equal", count * 10, count)
+            if announced and await announce.announce_packet(core, p) is None:
+                raise RuntimeError("the bench packet could not be announced")
+            ids.append(p.packet_id)
+    return ids
 
 
 # -- bench hub-grab ------------------------------------------------------------------------------------
