@@ -203,11 +203,7 @@ class Hub:
         await self.subscriber.close()
         self.metrics.unwatch_gc()
         if self._tasks:
-            # Bounded, like everything in a stop: a background task still running is named and left.
-            _, stuck = await asyncio.wait(set(self._tasks), timeout=self.core.settings.shutdown_seconds / 4)
-            for task in stuck:
-                log.error("hub task %r did not finish in the stop; left behind", task)
-                task.print_stack(limit=12)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def spawn(self, work: Awaitable[Any]) -> None:
         """Run background work (announcements, presence) that must not hold up a reply; kept until done."""

@@ -100,10 +100,6 @@ async def heartbeat(core: Core, metrics: WorkerMetrics) -> None:
         await asyncio.sleep(BEAT_SECONDS)
 
 
-# How long the worker's tasks get to stop once cancelled.
-STOP_SECONDS = 10.0
-
-
 @contextlib.asynccontextmanager
 async def running_worker(core: Core, metrics: WorkerMetrics | None = None) -> AsyncIterator[WorkerMetrics]:
     """The whole worker in this process for the duration of the block: the drain, arq, the heartbeat."""
@@ -118,12 +114,4 @@ async def running_worker(core: Core, metrics: WorkerMetrics | None = None) -> As
     finally:
         for task in tasks:
             task.cancel()
-        # Bounded: every part is idempotent (a batch not acknowledged is taken over, a cron runs again),
-        # so one that does not stop is named, with what it awaits, and left behind rather than waited on.
-        done, stuck = await asyncio.wait(tasks, timeout=STOP_SECONDS)
-        for task in done:
-            if not task.cancelled():
-                task.exception()  # retrieved, as gather did: how it ended is not the stop's business
-        for task in stuck:
-            log.error("worker task %r did not stop within %s s; left behind", task, STOP_SECONDS)
-            task.print_stack(limit=12)
+        await asyncio.gather(*tasks, return_exceptions=True)
