@@ -124,17 +124,22 @@ class CreditDrain:
                     await finishing
                 finishing = asyncio.ensure_future(self._finish(taken, outcomes))
         finally:
+            # asyncio.wait, not ``await task`` under suppress(BaseException): a cancel of *this* task that
+            # arrives here must not be swallowed (it was, and a stopping worker then drained for ever).
             if finishing is not None:
                 await asyncio.shield(finishing)
             if not reading.done():
                 reading.cancel()
-            with contextlib.suppress(BaseException):
-                unpaid = await reading
+            await asyncio.wait([reading])
+            if not reading.cancelled() and reading.exception() is None:
+                unpaid = reading.result()
                 if unpaid is not None:
-                    await self._release(unpaid)
+                    with contextlib.suppress(Exception):
+                        await self._release(unpaid)
             renewing.cancel()
-            with contextlib.suppress(BaseException):
-                await renewing
+            await asyncio.wait([renewing])
+            if not renewing.cancelled():
+                renewing.exception()  # retrieved: the renewer's end is not this batch's business
 
     async def _make_groups(self) -> None:
         """The consumer group on every shard's outbox, from its first entry (idempotent)."""
