@@ -271,7 +271,12 @@ async def server_error(request: Request, exc: Exception) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """This hub process's metrics, and under ``redpacket up`` the in-process worker's after them."""
+    body = generate_latest(request.app.state.metrics.registry)
+    worker = getattr(request.app.state, "worker_metrics", None)
+    if worker is not None:
+        body += generate_latest(worker.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = False) -> Starlette:
@@ -283,28 +288,30 @@ def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = F
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        app.state.metrics = HubMetrics()
-        async with open_core(settings) as core, Hub(core, app.state.metrics) as hub:
+        app.state.metrics = hub_metrics = HubMetrics()
+        async with open_core(settings) as core, Hub(core, hub_metrics) as hub:
             app.state.core, app.state.hub = core, hub
-            frames = app.state.metrics.frames_in
-            keeper = (
-                asyncio.create_task(keep_collections_out_of_bursts(lambda: float(frames._value.get())))
-                if manage_gc
-                else None
-            )
+            hub_metrics.read_pools(core.nodes.connections_in_use, core.db.connections_in_use)
+            frames = hub_metrics.frames_in
+            background = [asyncio.create_task(hub_metrics.watch_loop())]
+            if manage_gc:
+                background.append(
+                    asyncio.create_task(keep_collections_out_of_bursts(lambda: float(frames._value.get())))
+                )
             try:
                 if run_worker:
                     from worker.main import running_worker
+                    from worker.metrics import WorkerMetrics
 
-                    async with running_worker(core):
+                    app.state.worker_metrics = WorkerMetrics()
+                    async with running_worker(core, app.state.worker_metrics):
                         yield
                 else:
                     yield
             finally:
-                if keeper is not None:
-                    keeper.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await keeper
+                for task in background:
+                    task.cancel()
+                await asyncio.gather(*background, return_exceptions=True)
 
     return Starlette(
         routes=[

@@ -435,6 +435,12 @@ def _parser() -> argparse.ArgumentParser:
         "recover", help="rebuild packets' Redis state from the database (safe while grabs go on)"
     )
     rec.add_argument("packet_ids", type=int, nargs="+", metavar="PACKET_ID")
+    # Parsed by server.load (every flag it does not know goes to Locust): listed here for --help only.
+    sub.add_parser(
+        "load",
+        add_help=False,
+        help="Locust step-up load against a hub (redpacket load --help; docs/load.md)",
+    )
     bench = sub.add_parser("bench", help="print benchmark figures and a JSON line (docs/benchmarks.md)")
     bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm", "db-read"])
     bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
@@ -487,6 +493,9 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["load"]:
+        _load(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # arq writes a line per periodic job run (several a minute); its warnings and errors still show.
@@ -508,6 +517,19 @@ def main(argv: list[str] | None = None) -> None:
         # Exiting waits for every non-daemon thread (aiosqlite runs one per connection). Should one be
         # left running, say where everything is after 15 s and end the process rather than hang.
         faulthandler.dump_traceback_later(15, exit=True)
+
+
+def _load(argv: list[str]) -> None:
+    """``redpacket load``: its own flags, every other one Locust's (so not through ``_parser``)."""
+    from server import load
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = load.run(argv)
+    except load.LoadError as e:
+        print(f"redpacket: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
 
 
 def _settings(args: argparse.Namespace) -> Settings:

@@ -132,6 +132,10 @@ class Database:
     async def close(self) -> None:
         raise NotImplementedError
 
+    def connections_in_use(self) -> int:
+        """Connections (or, on SQLite, the writer's lock) held by a transaction or a read right now."""
+        raise NotImplementedError
+
     async def run(self, work: Callable[[Tx], Awaitable[T]], attempts: int = 5) -> T:
         """Run ``work`` in a transaction, again from the start after a deadlock or lost connection."""
         for attempt in range(1, attempts + 1):
@@ -176,6 +180,9 @@ class MySQLDatabase(Database):
 
     def __init__(self, pool: Any) -> None:
         self._pool = pool
+
+    def connections_in_use(self) -> int:
+        return int(self._pool.size - self._pool.freesize)
 
     @classmethod
     async def connect(cls, url: str, pool_size: int) -> MySQLDatabase:
@@ -262,6 +269,9 @@ class SQLiteDatabase(Database):
         self._conn = conn
         self._reader = reader
         self._lock = asyncio.Lock()
+
+    def connections_in_use(self) -> int:
+        return int(self._lock.locked())
 
     @classmethod
     async def connect(cls, path: str) -> SQLiteDatabase:

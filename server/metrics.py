@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -23,7 +25,7 @@ class HubMetrics:
         )
         self.grab_outcomes = Counter(
             "redpacket_grab_outcomes",
-            "grab results: won, already, empty, expired, denied",
+            "grab results: won, already, empty, expired, or the error code (rate_limited, blocked, ...)",
             ["outcome"],
             registry=r,
         )
@@ -48,6 +50,20 @@ class HubMetrics:
         self.gc_pause_max = Gauge(
             "redpacket_hub_gc_pause_max_seconds", "the longest garbage collection so far", registry=r
         )
+        self.loop_lag = Histogram(
+            "redpacket_hub_loop_lag_seconds",
+            "how late the hub's event loop woke a timer (sampled every 0.5 s): its busyness",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
+        self.redis_in_use = Gauge(
+            "redpacket_redis_connections_in_use",
+            "Redis connections lent out by this process's pools",
+            registry=r,
+        )
+        self.db_in_use = Gauge(
+            "redpacket_db_connections_in_use", "database connections this process holds right now", registry=r
+        )
         self._gc_started = 0.0
         self._gc_max = 0.0
 
@@ -68,3 +84,16 @@ class HubMetrics:
     def unwatch_gc(self) -> None:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
+
+    def read_pools(self, redis: Callable[[], float], db: Callable[[], float]) -> None:
+        """Pool use, read when scraped."""
+        self.redis_in_use.set_function(redis)
+        self.db_in_use.set_function(db)
+
+    async def watch_loop(self, every: float = 0.5) -> None:
+        """Observe how late each timer of ``every`` seconds fires, until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + every
+            await asyncio.sleep(every)
+            self.loop_lag.observe(max(0.0, loop.time() - due))

@@ -190,6 +190,13 @@ class RedisNodes:
             for n in cast(RedisCluster, self.client).get_primaries()
         }
 
+    def connections_in_use(self) -> int:
+        """Connections of the per-master pools lent out right now (the grab path's pipelines)."""
+        return sum(
+            len(getattr(client.connection_pool, "_in_use_connections", ()))
+            for client in self.masters().values()
+        )
+
     def dedicated(self, key: str | bytes) -> dict[str, Any]:
         """What a connection of its own to the master owning ``key``'s slot is made from (a sharded pub/sub
         subscriber): ``PackedConnection(**dedicated(key))``."""

@@ -310,8 +310,8 @@ def on_grab(s: Session, body: dict[str, Any]) -> Answer | Later:
         group = s.member_of(body)
         packet_id = field_id(body, "packet", errors.PACKET_NOT_FOUND)
         _record_attempt(s, group, packet_id)
-    except RedPacketError:
-        metrics.grab_outcomes.labels("denied").inc()
+    except RedPacketError as e:
+        metrics.grab_outcomes.labels(e.code).inc()
         raise
     # A packet this hub knows to be closed (or no packet at all) is answered from memory.
     _refuse_if_known(s, group, packet_id)
@@ -336,7 +336,7 @@ def _refuse_if_known(s: Session, group: int, packet_id: int, started: float | No
     if refusal is None:
         return
     metrics = s.hub.metrics
-    metrics.grab_outcomes.labels(_OUTCOMES.get(refusal, "denied")).inc()
+    metrics.grab_outcomes.labels(_OUTCOMES.get(refusal, refusal)).inc()
     metrics.grabs_answered_locally.inc()
     if started is not None:
         metrics.grab_seconds.observe(time.perf_counter() - started)
@@ -357,7 +357,7 @@ async def _grab(s: Session, group: int, packet_id: int, started: float) -> dict[
         if remaining == 0:
             kp.saw_closed(group, packet_id)
     except RedPacketError as e:
-        metrics.grab_outcomes.labels(_OUTCOMES.get(e.code, "denied")).inc()
+        metrics.grab_outcomes.labels(_OUTCOMES.get(e.code, e.code)).inc()
         if e.code in _OUTCOMES:
             remaining = 0
             kp.saw_closed(group, packet_id)

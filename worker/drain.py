@@ -91,6 +91,7 @@ class CreditDrain:
                 raise
             except Exception as e:
                 failures += 1
+                self.metrics.drain_failures.inc()
                 if failures == 1:
                     log.warning("credit drain failed (%s); retrying with back-off", e)
                 self._groups_made = False  # Redis may have come back without them
@@ -226,6 +227,7 @@ class CreditDrain:
             if deleted:
                 batch.deleted.setdefault(n, []).extend(deleted)
         if taken:
+            self.metrics.takeovers.inc(taken)
             log.warning("took over %d credit(s) another worker left unpaid", taken)
 
     def _add(self, batch: Batch, n: int, entries: list[Any]) -> None:
@@ -280,6 +282,7 @@ class CreditDrain:
         paid: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
         for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):
             acks.setdefault(n, []).append(entry_id)
+            self.metrics.credits.labels(outcome if outcome in ("credited", "already") else "refused").inc()
             if outcome == "credited":
                 self.credited += 1
                 self.metrics.credit_lag.observe(max(0, finished - c.grabbed_ms) / 1000)

@@ -18,6 +18,7 @@ from typing import Any, cast
 from arq import Worker
 from arq.cron import cron
 
+from server import keys
 from server.core import Core
 from server.queue import job_deserializer, job_serializer
 from worker.drain import CreditDrain
@@ -89,15 +90,33 @@ async def run_arq(core: Core, metrics: WorkerMetrics) -> None:
 
 
 async def heartbeat(core: Core, metrics: WorkerMetrics) -> None:
-    """Beat (``metrics.healthy_at``) every ``BEAT_SECONDS`` while Redis and the database both answer."""
+    """Beat (``metrics.healthy_at``) every ``BEAT_SECONDS`` while Redis and the database both answer;
+    read the credit backlog and each Redis master's CPU and memory for the metrics."""
     while True:
         try:
             await core.redis.ping()
             await core.db.fetchone("SELECT 1")
             metrics.healthy_at.set(time.time())
+            await sample(core, metrics)
         except Exception as e:
             log.debug("heartbeat skipped: %s", e)
         await asyncio.sleep(BEAT_SECONDS)
+
+
+async def sample(core: Core, metrics: WorkerMetrics) -> None:
+    """The backlog (entries in the 64 outboxes, waiting or being paid) and INFO of every master."""
+    async with core.redis.pipeline(transaction=False) as pipe:
+        for n in range(keys.SHARDS):
+            pipe.xlen(keys.credit_outbox(n))
+        depths = await pipe.execute()
+    metrics.queue_depth.set(sum(int(d) for d in depths))
+    for address, client in core.nodes.masters().items():
+        info = await client.info("cpu")
+        metrics.redis_cpu.labels(address).set(
+            float(info.get("used_cpu_sys", 0)) + float(info.get("used_cpu_user", 0))
+        )
+        memory = await client.info("memory")
+        metrics.redis_memory.labels(address).set(float(memory.get("used_memory", 0)))
 
 
 @contextlib.asynccontextmanager

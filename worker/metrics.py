@@ -20,9 +20,33 @@ class WorkerMetrics:
             buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500),
             registry=r,
         )
+        self.credits = Counter(
+            "redpacket_credits",
+            "credits committed by this worker, by outcome (credited, already, refused)",
+            ["outcome"],
+            registry=r,
+        )
+        self.drain_failures = Counter(
+            "redpacket_credit_drain_failures", "credit batches that failed and are retried", registry=r
+        )
+        self.takeovers = Counter(
+            "redpacket_credit_takeovers", "credits taken over from a worker that left them unpaid", registry=r
+        )
         self.queue_depth = Gauge(
             "redpacket_queue_depth",
-            "credits in the outboxes, waiting or being paid (read by the sweeper)",
+            "credits in the outboxes, waiting or being paid (the backlog; read every 5 s)",
+            registry=r,
+        )
+        self.redis_cpu = Gauge(
+            "redpacket_redis_cpu_seconds",
+            "CPU seconds each Redis master has used (INFO cpu, read every 5 s)",
+            ["server"],
+            registry=r,
+        )
+        self.redis_memory = Gauge(
+            "redpacket_redis_memory_bytes",
+            "memory each Redis master uses (INFO memory)",
+            ["server"],
             registry=r,
         )
         self.healthy_at = Gauge(
@@ -34,5 +58,11 @@ class WorkerMetrics:
         self.refund_failures = Counter("redpacket_refund_failures", "refunds that raised", registry=r)
         self.reconcile_differences = Gauge(
             "redpacket_reconcile_differences", "differences found by the last reconciliation", registry=r
+        )
+        self.reconciled_at = Gauge(
+            "redpacket_reconciled_at_seconds", "unix time the last reconciliation finished", registry=r
+        )
+        self.swept = Counter(
+            "redpacket_sweeper_credited", "stranded grabs the sweeper credited (should stay 0)", registry=r
         )
         self.blocks_set = Counter("redpacket_blocks_set", "users blocked by the bot detector", registry=r)

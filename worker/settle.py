@@ -8,9 +8,10 @@ workers racing) changes nothing more.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, TypedDict
 
-from server import announce, keys, settlement
+from server import announce, settlement
 from server.bots import run_detector
 from server.core import Core
 from server.reconcile import reconcile
@@ -55,14 +56,10 @@ async def announce_job(ctx: Ctx) -> int:
 async def sweep_job(ctx: Ctx) -> dict[str, int]:
     """Credit grabs that Redis holds and the database never received."""
     core = ctx["core"]
-    if "metrics" in ctx:
-        async with core.redis.pipeline(transaction=False) as pipe:
-            for n in range(keys.SHARDS):
-                pipe.xlen(keys.credit_outbox(n))
-            depths = await pipe.execute()
-        ctx["metrics"].queue_depth.set(sum(int(d) for d in depths))
     s = await settlement.sweep(core)
     if s.credited_now:
+        if "metrics" in ctx:
+            ctx["metrics"].swept.inc(s.credited_now)
         log.warning("sweeper credited %d stranded grab(s)", s.credited_now)
     return {"credited": s.credited_now, "refused": s.refused}
 
@@ -81,6 +78,7 @@ async def reconcile_job(ctx: Ctx) -> int:
     report = await reconcile(ctx["core"].db)
     if "metrics" in ctx:
         ctx["metrics"].reconcile_differences.set(len(report.differences))
+        ctx["metrics"].reconciled_at.set(time.time())
     for d in report.differences:
         log.error("reconciliation: %s", d)
     return len(report.differences)

@@ -1,0 +1,131 @@
+"""``redpacket load``: a short step-up run of Locust against a real ``redpacket up`` (hub + worker), and
+the pure arithmetic of the plan and the report."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from server.loadplan import StageFigures, bucket_quantile, knee, parse_stages, percentile, stage_at, subtract
+from server.settings import child_env
+from tests.hubtools import redpacket_up
+
+
+def test_stages_parse_to_end_times_and_refuse_nonsense() -> None:
+    stages = parse_stages("10:5, 20:2.5,40:10")
+    assert [(s.users, s.ends_at) for s in stages] == [(10, 5.0), (20, 7.5), (40, 17.5)]
+    assert [stage_at(stages, t) for t in (0, 4.9, 5, 17.4, 17.5)] == [0, 0, 1, 2, None]
+    for bad in ("", "10", "10:0", "0:5", "a:5", "10:-1", "10:nan"):
+        with pytest.raises(ValueError):
+            parse_stages(bad)
+
+
+def test_percentiles_of_counts_and_of_prometheus_buckets() -> None:
+    counts = {5: 50, 10: 40, 200: 10}
+    assert percentile(counts, 0.5) == 5
+    assert percentile(counts, 0.9) == 10
+    assert percentile(counts, 0.99) == 200
+    assert percentile({}, 0.99) == 0
+    assert subtract({5: 60, 10: 40}, {5: 50, 10: 40}) == {5: 10}
+    # 100 samples: 90 at or below 0.1, all 100 at or below 1.0 → P99 interpolated in (0.1, 1.0].
+    q = bucket_quantile([(0.1, 90), (1.0, 100), (float("inf"), 100)], 0.99)
+    assert q is not None and abs(q - 0.91) < 1e-9
+    assert bucket_quantile([(0.1, 0), (float("inf"), 0)], 0.99) is None
+    assert bucket_quantile([(0.1, 5), (float("inf"), 10)], 0.99) == 0.1  # beyond the last bound
+
+
+def _stage(users: int, grabs: int, p99: float, failures: int = 0) -> StageFigures:
+    return StageFigures(
+        users=users, seconds=10, requests=grabs + 100, failures=failures, grabs=grabs, grab_p99_ms=p99
+    )
+
+
+def test_the_knee_is_where_p99_errors_or_throughput_turn() -> None:
+    assert knee([_stage(100, 1000, 20), _stage(200, 2000, 25), _stage(400, 4000, 30)])[0] is None
+    assert knee([_stage(100, 1000, 60), _stage(200, 2000, 130)])[0] == 1  # P99 over 2× and over 100 ms
+    assert knee([_stage(100, 1000, 20), _stage(200, 2000, 90)])[0] is None  # 4.5× but under the floor
+    assert knee([_stage(100, 1000, 20), _stage(200, 2000, 25, failures=50)])[0] == 1  # 2.3% errors
+    assert knee([_stage(100, 1000, 20), _stage(200, 1050, 25)])[0] == 1  # throughput flat
+    assert knee([])[0] is None
+
+
+def test_a_step_up_run_against_a_hub_and_worker(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with redpacket_up(tmp_path / "data") as (url, _):
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "load",
+                "--host",
+                url,
+                "--stages",
+                "8:8,16:8",
+                "--group-size",
+                "8",
+                "--send-every",
+                "2",
+                "--reaction-ms",
+                "300",
+                "--headless",
+                "--html",
+                str(out / "report.html"),
+                "--csv",
+                str(out / "report"),
+                "--report",
+                str(out / "stages.json"),
+                "--plot",
+                str(out / "plots"),
+            ],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        said = run.stdout + run.stderr
+        assert run.returncode == 0, said[-5000:]
+
+        with (out / "report_stats.csv").open() as f:
+            rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
+        won = int(rows[("grab", "won")]["Request Count"])
+        assert won > 0, said[-3000:]
+        assert int(rows[("connect", "ws")]["Request Count"]) >= 16
+        assert int(rows[("", "Aggregated")]["Failure Count"]) == 0
+        assert ("grab", "already") not in rows  # each member grabs each packet once
+        html = (out / "report.html").read_text()
+        assert "grab" in html and "connect" in html and "redpacket-server-side" in html
+
+        report = json.loads((out / "stages.json").read_text())
+        assert [s["users"] for s in report["stages"]] == [8, 16]
+        assert sum(s["won"] for s in report["stages"]) <= won
+        assert report["stages"][-1]["server"]["connections"] >= 1
+        summary = json.loads(run.stdout.strip().splitlines()[-1])
+        assert len(summary["load"]) == 2
+        for png in ("load-stages.png", "load-server.png"):
+            assert (out / "plots" / png).stat().st_size > 5_000
+
+        # Every grab a client was told it won reaches the ledger, and the books balance.
+        db = sqlite3.connect(tmp_path / "data" / "redpacket.sqlite3")
+        deadline = time.monotonic() + 60
+        while db.execute("SELECT COUNT(*) FROM grab_records").fetchone()[0] < won:
+            assert time.monotonic() < deadline, "credits did not all arrive"
+            time.sleep(0.1)
+        assert db.execute("SELECT COUNT(*) FROM grab_records").fetchone()[0] == won
+        db.close()
+        reconciled = subprocess.run(
+            [sys.executable, "-m", "server", "reconcile"],
+            env=child_env(REDPACKET_DATA_DIR=str(tmp_path / "data")),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert reconciled.returncode == 0, reconciled.stdout + reconciled.stderr
+        assert "no difference" in reconciled.stdout
