@@ -1,0 +1,140 @@
+"""Prometheus and Grafana as docker-compose.yml runs them (checked without a Docker engine), and every
+metric the dashboard, the load report and the README name is one a running hub and worker export."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from server.settings import Settings, child_env
+from tests.hubtools import eventually, free_port, hub_process
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "monitoring" / "grafana" / "dashboards" / "redpacket.json"
+METRIC = re.compile(r"\bredpacket_[a-z0-9_]+\b")
+
+
+def _yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def _panels() -> list[dict[str, Any]]:
+    return [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+
+
+def _exported(text: str) -> set[str]:
+    """Every series name a /metrics page can hold: counters as ``_total``, histograms with their
+    ``_bucket`` / ``_sum`` / ``_count`` (declared even before their first sample)."""
+    names: set[str] = set()
+    for line in text.splitlines():
+        m = re.match(r"# TYPE (\S+) (\S+)", line)
+        if m:
+            names.add(m[1])
+            if m[2] == "histogram":
+                names |= {f"{m[1]}_bucket", f"{m[1]}_sum", f"{m[1]}_count"}
+    return {n for n in names if n.startswith("redpacket_") and not n.endswith("_created")}
+
+
+def test_compose_runs_prometheus_on_every_hub_and_worker_and_grafana_on_its_dashboard() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    prom, grafana = services["prometheus"], services["grafana"]
+    mounts = {m.split(":")[1]: ROOT / m.split(":")[0] for m in prom["volumes"] if m.startswith("./")}
+    config = _yaml(mounts["/etc/prometheus/prometheus.yml"])
+    assert any("--config.file=/etc/prometheus/prometheus.yml" == a for a in prom["command"])
+    jobs = {j["job_name"]: j["dns_sd_configs"][0] for j in config["scrape_configs"]}
+    hub_port = int(services["hub"]["environment"]["REDPACKET_PORT"])
+    worker_port = int(services["worker"]["ports"][0].split(":")[1])
+    assert jobs["hub"]["names"] == ["hub"] and jobs["hub"]["port"] == hub_port
+    assert jobs["worker"]["names"] == ["worker"] and jobs["worker"]["port"] == worker_port
+    assert {"hub", "worker"} <= set(prom["depends_on"])
+
+    g_mounts = {m.split(":")[1]: ROOT / m.split(":")[0] for m in grafana["volumes"] if m.startswith("./")}
+    provisioning = g_mounts["/etc/grafana/provisioning"]
+    source = _yaml(provisioning / "datasources" / "prometheus.yml")["datasources"][0]
+    assert source["url"] == f"http://prometheus:{prom['ports'][0].split(':')[1]}"
+    provider = _yaml(provisioning / "dashboards" / "redpacket.yml")["providers"][0]
+    dashboards = g_mounts[provider["options"]["path"]]
+    assert (dashboards / "redpacket.json").read_text() == DASHBOARD.read_text()
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/redpacket.json"
+    for panel in _panels():
+        assert panel["datasource"]["uid"] == source["uid"], panel["title"]
+        assert panel["targets"] and all(t["datasource"]["uid"] == source["uid"] for t in panel["targets"])
+
+
+def test_the_dashboard_shows_what_the_issue_asks_for() -> None:
+    text = " ".join(p["title"].lower() for p in _panels())
+    for wanted in (
+        "grabs/s by outcome",
+        "grab latency",
+        "connections",
+        "frames in / out",
+        "send-queue drops",
+        "pub/sub reconnects",
+        "credit lag p99",
+        "backlog",
+        "refunds",
+        "reconciliation differences",
+        "blocks set",
+    ):
+        assert wanted in text, wanted
+
+
+async def test_every_metric_named_is_exported_by_a_running_hub_and_worker(hub_settings: Settings) -> None:
+    port = free_port()
+    env = child_env(
+        REDPACKET_REDIS_URL=hub_settings.redis_url,
+        REDPACKET_DATABASE_URL=hub_settings.database_url,
+        REDPACKET_QUEUE_NAME=hub_settings.queue_name,
+        REDPACKET_WORKER_METRICS_PORT=str(port),
+    )
+    worker = subprocess.Popen(  # noqa: ASYNC220 - one worker process for the test
+        [sys.executable, "-m", "server", "worker"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    pages: dict[str, str] = {}
+    try:
+        async with hub_process(hub_settings) as hub, httpx.AsyncClient(timeout=10) as http:
+            pages["hub"] = (await http.get(f"{hub.http}/metrics")).text
+
+            async def worker_page() -> bool:
+                try:
+                    pages["worker"] = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+                except httpx.TransportError:
+                    return False
+                # The first heartbeat has read Redis (the per-master gauges have a sample).
+                return "redpacket_redis_cpu_seconds{" in pages["worker"]
+
+            await eventually(worker_page, timeout=60)
+    finally:
+        worker.kill()
+        await asyncio.to_thread(worker.wait, 30)
+
+    hub, wk = _exported(pages["hub"]), _exported(pages["worker"])
+    assert "redpacket_grab_seconds_bucket" in hub and "redpacket_credit_lag_seconds_bucket" in wk
+    exported = hub | wk
+    for panel in _panels():
+        for target in panel["targets"]:
+            named = set(METRIC.findall(target["expr"]))
+            assert named and named <= exported, (panel["title"], named - exported)
+
+    # The load report reads these by name (server/locustfile.py).
+    load = set(re.findall(r'"(redpacket_[a-z0-9_]+)[{"]', (ROOT / "server" / "locustfile.py").read_text()))
+    assert load and load <= exported | {m.removesuffix("_bucket") for m in exported}, load - exported
+
+    # The README documents every metric (by the name a scrape shows, counters with _total).
+    readme = (ROOT / "README.md").read_text()
+    documented = set(METRIC.findall(readme))
+    families = {n for n in exported if not n.endswith(("_bucket", "_sum", "_count"))}
+    assert families <= documented, families - documented
+    assert documented <= exported | {"redpacket_test"}, documented - exported
