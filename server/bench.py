@@ -30,11 +30,12 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from server import groups, keys, ledger, packets
+from server import groups, keys, ledger, packets, plots
 from server.batch import Batcher, Durability
 from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.membership import Membership
+from server.progress import phase
 from server.settings import Settings
 
 BENCH_QUEUE = "redpacket:bench:queue"
@@ -221,7 +222,12 @@ async def _spread_storm(
     }
 
 
-async def run_grab_bench(settings: Settings, grabs: int, groups_n: int = 12) -> dict[str, Any]:
+SWEEP = (1, 4, 16, 64, 256)
+
+
+async def run_grab_bench(
+    settings: Settings, grabs: int, groups_n: int = 12, plot: Path | None = None
+) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     s = settings.with_(
         database_url=f"sqlite:///{tmp / 'bench.sqlite3'}",
@@ -246,7 +252,8 @@ async def run_grab_bench(settings: Settings, grabs: int, groups_n: int = 12) -> 
             await fresh_ids(core)
             users = await ledger.create_users(core.db, [f"bench{i}" for i in range(grabs)])
             admin = users[0]
-            await ledger.topup(core.db, admin, 10 * grabs * 10, "bench")
+            sweep_n = min(grabs, 5_000)
+            await ledger.topup(core.db, admin, 10 * grabs * 10 + len(SWEEP) * sweep_n * 10, "bench")
             group = await groups.create_group(core.db, admin, "bench")
             spread = [group]
             for i in range(groups_n - 1):
@@ -271,7 +278,8 @@ async def run_grab_bench(settings: Settings, grabs: int, groups_n: int = 12) -> 
                 p = await packets.send_packet(c, admin, group, "equal", grabs * 10, grabs)
                 cleanup += keys.packet_keys(group, p.packet_id)
                 bench_packets.add(p.packet_id)
-                figures[name] = round(await _grab_all(c, p.packet_id, group, users, concurrency))
+                with phase(f"{name}: {grabs:,} grabs"):
+                    figures[name] = round(await _grab_all(c, p.packet_id, group, users, concurrency))
             # The hub's grab (block and rate limit included) spread over the groups' shards, under each
             # durability level the server allows as configured, in this run.
             levels: tuple[Durability, ...] = ("none", "aof", "replica")
@@ -285,7 +293,8 @@ async def run_grab_bench(settings: Settings, grabs: int, groups_n: int = 12) -> 
                     settings=core.settings.with_(grab_durability=level),
                     batcher=Batcher(core.nodes, level, core.settings.durability_timeout_ms),
                 )
-                got = await _spread_storm(durable, admin, spread, users, 200, gate=True)
+                with phase(f"durability {level}: {grabs:,} grabs over {len(spread)} groups"):
+                    got = await _spread_storm(durable, admin, spread, users, 200, gate=True)
                 for pid in got.pop("packets"):
                     bench_packets.add(pid)
                     cleanup += [k for g in spread for k in keys.packet_keys(g, pid)]
@@ -297,6 +306,27 @@ async def run_grab_bench(settings: Settings, grabs: int, groups_n: int = 12) -> 
             figures["script_only_200_concurrent_batched"] = round(
                 await _script_only(core, raw, group, grabs, 200)
             )
+            # Throughput against concurrency: the hub's grab (batched) beside the bare script, same client.
+            sweep: list[dict[str, int]] = []
+            raw_sweep = await _raw_packet(core, group, len(SWEEP) * sweep_n)  # its own grabbers' ids
+            cleanup += keys.packet_keys(group, raw_sweep)
+            bench_packets.add(raw_sweep)
+            with phase("concurrency sweep", total=len(SWEEP)) as step:
+                for concurrency in SWEEP:
+                    p = await packets.send_packet(core, admin, group, "equal", sweep_n * 10, sweep_n)
+                    cleanup += keys.packet_keys(group, p.packet_id)
+                    bench_packets.add(p.packet_id)
+                    hub_rate = await _grab_all(core, p.packet_id, group, users[:sweep_n], concurrency)
+                    script_rate = await _script_only(core, raw_sweep, group, sweep_n, concurrency)
+                    sweep.append(
+                        {
+                            "concurrency": concurrency,
+                            "grabs_per_s": round(hub_rate),
+                            "script_per_s": round(script_rate),
+                        }
+                    )
+                    step.advance()
+            figures["concurrency_sweep"] = sweep
             figures["redis_benchmark_evalsha_c50"] = await _redis_benchmark(core, group, raw, 1)
             figures["redis_benchmark_evalsha_c50_p16"] = await _redis_benchmark(core, group, raw, 16)
             for key in cleanup:
@@ -316,13 +346,26 @@ async def run_grab_bench(settings: Settings, grabs: int, groups_n: int = 12) -> 
     for k, v in figures.items():
         print(f"  {k:<36} {v if v is not None else 'n/a (redis-benchmark not found)'}")
     print(json.dumps({"bench": "grab", **figures}))
+    if plot is not None:
+        rows = [(r["concurrency"], float(r["grabs_per_s"]), float(r["script_per_s"])) for r in sweep]
+        plots.said(
+            [
+                plots.throughput(
+                    rows,
+                    plot / "grab-throughput.png",
+                    "grabs/s against concurrency (baseline: the script alone)",
+                )
+            ]
+        )
     return figures
 
 
 # -- bench db-read ---------------------------------------------------------------------------------------
 
 
-async def run_db_read_bench(settings: Settings, reads: int = 4000, concurrency: int = 50) -> dict[str, Any]:
+async def run_db_read_bench(
+    settings: Settings, reads: int = 4000, concurrency: int = 50, plot: Path | None = None
+) -> dict[str, Any]:
     """A lone read (the welcome's groups, a sync's packets) the way ``Database.fetchone`` does it, against
     the same read in its own BEGIN ... COMMIT transaction (how every read went before), on the configured
     database: reads/s and this process's CPU per read, each twice, alternating."""
@@ -353,4 +396,7 @@ async def run_db_read_bench(settings: Settings, reads: int = 4000, concurrency: 
     for k, v in figures.items():
         print(f"  {k:<28} {v}")
     print(json.dumps({"bench": "db-read", **figures}))
+    if plot is not None:
+        rates = {k: v for k, v in figures.items() if "_per_s_" in k}
+        plots.said([plots.bars(rates, plot / "db-read.png", "lone read vs in a transaction", "reads/s")])
     return figures

@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -373,20 +374,23 @@ async def _bench(settings: Settings, args: argparse.Namespace) -> None:
 
     await _check_services(settings)
     what = args.what
+    plot = Path(args.plot) if args.plot else None
     if what == "grab":
-        await run_grab_bench(settings, args.grabs)
+        await run_grab_bench(settings, args.grabs, plot=plot)
     elif what == "db-read":
-        await run_db_read_bench(settings)
+        await run_db_read_bench(settings, plot=plot)
     elif what == "hub-grab":
-        await hubbench.bench_hub_grab(settings, workers=args.workers)
+        await hubbench.bench_hub_grab(settings, workers=args.workers, plot=plot)
     elif what == "credit":
-        await bench_credit(settings)
+        await bench_credit(settings, plot=plot)
     elif what == "storm":
-        await bench_storm(settings)
+        await bench_storm(settings, args.rate, args.seconds, plot=plot)
     elif what == "fanout":
-        await hubbench.bench_fanout(settings)
+        await hubbench.bench_fanout(settings, plot=plot)
     else:
-        await hotbench.bench_hot(settings, args.clients, workers=args.workers, client_procs=args.client_procs)
+        await hotbench.bench_hot(
+            settings, args.clients, workers=args.workers, client_procs=args.client_procs, plot=plot
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -449,6 +453,9 @@ def _parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=1, help="hub processes: serve --workers (hub-grab, hot)"
     )
     bench.add_argument("--client-procs", type=int, default=1, help="load client processes (hot)")
+    bench.add_argument("--rate", type=int, default=2_000, help="grabs per second (storm)")
+    bench.add_argument("--seconds", type=int, default=30, help="how long the grabs go on (storm)")
+    bench.add_argument("--plot", metavar="DIR", help="write PNG plots of the run into DIR")
     return parser
 
 

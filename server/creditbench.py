@@ -13,14 +13,20 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from server import groups, keys, ledger, packets
+from server import groups, keys, ledger, packets, plots
 from server.bench import drop_bench_credits, fresh_ids
 from server.core import Core, open_core
 from server.crediting import add_to_balances, credit_many
 from server.ledger import Credit, credit_grab
+from server.progress import phase
 from server.settings import Settings, child_env
 
 QUEUE = "redpacket:bench:credit"
+
+
+def _p99(values: list[int]) -> float:
+    ordered = sorted(values)
+    return float(ordered[max(0, int(len(ordered) * 0.99) - 1)]) if ordered else 0.0
 
 
 async def _enqueue(core: Core, credits: list[Credit]) -> None:
@@ -103,7 +109,9 @@ async def _bench_world(core: Core, members: int, money: int) -> tuple[int, int, 
     return admin, group, others, pids
 
 
-async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: int = 2_000) -> dict[str, Any]:
+async def bench_credit(
+    settings: Settings, credits_n: int = 20_000, single_n: int = 2_000, plot: Path | None = None
+) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     s = _bench_settings(settings, tmp, QUEUE)
     figures: dict[str, Any] = {"credits": credits_n, "database": s.database_url.split(":", 1)[0]}
@@ -149,10 +157,17 @@ async def bench_credit(settings: Settings, credits_n: int = 20_000, single_n: in
     for k, v in figures.items():
         print(f"  {k:<28} {v}")
     print(json.dumps({"bench": "credit", **figures}))
+    if plot is not None:
+        rates = {k: v for k, v in figures.items() if k.endswith("_per_s")}
+        plots.said(
+            [plots.bars(rates, plot / "credit.png", "credits/s: the drain beside its baselines", "credits/s")]
+        )
     return figures
 
 
-async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) -> dict[str, Any]:
+async def bench_storm(
+    settings: Settings, rate: int = 2_000, seconds: int = 30, plot: Path | None = None
+) -> dict[str, Any]:
     """Grabs at ``rate``/s for ``seconds`` through the core while a ``redpacket worker`` process
     credits them: grab → credited latency, and the queue backlog sampled every second."""
     import asyncio
@@ -193,40 +208,55 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
                 start = time.perf_counter()
                 tick = 0.01
                 per_tick = max(1, int(rate * tick))
-                for i in range(0, len(jobs), per_tick):
-                    due = start + (i // per_tick) * tick
-                    delay = due - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    tasks += [
-                        asyncio.create_task(packets.grab(core, p, group, u))
-                        for p, u in jobs[i : i + per_tick]
-                    ]
-                    if i % rate < per_tick:
-                        backlog.append(int(await core.redis.xlen(keys.outbox_for(group))))
-                await asyncio.gather(*tasks)
+                with phase(f"grabbing at {rate:,}/s for {seconds} s", total=total) as grabbing:
+                    for i in range(0, len(jobs), per_tick):
+                        due = start + (i // per_tick) * tick
+                        delay = due - time.perf_counter()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                        tasks += [
+                            asyncio.create_task(packets.grab(core, p, group, u))
+                            for p, u in jobs[i : i + per_tick]
+                        ]
+                        if i % rate < per_tick:
+                            backlog.append(int(await core.redis.xlen(keys.outbox_for(group))))
+                            grabbing.update(i)
+                    await asyncio.gather(*tasks)
+                    grabbing.update(total)
                 figures["achieved_grabs_per_s"] = round(total / (time.perf_counter() - start))
                 deadline = time.perf_counter() + 300
-                while time.perf_counter() < deadline:
-                    row = await core.db.fetchone(
-                        "SELECT COUNT(*) FROM grab_records WHERE status = 'credited'"
-                        f" AND packet_id IN ({', '.join(['%s'] * len(pids))})",
-                        pids,
-                    )
-                    depth = int(await core.redis.xlen(keys.outbox_for(group)))
-                    backlog.append(depth)
-                    if row and int(row[0]) >= total:
-                        break
-                    await asyncio.sleep(1)
+                with phase("crediting", total=total) as crediting:
+                    while time.perf_counter() < deadline:
+                        row = await core.db.fetchone(
+                            "SELECT COUNT(*) FROM grab_records WHERE status = 'credited'"
+                            f" AND packet_id IN ({', '.join(['%s'] * len(pids))})",
+                            pids,
+                        )
+                        depth = int(await core.redis.xlen(keys.outbox_for(group)))
+                        backlog.append(depth)
+                        crediting.update(int(row[0]) if row else 0)
+                        if row and int(row[0]) >= total:
+                            break
+                        await asyncio.sleep(1)
                 figures["drained_after_s"] = round(time.perf_counter() - start, 1)
             finally:
                 worker.terminate()
                 await asyncio.to_thread(worker.wait, 60)
             marks = ", ".join(["%s"] * len(pids))
             rows = await core.db.fetchall(
-                f"SELECT credited_ms - grabbed_ms FROM grab_records WHERE packet_id IN ({marks})", pids
+                f"SELECT credited_ms - grabbed_ms, grabbed_ms FROM grab_records WHERE packet_id IN ({marks})",
+                pids,
             )
             lags = sorted(int(r[0]) for r in rows)
+            # The P99 credit lag of the grabs of each second, beside the backlog sampled that second.
+            per_second: dict[int, list[int]] = {}
+            first = min((int(r[1]) for r in rows), default=0)
+            for lag, grabbed in rows:
+                per_second.setdefault((int(grabbed) - first) // 1000, []).append(int(lag))
+            samples = [
+                {"t": float(t), "lag_ms": _p99(per_second.get(t, [])), "backlog": float(depth)}
+                for t, depth in enumerate(backlog)
+            ]
             figures["credited"] = len(lags)
             if lags:
                 figures["lag_p50_ms"] = int(statistics.median(lags))
@@ -239,4 +269,12 @@ async def bench_storm(settings: Settings, rate: int = 2_000, seconds: int = 30) 
     for k, v in figures.items():
         print(f"  {k:<22} {v}")
     print(json.dumps({"bench": "storm", **figures}))
+    if plot is not None:
+        plots.said(
+            [
+                plots.lag_and_backlog(
+                    samples, plot / "storm-lag-backlog.png", f"storm: {rate:,} grabs/s for {seconds} s"
+                )
+            ]
+        )
     return figures

@@ -36,8 +36,9 @@ from typing import Any, cast
 
 import msgpack
 
-from server import hubbench, packets
+from server import hubbench, packets, plots
 from server.core import open_core
+from server.progress import phase
 from server.redisnodes import RedisNodes
 from server.settings import Settings
 
@@ -120,6 +121,11 @@ async def _burst(
     answers = await clients.ask([command] * len(clients.procs))
     server_cpu = hubbench.cpu_seconds(server_pid) - cpu
     latencies = sorted(x for a in answers for x in a["latencies_ms"])
+    went = min(a["went"] for a in answers)
+    # Each reply: when it came (s after the first frame went) and how long it took (ms), for the plots.
+    points = [
+        (at - went, ms) for a in answers for at, ms in zip(a["replied_at"], a["latencies_ms"], strict=True)
+    ]
     outcomes: dict[str, int] = {}
     for a in answers:
         for k, v in a["outcomes"].items():
@@ -134,6 +140,7 @@ async def _burst(
         "outcomes": outcomes,
         "frames_received": sum(a["frames"] for a in answers),
         "finished_received": sum(a["finished"] for a in answers),
+        "points": points,
     }
     if redis is not None:
         figures["redis_cpu_s"] = round(await hubbench.redis_cpu_seconds(redis) - redis_cpu, 2)
@@ -160,8 +167,14 @@ async def _connect(
 
 
 async def bench_hot(
-    settings: Settings, clients_n: int = 10_000, shares: int = 1_000, workers: int = 1, client_procs: int = 1
+    settings: Settings,
+    clients_n: int = 10_000,
+    shares: int = 1_000,
+    workers: int = 1,
+    client_procs: int = 1,
+    plot: Path | None = None,
 ) -> dict[str, Any]:
+    shares = min(shares, clients_n)  # a packet has at most as many shares as the group has members
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
     admin, group, ids = await hubbench.make_world(settings, db_url, clients_n + 1, 10**8)
@@ -171,11 +184,13 @@ async def bench_hot(
     try:
         # 1. The bare echo: connecting, then one frame from every client at once.
         async with hubbench.bare_process("echo") as (ws_url, bare_pid):
-            connect = await _connect(clients, ws_url, clients_n, bare_pid)
+            with phase(f"echo: connecting {clients_n:,} clients"):
+                connect = await _connect(clients, ws_url, clients_n, bare_pid)
             figures["echo_connect_s"] = connect["s"]
             figures["echo_connect_server_cpu_s"] = connect["server_cpu_s"]
             figures["echo_connect_client_cpu_s"] = connect["client_cpu_s"]
-            echo = await _burst(clients, msgpack.packb({"id": 1, "type": "ping"}), bare_pid, None, False)
+            with phase(f"echo: a frame from each of {clients_n:,} clients"):
+                echo = await _burst(clients, msgpack.packb({"id": 1, "type": "ping"}), bare_pid, None, False)
             await clients.ask([{"cmd": "close"}] * client_procs)
         figures["echo_all_replies_s"] = echo["all_replies_s"]
         figures["echo_p50_ms"], figures["echo_p99_ms"] = echo["reply_p50_ms"], echo["reply_p99_ms"]
@@ -192,7 +207,8 @@ async def bench_hot(
             await asyncio.sleep(0.5 if workers > 1 else 0)  # every worker is listening (each says so)
             rss_empty = hubbench.memory_kb(hub_pid, "VmRSS")
             tokens = [hubbench.token(u) for u in ids[1:]]
-            connect = await _connect(clients, ws_url, tokens, hub_pid)
+            with phase(f"hub: connecting {clients_n:,} clients"):
+                connect = await _connect(clients, ws_url, tokens, hub_pid)
             figures["hub_connect_s"] = connect["s"]
             figures["hub_connect_server_cpu_s"] = connect["server_cpu_s"]
             figures["hub_connect_client_cpu_s"] = connect["client_cpu_s"]
@@ -209,8 +225,9 @@ async def bench_hot(
             await clients.ask([{"cmd": "await_packet"}] * client_procs)
             gc_before = _gc_pauses(http_url) if workers == 1 else None
             frame = msgpack.packb({"id": 1, "type": "grab", "group": group, "packet": packet_id})
-            hub = await _burst(clients, frame, hub_pid, redis, True)
-            figures.update({f"hub_{k}": v for k, v in hub.items() if k != "outcomes"})
+            with phase(f"hub: {clients_n:,} grabs of one {shares:,}-share packet"):
+                hub = await _burst(clients, frame, hub_pid, redis, True)
+            figures.update({f"hub_{k}": v for k, v in hub.items() if k not in ("outcomes", "points")})
             figures["outcomes"] = hub["outcomes"]
             if gc_before is not None:  # one process answers /metrics: the figures are its own
                 gc_after = _gc_pauses(http_url)
@@ -239,7 +256,22 @@ async def bench_hot(
         )
         figures["over_issue_cents"] = paid - (int(row[0]) if row and row[0] is not None else 0)
         figures["distinct_winners"] = len({g.user_id for g in view.grabs})
-    return hubbench.report("hot", figures)
+    hubbench.report("hot", figures)
+    if plot is not None:
+        title = f"{clients_n:,} clients grab one {shares:,}-share packet"
+        plots.said(
+            [
+                plots.latency(
+                    [p[1] for p in hub["points"]],
+                    plot / "hot-latency.png",
+                    f"{title}: reply latency",
+                    [p[1] for p in echo["points"]],
+                    ("hub: grab", "bare echo, same clients"),
+                ),
+                plots.latency_over_time(hub["points"], plot / "hot-latency-over-time.png", title),
+            ]
+        )
+    return figures
 
 
 # -- a client process ------------------------------------------------------------------------------------
@@ -392,6 +424,7 @@ def _client_main() -> None:
                         "went": went,
                         "last_reply": max(c.replied_at for c in CLIENTS),
                         "latencies_ms": [round((c.replied_at - c.sent_at) * 1000, 2) for c in CLIENTS],
+                        "replied_at": [c.replied_at for c in CLIENTS],
                         "outcomes": outcomes,
                         "cpu": used,
                         "frames": shared.frames,

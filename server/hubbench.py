@@ -28,7 +28,7 @@ from starlette.websockets import WebSocket
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
-from server import announce, events, groups, ledger, packets
+from server import announce, events, groups, ledger, packets, plots
 from server.bench import fresh_ids
 from server.core import open_core
 from server.protocol import SUBPROTOCOL_MSGPACK
@@ -184,7 +184,11 @@ async def send_packets(
 
 
 async def bench_hub_grab(
-    settings: Settings, connections: int = 100, packets_n: int = 40, workers: int = 1
+    settings: Settings,
+    connections: int = 100,
+    packets_n: int = 40,
+    workers: int = 1,
+    plot: Path | None = None,
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
@@ -239,7 +243,7 @@ async def bench_hub_grab(
             await ws.close()
     figures["ratio"] = round(figures["hub_grabs_per_s"] / figures["bare_echo_per_s"], 3)
     figures["ping_ratio"] = round(figures["hub_pings_per_s"] / figures["bare_echo_per_s"], 3)
-    return report("hub-grab", figures)
+    return report("hub-grab", figures, plot)
 
 
 # -- bench fanout --------------------------------------------------------------------------------------
@@ -254,7 +258,9 @@ async def _receive_all(conns: list[ClientConnection], n: int) -> float:
     return time.perf_counter()
 
 
-async def bench_fanout(settings: Settings, members: int = 500, events_n: int = 200) -> dict[str, Any]:
+async def bench_fanout(
+    settings: Settings, members: int = 500, events_n: int = 200, plot: Path | None = None
+) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
     _, group, ids = await make_world(settings, db_url, members, 1)
@@ -286,14 +292,25 @@ async def bench_fanout(settings: Settings, members: int = 500, events_n: int = 2
         for ws in conns:
             await ws.close()
     figures["ratio"] = round(figures["hub_deliveries_per_s"] / figures["bare_broadcast_per_s"], 3)
-    return report("fanout", figures)
+    return report("fanout", figures, plot)
 
 
-def report(name: str, figures: dict[str, Any]) -> dict[str, Any]:
+def report(name: str, figures: dict[str, Any], plot: Path | None = None) -> dict[str, Any]:
+    """Print the figures and the JSON line; with ``plot``, bars of the rates and of the CPU per operation
+    (the measured beside its baseline)."""
     print(f"{name} benchmark")
     for k, v in figures.items():
         print(f"  {k:<28} {v}")
     print(json.dumps({"bench": name, **figures}))
+    if plot is not None:
+        rates = {k: v for k, v in figures.items() if k.endswith("_per_s")}
+        cpu = {k: v for k, v in figures.items() if "cpu_us_per" in k}
+        plots.said(
+            [
+                plots.bars(rates, plot / f"{name}-rates.png", f"{name}: per second", "per second"),
+                plots.bars(cpu, plot / f"{name}-cpu.png", f"{name}: CPU per operation", "µs"),
+            ]
+        )
     return figures
 
 

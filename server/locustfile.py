@@ -215,6 +215,7 @@ class Member(Connected):
         members = Fixture.members
         self.identity = members[(next(_members) * stride + index) % len(members)]
         self.grab_times: list[float] = []
+        self.grabbing: set[gevent.Greenlet] = set()
         self.ensure_socket()
 
     def on_event(self, message: dict[str, Any]) -> None:
@@ -222,7 +223,14 @@ class Member(Connected):
             data = message["data"]
             if data.get("target") not in (None, self.identity["user_id"]):
                 return
-            gevent.spawn(self.grab, int(message["group"]), int(data["packet_id"]))
+            grabbing = gevent.spawn(self.grab, int(message["group"]), int(data["packet_id"]))
+            self.grabbing.add(grabbing)
+            grabbing.link(self.grabbing.discard)
+
+    def on_stop(self) -> None:
+        # Grabs still waiting out their reaction time when the run stops are not made (nor failed).
+        gevent.killall(list(self.grabbing), block=False)
+        super().on_stop()
 
     def reaction(self) -> float:
         median = self.environment.parsed_options.reaction_ms / 1000

@@ -30,7 +30,11 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def latency(
-    samples_ms: Sequence[float], path: Path, title: str, baseline_ms: Sequence[float] = ()
+    samples_ms: Sequence[float],
+    path: Path,
+    title: str,
+    baseline_ms: Sequence[float] = (),
+    labels: tuple[str, str] = ("measured", "baseline"),
 ) -> Path | None:
     """The distribution of latencies (log-spaced histogram), with a baseline's beside it if given."""
     if not samples_ms:
@@ -43,8 +47,8 @@ def latency(
 
     bins = np.logspace(np.log10(low), np.log10(max(high, low * 1.01)), 40)
     if baseline_ms:
-        ax.hist(baseline_ms, bins=bins, alpha=0.5, label="baseline")
-    ax.hist(samples_ms, bins=bins, alpha=0.6, label="measured")
+        ax.hist(baseline_ms, bins=bins, alpha=0.5, label=labels[1])
+    ax.hist(samples_ms, bins=bins, alpha=0.6, label=labels[0])
     ax.set_xscale("log")
     ax.set_xlabel("latency (ms)")
     ax.set_ylabel("replies")
@@ -54,13 +58,13 @@ def latency(
 
 
 def latency_over_time(points: Sequence[tuple[float, float]], path: Path, title: str) -> Path | None:
-    """Each reply as (when it was sent, s; how long it took, ms)."""
+    """Each reply as (when it came, s after the first request went; how long it took, ms)."""
     if not points:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.scatter([p[0] for p in points], [p[1] for p in points], s=2, alpha=0.4)
-    ax.set_xlabel("sent at (s from the first)")
+    ax.set_xlabel("replied at (s after the first request went)")
     ax.set_ylabel("latency (ms)")
     ax.set_title(title)
     return _save(fig, path)
@@ -138,3 +142,28 @@ def server_plot(samples: Sequence[dict[str, Any]], path: Path) -> Path | None:
     bottom.set_xlabel("time (s)")
     top.set_title("redpacket load: the servers meanwhile")
     return _save(fig, path)
+
+
+def bars(values: dict[str, float], path: Path, title: str, unit: str) -> Path | None:
+    """A bench's comparison: the measured figures beside their baselines, one bar each."""
+    shown = {k: v for k, v in values.items() if isinstance(v, int | float)}
+    if not shown:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(shown) + 1.5))
+    ax.barh(list(shown), list(shown.values()), color="tab:red")
+    for i, v in enumerate(shown.values()):
+        ax.text(v, i, f" {v:,.4g}", va="center")
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def said(paths: Sequence[Path | None]) -> None:
+    """Name the plots written (on stderr: stdout ends with the bench's JSON line)."""
+    import sys
+
+    for p in paths:
+        if p is not None:
+            print(f"plot: {p}", file=sys.stderr)

@@ -1,0 +1,44 @@
+"""Two small benchmark runs as an operator starts them: their figures' JSON line, and the PNG plots
+``--plot DIR`` writes (figures are measured, never asserted as timings: only that the runs are right)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from server.settings import child_env
+
+
+def _bench(redis_url: str, *args: str) -> tuple[dict[str, object], str]:
+    run = subprocess.run(
+        [sys.executable, "-m", "server", "bench", *args],
+        env=child_env(REDPACKET_REDIS_URL=redis_url),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+    return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
+
+
+def _png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000, path
+
+
+def test_the_hot_packet_bench_plots_its_latencies(redis_url: str, tmp_path: Path) -> None:
+    figures, said = _bench(redis_url, "hot", "--clients", "300", "--plot", str(tmp_path))
+    assert figures["over_issue_cents"] == 0 and figures["distinct_winners"] == 300
+    assert figures["outcomes"] == {"won": 300}
+    for name in ("hot-latency.png", "hot-latency-over-time.png"):
+        _png(tmp_path / name)
+        assert f"plot: {tmp_path / name}" in said
+    assert "hub: 300 grabs of one 300-share packet" in said  # the phases are shown as they run
+
+
+def test_the_storm_bench_plots_credit_lag_and_backlog(redis_url: str, tmp_path: Path) -> None:
+    figures, _ = _bench(redis_url, "storm", "--rate", "500", "--seconds", "2", "--plot", str(tmp_path))
+    assert figures["credited"] == figures["grabs"] == 1000
+    _png(tmp_path / "storm-lag-backlog.png")
