@@ -303,7 +303,7 @@ def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = F
                     from worker.main import running_worker
                     from worker.metrics import WorkerMetrics
 
-                    app.state.worker_metrics = WorkerMetrics()
+                    app.state.worker_metrics = WorkerMetrics(own_process=False)
                     async with running_worker(core, app.state.worker_metrics):
                         yield
                 else:

@@ -172,6 +172,8 @@ COLUMNS: tuple[tuple[str, Callable[[StageFigures], str]], ...] = (
     ("credit lag P99 ms", lambda s: _fmt(s.server.get("credit_lag_p99_ms"))),
     ("backlog", lambda s: _fmt(s.server.get("backlog"))),
     ("hub loop lag P99 ms", lambda s: _fmt(s.server.get("loop_lag_p99_ms"))),
+    ("hub CPU", lambda s: _fmt(s.server.get("hub_cpu_percent"), "%")),
+    ("worker CPU", lambda s: _fmt(s.server.get("worker_cpu_percent"), "%")),
     ("Redis CPU", lambda s: _fmt(s.server.get("redis_cpu_percent"), "%")),
     ("load CPU", lambda s: _fmt(s.client_cpu_percent, "%")),
     ("refunds", lambda s: _fmt(s.server.get("refunds"))),

@@ -17,6 +17,30 @@ ERROR_RATE_LIMIT = 0.01
 THROUGHPUT_GAIN = 1.1
 
 
+def server_frames(buffer: bytes | bytearray) -> tuple[list[tuple[int, bytes]], int]:
+    """Whole websocket frames a server sent (unmasked, RFC 6455) at the start of ``buffer``: their
+    (opcode, payload), and how many bytes they took. A frame not yet whole is left for the next read.
+    Fragmented messages are not reassembled (the hub never fragments)."""
+    frames: list[tuple[int, bytes]] = []
+    at, end = 0, len(buffer)
+    while end - at >= 2:
+        opcode, length = buffer[at] & 0x0F, buffer[at + 1] & 0x7F
+        head = 2
+        if length == 126:
+            if end - at < 4:
+                break
+            length, head = int.from_bytes(buffer[at + 2 : at + 4], "big"), 4
+        elif length == 127:
+            if end - at < 10:
+                break
+            length, head = int.from_bytes(buffer[at + 2 : at + 10], "big"), 10
+        if end - at < head + length:
+            break
+        frames.append((opcode, bytes(buffer[at + head : at + head + length])))
+        at += head + length
+    return frames, at
+
+
 @dataclass(frozen=True)
 class Stage:
     users: int

@@ -30,11 +30,22 @@ from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.loadplan import StageFigures, bucket_quantile, parse_stages, percentile, stage_at, subtract
+from server.loadplan import (
+    StageFigures,
+    bucket_quantile,
+    parse_stages,
+    percentile,
+    server_frames,
+    stage_at,
+    subtract,
+)
 
 log = logging.getLogger("redpacket.load")
 
 SUBPROTOCOL = "redpacket.v1.msgpack"
+# Only replies and "packet" events are decoded (msgpack fixstr of "reply" / "packet"); the rest of a
+# room's events (grabs, presence, chat) are read and dropped.
+WANTED_REPLY, WANTED_EVENT = b"\xa5reply", b"\xa6packet"
 GRAB_OUTCOMES = {"won", "already", "packet_empty", "packet_expired"}
 NAMES = {"packet_empty": "empty", "packet_expired": "expired"}
 STAGES_ENV = "REDPACKET_LOAD_STAGES"  # set by `redpacket load` when the run is a step-up
@@ -91,6 +102,11 @@ class HubSocket:
         self.welcome = self._decode(self.ws.recv())
         if self.welcome.get("type") != "welcome":
             raise RuntimeError(f"no welcome: {self.welcome}")
+        # From here frames are read off the socket in large chunks and parsed here (websocket-client's
+        # reader costs several socket calls and a timer per frame: the load would measure itself).
+        assert self.ws.sock is not None
+        self.ws.sock.settimeout(None)
+        self.buffer = bytearray(b"".join(self.ws.frame_buffer.recv_buffer))
         self.reader = gevent.spawn(self._read)
 
     @staticmethod
@@ -100,21 +116,37 @@ class HubSocket:
         return dict(msgpack.unpackb(frame, raw=False))
 
     def _read(self) -> None:
+        sock = self.ws.sock
+        assert sock is not None
         try:
             while True:
-                message = self._decode(self.ws.recv())
-                kind = message.get("type")
-                if kind == "reply":
-                    waiting = self.pending.pop(message.get("id") or 0, None)
-                    if waiting is not None:
-                        waiting.set(message)
-                elif kind == "event":
-                    self.on_event(message)
+                chunk = sock.recv(262144)
+                if not chunk:
+                    raise ConnectionError("closed by the hub")
+                self.buffer += chunk
+                frames, used = server_frames(self.buffer)
+                del self.buffer[:used]
+                for opcode, payload in frames:
+                    if opcode == 0x9:  # ping
+                        self.ws.pong(payload)
+                    elif opcode == 0x8:
+                        raise ConnectionError(f"closed by the hub: {payload[:2].hex()}")
+                    elif WANTED_REPLY in payload or WANTED_EVENT in payload:
+                        self._dispatch(self._decode(payload))
         except Exception as e:
             self.closed = True
             for waiting in self.pending.values():
                 waiting.set_exception(ConnectionError(f"socket closed: {e}"))
             self.pending.clear()
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "reply":
+            waiting = self.pending.pop(message.get("id") or 0, None)
+            if waiting is not None:
+                waiting.set(message)
+        elif kind == "event":
+            self.on_event(message)
 
     def request(self, kind: str, /, **fields: Any) -> tuple[dict[str, Any], float]:
         """Send a request; its reply and how long it took (ms)."""
@@ -344,17 +376,20 @@ def _init(environment: Environment, **_: Any) -> None:
 # --- the report: per stage, what the clients saw and what the servers said -----------------------------
 
 
-def scrape(urls: list[str]) -> dict[str, Any]:
-    """Sum the metrics the report reads over every URL: counters and gauges by name (and label set),
-    histograms as cumulative buckets."""
+def scrape(urls: list[tuple[str, str]]) -> dict[str, Any]:
+    """Sum the metrics the report reads over every (role, URL): counters and gauges by name (and label
+    set), histograms as cumulative buckets; the process's own (``process_cpu_seconds_total``) by role.
+    ``complete`` is false when a URL did not answer (its rates are then not computed)."""
     values: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {}
-    for url in urls:
+    complete = True
+    for role, url in urls:
         try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
+            with urllib.request.urlopen(url, timeout=10) as reply:
                 text = reply.read().decode()
         except Exception as e:
             log.warning("cannot read %s: %s", url, e)
+            complete = False
             continue
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -363,10 +398,13 @@ def scrape(urls: list[str]) -> dict[str, Any]:
                     b = buckets.setdefault(sample.name[: -len("_bucket")], {})
                     b[le] = b.get(le, 0.0) + sample.value
                     continue
-                label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                labels = dict(sample.labels)
+                if sample.name.startswith("process_"):
+                    labels["role"] = role
+                label = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
                 key = f"{sample.name}{{{label}}}" if label else sample.name
                 values[key] = values.get(key, 0.0) + sample.value
-    return {"values": values, "buckets": buckets}
+    return {"values": values, "buckets": buckets, "complete": complete}
 
 
 def _sum(values: dict[str, float], prefix: str) -> float:
@@ -386,6 +424,13 @@ def server_figures(before: dict[str, Any], after: dict[str, Any], seconds: float
 
     def rate(prefix: str) -> float:
         return round((_sum(a, prefix) - _sum(b, prefix)) / seconds, 1) if seconds > 0 else 0.0
+
+    if not (before.get("complete") and after.get("complete")):
+        seconds = 0.0  # a server did not answer one of the two scrapes: no rates from them
+
+    def cpu(key: str) -> float | None:
+        used = a.get(key, 0.0) - b.get(key, 0.0)
+        return round(100 * used / seconds, 1) if seconds > 0 and key in a and used >= 0 else None
 
     redis_cpu = _sum(a, "redpacket_redis_cpu_seconds") - _sum(b, "redpacket_redis_cpu_seconds")
     return {
@@ -410,6 +455,8 @@ def server_figures(before: dict[str, Any], after: dict[str, Any], seconds: float
         "refunds": _sum(a, "redpacket_refunds_total"),
         "reconcile_differences": _sum(a, "redpacket_reconcile_differences"),
         "redis_cpu_percent": round(100 * redis_cpu / seconds, 1) if seconds > 0 and redis_cpu >= 0 else None,
+        "hub_cpu_percent": cpu("process_cpu_seconds_total{role=hub}"),
+        "worker_cpu_percent": cpu("process_cpu_seconds_total{role=worker}"),
     }
 
 
@@ -425,12 +472,12 @@ class Recorder:
     _greenlet: Any = None
 
     @classmethod
-    def urls(cls) -> list[str]:
+    def urls(cls) -> list[tuple[str, str]]:
         env = cls.environment
         assert env is not None and env.parsed_options is not None
         o = env.parsed_options
         hubs = [u for u in o.hub_metrics.split(",") if u] or [f"{(env.host or '').rstrip('/')}/metrics"]
-        return hubs + [u for u in o.worker_metrics.split(",") if u]
+        return [("hub", u) for u in hubs] + [("worker", u) for u in o.worker_metrics.split(",") if u]
 
     @classmethod
     def _stats(cls) -> dict[tuple[str, str], tuple[int, int, dict[int, int]]]:

@@ -8,12 +8,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 
 class HubMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...: this process's.
+        ProcessCollector(registry=r)
         self.connections = Gauge("redpacket_hub_connections", "open websocket connections", registry=r)
         self.frames_in = Counter("redpacket_hub_frames_in", "frames received from clients", registry=r)
         self.frames_out = Counter("redpacket_hub_frames_out", "frames sent to clients", registry=r)

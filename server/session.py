@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.websockets import WebSocket
@@ -393,8 +393,32 @@ def _record_attempt(s: Session, group: int, packet_id: int) -> None:
     s.hub.attempts.record(Attempt(s.conn.user_id, group, packet_id, reaction, s.conn.device, now))
 
 
+def _grab_dict(g: packets.Grab | None) -> dict[str, int] | None:
+    if g is None:
+        return None
+    return {"user_id": g.user_id, "seq": g.seq, "amount": g.amount, "grabbed_ms": g.grabbed_ms}
+
+
 def view_dict(v: packets.PacketView) -> dict[str, Any]:
-    return {**asdict(v), "duration_ms": v.duration_ms}
+    """The packet view as the protocol sends it. Written out field by field: ``dataclasses.asdict``
+    (recursive, copying) cost a loaded hub an eighth of its CPU, every member opening a 100-grab packet."""
+    return {
+        "packet_id": v.packet_id,
+        "group_id": v.group_id,
+        "sender_id": v.sender_id,
+        "kind": v.kind,
+        "total": v.total,
+        "count": v.count,
+        "greeting": v.greeting,
+        "created_ms": v.created_ms,
+        "expires_ms": v.expires_ms,
+        "remaining": v.remaining,
+        "grabs": [_grab_dict(g) for g in v.grabs],
+        "mine": _grab_dict(v.mine),
+        "finished_ms": v.finished_ms,
+        "best_luck": _grab_dict(v.best_luck),
+        "duration_ms": v.duration_ms,
+    }
 
 
 async def on_open(s: Session, body: dict[str, Any]) -> dict[str, Any]:

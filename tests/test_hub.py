@@ -641,3 +641,31 @@ async def test_a_storm_sends_redis_about_as_many_grabs_as_shares(
     assert h.hub.known.flights == {}
     for c in [admin, *members]:
         await c.close()
+
+
+def test_the_packet_view_is_sent_with_every_field_of_the_dataclass() -> None:
+    from dataclasses import asdict
+
+    from server.packets import Grab, PacketView
+    from server.session import view_dict
+
+    grabs = [Grab(8, 2, 301, 1_796_000_000_450), Grab(7, 1, 587, 1_796_000_001_200)]
+    v = PacketView(
+        9,
+        1,
+        7,
+        "lucky",
+        888,
+        2,
+        "恭喜发财",
+        1_796_000_000_000,
+        1_796_086_400_000,
+        0,
+        grabs,
+        grabs[0],
+        1_796_000_001_200,
+        grabs[1],
+    )
+    assert view_dict(v) == {**asdict(v), "duration_ms": 1200}
+    open_one = PacketView(9, 1, 7, "equal", 10, 2, "", 1, 2, 2, [], None, None, None)
+    assert view_dict(open_one) == {**asdict(open_one), "duration_ms": None}

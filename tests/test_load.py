@@ -129,3 +129,21 @@ def test_a_step_up_run_against_a_hub_and_worker(tmp_path: Path) -> None:
         )
         assert reconciled.returncode == 0, reconciled.stdout + reconciled.stderr
         assert "no difference" in reconciled.stdout
+
+
+def test_server_frames_are_parsed_whole_and_partial_ones_left_for_later() -> None:
+    from server.loadplan import server_frames
+
+    small = bytes([0x82, 3]) + b"abc"
+    mid = bytes([0x82, 126]) + (300).to_bytes(2, "big") + b"x" * 300
+    big = bytes([0x82, 127]) + (70_000).to_bytes(8, "big") + b"y" * 70_000
+    ping = bytes([0x89, 0])
+    stream = small + mid + big + ping
+    assert server_frames(stream) == (
+        [(2, b"abc"), (2, b"x" * 300), (2, b"y" * 70_000), (9, b"")],
+        len(stream),
+    )
+    for cut in (1, 3, 6, len(small) + 3, len(small) + len(mid) + 9, len(stream) - 1):
+        frames, used = server_frames(stream[:cut])
+        rest, more = server_frames(stream[used:])
+        assert frames + rest == server_frames(stream)[0] and used + more == len(stream)

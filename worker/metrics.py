@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 
 class WorkerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, own_process: bool = True) -> None:
+        """``own_process``: this registry also reports the process (not under ``redpacket up``, where
+        the hub's registry does, on the same page)."""
         r = self.registry = CollectorRegistry()
+        if own_process:
+            ProcessCollector(registry=r)
         self.credit_lag = Histogram(
             "redpacket_credit_lag_seconds",
             "from the grab (Redis time) to its credit's commit",
