@@ -25,7 +25,7 @@ import msgpack
 import psutil
 import websocket
 from gevent.event import AsyncResult
-from locust import LoadTestShape, User, between, constant_pacing, events, task
+from locust import LoadTestShape, User, between, events, task
 from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 from prometheus_client.parser import text_string_to_metric_families
@@ -304,11 +304,11 @@ class Member(Connected):
 
 
 class Admin(Connected):
-    """A group's admin: every ``--send-every`` seconds a lucky or an equal packet into the group, shared
-    among about as many as are online (not sent while fewer than two are)."""
+    """A group's admin: about every ``--send-every`` seconds (never all admins at once) a lucky or an
+    equal packet into the group, shared among about as many as are online (none while fewer than two)."""
 
     fixed_count = 1  # set to the number of groups at init
-    wait_time = constant_pacing(10)
+    wait_time = between(5, 15)
 
     def on_start(self) -> None:
         index, stride = _stride(self.environment)
@@ -317,6 +317,7 @@ class Admin(Connected):
         self.identity = self.room["admin"]
         self.sent = 0
         self.ensure_socket()
+        gevent.sleep(random.uniform(0, self.environment.parsed_options.send_every))  # not all at once
 
     @task
     def send(self) -> None:
@@ -367,7 +368,8 @@ def _init(environment: Environment, **_: Any) -> None:
     elif options.redpacket_fixture:
         with open(options.redpacket_fixture) as f:
             Admin.fixed_count = len(json.load(f)["groups"])
-    Admin.wait_time = constant_pacing(options.send_every)
+    # Admins do not send in step: each waits between half and one and a half of --send-every.
+    Admin.wait_time = between(options.send_every / 2, options.send_every * 1.5)
     if environment.web_ui is not None and environment.web_ui.app is not None:
         # The stage table and the servers' figures, live, beside Locust's own pages.
         environment.web_ui.app.add_url_rule("/redpacket", "redpacket", lambda: Recorder.snapshot_json())

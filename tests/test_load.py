@@ -118,7 +118,16 @@ def test_a_step_up_run_against_a_hub_and_worker(tmp_path: Path) -> None:
         while db.execute("SELECT COUNT(*) FROM grab_records").fetchone()[0] < won:
             assert time.monotonic() < deadline, "credits did not all arrive"
             time.sleep(0.1)
-        assert db.execute("SELECT COUNT(*) FROM grab_records").fetchone()[0] == won
+        # A grab still in flight when the run stopped is paid without Locust counting it: one per user
+        # at most.
+        recorded, credited = db.execute(
+            "SELECT COUNT(*), SUM(status = 'credited') FROM grab_records"
+        ).fetchone()
+        assert won <= recorded <= won + 16
+        while credited < recorded:
+            assert time.monotonic() < deadline, "credits did not all arrive"
+            time.sleep(0.1)
+            credited = db.execute("SELECT SUM(status = 'credited') FROM grab_records").fetchone()[0]
         db.close()
         reconciled = subprocess.run(
             [sys.executable, "-m", "server", "reconcile"],

@@ -19,7 +19,7 @@ from tests.hubtools import eventually, free_port, hub_process
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "monitoring" / "grafana" / "dashboards" / "redpacket.json"
-METRIC = re.compile(r"\bredpacket_[a-z0-9_]+\b")
+METRIC = re.compile(r"\b(?:redpacket|process)_[a-z0-9_]+\b")
 
 
 def _yaml(path: Path) -> Any:
@@ -40,7 +40,7 @@ def _exported(text: str) -> set[str]:
             names.add(m[1])
             if m[2] == "histogram":
                 names |= {f"{m[1]}_bucket", f"{m[1]}_sum", f"{m[1]}_count"}
-    return {n for n in names if n.startswith("redpacket_") and not n.endswith("_created")}
+    return {n for n in names if n.startswith(("redpacket_", "process_")) and not n.endswith("_created")}
 
 
 def test_compose_runs_prometheus_on_every_hub_and_worker_and_grafana_on_its_dashboard() -> None:
