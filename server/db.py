@@ -136,6 +136,11 @@ class Database:
         """Connections (or, on SQLite, the writer's lock) held by a transaction or a read right now."""
         raise NotImplementedError
 
+    def snapshot(self) -> AbstractAsyncContextManager[Tx]:
+        """Reads that all see one consistent state of the database, whatever commits meanwhile, and
+        block no writer (the reconciliation: its figures must add up while money moves)."""
+        return self.transaction()
+
     async def run(self, work: Callable[[Tx], Awaitable[T]], attempts: int = 5) -> T:
         """Run ``work`` in a transaction, again from the start after a deadlock or lost connection."""
         for attempt in range(1, attempts + 1):
@@ -234,6 +239,25 @@ class MySQLDatabase(Database):
         except pymysql.err.InterfaceError as e:
             raise RetryableError(str(e)) from e
 
+    @asynccontextmanager
+    async def snapshot(self) -> AsyncIterator[Tx]:
+        # The pool's sessions read committed; this one transaction reads InnoDB's snapshot of its start.
+        try:
+            async with self._pool.acquire() as conn, conn.cursor() as cur:
+                await cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                await cur.execute("START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY")
+                try:
+                    yield Tx(self.dialect, cur)
+                finally:
+                    try:
+                        await conn.rollback()  # read only: nothing to keep
+                    except Exception:
+                        conn.close()
+        except pymysql.err.OperationalError as e:
+            raise _mysql_error(e) from e
+        except pymysql.err.InterfaceError as e:
+            raise RetryableError(str(e)) from e
+
     async def _read(self, statement: str, params: Params) -> list[Row]:
         """One statement in autocommit: no BEGIN and COMMIT round trips around a lone read."""
         try:
@@ -265,13 +289,38 @@ class SQLiteDatabase(Database):
 
     dialect = SQLITE
 
-    def __init__(self, conn: aiosqlite.Connection, reader: aiosqlite.Connection | None = None) -> None:
+    def __init__(
+        self, conn: aiosqlite.Connection, reader: aiosqlite.Connection | None = None, path: str = ":memory:"
+    ) -> None:
         self._conn = conn
         self._reader = reader
+        self._path = path
         self._lock = asyncio.Lock()
 
     def connections_in_use(self) -> int:
         return int(self._lock.locked())
+
+    @asynccontextmanager
+    async def snapshot(self) -> AsyncIterator[Tx]:
+        if self._path == ":memory:":  # one connection: its transaction is the only consistent view
+            async with self.transaction() as tx:
+                yield tx
+            return
+        # A connection of its own: in WAL mode its read transaction sees the database as of its first
+        # read until it ends, and no writer waits for it.
+        conn = await aiosqlite.connect(self._path, isolation_level=None)
+        try:
+            await conn.execute("PRAGMA query_only=ON")
+            cur = await conn.cursor()
+            await cur.execute("BEGIN")
+            try:
+                yield Tx(self.dialect, cur)
+            finally:
+                await cur.execute("ROLLBACK")
+        except sqlite3.OperationalError as e:
+            raise _sqlite_error(e) from e
+        finally:
+            await conn.close()
 
     @classmethod
     async def connect(cls, path: str) -> SQLiteDatabase:
@@ -288,7 +337,7 @@ class SQLiteDatabase(Database):
                 await reader.execute("PRAGMA query_only=ON")
         except (sqlite3.Error, OSError) as e:
             raise DatabaseError(f"cannot open the SQLite database {path}: {e}") from e
-        return cls(conn, reader)
+        return cls(conn, reader, path)
 
     async def _read(self, statement: str, params: Params) -> list[Row]:
         if self._reader is None:  # in memory: the one connection, in a transaction

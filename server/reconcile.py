@@ -88,14 +88,22 @@ def check(books: Books) -> Report:
 
 
 async def gather(db: Database) -> Books:
-    packets = await db.fetchall("SELECT id, status, total FROM red_packets")
-    sums = await db.fetchall(
-        "SELECT packet_id, kind, SUM(amount) FROM journal"
-        " WHERE packet_id IS NOT NULL GROUP BY packet_id, kind"
-    )
-    records = await db.fetchall(
-        "SELECT packet_id, SUM(amount) FROM grab_records WHERE status = 'credited' GROUP BY packet_id"
-    )
+    """Every figure, read in one snapshot: credits and top-ups committed meanwhile are all in or all out
+    (read apart, they made a reconciliation under load report differences that were not there)."""
+    async with db.snapshot() as tx:
+        packets = await tx.fetchall("SELECT id, status, total FROM red_packets")
+        sums = await tx.fetchall(
+            "SELECT packet_id, kind, SUM(amount) FROM journal"
+            " WHERE packet_id IS NOT NULL GROUP BY packet_id, kind"
+        )
+        records = await tx.fetchall(
+            "SELECT packet_id, SUM(amount) FROM grab_records WHERE status = 'credited' GROUP BY packet_id"
+        )
+        accounts = await tx.fetchall(
+            "SELECT a.user_id, a.balance, COALESCE(SUM(j.amount), 0) FROM accounts a"
+            " LEFT JOIN journal j ON j.account_id = a.user_id GROUP BY a.user_id, a.balance"
+        )
+        topups = await tx.fetchone("SELECT COALESCE(SUM(amount), 0) FROM journal WHERE kind = 'topup'")
     by_kind: dict[tuple[int, str], int] = {(int(r[0]), str(r[1])): int(r[2]) for r in sums}
     credited_records = {int(r[0]): int(r[1]) for r in records}
     books = [
@@ -110,11 +118,6 @@ async def gather(db: Database) -> Books:
         )
         for pid, status, total in packets
     ]
-    accounts = await db.fetchall(
-        "SELECT a.user_id, a.balance, COALESCE(SUM(j.amount), 0) FROM accounts a"
-        " LEFT JOIN journal j ON j.account_id = a.user_id GROUP BY a.user_id, a.balance"
-    )
-    topups = await db.fetchone("SELECT COALESCE(SUM(amount), 0) FROM journal WHERE kind = 'topup'")
     return Books(
         books,
         [(int(u), int(b), int(j)) for u, b, j in accounts],

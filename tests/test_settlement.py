@@ -149,3 +149,31 @@ async def test_the_periodic_jobs(core: Core) -> None:
     assert await ledger.balance(core.db, w.admin) == 10_000
     assert await sweep_job(ctx) == {"credited": 0, "refused": 0}
     assert await reconcile_job(ctx) == 0
+
+
+async def test_reconciliation_while_money_moves_reports_no_false_difference(core: Core) -> None:
+    """The figures are read in one consistent snapshot: top-ups and credits committed while a
+    reconciliation reads are either all in its figures or all out (under load they made it report
+    differences that were not there)."""
+    w = await make_world(core, members=40, admin_cents=1_000_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 4_000, 40)
+    for m in w.members:
+        await packets.grab(core, p.packet_id, w.group, m)
+    moving = True
+
+    async def move_money() -> None:
+        n = 0
+        while moving:
+            n += 1
+            await ledger.topup(core.db, w.members[n % 40], 1, f"r{n}")
+
+    mover = asyncio.create_task(move_money())
+    crediting = asyncio.create_task(run_worker(core))
+    try:
+        reports = [await reconcile(core.db) for _ in range(30)]
+    finally:
+        moving = False
+        await mover
+        await crediting
+    assert [r.differences for r in reports if not r.ok] == []
+    assert (await reconcile(core.db)).ok
