@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from server.settings import Settings, child_env
@@ -88,12 +93,15 @@ def test_the_dashboard_shows_what_the_issue_asks_for() -> None:
         assert wanted in text, wanted
 
 
-async def test_every_metric_named_is_exported_by_a_running_hub_and_worker(hub_settings: Settings) -> None:
+@asynccontextmanager
+async def hub_and_worker(settings: Settings) -> AsyncIterator[tuple[str, str, dict[str, str]]]:
+    """``redpacket serve`` and ``redpacket worker`` processes: (hub address, worker metrics URL, the
+    /metrics pages read once the worker's first heartbeat has read Redis)."""
     port = free_port()
     env = child_env(
-        REDPACKET_REDIS_URL=hub_settings.redis_url,
-        REDPACKET_DATABASE_URL=hub_settings.database_url,
-        REDPACKET_QUEUE_NAME=hub_settings.queue_name,
+        REDPACKET_REDIS_URL=settings.redis_url,
+        REDPACKET_DATABASE_URL=settings.database_url,
+        REDPACKET_QUEUE_NAME=settings.queue_name,
         REDPACKET_WORKER_METRICS_PORT=str(port),
     )
     worker = subprocess.Popen(  # noqa: ASYNC220 - one worker process for the test
@@ -102,24 +110,30 @@ async def test_every_metric_named_is_exported_by_a_running_hub_and_worker(hub_se
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    worker_url = f"http://127.0.0.1:{port}/metrics"
     pages: dict[str, str] = {}
     try:
-        async with hub_process(hub_settings) as hub, httpx.AsyncClient(timeout=10) as http:
+        async with hub_process(settings) as hub, httpx.AsyncClient(timeout=10) as http:
             pages["hub"] = (await http.get(f"{hub.http}/metrics")).text
 
             async def worker_page() -> bool:
                 try:
-                    pages["worker"] = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+                    pages["worker"] = (await http.get(worker_url)).text
                 except httpx.TransportError:
                     return False
                 # The first heartbeat has read Redis (the per-master gauges have a sample).
                 return "redpacket_redis_cpu_seconds{" in pages["worker"]
 
             await eventually(worker_page, timeout=60)
+            yield hub.http, worker_url, pages
     finally:
         worker.kill()
         await asyncio.to_thread(worker.wait, 30)
 
+
+async def test_every_metric_named_is_exported_by_a_running_hub_and_worker(hub_settings: Settings) -> None:
+    async with hub_and_worker(hub_settings) as (_, _, pages):
+        pass
     hub, wk = _exported(pages["hub"]), _exported(pages["worker"])
     assert "redpacket_grab_seconds_bucket" in hub and "redpacket_credit_lag_seconds_bucket" in wk
     exported = hub | wk
@@ -138,3 +152,85 @@ async def test_every_metric_named_is_exported_by_a_running_hub_and_worker(hub_se
     families = {n for n in exported if not n.endswith(("_bucket", "_sum", "_count"))}
     assert families <= documented, families - documented
     assert documented <= exported | {"redpacket_test"}, documented - exported
+
+
+def _prometheus() -> str:
+    exe = shutil.which("prometheus")
+    if exe is None:
+        if os.environ.get("REDPACKET_TEST_REQUIRE_PROMETHEUS") == "1":
+            pytest.fail(
+                "Prometheus is required (REDPACKET_TEST_REQUIRE_PROMETHEUS=1): apt-get install prometheus"
+            )
+        pytest.skip("no Prometheus: apt-get install prometheus")
+    return exe
+
+
+async def test_prometheus_scrapes_a_hub_and_worker_and_runs_every_dashboard_query(
+    hub_settings: Settings, tmp_path: Path
+) -> None:
+    exe = _prometheus()
+    checked = await asyncio.to_thread(
+        subprocess.run,
+        [
+            str(Path(exe).with_name("promtool")),
+            "check",
+            "config",
+            str(ROOT / "monitoring" / "prometheus.yml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    async with hub_and_worker(hub_settings) as (hub_http, worker_url, _):
+        # The compose configuration with its DNS discovery replaced by this machine's two processes.
+        config = _yaml(ROOT / "monitoring" / "prometheus.yml")
+        config["global"]["scrape_interval"] = "1s"
+        for job in config["scrape_configs"]:
+            target = hub_http if job["job_name"] == "hub" else worker_url.removesuffix("/metrics")
+            del job["dns_sd_configs"]
+            job["static_configs"] = [{"targets": [target.removeprefix("http://")]}]
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        prom = subprocess.Popen(  # noqa: ASYNC220 - the Prometheus under test, started once
+            [
+                exe,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        api = f"http://127.0.0.1:{port}/api/v1"
+        try:
+            async with httpx.AsyncClient(timeout=10) as http:
+
+                async def query(expr: str) -> list[Any]:
+                    reply = (await http.get(f"{api}/query", params={"query": expr})).json()
+                    assert reply["status"] == "success", (expr, reply)
+                    return list(reply["data"]["result"])
+
+                async def scraped_twice() -> bool:
+                    try:
+                        up = await query("count_over_time(up[1m]) >= 3")
+                    except httpx.TransportError:
+                        return False
+                    return {r["metric"]["job"] for r in up} == {"hub", "worker"}
+
+                await eventually(scraped_twice, timeout=60)
+                assert {r["metric"]["job"]: r["value"][1] for r in await query("up")} == {
+                    "hub": "1",
+                    "worker": "1",
+                }
+                for panel in _panels():
+                    for target in panel["targets"]:
+                        result = await query(target["expr"].replace("$__rate_interval", "1m"))
+                        # What a quiet hub and worker already have: gauges and rates of counters that exist.
+                        if panel["title"].startswith(
+                            ("Connections", "Credit backlog", "Redis memory", "CPU of")
+                        ):
+                            assert result, (panel["title"], target["expr"])
+        finally:
+            prom.terminate()
+            await asyncio.to_thread(prom.wait, 30)
