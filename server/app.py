@@ -292,6 +292,7 @@ def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = F
         async with open_core(settings) as core, Hub(core, hub_metrics) as hub:
             app.state.core, app.state.hub = core, hub
             hub_metrics.read_pools(core.nodes.connections_in_use, core.db.connections_in_use)
+            hub_metrics.read_hot(hub.known.hottest)
             frames = hub_metrics.frames_in
             background = [asyncio.create_task(hub_metrics.watch_loop())]
             if manage_gc:

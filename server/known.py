@@ -44,6 +44,7 @@ class Flight:
         self.inflight = 0
         self.limit = FIRST_FLIGHT
         self.waiting: deque[asyncio.Future[bool]] = deque()
+        self.remaining: int | None = None  # shares left, as the last answer from Redis said
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class Known:
             return
         flight.inflight -= 1
         if remaining is not None:
+            flight.remaining = remaining
             flight.limit = max(MIN_FLIGHT, remaining) if remaining > 0 else 0
         if remaining == 0 and packet_id in self.closed:
             self._release(packet_id, True)
@@ -148,6 +150,15 @@ class Known:
                 turn.set_result(True)
         if flight.inflight == 0:
             del self.flights[packet_id]
+
+    def hottest(self) -> tuple[int, int, int]:
+        """(packets with grabs at Redis or waiting here, grabs waiting here, shares left of the packet
+        with the most grabs on the go — the hot key the seeds watch), for the metrics."""
+        if not self.flights:
+            return 0, 0, 0
+        hot = max(self.flights.values(), key=lambda f: f.inflight + len(f.waiting))
+        waiting = sum(len(f.waiting) for f in self.flights.values())
+        return len(self.flights), waiting, hot.remaining or 0
 
     def refusal(self, group: int, packet_id: int, user: int) -> str | None:
         """The grab's answer if this hub can give it without Redis, else None."""

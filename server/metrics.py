@@ -66,6 +66,21 @@ class HubMetrics:
         self.db_in_use = Gauge(
             "redpacket_db_connections_in_use", "database connections this process holds right now", registry=r
         )
+        self.hot_packets = Gauge(
+            "redpacket_hot_packets",
+            "packets with grabs at Redis or waiting on this hub right now",
+            registry=r,
+        )
+        self.grabs_waiting = Gauge(
+            "redpacket_grabs_waiting",
+            "grabs of a storm waiting their turn on this hub (storm admission)",
+            registry=r,
+        )
+        self.hot_packet_shares_left = Gauge(
+            "redpacket_hot_packet_shares_left",
+            "shares left of the packet with the most grabs on the go on this hub (0 when none)",
+            registry=r,
+        )
         self._gc_started = 0.0
         self._gc_max = 0.0
 
@@ -91,6 +106,12 @@ class HubMetrics:
         """Pool use, read when scraped."""
         self.redis_in_use.set_function(redis)
         self.db_in_use.set_function(db)
+
+    def read_hot(self, hottest: Callable[[], tuple[int, int, int]]) -> None:
+        """The storm admission's state (``Known.hottest``), read when scraped."""
+        self.hot_packets.set_function(lambda: hottest()[0])
+        self.grabs_waiting.set_function(lambda: hottest()[1])
+        self.hot_packet_shares_left.set_function(lambda: hottest()[2])
 
     async def watch_loop(self, every: float = 0.5) -> None:
         """Observe how late each timer of ``every`` seconds fires, until cancelled."""

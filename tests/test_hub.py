@@ -669,3 +669,25 @@ def test_the_packet_view_is_sent_with_every_field_of_the_dataclass() -> None:
     assert view_dict(v) == {**asdict(v), "duration_ms": 1200}
     open_one = PacketView(9, 1, 7, "equal", 10, 2, "", 1, 2, 2, [], None, None, None)
     assert view_dict(open_one) == {**asdict(open_one), "duration_ms": None}
+
+
+async def test_the_hot_packet_gauges_read_the_storm_admission() -> None:
+    from typing import cast
+
+    from server.core import Core
+    from server.known import Known
+
+    k = Known(cast(Core, None))
+    assert k.hottest() == (0, 0, 0)
+    monkey_first = known.FIRST_FLIGHT
+    try:
+        known.FIRST_FLIGHT = 2
+        assert k.admit(7) is True and k.admit(7) is True
+        waiting = [k.admit(7), k.admit(7), k.admit(7)]
+        assert k.admit(8) is True
+        assert k.hottest() == (2, 3, 0)  # nothing has landed yet: shares left unknown
+        k.landed(7, 40)  # 40 left: every waiting grab goes
+        assert all(isinstance(w, asyncio.Future) and w.result() is True for w in waiting)
+        assert k.hottest() == (2, 0, 40)
+    finally:
+        known.FIRST_FLIGHT = monkey_first
