@@ -247,7 +247,8 @@ class Member(Connected):
         members = Fixture.members
         self.identity = members[(next(_members) * stride + index) % len(members)]
         self.grab_times: list[float] = []
-        self.grabbing: set[gevent.Greenlet] = set()
+        self.reacting: set[gevent.Greenlet] = set()  # grabs not yet made (a person about to tap)
+        self.asking: set[gevent.Greenlet] = set()  # grabs sent, waiting for their reply
         self.ensure_socket()
 
     def on_event(self, message: dict[str, Any]) -> None:
@@ -256,12 +257,15 @@ class Member(Connected):
             if data.get("target") not in (None, self.identity["user_id"]):
                 return
             grabbing = gevent.spawn(self.grab, int(message["group"]), int(data["packet_id"]))
-            self.grabbing.add(grabbing)
-            grabbing.link(self.grabbing.discard)
+            self.reacting.add(grabbing)
+            grabbing.link(self.reacting.discard)
+            grabbing.link(self.asking.discard)
 
     def on_stop(self) -> None:
-        # Grabs still waiting out their reaction time when the run stops are not made (nor failed).
-        gevent.killall(list(self.grabbing), block=False)
+        # Grabs still waiting out their reaction time when the run stops are not made; grabs sent get
+        # their reply counted (every "won" the hub said is in the report, to compare with the ledger).
+        gevent.killall(list(self.reacting), block=False)
+        gevent.joinall(list(self.asking), timeout=30)
         super().on_stop()
 
     def reaction(self) -> float:
@@ -279,6 +283,9 @@ class Member(Connected):
         socket = self.ensure_socket()
         if socket is None:
             return
+        current = gevent.getcurrent()
+        self.reacting.discard(current)
+        self.asking.add(current)
         try:
             reply, ms = socket.request("grab", group=group, packet=packet)
         except (ConnectionError, gevent.Timeout, OSError, websocket.WebSocketException) as e:
