@@ -327,5 +327,10 @@ def run(argv: list[str]) -> int:
     html = _flag(rest, "--html")
     if html and Path(html).exists():
         add_to_html(Path(html), html_section(figures, verdict, pictures))
-    print(json.dumps({"load": [f.as_dict() for f in figures], "knee_stage": at, "knee": why}))
+    totals = report.get("totals", {})
+    won = totals.get("grab won", {}).get("requests", 0)
+    print(f"grabs answered won, every one (the stop included): {won}")
+    print(
+        json.dumps({"load": [f.as_dict() for f in figures], "knee_stage": at, "knee": why, "totals": totals})
+    )
     return code

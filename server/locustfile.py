@@ -176,6 +176,7 @@ class Connected(User):
     abstract = True
     identity: dict[str, Any]
     socket: HubSocket | None = None
+    stopping = False
 
     def ws_url(self) -> str:
         host = self.host or ""
@@ -211,6 +212,8 @@ class Connected(User):
     def ensure_socket(self) -> HubSocket | None:
         if self.socket is not None and not self.socket.closed:
             return self.socket
+        if self.stopping:
+            return None  # the run is over for this user: no reconnect
         started = time.perf_counter()
         try:
             self.socket = HubSocket(self, self.ws_url(), self.identity["token"], self.on_event)
@@ -227,6 +230,7 @@ class Connected(User):
         pass
 
     def on_stop(self) -> None:
+        self.stopping = True
         if self.socket is not None:
             self.socket.close()
 
@@ -252,7 +256,7 @@ class Member(Connected):
         self.ensure_socket()
 
     def on_event(self, message: dict[str, Any]) -> None:
-        if message.get("event") == "packet":
+        if message.get("event") == "packet" and not self.stopping:
             data = message["data"]
             if data.get("target") not in (None, self.identity["user_id"]):
                 return
@@ -264,6 +268,7 @@ class Member(Connected):
     def on_stop(self) -> None:
         # Grabs still waiting out their reaction time when the run stops are not made; grabs sent get
         # their reply counted (every "won" the hub said is in the report, to compare with the ledger).
+        self.stopping = True
         gevent.killall(list(self.reacting), block=False)
         gevent.joinall(list(self.asking), timeout=30)
         super().on_stop()
@@ -274,6 +279,8 @@ class Member(Connected):
 
     def grab(self, group: int, packet: int) -> None:
         gevent.sleep(self.reaction())
+        if self.stopping:
+            return
         # The grab limit (5 a second per user and group, bursts of 10): a human does not tap faster.
         now = time.monotonic()
         self.grab_times = [t for t in self.grab_times if now - t < 2.0]
@@ -584,7 +591,13 @@ class Recorder:
 
     @classmethod
     def snapshot_json(cls) -> str:
-        return json.dumps({"stages": [s.as_dict() for s in cls.stages], "samples": cls.samples[-300:]})
+        totals = {
+            f"{method} {name}": {"requests": n, "failures": failed}
+            for (method, name), (n, failed, _) in (cls._stats() if cls.environment else {}).items()
+        }
+        return json.dumps(
+            {"stages": [s.as_dict() for s in cls.stages], "samples": cls.samples[-300:], "totals": totals}
+        )
 
     @classmethod
     def write(cls) -> None:
@@ -593,6 +606,9 @@ class Recorder:
             return
         if cls._greenlet is not None:
             cls._greenlet.kill(block=False)
+        # Written at quit, once every user has stopped: ``totals`` count every reply, those of the
+        # requests still in flight when the run ended included (Locust's CSV is written once a second and
+        # may miss the last of them).
         path = env.parsed_options.redpacket_report
         if path:
             with open(path, "w") as f:
