@@ -213,6 +213,9 @@ async def test_prometheus_scrapes_a_hub_and_worker_and_runs_every_dashboard_quer
 
                 async def scraped_twice() -> bool:
                     try:
+                        # Until its storage is open Prometheus answers 503 (not JSON) to queries.
+                        if (await http.get(f"http://127.0.0.1:{port}/-/ready")).status_code != 200:
+                            return False
                         up = await query("count_over_time(up[1m]) >= 3")
                     except httpx.TransportError:
                         return False
