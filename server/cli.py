@@ -232,6 +232,8 @@ async def _serve(
     gc.set_threshold(20_000, 20, 100)
     if not supervised:
         _banner(settings, sock.getsockname()[1])
+    if _stop_requested:
+        return  # told to stop while starting up
     await server.serve(sockets=[sock])
 
 
@@ -509,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("arq.worker").setLevel(logging.WARNING)
     # uvicorn drains on SIGTERM, then raises the signal again; end with a clean exit instead, so the
     # cleanup below (the embedded Valkey's shutdown) still runs.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _on_sigterm)
     faulthandler.enable()  # a crash in C code (or SIGABRT) still says where
     try:
         try:
@@ -524,6 +526,18 @@ def main(argv: list[str] | None = None) -> None:
         # Exiting waits for every non-daemon thread (aiosqlite runs one per connection). Should one be
         # left running, say where everything is after 15 s and end the process rather than hang.
         faulthandler.dump_traceback_later(15, exit=True)
+
+
+_stop_requested = False
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM outside uvicorn's drain: exit cleanly. Remembered too: a SystemExit raised while a weakref
+    callback runs (the import system's, during start-up) is printed and dropped, and the hub must then
+    still not start serving."""
+    global _stop_requested
+    _stop_requested = True
+    sys.exit(0)
 
 
 def _load(argv: list[str]) -> None:

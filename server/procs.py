@@ -23,6 +23,12 @@ log = logging.getLogger(__name__)
 FAILING_START_SECONDS = 5.0
 
 
+def _exit_now(signum: int, frame: object) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def supervise(n: int, run_one: Callable[[], None], poll_seconds: float = 0.2) -> int:
     """Run ``run_one`` in ``n`` forked processes until a signal says stop; the exit code."""
     children: dict[int, tuple[int, float]] = {}  # pid → (slot, started at)
@@ -33,7 +39,11 @@ def supervise(n: int, run_one: Callable[[], None], poll_seconds: float = 0.2) ->
         if pid == 0:
             code = 0
             try:
-                signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+                # Until uvicorn takes SIGTERM over (to drain), and again once it has drained and raises it
+                # once more: end the process at once. Not by raising SystemExit — a signal handled while a
+                # weakref callback runs (the import system's, during start-up) has its exception printed
+                # and dropped, and the process went on to serve after its supervisor had said stop.
+                signal.signal(signal.SIGTERM, _exit_now)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 run_one()
             except SystemExit as e:
