@@ -38,6 +38,8 @@ class LoadError(Exception):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="redpacket load",
+        # Locust's flags pass through: --worker must not be taken for an abbreviation of --worker-metrics.
+        allow_abbrev=False,
         description="Locust against a hub: members grabbing, admins sending, a step-up by default. "
         "Every other flag goes to Locust (--headless, --users, --spawn-rate, --run-time, --html, --csv, "
         "--master, --worker, --processes, ...).",
@@ -129,18 +131,35 @@ def prepare(host: str, members: int, group_size: int, prefix: str) -> dict[str, 
 
 
 def check_fixture(data: Any, path: str) -> None:
-    try:
-        assert isinstance(data["users"], list) and data["users"]
-        assert isinstance(data["groups"], list) and data["groups"]
-        for u in data["users"]:
-            assert isinstance(u["user_id"], int) and isinstance(u["token"], str)
-        for g in data["groups"]:
-            assert isinstance(g["group_id"], int) and isinstance(g["admin"]["token"], str)
-    except (AssertionError, KeyError, TypeError) as e:
-        raise LoadError(
-            f"{path} is not a load fixture: users [{{user_id, token}}] and groups "
-            f"[{{group_id, admin: {{user_id, token}}, members}}] (docs/load.md); {e!r}"
-        ) from None
+    """What the locustfile needs of a fixture, said in one line when it is not there."""
+
+    def wrong(what: str) -> LoadError:
+        return LoadError(
+            f"{path} is not a load fixture ({what}): users [{{user_id, token}}] and groups "
+            "[{group_id, admin: {user_id, token}, members}] (docs/load.md)"
+        )
+
+    if not isinstance(data, dict):
+        raise wrong("not a JSON object")
+    for part in ("users", "groups"):
+        if not isinstance(data.get(part), list) or not data[part]:
+            raise wrong(f"no {part}")
+    for u in data["users"]:
+        if not (
+            isinstance(u, dict) and isinstance(u.get("user_id"), int) and isinstance(u.get("token"), str)
+        ):
+            raise wrong(f"user {u!r:.60}")
+    if not any(u.get("role") != "admin" for u in data["users"]):
+        raise wrong("no members: every user is an admin")
+    for g in data["groups"]:
+        admin = g.get("admin") if isinstance(g, dict) else None
+        if not (
+            isinstance(g, dict)
+            and isinstance(g.get("group_id"), int)
+            and isinstance(admin, dict)
+            and isinstance(admin.get("token"), str)
+        ):
+            raise wrong(f"group {g!r:.60}")
 
 
 # --- reading the report ----------------------------------------------------------------------------------

@@ -60,7 +60,22 @@ def test_the_knee_is_where_p99_errors_or_throughput_turn() -> None:
 
 def test_a_step_up_run_against_a_hub_and_worker(tmp_path: Path) -> None:
     out = tmp_path / "out"
+    fixture = tmp_path / "fixture.json"
     with redpacket_up(tmp_path / "data") as (url, _):
+        # The users and groups made once (as for a distributed run), then the run on them.
+        made = subprocess.run(
+            [
+                *(sys.executable, "-m", "server", "load", "--host", url),
+                *("--stages", "8:8,16:8", "--group-size", "8", "--prepare", str(fixture)),
+            ],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert made.returncode == 0, made.stdout + made.stderr
+        data = json.loads(fixture.read_text())
+        assert len(data["groups"]) == 2 and len(data["users"]) == 16 + 2
         run = subprocess.run(
             [
                 sys.executable,
@@ -69,10 +84,10 @@ def test_a_step_up_run_against_a_hub_and_worker(tmp_path: Path) -> None:
                 "load",
                 "--host",
                 url,
+                "--fixture",
+                str(fixture),
                 "--stages",
                 "8:8,16:8",
-                "--group-size",
-                "8",
                 "--send-every",
                 "2",
                 "--reaction-ms",
@@ -165,3 +180,28 @@ def test_server_frames_are_parsed_whole_and_partial_ones_left_for_later() -> Non
         frames, used = server_frames(stream[:cut])
         rest, more = server_frames(stream[used:])
         assert frames + rest == server_frames(stream)[0] and used + more == len(stream)
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--host", "http://127.0.0.1:1", "--headless"], "cannot reach the hub at http://127.0.0.1:1"),
+        (["--stages", "10:x"], "stage '10:x' is not users:seconds"),
+        (["--worker"], "a Locust worker (--worker) needs --fixture FILE"),
+        (["--fixture", "FIXTURE", "--headless"], "is not a load fixture (no users)"),
+        (["--group-size", "1"], "--group-size must be at least 2"),
+    ],
+)
+def test_operator_mistakes_are_one_line_and_exit_2(args: list[str], said: str, tmp_path: Path) -> None:
+    bad = tmp_path / "fixture.json"
+    bad.write_text('{"users": []}')
+    done = subprocess.run(
+        [sys.executable, "-m", "server", "load", *[str(bad) if a == "FIXTURE" else a for a in args]],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("redpacket: ") and said in lines[0], done.stderr
