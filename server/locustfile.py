@@ -485,6 +485,7 @@ class Recorder:
     samples: ClassVar[list[dict[str, Any]]] = []
     _mark: ClassVar[dict[str, Any]] = {}
     peak_users = 0
+    remote_cpu_seconds = 0.0
     _greenlet: Any = None
 
     @classmethod
@@ -505,16 +506,24 @@ class Recorder:
 
     @classmethod
     def _client_cpu(cls) -> float:
-        """CPU seconds of the load's own processes so far (this one, and local workers when forked)."""
+        """CPU seconds of the load's own processes so far: this one and the workers it forked
+        (``--processes``); workers elsewhere (``--master``) as they report their CPU, summed over time."""
         me = psutil.Process()
-        total = 0.0
-        for p in [me, *me.children(recursive=True)]:
+        children = me.children(recursive=True)
+        total = cls.remote_cpu_seconds if not children else 0.0
+        for p in [me, *children]:
             try:
                 t = p.cpu_times()
                 total += t.user + t.system
             except psutil.Error:
                 pass
         return total
+
+    @classmethod
+    def _count_remote_cpu(cls, seconds: float) -> None:
+        runner = cls.environment.runner if cls.environment is not None else None
+        if isinstance(runner, MasterRunner):
+            cls.remote_cpu_seconds += seconds * sum(w.cpu_usage for w in runner.clients.values()) / 100
 
     @classmethod
     def start(cls, environment: Environment) -> None:
@@ -539,6 +548,7 @@ class Recorder:
         last = cls._mark
         while True:
             gevent.sleep(2.0)
+            cls._count_remote_cpu(2.0)
             env = cls.environment
             users = env.runner.user_count if env is not None and env.runner is not None else 0
             cls.peak_users = max(cls.peak_users, users)
