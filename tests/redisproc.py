@@ -31,25 +31,40 @@ class RedisProcess:
         self.extra = extra
         self.binary = binary
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started = False
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     async def start(self) -> None:
-        """Start it and wait (bounded) until it answers PING with its data loaded."""
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "", "--appendonly", "yes", "--appendfsync", "everysec", *self.extra]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)  # noqa: ASYNC220 - a few per test
-        deadline = time.monotonic() + 30
-        while not await asyncio.to_thread(self._answers):
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise AssertionError(f"redis-server on port {self.port} did not come up")
-            await asyncio.sleep(0.02)
+        """Start it and wait (bounded) until it answers PING with its data loaded. The first start takes
+        another free port if its own was taken meanwhile (``free_port`` only says it was free when asked);
+        a restart keeps its port (its data and cluster identity go with it)."""
+        for attempt in range(1, 4):
+            args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                    "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+                    *self.extra]  # fmt: skip
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)  # noqa: ASYNC220 - a few per test
+            deadline = time.monotonic() + 30
+            while not await asyncio.to_thread(self._answers):
+                if self.proc.poll() is not None and not self.started and attempt < 3:
+                    break  # most likely the port: try another
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise AssertionError(f"redis-server on port {self.port} did not come up")
+                await asyncio.sleep(0.02)
+            else:
+                self.started = True
+                return
+            self.port = free_port()
 
     def _answers(self) -> bool:
         try:
-            return bool(redis.Redis(port=self.port, socket_connect_timeout=0.5).ping())
+            client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=2)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
         except redis.RedisError:
             return False
 

@@ -176,3 +176,20 @@ async def test_replica_durability_answers_once_a_replica_has_the_grab(core: Core
                 got = await asyncio.gather(*(packets.grab(c, p.packet_id, w.group, u) for u in w.members))
                 assert all(g.outcome == "won" for g in got)
                 assert sum(g.grab.amount for g in got) == 2_000
+
+
+@needs_redis_server
+async def test_a_test_server_whose_port_was_taken_meanwhile_starts_on_another(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = RedisProcess(tmp_path / "r")
+        r.port = taken.getsockname()[1]  # as if something took the port free_port() gave
+        await r.start()
+        try:
+            assert r.port != taken.getsockname()[1] and r.started
+            assert await asyncio.to_thread(r._answers)
+        finally:
+            await r.kill()
