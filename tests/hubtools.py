@@ -138,6 +138,17 @@ def hub_env(settings: Settings) -> dict[str, str]:
     )
 
 
+def worker_env(settings: Settings, metrics_port: int = 0) -> dict[str, str]:
+    """The environment of a ``redpacket worker`` process on ``settings`` (metrics off unless a port)."""
+    return child_env(
+        REDPACKET_REDIS_URL=settings.redis_url,
+        REDPACKET_QUEUE_REDIS_URL=settings.queue_redis_url,
+        REDPACKET_DATABASE_URL=settings.database_url,
+        REDPACKET_QUEUE_NAME=settings.queue_name,
+        REDPACKET_WORKER_METRICS_PORT=str(metrics_port),
+    )
+
+
 @asynccontextmanager
 async def hub_process(settings: Settings, *args: str) -> AsyncIterator[HubUnderTest]:
     """``redpacket serve`` (with ``args``) as its own process."""

@@ -17,9 +17,9 @@ from server.client import HubClient, HubError
 from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.reconcile import reconcile
-from server.settings import Settings, child_env
+from server.settings import Settings
 from tests.conftest import make_world
-from tests.hubtools import eventually, hub_process
+from tests.hubtools import eventually, hub_process, worker_env
 from tests.redisproc import LocalCluster, local_cluster
 from tests.test_credit import assert_books_balance, run_worker
 from worker.drain import CreditDrain
@@ -110,13 +110,8 @@ async def test_a_storm_on_the_cluster_is_paid_by_two_worker_processes(
         g = await groups.create_group(core.db, w.admin, f"storm{i}")
         await groups.add_members(core.db, core.membership, g, w.members)
         gids.append(g)
-    env = child_env(
-        REDPACKET_REDIS_URL=core.settings.redis_url,
-        REDPACKET_QUEUE_REDIS_URL=redis_url,
-        REDPACKET_DATABASE_URL=core.settings.database_url,
-        REDPACKET_QUEUE_NAME=core.settings.queue_name,
-        REDPACKET_WORKER_METRICS_PORT="0",
-    )
+    assert core.settings.queue_redis_url == redis_url  # arq's queue on the test Redis
+    env = worker_env(core.settings)
     workers = [
         subprocess.Popen(  # noqa: ASYNC220 - the two workers under test
             [sys.executable, "-m", "server", "worker"],

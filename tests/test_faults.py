@@ -20,9 +20,8 @@ from server.core import Core, open_core
 from server.crediting import credit_many
 from server.ledger import Credit
 from server.reconcile import reconcile
-from server.settings import child_env
 from tests.conftest import make_world
-from tests.hubtools import eventually
+from tests.hubtools import eventually, worker_env
 from tests.redisproc import needs_redis_server, redis_process
 from tests.test_credit import assert_books_balance, run_worker
 from worker.drain import CreditDrain
@@ -53,12 +52,7 @@ async def _storm(core: Core, members: int) -> tuple[int, list[int], list[Credit]
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)
 async def test_a_worker_killed_mid_batch_then_a_new_worker_finishes(core: Core) -> None:
     _, _, credits = await _storm(core, 100)
-    env = child_env(
-        REDPACKET_REDIS_URL=core.settings.redis_url,
-        REDPACKET_DATABASE_URL=core.settings.database_url,
-        REDPACKET_QUEUE_NAME=core.settings.queue_name,
-        REDPACKET_WORKER_METRICS_PORT="0",
-    )
+    env = worker_env(core.settings)
     worker = subprocess.Popen(  # noqa: ASYNC220 - one process per test
         [sys.executable, "-m", "server", "worker"],
         env=env,
@@ -196,12 +190,7 @@ async def test_redis_killed_and_restarted_under_two_workers_that_ride_it_out(
     own, and every grab made before and after is credited once. No process is restarted by the test."""
     async with redis_process(tmp_path) as r:
         s = core.settings.with_(redis_url=r.url)
-        env = child_env(
-            REDPACKET_REDIS_URL=s.redis_url,
-            REDPACKET_DATABASE_URL=s.database_url,
-            REDPACKET_QUEUE_NAME=s.queue_name,
-            REDPACKET_WORKER_METRICS_PORT="0",
-        )
+        env = worker_env(s)
         logs = [tmp_path / f"worker{i}.log" for i in range(2)]
         outputs = [log.open("w") for log in logs]
         workers = [

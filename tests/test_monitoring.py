@@ -19,8 +19,8 @@ import httpx
 import pytest
 import yaml
 
-from server.settings import Settings, child_env
-from tests.hubtools import eventually, free_port, hub_process
+from server.settings import Settings
+from tests.hubtools import eventually, free_port, hub_process, worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "monitoring" / "grafana" / "dashboards" / "redpacket.json"
@@ -98,15 +98,9 @@ async def hub_and_worker(settings: Settings) -> AsyncIterator[tuple[str, str, di
     """``redpacket serve`` and ``redpacket worker`` processes: (hub address, worker metrics URL, the
     /metrics pages read once the worker's first heartbeat has read Redis)."""
     port = free_port()
-    env = child_env(
-        REDPACKET_REDIS_URL=settings.redis_url,
-        REDPACKET_DATABASE_URL=settings.database_url,
-        REDPACKET_QUEUE_NAME=settings.queue_name,
-        REDPACKET_WORKER_METRICS_PORT=str(port),
-    )
     worker = subprocess.Popen(  # noqa: ASYNC220 - one worker process for the test
         [sys.executable, "-m", "server", "worker"],
-        env=env,
+        env=worker_env(settings, port),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -9,25 +9,16 @@ import sys
 from server import packets
 from server.core import Core
 from server.ledger import balance
-from server.settings import Settings, child_env
+from server.settings import Settings
 from tests.conftest import make_world
-from tests.hubtools import eventually, free_port
-
-
-def _env(s: Settings, metrics_port: int) -> dict[str, str]:
-    return child_env(
-        REDPACKET_REDIS_URL=s.redis_url,
-        REDPACKET_DATABASE_URL=s.database_url,
-        REDPACKET_QUEUE_NAME=s.queue_name,
-        REDPACKET_WORKER_METRICS_PORT=str(metrics_port),
-    )
+from tests.hubtools import eventually, free_port, worker_env
 
 
 async def _check(s: Settings, metrics_port: int) -> int:
     done = await asyncio.to_thread(
         subprocess.run,
         [sys.executable, "-m", "server", "worker", "--check"],
-        env=_env(s, metrics_port),
+        env=worker_env(s, metrics_port),
         capture_output=True,
         text=True,
         timeout=60,
@@ -41,7 +32,7 @@ async def test_worker_check_reports_the_worker_of_this_host_not_any_worker(core:
     workers = [
         subprocess.Popen(  # noqa: ASYNC220 - two worker processes for the test
             [sys.executable, "-m", "server", "worker"],
-            env=_env(s, port),
+            env=worker_env(s, port),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
