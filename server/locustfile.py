@@ -192,16 +192,24 @@ class Connected(User):
             context={},
         )
 
-    def call(self, kind: str, name: str | None = None, /, **fields: Any) -> dict[str, Any] | None:
-        """A timed request: its data, or None after an error reply (recorded as a failure)."""
+    def ask(self, kind: str, /, **fields: Any) -> tuple[dict[str, Any], float] | None:
+        """Send a request: its reply and how long it took (ms); None when there is no socket, or it
+        closed or timed out under the request (recorded as a failure named ``closed``)."""
         socket = self.ensure_socket()
         if socket is None:
             return None
         try:
-            reply, ms = socket.request(kind, **fields)
+            return socket.request(kind, **fields)
         except (ConnectionError, gevent.Timeout, OSError, websocket.WebSocketException) as e:
             self.fire(kind, "closed", 30000.0 if isinstance(e, gevent.Timeout) else 0.0, type(e).__name__)
             return None
+
+    def call(self, kind: str, name: str | None = None, /, **fields: Any) -> dict[str, Any] | None:
+        """A timed request: its data, or None after an error reply (recorded as a failure)."""
+        answered = self.ask(kind, **fields)
+        if answered is None:
+            return None
+        reply, ms = answered
         if reply.get("ok"):
             self.fire(kind, name or "ok", ms)
             return dict(reply["data"])
@@ -287,17 +295,13 @@ class Member(Connected):
         if len(self.grab_times) >= 10:
             return
         self.grab_times.append(now)
-        socket = self.ensure_socket()
-        if socket is None:
-            return
         current = gevent.getcurrent()
         self.reacting.discard(current)
         self.asking.add(current)
-        try:
-            reply, ms = socket.request("grab", group=group, packet=packet)
-        except (ConnectionError, gevent.Timeout, OSError, websocket.WebSocketException) as e:
-            self.fire("grab", "closed", 0.0, type(e).__name__)
+        answered = self.ask("grab", group=group, packet=packet)
+        if answered is None:
             return
+        reply, ms = answered
         if reply.get("ok"):
             self.fire("grab", str(reply["data"]["outcome"]), ms)
         else:
@@ -346,14 +350,10 @@ class Admin(Connected):
         per = random.randint(20, 199)
         total = min(20000 // count * count, count * per)
         fields = {"group": group_id, "kind": kind, "total": total, "count": count, "greeting": "恭喜发财"}
-        socket = self.ensure_socket()
-        if socket is None:
+        answered = self.ask("send", **fields)
+        if answered is None:
             return
-        try:
-            reply, ms = socket.request("send", **fields)
-        except (ConnectionError, gevent.Timeout, OSError, websocket.WebSocketException) as e:
-            self.fire("send", "closed", 0.0, type(e).__name__)
-            return
+        reply, ms = answered
         if reply.get("ok"):
             self.fire("send", kind, ms)
             return
@@ -451,16 +451,7 @@ def server_figures(before: dict[str, Any], after: dict[str, Any], seconds: float
     redis_cpu = _sum(a, "redpacket_redis_cpu_seconds") - _sum(b, "redpacket_redis_cpu_seconds")
     return {
         "grabs_per_second": rate("redpacket_grab_outcomes_total"),
-        "won_per_second": round(
-            (
-                a.get("redpacket_grab_outcomes_total{outcome=won}", 0.0)
-                - b.get("redpacket_grab_outcomes_total{outcome=won}", 0.0)
-            )
-            / seconds,
-            1,
-        )
-        if seconds > 0
-        else 0.0,
+        "won_per_second": rate("redpacket_grab_outcomes_total{outcome=won}"),
         "grab_p99_ms": p99("redpacket_grab_seconds"),
         "credit_lag_p99_ms": p99("redpacket_credit_lag_seconds"),
         "loop_lag_p99_ms": p99("redpacket_hub_loop_lag_seconds"),
