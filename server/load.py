@@ -165,20 +165,6 @@ def check_fixture(data: Any, path: str) -> None:
 # --- reading the report ----------------------------------------------------------------------------------
 
 
-def stage_figures(report: dict[str, Any]) -> list[StageFigures]:
-    out = []
-    for s in report.get("stages", []):
-        f = StageFigures(users=int(s["users"]), seconds=float(s["seconds"]))
-        for name in ("requests", "failures", "grabs", "won"):
-            setattr(f, name, int(s[name]))
-        f.grab_p50_ms, f.grab_p99_ms = float(s["grab_p50_ms"]), float(s["grab_p99_ms"])
-        f.connect_p99_ms = float(s["connect_p99_ms"])
-        f.client_cpu_percent = s.get("client_cpu_percent")
-        f.server = dict(s.get("server", {}))
-        out.append(f)
-    return out
-
-
 COLUMNS: tuple[tuple[str, Callable[[StageFigures], str]], ...] = (
     ("users", lambda s: f"{s.users}"),
     ("grabs/s", lambda s: f"{s.grabs_per_second:.0f}"),
@@ -317,6 +303,9 @@ def run(argv: list[str]) -> int:
         code = subprocess.call([*command, *rest], env=env)
     except KeyboardInterrupt:
         code = 130
+    finally:
+        if fixture != args.fixture:  # the one made for this run
+            Path(fixture).unlink(missing_ok=True)
     if worker:
         return code
     try:
@@ -325,7 +314,7 @@ def run(argv: list[str]) -> int:
         report = {}
     finally:
         Path(report_path).unlink(missing_ok=True)
-    figures = stage_figures(report)
+    figures = [StageFigures.from_dict(d) for d in report.get("stages", [])]
     if not figures:
         print("redpacket load: no stage finished; no report", file=sys.stderr)
         return code or 1

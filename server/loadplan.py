@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # A stage is past the knee when its grab P99 is this many times the first stage's (and above the floor),
 # or its error rate above ERROR_RATE_LIMIT (the seeds: over 0.5% investigate, over 1% unacceptable), or
@@ -138,6 +139,23 @@ class StageFigures:
     @property
     def grabs_per_second(self) -> float:
         return self.grabs / self.seconds if self.seconds > 0 else 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StageFigures:
+        """The figures ``as_dict`` wrote (the report JSON)."""
+        return cls(
+            users=int(d["users"]),
+            seconds=float(d["seconds"]),
+            requests=int(d["requests"]),
+            failures=int(d["failures"]),
+            grabs=int(d["grabs"]),
+            won=int(d["won"]),
+            grab_p50_ms=float(d["grab_p50_ms"]),
+            grab_p99_ms=float(d["grab_p99_ms"]),
+            connect_p99_ms=float(d["connect_p99_ms"]),
+            client_cpu_percent=d.get("client_cpu_percent"),
+            server=dict(d.get("server", {})),
+        )
 
     def as_dict(self) -> dict[str, object]:
         return {
