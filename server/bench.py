@@ -142,15 +142,6 @@ async def fresh_ids(core: Core) -> None:
     )
 
 
-async def masters_cpu(core: Core) -> dict[str, float]:
-    """CPU seconds (user + system) each master has used so far, by address."""
-    out = {}
-    for name, client in core.nodes.masters().items():
-        info = await client.info("cpu")
-        out[name] = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-    return out
-
-
 async def _durability_ready(core: Core, level: str) -> str | None:
     """Why ``level`` cannot be had on this Redis as it is configured, or None if it can."""
     for name, client in core.nodes.masters().items():
@@ -195,11 +186,11 @@ async def _spread_storm(
             latencies.append(time.perf_counter() - t)
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
-    cpu = await masters_cpu(core)
+    cpu = await core.nodes.cpu_seconds()
     start = time.perf_counter()
     await asyncio.gather(*(lane(jobs[i::concurrency]) for i in range(concurrency)))
     elapsed = time.perf_counter() - start
-    used = {name: t - cpu[name] for name, t in (await masters_cpu(core)).items()}
+    used = {name: t - cpu[name] for name, t in (await core.nodes.cpu_seconds()).items()}
     if outcomes != {"won": len(jobs)}:
         raise RuntimeError(f"bench expected {len(jobs)} wins, got {outcomes}")
     latencies.sort()

@@ -66,11 +66,7 @@ def cpu_seconds(pid: int) -> float:
 
 async def redis_cpu_seconds(nodes: RedisNodes) -> float:
     """CPU seconds used so far by every master of the configured Redis (one server, or a cluster's)."""
-    total = 0.0
-    for client in nodes.masters().values():
-        info = await client.info("cpu")
-        total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-    return total
+    return sum((await nodes.cpu_seconds()).values())
 
 
 def memory_kb(pid: int, field: str) -> int:

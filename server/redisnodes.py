@@ -190,6 +190,22 @@ class RedisNodes:
             for n in cast(RedisCluster, self.client).get_primaries()
         }
 
+    async def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each master has used so far, by ``host:port``."""
+        return {address: cpu for address, (cpu, _) in (await self.usage()).items()}
+
+    async def usage(self) -> dict[str, tuple[float, int]]:
+        """(CPU seconds used so far, memory used in bytes) of each master, by ``host:port``: one INFO
+        each (its default sections hold both)."""
+        out = {}
+        for address, client in self.masters().items():
+            info = await client.info()
+            out[address] = (
+                float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
+                int(info["used_memory"]),
+            )
+        return out
+
     def connections_in_use(self) -> int:
         """Connections of the per-master pools lent out right now (the grab path's pipelines)."""
         return sum(

@@ -110,13 +110,9 @@ async def sample(core: Core, metrics: WorkerMetrics) -> None:
             pipe.xlen(keys.credit_outbox(n))
         depths = await pipe.execute()
     metrics.queue_depth.set(sum(int(d) for d in depths))
-    for address, client in core.nodes.masters().items():
-        info = await client.info("cpu")
-        metrics.redis_cpu.labels(address).set(
-            float(info.get("used_cpu_sys", 0)) + float(info.get("used_cpu_user", 0))
-        )
-        memory = await client.info("memory")
-        metrics.redis_memory.labels(address).set(float(memory.get("used_memory", 0)))
+    for address, (cpu, memory) in (await core.nodes.usage()).items():
+        metrics.redis_cpu.labels(address).set(cpu)
+        metrics.redis_memory.labels(address).set(memory)
 
 
 @contextlib.asynccontextmanager
