@@ -52,8 +52,8 @@ _STATUS = {
 Handler = Callable[[Request, Core, int], Awaitable[Any]]
 
 
-def _error(code: str, message: str, status: int) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+def _error(code: str, message: str, status: int, details: dict[str, Any] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {**(details or {}), "code": code, "message": message}}, status_code=status)
 
 
 def _user(request: Request, core: Core) -> int:
@@ -71,7 +71,7 @@ def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awai
             user = 0 if public else _user(request, core)
             return JSONResponse(await handler(request, core, user))
         except RedPacketError as e:
-            return _error(e.code, e.message, _STATUS.get(type(e), 400))
+            return _error(e.code, e.message, _STATUS.get(type(e), 400), e.details)
         except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
             return _error(errors.BAD_REQUEST, f"malformed request: {e}", 400)
         except Exception as e:
@@ -172,11 +172,16 @@ async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]
     await groups.require_admin(core.db, gid, user)
     body = await _body(request)
     ids = [_id(u, errors.USER_NOT_FOUND, "user") for u in body.get("user_ids", [])]
+    unknown: list[str] = []
     for name in body.get("names", []):
         found = await ledger.user_by_name(core.db, name)
         if found is None:
-            raise NotFound(errors.USER_NOT_FOUND, f"no user named {name}")
-        ids.append(found)
+            unknown.append(name)
+        else:
+            ids.append(found)
+    if unknown:
+        # Every unknown name at once, and nobody added: the admin fixes the list and sends it again.
+        raise NotFound(errors.USER_NOT_FOUND, f"no user named {', '.join(unknown)}", names=unknown)
     role = body.get("role", "member")
     added = await groups.add_members(core.db, core.membership, gid, ids, role)
     hub: Hub = request.app.state.hub
@@ -227,17 +232,17 @@ async def my_packets(request: Request, core: Core, user: int) -> dict[str, Any]:
         (user,),
     )
     got = await core.db.fetchall(
-        "SELECT g.packet_id, p.group_id, g.amount, g.status, g.grabbed_ms FROM grab_records g"
-        " JOIN red_packets p ON p.id = g.packet_id WHERE g.user_id = %s ORDER BY g.grabbed_ms DESC LIMIT 100",
+        "SELECT g.packet_id, p.group_id, g.amount, g.status, g.grabbed_ms, p.sender_id, u.name, p.kind,"
+        " p.greeting FROM grab_records g JOIN red_packets p ON p.id = g.packet_id"
+        " JOIN users u ON u.id = p.sender_id"
+        " WHERE g.user_id = %s ORDER BY g.grabbed_ms DESC LIMIT 100",
         (user,),
     )
-    keys_ = "packet_id group_id kind total count greeting status created_ms paid_out".split()
+    sent_keys = "packet_id group_id kind total count greeting status created_ms paid_out".split()
+    got_keys = "packet_id group_id amount status grabbed_ms sender_id sender_name kind greeting".split()
     return {
-        "sent": [dict(zip(keys_, r, strict=True)) for r in sent],
-        "received": [
-            {"packet_id": r[0], "group_id": r[1], "amount": r[2], "status": r[3], "grabbed_ms": r[4]}
-            for r in got
-        ],
+        "sent": [dict(zip(sent_keys, r, strict=True)) for r in sent],
+        "received": [dict(zip(got_keys, r, strict=True)) for r in got],
     }
 
 

@@ -113,7 +113,8 @@ class HubClient:
         finally:
             self._waiting.pop(rid, None)
         if not reply["ok"]:
-            raise HubError(reply["error"]["code"], reply["error"]["message"])
+            error = dict(reply["error"])
+            raise HubError(error.pop("code"), error.pop("message"), **error)
         return dict(reply["data"])
 
     async def sync(self, groups: list[int] | None = None) -> dict[str, Any]:

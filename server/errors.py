@@ -10,14 +10,18 @@ RedPacketError
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RedPacketError(Exception):
     code = "error"
 
-    def __init__(self, code: str, message: str = "") -> None:
+    def __init__(self, code: str, message: str = "", **details: Any) -> None:
         super().__init__(message or code)
         self.code = code
         self.message = message or code
+        # Facts a client words its own message with (``limit``, ``names``): sent beside code and message.
+        self.details = details
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.code!r}, {self.message!r})"

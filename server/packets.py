@@ -129,7 +129,9 @@ async def send_packet(
             raise Forbidden(errors.NOT_ADMIN, "only group admins send packets here")
         size = await tx.fetchone("SELECT COUNT(*) FROM group_members WHERE group_id = %s", (group_id,))
         if size is not None and req.count > int(size[0]):
-            raise InvalidRequest(errors.COUNT_TOO_LARGE, f"more shares than the group's {size[0]} members")
+            raise InvalidRequest(
+                errors.COUNT_TOO_LARGE, f"more shares than the group's {size[0]} members", limit=int(size[0])
+            )
         if req.target_user_id is not None:
             target_role, _ = await groups.role_of(tx, group_id, req.target_user_id)
             if target_role is None or req.target_user_id == sender_id:

@@ -126,8 +126,11 @@ def reply_ok(rid: int | str, data: dict[str, Any]) -> dict[str, Any]:
     return {"type": "reply", "id": rid, "ok": True, "data": data}
 
 
-def reply_error(rid: int | str | None, code: str, message: str) -> dict[str, Any]:
-    return {"type": "reply", "id": rid, "ok": False, "error": {"code": code, "message": message}}
+def reply_error(
+    rid: int | str | None, code: str, message: str, details: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    error = {**details, "code": code, "message": message} if details else {"code": code, "message": message}
+    return {"type": "reply", "id": rid, "ok": False, "error": error}
 
 
 def event(group: int, offset: str, kind: str, data: dict[str, Any]) -> dict[str, Any]:

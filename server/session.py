@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from starlette.websockets import WebSocket
@@ -178,7 +178,7 @@ class Session:
     @staticmethod
     def _error(rid: int | str, kind: str, e: Exception) -> dict[str, Any]:
         if isinstance(e, RedPacketError):
-            return protocol.reply_error(rid, e.code, e.message)
+            return protocol.reply_error(rid, e.code, e.message, e.details)
         down = unavailable(e)
         if down is not None:
             return protocol.reply_error(rid, down.code, down.message)
@@ -488,6 +488,10 @@ async def websocket_endpoint(ws: WebSocket) -> None:
             "hub": hub.id,
             "groups": mine,
             "server_ms": int(time.time() * 1000),
+            "limits": {
+                **asdict(core.limits),
+                "packet_ttl_seconds": core.settings.packet_ttl_seconds,
+            },
         }
     )
     session = Session(hub, conn)

@@ -55,13 +55,19 @@ def validate_request(
     if not _is_int(total) or total <= 0:
         raise InvalidRequest(errors.AMOUNT_INVALID, "total must be a positive whole number of cents")
     if total > limits.max_total_cents:
-        raise InvalidRequest(errors.AMOUNT_TOO_LARGE, f"total must be at most {limits.max_total_cents} cents")
+        raise InvalidRequest(
+            errors.AMOUNT_TOO_LARGE,
+            f"total must be at most {limits.max_total_cents} cents",
+            limit=limits.max_total_cents,
+        )
     if kind == "exclusive" and count is None:
         count = 1
     if not _is_int(count) or count <= 0:
         raise InvalidRequest(errors.COUNT_INVALID, "count must be a positive whole number")
     if count > limits.max_count:
-        raise InvalidRequest(errors.COUNT_TOO_LARGE, f"count must be at most {limits.max_count}")
+        raise InvalidRequest(
+            errors.COUNT_TOO_LARGE, f"count must be at most {limits.max_count}", limit=limits.max_count
+        )
     if count > total:
         raise InvalidRequest(errors.COUNT_EXCEEDS_AMOUNT, "every share needs at least one cent")
     if kind == "equal" and total % count != 0:
@@ -74,7 +80,9 @@ def validate_request(
         raise InvalidRequest(errors.GREETING_INVALID, "greeting must be text")
     if len(greeting) > limits.max_greeting_chars:
         raise InvalidRequest(
-            errors.GREETING_TOO_LONG, f"greeting must be at most {limits.max_greeting_chars} characters"
+            errors.GREETING_TOO_LONG,
+            f"greeting must be at most {limits.max_greeting_chars} characters",
+            limit=limits.max_greeting_chars,
         )
     if not text.greeting_ok(greeting):
         raise InvalidRequest(

@@ -483,6 +483,73 @@ async def test_the_demo_page_is_served_at_the_root(h: HubUnderTest) -> None:
         assert (await http.get("/nope.js")).status_code == 404
 
 
+async def test_what_a_client_words_its_messages_with(hub_settings: Settings) -> None:
+    """The limits in the welcome, the limit a refused send broke, every unknown name of an add, and the
+    sender and greeting of what one received: what the demo page says to people instead of codes."""
+    async with hub_in_process(hub_settings, run_worker=True) as h:
+        room = await make_room(h, 2, prefix="w")
+        admin = await h.client(room.admin_token, "json")
+        s = h.settings
+        assert admin.welcome["limits"] == {
+            "max_total_cents": s.max_total_cents,
+            "max_count": s.max_count,
+            "max_greeting_chars": s.max_greeting_chars,
+            "packet_ttl_seconds": s.packet_ttl_seconds,
+        }
+        refusals = [
+            ({"total": s.max_total_cents + 1, "count": 1}, "amount_too_large", s.max_total_cents),
+            ({"total": 500, "count": s.max_count + 1}, "count_too_large", s.max_count),
+            ({"total": 500, "count": 4}, "count_too_large", 3),  # the group's members: admin and two
+            (
+                {"total": 500, "count": 1, "greeting": "x" * (s.max_greeting_chars + 1)},
+                "greeting_too_long",
+                s.max_greeting_chars,
+            ),
+        ]
+        for fields, code, limit in refusals:
+            with pytest.raises(HubError) as refused:
+                await admin.request("send", group=room.group, **fields)
+            assert (refused.value.code, refused.value.details) == (code, {"limit": limit}), fields
+
+        await h.login("wknown")
+        members = await h.api("GET", f"/api/groups/{room.group}/members", room.admin_token)
+        answer = await h.api(
+            "POST",
+            f"/api/groups/{room.group}/members",
+            room.admin_token,
+            names=["nobody1", "wknown", "nobody2"],
+        )
+        assert answer["error"]["code"] == "user_not_found"
+        assert answer["error"]["names"] == ["nobody1", "nobody2"]
+        # Nobody was added, not even the name that exists: the admin sends the list again, fixed.
+        assert await h.api("GET", f"/api/groups/{room.group}/members", room.admin_token) == members
+
+        sent = await admin.request("send", group=room.group, total=300, count=2, greeting="恭喜发财")
+        _, member_token = room.members[0]
+        member = await h.client(member_token)
+        won = await member.request("grab", group=room.group, packet=sent["packet_id"])
+        mine: dict[str, Any] = {}
+
+        async def credited() -> bool:  # a grab is listed once the worker has credited it
+            mine.update(await h.api("GET", "/api/me/packets", member_token))
+            return bool(mine["received"])
+
+        await eventually(credited)
+        assert mine["received"][0] == {
+            "status": "credited",
+            "packet_id": sent["packet_id"],
+            "group_id": room.group,
+            "amount": won["amount"],
+            "grabbed_ms": won["grabbed_ms"],
+            "sender_id": room.admin,
+            "sender_name": "wadmin",
+            "kind": "lucky",
+            "greeting": "恭喜发财",
+        }
+        for c in (admin, member):
+            await c.close()
+
+
 async def test_grab_attempts_are_written_one_stream_entry_per_interval(h: HubUnderTest) -> None:
     log = bots.AttemptLog(h.core, interval=3600)  # only an explicit flush writes
     now = now_ms()
