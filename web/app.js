@@ -4,28 +4,42 @@
 
 const $ = (id) => document.getElementById(id);
 const SUBPROTOCOL = "redpacket.v1.json";
+const phone = window.matchMedia("(max-width: 700px)");
 
-// What people see instead of error codes.
+// ---- words: what people see instead of error codes ------------------------------------------------------
+
+const listOf = (names) => (names.length < 2 ? names.join("") : `${names.slice(0, -1).join(", ")} and ${names.at(-1)}`);
+
+// A message, or a function of the error's extra fields (`limit`, `names`: docs/protocol.md).
 const MESSAGES = {
   insufficient_funds: "Not enough balance for this packet. Add demo money first.",
   not_member: "You are not a member of this group.",
   not_admin: "Only the group's admins can send red packets here.",
   not_target: "This red packet is for someone else.",
   packet_expired: "This red packet has expired.",
-  packet_empty: "Too late: every share has been taken.",
+  packet_empty: "Too slow, all grabbed.",
   packet_not_found: "This red packet is no longer available.",
   rate_limited: "You are going too fast. Wait a moment and try again.",
   blocked: "Grabbing is paused for your account for now.",
   amount_invalid: "Enter an amount such as 8.88.",
-  amount_too_large: "That is more than one red packet may hold.",
+  amount_too_large: (e) => `A red packet holds at most ${yuan(e.limit ?? state.limits.max_total_cents)}.`,
   count_invalid: "Enter how many people can grab it (at least 1).",
-  count_too_large: "More shares than there are people in the group.",
+  count_too_large: (e) => {
+    const limit = e.limit ?? state.limits.max_count;
+    return limit < state.limits.max_count
+      ? `At most ${shares(limit)}: one for each member of the group.`
+      : `At most ${shares(limit)} in one red packet.`;
+  },
   count_exceeds_amount: "Every share needs at least ¥0.01: lower the number of shares.",
   equal_not_divisible: "Equal shares must split exactly: change the amount or the number of shares.",
-  greeting_too_long: "The greeting is too long (64 characters at most).",
+  greeting_too_long: (e) => `The greeting is too long (${e.limit ?? state.limits.max_greeting_chars} characters at most).`,
   greeting_invalid: "The greeting may not contain control characters or direction overrides.",
   text_invalid: "A message is 1 to 2,000 characters.",
-  user_not_found: "There is no user with that name.",
+  user_not_found: (e) =>
+    e.names?.length
+      ? `No one called ${listOf(e.names)} has used redpacket yet. Each person must log in once before an ` +
+        "admin can add them; nobody was added."
+      : "There is no such user.",
   name_invalid: "A name is 1 to 64 characters, with no control or invisible characters.",
   disabled: "That is switched off on this server.",
   redis_unavailable: "The service is busy. Try again in a moment.",
@@ -33,13 +47,24 @@ const MESSAGES = {
   idempotency_key_reused: "That request was already made with other details.",
   offline: "You are offline. Wait until the connection is back.",
 };
-const say = (code, fallback) => MESSAGES[code] || fallback || "Something went wrong. Please try again.";
+
+function say(err) {
+  const m = MESSAGES[err.code];
+  if (typeof m === "function") return m(err.details || {});
+  return m || err.message || "Something went wrong. Please try again.";
+}
 
 class ApiError extends Error {
-  constructor(code, message) {
+  constructor(code, message, details = {}) {
     super(message);
     this.code = code;
+    this.details = details;
   }
+}
+
+function apiError(error) {
+  const { code, message, ...details } = error || {};
+  return new ApiError(code || "internal", message || "", details);
 }
 
 // ---- money: integer cents everywhere; yuan only on screen --------------------------------------------
@@ -61,6 +86,25 @@ const shares = (n) => `${n} share${n === 1 ? "" : "s"}`;
 
 const uuid = () => (crypto.randomUUID ? crypto.randomUUID() : `${Date.now()}-${Math.random()}`.slice(0, 60));
 
+// ---- time: the hub's clock (an event's offset is its time, docs/protocol.md), shown in the reader's ---
+
+const serverNow = () => Date.now() + state.skewMs;
+const offsetMs = (offset) => Number(String(offset).split("-")[0]);
+
+function when(ms) {
+  // "10:31", "yesterday 10:31", "tomorrow 10:31", or "3 Jan 10:31".
+  const d = new Date(ms);
+  const clock = d.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+  const day = (x) => new Date(x.getFullYear(), x.getMonth(), x.getDate()).getTime();
+  const days = Math.round((day(d) - day(new Date())) / 86_400_000);
+  if (days === 0) return clock;
+  if (days === -1) return `yesterday ${clock}`;
+  if (days === 1) return `tomorrow ${clock}`;
+  return `${d.toLocaleDateString([], { day: "numeric", month: "short" })} ${clock}`;
+}
+
+const timeEl = (ms) => el("time", { datetime: new Date(ms).toISOString(), title: new Date(ms).toLocaleString() }, when(ms));
+
 // ---- state ---------------------------------------------------------------------------------------------
 
 const state = {
@@ -76,6 +120,10 @@ const state = {
   retryMs: 500,
   retryTimer: null,
   names: new Map(), // user id → name, across groups
+  skewMs: 0, // the hub's clock minus this browser's, from the welcome
+  limits: { max_count: 100, max_total_cents: 20_000, max_greeting_chars: 64, packet_ttl_seconds: 86_400 },
+  shown: { group: null, packet: null }, // the packet in the packet sheet
+  expiryTimer: null,
 };
 
 function group(id) {
@@ -88,7 +136,8 @@ function group(id) {
   return g;
 }
 
-const nameOf = (user) => (user === state.me?.user_id ? "You" : state.names.get(user) || `user ${user}`);
+const me = () => state.me?.user_id;
+const nameOf = (user) => (user === me() ? "You" : state.names.get(user) || `user ${user}`);
 
 // ---- HTTP ----------------------------------------------------------------------------------------------
 
@@ -103,25 +152,24 @@ async function api(method, path, body) {
   }
   const data = await r.json().catch(() => ({}));
   if (!r.ok) {
-    const err = data.error || {};
     if (r.status === 401) logout();
-    throw new ApiError(err.code || "internal", err.message || r.statusText);
+    throw apiError(data.error || { message: r.statusText });
   }
   return data;
 }
 
 async function refreshMe() {
-  const me = await api("GET", "/api/me");
+  const data = await api("GET", "/api/me");
   const before = state.me?.balance;
-  state.me = me;
-  state.names.set(me.user_id, me.name);
-  for (const info of me.groups) group(info.group_id).info = info;
+  state.me = data;
+  state.names.set(data.user_id, data.name);
+  for (const info of data.groups) group(info.group_id).info = info;
   for (const id of [...state.groups.keys()]) {
-    if (!me.groups.some((g) => g.group_id === id)) state.groups.delete(id);
+    if (!data.groups.some((g) => g.group_id === id)) state.groups.delete(id);
   }
-  $("me-name").textContent = me.name;
-  $("balance").textContent = yuan(me.balance);
-  if (before !== undefined && before !== me.balance) {
+  $("me-name").textContent = data.name;
+  $("balance").textContent = yuan(data.balance);
+  if (before !== undefined && before !== data.balance) {
     const b = $("balance").parentElement;
     b.classList.remove("bump");
     void b.offsetWidth;
@@ -142,13 +190,12 @@ async function loadMembers(id) {
 
 function setConn(s) {
   state.connState = s;
-  const el = $("conn");
-  el.dataset.state = s;
-  el.textContent = { connecting: "Connecting…", online: "Online", reconnecting: "Reconnecting…", offline: "Offline" }[s];
+  const badge = $("conn");
+  badge.dataset.state = s;
+  badge.textContent = { connecting: "Connecting…", online: "Online", reconnecting: "Reconnecting…", offline: "Offline" }[s];
   $("missed").hidden = s !== "reconnecting";
   $("missed").textContent = "Connection lost. Reconnecting… what happens meanwhile will be filled in.";
-  const composer = $("composer");
-  for (const el of composer.querySelectorAll("input, button")) el.disabled = s !== "online";
+  for (const c of $("composer").querySelectorAll("input, button")) c.disabled = s !== "online";
 }
 
 function device() {
@@ -217,7 +264,7 @@ function onMessage(msg) {
       if (!p) return;
       state.pending.delete(msg.id);
       if (msg.ok) p.resolve(msg.data);
-      else p.reject(new ApiError(msg.error.code, msg.error.message));
+      else p.reject(apiError(msg.error));
       break;
     }
     case "event":
@@ -240,6 +287,8 @@ function onMessage(msg) {
 
 async function onWelcome(msg) {
   for (const info of msg.groups) group(info.group_id).info = { ...group(info.group_id).info, ...info };
+  state.skewMs = msg.server_ms - Date.now();
+  if (msg.limits) state.limits = msg.limits;
   const reconnect = state.everOnline;
   state.everOnline = true;
   state.retryMs = 500;
@@ -250,7 +299,7 @@ async function onWelcome(msg) {
     if (reconnect) {
       toast(missed > 0 ? `Back online: ${missed} missed update${missed === 1 ? "" : "s"} filled in.` : "Back online.");
     }
-    if (state.current === null && state.groups.size && window.innerWidth > 700) selectGroup([...state.groups.keys()][0]);
+    if (state.current === null && state.groups.size && !phone.matches) selectGroup([...state.groups.keys()][0]);
     else if (state.current !== null) renderChat();
   } catch (e) {
     showError(e);
@@ -310,17 +359,20 @@ function onEvent(msg) {
   if (!newer(msg.offset, g.offset)) return;
   g.offset = msg.offset;
   const d = msg.data;
+  const ms = offsetMs(msg.offset);
+  const added = [];
   switch (msg.event) {
     case "chat":
-      g.items.push({ kind: "chat", user: d.user, text: d.text });
+      added.push({ kind: "chat", user: d.user, text: d.text, ms });
       break;
     case "packet":
       addPacketView(msg.group, { packet_id: d.packet_id, sender_id: d.sender, kind: d.kind, total: d.total, target: d.target,
-        count: d.count, greeting: d.greeting, remaining: d.count, expires_ms: d.expires_ms, grabs: [], mine: null });
+        count: d.count, greeting: d.greeting, remaining: d.count, created_ms: d.created_ms, expires_ms: d.expires_ms,
+        grabs: [], mine: null });
       break;
     case "grabs":
       // A big room lists only the latest grabs of an interval: "more" says how many it left out.
-      if (d.more) g.items.push({ kind: "system", text: `${d.more} more ${d.more === 1 ? "person" : "people"} grabbed a red packet` });
+      if (d.more) added.push({ kind: "system", ms, text: `${d.more} more ${d.more === 1 ? "person" : "people"} opened red packets` });
       for (const [pid, left] of Object.entries(d.remaining || {})) {
         const p = g.packets.get(Number(pid));
         if (p) p.remaining = Math.min(p.remaining, left);
@@ -328,9 +380,8 @@ function onEvent(msg) {
       for (const x of d.grabs) {
         const p = g.packets.get(x.packet_id);
         if (p) p.remaining = Math.min(p.remaining, x.remaining);
-        if (p && x.user === state.me?.user_id) p.mine = p.mine || { amount: x.amount };
-        const count = p ? p.count : "?";
-        g.items.push({ kind: "system", user: x.user, text: `grabbed a red packet, ${x.remaining} of ${count} left` });
+        if (p && x.user === me()) p.mine = p.mine || { amount: x.amount };
+        added.push({ kind: "grab", user: x.user, packet_id: x.packet_id, remaining: x.remaining, ms: x.ms || ms });
       }
       break;
     case "finished": {
@@ -340,15 +391,17 @@ function onEvent(msg) {
         p.finished = true;
       }
       const secs = (d.duration_ms / 1000).toFixed(1);
-      const best = d.best_luck ? ` · best luck: ${nameOf(d.best_luck.user)} (${yuan(d.best_luck.amount)})` : "";
-      g.items.push({ kind: "system", luck: true, text: `All ${shares(d.count)} grabbed in ${secs} s${best}` });
+      const lucky = d.best_luck && d.count > 1 && (!p || p.kind === "lucky");
+      const best = lucky ? ` · best luck: ${nameOf(d.best_luck.user)} (${yuan(d.best_luck.amount)})` : "";
+      const all = d.count === 1 ? "The only share" : `All ${shares(d.count)}`;
+      added.push({ kind: "system", luck: true, ms, text: `${all} grabbed in ${secs} s${best}` });
       break;
     }
     case "member_added":
     case "member_removed":
     case "member_role": {
       const what = { member_added: "joined the group", member_removed: "left the group", member_role: "is now an admin" }[msg.event];
-      g.items.push({ kind: "system", user: d.user, text: what });
+      added.push({ kind: "system", user: d.user, text: what, ms });
       loadMembers(msg.group).then(() => msg.group === state.current && renderChat()).catch(() => {});
       break;
     }
@@ -360,8 +413,11 @@ function onEvent(msg) {
     default:
       return;
   }
-  if (msg.group === state.current) renderChat();
-  else {
+  g.items.push(...added);
+  if (msg.group === state.current) {
+    renderChat();
+    if (g.synced) announce(msg.event === "packet" ? itemText(g, g.items.at(-1)) : added.map((i) => itemText(g, i)).join(". "));
+  } else {
     g.unread += 1;
     renderGroups();
   }
@@ -374,7 +430,45 @@ function addPacketView(groupId, view) {
     return;
   }
   g.packets.set(view.packet_id, { ...view, sender: view.sender_id, finished: view.remaining === 0 });
-  g.items.push({ kind: "packet", packet_id: view.packet_id, user: view.sender_id });
+  g.items.push({ kind: "packet", packet_id: view.packet_id, user: view.sender_id, ms: view.created_ms });
+}
+
+// ---- what a line of the room says ---------------------------------------------------------------------
+
+function grabText(g, item) {
+  // "Li opened Wang's red packet", "You opened your own red packet", "Li opened your red packet".
+  const p = g.packets.get(item.packet_id);
+  let whose = "a red packet";
+  if (p && p.sender === item.user) whose = item.user === me() ? "your own red packet" : "their own red packet";
+  else if (p && p.sender === me()) whose = "your red packet";
+  else if (p) whose = `${nameOf(p.sender)}'s red packet`;
+  const left = p ? ` · ${item.remaining} of ${p.count} left` : "";
+  return `${nameOf(item.user)} opened ${whose}${left}`;
+}
+
+function itemText(g, item) {
+  // Names are looked up when shown: a member's name may load after the event that names them.
+  switch (item.kind) {
+    case "grab":
+      return grabText(g, item);
+    case "chat":
+      return `${nameOf(item.user)}: ${item.text}`;
+    case "packet": {
+      const p = g.packets.get(item.packet_id);
+      return `${nameOf(item.user)} sent a red packet: ${p.greeting || "Best wishes!"}`;
+    }
+    default:
+      return item.user === undefined ? item.text : `${nameOf(item.user)} ${item.text}`;
+  }
+}
+
+let announceTimer = null;
+function announce(text) {
+  // Only the new line goes to the live region: re-rendering the room must not read it all out again.
+  const box = $("announcer");
+  box.textContent = "";
+  clearTimeout(announceTimer);
+  announceTimer = setTimeout(() => (box.textContent = text), 50);
 }
 
 // ---- rendering -----------------------------------------------------------------------------------------
@@ -394,8 +488,10 @@ function renderGroups() {
   const list = $("group-list");
   list.replaceChildren();
   for (const [id, g] of state.groups) {
+    const label = [g.info.name, g.info.role === "admin" ? "admin" : null, g.unread ? `${g.unread} unread` : null];
     list.append(el("li", {},
-      el("button", { "aria-current": String(id === state.current), "data-group": id, onclick: () => selectGroup(id) },
+      el("button", { "aria-current": String(id === state.current), "data-group": id, "aria-label": label.filter(Boolean).join(", "),
+        onclick: () => selectGroup(id) },
         el("span", {}, g.info.name, " ", el("span", { class: "role" }, g.info.role === "admin" ? "admin" : "")),
         g.unread ? el("span", { class: "unread" }, String(g.unread)) : null)));
   }
@@ -406,16 +502,39 @@ function selectGroup(id) {
   state.current = id;
   $("app").dataset.view = id === null ? "groups" : "chat";
   if (id !== null) group(id).unread = 0;
-  // Desktop shows the members beside the chat; a phone opens them with the Members button.
-  $("members-pane").hidden = id === null || window.innerWidth <= 700;
+  $("add-error").textContent = "";
+  layoutMembers(false);
   renderGroups();
   renderChat();
+}
+
+function layoutMembers(open) {
+  // A desktop shows the members beside the chat whenever a group is open; a phone shows them as a drawer,
+  // opened by the Members button and closed by ×, Escape or a tap outside it.
+  const pane = $("members-pane");
+  const wasOpen = phone.matches && !pane.hidden;
+  const show = state.current !== null && (!phone.matches || open);
+  pane.hidden = !show;
+  $("scrim").hidden = !(show && phone.matches);
+  $("members-toggle").setAttribute("aria-expanded", String(show));
+  pane.setAttribute("role", phone.matches ? "dialog" : "complementary");
+  if (phone.matches && open) $("members-close").focus();
+  else if (wasOpen && !show && state.current !== null) $("members-toggle").focus();
+}
+
+const expired = (p) => Boolean(p.expires_ms) && serverNow() > p.expires_ms;
+
+function grabbable(p) {
+  // A packet that opens to its card (開) rather than straight to its result.
+  if (p.mine || p.remaining === 0 || p.finished || expired(p)) return false;
+  return !(p.kind === "exclusive" && p.target && p.target !== me());
 }
 
 function packetState(p) {
   if (p.mine) return `You got ${yuan(p.mine.amount)}`;
   if (p.remaining === 0) return "All grabbed";
-  if (p.expires_ms && Date.now() > p.expires_ms) return "Expired";
+  if (expired(p)) return "Expired";
+  if (p.kind === "exclusive" && p.target && p.target !== me()) return `For ${nameOf(p.target)}`;
   return "Tap to open";
 }
 
@@ -425,46 +544,64 @@ function renderChat() {
   $("group-title").textContent = g ? g.info.name : "Pick a group";
   $("composer").hidden = !g;
   $("members-toggle").hidden = !g;
+  const list = $("messages");
   if (!g) {
-    $("members-pane").hidden = true;
-    $("messages").replaceChildren();
+    layoutMembers(false);
+    list.replaceChildren();
     return;
   }
   const canSend = g.info.role === "admin" || g.info.members_can_send;
   $("open-send").hidden = !canSend;
-  const list = $("messages");
   const atBottom = list.scrollHeight - list.scrollTop - list.clientHeight < 40;
+  // The room is drawn anew on every change: keep keyboard focus on the packet that had it.
+  const focused = list.contains(document.activeElement) ? document.activeElement.dataset.packet : undefined;
   list.replaceChildren();
+  let soonest = Infinity;
   for (const item of g.items) {
-    if (item.kind === "system") {
-      // Names are looked up when shown: a member's name may load after the event that names them.
-      const text = item.user === undefined ? item.text : `${nameOf(item.user)} ${item.text}`;
-      list.append(el("li", { class: "system" }, el("span", { class: item.luck ? "luck" : "" }, text)));
+    if (item.kind === "system" || item.kind === "grab") {
+      const text = itemText(g, item);
+      list.append(el("li", { class: "system" }, el("span", { class: item.luck ? "luck" : "", title: item.ms ? when(item.ms) : null }, text)));
       continue;
     }
-    const mine = item.user === state.me?.user_id;
-    const li = el("li", { class: mine ? "mine" : "" }, el("span", { class: "author" }, nameOf(item.user)));
+    const mine = item.user === me();
+    const author = el("span", { class: "author" }, nameOf(item.user), item.ms ? timeEl(item.ms) : null);
+    const li = el("li", { class: mine ? "mine" : "" }, author);
     if (item.kind === "chat") li.append(el("div", { class: "bubble" }, item.text));
-    else li.append(packetBubble(id, g.packets.get(item.packet_id)));
+    else {
+      const p = g.packets.get(item.packet_id);
+      li.append(packetBubble(id, p));
+      if (grabbable(p) && p.expires_ms) soonest = Math.min(soonest, p.expires_ms);
+    }
     list.append(li);
   }
+  if (focused !== undefined) list.querySelector(`.packet[data-packet="${focused}"]`)?.focus({ preventScroll: true });
   if (atBottom || list.dataset.group !== String(id)) list.scrollTop = list.scrollHeight;
   list.dataset.group = String(id);
+  // Draw again when the next open packet expires, so that it says so without an event.
+  clearTimeout(state.expiryTimer);
+  if (soonest < Infinity) state.expiryTimer = setTimeout(renderChat, Math.min(2 ** 31 - 1, soonest - serverNow() + 50));
   renderMembers();
 }
 
 function packetBubble(groupId, p) {
   const cls = ["packet"];
   if (p.mine) cls.push("opened");
-  else if (p.remaining === 0) cls.push("gone");
+  else if (!grabbable(p)) cls.push("gone");
   if (p.grabbing) cls.push("grabbing");
-  return el("button", { class: cls.join(" "), "data-packet": p.packet_id, onclick: () => openPacket(groupId, p.packet_id) },
+  const what = p.kind === "exclusive" && p.target
+    ? `for ${p.target === me() ? "you" : nameOf(p.target)}`
+    : `${p.kind === "equal" ? "equal shares" : "lucky"} · ${shares(p.count)}`;
+  const status = packetState(p);
+  const until = grabbable(p) && p.expires_ms ? `until ${when(p.expires_ms)}` : null;
+  const label = `Red packet from ${p.sender === me() ? "you" : nameOf(p.sender)}, ${what}: ${p.greeting || "Best wishes!"}. ` +
+    `${status}${until ? `, ${until}` : ""}.`;
+  return el("button", { class: cls.join(" "), "data-packet": p.packet_id, "aria-label": label,
+    onclick: () => openPacket(groupId, p.packet_id) },
     el("div", { class: "face" }, el("img", { src: "packet.svg", alt: "" }),
       el("div", {}, el("div", { class: "greeting" }, p.greeting || "Best wishes!"),
-        el("div", { class: "state" }, packetState(p)))),
-    el("div", { class: "foot" }, p.kind === "exclusive" && p.target
-      ? `Red packet · for ${p.target === state.me?.user_id ? "you" : nameOf(p.target)}`
-      : `Red packet · ${p.kind === "equal" ? "equal shares" : "lucky"} · ${shares(p.count)}`));
+        el("div", { class: "state" }, status),
+        until ? el("div", { class: "state until" }, until) : null)),
+    el("div", { class: "foot" }, `Red packet · ${what}`));
 }
 
 function renderMembers() {
@@ -473,13 +610,16 @@ function renderMembers() {
   const list = $("member-list");
   list.replaceChildren();
   for (const [uid, m] of g.members) {
-    const admin = g.info.role === "admin" && uid !== state.me.user_id;
+    const admin = g.info.role === "admin" && uid !== me();
+    const on = g.online.has(uid);
     list.append(el("li", { "data-user": uid },
-      el("span", { class: `dot${g.online.has(uid) ? " on" : ""}`, title: g.online.has(uid) ? "online" : "offline" }),
-      el("span", { class: "name" }, m.name),
+      el("span", { class: `dot${on ? " on" : ""}`, title: on ? "online" : "offline" }),
+      el("span", { class: "name" }, m.name, el("span", { class: "sr-only" }, on ? " (online)" : " (offline)")),
       m.role === "admin" ? el("span", { class: "tag" }, "admin") : null,
-      admin && m.role !== "admin" ? el("button", { class: "small ghost", onclick: () => makeAdmin(uid) }, "Make admin") : null,
-      admin ? el("button", { class: "small ghost", title: "Remove", onclick: () => removeMember(uid) }, "×") : null));
+      admin && m.role !== "admin"
+        ? el("button", { class: "small ghost", "aria-label": `Make ${m.name} an admin`, onclick: () => makeAdmin(uid) }, "Make admin")
+        : null,
+      admin ? el("button", { class: "small ghost", "aria-label": `Remove ${m.name}`, onclick: () => removeMember(uid) }, "×") : null));
   }
   $("add-member").hidden = g.info.role !== "admin";
 }
@@ -494,69 +634,123 @@ function toast(text) {
 }
 
 function showError(e) {
-  toast(say(e.code, e.message));
+  toast(say(e));
 }
 
-// ---- actions -------------------------------------------------------------------------------------------
+// ---- the packet sheet: its card (sender, greeting, 開), then its result (amount, who got how much) ------
+
+// Refusals that are the packet's answer (shown as its result); any other leaves the card up to try again.
+const FINAL_REFUSALS = ["packet_empty", "packet_expired", "not_target", "packet_not_found"];
+
+function fromLine(sender) {
+  return sender === me() ? "Your red packet" : `${nameOf(sender)}'s red packet`;
+}
 
 async function openPacket(groupId, packetId) {
-  const g = group(groupId);
-  const p = g.packets.get(packetId);
+  const p = group(groupId).packets.get(packetId);
+  if (!p) return;
+  state.shown = { group: groupId, packet: packetId };
+  if (grabbable(p)) showCard(p);
+  else await showResult(groupId, packetId, null);
+}
+
+function showCard(p) {
+  const dlg = $("packet-dialog");
+  dlg.dataset.face = "card";
+  $("pd-from").textContent = fromLine(p.sender);
+  $("pd-greeting").textContent = p.greeting || "Best wishes!";
+  $("pd-amount").textContent = "";
+  $("pd-note").textContent = "";
+  $("pd-expiry").textContent = p.expires_ms ? `Open before ${when(p.expires_ms)}` : "";
+  setOpening(p.grabbing);
+  if (!dlg.open) dlg.showModal();
+  $("pd-open").focus();
+}
+
+function setOpening(on) {
+  // The coin spins while the grab is in flight. It stays enabled (a disabled button would drop keyboard
+  // focus); a second press meanwhile is ignored.
+  const coin = $("pd-open");
+  coin.classList.toggle("spinning", Boolean(on));
+  coin.setAttribute("aria-busy", String(Boolean(on)));
+}
+
+async function pressOpen() {
+  const { group: groupId, packet: packetId } = state.shown;
+  const p = groupId === null ? null : group(groupId).packets.get(packetId);
   if (!p || p.grabbing) return;
+  p.grabbing = true;
+  setOpening(true);
+  $("pd-note").textContent = "";
+  renderChat();
   let won = null;
   let refusal = null;
-  if (!p.mine && p.remaining !== 0) {
-    p.grabbing = true;
+  try {
+    const r = await request("grab", { group: groupId, packet: packetId });
+    p.mine = { amount: r.amount };
+    p.remaining = Math.min(p.remaining, r.remaining);
+    if (r.outcome === "won") won = r;
+  } catch (e) {
+    if (e.code === "packet_empty") p.remaining = 0;
+    refusal = e;
+  } finally {
+    p.grabbing = false;
     renderChat();
-    try {
-      const r = await request("grab", { group: groupId, packet: packetId });
-      p.mine = { amount: r.amount };
-      p.remaining = Math.min(p.remaining, r.remaining);
-      if (r.outcome === "won") won = r;
-    } catch (e) {
-      if (e.code === "packet_empty") p.remaining = 0;
-      refusal = e;
-    } finally {
-      p.grabbing = false;
-      renderChat();
-    }
-    if (refusal && !["packet_empty", "packet_expired", "not_target"].includes(refusal.code)) {
-      showError(refusal);
-      return;
-    }
   }
+  const stillShown = $("packet-dialog").open && state.shown.packet === packetId;
+  if (stillShown) setOpening(false);
+  if (won) waitForCredit(packetId, won.amount);
+  if (!stillShown) {
+    if (refusal && !FINAL_REFUSALS.includes(refusal.code)) showError(refusal);
+    return;
+  }
+  if (refusal && !FINAL_REFUSALS.includes(refusal.code)) {
+    $("pd-note").textContent = say(refusal);
+    return;
+  }
+  await showResult(groupId, packetId, refusal);
+}
+
+async function showResult(groupId, packetId, refusal) {
   let view;
   try {
     view = await request("open", { group: groupId, packet: packetId });
   } catch (e) {
-    showError(e);
+    if ($("packet-dialog").open) $("pd-note").textContent = say(e);
+    else showError(e);
     return;
   }
-  showPacket(view, refusal);
-  if (won) waitForCredit(packetId, won.amount);
-}
-
-function showPacket(view, refusal) {
-  const mine = view.sender_id === state.me?.user_id;
-  $("pd-from").textContent = mine ? "Your red packet" : `${nameOf(view.sender_id)}'s red packet`;
+  const p = group(groupId).packets.get(packetId);
+  if (p && view.mine) p.mine = { amount: view.mine.amount };
+  const done = view.duration_ms !== null && view.duration_ms !== undefined;
+  const over = !done && serverNow() > view.expires_ms;
+  let note = "";
+  if (view.mine) note = "Goes to your balance";
+  else if (refusal) note = say(refusal);
+  else if (p && p.kind === "exclusive" && p.target && p.target !== me()) note = say({ code: "not_target" });
+  else if (over) note = say({ code: "packet_expired" });
+  else if (view.remaining === 0 && view.sender_id !== me()) note = say({ code: "packet_empty" });
+  $("pd-from").textContent = fromLine(view.sender_id);
   $("pd-greeting").textContent = view.greeting || "Best wishes!";
   $("pd-amount").textContent = view.mine ? yuan(view.mine.amount) : "";
-  $("pd-note").textContent = view.mine ? "Goes to your balance" : refusal ? say(refusal.code) : "";
-  const taken = view.grabs.length;
-  const done = view.duration_ms !== null && view.duration_ms !== undefined;
+  $("pd-note").textContent = note;
+  const owner = view.sender_id === me() ? "you" : nameOf(view.sender_id);
+  const left = view.remaining;
+  $("pd-expiry").textContent = done ? ""
+    : over ? `Expired ${when(view.expires_ms)}: the ${shares(left)} left go back to ${owner}.`
+    : `Shares not opened by ${when(view.expires_ms)} go back to ${owner}.`;
   $("pd-summary").textContent = done
     ? `${shares(view.count)}, ${yuan(view.total)}, all grabbed in ${(view.duration_ms / 1000).toFixed(1)} s`
-    : `${taken} of ${shares(view.count)} grabbed, ${yuan(view.total)} in all`;
-  const best = done && view.best_luck ? view.best_luck.user_id : null;
-  const list = $("pd-grabs");
-  list.replaceChildren();
-  for (const gr of view.grabs) {
-    list.append(el("li", { "data-user": gr.user_id },
-      el("span", {}, nameOf(gr.user_id), el("time", {}, new Date(gr.grabbed_ms).toLocaleTimeString())),
-      el("span", {}, yuan(gr.amount), gr.user_id === best ? el("span", { class: "best" }, "★ Best luck") : null)));
-  }
+    : `${view.grabs.length} of ${shares(view.count)} grabbed, ${yuan(view.total)} in all`;
+  // Best luck means something only where amounts were left to luck.
+  const best = done && view.best_luck && view.kind === "lucky" && view.count > 1 ? view.best_luck.user_id : null;
+  $("pd-grabs").replaceChildren(...view.grabs.map((gr) => el("li", { "data-user": gr.user_id },
+    el("span", {}, nameOf(gr.user_id), timeEl(gr.grabbed_ms)),
+    el("span", {}, yuan(gr.amount), gr.user_id === best ? el("span", { class: "best" }, "★ Best luck") : null))));
   const dlg = $("packet-dialog");
+  dlg.dataset.face = "result";
   if (!dlg.open) dlg.showModal();
+  $("packet-close").focus();
 }
 
 async function waitForCredit(packetId, amount) {
@@ -565,7 +759,7 @@ async function waitForCredit(packetId, amount) {
     await new Promise((r) => setTimeout(r, 500));
     try {
       const detail = await api("GET", `/api/packets/${packetId}`);
-      const mine = detail.grabs.find((x) => x.user_id === state.me.user_id);
+      const mine = detail.grabs.find((x) => x.user_id === me());
       if (mine && mine.status === "credited") {
         await refreshMe();
         toast(`${yuan(amount)} landed in your balance`);
@@ -577,6 +771,8 @@ async function waitForCredit(packetId, amount) {
   }
 }
 
+// ---- actions -------------------------------------------------------------------------------------------
+
 async function sendPacket(ev) {
   ev.preventDefault();
   const err = $("send-error");
@@ -585,11 +781,11 @@ async function sendPacket(ev) {
   const total = parseCents($("send-total").value);
   const count = kind === "exclusive" ? 1 : Number($("send-count").value);
   if (total === null || total <= 0) {
-    err.textContent = say("amount_invalid");
+    err.textContent = say({ code: "amount_invalid" });
     return;
   }
   if (!Number.isInteger(count) || count < 1) {
-    err.textContent = say("count_invalid");
+    err.textContent = say({ code: "count_invalid" });
     return;
   }
   const target = kind === "exclusive" ? Number($("send-target").value) : undefined;
@@ -606,7 +802,7 @@ async function sendPacket(ev) {
     form.reset();
     await refreshMe();
   } catch (e) {
-    err.textContent = say(e.code, e.message);
+    err.textContent = say(e);
   } finally {
     btn.disabled = false;
   }
@@ -650,7 +846,7 @@ async function login(name) {
     sessionStorage.setItem("rp.name", data.name);
     start();
   } catch (e) {
-    $("login-error").textContent = say(e.code, e.message);
+    $("login-error").textContent = say(e);
   }
 }
 
@@ -661,10 +857,12 @@ function logout() {
   state.ws = null;
   if (ws) ws.close(1000);
   clearTimeout(state.retryTimer);
+  clearTimeout(state.expiryTimer);
   state.groups.clear();
   state.current = null;
   state.everOnline = false;
   state.me = null;
+  for (const d of document.querySelectorAll("dialog[open]")) d.close();
   $("app").hidden = true;
   $("login").hidden = false;
 }
@@ -676,6 +874,55 @@ function start() {
   renderGroups();
   renderChat();
   connect();
+}
+
+const STATUS = { credited: "in your balance", grabbed: "on its way" };
+const SENT_STATUS = { finished: "all paid out", refunding: "expired, refund under way", refunded: "expired, the rest refunded" };
+
+async function showHistory() {
+  let data;
+  try {
+    data = await api("GET", "/api/me/packets");
+  } catch (e) {
+    showError(e);
+    return;
+  }
+  const groupName = (id) => state.groups.get(id)?.info.name || `group ${id}`;
+  const from = (r) => (r.sender_id === me() ? "You" : r.sender_name);
+  $("history-received").replaceChildren(...data.received.map((r) => el("li", { "data-packet": r.packet_id },
+    el("span", {}, `${from(r)} · ${r.greeting || "Best wishes!"}`, el("br"),
+      el("span", { class: "status" }, `${groupName(r.group_id)} · `, timeEl(r.grabbed_ms), ` · ${STATUS[r.status] || r.status}`)),
+    el("span", { class: "amount" }, yuan(r.amount)))));
+  const sentState = (p) => (p.status in SENT_STATUS ? SENT_STATUS[p.status] : `${p.paid_out} of ${p.count} paid out`);
+  $("history-sent").replaceChildren(...data.sent.map((p) => el("li", { "data-packet": p.packet_id },
+    el("span", {}, `${p.greeting || "Best wishes!"}`, el("br"),
+      el("span", { class: "status" }, `${groupName(p.group_id)} · `, timeEl(p.created_ms), ` · ${sentState(p)}`)),
+    el("span", { class: "amount" }, `${yuan(p.total)} · ${shares(p.count)}`))));
+  if (!data.received.length) $("history-received").append(el("li", { class: "status" }, "Nothing yet"));
+  if (!data.sent.length) $("history-sent").append(el("li", { class: "status" }, "Nothing yet"));
+  $("history-dialog").showModal();
+}
+
+function openSendDialog() {
+  $("send-error").textContent = "";
+  const g = group(state.current);
+  $("send-target").replaceChildren(...[...g.members.values()]
+    .filter((m) => m.user_id !== me())
+    .map((m) => el("option", { value: m.user_id }, m.name)));
+  const members = g.members.size || g.info.members;
+  const most = Math.min(state.limits.max_count, members || state.limits.max_count);
+  $("send-total-hint").textContent = `Up to ${yuan(state.limits.max_total_cents)}.`;
+  $("send-count-hint").textContent = `1 to ${most}: at most one for each of the group's ${members} members.`;
+  kindChanged();
+  $("send-dialog").showModal();
+}
+
+function kindChanged() {
+  // "For one person": one share, for a member picked from the group.
+  const exclusive = document.querySelector('input[name="kind"]:checked').value === "exclusive";
+  $("send-count-row").hidden = exclusive;
+  $("send-count-hint").hidden = exclusive;
+  $("send-target-row").hidden = !exclusive;
 }
 
 // ---- wiring --------------------------------------------------------------------------------------------
@@ -690,54 +937,29 @@ for (const name of ["alice", "bob", "carol", "dave"]) {
 $("logout").addEventListener("click", logout);
 $("back").addEventListener("click", () => selectGroup(null));
 $("composer").addEventListener("submit", sendChat);
-function kindChanged() {
-  // "For one person": one share, for a member picked from the group.
-  const exclusive = document.querySelector('input[name="kind"]:checked').value === "exclusive";
-  $("send-count-row").hidden = exclusive;
-  $("send-target-row").hidden = !exclusive;
-}
-
-$("open-send").addEventListener("click", () => {
-  $("send-error").textContent = "";
-  const g = group(state.current);
-  $("send-target").replaceChildren(...[...g.members.values()]
-    .filter((m) => m.user_id !== state.me.user_id)
-    .map((m) => el("option", { value: m.user_id }, m.name)));
-  kindChanged();
-  $("send-dialog").showModal();
-});
+$("open-send").addEventListener("click", openSendDialog);
 for (const radio of document.querySelectorAll('input[name="kind"]')) radio.addEventListener("change", kindChanged);
 $("send-cancel").addEventListener("click", () => $("send-dialog").close());
 $("send-form").addEventListener("submit", sendPacket);
+$("pd-open").addEventListener("click", pressOpen);
 $("packet-close").addEventListener("click", () => $("packet-dialog").close());
-const STATUS = { credited: "in your balance", grabbed: "on its way" };
-const SENT_STATUS = { finished: "all paid out", refunding: "expired, refund under way", refunded: "expired, the rest refunded" };
-
-async function showHistory() {
-  let data;
-  try {
-    data = await api("GET", "/api/me/packets");
-  } catch (e) {
-    showError(e);
-    return;
-  }
-  const groupName = (id) => state.groups.get(id)?.info.name || `group ${id}`;
-  $("history-received").replaceChildren(...data.received.map((r) => el("li", { "data-packet": r.packet_id },
-    el("span", {}, groupName(r.group_id), " ", el("span", { class: "status" }, STATUS[r.status] || r.status)),
-    el("span", {}, yuan(r.amount)))));
-  const sentState = (p) => (p.status in SENT_STATUS ? SENT_STATUS[p.status] : `${p.paid_out} of ${p.count} paid out`);
-  $("history-sent").replaceChildren(...data.sent.map((p) => el("li", { "data-packet": p.packet_id },
-    el("span", {}, `${groupName(p.group_id)} · ${p.greeting || "Best wishes!"} `,
-      el("span", { class: "status" }, sentState(p))),
-    el("span", {}, `${yuan(p.total)} · ${shares(p.count)}`))));
-  if (!data.received.length) $("history-received").append(el("li", { class: "status" }, "Nothing yet"));
-  if (!data.sent.length) $("history-sent").append(el("li", { class: "status" }, "Nothing yet"));
-  $("history-dialog").showModal();
-}
-
+$("packet-dialog").addEventListener("close", () => {
+  // Back to the packet's bubble (drawn anew since it was pressed), for the keyboard.
+  const id = state.shown.packet;
+  state.shown = { group: null, packet: null };
+  if (id !== null) document.querySelector(`#messages .packet[data-packet="${id}"]`)?.focus();
+});
 $("my-packets").addEventListener("click", showHistory);
 $("history-close").addEventListener("click", () => $("history-dialog").close());
-$("members-toggle").addEventListener("click", () => ($("members-pane").hidden = !$("members-pane").hidden));
+$("members-toggle").addEventListener("click", () => layoutMembers($("members-pane").hidden));
+$("members-close").addEventListener("click", () => layoutMembers(false));
+$("scrim").addEventListener("click", () => layoutMembers(false));
+document.addEventListener("keydown", (ev) => {
+  if (ev.key === "Escape" && phone.matches && !$("members-pane").hidden && !document.querySelector("dialog[open]")) {
+    layoutMembers(false);
+  }
+});
+phone.addEventListener("change", () => layoutMembers(false));
 $("topup").addEventListener("click", async () => {
   try {
     await api("POST", "/api/topup", { amount: 10_000, request_id: uuid() });
@@ -763,11 +985,12 @@ $("add-member").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   const names = $("add-names").value.split(",").map((s) => s.trim()).filter(Boolean);
   try {
+    $("add-error").textContent = "";
     await api("POST", `/api/groups/${state.current}/members`, { names });
     $("add-names").value = "";
     await loadMembers(state.current);
   } catch (e) {
-    showError(e);
+    $("add-error").textContent = say(e);
   }
 });
 
