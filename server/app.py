@@ -33,7 +33,7 @@ from server.protocol import MAX_ID
 from server.session import view_dict, websocket_endpoint
 from server.settings import Settings
 from server.shipped import shipped_dir
-from server.tokens import TokenError, make_token, verify_token
+from server.tokens import TokenError, make_token
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,13 @@ def _error(code: str, message: str, status: int, details: dict[str, Any] | None 
     return JSONResponse({"error": {**(details or {}), "code": code, "message": message}}, status_code=status)
 
 
-def _user(request: Request, core: Core) -> int:
+def _bearer(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
-    token = auth[7:] if auth.lower().startswith("bearer ") else None
-    return verify_token(core.settings.secret.encode(), token, int(time.time()))
+    return auth[7:] if auth.lower().startswith("bearer ") else None
+
+
+async def _user(request: Request, core: Core) -> int:
+    return await core.tokens.user(_bearer(request))
 
 
 def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
@@ -68,7 +71,7 @@ def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awai
     async def run(request: Request) -> Response:
         core: Core = request.app.state.core
         try:
-            user = 0 if public else _user(request, core)
+            user = 0 if public else await _user(request, core)
             return JSONResponse(await handler(request, core, user))
         except RedPacketError as e:
             return _error(e.code, e.message, _STATUS.get(type(e), 400), e.details)
@@ -115,6 +118,8 @@ async def login(request: Request, core: Core, _: int) -> dict[str, Any]:
     """Dev login by name (creates the user on first use). Off unless REDPACKET_DEV_LOGIN=1 or `up`."""
     if not core.settings.dev_login:
         raise Forbidden(errors.DISABLED, "dev login is disabled on this hub")
+    if not core.tokens.rules.hmac:
+        raise Forbidden(errors.DISABLED, "dev login issues HS256 tokens; this hub takes RS256/ES256 only")
     name = (await _body(request)).get("name")
     if not isinstance(name, str):
         raise InvalidRequest(errors.NAME_INVALID, "name is required")
@@ -288,8 +293,8 @@ def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = F
     """The hub app for ``settings``; nothing connects until the lifespan starts. ``manage_gc``: this
     process is the hub's own (``redpacket serve`` / ``up``): keep collections out of bursts
     (``server.gcpolicy``)."""
-    if not settings.secret:
-        raise ValueError("REDPACKET_SECRET is required to sign tokens")
+    if not settings.secret and "HS256" in settings.jwt_algorithm_list:
+        raise ValueError("REDPACKET_SECRET is required to check HS256 tokens")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -471,10 +471,11 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     if command == "reconcile":
         return 0 if uvloop.run(_reconcile(settings)) else 1
     sock = None
-    if command == "serve" and not settings.secret:
+    if command == "serve" and not settings.secret and "HS256" in settings.jwt_algorithm_list:
         raise OperatorError(
-            "REDPACKET_SECRET is not set: `redpacket serve` signs tokens with it (a long random string,"
-            " the same on every hub); `redpacket up` makes one for a demo",
+            "REDPACKET_SECRET is not set: `redpacket serve` checks HS256 tokens with it (a long random"
+            " string, the same on every hub and in the app's backend), or set REDPACKET_JWT_PUBLIC_KEY or"
+            " REDPACKET_JWKS_URL for RS256/ES256 tokens; `redpacket up` makes a secret for a demo",
             2,
         )
     if command == "serve" and not 1 <= args.workers <= 64:

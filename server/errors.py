@@ -74,6 +74,7 @@ PACKET_EMPTY = "packet_empty"
 SHARE_CONFLICT = "share_conflict"
 REDIS_UNAVAILABLE = "redis_unavailable"
 DATABASE_UNAVAILABLE = "database_unavailable"
+AUTH_UNAVAILABLE = "auth_unavailable"
 BAD_REQUEST = "bad_request"
 TOKEN_INVALID = "token_invalid"
 TOKEN_EXPIRED = "token_expired"
@@ -116,6 +117,7 @@ ALL_CODES = (
     SHARE_CONFLICT,
     REDIS_UNAVAILABLE,
     DATABASE_UNAVAILABLE,
+    AUTH_UNAVAILABLE,
     BAD_REQUEST,
     TOKEN_INVALID,
     TOKEN_EXPIRED,

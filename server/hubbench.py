@@ -36,7 +36,7 @@ from server.redisnodes import RedisNodes
 from server.settings import Settings, child_env
 from server.tokens import make_token
 
-SECRET = "bench-secret"
+SECRET = "bench-secret-of-at-least-thirty-two-chars"
 
 
 def _tree(pid: int) -> list[int]:

@@ -22,11 +22,11 @@ from starlette.websockets import WebSocket
 from server import announce, errors, events, groups, packets, protocol, text
 from server.botscore import Attempt
 from server.core import unavailable
-from server.errors import Forbidden, InvalidRequest, RedPacketError
+from server.errors import Forbidden, InvalidRequest, RedPacketError, Unavailable
 from server.hub import Connection, Hub
 from server.protocol import ProtocolError, field_id, field_int, offset_key
 from server.ratelimit import TokenBucket
-from server.tokens import TokenError, verify_token
+from server.tokens import TokenError
 from server.wire import EXTENSION, HubWebSocket
 
 log = logging.getLogger(__name__)
@@ -461,9 +461,12 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     fmt, subprotocol = protocol.choose_format(list(ws.scope.get("subprotocols", [])))
     await ws.accept(subprotocol=subprotocol)
     try:
-        user_id = verify_token(core.settings.secret.encode(), ws.query_params.get("token"), int(time.time()))
+        user_id = await core.tokens.user(ws.query_params.get("token"))
     except TokenError as e:
         await ws.close(protocol.CLOSE_UNAUTHORIZED, e.code)
+        return
+    except Unavailable as e:  # the backend's JWKS cannot be fetched: the token is not known bad
+        await ws.close(protocol.CLOSE_TRY_AGAIN, e.code)
         return
     conn = Connection(hub, wire, user_id, fmt, device=text.device_id(ws.query_params.get("device", "")))
     try:

@@ -87,9 +87,18 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
 
-    # The hub. The secret signs tokens; `redpacket up` makes one under data_dir when none is set.
+    # The hub. The secret signs HS256 tokens (JWTs); `redpacket up` makes one under data_dir when none is
+    # set. A public key (PEM text or a file) or a JWKS URL instead: RS256/ES256 tokens of the app's backend.
     secret: str = ""
     token_ttl_seconds: int = 24 * 3600
+    jwt_algorithms: str = ""  # empty: HS256, or RS256,ES256 with a public key or JWKS
+    jwt_public_key: str = ""
+    jwks_url: str = ""
+    jwt_audience: str = ""
+    jwt_issuer: str = ""
+    jwt_leeway_seconds: int = 30
+    # The chat backend's key for /api/service/* (Authorization: Bearer <key>); empty: the API is off.
+    service_key: str = ""
     dev_login: bool = False  # POST /api/login mints a token for any user name: demos only
     demo_topup: bool = False  # POST /api/topup adds play money: demos only
     ws_compression: bool = False
@@ -144,6 +153,13 @@ class Settings:
             port=_int(env, "PORT", d.port),
             secret=env.get(PREFIX + "SECRET", d.secret),
             token_ttl_seconds=_int(env, "TOKEN_TTL_SECONDS", d.token_ttl_seconds),
+            jwt_algorithms=env.get(PREFIX + "JWT_ALGORITHMS", d.jwt_algorithms),
+            jwt_public_key=env.get(PREFIX + "JWT_PUBLIC_KEY", d.jwt_public_key),
+            jwks_url=env.get(PREFIX + "JWKS_URL", d.jwks_url),
+            jwt_audience=env.get(PREFIX + "JWT_AUDIENCE", d.jwt_audience),
+            jwt_issuer=env.get(PREFIX + "JWT_ISSUER", d.jwt_issuer),
+            jwt_leeway_seconds=_int(env, "JWT_LEEWAY_SECONDS", d.jwt_leeway_seconds),
+            service_key=env.get(PREFIX + "SERVICE_KEY", d.service_key),
             dev_login=bool(_int(env, "DEV_LOGIN", int(d.dev_login))),
             demo_topup=bool(_int(env, "DEMO_TOPUP", int(d.demo_topup))),
             ws_compression=bool(_int(env, "WS_COMPRESSION", int(d.ws_compression))),
@@ -168,8 +184,55 @@ class Settings:
             worker_metrics_port=_int(env, "WORKER_METRICS_PORT", d.worker_metrics_port),
         )
 
+    @property
+    def jwt_algorithm_list(self) -> tuple[str, ...]:
+        """The token algorithms this hub takes: HS256, or RS256/ES256 with a public key or a JWKS."""
+        if self.jwt_algorithms:
+            return tuple(a.strip() for a in self.jwt_algorithms.split(",") if a.strip())
+        return ("RS256", "ES256") if self.jwt_public_key or self.jwks_url else ("HS256",)
+
+    def jwt_public_key_pem(self) -> str:
+        """REDPACKET_JWT_PUBLIC_KEY as PEM text: the value itself, or the file it names."""
+        key = self.jwt_public_key.strip()
+        if not key or key.startswith("-----BEGIN"):
+            return key
+        try:
+            return Path(key).read_text()
+        except OSError as e:
+            raise ValueError(
+                f"{PREFIX}JWT_PUBLIC_KEY is neither PEM text nor a readable file: {key} ({e.strerror})"
+            ) from None
+
     def check(self) -> None:
         """Raise ``ValueError`` (one line: what is wrong, what to do) for a setting no run can use."""
+        algorithms = self.jwt_algorithm_list
+        if not algorithms or not (set(algorithms) <= {"HS256"} or set(algorithms) <= {"RS256", "ES256"}):
+            raise ValueError(
+                f"{PREFIX}JWT_ALGORITHMS is HS256, or any of RS256 and ES256, never both kinds"
+                f" (got {self.jwt_algorithms!r})"
+            )
+        if "HS256" in algorithms and (self.jwt_public_key or self.jwks_url):
+            raise ValueError(
+                f"{PREFIX}JWT_PUBLIC_KEY and {PREFIX}JWKS_URL are for RS256/ES256: leave"
+                f" {PREFIX}JWT_ALGORITHMS empty or name those"
+            )
+        if "HS256" not in algorithms and bool(self.jwt_public_key) == bool(self.jwks_url):
+            raise ValueError(
+                f"RS256/ES256 tokens need one of {PREFIX}JWT_PUBLIC_KEY (PEM text or a file) and"
+                f" {PREFIX}JWKS_URL"
+            )
+        if "HS256" in algorithms and self.secret and len(self.secret.encode()) < 32:
+            raise ValueError(
+                f"{PREFIX}SECRET is too short for HS256: at least 32 characters (RFC 7518), e.g."
+                " `openssl rand -hex 32`"
+            )
+        pem = self.jwt_public_key_pem()
+        if pem and "PUBLIC KEY-----" not in pem:
+            raise ValueError(
+                f"{PREFIX}JWT_PUBLIC_KEY does not hold a PEM public key (-----BEGIN PUBLIC KEY-----)"
+            )
+        if self.jwks_url and not self.jwks_url.startswith(("https://", "http://")):
+            raise ValueError(f"{PREFIX}JWKS_URL must be an http(s) URL (got {self.jwks_url!r})")
         if self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):
             raise ValueError(
                 f"{PREFIX}REDIS_URL must start with {', '.join(REDIS_SCHEMES)}"

@@ -1,46 +1,201 @@
-"""Signed, expiring tokens that open a websocket or call the HTTP API. Pure: no I/O.
+"""Who a token says its holder is: a JWT (RFC 7519) that the chat app's backend mints, checked with PyJWT.
 
-A token is ``<user id>.<expires unix s>.<hex HMAC-SHA256 of "user.expires">``, signed with the hub's
-secret. Only the holder of the secret can mint one; any change to a field breaks the signature.
+- **HS256** with ``REDPACKET_SECRET`` (the default, and what ``/api/login`` of a dev hub issues), or
+- **RS256 / ES256** with the backend's public key (``REDPACKET_JWT_PUBLIC_KEY``) or its JWKS
+  (``REDPACKET_JWKS_URL``: fetched with a time bound, cached, fetched again for an unknown ``kid`` at most
+  every ``JWKS_MIN_REFRESH_SECONDS``).
+
+A hub takes one family only: an HS256 token is refused by a hub that checks RS256, and the other way round,
+so a public key can never be used as an HMAC secret (algorithm confusion); ``alg: none`` is never taken.
+Claims: ``sub`` the user id (a string of digits or an integer, 1 to 2⁶³−1), ``exp`` required, ``nbf`` and
+``iat`` checked when present, ``aud`` / ``iss`` when the hub is configured with them, all with a small
+leeway for clocks. ``verify`` is pure; ``Tokens`` adds the JWKS cache, the only I/O here.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import re
+import asyncio
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import jwt
+from jwt.algorithms import has_crypto
 
 from server import errors
-from server.errors import RedPacketError
+from server.errors import RedPacketError, Unavailable
 from server.protocol import MAX_ID
+from server.settings import Settings
+
+log = logging.getLogger(__name__)
+
+HMAC_ALGORITHMS = ("HS256",)
+KEY_ALGORITHMS = ("RS256", "ES256")
+JWKS_TTL_SECONDS = 300.0
+JWKS_MIN_REFRESH_SECONDS = 10.0
+JWKS_TIMEOUT_SECONDS = 5.0
+JWKS_MAX_BYTES = 1 << 20
+MAX_TOKEN_CHARS = 8192
 
 
 class TokenError(RedPacketError):
     pass
 
 
-# ASCII digits only (``str.isdigit`` also takes "²" and other scripts' digits), a user id that fits a
-# signed 64-bit column, and a lowercase hex SHA-256.
-_SHAPE = re.compile(r"([1-9][0-9]{0,18})\.([0-9]{1,12})\.([0-9a-f]{64})", re.ASCII)
+@dataclass(frozen=True)
+class Rules:
+    """What a hub accepts: the algorithms, where the key comes from, and the claims it checks."""
+
+    algorithms: tuple[str, ...] = HMAC_ALGORITHMS
+    secret: bytes = b""
+    public_key: str = ""  # PEM
+    jwks_url: str = ""
+    audience: str = ""
+    issuer: str = ""
+    leeway_seconds: int = 30
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> Rules:
+        return cls(
+            algorithms=s.jwt_algorithm_list,
+            secret=s.secret.encode(),
+            public_key=s.jwt_public_key_pem(),
+            jwks_url=s.jwks_url,
+            audience=s.jwt_audience,
+            issuer=s.jwt_issuer,
+            leeway_seconds=s.jwt_leeway_seconds,
+        )
+
+    @property
+    def hmac(self) -> bool:
+        return self.algorithms == HMAC_ALGORITHMS
 
 
-def _sign(secret: bytes, body: str) -> str:
-    return hmac.new(secret, body.encode(), hashlib.sha256).hexdigest()
+def make_token(secret: bytes, user_id: int, now: int, ttl_seconds: int, **claims: Any) -> str:
+    """An HS256 JWT for ``user_id`` that expires ``ttl_seconds`` after ``now`` (dev login, tests)."""
+    body = {"sub": str(user_id), "iat": now, "exp": now + ttl_seconds, **claims}
+    return jwt.encode(body, secret, algorithm="HS256")
 
 
-def make_token(secret: bytes, user_id: int, now: int, ttl_seconds: int) -> str:
-    body = f"{user_id}.{now + ttl_seconds}"
-    return f"{body}.{_sign(secret, body)}"
+def user_of(sub: object) -> int:
+    """The user id a ``sub`` claim names: ASCII digits or an integer, 1 to 2⁶³−1."""
+    if isinstance(sub, str):
+        sub = int(sub) if sub.isascii() and sub.isdigit() and len(sub) <= 19 and sub[0] != "0" else None
+    if not isinstance(sub, int) or isinstance(sub, bool) or not 1 <= sub <= MAX_ID:
+        raise TokenError(errors.TOKEN_INVALID, "sub must be a user id: 1 to 2^63-1, as digits or an integer")
+    return sub
 
 
-def verify_token(secret: bytes, token: object, now: int) -> int:
-    """The user id the token was made for; ``TokenError`` if it is malformed, tampered or expired."""
-    shape = _SHAPE.fullmatch(token) if isinstance(token, str) and len(token) <= 200 else None
-    if shape is None or int(shape[1]) > MAX_ID:
-        raise TokenError(errors.TOKEN_INVALID, "malformed token")
-    user, expires, signature = shape.groups()
-    if not hmac.compare_digest(_sign(secret, f"{user}.{expires}"), signature):
-        raise TokenError(errors.TOKEN_INVALID, "bad signature")
-    if int(expires) <= now:
-        raise TokenError(errors.TOKEN_EXPIRED, "token expired")
-    return int(user)
+def header_of(token: object) -> dict[str, Any]:
+    """The token's header, unverified; ``token_invalid`` when it is not a JWT at all."""
+    if not isinstance(token, str) or not token or len(token) > MAX_TOKEN_CHARS:
+        raise TokenError(errors.TOKEN_INVALID, "no token, or not a JWT")
+    try:
+        return dict(jwt.get_unverified_header(token))
+    except jwt.PyJWTError as e:
+        raise TokenError(errors.TOKEN_INVALID, f"not a JWT: {e}") from None
+
+
+def verify(rules: Rules, token: object, key: Any) -> int:
+    """The user id of a token signed with ``key``, under ``rules``; ``TokenError`` otherwise."""
+    alg = header_of(token).get("alg")
+    if alg not in rules.algorithms:
+        accepted = ", ".join(rules.algorithms)
+        raise TokenError(errors.TOKEN_INVALID, f"alg {alg!r} is not accepted here ({accepted})")
+    try:
+        claims = jwt.decode(
+            token,  # type: ignore[arg-type]
+            key,
+            algorithms=[alg],
+            audience=rules.audience or None,
+            issuer=rules.issuer or None,
+            leeway=rules.leeway_seconds,
+            options={
+                "require": ["exp", "sub"],
+                "verify_aud": bool(rules.audience),
+                "verify_sub": False,  # an integer sub is taken too: user_of checks it
+            },
+        )
+    except jwt.ExpiredSignatureError:
+        raise TokenError(errors.TOKEN_EXPIRED, "token expired") from None
+    except (jwt.PyJWTError, ValueError, TypeError) as e:
+        # Bad signature, not yet valid, wrong audience or issuer, a missing claim, a key of the wrong kind.
+        raise TokenError(errors.TOKEN_INVALID, str(e) or type(e).__name__) from None
+    return user_of(claims.get("sub"))
+
+
+@dataclass
+class Jwks:
+    """The backend's published keys, by ``kid``: fetched once, kept ``ttl_seconds``, fetched again early
+    for an unknown ``kid`` (a rotation) but never more often than ``min_refresh_seconds``, so that tokens
+    with made-up kids cannot make the hub fetch once each. If a fetch fails, the keys held stay in use."""
+
+    url: str
+    ttl_seconds: float = JWKS_TTL_SECONDS
+    min_refresh_seconds: float = JWKS_MIN_REFRESH_SECONDS
+    keys: dict[str, jwt.PyJWK] = field(default_factory=dict)
+    fetched_at: float = float("-inf")
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def _download(self) -> dict[str, jwt.PyJWK]:
+        try:
+            with urllib.request.urlopen(self.url, timeout=JWKS_TIMEOUT_SECONDS) as r:
+                data = json.loads(r.read(JWKS_MAX_BYTES))
+        except urllib.error.HTTPError as e:
+            e.close()  # an error status holds its response open
+            raise
+        found: dict[str, jwt.PyJWK] = {}
+        for raw in data.get("keys", []):
+            if raw.get("use", "sig") != "sig" or "kid" not in raw:
+                continue
+            try:
+                found[str(raw["kid"])] = jwt.PyJWK(raw)
+            except jwt.PyJWTError as e:
+                log.warning("JWKS key %s skipped: %s", raw.get("kid"), e)
+        return found
+
+    async def key(self, kid: object) -> jwt.PyJWK:
+        if not isinstance(kid, str):
+            raise TokenError(errors.TOKEN_INVALID, "a token checked against a JWKS needs a kid")
+        async with self._lock:
+            age = time.monotonic() - self.fetched_at
+            if age > self.ttl_seconds or (kid not in self.keys and age > self.min_refresh_seconds):
+                try:
+                    self.keys = await asyncio.to_thread(self._download)
+                except Exception as e:  # unreachable, slow, not JSON: keep what we had
+                    log.warning("JWKS %s could not be fetched: %s", self.url, e)
+                    if not self.keys:
+                        message = f"the JWKS could not be fetched: {e}"
+                        raise Unavailable(errors.AUTH_UNAVAILABLE, message) from None
+                self.fetched_at = time.monotonic()
+        found = self.keys.get(kid)
+        if found is None:
+            raise TokenError(errors.TOKEN_INVALID, f"no key {kid!r} in the JWKS")
+        return found
+
+
+class Tokens:
+    """The hub's token check: ``await tokens.user(token)`` is the user id, or ``TokenError``."""
+
+    def __init__(self, rules: Rules) -> None:
+        if not rules.hmac and not has_crypto:
+            raise RuntimeError("RS256/ES256 tokens need the cryptography package")
+        self.rules = rules
+        self.jwks = Jwks(rules.jwks_url) if rules.jwks_url else None
+
+    async def user(self, token: object) -> int:
+        if self.rules.hmac:
+            return verify(self.rules, token, self.rules.secret)
+        if self.jwks is None:
+            return verify(self.rules, token, self.rules.public_key)
+        header = header_of(token)
+        if header.get("alg") not in self.rules.algorithms:  # before any fetch a stranger could cause
+            return verify(self.rules, token, b"")
+        jwk = await self.jwks.key(header.get("kid"))
+        if jwk.algorithm_name != header.get("alg"):
+            raise TokenError(errors.TOKEN_INVALID, "the token's alg is not its key's")
+        return verify(self.rules, token, jwk.key)

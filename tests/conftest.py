@@ -148,7 +148,7 @@ async def hub_settings(redis_url: str, mysql_url: str) -> AsyncIterator[Settings
         redis_url=redis_url,
         database_url=mysql_url,
         queue_name="redpacket:test:queue",
-        secret="test-secret",
+        secret="test-secret-of-at-least-thirty-two-chars",
         dev_login=True,
         demo_topup=True,
         grab_coalesce_ms=50,

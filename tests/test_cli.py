@@ -61,9 +61,27 @@ def test_operator_mistakes_are_one_line_and_an_exit_code(
         (("recover", "0"), {**ok_db, **ok_redis}, 2, "no packet"),
         (
             ("serve", "--port", "0"),
-            {"REDPACKET_SECRET": "s", **ok_redis, "REDPACKET_DATABASE_URL": "mysql://root@127.0.0.1:1/x"},
+            {
+                "REDPACKET_SECRET": "s" * 32,
+                **ok_redis,
+                "REDPACKET_DATABASE_URL": "mysql://root@127.0.0.1:1/x",
+            },
             1,
             "database",
+        ),
+        (("serve", "--port", "0"), {"REDPACKET_SECRET": "short", **ok_db, **ok_redis}, 2, "at least 32"),
+        (("serve", "--port", "0"), {"REDPACKET_JWKS_URL": "ftp://x", **ok_db, **ok_redis}, 2, "http(s) URL"),
+        (
+            ("serve", "--port", "0"),
+            {"REDPACKET_JWT_PUBLIC_KEY": "/no/such/key.pem", **ok_db, **ok_redis},
+            2,
+            "neither PEM text nor a readable file",
+        ),
+        (
+            ("serve", "--port", "0"),
+            {"REDPACKET_JWT_ALGORITHMS": "HS256,RS256", **ok_db, **ok_redis},
+            2,
+            "never both",
         ),
     ]
     for args, env, code, word in cases:

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 
-from server import protocol, text, tokens
+from server import protocol, text
 from server.settings import Settings
 from tests.hubtools import HubUnderTest, hub_in_process
 from tests.test_hub import make_room
@@ -27,25 +27,6 @@ from tests.test_hub import make_room
 async def h(hub_settings: Settings) -> HubUnderTest:
     async with hub_in_process(hub_settings) as hub:
         yield hub  # type: ignore[misc]
-
-
-def test_tokens_of_other_scripts_and_shapes_are_malformed_not_errors() -> None:
-    secret = b"s"
-    good = tokens.make_token(secret, 7, 1_000, 60)
-    user, expires, sig = good.split(".")
-    for bad in [
-        f"{user}.{expires}.{sig[:-1]}é",  # non-ASCII signature: hmac.compare_digest raised TypeError
-        f"².{expires}.{sig}",  # str.isdigit() is true for "²", int() is not
-        f"١.{expires}.{sig}",  # Arabic-Indic digit one
-        f"{user}.{expires}.{sig.upper()}",
-        f"{2**63}.{expires}.{sig}",  # past a signed 64-bit id
-        f"0{user}.{expires}.{sig}",
-        f" {good}",
-    ]:
-        with pytest.raises(tokens.TokenError) as e:
-            tokens.verify_token(secret, bad, 1_000)
-        assert e.value.code == "token_invalid", bad
-    assert tokens.verify_token(secret, good, 1_000) == 7
 
 
 async def _refused_with(url: str) -> tuple[int, str]:
@@ -58,8 +39,8 @@ async def _refused_with(url: str) -> tuple[int, str]:
 
 async def test_a_non_ascii_token_closes_with_4001(h: HubUnderTest) -> None:
     _, token = await h.login("li")
-    user, expires, sig = token.split(".")
-    bad_tokens = [f"{user}.{expires}.{sig[:-1]}é", f"²{user}.{expires}.{sig}", "红包.1.2"]
+    head, body, sig = token.split(".")
+    bad_tokens = [f"{head}.{body}.{sig[:-1]}é", f"²{head}.{body}.{sig}", "红包.1.2"]
     for bad in bad_tokens:
         assert await _refused_with(f"{h.ws}?token={quote(bad)}") == (4001, "token_invalid")
     # Over HTTP the header's bytes arrive as Latin-1 text: refused the same way, as a JSON error.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,9 +105,11 @@ async def test_chat_and_a_failed_grab_is_not_announced(h: HubUnderTest) -> None:
 async def test_tokens_are_checked(h: HubUnderTest) -> None:
     uid, token = await h.login("li")
     secret = h.settings.secret.encode()
-    tampered = token.replace(f"{uid}.", f"{uid + 1}.", 1)
+    head, _, sig = token.split(".")
+    other = make_token(secret, uid + 1, int(time.time()), 600).split(".")[1]
+    tampered = f"{head}.{other}.{sig}"  # another user's claims under this token's signature
     expired = make_token(secret, uid, 1_000, 10)
-    forged = make_token(b"other-secret", uid, 2_000_000_000, 10)
+    forged = make_token(b"another-secret-of-thirty-two-characters", uid, 2_000_000_000, 10)
     for bad in ["", "garbage", tampered, expired, forged]:
         with pytest.raises(ConnectionClosed) as e:
             c = await HubClient.connect(h.ws, bad)

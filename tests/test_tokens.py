@@ -1,0 +1,253 @@
+"""JWT tokens: HS256 with the hub's secret; RS256/ES256 with the backend's public key or its JWKS.
+
+The pure check first (every way a token can be wrong), then the JWKS cache against a local HTTP server
+that rotates its keys, then a real hub taking RS256 tokens over its socket and HTTP API."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from websockets.exceptions import ConnectionClosed
+
+from server import protocol
+from server.client import HubClient
+from server.errors import Unavailable
+from server.settings import Settings
+from server.tokens import Jwks, Rules, TokenError, Tokens, make_token, verify
+from tests.hubtools import hub_in_process
+
+SECRET = b"a-long-random-secret-of-the-hub-and-the-backend"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def rsa_key() -> tuple[rsa.RSAPrivateKey, str]:
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return key, pem.decode()
+
+
+RSA, RSA_PUBLIC = rsa_key()
+HS = Rules(secret=SECRET)
+RS = Rules(algorithms=("RS256", "ES256"), public_key=RSA_PUBLIC)
+
+
+def signed(key: Any, alg: str = "HS256", headers: dict[str, Any] | None = None, **claims: Any) -> str:
+    body = {"sub": "42", "exp": now() + 600, **claims}
+    return jwt.encode({k: v for k, v in body.items() if v is not None}, key, algorithm=alg, headers=headers)
+
+
+def refused(rules: Rules, token: object, key: Any) -> str:
+    with pytest.raises(TokenError) as e:
+        verify(rules, token, key)
+    return e.value.code
+
+
+def test_a_valid_hs256_token_names_its_user_with_sub_as_digits_or_an_integer() -> None:
+    assert verify(HS, signed(SECRET), SECRET) == 42
+    assert verify(HS, signed(SECRET, sub=42), SECRET) == 42
+    assert verify(HS, make_token(SECRET, 7, now(), 60), SECRET) == 7
+
+
+def test_expired_and_not_yet_valid_tokens_are_refused_beyond_the_leeway() -> None:
+    assert refused(HS, signed(SECRET, exp=now() - 60), SECRET) == "token_expired"
+    assert verify(HS, signed(SECRET, exp=now() - 10), SECRET) == 42  # within 30 s of leeway
+    assert refused(HS, signed(SECRET, nbf=now() + 120), SECRET) == "token_invalid"
+    assert verify(HS, signed(SECRET, nbf=now() + 10), SECRET) == 42
+    assert refused(replace(HS, leeway_seconds=0), signed(SECRET, exp=now() - 10), SECRET) == "token_expired"
+
+
+def test_a_wrong_signature_a_missing_claim_and_bad_subjects_are_refused() -> None:
+    assert refused(HS, signed(b"another secret entirely, just as long"), SECRET) == "token_invalid"
+    assert refused(HS, signed(SECRET, exp=None), SECRET) == "token_invalid"
+    assert refused(HS, signed(SECRET, sub=None), SECRET) == "token_invalid"
+    for sub in ["²", "١", "0042", " 42", "-1", "0", str(2**63), 2**63, 0, -5, True, 4.2, "", "user42"]:
+        assert refused(HS, signed(SECRET, sub=sub), SECRET) == "token_invalid", sub
+    good = signed(SECRET)
+    head, body, sig = good.split(".")
+    for bad in ["", "garbage", f" {good}", f"{head}.{body}.{sig[:-1]}é", "红包.1.2", "a.b.c", None, 42]:
+        assert refused(HS, bad, SECRET) == "token_invalid", bad
+
+
+def test_alg_none_is_never_taken() -> None:
+    unsigned = jwt.encode({"sub": "42", "exp": now() + 600}, None, algorithm="none")  # type: ignore[arg-type]
+    assert refused(HS, unsigned, SECRET) == "token_invalid"
+    assert refused(RS, unsigned, RSA_PUBLIC) == "token_invalid"
+
+
+def test_no_algorithm_confusion_between_hmac_and_public_keys() -> None:
+    # An HS256 token presented to an RS256 hub, even one "signed" with the hub's public key as its secret.
+    assert refused(RS, signed(SECRET), RSA_PUBLIC) == "token_invalid"
+    forged = hs256_by_hand({"sub": "42", "exp": now() + 600}, RSA_PUBLIC.encode())
+    assert refused(RS, forged, RSA_PUBLIC) == "token_invalid"
+    # An RS256 token presented to an HS256 hub.
+    assert refused(HS, signed(RSA, "RS256"), SECRET) == "token_invalid"
+
+
+def hs256_by_hand(claims: dict[str, Any], key: bytes) -> str:
+    """An HS256 token made without PyJWT (which refuses a PEM key as an HMAC secret when signing)."""
+
+    def b64(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    head = b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
+    body = b64(json.dumps(claims).encode())
+    return f"{head}.{body}.{b64(hmac.new(key, f'{head}.{body}'.encode(), hashlib.sha256).digest())}"
+
+
+def test_rs256_and_es256_with_keys_made_here() -> None:
+    assert verify(RS, signed(RSA, "RS256"), RSA_PUBLIC) == 42
+    ec_key = ec.generate_private_key(ec.SECP256R1())
+    ec_public = ec_key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    assert verify(RS, signed(ec_key, "ES256"), ec_public.decode()) == 42
+    other, _ = rsa_key()
+    assert refused(RS, signed(other, "RS256"), RSA_PUBLIC) == "token_invalid"  # someone else's key
+
+
+def test_audience_and_issuer_are_checked_when_configured() -> None:
+    rules = replace(RS, audience="redpacket", issuer="https://chat.example")
+    ok = signed(RSA, "RS256", aud="redpacket", iss="https://chat.example")
+    assert verify(rules, ok, RSA_PUBLIC) == 42
+    assert (
+        refused(rules, signed(RSA, "RS256", aud="other", iss="https://chat.example"), RSA_PUBLIC)
+        == "token_invalid"
+    )
+    assert (
+        refused(rules, signed(RSA, "RS256", aud="redpacket", iss="https://evil"), RSA_PUBLIC)
+        == "token_invalid"
+    )
+    assert refused(rules, signed(RSA, "RS256", iss="https://chat.example"), RSA_PUBLIC) == "token_invalid"
+    # Not configured: an audience in the token is not held against it.
+    assert verify(RS, signed(RSA, "RS256", aud="anything"), RSA_PUBLIC) == 42
+
+
+class KeyServer:
+    """A JWKS endpoint on a local port whose keys the test swaps, counting the fetches."""
+
+    def __init__(self) -> None:
+        self.keys: list[dict[str, Any]] = []
+        self.fetches = 0
+        self.up = True
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if not outer.up:
+                    self.send_error(503)
+                    return
+                outer.fetches += 1
+                body = json.dumps({"keys": outer.keys}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/.well-known/jwks.json"
+
+    def publish(self, *pairs: tuple[str, rsa.RSAPrivateKey]) -> None:
+        self.keys = [
+            {**json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(key.public_key())), "kid": kid, "alg": "RS256"}
+            for kid, key in pairs
+        ]
+
+    @contextmanager
+    def running(self) -> Iterator[KeyServer]:
+        thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+async def test_a_jwks_with_a_rotating_kid_is_fetched_again_for_a_new_key_within_a_bound() -> None:
+    first, second = rsa_key()[0], rsa_key()[0]
+    with KeyServer().running() as keys:
+        keys.publish(("k1", first))
+        tokens = Tokens(Rules(algorithms=("RS256",), jwks_url=keys.url))
+        tokens.jwks = Jwks(keys.url, min_refresh_seconds=0)
+        assert await tokens.user(signed(first, "RS256", headers={"kid": "k1"})) == 42
+        assert await tokens.user(signed(first, "RS256", headers={"kid": "k1"}, sub="43")) == 43
+        assert keys.fetches == 1  # cached
+
+        # The backend rotates to k2: a token with the new kid makes the hub fetch again.
+        keys.publish(("k2", second))
+        assert await tokens.user(signed(second, "RS256", headers={"kid": "k2"})) == 42
+        assert keys.fetches == 2
+        with pytest.raises(TokenError):  # k1 is gone from the set
+            await tokens.user(signed(first, "RS256", headers={"kid": "k1"}))
+        with pytest.raises(TokenError):  # a token signed by a key that is not the kid's
+            await tokens.user(signed(first, "RS256", headers={"kid": "k2"}))
+
+        # Unknown kids from a stranger: one fetch per bound, not one per token.
+        tokens.jwks = Jwks(keys.url)
+        assert await tokens.user(signed(second, "RS256", headers={"kid": "k2"})) == 42
+        before = keys.fetches
+        for i in range(20):
+            with pytest.raises(TokenError):
+                await tokens.user(signed(second, "RS256", headers={"kid": f"made-up-{i}"}))
+        assert keys.fetches == before
+        # An HS256 token never causes a fetch at all.
+        with pytest.raises(TokenError):
+            await tokens.user(signed(SECRET, headers={"kid": "k3"}))
+        assert keys.fetches == before
+
+        # The endpoint down: keys already held stay in use; a hub with none says it cannot check yet.
+        keys.up = False
+        tokens.jwks.fetched_at = float("-inf")
+        assert await tokens.user(signed(second, "RS256", headers={"kid": "k2"})) == 42
+        cold = Tokens(Rules(algorithms=("RS256",), jwks_url=keys.url))
+        with pytest.raises(Unavailable) as down:
+            await cold.user(signed(second, "RS256", headers={"kid": "k2"}))
+        assert down.value.code == "auth_unavailable"
+
+
+async def test_a_hub_taking_rs256_tokens_opens_sockets_and_the_api_for_them_and_no_others(
+    hub_settings: Settings,
+) -> None:
+    s = hub_settings.with_(jwt_public_key=RSA_PUBLIC, jwt_audience="redpacket", dev_login=True)
+    async with hub_in_process(s) as hub:
+        assert (await hub.api("POST", "/api/login", name="li"))["error"]["code"] == "disabled"
+        ours = signed(RSA, "RS256", sub="9001", aud="redpacket")
+        me = await hub.api("GET", "/api/me", ours)
+        assert me["error"]["code"] == "user_not_found"  # a valid token; the user is not provisioned
+        for bad, code in [
+            (make_token(s.secret.encode(), 9001, now(), 600), "token_invalid"),  # HS256 to an RS256 hub
+            (signed(RSA, "RS256", sub="9001"), "token_invalid"),  # no audience
+            (signed(RSA, "RS256", sub="9001", aud="redpacket", exp=now() - 120), "token_expired"),
+        ]:
+            assert (await hub.api("GET", "/api/me", bad))["error"]["code"] == code
+            with pytest.raises(ConnectionClosed) as closed:
+                c = await HubClient.connect(hub.ws, bad)
+                await c.next_event()
+            assert closed.value.rcvd is not None
+            assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (protocol.CLOSE_UNAUTHORIZED, code)
+        client = await HubClient.connect(hub.ws, ours)
+        assert client.welcome["user"] == 9001
+        await client.close()
