@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,95 +22,22 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from server import errors, groups, ledger, packets, text
-from server.core import Core, open_core, unavailable
-from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
+from server import errors, groups, ledger, packets, service
+from server.core import Core, open_core
+from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from server.gcpolicy import keep_collections_out_of_bursts
+from server.httpkit import endpoint, error_response, id_of, json_body, path_id
 from server.hub import Hub
 from server.metrics import HubMetrics
-from server.protocol import MAX_ID
 from server.session import view_dict, websocket_endpoint
 from server.settings import Settings
 from server.shipped import shipped_dir
-from server.tokens import TokenError, make_token
+from server.tokens import make_token
 
 log = logging.getLogger(__name__)
 
 
 WEB_DIR = shipped_dir("web")
-
-_STATUS = {
-    InvalidRequest: 400,
-    Forbidden: 403,
-    NotFound: 404,
-    Conflict: 409,
-    Unavailable: 503,
-    TokenError: 401,
-}
-
-Handler = Callable[[Request, Core, int], Awaitable[Any]]
-
-
-def _error(code: str, message: str, status: int, details: dict[str, Any] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {**(details or {}), "code": code, "message": message}}, status_code=status)
-
-
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    return auth[7:] if auth.lower().startswith("bearer ") else None
-
-
-async def _user(request: Request, core: Core) -> int:
-    return await core.tokens.user(_bearer(request))
-
-
-def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
-    """Run ``handler`` with the Core and the caller's user id; JSON in, JSON out, errors as codes."""
-
-    async def run(request: Request) -> Response:
-        core: Core = request.app.state.core
-        try:
-            user = 0 if public else await _user(request, core)
-            return JSONResponse(await handler(request, core, user))
-        except RedPacketError as e:
-            return _error(e.code, e.message, _STATUS.get(type(e), 400), e.details)
-        except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
-            return _error(errors.BAD_REQUEST, f"malformed request: {e}", 400)
-        except Exception as e:
-            down = unavailable(e)
-            if down is not None:
-                return _error(down.code, down.message, 503)
-            raise  # a bug: the app's exception handler answers the documented JSON error
-
-    return run
-
-
-async def _body(request: Request) -> dict[str, Any]:
-    data = await request.json()
-    if not isinstance(data, dict):
-        raise InvalidRequest(errors.BAD_REQUEST, "the body must be a JSON object")
-    if text.has_surrogates(data):
-        raise InvalidRequest(
-            errors.BAD_REQUEST, "a string holds a lone surrogate (\\ud800-\\udfff): not text"
-        )
-    return data
-
-
-def _id(value: object, unknown: str, what: str) -> int:
-    """An id from a path or a body: ``bad_request`` unless it is a whole number, ``unknown`` (not found)
-    when no id can be that number."""
-    if isinstance(value, str) and value.isascii() and value.isdigit():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidRequest(errors.BAD_REQUEST, f"{what} must be a whole number")
-    if not 1 <= value <= MAX_ID:
-        raise NotFound(unknown, f"no {what} {value}")
-    return value
-
-
-def _path_id(request: Request, name: str) -> int:
-    unknown = {"group_id": errors.GROUP_NOT_FOUND, "user_id": errors.USER_NOT_FOUND}
-    return _id(request.path_params[name], unknown.get(name, errors.PACKET_NOT_FOUND), name)
 
 
 async def login(request: Request, core: Core, _: int) -> dict[str, Any]:
@@ -120,7 +46,7 @@ async def login(request: Request, core: Core, _: int) -> dict[str, Any]:
         raise Forbidden(errors.DISABLED, "dev login is disabled on this hub")
     if not core.tokens.rules.hmac:
         raise Forbidden(errors.DISABLED, "dev login issues HS256 tokens; this hub takes RS256/ES256 only")
-    name = (await _body(request)).get("name")
+    name = (await json_body(request)).get("name")
     if not isinstance(name, str):
         raise InvalidRequest(errors.NAME_INVALID, "name is required")
     user_id = await ledger.user_by_name(core.db, name)
@@ -152,13 +78,13 @@ async def me(request: Request, core: Core, user: int) -> dict[str, Any]:
 async def topup(request: Request, core: Core, user: int) -> dict[str, Any]:
     if not core.settings.demo_topup:
         raise Forbidden(errors.DISABLED, "top-ups are disabled on this hub")
-    body = await _body(request)
+    body = await json_body(request)
     await ledger.topup(core.db, user, body.get("amount"), body.get("request_id"))
     return {"user_id": user, "balance": await ledger.balance(core.db, user)}
 
 
 async def create_group(request: Request, core: Core, user: int) -> dict[str, Any]:
-    body = await _body(request)
+    body = await json_body(request)
     gid = await groups.create_group(
         core.db, user, str(body.get("name") or ""), bool(body.get("members_can_send"))
     )
@@ -167,16 +93,16 @@ async def create_group(request: Request, core: Core, user: int) -> dict[str, Any
 
 
 async def list_members(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = _path_id(request, "group_id")
+    gid = path_id(request, "group_id")
     await core.membership.require(gid, user)
     return {"group_id": gid, "members": await groups.members_of(core.db, gid)}
 
 
 async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = _path_id(request, "group_id")
+    gid = path_id(request, "group_id")
     await groups.require_admin(core.db, gid, user)
-    body = await _body(request)
-    ids = [_id(u, errors.USER_NOT_FOUND, "user") for u in body.get("user_ids", [])]
+    body = await json_body(request)
+    ids = [id_of(u, errors.USER_NOT_FOUND, "user") for u in body.get("user_ids", [])]
     unknown: list[str] = []
     for name in body.get("names", []):
         found = await ledger.user_by_name(core.db, name)
@@ -196,8 +122,8 @@ async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]
 
 
 async def remove_member(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = _path_id(request, "group_id")
-    target = _path_id(request, "user_id")
+    gid = path_id(request, "group_id")
+    target = path_id(request, "user_id")
     if target != user:  # anyone may leave; only admins remove others
         await groups.require_admin(core.db, gid, user)
     removed = await groups.remove_member(core.db, core.membership, gid, target)
@@ -207,8 +133,8 @@ async def remove_member(request: Request, core: Core, user: int) -> dict[str, An
 
 
 async def make_admin(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = _path_id(request, "group_id")
-    target = _path_id(request, "user_id")
+    gid = path_id(request, "group_id")
+    target = path_id(request, "user_id")
     await groups.require_admin(core.db, gid, user)
     await groups.set_role(core.db, core.membership, gid, target, "admin")
     await request.app.state.hub.publish(gid, "member_role", {"user": target, "role": "admin", "by": user})
@@ -216,7 +142,7 @@ async def make_admin(request: Request, core: Core, user: int) -> dict[str, Any]:
 
 
 async def packet_detail(request: Request, core: Core, user: int) -> dict[str, Any]:
-    pid = _path_id(request, "packet_id")
+    pid = path_id(request, "packet_id")
     row = await core.db.fetchone("SELECT group_id, status FROM red_packets WHERE id = %s", (pid,))
     if row is None:
         raise NotFound(errors.PACKET_NOT_FOUND, "no such packet")
@@ -256,11 +182,11 @@ async def healthz(request: Request) -> Response:
     try:
         await core.redis.ping()
     except Exception as e:
-        return _error(errors.REDIS_UNAVAILABLE, str(e), 503)
+        return error_response(errors.REDIS_UNAVAILABLE, str(e), 503)
     try:
         await core.db.fetchone("SELECT 1")
     except Exception as e:
-        return _error(errors.DATABASE_UNAVAILABLE, str(e), 503)
+        return error_response(errors.DATABASE_UNAVAILABLE, str(e), 503)
     return JSONResponse({"ok": True})
 
 
@@ -271,13 +197,13 @@ async def http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (no such route or file, wrong method) as the documented JSON error."""
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
-    return _error(_HTTP_CODES.get(status, errors.BAD_REQUEST), str(detail), status)
+    return error_response(_HTTP_CODES.get(status, errors.BAD_REQUEST), str(detail), status)
 
 
 async def server_error(request: Request, exc: Exception) -> Response:
     """A bug: logged with its traceback; the caller gets the documented JSON error, never a text page."""
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return _error(errors.INTERNAL, "internal error", 500)
+    return error_response(errors.INTERNAL, "internal error", 500)
 
 
 async def metrics(request: Request) -> Response:
@@ -339,6 +265,8 @@ def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = F
             Route("/api/groups/{group_id}/members/{user_id}", endpoint(remove_member), methods=["DELETE"]),
             Route("/api/groups/{group_id}/admins/{user_id}", endpoint(make_admin), methods=["POST"]),
             Route("/api/packets/{packet_id}", endpoint(packet_detail)),
+            # The chat backend's API, behind REDPACKET_SERVICE_KEY (docs/integration.md).
+            *service.routes(),
             # The demo page: static files, no build step (web/README.md).
             Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
         ],

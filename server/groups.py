@@ -4,10 +4,11 @@ invalidating the Redis cache that the grab path reads (``server.membership``).""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Literal
 
 from server import errors
-from server.db import Database, Tx
+from server.db import Database, IntegrityError, Tx
 from server.errors import Forbidden, InvalidRequest, NotFound
 from server.ledger import check_name, now_ms
 from server.membership import Membership
@@ -75,6 +76,97 @@ async def add_members(
     added = await db.run(work)
     await membership.changed(group_id, wanted, "added")
     return added
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """What ``put_group`` did: whether it applied (an older version is ignored), the stored version, and
+    who was added (with their role), removed, or changed role."""
+
+    applied: bool
+    version: int
+    created: bool = False
+    added: dict[int, Role] = field(default_factory=dict)
+    removed: list[int] = field(default_factory=list)
+    roles: dict[int, Role] = field(default_factory=dict)
+
+
+async def put_group(
+    db: Database,
+    membership: Membership,
+    group_id: int,
+    name: object,
+    members: dict[int, Role],
+    members_can_send: bool,
+    version: int,
+) -> Replaced:
+    """Create group ``group_id`` or replace its name, settings and whole membership, as the chat backend
+    has it at ``version``. A version lower than the stored one changes nothing (webhooks arrive out of
+    order). Concurrent calls for one group are serialised by a lock on its row; the member cache is
+    dropped and every hub told once the change has committed."""
+    clean = check_name(name)
+
+    async def work(tx: Tx) -> Replaced:
+        wanted = sorted(members)
+        if wanted:
+            marks = ", ".join(["%s"] * len(wanted))
+            rows = await tx.fetchall(f"SELECT id FROM users WHERE id IN ({marks})", wanted)
+            missing = sorted(set(wanted) - {int(r[0]) for r in rows})
+            if missing:
+                raise NotFound(errors.USER_NOT_FOUND, f"no user {missing[0]}", user_ids=missing)
+        row = await tx.fetchone(
+            "SELECT service_version FROM chat_groups WHERE id = %s" + tx.dialect.for_update, (group_id,)
+        )
+        ts = now_ms()
+        created = row is None
+        if row is None:
+            owner = next((u for u in wanted if members[u] == "admin"), 0)
+            await tx.execute(
+                "INSERT INTO chat_groups (id, name, owner_id, members_can_send, created_ms, service_version)"
+                " VALUES (%s, %s, %s, %s, %s, %s)",
+                (group_id, clean, owner, int(members_can_send), ts, version),
+            )
+            before: dict[int, Role] = {}
+        else:
+            stored = None if row[0] is None else int(row[0])
+            if stored is not None and version < stored:
+                return Replaced(applied=False, version=stored)
+            await tx.execute(
+                "UPDATE chat_groups SET name = %s, members_can_send = %s, service_version = %s WHERE id = %s",
+                (clean, int(members_can_send), version, group_id),
+            )
+            rows = await tx.fetchall(
+                "SELECT user_id, role FROM group_members WHERE group_id = %s", (group_id,)
+            )
+            before = {int(r[0]): ("admin" if r[1] == "admin" else "member") for r in rows}
+        added = {u: r for u, r in members.items() if u not in before}
+        removed = sorted(u for u in before if u not in members)
+        roles = {u: r for u, r in members.items() if u in before and before[u] != r}
+        await tx.executemany(
+            "INSERT INTO group_members (group_id, user_id, role, joined_ms) VALUES (%s, %s, %s, %s)",
+            [(group_id, u, r, ts) for u, r in sorted(added.items())],
+        )
+        await tx.executemany(
+            "DELETE FROM group_members WHERE group_id = %s AND user_id = %s", [(group_id, u) for u in removed]
+        )
+        await tx.executemany(
+            "UPDATE group_members SET role = %s WHERE group_id = %s AND user_id = %s",
+            [(r, group_id, u) for u, r in sorted(roles.items())],
+        )
+        return Replaced(True, version, created, added, removed, roles)
+
+    try:
+        done = await db.run(work)
+    except IntegrityError:  # the group created by a concurrent call: now there is a row to lock
+        done = await db.run(work)
+    if done.applied:
+        # Always, even when nothing differs: a retry after a failure between the commit and this point
+        # still drops the cache. The removed first: their live connections stop receiving the group.
+        await membership.changed(group_id, done.removed, "removed")
+        await membership.changed(group_id, sorted(done.added), "added")
+        if done.roles:
+            await membership.changed(group_id, sorted(done.roles), "role")
+    return done
 
 
 async def remove_member(db: Database, membership: Membership, group_id: int, user_id: int) -> bool:

@@ -98,6 +98,39 @@ async def create_user(db: Database, name: str) -> int:
     return await db.run(work)
 
 
+async def put_user(db: Database, user_id: int, name: object) -> Literal["created", "renamed", "unchanged"]:
+    """Create user ``user_id`` (with an empty account) or rename it: the chat backend's own ids.
+    Idempotent; a name another user holds is ``name_taken``."""
+    clean = check_name(name)
+
+    async def work(tx: Tx) -> Literal["created", "renamed", "unchanged"]:
+        row = await tx.fetchone("SELECT name FROM users WHERE id = %s" + tx.dialect.for_update, (user_id,))
+        ts = now_ms()
+        try:
+            if row is None:
+                await tx.execute(
+                    "INSERT INTO users (id, name, created_ms) VALUES (%s, %s, %s)", (user_id, clean, ts)
+                )
+                await tx.execute(
+                    "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", (user_id, ts)
+                )
+                return "created"
+            if row[0] == clean:
+                return "unchanged"
+            await tx.execute("UPDATE users SET name = %s WHERE id = %s", (clean, user_id))
+            return "renamed"
+        except IntegrityError:
+            taken = await tx.fetchone("SELECT id FROM users WHERE name = %s", (clean,))
+            if taken is not None and int(taken[0]) != user_id:
+                raise Conflict(errors.NAME_TAKEN, f"{clean} is another user's name") from None
+            raise  # the same id created concurrently: the caller runs it again and finds it
+
+    try:
+        return await db.run(work)
+    except IntegrityError:
+        return await db.run(work)
+
+
 async def create_users(db: Database, names: list[str]) -> list[int]:
     """Many new users with empty accounts in one transaction (imports, benchmarks, tests)."""
     clean = [check_name(n) for n in names]

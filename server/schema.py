@@ -115,6 +115,14 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "CREATE INDEX red_packets_unannounced ON red_packets (announced_ms, created_ms)",
         ],
     ),
+    (
+        3,
+        "the chat backend's version of a group's membership",
+        [
+            # Set by PUT /api/service/groups/{g}: a replacement with a lower version is ignored.
+            "ALTER TABLE chat_groups ADD COLUMN service_version BIGINT NULL",
+        ],
+    ),
 ]
 
 LATEST = MIGRATIONS[-1][0]

@@ -1,0 +1,209 @@
+"""The chat backend's API (/api/service/*) on a real hub: users, whole groups by version, single member
+changes, funding paid once per request id, account reads, and what live sockets see of each change."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from server.client import HubClient, HubError
+from server.db import connect
+from server.reconcile import reconcile
+from server.settings import Settings
+from server.tokens import make_token
+from tests.hubtools import HubUnderTest, hub_in_process
+
+KEY = "service-key-of-the-chat-backend-0123456789"
+
+
+@pytest.fixture
+async def hub(hub_settings: Settings) -> AsyncIterator[HubUnderTest]:
+    async with hub_in_process(hub_settings.with_(service_key=KEY, demo_topup=False), run_worker=True) as h:
+        yield h
+
+
+class Backend:
+    """The chat app's backend as this API sees it: the key, and ids of its own."""
+
+    def __init__(self, hub: HubUnderTest, key: str = KEY) -> None:
+        self.hub = hub
+        self.key = key
+        self.base = random.randrange(10**12, 10**15)  # ids no other test uses
+
+    def id(self, n: int) -> int:
+        return self.base + n
+
+    async def call(self, method: str, path: str, key: str | None = None, **body: Any) -> tuple[int, Any]:
+        key = self.key if key is None else key
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        async with httpx.AsyncClient(base_url=self.hub.http, timeout=30) as http:
+            r = await http.request(method, path, json=body or None, headers=headers)
+        return r.status_code, r.json()
+
+    async def ok(self, method: str, path: str, **body: Any) -> Any:
+        status, data = await self.call(method, path, **body)
+        assert status == 200, data
+        return data
+
+    def token(self, n: int) -> str:
+        """What the backend gives its user ``n``: a JWT signed with the shared secret."""
+        return make_token(self.hub.settings.secret.encode(), self.id(n), int(time.time()), 600)
+
+
+async def notice(c: HubClient) -> dict[str, Any]:
+    """The next notice (removed, added) on a socket, past its welcome."""
+    while (n := await c.next_notice())["type"] == "welcome":
+        pass
+    return n
+
+
+async def test_refused_without_the_key_with_a_user_token_and_when_off(
+    hub: HubUnderTest, hub_settings: Settings
+) -> None:
+    b = Backend(hub)
+    await b.ok("PUT", f"/api/service/users/{b.id(1)}", name=f"u{b.id(1)}")
+    for key in ["", "wrong", b.token(1)]:
+        status, data = await b.call("PUT", f"/api/service/users/{b.id(2)}", key=key, name="x")
+        assert (status, data["error"]["code"]) == (401, "token_invalid"), key
+    # The service key is no user's token either.
+    assert (await hub.api("GET", "/api/me", KEY))["error"]["code"] == "token_invalid"
+    async with hub_in_process(hub_settings) as off:
+        status, data = await Backend(off).call(
+            "POST", "/api/service/topup", user_id=1, amount=1, request_id="r"
+        )
+        assert (status, data["error"]["code"]) == (403, "disabled")
+
+
+async def test_users_are_put_by_id_replays_change_nothing_and_names_stay_unique(hub: HubUnderTest) -> None:
+    b = Backend(hub)
+    path = f"/api/service/users/{b.id(1)}"
+    assert (await b.ok("PUT", path, name=f"wang{b.base}"))["result"] == "created"
+    assert (await b.ok("PUT", path, name=f"wang{b.base}"))["result"] == "unchanged"
+    assert (await b.ok("PUT", path, name=f"Wang Wei {b.base}"))["result"] == "renamed"
+    # The user the backend made logs in with the backend's token.
+    me = await hub.api("GET", "/api/me", b.token(1))
+    assert (me["user_id"], me["name"], me["balance"]) == (b.id(1), f"Wang Wei {b.base}", 0)
+    await b.ok("PUT", f"/api/service/users/{b.id(2)}", name=f"li{b.base}")
+    status, data = await b.call("PUT", path, name=f"li{b.base}")
+    assert (status, data["error"]["code"]) == (409, "name_taken")
+    status, data = await b.call("PUT", path, name="\u202eevil")
+    assert (status, data["error"]["code"]) == (400, "name_invalid")
+    # Concurrent first puts of one user: one creates it, the others find it.
+    results = await asyncio.gather(
+        *(b.ok("PUT", f"/api/service/users/{b.id(3)}", name=f"zhao{b.base}") for _ in range(8))
+    )
+    assert sorted(r["result"] for r in results) == ["created"] + ["unchanged"] * 7
+
+
+async def test_a_group_put_whole_by_version_reaches_live_sockets_and_an_older_version_is_ignored(
+    hub: HubUnderTest,
+) -> None:
+    b = Backend(hub)
+    for n in (1, 2, 3):
+        await b.ok("PUT", f"/api/service/users/{b.id(n)}", name=f"p{n}-{b.base}")
+    group = b.id(100)
+    path = f"/api/service/groups/{group}"
+    missing = await b.call("PUT", path, name="family", members=[b.id(1), b.id(9)], version=1)
+    assert missing[0] == 404 and missing[1]["error"]["code"] == "user_not_found"
+    assert missing[1]["error"]["user_ids"] == [b.id(9)]
+
+    first = await b.ok("PUT", path, name="family", members=[b.id(2), b.id(3)], admins=[b.id(1)], version=5)
+    assert (first["applied"], first["created"], first["added"]) == (True, True, [b.id(1), b.id(2), b.id(3)])
+    admin = await HubClient.connect(hub.ws, b.token(1))
+    member = await HubClient.connect(hub.ws, b.token(3))
+    await admin.sync()
+    await member.sync()
+    assert admin.groups == [group] and member.groups == [group]
+    assert (await b.ok("PUT", path, name="family", members=[b.id(2), b.id(3)], admins=[b.id(1)], version=5))[
+        "added"
+    ] == []  # a replay: nothing changes, nothing is announced
+
+    # Version 7 removes member 3: his live socket is told at once and his requests are refused.
+    seven = await b.ok("PUT", path, name="family", members=[b.id(2)], admins=[b.id(1)], version=7)
+    assert seven["removed"] == [b.id(3)]
+    assert await notice(member) == {"type": "removed", "group": group}
+    with pytest.raises(HubError) as refused:
+        await member.request("chat", group=group, text="still here?")
+    assert refused.value.code == "not_member"
+
+    # Version 6 arrives late (it still had member 3): ignored.
+    late = await b.ok("PUT", path, name="family", members=[b.id(2), b.id(3)], admins=[b.id(1)], version=6)
+    assert (late["applied"], late["version"]) == (False, 7)
+    listed = await hub.api("GET", f"/api/groups/{group}/members", b.token(1))
+    assert sorted(m["user_id"] for m in listed["members"]) == [b.id(1), b.id(2)]
+
+    # A packet sent by the admin is grabbed by the members the backend put there, and no one else.
+    await b.ok("POST", "/api/service/topup", user_id=b.id(1), amount=1_000, request_id=f"fund-{b.base}")
+    sent = await admin.request("send", group=group, total=500, count=1)
+    two = await HubClient.connect(hub.ws, b.token(2))
+    assert (await two.request("grab", group=group, packet=sent["packet_id"]))["amount"] == 500
+    with pytest.raises(HubError) as outsider:
+        await member.request("grab", group=group, packet=sent["packet_id"])
+    assert outsider.value.code == "not_member"
+
+    # Single changes: member 3 back in as an admin (the socket hears it), then out; replays are no-ops.
+    members = f"{path}/members"
+    assert (await b.ok("POST", members, user_id=b.id(3), role="admin"))["role"] == "admin"
+    assert await notice(member) == {"type": "added", "group": group}
+    await b.ok("POST", members, user_id=b.id(3), role="admin")
+    assert (await b.ok("DELETE", f"{members}/{b.id(3)}"))["removed"] is True
+    assert (await b.ok("DELETE", f"{members}/{b.id(3)}"))["removed"] is False
+    assert await notice(member) == {"type": "removed", "group": group}
+    for c in (admin, member, two):
+        await c.close()
+
+
+async def test_a_service_top_up_is_paid_once_under_concurrent_retries_and_reconciles(
+    hub: HubUnderTest,
+) -> None:
+    b = Backend(hub)
+    await b.ok("PUT", f"/api/service/users/{b.id(1)}", name=f"payee{b.base}")
+    request_id = f"wallet-{b.base}"
+    answers = await asyncio.gather(
+        *(
+            b.ok("POST", "/api/service/topup", user_id=b.id(1), amount=8_800, request_id=request_id)
+            for _ in range(20)
+        )
+    )
+    assert sorted(a["replay"] for a in answers) == [False] + [True] * 19
+    assert all(a["balance"] == 8_800 for a in answers if a["replay"])
+    # The same request id for another amount or user is a mistake, said as such; nothing moves.
+    for body in ({"user_id": b.id(1), "amount": 1}, {"user_id": b.id(1), "amount": 8_801}):
+        status, data = await b.call("POST", "/api/service/topup", request_id=request_id, **body)
+        assert (status, data["error"]["code"]) == (409, "idempotency_key_reused")
+    for bad, code in [
+        ({"amount": 0}, "amount_invalid"),
+        ({"amount": 1.5}, "amount_invalid"),
+        ({"request_id": ""}, "bad_request"),
+    ]:
+        status, data = await b.call(
+            "POST", "/api/service/topup", **{"user_id": b.id(1), "amount": 5, "request_id": "x", **bad}
+        )
+        assert (status, data["error"]["code"]) == (400, code)
+    status, data = await b.call(
+        "POST", "/api/service/topup", user_id=b.id(2), amount=5, request_id=f"n{b.base}"
+    )
+    assert (status, data["error"]["code"]) == (404, "user_not_found")
+
+    account = await b.ok("GET", f"/api/service/accounts/{b.id(1)}")
+    assert account == {"user_id": b.id(1), "balance": 8_800, "journal_sum": 8_800}
+    page = await b.ok("GET", f"/api/service/accounts/{b.id(1)}/journal?after=0&limit=10")
+    assert [(e["amount"], e["kind"], e["key"]) for e in page["entries"]] == [
+        (8_800, "topup", f"service-topup:{request_id}")
+    ]
+    assert page["next"] is None
+    # Demo top-ups stay demo-only: this hub has them off.
+    demo = await hub.api("POST", "/api/topup", b.token(1), amount=100, request_id="demo")
+    assert demo["error"]["code"] == "disabled"
+
+    db = await connect(hub.settings.database_url)
+    try:
+        assert (await reconcile(db)).ok
+    finally:
+        await db.close()
