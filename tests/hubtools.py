@@ -175,13 +175,15 @@ async def hub_process(settings: Settings, *args: str) -> AsyncIterator[HubUnderT
 
 
 @contextmanager
-def redpacket_up(data_dir: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """``redpacket up --port 0`` on ``data_dir`` as a newcomer runs it: (its address, the process). Its
-    output is drained so it never blocks on a full pipe; stopped with SIGINT (Ctrl-C) unless already
-    gone."""
+def redpacket_up(
+    data_dir: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """``redpacket up --port 0`` on ``data_dir`` as a newcomer runs it (with ``env`` set): (its address,
+    the process). Its output is drained so it never blocks on a full pipe; stopped with SIGINT (Ctrl-C)
+    unless already gone."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "up", "--port", "0", *args],
-        env=child_env(REDPACKET_DATA_DIR=str(data_dir)),
+        env=child_env(REDPACKET_DATA_DIR=str(data_dir), **(env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
