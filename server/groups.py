@@ -108,12 +108,16 @@ async def put_group(
 
     async def work(tx: Tx) -> Replaced:
         wanted = sorted(members)
-        if wanted:
-            marks = ", ".join(["%s"] * len(wanted))
-            rows = await tx.fetchall(f"SELECT id FROM users WHERE id IN ({marks})", wanted)
-            missing = sorted(set(wanted) - {int(r[0]) for r in rows})
-            if missing:
-                raise NotFound(errors.USER_NOT_FOUND, f"no user {missing[0]}", user_ids=missing)
+        known: set[int] = set()
+        for i in range(0, len(wanted), 500):  # a statement holds at most 65,535 placeholders
+            chunk = wanted[i : i + 500]
+            marks = ", ".join(["%s"] * len(chunk))
+            known |= {
+                int(r[0]) for r in await tx.fetchall(f"SELECT id FROM users WHERE id IN ({marks})", chunk)
+            }
+        missing = sorted(set(wanted) - known)
+        if missing:
+            raise NotFound(errors.USER_NOT_FOUND, f"no user {missing[0]}", user_ids=missing)
         row = await tx.fetchone(
             "SELECT service_version FROM chat_groups WHERE id = %s" + tx.dialect.for_update, (group_id,)
         )

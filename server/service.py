@@ -1,19 +1,22 @@
 """The chat backend's API (``/api/service/*``): the app that owns users, groups and wallets keeps the hub's
 view of them in step, and funds accounts from its own wallet.
 
-Authenticated by ``Authorization: Bearer $REDPACKET_SERVICE_KEY`` (never by a user's token), and off when
-the key is unset. Every call is idempotent: a user or a group is put whole; a group's membership carries
-the backend's ``version`` and an older one is ignored; a top-up is paid once per ``request_id``. Membership
-changes reach live sockets at once (a removed member stops receiving the group), and each is announced
-in the group as the user routes announce theirs, with ``by: 0`` (the backend).
+Authenticated by ``Authorization: Bearer $REDPACKET_SERVICE_KEY``, never by a user's token (``routes()``
+puts every handler behind the key), and off when the key is unset. Every call is idempotent: a user or a
+group is put whole; a group's membership carries the backend's ``version`` and an older one is ignored; a
+top-up is paid once per ``request_id``. Membership changes reach live sockets at once (a removed member
+stops receiving the group), and each is announced in the group as the user routes announce theirs, with
+``by: 0`` (the backend).
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 
 from server import errors, groups, ledger
@@ -21,7 +24,7 @@ from server.core import Core
 from server.db import Tx
 from server.errors import Forbidden, InvalidRequest
 from server.groups import Role
-from server.httpkit import bearer, endpoint, id_of, json_body, path_id
+from server.httpkit import Handler, bearer, endpoint, id_of, json_body, path_id
 from server.hub import Hub
 from server.tokens import TokenError
 
@@ -56,7 +59,6 @@ def _role(value: object) -> Role:
 
 
 async def put_user(request: Request, core: Core, _: int) -> dict[str, Any]:
-    _require_key(request, core)
     user_id = path_id(request, "user_id")
     body = await json_body(request)
     done = await ledger.put_user(core.db, user_id, body.get("name"))
@@ -64,7 +66,6 @@ async def put_user(request: Request, core: Core, _: int) -> dict[str, Any]:
 
 
 async def put_group(request: Request, core: Core, _: int) -> dict[str, Any]:
-    _require_key(request, core)
     group_id = path_id(request, "group_id")
     body = await json_body(request)
     version = body.get("version")
@@ -98,7 +99,6 @@ async def put_group(request: Request, core: Core, _: int) -> dict[str, Any]:
 
 async def add_member(request: Request, core: Core, _: int) -> dict[str, Any]:
     """One member in (or their role changed): idempotent."""
-    _require_key(request, core)
     group_id = path_id(request, "group_id")
     body = await json_body(request)
     user_id = id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id")
@@ -117,7 +117,6 @@ async def add_member(request: Request, core: Core, _: int) -> dict[str, Any]:
 
 
 async def remove_member(request: Request, core: Core, _: int) -> dict[str, Any]:
-    _require_key(request, core)
     group_id = path_id(request, "group_id")
     user_id = path_id(request, "user_id")
     removed = await groups.remove_member(core.db, core.membership, group_id, user_id)
@@ -128,7 +127,6 @@ async def remove_member(request: Request, core: Core, _: int) -> dict[str, Any]:
 
 async def topup(request: Request, core: Core, _: int) -> dict[str, Any]:
     """Fund an account from the app's wallet: paid once per ``request_id``, whoever asks how often."""
-    _require_key(request, core)
     body = await json_body(request)
     user_id = id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id")
     amount, request_id = body.get("amount"), body.get("request_id")
@@ -152,7 +150,6 @@ async def topup(request: Request, core: Core, _: int) -> dict[str, Any]:
 
 async def account(request: Request, core: Core, _: int) -> dict[str, Any]:
     """An account's balance and the sum of its journal (equal, or reconciliation reports it)."""
-    _require_key(request, core)
     user_id = path_id(request, "user_id")
     return {
         "user_id": user_id,
@@ -163,7 +160,6 @@ async def account(request: Request, core: Core, _: int) -> dict[str, Any]:
 
 async def journal(request: Request, core: Core, _: int) -> dict[str, Any]:
     """An account's journal, oldest first, in pages: ``?after=<id>&limit=<n>`` (n up to 500)."""
-    _require_key(request, core)
     user_id = path_id(request, "user_id")
     try:
         after = int(request.query_params.get("after", "0"))
@@ -197,8 +193,14 @@ async def journal(request: Request, core: Core, _: int) -> dict[str, Any]:
 
 
 def routes() -> list[Route]:
-    def public(handler: Any) -> Any:  # the key is checked by each handler, not a user's token
-        return endpoint(handler, public=True)
+    def public(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        """The route for ``handler``, behind the service key (no user's token: ``public`` to endpoint)."""
+
+        async def keyed(request: Request, core: Core, user: int) -> Any:
+            _require_key(request, core)
+            return await handler(request, core, user)
+
+        return endpoint(keyed, public=True)
 
     return [
         Route("/api/service/users/{user_id}", public(put_user), methods=["PUT"]),

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from server import ledger
 from server.client import HubClient, HubError
 from server.db import connect
 from server.reconcile import reconcile
@@ -207,3 +208,18 @@ async def test_a_service_top_up_is_paid_once_under_concurrent_retries_and_reconc
         assert (await reconcile(db)).ok
     finally:
         await db.close()
+
+
+async def test_a_big_group_is_put_in_one_call(hub: HubUnderTest) -> None:
+    """More members than a statement's placeholders could hold if they were listed in one IN (...)."""
+    b = Backend(hub)
+    db = await connect(hub.settings.database_url)
+    try:
+        people = await ledger.create_users(db, [f"big{b.base}-{i}" for i in range(1_500)])
+    finally:
+        await db.close()
+    path = f"/api/service/groups/{b.id(7)}"
+    put = await b.ok("PUT", path, name="everyone", members=people[1:], admins=people[:1], version=1)
+    assert len(put["added"]) == 1_500
+    trimmed = await b.ok("PUT", path, name="everyone", members=people[1:1_000], admins=people[:1], version=2)
+    assert trimmed["removed"] == sorted(people[1_000:])

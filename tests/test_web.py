@@ -22,6 +22,7 @@ import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
 from server import ledger
+from server.client import HubClient
 from server.db import connect
 from server.settings import Settings
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
@@ -604,16 +605,25 @@ async def test_a_dropped_connection_shows_reconnects_and_fills_in_what_was_misse
         await sender.close()
 
 
+async def bob_on_his_phone_in_club(
+    browser: Browser, hub: HubUnderTest
+) -> tuple[str, int, int, HubClient, Page]:
+    """Alice (admin, with a socket of her own) and bob in "club"; bob's phone open on it. Alice's token,
+    bob's id, the group, alice's socket, bob's page."""
+    alice_token, bob, group = await pair_in_group(hub, "club")
+    sender = await hub.client(alice_token, fmt="json")
+    page = await open_page(browser, hub.http, PHONE)
+    await log_in(page, "bob")
+    await page.click("#group-list button:has-text('club')")
+    return alice_token, bob, group, sender, page
+
+
 async def test_an_expired_packet_says_so_by_itself_and_opens_to_its_result(
     browser: Browser, hub_settings: Settings
 ) -> None:
     # Packets that expire two seconds after they are sent.
     async with hub_in_process(hub_settings.with_(packet_ttl_seconds=2), run_worker=True) as hub:
-        alice_token, bob, group = await pair_in_group(hub, "club")
-        sender = await hub.client(alice_token, fmt="json")
-        page = await open_page(browser, hub.http, PHONE)
-        await log_in(page, "bob")
-        await page.click("#group-list button:has-text('club')")
+        _, bob, group, sender, page = await bob_on_his_phone_in_club(browser, hub)
         sent = await sender.request("send", group=group, total=500, count=2, greeting="too slow")
         bubble = page.locator(f".packet[data-packet='{sent['packet_id']}']")
         await expect(bubble).to_contain_text(re.compile("Tap to open|Expired"))
@@ -646,11 +656,7 @@ async def test_refusals_are_shown_in_words_and_removal_takes_effect_on_the_page(
     async with hub_in_process(
         hub_settings.with_(grabs_per_second=0.001, grabs_burst=1), run_worker=True
     ) as hub:
-        alice_token, bob, group = await pair_in_group(hub, "club")
-        sender = await hub.client(alice_token, fmt="json")
-        page = await open_page(browser, hub.http, PHONE)
-        await log_in(page, "bob")
-        await page.click("#group-list button:has-text('club')")
+        alice_token, bob, group, sender, page = await bob_on_his_phone_in_club(browser, hub)
 
         # One grab is his burst; a second too many: the card stays up and says so, the packet stays
         # closed for the next try.
