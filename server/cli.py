@@ -448,7 +448,9 @@ def _parser() -> argparse.ArgumentParser:
         help="Locust step-up load against a hub (redpacket load --help; docs/load.md)",
     )
     bench = sub.add_parser("bench", help="print benchmark figures and a JSON line (docs/benchmarks.md)")
-    bench.add_argument("what", choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm", "db-read"])
+    bench.add_argument(
+        "what", choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm", "db-read", "tokens"]
+    )
     bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
     bench.add_argument("--clients", type=int, default=10_000, help="connected clients (hot)")
     bench.add_argument(
@@ -470,6 +472,11 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     if command == "reconcile":
         return 0 if uvloop.run(_reconcile(settings)) else 1
+    if command == "bench" and args.what == "tokens":  # pure CPU: no Redis, no database
+        from server.tokenbench import bench_tokens
+
+        bench_tokens(plot=Path(args.plot) if args.plot else None)
+        return 0
     sock = None
     if command == "serve" and not settings.secret and "HS256" in settings.jwt_algorithm_list:
         raise OperatorError(

@@ -227,10 +227,15 @@ class Settings:
                 " `openssl rand -hex 32`"
             )
         pem = self.jwt_public_key_pem()
-        if pem and "PUBLIC KEY-----" not in pem:
-            raise ValueError(
-                f"{PREFIX}JWT_PUBLIC_KEY does not hold a PEM public key (-----BEGIN PUBLIC KEY-----)"
-            )
+        if pem:
+            from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+            try:
+                load_pem_public_key(pem.encode())
+            except (ValueError, TypeError) as e:
+                raise ValueError(
+                    f"{PREFIX}JWT_PUBLIC_KEY does not hold a PEM public key (-----BEGIN PUBLIC KEY-----): {e}"
+                ) from None
         if self.jwks_url and not self.jwks_url.startswith(("https://", "http://")):
             raise ValueError(f"{PREFIX}JWKS_URL must be an http(s) URL (got {self.jwks_url!r})")
         if self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):

@@ -1,4 +1,4 @@
-"""Two small benchmark runs as an operator starts them: their figures' JSON line, and the PNG plots
+"""Small benchmark runs as an operator starts them: their figures' JSON line, and the PNG plots
 ``--plot DIR`` writes (figures are measured, never asserted as timings: only that the runs are right)."""
 
 from __future__ import annotations
@@ -42,3 +42,17 @@ def test_the_storm_bench_plots_credit_lag_and_backlog(redis_url: str, tmp_path: 
     figures, _ = _bench(redis_url, "storm", "--rate", "500", "--seconds", "2", "--plot", str(tmp_path))
     assert figures["credited"] == figures["grabs"] == 1000
     _png(tmp_path / "storm-lag-backlog.png")
+
+
+def test_the_token_bench_measures_each_kind_beside_the_old_check(redis_url: str, tmp_path: Path) -> None:
+    figures, _ = _bench(redis_url, "tokens", "--plot", str(tmp_path))
+    kinds = (
+        "old_hmac_string",
+        "jwt_hs256",
+        "jwt_rs256",
+        "jwt_es256",
+        "jwt_rs256_pem_each_time",
+        "jwt_hs256_seen_before",
+    )
+    assert all(float(figures[f"{k}_cpu_us_per_check"]) > 0 for k in kinds), figures  # type: ignore[arg-type]
+    _png(tmp_path / "tokens-cpu.png")

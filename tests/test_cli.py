@@ -79,6 +79,15 @@ def test_operator_mistakes_are_one_line_and_an_exit_code(
         ),
         (
             ("serve", "--port", "0"),
+            {
+                "REDPACKET_JWT_PUBLIC_KEY": "-----BEGIN PUBLIC KEY-----\nnot a key\n-----END PUBLIC KEY-----",
+                **ok_db,
+            },
+            2,
+            "does not hold a PEM public key",
+        ),
+        (
+            ("serve", "--port", "0"),
             {"REDPACKET_JWT_ALGORITHMS": "HS256,RS256", **ok_db, **ok_redis},
             2,
             "never both",

@@ -24,10 +24,11 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from websockets.exceptions import ConnectionClosed
 
 from server import protocol
+from server import tokens as tokens_module
 from server.client import HubClient
 from server.errors import Unavailable
 from server.settings import Settings
-from server.tokens import Jwks, Rules, TokenError, Tokens, make_token, verify
+from server.tokens import SEEN_TOKENS, Jwks, Rules, TokenError, Tokens, make_token, verify
 from tests.hubtools import hub_in_process
 
 SECRET = b"a-long-random-secret-of-the-hub-and-the-backend"
@@ -200,14 +201,14 @@ async def test_a_jwks_with_a_rotating_kid_is_fetched_again_for_a_new_key_within_
         keys.publish(("k2", second))
         assert await tokens.user(signed(second, "RS256", headers={"kid": "k2"})) == 42
         assert keys.fetches == 2
-        with pytest.raises(TokenError):  # k1 is gone from the set
-            await tokens.user(signed(first, "RS256", headers={"kid": "k1"}))
+        with pytest.raises(TokenError):  # k1 is gone from the set (a token not checked before)
+            await tokens.user(signed(first, "RS256", headers={"kid": "k1"}, sub="44"))
         with pytest.raises(TokenError):  # a token signed by a key that is not the kid's
             await tokens.user(signed(first, "RS256", headers={"kid": "k2"}))
 
         # Unknown kids from a stranger: one fetch per bound, not one per token.
         tokens.jwks = Jwks(keys.url)
-        assert await tokens.user(signed(second, "RS256", headers={"kid": "k2"})) == 42
+        assert await tokens.user(signed(second, "RS256", headers={"kid": "k2"}, sub="45")) == 45
         before = keys.fetches
         for i in range(20):
             with pytest.raises(TokenError):
@@ -221,7 +222,8 @@ async def test_a_jwks_with_a_rotating_kid_is_fetched_again_for_a_new_key_within_
         # The endpoint down: keys already held stay in use; a hub with none says it cannot check yet.
         keys.up = False
         tokens.jwks.fetched_at = float("-inf")
-        assert await tokens.user(signed(second, "RS256", headers={"kid": "k2"})) == 42
+        assert await tokens.user(signed(second, "RS256", headers={"kid": "k2"}, sub="46")) == 46
+        assert keys.fetches == before  # it tried (the endpoint said 503) and kept what it held
         cold = Tokens(Rules(algorithms=("RS256",), jwks_url=keys.url))
         with pytest.raises(Unavailable) as down:
             await cold.user(signed(second, "RS256", headers={"kid": "k2"}))
@@ -251,3 +253,35 @@ async def test_a_hub_taking_rs256_tokens_opens_sockets_and_the_api_for_them_and_
         client = await HubClient.connect(hub.ws, ours)
         assert client.welcome["user"] == 9001
         await client.close()
+
+
+async def test_a_token_checked_once_is_remembered_but_never_past_its_exp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[object] = []
+    real = tokens_module.checked
+
+    def counted(rules: Rules, token: object, key: Any) -> tuple[int, int]:
+        calls.append(token)
+        return real(rules, token, key)
+
+    monkeypatch.setattr(tokens_module, "checked", counted)
+    tokens = Tokens(replace(HS, leeway_seconds=5))
+    exp = now() + 120
+    token = signed(SECRET, exp=exp)
+    assert await tokens.user(token) == 42
+    assert await tokens.user(token) == 42
+    assert len(calls) == 1  # the second time from memory
+    tokens.clock = lambda: exp + 5  # past its exp and the leeway: checked again, never taken from memory
+    assert await tokens.user(token) == 42
+    assert len(calls) == 2
+    # Bad tokens are never remembered, and the memory is bounded.
+    bad = signed(b"another secret entirely, just as long")
+    for _ in range(2):
+        with pytest.raises(TokenError):
+            await tokens.user(bad)
+    assert len(calls) == 4
+    tokens.clock = time.time
+    for i in range(SEEN_TOKENS + 50):
+        await tokens.user(make_token(SECRET, i + 1, now(), 600))
+    assert len(tokens._seen) <= SEEN_TOKENS
