@@ -44,7 +44,7 @@ async def login(request: Request, core: Core, _: int) -> dict[str, Any]:
     """Dev login by name (creates the user on first use). Off unless REDPACKET_DEV_LOGIN=1 or `up`."""
     if not core.settings.dev_login:
         raise Forbidden(errors.DISABLED, "dev login is disabled on this hub")
-    if not core.tokens.rules.hmac:
+    if not request.app.state.hub.tokens.rules.hmac:
         raise Forbidden(errors.DISABLED, "dev login issues HS256 tokens; this hub takes RS256/ES256 only")
     name = (await json_body(request)).get("name")
     if not isinstance(name, str):

@@ -33,10 +33,9 @@ from redis.exceptions import RedisError
 from server.core import open_core
 from server.db import DatabaseError
 from server.embedded import EmbeddedError, embedded_valkey
-from server.handshake import bounded_protocols
 from server.redisnodes import RedisNodes
 from server.settings import Settings, redact
-from server.wire import HubWebSocket
+from server.wire import uvicorn_config
 
 log = logging.getLogger("redpacket")
 
@@ -155,24 +154,6 @@ def _print_tasks() -> None:
         print(f"--- {task!r}", file=sys.stderr)
         task.print_stack(limit=12, file=sys.stderr)
     sys.stderr.flush()
-
-
-def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
-    """How the hub runs under uvicorn: websockets-sansio with bounded handshakes (``server.handshake``),
-    no compression unless asked, frame cap, pings."""
-    http, _ = bounded_protocols(settings.handshake_seconds)
-    return uvicorn.Config(
-        app,  # type: ignore[arg-type]
-        http=http,
-        ws=HubWebSocket,  # bounded handshakes, and the hub's frames below ASGI
-        ws_per_message_deflate=settings.ws_compression,
-        ws_max_size=settings.ws_max_frame_bytes,
-        ws_ping_interval=settings.ws_ping_interval,
-        ws_ping_timeout=settings.ws_ping_timeout,
-        timeout_graceful_shutdown=settings.shutdown_seconds,
-        log_level="warning",
-        access_log=False,
-    )
 
 
 def _demo_secret(settings: Settings) -> Settings:
@@ -353,8 +334,8 @@ async def _reconcile(settings: Settings) -> bool:
 
 async def _recover(settings: Settings, packet_ids: list[int]) -> None:
     from server.errors import RedPacketError
+    from server.ids import MAX_ID
     from server.packets import recover_packet
-    from server.protocol import MAX_ID
 
     if bad := [p for p in packet_ids if not 1 <= p <= MAX_ID]:
         raise OperatorError(f"no packet can have the id {bad[0]}", 2)

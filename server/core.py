@@ -6,7 +6,6 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import cast
 
 from arq.connections import ArqRedis
@@ -26,7 +25,6 @@ from server.repair import Repairs
 from server.scripts import Scripts
 from server.settings import Settings
 from server.split import Limits
-from server.tokens import Rules, Tokens
 
 # Redis is down, restarting, loading its data (BusyLoadingError is a ConnectionError), or failing over
 # (a replica refusing writes, a cluster without a primary). Any other Redis error is a bug.
@@ -66,11 +64,6 @@ class Core:
     def redis(self) -> Redis:
         """The client for keyed commands and pipelines (routed by slot on a cluster)."""
         return self.nodes.client
-
-    @cached_property
-    def tokens(self) -> Tokens:
-        """The hub's token check (with its JWKS cache, when the backend publishes one)."""
-        return Tokens(Rules.from_settings(self.settings))
 
     @property
     def limits(self) -> Limits:

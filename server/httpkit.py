@@ -14,8 +14,8 @@ from starlette.responses import JSONResponse, Response
 from server import errors, text
 from server.core import Core, unavailable
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
-from server.protocol import MAX_ID
-from server.tokens import TokenError
+from server.ids import MAX_ID
+from server.tokens import TokenError, Tokens
 
 _STATUS = {
     InvalidRequest: 400,
@@ -40,8 +40,10 @@ def bearer(request: Request) -> str | None:
     return auth[7:] if auth.lower().startswith("bearer ") else None
 
 
-async def user_of(request: Request, core: Core) -> int:
-    return await core.tokens.user(bearer(request))
+async def user_of(request: Request) -> int:
+    """The user the request's bearer token names (the hub's token check)."""
+    tokens: Tokens = request.app.state.hub.tokens
+    return await tokens.user(bearer(request))
 
 
 def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
@@ -50,7 +52,7 @@ def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awai
     async def run(request: Request) -> Response:
         core: Core = request.app.state.core
         try:
-            user = 0 if public else await user_of(request, core)
+            user = 0 if public else await user_of(request)
             return JSONResponse(await handler(request, core, user))
         except RedPacketError as e:
             return error_response(e.code, e.message, _STATUS.get(type(e), 400), e.details)

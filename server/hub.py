@@ -29,6 +29,7 @@ from server.metrics import HubMetrics
 from server.packets import call_script
 from server.protocol import Format, offset_key
 from server.subscriber import Subscriber
+from server.tokens import Rules, Tokens
 from server.wire import HubWebSocket, data_frame
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,8 @@ class Hub:
     def __init__(self, core: Core, metrics: HubMetrics) -> None:
         self.core = core
         self.metrics = metrics
+        # Who a token names (with the JWKS cache, when the backend publishes its keys).
+        self.tokens = Tokens(Rules.from_settings(core.settings))
         self.id = uuid.uuid4().hex[:12]
         self.serial = itertools.count(1)
         self.by_group: dict[int, set[Connection]] = {}

@@ -361,7 +361,7 @@ def _serve_bare(mode: str) -> None:
     import uvicorn
     import uvloop
 
-    from server.cli import uvicorn_config
+    from server.wire import uvicorn_config
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))

@@ -16,6 +16,7 @@ import msgpack
 
 from server import errors, text
 from server.errors import NotFound, RedPacketError
+from server.ids import MAX_ID
 
 VERSION = 1
 SUBPROTOCOL_MSGPACK = "redpacket.v1.msgpack"
@@ -33,8 +34,6 @@ CLOSE_SLOW_CONSUMER = 4008  # the client did not read fast enough: its send queu
 CLOSE_RATE_LIMITED = 4029  # the client kept sending past its rate limit
 
 REQUEST_TYPES = ("ping", "sync", "chat", "send", "grab", "open", "presence")
-# Users, groups and packets are numbered from 1 in signed 64-bit database columns.
-MAX_ID = 2**63 - 1
 MAX_TEXT_CHARS = 2000
 
 

@@ -461,7 +461,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     fmt, subprotocol = protocol.choose_format(list(ws.scope.get("subprotocols", [])))
     await ws.accept(subprotocol=subprotocol)
     try:
-        user_id = await core.tokens.user(ws.query_params.get("token"))
+        user_id = await hub.tokens.user(ws.query_params.get("token"))
     except TokenError as e:
         await ws.close(protocol.CLOSE_UNAUTHORIZED, e.code)
         return

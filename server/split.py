@@ -12,7 +12,7 @@ from typing import Literal, TypeGuard
 
 from server import errors, text
 from server.errors import InvalidRequest
-from server.protocol import MAX_ID
+from server.ids import MAX_ID
 
 Kind = Literal["lucky", "equal", "exclusive"]
 KINDS: tuple[Kind, ...] = ("lucky", "equal", "exclusive")

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
 from server import errors
 from server.errors import RedPacketError, Unavailable
-from server.protocol import MAX_ID
+from server.ids import MAX_ID
 from server.settings import Settings
 
 log = logging.getLogger(__name__)

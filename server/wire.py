@@ -20,9 +20,11 @@ from __future__ import annotations
 import struct
 from typing import Any, Protocol, cast
 
+import uvicorn
 from websockets.frames import Opcode
 
-from server.handshake import BoundedWebSocket
+from server.handshake import BoundedWebSocket, bounded_protocols
+from server.settings import Settings
 
 # The scope extension under which the endpoint finds its socket's protocol object.
 EXTENSION = "redpacket.wire"
@@ -187,3 +189,21 @@ class HubWebSocket(BoundedWebSocket):
     def shutdown(self) -> None:
         super().shutdown()
         self._gone()
+
+
+def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
+    """How the hub runs under uvicorn: websockets-sansio with bounded handshakes (``server.handshake``),
+    no compression unless asked, frame cap, pings."""
+    http, _ = bounded_protocols(settings.handshake_seconds)
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        http=http,
+        ws=HubWebSocket,  # bounded handshakes, and the hub's frames below ASGI
+        ws_per_message_deflate=settings.ws_compression,
+        ws_max_size=settings.ws_max_frame_bytes,
+        ws_ping_interval=settings.ws_ping_interval,
+        ws_ping_timeout=settings.ws_ping_timeout,
+        timeout_graceful_shutdown=settings.shutdown_seconds,
+        log_level="warning",
+        access_log=False,
+    )
