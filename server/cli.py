@@ -31,11 +31,11 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from server.core import open_core
-from server.db import DatabaseError
-from server.embedded import EmbeddedError, embedded_valkey
-from server.redisnodes import RedisNodes
+from server.hub.wire import uvicorn_config
 from server.settings import Settings, redact
-from server.wire import uvicorn_config
+from server.store.db import DatabaseError
+from server.store.embedded import EmbeddedError, embedded_valkey
+from server.store.redisnodes import RedisNodes
 
 log = logging.getLogger("redpacket")
 
@@ -77,7 +77,7 @@ def _redis_url(settings: Settings, command: str) -> Iterator[Settings]:
 
 async def _check_services(settings: Settings, redis_too: bool = True) -> None:
     """Fail fast, in one line, if the database or Redis does not answer."""
-    from server.db import connect
+    from server.store.db import connect
 
     try:
         db = await asyncio.wait_for(connect(settings.effective_database_url, 1), STARTUP_CHECK_SECONDS)
@@ -200,14 +200,14 @@ async def _serve(
 ) -> None:
     """One hub process on ``sock``. ``supervised``: one of ``serve --workers``, whose supervisor has
     checked the services and printed the address already."""
-    from server.app import create_app
+    from server.hub.app import create_app
 
     if not supervised:
         await _check_services(settings)
     app = create_app(settings, run_worker=with_worker, manage_gc=True)
     server = _Server(uvicorn_config(app, settings))
     # With 10k sockets open a full collection pauses the loop for a quarter of a second: start-up objects
-    # stay out of it, full collections wait for a quiet moment (server.gcpolicy), and the young
+    # stay out of it, full collections wait for a quiet moment (server.hub.gcpolicy), and the young
     # generation is collected less often during bursts.
     gc.freeze()
     gc.set_threshold(20_000, 20, 100)
@@ -220,7 +220,7 @@ async def _serve(
 
 def _serve_processes(settings: Settings, sock: socket.socket, workers: int) -> int:
     """``serve --workers N``: the services checked once, then N hub processes on the one socket."""
-    from server.procs import supervise
+    from server.hub.procs import supervise
 
     uvloop.run(_check_services(settings))
     _banner(settings, sock.getsockname()[1], workers)
@@ -284,8 +284,8 @@ def _worker_healthy(settings: Settings) -> bool:
 
 
 async def _migrate(settings: Settings) -> None:
-    from server import schema
-    from server.db import connect
+    from server.store import schema
+    from server.store.db import connect
 
     await _check_services(settings, redis_too=False)
     db = await connect(settings.effective_database_url)
@@ -303,7 +303,7 @@ def _when(ms: int) -> str:
 
 
 async def _blocks(settings: Settings, lift: int | None) -> None:
-    from server import bots
+    from server.hub import bots
 
     await _check_services(settings)
     async with open_core(settings) as core:
@@ -317,9 +317,9 @@ async def _blocks(settings: Settings, lift: int | None) -> None:
 
 
 async def _reconcile(settings: Settings) -> bool:
-    from server import schema
-    from server.db import connect
-    from server.reconcile import reconcile, render
+    from server.money.reconcile import reconcile, render
+    from server.store import schema
+    from server.store.db import connect
 
     await _check_services(settings, redis_too=False)
     db = await connect(settings.effective_database_url)
@@ -335,7 +335,7 @@ async def _reconcile(settings: Settings) -> bool:
 async def _recover(settings: Settings, packet_ids: list[int]) -> None:
     from server.errors import RedPacketError
     from server.ids import MAX_ID
-    from server.packets import recover_packet
+    from server.money.packets import recover_packet
 
     if bad := [p for p in packet_ids if not 1 <= p <= MAX_ID]:
         raise OperatorError(f"no packet can have the id {bad[0]}", 2)
@@ -351,9 +351,9 @@ async def _recover(settings: Settings, packet_ids: list[int]) -> None:
 
 
 async def _bench(settings: Settings, args: argparse.Namespace) -> None:
-    from server import hotbench, hubbench
-    from server.bench import run_db_read_bench, run_grab_bench
-    from server.creditbench import bench_credit, bench_storm
+    from server.tools import hotbench, hubbench
+    from server.tools.bench import run_db_read_bench, run_grab_bench
+    from server.tools.creditbench import bench_credit, bench_storm
 
     await _check_services(settings)
     what = args.what
@@ -422,7 +422,7 @@ def _parser() -> argparse.ArgumentParser:
         "recover", help="rebuild packets' Redis state from the database (safe while grabs go on)"
     )
     rec.add_argument("packet_ids", type=int, nargs="+", metavar="PACKET_ID")
-    # Parsed by server.load (every flag it does not know goes to Locust): listed here for --help only.
+    # Parsed by server.tools.load (every flag it does not know goes to Locust): listed here for --help only.
     sub.add_parser(
         "load",
         add_help=False,
@@ -454,7 +454,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     if command == "reconcile":
         return 0 if uvloop.run(_reconcile(settings)) else 1
     if command == "bench" and args.what == "tokens":  # pure CPU: no Redis, no database
-        from server.tokenbench import bench_tokens
+        from server.tools.tokenbench import bench_tokens
 
         bench_tokens(plot=Path(args.plot) if args.plot else None)
         return 0
@@ -531,7 +531,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def _load(argv: list[str]) -> None:
     """``redpacket load``: its own flags, every other one Locust's (so not through ``_parser``)."""
-    from server import load
+    from server.tools import load
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

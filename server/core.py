@@ -14,17 +14,18 @@ from redis.exceptions import ClusterDownError, ReadOnlyError, ResponseError, Try
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from server import errors, schema
-from server.batch import Batcher, Durability
-from server.db import Database, DatabaseError, connect
+from server import errors
 from server.errors import Unavailable
-from server.membership import Membership
-from server.queue import make_queue
-from server.redisnodes import RedisNodes, moved
-from server.repair import Repairs
-from server.scripts import Scripts
+from server.money.membership import Membership
+from server.money.split import Limits
 from server.settings import Settings
-from server.split import Limits
+from server.store import schema
+from server.store.batch import Batcher, Durability
+from server.store.db import Database, DatabaseError, connect
+from server.store.queue import make_queue
+from server.store.redisnodes import RedisNodes, moved
+from server.store.repair import Repairs
+from server.store.scripts import Scripts
 
 # Redis is down, restarting, loading its data (BusyLoadingError is a ConnectionError), or failing over
 # (a replica refusing writes, a cluster without a primary). Any other Redis error is a bug.
@@ -80,7 +81,7 @@ async def open_core(
     db = await connect(settings.effective_database_url, settings.db_pool_size)
     if not settings.redis_url:
         await db.close()
-        raise ValueError("no Redis URL: start the embedded Valkey first (see server.embedded)")
+        raise ValueError("no Redis URL: start the embedded Valkey first (see server.store.embedded)")
     nodes = RedisNodes(settings.redis_url, settings.redis_pool_size)
     queue = make_queue(settings)
     try:

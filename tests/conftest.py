@@ -15,11 +15,11 @@ import pymysql
 import pytest
 import redis
 
-from server import ledger
 from server.core import Core, open_core
-from server.db import Database, connect
-from server.schema import migrate
+from server.money import ledger
 from server.settings import Settings
+from server.store.db import Database, connect
+from server.store.schema import migrate
 
 TABLES = (
     "grab_records",
@@ -131,7 +131,7 @@ async def bulk_users(db: Database, prefix: str, n: int) -> list[int]:
 
 
 async def make_world(core: Core, members: int = 3, admin_cents: int = 1_000_000) -> World:
-    from server import groups
+    from server.money import groups
 
     admin = await ledger.create_user(core.db, "admin")
     await ledger.topup(core.db, admin, admin_cents, "seed")
@@ -167,15 +167,15 @@ async def hub_settings(redis_url: str, mysql_url: str) -> AsyncIterator[Settings
 
 async def block(core: Core, user: int, seconds: int = 60, action: str = "block") -> None:
     """What the bot detector does to a user (a block, or a throttle), through its own code."""
-    from server import bots
-    from server.botscore import Decision, Rules
+    from server.hub import bots
+    from server.hub.botscore import Decision, Rules
 
     await bots.apply(core, {user: Decision(user, action, seconds, ["a test"])}, Rules(), ledger.now_ms())
 
 
 async def outbox(core: Core, group: int) -> list[tuple[int, int, int, int, int, int]]:
     """The credit records waiting in a group's shard outbox, as parsed entries, in order."""
-    from server import keys
+    from server.store import keys
 
     rows = await core.redis.xrange(keys.outbox_for(group))
     return [keys.parse_credit_entry(fields[b"c"]) for _, fields in rows]

@@ -21,12 +21,12 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
-from server.app import create_app
 from server.cli import uvicorn_config
-from server.client import HubClient
 from server.core import Core
-from server.hub import Hub
+from server.hub.app import create_app
+from server.hub.hub import Hub
 from server.settings import Settings, child_env
+from server.tools.client import HubClient
 
 
 class _Server(uvicorn.Server):

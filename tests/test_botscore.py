@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.botscore import Attempt, Rules, score
+from server.hub.botscore import Attempt, Rules, score
 
 NOW = 1_800_000_000_000
 RULES = Rules()

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from server import keys
 from server.settings import Settings, child_env
+from server.store import keys
 from tests.hubtools import redpacket_up
 
 
@@ -118,7 +118,7 @@ def test_help_lists_every_command_with_help_and_no_markup() -> None:
 
 
 def _blocked(r: redis.Redis, user: int, until: int, why: str) -> None:
-    """What the bot detector writes for a block (``server.bots.apply``), written from outside."""
+    """What the bot detector writes for a block (``server.hub.bots.apply``), written from outside."""
     for n in range(keys.SHARDS):
         r.hset(keys.shard_gate(n), f"b:{user}", until)
     r.zadd(keys.BLOCKS, {str(user): until})

@@ -11,13 +11,16 @@ from typing import Any
 
 import pytest
 
-from server import bots, errors, events, keys, ledger, packets, settlement
-from server.botscore import Decision, Rules
-from server.client import HubClient, HubError
+from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError
-from server.reconcile import reconcile
+from server.hub import bots, events
+from server.hub.botscore import Decision, Rules
+from server.money import ledger, packets, settlement
+from server.money.reconcile import reconcile
 from server.settings import Settings
+from server.store import keys
+from server.tools.client import HubClient, HubError
 from tests.conftest import make_world
 from tests.hubtools import eventually, hub_process, worker_env
 from tests.redisproc import LocalCluster, local_cluster
@@ -40,7 +43,7 @@ async def test_every_operation_of_the_core_runs_on_the_cluster(cluster_core: Cor
     worlds = [await make_world(core, members=30, admin_cents=100_000) for _ in range(1)]
     w = worlds[0]
     # Several groups, so several shards and masters, each with a packet grabbed by everyone at once.
-    from server import groups
+    from server.money import groups
 
     more = []
     for i in range(5):
@@ -103,7 +106,7 @@ async def test_a_storm_on_the_cluster_is_paid_by_two_worker_processes(
 ) -> None:
     core = cluster_core
     w = await make_world(core, members=100, admin_cents=1_000_000)
-    from server import groups
+    from server.money import groups
 
     gids = [w.group]
     for i in range(5):

@@ -6,10 +6,12 @@ import asyncio
 
 import pytest
 
-from server import errors, keys, ledger, packets
+from server import errors
 from server.core import Core
 from server.errors import Conflict
-from server.ledger import Credit
+from server.money import ledger, packets
+from server.money.ledger import Credit
+from server.store import keys
 from tests.conftest import make_world, outbox
 from worker.drain import CreditDrain
 
@@ -153,7 +155,7 @@ async def _status(core: Core, packet_id: int) -> tuple[str, int | None]:
 
 
 async def test_a_packet_is_finished_by_the_transaction_that_credits_its_last_share(core: Core) -> None:
-    from server.crediting import credit_many
+    from server.money.crediting import credit_many
 
     w = await make_world(core, members=3, admin_cents=10_000)
     for last_alone in (True, False):

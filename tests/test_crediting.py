@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from server import errors, ledger, packets
+from server import errors
 from server.core import Core
-from server.crediting import credit_many
-from server.ledger import Credit
-from server.reconcile import reconcile
+from server.money import ledger, packets
+from server.money.crediting import credit_many
+from server.money.ledger import Credit
+from server.money.reconcile import reconcile
 from tests.conftest import make_world
 from tests.test_credit import assert_books_balance
 from worker.drain import CreditDrain

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from server import keys, ledger, packets
 from server.core import Core
-from server.reconcile import reconcile
+from server.money import ledger, packets
+from server.money.reconcile import reconcile
+from server.store import keys
 from tests.conftest import make_world, outbox
 from tests.hubtools import eventually
 from tests.test_credit import assert_books_balance, run_worker

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from server import errors, ledger, packets
+from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError
-from server.reconcile import reconcile
+from server.money import ledger, packets
+from server.money.reconcile import reconcile
 from tests.conftest import make_world
 from tests.hubtools import eventually
 from tests.redisproc import RedisProcess, needs_redis_server, redis_process, valkey_server

@@ -15,11 +15,11 @@ from pathlib import Path
 import pymysql
 import pytest
 
-from server import ledger, packets
 from server.core import Core, open_core
-from server.crediting import credit_many
-from server.ledger import Credit
-from server.reconcile import reconcile
+from server.money import ledger, packets
+from server.money.crediting import credit_many
+from server.money.ledger import Credit
+from server.money.reconcile import reconcile
 from tests.conftest import make_world
 from tests.hubtools import eventually, worker_env
 from tests.redisproc import needs_redis_server, redis_process

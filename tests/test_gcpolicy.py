@@ -1,4 +1,4 @@
-"""The hub's garbage-collection policy: full collections only when quiet (``server.gcpolicy``)."""
+"""The hub's garbage-collection policy: full collections only when quiet (``server.hub.gcpolicy``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import gc
 import weakref
 
-from server.gcpolicy import keep_collections_out_of_bursts
+from server.hub.gcpolicy import keep_collections_out_of_bursts
 from tests.hubtools import eventually
 
 

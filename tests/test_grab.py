@@ -8,11 +8,13 @@ from collections import Counter
 
 import pytest
 
-from server import errors, groups, keys, ledger, packets
-from server.batch import Batcher
+from server import errors
 from server.core import Core
 from server.errors import RedPacketError
-from server.membership import Membership
+from server.money import groups, ledger, packets
+from server.money.membership import Membership
+from server.store import keys
+from server.store.batch import Batcher
 from tests.conftest import block, bulk_users, make_world, outbox
 
 

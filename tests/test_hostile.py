@@ -17,7 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 
-from server import protocol, text
+from server import text
+from server.hub import protocol
 from server.settings import Settings
 from tests.hubtools import HubUnderTest, hub_in_process
 from tests.test_hub import make_room
@@ -219,7 +220,7 @@ async def test_every_http_error_is_the_documented_json(
         async def broken(*args: object) -> int:
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr("server.ledger.balance", broken)
+        monkeypatch.setattr("server.money.ledger.balance", broken)
         r = await http.get("/api/me", headers=auth)
     assert r.status_code == 500 and r.json() == {"error": {"code": "internal", "message": "internal error"}}
     assert "a bug" in caplog.text  # the operator still sees the traceback

@@ -13,13 +13,14 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
-from server import bots, keys, known, protocol
-from server.botscore import Attempt
-from server.client import HubClient, HubError
-from server.known import Closed, local_refusal
-from server.ledger import now_ms
+from server.hub import bots, known, protocol
+from server.hub.botscore import Attempt
+from server.hub.known import Closed, local_refusal
+from server.hub.tokens import make_token
+from server.money.ledger import now_ms
 from server.settings import Settings
-from server.tokens import make_token
+from server.store import keys
+from server.tools.client import HubClient, HubError
 from tests.conftest import block
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
 
@@ -315,7 +316,7 @@ async def test_rate_limits_and_blocks(hub_settings: Settings) -> None:
         admin = await h.client(room.admin_token)
         member = await h.client(room.members[0][1])
         # Two shares: the second is still there when the blocked admin tries (a grab of a packet the hub
-        # knows is empty is answered packet_empty before any block: server.known).
+        # knows is empty is answered packet_empty before any block: server.hub.known).
         sent = await admin.request("send", group=room.group, total=300, count=2)
         codes = []
         for _ in range(3):
@@ -716,8 +717,8 @@ async def test_a_storm_sends_redis_about_as_many_grabs_as_shares(
 def test_the_packet_view_is_sent_with_every_field_of_the_dataclass() -> None:
     from dataclasses import asdict
 
-    from server.packets import Grab, PacketView
-    from server.session import view_dict
+    from server.hub.session import view_dict
+    from server.money.packets import Grab, PacketView
 
     grabs = [Grab(8, 2, 301, 1_796_000_000_450), Grab(7, 1, 587, 1_796_000_001_200)]
     v = PacketView(
@@ -745,7 +746,7 @@ async def test_the_hot_packet_gauges_read_the_storm_admission() -> None:
     from typing import cast
 
     from server.core import Core
-    from server.known import Known
+    from server.hub.known import Known
 
     k = Known(cast(Core, None))
     assert k.hottest() == (0, 0, 0)

@@ -9,9 +9,10 @@ from typing import Any
 
 from websockets.exceptions import ConnectionClosed
 
-from server import keys, protocol
-from server.client import HubClient
+from server.hub import protocol
 from server.settings import Settings
+from server.store import keys
+from server.tools.client import HubClient
 from tests.hubtools import eventually, hub_process
 
 
@@ -121,9 +122,9 @@ async def queued_seqs(settings: Settings, group: int, packet_id: int) -> list[in
 async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> None:
     """SIGKILL mid-storm: every grab Redis recorded is paid — its credit job was queued in the same
     Lua call, and the sweeper pays any whose job is gone."""
-    from server import settlement
     from server.core import open_core
-    from server.reconcile import reconcile
+    from server.money import settlement
+    from server.money.reconcile import reconcile
     from tests.test_credit import run_worker
 
     async with hub_process(hub_settings) as a, hub_process(hub_settings) as b:

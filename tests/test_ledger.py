@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from server import errors, ledger
+from server import errors
 from server.core import Core
-from server.db import Database
 from server.errors import Conflict, InvalidRequest
+from server.money import ledger
+from server.store.db import Database
 
 
 async def _journal_rows(db: Database) -> int:
@@ -69,6 +70,6 @@ async def test_names_are_unique(core: Core) -> None:
 
 
 async def test_migrations_run_once(sqlite_db: Database) -> None:
-    from server.schema import migrate
+    from server.store.schema import migrate
 
     assert await migrate(sqlite_db) == []

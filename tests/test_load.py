@@ -15,8 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from server.loadplan import StageFigures, bucket_quantile, knee, parse_stages, percentile, stage_at, subtract
 from server.settings import child_env
+from server.tools.loadplan import (
+    StageFigures,
+    bucket_quantile,
+    knee,
+    parse_stages,
+    percentile,
+    stage_at,
+    subtract,
+)
 from tests.hubtools import redpacket_up
 
 
@@ -165,7 +173,7 @@ def test_a_step_up_run_against_a_hub_and_worker(tmp_path: Path) -> None:
 
 
 def test_server_frames_are_parsed_whole_and_partial_ones_left_for_later() -> None:
-    from server.loadplan import server_frames
+    from server.tools.loadplan import server_frames
 
     small = bytes([0x82, 3]) + b"abc"
     mid = bytes([0x82, 126]) + (300).to_bytes(2, "big") + b"x" * 300

@@ -136,8 +136,9 @@ async def test_every_metric_named_is_exported_by_a_running_hub_and_worker(hub_se
             named = set(METRIC.findall(target["expr"]))
             assert named and named <= exported, (panel["title"], named - exported)
 
-    # The load report reads these by name (server/locustfile.py).
-    load = set(re.findall(r'"(redpacket_[a-z0-9_]+)[{"]', (ROOT / "server" / "locustfile.py").read_text()))
+    # The load report reads these by name (server/tools/locustfile.py).
+    locustfile = ROOT / "server" / "tools" / "locustfile.py"
+    load = set(re.findall(r'"(redpacket_[a-z0-9_]+)[{"]', locustfile.read_text()))
     assert load and load <= exported | {m.removesuffix("_bucket") for m in exported}, load - exported
 
     # The README documents every metric (by the name a scrape shows, counters with _total).

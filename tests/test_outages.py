@@ -9,10 +9,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server import announce, keys
-from server.client import HubClient, HubError
-from server.ledger import now_ms
+from server.hub import announce
+from server.money.ledger import now_ms
 from server.settings import Settings
+from server.store import keys
+from server.tools.client import HubClient, HubError
 from tests.hubtools import HubUnderTest, hub_in_process
 from tests.redisproc import needs_redis_server, redis_process
 from tests.test_hub import make_room
@@ -85,7 +86,7 @@ async def _event(c: HubClient, kind: str) -> dict[str, object]:
 
 async def _packet_events(h: HubUnderTest, group: int, packet_id: int) -> list[str]:
     """The offsets of the group stream's ``packet`` events for this packet."""
-    from server import events
+    from server.hub import events
 
     missed = await events.since(h.core, group, "0-0", 10_000)
     return [o for o, kind, data in missed.events if kind == "packet" and data["packet_id"] == packet_id]
@@ -166,7 +167,7 @@ async def test_grab_announcements_survive_failed_publishes_and_come_once_in_orde
         )
         assert ev["data"]["best_luck"]["amount"] == max(int(r["amount"]) for r in got)  # type: ignore[index]
         # Exactly once in the group's stream: one finished, each grab in one grabs event.
-        from server import events
+        from server.hub import events
 
         kept = (await events.since(h.core, g, "0-0", 1_000)).events
         assert [k for _, k, _ in kept].count("finished") == 1

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from server import keys, ledger, packets
 from server.core import Core
 from server.errors import RedPacketError
+from server.money import ledger, packets
+from server.store import keys
 from tests.conftest import make_world
 from tests.test_credit import assert_books_balance, run_worker
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import redis
 
-from server import errors, groups, keys, ledger, packets
+from server import errors
 from server.core import Core
 from server.errors import RedPacketError
+from server.money import groups, ledger, packets
+from server.store import keys
 from tests.conftest import make_world
 
 

@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 import pytest
 
-from server import ledger
-from server.client import HubClient, HubError
-from server.db import connect
-from server.reconcile import reconcile
+from server.hub.tokens import make_token
+from server.money import ledger
+from server.money.reconcile import reconcile
 from server.settings import Settings
-from server.tokens import make_token
+from server.store.db import connect
+from server.tools.client import HubClient, HubError
 from tests.hubtools import HubUnderTest, hub_in_process
 
 KEY = "service-key-of-the-chat-backend-0123456789"

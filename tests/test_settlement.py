@@ -6,11 +6,12 @@ import asyncio
 import subprocess
 import sys
 
-from server import keys, ledger, packets, settlement
 from server.core import Core
 from server.errors import RedPacketError
-from server.reconcile import reconcile
+from server.money import ledger, packets, settlement
+from server.money.reconcile import reconcile
 from server.settings import child_env
+from server.store import keys
 from tests.conftest import make_world
 from tests.test_credit import assert_books_balance, run_worker
 

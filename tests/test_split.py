@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from server import errors
 from server.errors import InvalidRequest
-from server.split import Limits, double_average, split, validate_request
+from server.money.split import Limits, double_average, split, validate_request
 
 LIMITS = Limits(max_count=100, max_total_cents=20_000, max_greeting_chars=64)
 

@@ -23,12 +23,12 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from websockets.exceptions import ConnectionClosed
 
-from server import protocol
-from server import tokens as tokens_module
-from server.client import HubClient
 from server.errors import Unavailable
+from server.hub import protocol
+from server.hub import tokens as tokens_module
+from server.hub.tokens import SEEN_TOKENS, Jwks, Rules, TokenError, Tokens, make_token, verify
 from server.settings import Settings
-from server.tokens import SEEN_TOKENS, Jwks, Rules, TokenError, Tokens, make_token, verify
+from server.tools.client import HubClient
 from tests.hubtools import hub_in_process
 
 SECRET = b"a-long-random-secret-of-the-hub-and-the-backend"

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.client import HubClient, HubError
+from server.tools.client import HubClient, HubError
 from tests.hubtools import redpacket_up
 
 

@@ -21,10 +21,10 @@ from datetime import UTC, datetime
 import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
-from server import ledger
-from server.client import HubClient
-from server.db import connect
+from server.money import ledger
 from server.settings import Settings
+from server.store.db import connect
+from server.tools.client import HubClient
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
 from tests.webtools import (
     DESKTOP,

@@ -1,4 +1,4 @@
-"""The hub's frames below ASGI (``server.wire``) and a connection's send queues (``hub.Connection``)."""
+"""The hub's frames below ASGI (``server.hub.wire``) and a connection's send queues (``hub.Connection``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import cast
 import pytest
 from websockets.frames import Frame, Opcode
 
-from server import protocol
-from server.hub import Connection, Hub
-from server.metrics import HubMetrics
-from server.wire import HubWebSocket, data_frame
+from server.hub import protocol
+from server.hub.hub import Connection, Hub
+from server.hub.metrics import HubMetrics
+from server.hub.wire import HubWebSocket, data_frame
 
 
 @pytest.mark.parametrize("size", [0, 1, 125, 126, 65535, 65536, 70000])

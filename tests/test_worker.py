@@ -6,9 +6,9 @@ import asyncio
 import subprocess
 import sys
 
-from server import packets
 from server.core import Core
-from server.ledger import balance
+from server.money import packets
+from server.money.ledger import balance
 from server.settings import Settings
 from tests.conftest import make_world
 from tests.hubtools import eventually, free_port, worker_env

@@ -28,10 +28,10 @@ from typing import Any
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
-from server import keys
 from server.core import Core
-from server.crediting import credit_many
-from server.ledger import Credit, now_ms
+from server.money.crediting import credit_many
+from server.money.ledger import Credit, now_ms
+from server.store import keys
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class CreditDrain:
     async def _each_shard(
         self, command: Callable[[int, Pipeline], object], shards: list[int] | None = None
     ) -> list[Any]:
-        """One command per shard's outbox, sent as one pipeline per master (``server.batch``); each
+        """One command per shard's outbox, sent as one pipeline per master (``server.store.batch``); each
         answer, or the exception that answered it, in shard order."""
         b = self.core.batcher
 

@@ -18,9 +18,9 @@ from typing import Any, cast
 from arq import Worker
 from arq.cron import cron
 
-from server import keys
 from server.core import Core
-from server.queue import job_deserializer, job_serializer
+from server.store import keys
+from server.store.queue import job_deserializer, job_serializer
 from worker.drain import CreditDrain
 from worker.metrics import WorkerMetrics
 from worker.settle import announce_job, reconcile_job, refund_expired_job, score_bots_job, sweep_job

@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 from arq.connections import RedisSettings
 
 from server.core import open_core
-from server.queue import job_deserializer, job_serializer
 from server.settings import Settings
+from server.store.queue import job_deserializer, job_serializer
 from worker.drain import CreditDrain
 from worker.main import cron_jobs, heartbeat
 from worker.metrics import WorkerMetrics

@@ -11,10 +11,11 @@ import logging
 import time
 from typing import Any, TypedDict
 
-from server import announce, settlement
-from server.bots import run_detector
 from server.core import Core
-from server.reconcile import reconcile
+from server.hub import announce
+from server.hub.bots import run_detector
+from server.money import settlement
+from server.money.reconcile import reconcile
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,277 @@
+"""The hub's Starlette app: the websocket at ``/ws`` and the HTTP routes for what is not live.
+
+The lifespan owns the database and Redis pools (``open_core``), the hub (one pub/sub connection) and,
+under ``redpacket up``, an in-process credit worker. HTTP callers authenticate with
+``Authorization: Bearer <token>``; errors are ``{"error": {"code", "message"}}`` with a stable code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+
+from server import errors
+from server.core import Core, open_core
+from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
+from server.hub import service
+from server.hub.gcpolicy import keep_collections_out_of_bursts
+from server.hub.httpkit import endpoint, error_response, id_of, json_body, path_id
+from server.hub.hub import Hub
+from server.hub.metrics import HubMetrics
+from server.hub.session import view_dict, websocket_endpoint
+from server.hub.tokens import make_token
+from server.money import groups, ledger, packets
+from server.settings import Settings
+from server.store.shipped import shipped_dir
+
+log = logging.getLogger(__name__)
+
+
+WEB_DIR = shipped_dir("web")
+
+
+async def login(request: Request, core: Core, _: int) -> dict[str, Any]:
+    """Dev login by name (creates the user on first use). Off unless REDPACKET_DEV_LOGIN=1 or `up`."""
+    if not core.settings.dev_login:
+        raise Forbidden(errors.DISABLED, "dev login is disabled on this hub")
+    if not request.app.state.hub.tokens.rules.hmac:
+        raise Forbidden(errors.DISABLED, "dev login issues HS256 tokens; this hub takes RS256/ES256 only")
+    name = (await json_body(request)).get("name")
+    if not isinstance(name, str):
+        raise InvalidRequest(errors.NAME_INVALID, "name is required")
+    user_id = await ledger.user_by_name(core.db, name)
+    if user_id is None:
+        try:
+            user_id = await ledger.create_user(core.db, name)
+        except Conflict:  # created by a concurrent login
+            user_id = await ledger.user_by_name(core.db, name)
+    if user_id is None:
+        raise Conflict(errors.NAME_TAKEN, "try again")
+    token = make_token(
+        core.settings.secret.encode(), user_id, int(time.time()), core.settings.token_ttl_seconds
+    )
+    return {"user_id": user_id, "name": name.strip(), "token": token}
+
+
+async def me(request: Request, core: Core, user: int) -> dict[str, Any]:
+    row = await core.db.fetchone("SELECT name FROM users WHERE id = %s", (user,))
+    if row is None:
+        raise NotFound(errors.USER_NOT_FOUND, "no such user")
+    return {
+        "user_id": user,
+        "name": row[0],
+        "balance": await ledger.balance(core.db, user),
+        "groups": await groups.groups_of(core.db, user),
+    }
+
+
+async def topup(request: Request, core: Core, user: int) -> dict[str, Any]:
+    if not core.settings.demo_topup:
+        raise Forbidden(errors.DISABLED, "top-ups are disabled on this hub")
+    body = await json_body(request)
+    await ledger.topup(core.db, user, body.get("amount"), body.get("request_id"))
+    return {"user_id": user, "balance": await ledger.balance(core.db, user)}
+
+
+async def create_group(request: Request, core: Core, user: int) -> dict[str, Any]:
+    body = await json_body(request)
+    gid = await groups.create_group(
+        core.db, user, str(body.get("name") or ""), bool(body.get("members_can_send"))
+    )
+    await core.membership.changed(gid, [user], "added")
+    return {"group_id": gid}
+
+
+async def list_members(request: Request, core: Core, user: int) -> dict[str, Any]:
+    gid = path_id(request, "group_id")
+    await core.membership.require(gid, user)
+    return {"group_id": gid, "members": await groups.members_of(core.db, gid)}
+
+
+async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]:
+    gid = path_id(request, "group_id")
+    await groups.require_admin(core.db, gid, user)
+    body = await json_body(request)
+    ids = [id_of(u, errors.USER_NOT_FOUND, "user") for u in body.get("user_ids", [])]
+    unknown: list[str] = []
+    for name in body.get("names", []):
+        found = await ledger.user_by_name(core.db, name)
+        if found is None:
+            unknown.append(name)
+        else:
+            ids.append(found)
+    if unknown:
+        # Every unknown name at once, and nobody added: the admin fixes the list and sends it again.
+        raise NotFound(errors.USER_NOT_FOUND, f"no user named {', '.join(unknown)}", names=unknown)
+    role = body.get("role", "member")
+    added = await groups.add_members(core.db, core.membership, gid, ids, role)
+    hub: Hub = request.app.state.hub
+    for u in ids:
+        await hub.publish(gid, "member_added", {"user": u, "role": role, "by": user})
+    return {"group_id": gid, "added": added}
+
+
+async def remove_member(request: Request, core: Core, user: int) -> dict[str, Any]:
+    gid = path_id(request, "group_id")
+    target = path_id(request, "user_id")
+    if target != user:  # anyone may leave; only admins remove others
+        await groups.require_admin(core.db, gid, user)
+    removed = await groups.remove_member(core.db, core.membership, gid, target)
+    if removed:
+        await request.app.state.hub.publish(gid, "member_removed", {"user": target, "by": user})
+    return {"group_id": gid, "removed": removed}
+
+
+async def make_admin(request: Request, core: Core, user: int) -> dict[str, Any]:
+    gid = path_id(request, "group_id")
+    target = path_id(request, "user_id")
+    await groups.require_admin(core.db, gid, user)
+    await groups.set_role(core.db, core.membership, gid, target, "admin")
+    await request.app.state.hub.publish(gid, "member_role", {"user": target, "role": "admin", "by": user})
+    return {"group_id": gid, "user_id": target, "role": "admin"}
+
+
+async def packet_detail(request: Request, core: Core, user: int) -> dict[str, Any]:
+    pid = path_id(request, "packet_id")
+    row = await core.db.fetchone("SELECT group_id, status FROM red_packets WHERE id = %s", (pid,))
+    if row is None:
+        raise NotFound(errors.PACKET_NOT_FOUND, "no such packet")
+    view = await packets.open_packet(core, pid, int(row[0]), user)
+    states = await core.db.fetchall("SELECT user_id, status FROM grab_records WHERE packet_id = %s", (pid,))
+    credited = {int(r[0]): r[1] for r in states}
+    data = view_dict(view)
+    for g in data["grabs"]:
+        g["status"] = credited.get(g["user_id"], "grabbed")
+    return {**data, "status": row[1]}
+
+
+async def my_packets(request: Request, core: Core, user: int) -> dict[str, Any]:
+    sent = await core.db.fetchall(
+        "SELECT p.id, p.group_id, p.kind, p.total, p.share_count, p.greeting, p.status, p.created_ms,"
+        " (SELECT COUNT(*) FROM grab_records g WHERE g.packet_id = p.id)"
+        " FROM red_packets p WHERE p.sender_id = %s ORDER BY p.id DESC LIMIT 100",
+        (user,),
+    )
+    got = await core.db.fetchall(
+        "SELECT g.packet_id, p.group_id, g.amount, g.status, g.grabbed_ms, p.sender_id, u.name, p.kind,"
+        " p.greeting FROM grab_records g JOIN red_packets p ON p.id = g.packet_id"
+        " JOIN users u ON u.id = p.sender_id"
+        " WHERE g.user_id = %s ORDER BY g.grabbed_ms DESC LIMIT 100",
+        (user,),
+    )
+    sent_keys = "packet_id group_id kind total count greeting status created_ms paid_out".split()
+    got_keys = "packet_id group_id amount status grabbed_ms sender_id sender_name kind greeting".split()
+    return {
+        "sent": [dict(zip(sent_keys, r, strict=True)) for r in sent],
+        "received": [dict(zip(got_keys, r, strict=True)) for r in got],
+    }
+
+
+async def healthz(request: Request) -> Response:
+    core: Core = request.app.state.core
+    try:
+        await core.redis.ping()
+    except Exception as e:
+        return error_response(errors.REDIS_UNAVAILABLE, str(e), 503)
+    try:
+        await core.db.fetchone("SELECT 1")
+    except Exception as e:
+        return error_response(errors.DATABASE_UNAVAILABLE, str(e), 503)
+    return JSONResponse({"ok": True})
+
+
+_HTTP_CODES = {404: errors.NOT_FOUND, 405: errors.METHOD_NOT_ALLOWED}
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route or file, wrong method) as the documented JSON error."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    return error_response(_HTTP_CODES.get(status, errors.BAD_REQUEST), str(detail), status)
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    """A bug: logged with its traceback; the caller gets the documented JSON error, never a text page."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(errors.INTERNAL, "internal error", 500)
+
+
+async def metrics(request: Request) -> Response:
+    """This hub process's metrics, and under ``redpacket up`` the in-process worker's after them."""
+    body = generate_latest(request.app.state.metrics.registry)
+    worker = getattr(request.app.state, "worker_metrics", None)
+    if worker is not None:
+        body += generate_latest(worker.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = False) -> Starlette:
+    """The hub app for ``settings``; nothing connects until the lifespan starts. ``manage_gc``: this
+    process is the hub's own (``redpacket serve`` / ``up``): keep collections out of bursts
+    (``server.hub.gcpolicy``)."""
+    if not settings.secret and "HS256" in settings.jwt_algorithm_list:
+        raise ValueError("REDPACKET_SECRET is required to check HS256 tokens")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.state.metrics = hub_metrics = HubMetrics()
+        async with open_core(settings) as core, Hub(core, hub_metrics) as hub:
+            app.state.core, app.state.hub = core, hub
+            hub_metrics.read_pools(core.nodes.connections_in_use, core.db.connections_in_use)
+            hub_metrics.read_hot(hub.known.hottest)
+            frames = hub_metrics.frames_in
+            background = [asyncio.create_task(hub_metrics.watch_loop())]
+            if manage_gc:
+                background.append(
+                    asyncio.create_task(keep_collections_out_of_bursts(lambda: float(frames._value.get())))
+                )
+            try:
+                if run_worker:
+                    from worker.main import running_worker
+                    from worker.metrics import WorkerMetrics
+
+                    app.state.worker_metrics = WorkerMetrics(own_process=False)
+                    async with running_worker(core, app.state.worker_metrics):
+                        yield
+                else:
+                    yield
+            finally:
+                for task in background:
+                    task.cancel()
+                await asyncio.gather(*background, return_exceptions=True)
+
+    return Starlette(
+        routes=[
+            WebSocketRoute("/ws", websocket_endpoint),
+            Route("/healthz", healthz),
+            Route("/metrics", metrics),
+            Route("/api/login", endpoint(login, public=True), methods=["POST"]),
+            Route("/api/me", endpoint(me)),
+            Route("/api/me/packets", endpoint(my_packets)),
+            Route("/api/topup", endpoint(topup), methods=["POST"]),
+            Route("/api/groups", endpoint(create_group), methods=["POST"]),
+            Route("/api/groups/{group_id}/members", endpoint(list_members), methods=["GET"]),
+            Route("/api/groups/{group_id}/members", endpoint(add_members), methods=["POST"]),
+            Route("/api/groups/{group_id}/members/{user_id}", endpoint(remove_member), methods=["DELETE"]),
+            Route("/api/groups/{group_id}/admins/{user_id}", endpoint(make_admin), methods=["POST"]),
+            Route("/api/packets/{packet_id}", endpoint(packet_detail)),
+            # The chat backend's API, behind REDPACKET_SERVICE_KEY (docs/integration.md).
+            *service.routes(),
+            # The demo page: static files, no build step (web/README.md).
+            Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
+        ],
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+    )

@@ -1,0 +1,163 @@
+"""The I/O around bot scoring: record grab attempts (hubs), read the last minute of them, apply the
+decisions as time-limited throttles and blocks that every hub enforces at grab time, list and lift
+blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import cast
+
+import msgpack
+from redis.exceptions import RedisError
+
+from server.core import Core
+from server.hub.botscore import Attempt, Decision, Rules, score
+from server.money.ledger import now_ms
+from server.store import keys
+
+log = logging.getLogger(__name__)
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class AttemptLog:
+    """Grab attempts as a hub records them for the detector: kept in memory and written as one stream
+    entry (a msgpack list of attempts) per ``interval``, so a grab storm costs the stream one entry per
+    interval, not one per grab. A hub that dies loses at most one interval of them: they only advise."""
+
+    def __init__(self, core: Core, interval: float = 0.1) -> None:
+        self.core = core
+        self.interval = interval
+        self.pending: list[list[object]] = []
+        self.timer: asyncio.TimerHandle | None = None
+        self.writing: set[asyncio.Task[None]] = set()
+
+    def record(self, a: Attempt) -> None:
+        self.pending.append([a.user, a.group, a.packet, a.reaction_ms, a.device, a.ms])
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.interval, self._write_soon)
+
+    def _write_soon(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.flush())
+        self.writing.add(task)
+        task.add_done_callback(self.writing.discard)
+
+    async def flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch, self.pending = self.pending, []
+        if not batch:
+            return
+        try:
+            await self.core.redis.xadd(
+                keys.GRAB_ATTEMPTS, {"a": msgpack.packb(batch)}, maxlen=10_000, approximate=True
+            )
+        except RedisError as e:
+            log.warning("%d grab attempts not recorded for the bot detector: %s", len(batch), e)
+
+    async def close(self) -> None:
+        await self.flush()
+        if self.writing:
+            await asyncio.gather(*self.writing, return_exceptions=True)
+
+
+async def recent_attempts(core: Core, now: int, window_ms: int = 60_000) -> list[Attempt]:
+    # An entry is written up to one interval after its attempts: read a little further back, then
+    # keep the attempts of the window by their own time.
+    rows = await core.redis.xrange(keys.GRAB_ATTEMPTS, min=str(now - window_ms - 5_000), max="+")
+    out = []
+    for _, f in rows:
+        for user, group, packet, reaction_ms, device, ms in msgpack.unpackb(f[b"a"]):
+            if ms >= now - window_ms:
+                out.append(Attempt(user, group, packet, reaction_ms, device, ms))
+    return out
+
+
+async def apply(core: Core, decisions: dict[int, Decision], rules: Rules, now: int) -> int:
+    """Set the throttles and blocks; returns how many blocks were set.
+
+    The grab script reads them in its own slot, so each decision is written into every shard's gate
+    (``keys.shard_gate``); blocks are also listed for operators under ``{ctl}``. Entries past their end are
+    removed here too. Blocks are rare: a few dozen writes per decision is cheap.
+    """
+    blocks = 0
+    async with core.redis.pipeline(transaction=False) as pipe:
+        for d in decisions.values():
+            until = now + d.seconds * 1000
+            for n in range(keys.SHARDS):
+                if d.action == "block":
+                    pipe.hset(keys.shard_gate(n), f"b:{d.user}", str(until))
+                else:
+                    slower = f"{rules.throttled_grabs_per_second}:{until}"
+                    pipe.hset(keys.shard_gate(n), f"t:{d.user}", slower)
+            if d.action == "block":
+                pipe.zadd(keys.BLOCKS, {str(d.user): until})
+                pipe.hset(keys.BLOCK_REASONS, str(d.user), "; ".join(d.reasons))
+        await pipe.execute()
+    for d in decisions.values():
+        if d.action == "block":
+            blocks += 1
+            log.warning("blocked user %d for %d s: %s", d.user, d.seconds, "; ".join(d.reasons))
+        else:
+            log.info("throttled user %d for %d s: %s", d.user, d.seconds, "; ".join(d.reasons))
+    await _forget_expired(core, now)
+    return blocks
+
+
+async def _forget_expired(core: Core, now: int) -> None:
+    """Drop gate entries whose time is over (they no longer apply; this keeps the gates small)."""
+    async with core.redis.pipeline(transaction=False) as pipe:
+        for n in range(keys.SHARDS):
+            pipe.hgetall(keys.shard_gate(n))
+        gates = await pipe.execute()
+    async with core.redis.pipeline(transaction=False) as pipe:
+        for n, gate in enumerate(gates):
+            over = [field for field, value in gate.items() if int(_text(value).rsplit(":", 1)[-1]) <= now]
+            if over:
+                pipe.hdel(keys.shard_gate(n), *over)
+        expired = await core.redis.zrangebyscore(keys.BLOCKS, "-inf", now)
+        if expired:
+            pipe.zrem(keys.BLOCKS, *expired)
+            pipe.hdel(keys.BLOCK_REASONS, *expired)
+        await pipe.execute()
+
+
+async def run_detector(core: Core, rules: Rules | None = None, now: int | None = None) -> dict[int, Decision]:
+    rules = rules or Rules()
+    now = now_ms() if now is None else now
+    decisions = score(await recent_attempts(core, now), rules, now)
+    await apply(core, decisions, rules, now)
+    return decisions
+
+
+@dataclass(frozen=True)
+class Block:
+    user: int
+    until_ms: int
+    reasons: str
+
+
+async def list_blocks(core: Core) -> list[Block]:
+    now = now_ms()
+    out = []
+    for user, until in await core.redis.zrangebyscore(keys.BLOCKS, f"({now}", "+inf", withscores=True):
+        reasons = await cast(Awaitable[bytes | None], core.redis.hget(keys.BLOCK_REASONS, user))
+        out.append(Block(int(user), int(until), _text(reasons or b"")))
+    return out
+
+
+async def lift(core: Core, user: int) -> bool:
+    """End a user's block and throttle on every shard; True if they were blocked or throttled."""
+    async with core.redis.pipeline(transaction=False) as pipe:
+        for n in range(keys.SHARDS):
+            pipe.hdel(keys.shard_gate(n), f"b:{user}", f"t:{user}")
+        pipe.zrem(keys.BLOCKS, str(user))
+        pipe.hdel(keys.BLOCK_REASONS, str(user))
+        results = await pipe.execute()
+    return any(results[: keys.SHARDS]) or bool(results[-2])

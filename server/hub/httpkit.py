@@ -1,0 +1,95 @@
+"""The HTTP API's plumbing, shared by the user routes (``server.hub.app``) and the chat backend's
+(``server.hub.service``): JSON in, JSON out, every error as ``{"error": {"code", "message", ...}}`` with a
+stable code and its status, the caller's user from a bearer token."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server import errors, text
+from server.core import Core, unavailable
+from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
+from server.hub.tokens import TokenError, Tokens
+from server.ids import MAX_ID
+
+_STATUS = {
+    InvalidRequest: 400,
+    Forbidden: 403,
+    NotFound: 404,
+    Conflict: 409,
+    Unavailable: 503,
+    TokenError: 401,
+}
+
+Handler = Callable[[Request, Core, int], Awaitable[Any]]
+
+
+def error_response(
+    code: str, message: str, status: int, details: dict[str, Any] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": {**(details or {}), "code": code, "message": message}}, status_code=status)
+
+
+def bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:] if auth.lower().startswith("bearer ") else None
+
+
+async def user_of(request: Request) -> int:
+    """The user the request's bearer token names (the hub's token check)."""
+    tokens: Tokens = request.app.state.hub.tokens
+    return await tokens.user(bearer(request))
+
+
+def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
+    """Run ``handler`` with the Core and the caller's user id; JSON in, JSON out, errors as codes."""
+
+    async def run(request: Request) -> Response:
+        core: Core = request.app.state.core
+        try:
+            user = 0 if public else await user_of(request)
+            return JSONResponse(await handler(request, core, user))
+        except RedPacketError as e:
+            return error_response(e.code, e.message, _STATUS.get(type(e), 400), e.details)
+        except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
+            return error_response(errors.BAD_REQUEST, f"malformed request: {e}", 400)
+        except Exception as e:
+            down = unavailable(e)
+            if down is not None:
+                return error_response(down.code, down.message, 503)
+            raise  # a bug: the app's exception handler answers the documented JSON error
+
+    return run
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    data = await request.json()
+    if not isinstance(data, dict):
+        raise InvalidRequest(errors.BAD_REQUEST, "the body must be a JSON object")
+    if text.has_surrogates(data):
+        raise InvalidRequest(
+            errors.BAD_REQUEST, "a string holds a lone surrogate (\\ud800-\\udfff): not text"
+        )
+    return data
+
+
+def id_of(value: object, unknown: str, what: str) -> int:
+    """An id from a path or a body: ``bad_request`` unless it is a whole number, ``unknown`` (not found)
+    when no id can be that number."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequest(errors.BAD_REQUEST, f"{what} must be a whole number")
+    if not 1 <= value <= MAX_ID:
+        raise NotFound(unknown, f"no {what} {value}")
+    return value
+
+
+def path_id(request: Request, name: str) -> int:
+    unknown = {"group_id": errors.GROUP_NOT_FOUND, "user_id": errors.USER_NOT_FOUND}
+    return id_of(request.path_params[name], unknown.get(name, errors.PACKET_NOT_FOUND), name)

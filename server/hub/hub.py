@@ -1,0 +1,444 @@
+"""The hub of one process: which local connections are in which group, one pub/sub connection for all
+of them, and the fan-out of each group event to every local member, encoded once per format.
+
+A group's channel is subscribed while at least one local member of it is online. If the pub/sub
+connection drops, the hub reconnects, resubscribes, and replays what it missed from each group's stream
+(or tells its clients to resync when the stream no longer has it): nothing is lost silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable
+from typing import Any
+
+from server.core import Core
+from server.hub import events, protocol
+from server.hub.announce import Announcer
+from server.hub.bots import AttemptLog
+from server.hub.known import Known
+from server.hub.metrics import HubMetrics
+from server.hub.protocol import Format, offset_key
+from server.hub.subscriber import Subscriber
+from server.hub.tokens import Rules, Tokens
+from server.hub.wire import HubWebSocket, data_frame
+from server.money.groups import MemberCounts
+from server.money.membership import parse_change
+from server.money.packets import call_script
+from server.store import keys
+
+log = logging.getLogger(__name__)
+
+OffsetKey = tuple[int, int]
+# Users per presence script call (their keys all in the group's slot).
+PRESENCE_BATCH = 500
+# Sockets an event is written to per loop iteration before other work gets a turn.
+FANOUT_CHUNK = 1000
+
+
+class Connection:
+    """One client socket as the hub sees it. A frame goes straight to the socket's transport while it
+    takes more; otherwise it waits in a bounded queue, replies ahead of events, until the transport
+    drains (``server.hub.wire``). A client whose queue overflows is too slow and is cut, never waited on.
+    ``ended`` resolves when the client has gone or the hub decided to close it (``closing``)."""
+
+    # Ten thousand of these live in a hub: no per-instance dict, queues made only when needed.
+    __slots__ = (
+        "_events", "_replies", "announced", "close_code", "close_reason", "closing", "device", "ended",
+        "fmt", "groups", "held", "hub", "id", "last", "user_id", "wire",
+    )  # fmt: skip
+
+    def __init__(self, hub: Hub, wire: HubWebSocket, user_id: int, fmt: Format, device: str = "") -> None:
+        self.hub = hub
+        self.wire = wire
+        self.user_id = user_id
+        self.fmt: Format = fmt
+        self.id = f"{hub.id[:6]}{next(hub.serial) & 0xFFFFFF:06x}"
+        # Framed bytes waiting for the transport: replies go out before events (a grab's reply does not
+        # wait behind the room's announcements); each kind keeps its own order.
+        self._replies: deque[bytes] | None = None
+        self._events: deque[bytes] | None = None
+        self.groups: set[int] = set()
+        # Per group: the newest offset delivered; events of a group are held until the client syncs it.
+        self.last: dict[int, OffsetKey] = {}
+        self.held: dict[int, list[tuple[OffsetKey, bytes | str]]] = {}
+        # When each packet was shown on this socket (unix ms): the bot detector's reaction time.
+        self.announced: dict[int, int] = {}
+        self.device = device or self.id
+        self.closing = False
+        self.close_code = protocol.CLOSE_NORMAL
+        self.close_reason = ""
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def replies(self) -> deque[bytes]:
+        if self._replies is None:
+            self._replies = deque()
+        return self._replies
+
+    @property
+    def events(self) -> deque[bytes]:
+        if self._events is None:
+            self._events = deque()
+        return self._events
+
+    def waiting(self) -> int:
+        return (len(self._replies) if self._replies else 0) + (len(self._events) if self._events else 0)
+
+    def _write(self, raw: bytes, reply: bool) -> bool:
+        """Write now if nothing it must follow waits and the transport takes it, else queue; False if it
+        was dropped. A reply follows only replies; an event follows everything queued."""
+        if self.closing:
+            return False
+        if not self._replies and (reply or not self._events) and self.wire.writable_now:
+            self.wire.write(raw)  # the common case: the queues are not even made
+            return True
+        (self.replies if reply else self.events).append(raw)
+        if self.waiting() > self.hub.core.settings.send_queue_frames:
+            self.hub.metrics.send_queue_drops.inc()
+            self.close(protocol.CLOSE_SLOW_CONSUMER, "send queue overflow: read faster")
+            return False
+        return True
+
+    def push(self, payload: bytes | str, raw: bytes | None = None) -> bool:
+        """Send an event frame (``raw``: the same payload already framed for a plain socket)."""
+        return self._write(raw if raw is not None and self.wire.plain else self.wire.frame(payload), False)
+
+    def reply(self, message: dict[str, Any]) -> None:
+        """Send a reply: ahead of any events still waiting for the transport."""
+        if self._write(self.wire.frame(protocol.encode(self.fmt, message)), True):
+            self.hub.metrics.frames_out.inc()
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Send a frame in order with the events (a sync's reply after the events it replayed)."""
+        if self.push(protocol.encode(self.fmt, message)):
+            self.hub.metrics.frames_out.inc()
+
+    def on_writable(self) -> None:
+        """The transport drained: write what waits, replies first, until it is full again."""
+        wire = self.wire
+        for queue in (self._replies, self._events):
+            while queue and wire.writable_now:
+                wire.write(queue.popleft())
+
+    def gone(self) -> None:
+        """The client went away (or the hub is shutting its socket)."""
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+    def deliver(self, group: int, key: OffsetKey, frame: bytes | str, raw: bytes | None = None) -> bool:
+        """An event of ``group``: sent if this socket is live in the group and has not had it."""
+        if group not in self.groups:
+            return False
+        held = self.held.get(group)
+        if held is not None:
+            held.append((key, frame))
+            if len(held) > self.hub.core.settings.send_queue_frames:
+                self.close(protocol.CLOSE_SLOW_CONSUMER, "too many events held before sync")
+            return False
+        if key <= self.last.get(group, (0, 0)):
+            return False
+        self.last[group] = key
+        return self.push(frame, raw)
+
+    def release(self, group: int, floor: OffsetKey) -> None:
+        """End holding a group after a sync up to ``floor``: send the held events newer than it."""
+        self.last[group] = max(floor, self.last.get(group, (0, 0)))
+        sent = 0
+        for key, frame in self.held.pop(group, []):
+            if key > self.last[group]:
+                self.last[group] = key
+                sent += self.push(frame)
+        self.hub.metrics.frames_out.inc(sent)
+
+    def close(self, code: int, reason: str) -> None:
+        """The hub closes this socket with ``code`` (after what is queued, if the client reads)."""
+        if not self.closing:
+            self.close_code, self.close_reason = code, reason
+            self.closing = True
+            self.gone()
+
+
+class Hub:
+    def __init__(self, core: Core, metrics: HubMetrics) -> None:
+        self.core = core
+        self.metrics = metrics
+        # Who a token names (with the JWKS cache, when the backend publishes its keys).
+        self.tokens = Tokens(Rules.from_settings(core.settings))
+        self.id = uuid.uuid4().hex[:12]
+        self.serial = itertools.count(1)
+        self.by_group: dict[int, set[Connection]] = {}
+        self.by_user: dict[int, set[Connection]] = {}
+        # (group, user) → that user's local connections in the group: presence changes at 0 ↔ 1.
+        self.local: dict[tuple[int, int], int] = {}
+        self.delivered: dict[int, str] = {}
+        self.announcer = Announcer(self)
+        self.known = Known(core)
+        self.member_counts = MemberCounts()
+        self._presence_pending: list[tuple[int, int, str]] = []
+        self._fanouts: deque[_FanOut] = deque()
+        self.attempts = AttemptLog(core)
+        self.subscriber = Subscriber(core.nodes, self._on_message, self._fill_gaps)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._refresher: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Hub:
+        self.metrics.watch_gc()
+        await self.subscriber.start([keys.MEMBERSHIP_CHANNEL])
+        self._refresher = asyncio.create_task(self._refresh_presence())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        # Budget for announcements still pending if Redis is down: a part of the shutdown budget.
+        await self.announcer.close(min(5.0, self.core.settings.shutdown_seconds / 4))
+        await self.attempts.close()
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        await self.subscriber.close()
+        self.metrics.unwatch_gc()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def spawn(self, work: Awaitable[Any]) -> None:
+        """Run background work (announcements, presence) that must not hold up a reply; kept until done."""
+
+        async def run() -> None:
+            try:
+                await work
+            except Exception:
+                log.exception("hub background task failed")
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def publish(
+        self, group: int, kind: str, data: dict[str, Any], once: events.Once | None = None
+    ) -> str:
+        offset = await events.publish(self.core, group, kind, data, once)
+        self.metrics.events_published.inc()
+        return offset
+
+    # -- membership of local connections -------------------------------------------------------------
+
+    async def join(self, conn: Connection, groups: list[int]) -> None:
+        self.by_user.setdefault(conn.user_id, set()).add(conn)
+        self.metrics.connections.inc()
+        for g in groups:
+            conn.held[g] = []
+            await self._attach(conn, g)
+
+    async def leave(self, conn: Connection) -> None:
+        """Take a connection out of its groups; safe to call for one that never fully joined."""
+        for g in list(conn.groups):
+            await self._detach(conn, g)
+        mine = self.by_user.get(conn.user_id)
+        if mine is not None and conn in mine:
+            mine.discard(conn)
+            if not mine:
+                del self.by_user[conn.user_id]
+            self.metrics.connections.dec()
+
+    async def _attach(self, conn: Connection, g: int) -> None:
+        conn.groups.add(g)
+        members = self.by_group.setdefault(g, set())
+        members.add(conn)
+        pair = (g, conn.user_id)
+        self.local[pair] = self.local.get(pair, 0) + 1
+        if len(members) == 1:
+            await self.subscriber.add(keys.group_channel(g))
+        if self.local[pair] == 1:
+            self._presence_soon(g, conn.user_id, "join")
+
+    async def _detach(self, conn: Connection, g: int) -> None:
+        conn.groups.discard(g)
+        conn.held.pop(g, None)
+        members = self.by_group.get(g)
+        if members is None:
+            return
+        if conn not in members:
+            return
+        members.discard(conn)
+        pair = (g, conn.user_id)
+        self.local[pair] -= 1
+        if self.local[pair] == 0:
+            del self.local[pair]
+            self._presence_soon(g, conn.user_id, "leave")
+        if not members:
+            del self.by_group[g]
+            await self.subscriber.remove(keys.group_channel(g))
+
+    async def _membership_changed(self, group: int, users: list[int], change: str) -> None:
+        self.member_counts.forget(group)
+        for user in users:
+            for conn in list(self.by_user.get(user, ())):
+                if change == "removed" and group in conn.groups:
+                    await self._detach(conn, group)
+                    conn.send({"type": "removed", "group": group})
+                elif change == "added" and group not in conn.groups:
+                    await self._attach(conn, group)
+                    conn.send({"type": "added", "group": group})
+
+    # -- presence --------------------------------------------------------------------------------------
+
+    def _presence_soon(self, group: int, user: int, action: str) -> None:
+        """Queue a join or leave; those of one loop tick go out together, in order, as one script call
+        per run of one action in one group (a reconnect storm is not one call per socket)."""
+        self._presence_pending.append((group, user, action))
+        if len(self._presence_pending) == 1:
+            asyncio.get_running_loop().call_soon(lambda: self.spawn(self._presence_flush()))
+
+    async def _presence_flush(self) -> None:
+        pending, self._presence_pending = self._presence_pending, []
+        runs: list[tuple[int, str, list[int]]] = []
+        for g, user, action in pending:
+            if runs and runs[-1][:2] == (g, action) and len(runs[-1][2]) < PRESENCE_BATCH:
+                runs[-1][2].append(user)
+            else:
+                runs.append((g, action, [user]))
+        # Each call is queued before the next starts: they reach Redis in this order.
+        await asyncio.gather(*(self._presence(g, users, action) for g, action, users in runs))
+
+    async def _presence(self, group: int, users: list[int], action: str) -> None:
+        lapse = int(time.time() * 1000) + self.core.settings.presence_lapse_seconds * 1000
+        changed = await call_script(
+            self.core,
+            self.core.scripts.presence,
+            [keys.presence_online(group), *(keys.presence_hubs(group, u) for u in users)],
+            [action, self.id, lapse, *users],
+        )
+        came_or_went = [u for u, c in zip(users, changed, strict=True) if c]
+        if not came_or_went or action == "refresh":
+            return
+        limit = self.core.settings.presence_event_limit
+        if len(self.by_group.get(group, ())) > limit:
+            return  # more online here alone than events are sent for: no need to count them all
+        # In a big room join/leave events would outnumber everything else; clients ask instead.
+        if await self.online_count(group) <= limit:
+            for u in came_or_went:
+                await self.publish(group, "presence", {"user": u, "online": action == "join"})
+
+    async def online_count(self, group: int) -> int:
+        """Members of the group online on any hub (entries of a dead hub count until they lapse)."""
+        key = keys.presence_online(group)
+        return int(await self.core.batcher.call(lambda pipe: pipe.zcard(key), key))
+
+    async def online(self, group: int) -> list[int]:
+        now = int(time.time() * 1000)
+        key = keys.presence_online(group)
+        users = await self.core.batcher.call(lambda pipe: pipe.zrangebyscore(key, f"({now}", "+inf"), key)
+        return sorted(int(u) for u in users)
+
+    async def _refresh_presence(self) -> None:
+        """Keep this hub's users online while connected; a crashed hub's entries lapse on their own."""
+        every = max(1.0, self.core.settings.presence_lapse_seconds / 3)
+        while True:
+            await asyncio.sleep(every)
+            users: dict[int, list[int]] = {}
+            for g, user in list(self.local):
+                users.setdefault(g, []).append(user)
+            for g, members in users.items():
+                for i in range(0, len(members), PRESENCE_BATCH):
+                    with contextlib.suppress(Exception):
+                        await self._presence(g, members[i : i + PRESENCE_BATCH], "refresh")
+
+    # -- pub/sub -------------------------------------------------------------------------------------
+
+    async def _fill_gaps(self) -> None:
+        """After a reconnect or a failover, send each group's events published while we were not
+        listening."""
+        self.metrics.pubsub_reconnects.inc()
+        for g in list(self.by_group):
+            since = self.delivered.get(g)
+            if since is None:
+                continue
+            missed = await events.since(self.core, g, since, self.core.settings.sync_limit)
+            if missed.too_old:
+                for conn in list(self.by_group.get(g, ())):
+                    conn.send({"type": "gap", "group": g})
+                continue
+            for offset, kind, data in missed.events:
+                self._fan_out(g, offset, kind, data)
+
+    def _on_message(self, channel: bytes, data: bytes) -> None:
+        if channel == keys.MEMBERSHIP_CHANNEL.encode():
+            self.spawn(self._membership_changed(*parse_change(data)))
+            return
+        g = keys.channel_group(channel)
+        if g is None:
+            return
+        offset, _, payload = data.partition(b"\n")
+        kind, body = events.unpack(payload)
+        self._fan_out(g, offset.decode(), kind, body)
+
+    def _fan_out(self, g: int, offset: str, kind: str, data: dict[str, Any]) -> None:
+        """Send a group event to every local member. A big room is served ``FANOUT_CHUNK`` sockets per
+        loop iteration, so replies (and other rooms) are not held up for a whole fan-out; events are
+        served strictly one after another, so each socket still gets them in order."""
+        self.delivered[g] = offset
+        conns = self.by_group.get(g)
+        if not conns:
+            return
+        if kind == "finished":
+            self.known.saw_closed(g, int(data["packet_id"]))
+        packet = None
+        if kind == "packet":
+            packet = int(data["packet_id"])
+            self.known.saw_packet(g, packet)
+        job = _FanOut(g, offset_key(offset), protocol.event(g, offset, kind, data), list(conns), packet)
+        self._fanouts.append(job)
+        if len(self._fanouts) == 1:
+            self._fan_out_some()
+
+    def _fan_out_some(self) -> None:
+        budget = FANOUT_CHUNK
+        sent = 0
+        while self._fanouts and budget > 0:
+            job = self._fanouts[0]
+            end = min(len(job.conns), job.done + budget)
+            shown = int(time.time() * 1000)
+            for conn in job.conns[job.done : end]:
+                if job.packet is not None:  # when the packet was shown here: the bot detector's clock
+                    conn.announced[job.packet] = shown
+                    if len(conn.announced) > 256:  # keep the recent packets only
+                        del conn.announced[next(iter(conn.announced))]
+                pair = job.frames.get(conn.fmt)
+                if pair is None:
+                    # Encoded once per format, framed once per format for every plain socket.
+                    payload = protocol.encode(conn.fmt, job.message)
+                    pair = job.frames[conn.fmt] = (payload, data_frame(payload))
+                sent += conn.deliver(job.group, job.key, pair[0], pair[1])
+            budget -= end - job.done
+            job.done = end
+            if job.done == len(job.conns):
+                self._fanouts.popleft()
+        self.metrics.frames_out.inc(sent)
+        if self._fanouts:
+            asyncio.get_running_loop().call_soon(self._fan_out_some)
+
+
+class _FanOut:
+    """One group event on its way to the local members of the group."""
+
+    __slots__ = ("conns", "done", "frames", "group", "key", "message", "packet")
+
+    def __init__(
+        self, group: int, key: OffsetKey, message: dict[str, Any], conns: list[Connection], packet: int | None
+    ) -> None:
+        self.group = group
+        self.key = key
+        self.message = message
+        self.conns = conns
+        self.packet = packet
+        self.done = 0
+        self.frames: dict[str, tuple[bytes | str, bytes]] = {}

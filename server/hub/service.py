@@ -1,0 +1,214 @@
+"""The chat backend's API (``/api/service/*``): the app that owns users, groups and wallets keeps the hub's
+view of them in step, and funds accounts from its own wallet.
+
+Authenticated by ``Authorization: Bearer $REDPACKET_SERVICE_KEY``, never by a user's token (``routes()``
+puts every handler behind the key), and off when the key is unset. Every call is idempotent: a user or a
+group is put whole; a group's membership carries the backend's ``version`` and an older one is ignored; a
+top-up is paid once per ``request_id``. Membership changes reach live sockets at once (a removed member
+stops receiving the group), and each is announced in the group as the user routes announce theirs, with
+``by: 0`` (the backend).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from server import errors
+from server.core import Core
+from server.errors import Forbidden, InvalidRequest
+from server.hub.httpkit import Handler, bearer, endpoint, id_of, json_body, path_id
+from server.hub.hub import Hub
+from server.hub.tokens import TokenError
+from server.money import groups, ledger
+from server.money.groups import Role
+from server.store.db import Tx
+
+BY_BACKEND = 0  # the `by` of an event caused through this API
+MAX_MEMBERS = 100_000
+JOURNAL_PAGE = 500
+
+
+def _require_key(request: Request, core: Core) -> None:
+    key = core.settings.service_key
+    if not key:
+        raise Forbidden(errors.DISABLED, "the service API is off on this hub: set REDPACKET_SERVICE_KEY")
+    given = bearer(request) or ""
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise TokenError(
+            errors.TOKEN_INVALID, "the service API takes REDPACKET_SERVICE_KEY as its bearer token"
+        )
+
+
+def _user_ids(value: object, field: str) -> list[int]:
+    if not isinstance(value, list) or len(value) > MAX_MEMBERS:
+        raise InvalidRequest(
+            errors.BAD_REQUEST, f"{field} must be a list of user ids (at most {MAX_MEMBERS})"
+        )
+    return [id_of(u, errors.USER_NOT_FOUND, "user") for u in value]
+
+
+def _role(value: object) -> Role:
+    if value not in ("member", "admin"):
+        raise InvalidRequest(errors.ROLE_INVALID, "role is member or admin")
+    return "admin" if value == "admin" else "member"
+
+
+async def put_user(request: Request, core: Core, _: int) -> dict[str, Any]:
+    user_id = path_id(request, "user_id")
+    body = await json_body(request)
+    done = await ledger.put_user(core.db, user_id, body.get("name"))
+    return {"user_id": user_id, "name": ledger.check_name(body.get("name")), "result": done}
+
+
+async def put_group(request: Request, core: Core, _: int) -> dict[str, Any]:
+    group_id = path_id(request, "group_id")
+    body = await json_body(request)
+    version = body.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
+        raise InvalidRequest(errors.BAD_REQUEST, "version must be a whole number, 0 to 2^63-1")
+    can_send = body.get("members_can_send", False)
+    if not isinstance(can_send, bool):
+        raise InvalidRequest(errors.BAD_REQUEST, "members_can_send must be true or false")
+    wanted: dict[int, Role] = dict.fromkeys(_user_ids(body.get("members", []), "members"), "member")
+    wanted.update(dict.fromkeys(_user_ids(body.get("admins", []), "admins"), "admin"))
+    done = await groups.put_group(
+        core.db, core.membership, group_id, body.get("name"), wanted, can_send, version
+    )
+    hub: Hub = request.app.state.hub
+    for u in done.removed:
+        await hub.publish(group_id, "member_removed", {"user": u, "by": BY_BACKEND})
+    for u, role in sorted(done.added.items()):
+        await hub.publish(group_id, "member_added", {"user": u, "role": role, "by": BY_BACKEND})
+    for u, role in sorted(done.roles.items()):
+        await hub.publish(group_id, "member_role", {"user": u, "role": role, "by": BY_BACKEND})
+    return {
+        "group_id": group_id,
+        "applied": done.applied,
+        "version": done.version,
+        "created": done.created,
+        "added": sorted(done.added),
+        "removed": done.removed,
+        "roles_changed": sorted(done.roles),
+    }
+
+
+async def add_member(request: Request, core: Core, _: int) -> dict[str, Any]:
+    """One member in (or their role changed): idempotent."""
+    group_id = path_id(request, "group_id")
+    body = await json_body(request)
+    user_id = id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id")
+    role = _role(body.get("role", "member"))
+    hub: Hub = request.app.state.hub
+    async with core.db.transaction() as tx:
+        current, _ = await groups.role_of(tx, group_id, user_id)
+    if current is None:
+        added = await groups.add_members(core.db, core.membership, group_id, [user_id], role)
+        if added:
+            await hub.publish(group_id, "member_added", {"user": user_id, "role": role, "by": BY_BACKEND})
+    elif current != role:
+        await groups.set_role(core.db, core.membership, group_id, user_id, role)
+        await hub.publish(group_id, "member_role", {"user": user_id, "role": role, "by": BY_BACKEND})
+    return {"group_id": group_id, "user_id": user_id, "role": role}
+
+
+async def remove_member(request: Request, core: Core, _: int) -> dict[str, Any]:
+    group_id = path_id(request, "group_id")
+    user_id = path_id(request, "user_id")
+    removed = await groups.remove_member(core.db, core.membership, group_id, user_id)
+    if removed:
+        await request.app.state.hub.publish(group_id, "member_removed", {"user": user_id, "by": BY_BACKEND})
+    return {"group_id": group_id, "user_id": user_id, "removed": removed}
+
+
+async def topup(request: Request, core: Core, _: int) -> dict[str, Any]:
+    """Fund an account from the app's wallet: paid once per ``request_id``, whoever asks how often."""
+    body = await json_body(request)
+    user_id = id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id")
+    amount, request_id = body.get("amount"), body.get("request_id")
+    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= ledger.MAX_TOPUP_CENTS:
+        raise InvalidRequest(errors.AMOUNT_INVALID, f"a top-up is 1 to {ledger.MAX_TOPUP_CENTS} cents")
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= 64:
+        raise InvalidRequest(errors.BAD_REQUEST, "request_id is 1 to 64 characters")
+
+    async def work(tx: Tx) -> bool:
+        return await ledger.post(tx, user_id, amount, "topup", f"service-topup:{request_id}")
+
+    paid = await core.db.run(work)
+    return {
+        "user_id": user_id,
+        "amount": amount,
+        "request_id": request_id,
+        "replay": not paid,
+        "balance": await ledger.balance(core.db, user_id),
+    }
+
+
+async def account(request: Request, core: Core, _: int) -> dict[str, Any]:
+    """An account's balance and the sum of its journal (equal, or reconciliation reports it)."""
+    user_id = path_id(request, "user_id")
+    return {
+        "user_id": user_id,
+        "balance": await ledger.balance(core.db, user_id),
+        "journal_sum": await ledger.journal_sum(core.db, user_id),
+    }
+
+
+async def journal(request: Request, core: Core, _: int) -> dict[str, Any]:
+    """An account's journal, oldest first, in pages: ``?after=<id>&limit=<n>`` (n up to 500)."""
+    user_id = path_id(request, "user_id")
+    try:
+        after = int(request.query_params.get("after", "0"))
+        limit = int(request.query_params.get("limit", str(JOURNAL_PAGE)))
+    except ValueError:
+        raise InvalidRequest(errors.BAD_REQUEST, "after and limit are whole numbers") from None
+    if after < 0 or not 1 <= limit <= JOURNAL_PAGE:
+        raise InvalidRequest(errors.BAD_REQUEST, f"after >= 0, limit 1 to {JOURNAL_PAGE}")
+    await ledger.balance(core.db, user_id)  # user_not_found for an unknown account
+    rows = await core.db.fetchall(
+        "SELECT id, amount, kind, idem_key, packet_id, created_ms FROM journal"
+        " WHERE account_id = %s AND id > %s ORDER BY id LIMIT %s",
+        (user_id, after, limit),
+    )
+    entries = [
+        {
+            "id": int(r[0]),
+            "amount": int(r[1]),
+            "kind": r[2],
+            "key": r[3],
+            "packet_id": r[4],
+            "created_ms": int(r[5]),
+        }
+        for r in rows
+    ]
+    return {
+        "user_id": user_id,
+        "entries": entries,
+        "next": entries[-1]["id"] if len(entries) == limit else None,
+    }
+
+
+def routes() -> list[Route]:
+    def public(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        """The route for ``handler``, behind the service key (no user's token: ``public`` to endpoint)."""
+
+        async def keyed(request: Request, core: Core, user: int) -> Any:
+            _require_key(request, core)
+            return await handler(request, core, user)
+
+        return endpoint(keyed, public=True)
+
+    return [
+        Route("/api/service/users/{user_id}", public(put_user), methods=["PUT"]),
+        Route("/api/service/groups/{group_id}", public(put_group), methods=["PUT"]),
+        Route("/api/service/groups/{group_id}/members", public(add_member), methods=["POST"]),
+        Route("/api/service/groups/{group_id}/members/{user_id}", public(remove_member), methods=["DELETE"]),
+        Route("/api/service/topup", public(topup), methods=["POST"]),
+        Route("/api/service/accounts/{user_id}", public(account), methods=["GET"]),
+        Route("/api/service/accounts/{user_id}/journal", public(journal), methods=["GET"]),
+    ]

@@ -1,0 +1,274 @@
+"""The ledger: users, accounts and the append-only journal, and the credit of one grab.
+
+Every balance change goes through ``post``: one journal row with a unique idempotency key and the
+matching balance update, in the caller's transaction. For every account the journal sums to the balance.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from server import errors, text
+from server.errors import Conflict, InvalidRequest, NotFound
+from server.store.db import Database, IntegrityError, Tx
+
+JournalKind = Literal["topup", "send", "grab", "refund"]
+
+# A demo top-up is play money; this only keeps a typo from minting a fortune.
+MAX_TOPUP_CENTS = 100_000_000
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def post(
+    tx: Tx,
+    account_id: int,
+    amount: int,
+    kind: JournalKind,
+    idem_key: str,
+    packet_id: int | None = None,
+) -> bool:
+    """Append one journal row and apply it to the balance, inside ``tx``.
+
+    Returns ``False`` and changes nothing when ``idem_key`` was posted before with the same account and
+    amount (a replay). Raises ``Conflict(insufficient_funds)`` if a debit would take the balance below
+    zero, and ``Conflict(idempotency_key_reused)`` if the key was posted with other content; either way
+    the caller's transaction must roll back, which undoes the journal row.
+    """
+    ts = now_ms()
+    try:
+        await tx.execute(
+            "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms)"
+            " VALUES (%s, %s, %s, %s, %s, %s)",
+            (account_id, amount, kind, idem_key, packet_id, ts),
+        )
+    except IntegrityError:
+        prior = await tx.fetchone(
+            "SELECT account_id, amount FROM journal WHERE idem_key = %s" + tx.dialect.share_lock, (idem_key,)
+        )
+        if prior is not None and (int(prior[0]), int(prior[1])) == (account_id, amount):
+            return False
+        raise Conflict(errors.IDEMPOTENCY_KEY_REUSED, f"{idem_key} was already used") from None
+    changed = await tx.execute(
+        "UPDATE accounts SET balance = balance + %s, updated_ms = %s"
+        " WHERE user_id = %s AND balance + %s >= 0",
+        (amount, ts, account_id, amount),
+    )
+    if changed == 1:
+        return True
+    exists = await tx.fetchone("SELECT 1 FROM accounts WHERE user_id = %s", (account_id,))
+    if exists is None:
+        raise NotFound(errors.USER_NOT_FOUND, f"no account for user {account_id}")
+    raise Conflict(errors.INSUFFICIENT_FUNDS, "the balance is too low")
+
+
+def check_name(name: object) -> str:
+    """A user or group name, stripped: 1 to 64 characters, printable (``server.text.name_ok``)."""
+    if not isinstance(name, str) or not name.strip() or len(name.strip()) > 64:
+        raise InvalidRequest(errors.NAME_INVALID, "a name is 1 to 64 characters")
+    if not text.name_ok(name.strip()):
+        raise InvalidRequest(
+            errors.NAME_INVALID, "a name may not hold control characters or invisible formatting"
+        )
+    return name.strip()
+
+
+async def create_user(db: Database, name: str) -> int:
+    """A new user with an empty account."""
+    name = check_name(name)
+
+    async def work(tx: Tx) -> int:
+        ts = now_ms()
+        try:
+            await tx.execute("INSERT INTO users (name, created_ms) VALUES (%s, %s)", (name, ts))
+        except IntegrityError:
+            raise Conflict(errors.NAME_TAKEN, f"{name} is taken") from None
+        user_id = tx.lastrowid
+        if user_id is None:
+            raise RuntimeError("the database returned no id for the new user")
+        await tx.execute(
+            "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", (user_id, ts)
+        )
+        return user_id
+
+    return await db.run(work)
+
+
+async def put_user(db: Database, user_id: int, name: object) -> Literal["created", "renamed", "unchanged"]:
+    """Create user ``user_id`` (with an empty account) or rename it: the chat backend's own ids.
+    Idempotent; a name another user holds is ``name_taken``."""
+    clean = check_name(name)
+
+    async def work(tx: Tx) -> Literal["created", "renamed", "unchanged"]:
+        row = await tx.fetchone("SELECT name FROM users WHERE id = %s" + tx.dialect.for_update, (user_id,))
+        ts = now_ms()
+        try:
+            if row is None:
+                await tx.execute(
+                    "INSERT INTO users (id, name, created_ms) VALUES (%s, %s, %s)", (user_id, clean, ts)
+                )
+                await tx.execute(
+                    "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", (user_id, ts)
+                )
+                return "created"
+            if row[0] == clean:
+                return "unchanged"
+            await tx.execute("UPDATE users SET name = %s WHERE id = %s", (clean, user_id))
+            return "renamed"
+        except IntegrityError:
+            taken = await tx.fetchone("SELECT id FROM users WHERE name = %s", (clean,))
+            if taken is not None and int(taken[0]) != user_id:
+                raise Conflict(errors.NAME_TAKEN, f"{clean} is another user's name") from None
+            raise  # the same id created concurrently: the caller runs it again and finds it
+
+    try:
+        return await db.run(work)
+    except IntegrityError:
+        return await db.run(work)
+
+
+async def create_users(db: Database, names: list[str]) -> list[int]:
+    """Many new users with empty accounts in one transaction (imports, benchmarks, tests)."""
+    clean = [check_name(n) for n in names]
+
+    async def work(tx: Tx) -> list[int]:
+        ts = now_ms()
+        try:
+            await tx.executemany(
+                "INSERT INTO users (name, created_ms) VALUES (%s, %s)", [(n, ts) for n in clean]
+            )
+        except IntegrityError:
+            raise Conflict(errors.NAME_TAKEN, "one of the names is taken") from None
+        ids: list[int] = []
+        for i in range(0, len(clean), 500):
+            chunk = clean[i : i + 500]
+            marks = ", ".join(["%s"] * len(chunk))
+            rows = await tx.fetchall(f"SELECT name, id FROM users WHERE name IN ({marks})", chunk)
+            by_name = {str(r[0]): int(r[1]) for r in rows}
+            ids += [by_name[n] for n in chunk]
+        await tx.executemany(
+            "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", [(u, ts) for u in ids]
+        )
+        return ids
+
+    return await db.run(work)
+
+
+async def user_by_name(db: Database, name: str) -> int | None:
+    row = await db.fetchone("SELECT id FROM users WHERE name = %s", (check_name(name),))
+    return None if row is None else int(row[0])
+
+
+async def balance(db: Database, user_id: int) -> int:
+    row = await db.fetchone("SELECT balance FROM accounts WHERE user_id = %s", (user_id,))
+    if row is None:
+        raise NotFound(errors.USER_NOT_FOUND, f"no account for user {user_id}")
+    return int(row[0])
+
+
+async def journal_sum(db: Database, user_id: int) -> int:
+    row = await db.fetchone("SELECT COALESCE(SUM(amount), 0) FROM journal WHERE account_id = %s", (user_id,))
+    return int(row[0]) if row else 0
+
+
+async def topup(db: Database, user_id: int, amount: object, request_id: object) -> bool:
+    """Add play money (demo and tests). Idempotent on ``request_id``; returns False on a replay."""
+    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= MAX_TOPUP_CENTS:
+        raise InvalidRequest(errors.AMOUNT_INVALID, f"a top-up is 1 to {MAX_TOPUP_CENTS} cents")
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= 64:
+        raise InvalidRequest(errors.BAD_REQUEST, "a top-up needs a request_id of 1 to 64 characters")
+    key = f"topup:{user_id}:{request_id}"
+
+    async def work(tx: Tx) -> bool:
+        return await post(tx, user_id, amount, "topup", key)
+
+    return await db.run(work)
+
+
+@dataclass(frozen=True)
+class Credit:
+    packet_id: int
+    user_id: int
+    seq: int
+    amount: int
+    grabbed_ms: int
+    group_id: int = 0  # where the packet's Redis keys are (``server.store.keys``); the database needs none
+
+
+CreditOutcome = Literal["credited", "already"]
+
+
+async def finish_paid(tx: Tx, packet_ids: list[int]) -> int:
+    """Among these active packets, those whose every share is now credited become ``finished``, in the
+    caller's transaction (the one that credited their last share): ``finished`` means every share is
+    paid, from the moment it is. ``finished_ms`` is when the last share was grabbed."""
+    ids = sorted(set(packet_ids))
+    if not ids:
+        return 0
+    marks = ", ".join(["%s"] * len(ids))
+    return await tx.execute(
+        "UPDATE red_packets SET status = 'finished',"
+        " finished_ms = (SELECT MAX(g.grabbed_ms) FROM grab_records g WHERE g.packet_id = red_packets.id)"
+        f" WHERE id IN ({marks}) AND status = 'active' AND share_count = (SELECT COUNT(*)"
+        " FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = 'credited')",
+        ids,
+    )
+
+
+async def credit_grab(db: Database, c: Credit) -> CreditOutcome:
+    """Pay one grab: its grab record, its journal row and the balance change, in one transaction.
+
+    Idempotent: the unique keys on grab_records (packet, user) and (packet, seq) and on the journal key
+    decide, so running it twice credits once. The amount must match the share the database pre-split at
+    send; a mismatch, or the share taken by another user, raises ``Conflict(share_conflict)`` and pays
+    nothing. A credit never lands on a refunded packet. Cancelled before commit: nothing is written.
+    """
+
+    async def work(tx: Tx) -> CreditOutcome:
+        # Exclusive: the credit may finish the packet, and a shared lock upgraded later deadlocks.
+        packet = await tx.fetchone(
+            "SELECT status FROM red_packets WHERE id = %s" + tx.dialect.for_update, (c.packet_id,)
+        )
+        if packet is None:
+            raise NotFound(errors.PACKET_NOT_FOUND, f"packet {c.packet_id} does not exist")
+        share = await tx.fetchone(
+            "SELECT amount FROM red_packet_shares WHERE packet_id = %s AND seq = %s", (c.packet_id, c.seq)
+        )
+        if share is None or int(share[0]) != c.amount:
+            raise Conflict(errors.SHARE_CONFLICT, f"share {c.seq} of packet {c.packet_id} is not {c.amount}")
+        ts = now_ms()
+        try:
+            await tx.execute(
+                "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
+                " VALUES (%s, %s, %s, %s, 'credited', %s, %s)",
+                (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, ts),
+            )
+        except IntegrityError:
+            rows = await tx.fetchall(
+                "SELECT user_id, seq, status FROM grab_records"
+                " WHERE packet_id = %s AND (user_id = %s OR seq = %s)" + tx.dialect.share_lock,
+                (c.packet_id, c.user_id, c.seq),
+            )
+            if len(rows) != 1 or (int(rows[0][0]), int(rows[0][1])) != (c.user_id, c.seq):
+                raise Conflict(
+                    errors.SHARE_CONFLICT, "that share or that user is paid to another grab"
+                ) from None
+            if rows[0][2] == "credited":
+                return "already"
+            await tx.execute(
+                "UPDATE grab_records SET status = 'credited', credited_ms = %s"
+                " WHERE packet_id = %s AND seq = %s",
+                (ts, c.packet_id, c.seq),
+            )
+        if packet[0] == "refunded":
+            raise Conflict(errors.PACKET_EXPIRED, f"packet {c.packet_id} was refunded before this credit")
+        posted = await post(tx, c.user_id, c.amount, "grab", f"grab:{c.packet_id}:{c.seq}", c.packet_id)
+        if posted:
+            await finish_paid(tx, [c.packet_id])
+        return "credited" if posted else "already"
+
+    return await db.run(work)

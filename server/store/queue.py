@@ -1,0 +1,41 @@
+"""arq's queue (the periodic jobs): one Redis server, the main one unless ``REDPACKET_QUEUE_REDIS_URL``
+names another (required when the main one is a cluster: arq uses MULTI across its keys). msgpack for
+its jobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from arq.connections import ArqRedis
+from redis.asyncio import BlockingConnectionPool
+
+from server.settings import Settings
+from server.store.redisnodes import PackedConnection
+
+
+def job_serializer(obj: dict[str, Any]) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def job_deserializer(data: bytes) -> dict[str, Any]:
+    return msgpack.unpackb(data, raw=False)  # type: ignore[no-any-return]
+
+
+def make_queue(settings: Settings) -> ArqRedis:
+    """A client of arq's queue server. Opens no connection yet."""
+    if not settings.queue_url:
+        raise ValueError("no Redis URL: start the embedded Valkey first (see server.store.embedded)")
+    pool = BlockingConnectionPool.from_url(
+        settings.queue_url,
+        max_connections=16,
+        timeout=10,
+        connection_class=PackedConnection,
+        socket_connect_timeout=5,
+    )
+    return ArqRedis(
+        pool_or_conn=pool,
+        job_serializer=job_serializer,
+        job_deserializer=job_deserializer,
+        default_queue_name=settings.queue_name,
+    )

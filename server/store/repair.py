@@ -1,0 +1,65 @@
+"""Packets checked against the database before they are grabbed again after Redis may have lost writes.
+
+Redis can come back with less than it answered: a restart from an append-only file cut short by an OS
+crash, a failover to a replica that had not yet received the last writes. Its packets may then have shares
+back in their lists that the database already holds as granted, and may lack grabs it had recorded.
+
+This process notices every such event the moment it connects to the server again: each new connection
+reads the server's run id before it is used (``server.store.redisnodes``), and a run id not seen before at
+that address raises the *generation*. A packet is grabbed only once it was checked (``recover_packet``: the
+database's grabs put back, its shares taken out of the list) in the current generation; a grab that was
+in flight while the generation moved is checked and made again before it is answered
+(``packets.grab``). So no share the database holds is handed out twice, whichever process grabs.
+
+Checks are per packet and lazy: the first grab of a packet after a restart pays one database read, and
+concurrent grabs of it share that one check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+from server.store.redisnodes import RedisNodes
+
+Repair = Callable[[], Awaitable[object]]
+
+
+class Repairs:
+    def __init__(self, nodes: RedisNodes, remember: int = 100_000) -> None:
+        self._nodes = nodes
+        self._remember = remember
+        self._checked: OrderedDict[int, int] = OrderedDict()
+        self._running: dict[tuple[int, int], asyncio.Task[None]] = {}
+        self.checks = 0
+
+    @property
+    def generation(self) -> int:
+        return self._nodes.generation
+
+    def mark(self, packet_id: int, generation: int) -> None:
+        """The packet's Redis state is known good as of ``generation`` (it was just loaded or checked)."""
+        self._checked[packet_id] = generation
+        self._checked.move_to_end(packet_id)
+        while len(self._checked) > self._remember:
+            self._checked.popitem(last=False)
+
+    async def ensure(self, packet_id: int, repair: Repair) -> None:
+        """Run ``repair`` for this packet unless it ran in the current generation; concurrent callers
+        share one run. If it fails (Redis or the database down) the caller gets its error and the packet
+        is checked again next time."""
+        generation = self._nodes.generation
+        if self._checked.get(packet_id) == generation:
+            return
+        task = self._running.get((packet_id, generation))
+        if task is None:
+            task = asyncio.create_task(self._run(packet_id, generation, repair))
+            self._running[(packet_id, generation)] = task
+            task.add_done_callback(lambda _: self._running.pop((packet_id, generation), None))
+        await asyncio.shield(task)
+
+    async def _run(self, packet_id: int, generation: int, repair: Repair) -> None:
+        self.checks += 1
+        await repair()
+        self.mark(packet_id, generation)

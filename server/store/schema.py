@@ -1,0 +1,168 @@
+"""The one schema definition, applied by versioned migrations.
+
+Each migration is a list of statements with ``{id}`` and ``{table_options}`` tokens that the dialect
+fills in. ``migrate()`` applies the ones a database has not seen, in order, and records each in
+``schema_migrations``; running it again is a no-op. Never edit a released migration: add the next one.
+
+All times are unix milliseconds in BIGINT columns, all money is integer cents in BIGINT columns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from server.store.db import Database, Tx
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS: list[tuple[int, str, list[str]]] = [
+    (
+        1,
+        "ledger, groups and packets",
+        [
+            """CREATE TABLE users (
+                id {id},
+                name VARCHAR(64) NOT NULL,
+                created_ms BIGINT NOT NULL,
+                UNIQUE (name)
+            ){table_options}""",
+            # One account per user. The balance is a cache of the journal that must always equal its sum.
+            """CREATE TABLE accounts (
+                user_id BIGINT NOT NULL PRIMARY KEY,
+                balance BIGINT NOT NULL,
+                updated_ms BIGINT NOT NULL,
+                CHECK (balance >= 0)
+            ){table_options}""",
+            # Append-only: every balance change is one row, keyed by what caused it.
+            """CREATE TABLE journal (
+                id {id},
+                account_id BIGINT NOT NULL,
+                amount BIGINT NOT NULL,
+                kind VARCHAR(16) NOT NULL,
+                idem_key VARCHAR(128) NOT NULL,
+                packet_id BIGINT NULL,
+                created_ms BIGINT NOT NULL,
+                UNIQUE (idem_key)
+            ){table_options}""",
+            "CREATE INDEX journal_account ON journal (account_id)",
+            "CREATE INDEX journal_packet ON journal (packet_id)",
+            """CREATE TABLE chat_groups (
+                id {id},
+                name VARCHAR(64) NOT NULL,
+                owner_id BIGINT NOT NULL,
+                members_can_send SMALLINT NOT NULL DEFAULT 0,
+                created_ms BIGINT NOT NULL
+            ){table_options}""",
+            """CREATE TABLE group_members (
+                group_id BIGINT NOT NULL,
+                user_id BIGINT NOT NULL,
+                role VARCHAR(8) NOT NULL,
+                joined_ms BIGINT NOT NULL,
+                PRIMARY KEY (group_id, user_id)
+            ){table_options}""",
+            "CREATE INDEX group_members_user ON group_members (user_id)",
+            """CREATE TABLE red_packets (
+                id {id},
+                sender_id BIGINT NOT NULL,
+                group_id BIGINT NOT NULL,
+                kind VARCHAR(16) NOT NULL,
+                total BIGINT NOT NULL,
+                share_count INT NOT NULL,
+                greeting VARCHAR(255) NOT NULL,
+                target_user_id BIGINT NULL,
+                status VARCHAR(16) NOT NULL,
+                request_id VARCHAR(64) NULL,
+                created_ms BIGINT NOT NULL,
+                expires_ms BIGINT NOT NULL,
+                finished_ms BIGINT NULL,
+                UNIQUE (sender_id, request_id),
+                CHECK (total > 0 AND share_count > 0 AND share_count <= total)
+            ){table_options}""",
+            "CREATE INDEX red_packets_status ON red_packets (status, expires_ms)",
+            "CREATE INDEX red_packets_group ON red_packets (group_id, created_ms)",
+            # Written in the same transaction as the sender's debit: the shares exist before anyone grabs.
+            """CREATE TABLE red_packet_shares (
+                packet_id BIGINT NOT NULL,
+                seq INT NOT NULL,
+                amount BIGINT NOT NULL,
+                PRIMARY KEY (packet_id, seq),
+                CHECK (amount > 0)
+            ){table_options}""",
+            # The database itself refuses to pay one share twice or one user twice, whatever Redis says.
+            """CREATE TABLE grab_records (
+                id {id},
+                packet_id BIGINT NOT NULL,
+                user_id BIGINT NOT NULL,
+                seq INT NOT NULL,
+                amount BIGINT NOT NULL,
+                status VARCHAR(16) NOT NULL,
+                grabbed_ms BIGINT NOT NULL,
+                credited_ms BIGINT NULL,
+                UNIQUE (packet_id, user_id),
+                UNIQUE (packet_id, seq)
+            ){table_options}""",
+            "CREATE INDEX grab_records_user ON grab_records (user_id, grabbed_ms)",
+        ],
+    ),
+    (
+        2,
+        "when a packet was announced to its group",
+        [
+            # NULL until the packet's event is published; hubs and a worker announce what is left NULL.
+            "ALTER TABLE red_packets ADD COLUMN announced_ms BIGINT NULL",
+            "UPDATE red_packets SET announced_ms = created_ms",
+            "CREATE INDEX red_packets_unannounced ON red_packets (announced_ms, created_ms)",
+        ],
+    ),
+    (
+        3,
+        "the chat backend's version of a group's membership",
+        [
+            # Set by PUT /api/service/groups/{g}: a replacement with a lower version is ignored.
+            "ALTER TABLE chat_groups ADD COLUMN service_version BIGINT NULL",
+        ],
+    ),
+]
+
+LATEST = MIGRATIONS[-1][0]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def _applied(tx: Tx) -> set[int]:
+    exists = await tx.fetchone(tx.dialect.table_exists, ("schema_migrations",))
+    if not exists or not exists[0]:
+        await tx.execute(
+            "CREATE TABLE schema_migrations ("
+            " version INT NOT NULL PRIMARY KEY, name VARCHAR(128) NOT NULL, applied_ms BIGINT NOT NULL)"
+        )
+    return {int(r[0]) for r in await tx.fetchall("SELECT version FROM schema_migrations")}
+
+
+async def migrate(db: Database) -> list[int]:
+    """Apply every migration the database lacks; return the versions applied now."""
+    applied_now: list[int] = []
+    async with db.transaction() as tx:
+        if db.dialect.name == "mysql":
+            # DDL is not transactional in MySQL: a named lock keeps two processes from racing here.
+            await tx.fetchone("SELECT GET_LOCK('redpacket_migrate', 60)")
+        try:
+            done = await _applied(tx)
+            for version, name, statements in MIGRATIONS:
+                if version in done:
+                    continue
+                for statement in statements:
+                    await tx.execute(statement.format(**db.dialect.ddl))
+                await tx.execute(
+                    "INSERT INTO schema_migrations (version, name, applied_ms) VALUES (%s, %s, %s)",
+                    (version, name, _now_ms()),
+                )
+                log.info("applied migration %d: %s", version, name)
+                applied_now.append(version)
+        finally:
+            if db.dialect.name == "mysql":
+                await tx.fetchone("SELECT RELEASE_LOCK('redpacket_migrate')")
+    return applied_now

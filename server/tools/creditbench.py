@@ -1,0 +1,282 @@
+"""``redpacket bench credit``: credits/s of the worker beside a raw batched insert of the same rows and
+beside one transaction per credit, all in one run on the configured database (MariaDB with
+``REDPACKET_DATABASE_URL=mysql://...``; a throw-away SQLite file otherwise)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from server.core import Core, open_core
+from server.money import groups, ledger, packets
+from server.money.crediting import add_to_balances, credit_many
+from server.money.ledger import Credit, credit_grab
+from server.settings import Settings, child_env
+from server.store import keys
+from server.tools import plots
+from server.tools.bench import drop_bench_credits, fresh_ids
+from server.tools.progress import phase
+
+QUEUE = "redpacket:bench:credit"
+
+
+def _p99(values: list[int]) -> float:
+    ordered = sorted(values)
+    return float(ordered[max(0, int(len(ordered) * 0.99) - 1)]) if ordered else 0.0
+
+
+async def _enqueue(core: Core, credits: list[Credit]) -> None:
+    """Record each credit as its grab would have: an entry in its group's shard outbox."""
+    for i in range(0, len(credits), 1000):
+        async with core.redis.pipeline(transaction=False) as pipe:
+            for c in credits[i : i + 1000]:
+                entry = keys.credit_entry(c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, c.group_id)
+                pipe.xadd(keys.outbox_for(c.group_id), {"c": entry})
+            await pipe.execute()
+
+
+async def _forget(core: Core, group: int, pids: list[int]) -> None:
+    """The bench's Redis leftovers: its packets' keys and any credit records still in the outboxes."""
+    for pid in pids:
+        await core.redis.delete(*keys.packet_keys(group, pid))
+    await drop_bench_credits(core, set(pids))
+
+
+async def _reset(core: Core, users: list[int]) -> None:
+    async with core.db.transaction() as tx:
+        await tx.execute("DELETE FROM grab_records")
+        await tx.execute("DELETE FROM journal WHERE kind = 'grab'")
+        await tx.execute(
+            f"UPDATE accounts SET balance = 0 WHERE user_id IN ({', '.join(['%s'] * len(users))})", users
+        )
+
+
+async def _raw(core: Core, credits: list[Credit], batch: int) -> None:
+    """The same rows written with no checks at all: the floor the worker is measured against."""
+    for i in range(0, len(credits), batch):
+        chunk = credits[i : i + batch]
+        ts = ledger.now_ms()
+        async with core.db.transaction() as tx:
+            await tx.executemany(
+                "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                [(c.packet_id, c.user_id, c.seq, c.amount, "credited", c.grabbed_ms, ts) for c in chunk],
+            )
+            await tx.executemany(
+                "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms)"
+                " VALUES (%s, %s, %s, %s, %s, %s)",
+                [
+                    (c.user_id, c.amount, "grab", f"grab:{c.packet_id}:{c.seq}", c.packet_id, ts)
+                    for c in chunk
+                ],
+            )
+            per: dict[int, int] = defaultdict(int)
+            for c in chunk:
+                per[c.user_id] += c.amount
+            await add_to_balances(tx, dict(per), ts)
+
+
+def _bench_settings(settings: Settings, tmp: Path, queue: str) -> Settings:
+    return settings.with_(
+        database_url=settings.database_url or f"sqlite:///{tmp / 'bench.sqlite3'}",
+        max_count=1000,
+        max_total_cents=10**9,
+        queue_name=queue,
+        redis_pool_size=256,
+    )
+
+
+async def _bench_world(core: Core, members: int, money: int) -> tuple[int, int, list[int], list[int]]:
+    """An admin with ``money``, ``members`` others in one group, and packets of 1,000 equal 10-cent
+    shares spending it: (admin, group, members, packet ids)."""
+    if core.settings.database_url.startswith("sqlite"):
+        await fresh_ids(core)
+    stamp = ledger.now_ms()
+    users = await ledger.create_users(core.db, [f"b{stamp}_{i}" for i in range(members + 1)])
+    admin, others = users[0], users[1:]
+    await ledger.topup(core.db, admin, money, f"bench{stamp}")
+    group = await groups.create_group(core.db, admin, "bench")
+    await groups.add_members(core.db, core.membership, group, others)
+    await core.membership.is_member(group, admin)  # warm the member cache
+    pids = [
+        (await packets.send_packet(core, admin, group, "equal", 10 * 1000, 1000)).packet_id
+        for _ in range(money // 10_000)
+    ]
+    return admin, group, others, pids
+
+
+async def bench_credit(
+    settings: Settings, credits_n: int = 20_000, single_n: int = 2_000, plot: Path | None = None
+) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
+    s = _bench_settings(settings, tmp, QUEUE)
+    figures: dict[str, Any] = {"credits": credits_n, "database": s.database_url.split(":", 1)[0]}
+    try:
+        async with open_core(s) as core:
+            _, group, members, pids = await _bench_world(core, 1000, credits_n * 10)
+            stamp = ledger.now_ms()
+            credits = [Credit(p, members[i], i + 1, 10, stamp, group) for p in pids for i in range(1000)]
+
+            await _reset(core, members)
+            start = time.perf_counter()
+            await _raw(core, credits, 500)
+            figures["raw_batched_insert_per_s"] = round(credits_n / (time.perf_counter() - start))
+
+            await _reset(core, members)
+            start = time.perf_counter()
+            for i in range(0, credits_n, 500):
+                await credit_many(core.db, credits[i : i + 500])
+            figures["credit_many_500_per_s"] = round(credits_n / (time.perf_counter() - start))
+
+            await _reset(core, members)
+            from worker.drain import CreditDrain
+
+            await _enqueue(core, credits)
+            drain = CreditDrain(core)
+            start = time.perf_counter()
+            await drain.until_empty()
+            figures["worker_drain_per_s"] = round(credits_n / (time.perf_counter() - start))
+            paid = await core.db.fetchone("SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM grab_records")
+            figures["drain_paid"] = [int(paid[0]), int(paid[1])] if paid else None
+
+            await _reset(core, members)
+            start = time.perf_counter()
+            for c in credits[:single_n]:
+                await credit_grab(core.db, c)
+            figures["one_tx_per_credit_per_s"] = round(single_n / (time.perf_counter() - start))
+            await _forget(core, group, pids)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    figures["drain_vs_raw"] = round(figures["worker_drain_per_s"] / figures["raw_batched_insert_per_s"], 3)
+    figures["drain_vs_one_tx"] = round(figures["worker_drain_per_s"] / figures["one_tx_per_credit_per_s"], 1)
+    print("credit benchmark")
+    for k, v in figures.items():
+        print(f"  {k:<28} {v}")
+    print(json.dumps({"bench": "credit", **figures}))
+    if plot is not None:
+        rates = {k: v for k, v in figures.items() if k.endswith("_per_s")}
+        plots.said(
+            [plots.bars(rates, plot / "credit.png", "credits/s: the drain beside its baselines", "credits/s")]
+        )
+    return figures
+
+
+async def bench_storm(
+    settings: Settings, rate: int = 2_000, seconds: int = 30, plot: Path | None = None
+) -> dict[str, Any]:
+    """Grabs at ``rate``/s for ``seconds`` through the core while a ``redpacket worker`` process
+    credits them: grab → credited latency, and the queue backlog sampled every second."""
+    import asyncio
+    import statistics
+    import subprocess
+    import sys
+
+    tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
+    s = _bench_settings(settings, tmp, "redpacket:bench:storm")
+    total = rate * seconds
+    figures: dict[str, Any] = {
+        "rate": rate,
+        "seconds": seconds,
+        "grabs": total,
+        "database": s.database_url[:5],
+    }
+    env = child_env(
+        REDPACKET_REDIS_URL=s.redis_url,
+        REDPACKET_DATABASE_URL=s.database_url,
+        REDPACKET_QUEUE_NAME=s.queue_name,
+        REDPACKET_QUEUE_REDIS_URL=s.queue_redis_url,
+        REDPACKET_GRAB_DURABILITY=s.grab_durability,
+        REDPACKET_WORKER_METRICS_PORT="0",
+    )
+    try:
+        async with open_core(s) as core:
+            _, group, grabbers, pids = await _bench_world(core, 1000, total * 10)
+            worker = subprocess.Popen(  # noqa: ASYNC220 - the worker under test, started once
+                [sys.executable, "-m", "server", "worker"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            backlog: list[int] = []
+            try:
+                jobs = [(p, u) for p in pids for u in grabbers]
+                tasks: list[asyncio.Task[Any]] = []
+                start = time.perf_counter()
+                tick = 0.01
+                per_tick = max(1, int(rate * tick))
+                with phase(f"grabbing at {rate:,}/s for {seconds} s", total=total) as grabbing:
+                    for i in range(0, len(jobs), per_tick):
+                        due = start + (i // per_tick) * tick
+                        delay = due - time.perf_counter()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                        tasks += [
+                            asyncio.create_task(packets.grab(core, p, group, u))
+                            for p, u in jobs[i : i + per_tick]
+                        ]
+                        if i % rate < per_tick:
+                            backlog.append(int(await core.redis.xlen(keys.outbox_for(group))))
+                            grabbing.update(i)
+                    await asyncio.gather(*tasks)
+                    grabbing.update(total)
+                figures["achieved_grabs_per_s"] = round(total / (time.perf_counter() - start))
+                deadline = time.perf_counter() + 300
+                with phase("crediting", total=total) as crediting:
+                    while time.perf_counter() < deadline:
+                        row = await core.db.fetchone(
+                            "SELECT COUNT(*) FROM grab_records WHERE status = 'credited'"
+                            f" AND packet_id IN ({', '.join(['%s'] * len(pids))})",
+                            pids,
+                        )
+                        depth = int(await core.redis.xlen(keys.outbox_for(group)))
+                        backlog.append(depth)
+                        crediting.update(int(row[0]) if row else 0)
+                        if row and int(row[0]) >= total:
+                            break
+                        await asyncio.sleep(1)
+                figures["drained_after_s"] = round(time.perf_counter() - start, 1)
+            finally:
+                worker.terminate()
+                await asyncio.to_thread(worker.wait, 60)
+            marks = ", ".join(["%s"] * len(pids))
+            rows = await core.db.fetchall(
+                f"SELECT credited_ms - grabbed_ms, grabbed_ms FROM grab_records WHERE packet_id IN ({marks})",
+                pids,
+            )
+            lags = sorted(int(r[0]) for r in rows)
+            # The P99 credit lag of the grabs of each second, beside the backlog sampled that second.
+            per_second: dict[int, list[int]] = {}
+            first = min((int(r[1]) for r in rows), default=0)
+            for lag, grabbed in rows:
+                per_second.setdefault((int(grabbed) - first) // 1000, []).append(int(lag))
+            samples = [
+                {"t": float(t), "lag_ms": _p99(per_second.get(t, [])), "backlog": float(depth)}
+                for t, depth in enumerate(backlog)
+            ]
+            figures["credited"] = len(lags)
+            if lags:
+                figures["lag_p50_ms"] = int(statistics.median(lags))
+                figures["lag_p99_ms"] = int(_p99(lags))
+            figures["backlog_per_s"] = backlog
+            await _forget(core, group, pids)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("storm benchmark")
+    for k, v in figures.items():
+        print(f"  {k:<22} {v}")
+    print(json.dumps({"bench": "storm", **figures}))
+    if plot is not None:
+        plots.said(
+            [
+                plots.lag_and_backlog(
+                    samples, plot / "storm-lag-backlog.png", f"storm: {rate:,} grabs/s for {seconds} s"
+                )
+            ]
+        )
+    return figures

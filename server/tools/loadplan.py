@@ -1,0 +1,199 @@
+"""Pure arithmetic of ``redpacket load``: the step-up plan, percentiles from Locust's and Prometheus's
+counts, one stage's figures, and where the knee is. No I/O; the Locust side is ``server.tools.locustfile``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# A stage is past the knee when its grab P99 is this many times the first stage's (and above the floor),
+# or its error rate above ERROR_RATE_LIMIT (the seeds: over 0.5% investigate, over 1% unacceptable), or
+# grabs/s grew less than THROUGHPUT_GAIN times while the users grew at least that much.
+P99_FACTOR = 2.0
+P99_FLOOR_MS = 100.0
+ERROR_RATE_LIMIT = 0.01
+THROUGHPUT_GAIN = 1.1
+
+
+def server_frames(buffer: bytes | bytearray) -> tuple[list[tuple[int, bytes]], int]:
+    """Whole websocket frames a server sent (unmasked, RFC 6455) at the start of ``buffer``: their
+    (opcode, payload), and how many bytes they took. A frame not yet whole is left for the next read.
+    Fragmented messages are not reassembled (the hub never fragments)."""
+    frames: list[tuple[int, bytes]] = []
+    at, end = 0, len(buffer)
+    while end - at >= 2:
+        opcode, length = buffer[at] & 0x0F, buffer[at + 1] & 0x7F
+        head = 2
+        if length == 126:
+            if end - at < 4:
+                break
+            length, head = int.from_bytes(buffer[at + 2 : at + 4], "big"), 4
+        elif length == 127:
+            if end - at < 10:
+                break
+            length, head = int.from_bytes(buffer[at + 2 : at + 10], "big"), 10
+        if end - at < head + length:
+            break
+        frames.append((opcode, bytes(buffer[at + head : at + head + length])))
+        at += head + length
+    return frames, at
+
+
+@dataclass(frozen=True)
+class Stage:
+    users: int
+    seconds: float
+    ends_at: float  # seconds from the start of the run
+
+
+def parse_stages(text: str) -> list[Stage]:
+    """``"1000:60,2000:60"`` (users:seconds, in order) → stages with their end times. Raises ValueError
+    with a message fit for an operator."""
+    stages: list[Stage] = []
+    ends = 0.0
+    for part in (p.strip() for p in text.split(",")):
+        users_text, sep, seconds_text = part.partition(":")
+        try:
+            users, seconds = int(users_text), float(seconds_text)
+        except ValueError:
+            raise ValueError(f"stage {part!r} is not users:seconds (e.g. 1000:60)") from None
+        if not sep or users < 1 or not seconds > 0 or not math.isfinite(seconds):
+            raise ValueError(f"stage {part!r}: users must be at least 1 and seconds more than 0")
+        ends += seconds
+        stages.append(Stage(users, seconds, ends))
+    if not stages:
+        raise ValueError("--stages is empty")
+    return stages
+
+
+def stage_at(stages: list[Stage], elapsed: float) -> int | None:
+    """Index of the stage running ``elapsed`` seconds into the run; None once the last has ended."""
+    for i, s in enumerate(stages):
+        if elapsed < s.ends_at:
+            return i
+    return None
+
+
+def percentile(counts: Mapping[int, int], q: float) -> float:
+    """The ``q`` quantile (0..1) of a {value: how many} distribution (Locust's rounded milliseconds):
+    the smallest value with at least ``q`` of the samples at or below it; 0 when empty."""
+    total = sum(counts.values())
+    if total <= 0:
+        return 0.0
+    wanted = q * total
+    seen = 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= wanted:
+            return float(value)
+    return float(max(counts))
+
+
+def subtract(later: Mapping[int, int], earlier: Mapping[int, int]) -> dict[int, int]:
+    """What a cumulative {value: count} gained between two snapshots."""
+    return {k: n - earlier.get(k, 0) for k, n in later.items() if n - earlier.get(k, 0) > 0}
+
+
+def bucket_quantile(buckets: Iterable[tuple[float, float]], q: float) -> float | None:
+    """Prometheus's ``histogram_quantile``: cumulative ``(le, count)`` buckets (``+Inf`` last) →
+    the ``q`` quantile, interpolated linearly inside its bucket; None when there are no samples."""
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][1] <= 0:
+        return None
+    rank = q * ordered[-1][1]
+    lower, below = 0.0, 0.0
+    for le, count in ordered:
+        if count >= rank:
+            if math.isinf(le):
+                return lower  # beyond the last finite bound: the bound is all that is known
+            if count == below:
+                return le
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    return ordered[-1][0]
+
+
+@dataclass
+class StageFigures:
+    """One stage of a run: what the clients saw, and what the servers said meanwhile."""
+
+    users: int
+    seconds: float
+    requests: int = 0
+    failures: int = 0
+    grabs: int = 0
+    won: int = 0
+    grab_p50_ms: float = 0.0
+    grab_p99_ms: float = 0.0
+    connect_p99_ms: float = 0.0
+    client_cpu_percent: float | None = None
+    server: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def error_rate(self) -> float:
+        return self.failures / self.requests if self.requests else 0.0
+
+    @property
+    def grabs_per_second(self) -> float:
+        return self.grabs / self.seconds if self.seconds > 0 else 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StageFigures:
+        """The figures ``as_dict`` wrote (the report JSON)."""
+        return cls(
+            users=int(d["users"]),
+            seconds=float(d["seconds"]),
+            requests=int(d["requests"]),
+            failures=int(d["failures"]),
+            grabs=int(d["grabs"]),
+            won=int(d["won"]),
+            grab_p50_ms=float(d["grab_p50_ms"]),
+            grab_p99_ms=float(d["grab_p99_ms"]),
+            connect_p99_ms=float(d["connect_p99_ms"]),
+            client_cpu_percent=d.get("client_cpu_percent"),
+            server=dict(d.get("server", {})),
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "users": self.users,
+            "seconds": round(self.seconds, 1),
+            "requests": self.requests,
+            "failures": self.failures,
+            "error_rate": round(self.error_rate, 5),
+            "grabs": self.grabs,
+            "won": self.won,
+            "grabs_per_second": round(self.grabs_per_second, 1),
+            "grab_p50_ms": self.grab_p50_ms,
+            "grab_p99_ms": self.grab_p99_ms,
+            "connect_p99_ms": self.connect_p99_ms,
+            "client_cpu_percent": self.client_cpu_percent,
+            "server": self.server,
+        }
+
+
+def knee(stages: list[StageFigures]) -> tuple[int | None, str]:
+    """The first stage past the knee (its index) and why; (None, reason) when every stage held."""
+    if not stages:
+        return None, "no stage ran"
+    base = stages[0].grab_p99_ms
+    for i, s in enumerate(stages):
+        if s.error_rate > ERROR_RATE_LIMIT:
+            return i, f"error rate {s.error_rate:.1%} over {ERROR_RATE_LIMIT:.0%} at {s.users} users"
+        if base and s.grab_p99_ms > max(P99_FLOOR_MS, P99_FACTOR * base):
+            return (
+                i,
+                f"grab P99 {s.grab_p99_ms:.0f} ms, over {P99_FACTOR:g}× the first stage's, "
+                f"at {s.users} users",
+            )
+        if i and s.users >= THROUGHPUT_GAIN * stages[i - 1].users:
+            before = stages[i - 1].grabs_per_second
+            if before and s.grabs_per_second < before * min(THROUGHPUT_GAIN, s.users / stages[i - 1].users):
+                return i, (
+                    f"grabs/s {s.grabs_per_second:.0f} did not grow with the users "
+                    f"({stages[i - 1].users} → {s.users}; was {before:.0f})"
+                )
+    return None, f"no knee up to {stages[-1].users} users"

@@ -1,0 +1,671 @@
+"""The Locust side of ``redpacket load``: members and admins speaking the hub's protocol (msgpack over a
+websocket), the step-up shape, and a sampler of the servers' ``/metrics``.
+
+Run it through ``redpacket load`` (which prepares the users and groups and reads the report); Locust
+itself loads this file in every process of a run (``locust -f server/tools/locustfile.py``), master and
+workers alike. Every request is timed as Locust's ``request`` event: the type is the request (``connect``,
+``sync``, ``grab``, ``open``, ``send``, ``chat``, ``presence``), the name its outcome (a grab's ``won``,
+``already``, ``empty``, ``expired``, or the error code; for the others ``ok`` or the error code). An
+error code other than a grab's normal outcomes is a failure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import random
+import time
+import urllib.request
+from typing import Any, ClassVar
+
+import gevent
+import msgpack
+import psutil
+import websocket
+from gevent.event import AsyncResult
+from locust import LoadTestShape, User, between, events, task
+from locust.env import Environment
+from locust.runners import MasterRunner, WorkerRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.tools.loadplan import (
+    StageFigures,
+    bucket_quantile,
+    parse_stages,
+    percentile,
+    server_frames,
+    stage_at,
+    subtract,
+)
+
+log = logging.getLogger("redpacket.load")
+
+SUBPROTOCOL = "redpacket.v1.msgpack"
+# Only replies and "packet" events are decoded (msgpack fixstr of "reply" / "packet"); the rest of a
+# room's events (grabs, presence, chat) are read and dropped.
+WANTED_REPLY, WANTED_EVENT = b"\xa5reply", b"\xa6packet"
+GRAB_OUTCOMES = {"won", "already", "packet_empty", "packet_expired"}
+NAMES = {"packet_empty": "empty", "packet_expired": "expired"}
+STAGES_ENV = "REDPACKET_LOAD_STAGES"  # set by `redpacket load` when the run is a step-up
+
+
+def _options(parser: Any) -> None:
+    group = parser.add_argument_group("redpacket")
+    group.add_argument("--redpacket-fixture", default="", help="users and groups of the run (JSON)")
+    group.add_argument("--redpacket-report", default="", help="where the master writes the stage report")
+    group.add_argument("--send-every", type=float, default=10.0, help="seconds between packets per admin")
+    group.add_argument("--reaction-ms", type=float, default=800.0, help="median reaction time of a member")
+    group.add_argument("--chat-every", type=float, default=30.0, help="mean seconds between a member's chats")
+    group.add_argument("--hub-metrics", default="", help="comma-separated /metrics URLs of the hubs")
+    group.add_argument("--worker-metrics", default="", help="comma-separated /metrics URLs of the workers")
+
+
+class Fixture:
+    """The run's users (tokens) and groups, as ``redpacket load`` wrote them."""
+
+    members: ClassVar[list[dict[str, Any]]] = []
+    groups: ClassVar[list[dict[str, Any]]] = []
+    topup: ClassVar[bool] = False
+
+    @classmethod
+    def load(cls, path: str) -> None:
+        with open(path) as f:
+            data = json.load(f)
+        cls.members = [m for m in data["users"] if m.get("role") != "admin"]
+        cls.groups = data["groups"]
+        cls.topup = bool(data.get("topup"))
+
+
+def _stride(environment: Environment) -> tuple[int, int]:
+    """(this process's index, how many processes share the identities)."""
+    runner = environment.runner
+    if isinstance(runner, WorkerRunner):
+        options = environment.parsed_options
+        return max(0, runner.worker_index), max(1, int(getattr(options, "expect_workers", 1) or 1))
+    return 0, 1
+
+
+class HubSocket:
+    """One websocket to the hub: requests matched to replies by id, events handed to a callback."""
+
+    def __init__(self, user: User, url: str, token: str, on_event: Any) -> None:
+        self.user = user
+        self.pending: dict[int, AsyncResult] = {}
+        self.ids = itertools.count(1)
+        self.on_event = on_event
+        self.closed = False
+        self.ws = websocket.create_connection(
+            f"{url}?token={token}", subprotocols=[SUBPROTOCOL], timeout=30, enable_multithread=True
+        )
+        self.welcome = self._decode(self.ws.recv())
+        if self.welcome.get("type") != "welcome":
+            raise RuntimeError(f"no welcome: {self.welcome}")
+        # From here frames are read off the socket in large chunks and parsed here (websocket-client's
+        # reader costs several socket calls and a timer per frame: the load would measure itself).
+        assert self.ws.sock is not None
+        self.ws.sock.settimeout(None)
+        self.buffer = bytearray(b"".join(self.ws.frame_buffer.recv_buffer))
+        self.reader = gevent.spawn(self._read)
+
+    @staticmethod
+    def _decode(frame: bytes | str) -> dict[str, Any]:
+        if isinstance(frame, str):
+            return dict(json.loads(frame))
+        return dict(msgpack.unpackb(frame, raw=False))
+
+    def _read(self) -> None:
+        sock = self.ws.sock
+        assert sock is not None
+        try:
+            while True:
+                chunk = sock.recv(262144)
+                if not chunk:
+                    raise ConnectionError("closed by the hub")
+                self.buffer += chunk
+                frames, used = server_frames(self.buffer)
+                del self.buffer[:used]
+                for opcode, payload in frames:
+                    if opcode == 0x9:  # ping
+                        self.ws.pong(payload)
+                    elif opcode == 0x8:
+                        raise ConnectionError(f"closed by the hub: {payload[:2].hex()}")
+                    elif WANTED_REPLY in payload or WANTED_EVENT in payload:
+                        self._dispatch(self._decode(payload))
+        except Exception as e:
+            self.closed = True
+            for waiting in self.pending.values():
+                waiting.set_exception(ConnectionError(f"socket closed: {e}"))
+            self.pending.clear()
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "reply":
+            waiting = self.pending.pop(message.get("id") or 0, None)
+            if waiting is not None:
+                waiting.set(message)
+        elif kind == "event":
+            self.on_event(message)
+
+    def request(self, kind: str, /, **fields: Any) -> tuple[dict[str, Any], float]:
+        """Send a request; its reply and how long it took (ms)."""
+        rid = next(self.ids)
+        waiting = self.pending[rid] = AsyncResult()
+        started = time.perf_counter()
+        self.ws.send_binary(msgpack.packb({"id": rid, "type": kind, **fields}, use_bin_type=True))
+        reply: dict[str, Any] = waiting.get(timeout=30)
+        return reply, (time.perf_counter() - started) * 1000
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.ws.close()
+        except Exception:
+            pass
+        self.reader.kill(block=False)
+
+
+class HubError(Exception):
+    """An error reply (the code is the message)."""
+
+
+class Connected(User):
+    """A user holding one socket to the hub, reconnecting (and syncing) when it drops."""
+
+    abstract = True
+    identity: dict[str, Any]
+    socket: HubSocket | None = None
+    stopping = False
+
+    def ws_url(self) -> str:
+        host = self.host or ""
+        return host.replace("http://", "ws://", 1).replace("https://", "wss://", 1).rstrip("/") + "/ws"
+
+    def fire(self, kind: str, name: str, ms: float, error: str | None = None) -> None:
+        self.environment.events.request.fire(
+            request_type=kind,
+            name=name,
+            response_time=ms,
+            response_length=0,
+            exception=HubError(error) if error else None,
+            context={},
+        )
+
+    def ask(self, kind: str, /, **fields: Any) -> tuple[dict[str, Any], float] | None:
+        """Send a request: its reply and how long it took (ms); None when there is no socket, or it
+        closed or timed out under the request (recorded as a failure named ``closed``)."""
+        socket = self.ensure_socket()
+        if socket is None:
+            return None
+        try:
+            return socket.request(kind, **fields)
+        except (ConnectionError, gevent.Timeout, OSError, websocket.WebSocketException) as e:
+            self.fire(kind, "closed", 30000.0 if isinstance(e, gevent.Timeout) else 0.0, type(e).__name__)
+            return None
+
+    def call(self, kind: str, name: str | None = None, /, **fields: Any) -> dict[str, Any] | None:
+        """A timed request: its data, or None after an error reply (recorded as a failure)."""
+        answered = self.ask(kind, **fields)
+        if answered is None:
+            return None
+        reply, ms = answered
+        if reply.get("ok"):
+            self.fire(kind, name or "ok", ms)
+            return dict(reply["data"])
+        code = str(reply["error"]["code"])
+        self.fire(kind, code, ms, code)
+        return None
+
+    def ensure_socket(self) -> HubSocket | None:
+        if self.socket is not None and not self.socket.closed:
+            return self.socket
+        if self.stopping:
+            return None  # the run is over for this user: no reconnect
+        started = time.perf_counter()
+        try:
+            self.socket = HubSocket(self, self.ws_url(), self.identity["token"], self.on_event)
+        except Exception as e:
+            self.fire("connect", "ws", (time.perf_counter() - started) * 1000, f"{type(e).__name__}: {e}")
+            self.socket = None
+            gevent.sleep(1.0)  # the hub refused or is away: try again on the next task, not at once
+            return None
+        self.fire("connect", "ws", (time.perf_counter() - started) * 1000)
+        self.call("sync", groups={str(g["group_id"]): None for g in self.socket.welcome["groups"]})
+        return self.socket
+
+    def on_event(self, message: dict[str, Any]) -> None:
+        pass
+
+    def on_stop(self) -> None:
+        self.stopping = True
+        if self.socket is not None:
+            self.socket.close()
+
+
+_members = itertools.count()
+_admins = itertools.count()
+
+
+class Member(Connected):
+    """A member: online in its group, grabs each packet that appears after a human reaction time (one
+    grab per packet, within the grab limit), opens it to see the list, chats now and then."""
+
+    weight = 1
+    wait_time = between(15, 45)
+
+    def on_start(self) -> None:
+        index, stride = _stride(self.environment)
+        members = Fixture.members
+        self.identity = members[(next(_members) * stride + index) % len(members)]
+        self.grab_times: list[float] = []
+        self.reacting: set[gevent.Greenlet] = set()  # grabs not yet made (a person about to tap)
+        self.asking: set[gevent.Greenlet] = set()  # grabs sent, waiting for their reply
+        self.ensure_socket()
+
+    def on_event(self, message: dict[str, Any]) -> None:
+        if message.get("event") == "packet" and not self.stopping:
+            data = message["data"]
+            if data.get("target") not in (None, self.identity["user_id"]):
+                return
+            grabbing = gevent.spawn(self.grab, int(message["group"]), int(data["packet_id"]))
+            self.reacting.add(grabbing)
+            grabbing.link(self.reacting.discard)
+            grabbing.link(self.asking.discard)
+
+    def on_stop(self) -> None:
+        # Grabs still waiting out their reaction time when the run stops are not made; grabs sent get
+        # their reply counted (every "won" the hub said is in the report, to compare with the ledger).
+        self.stopping = True
+        gevent.killall(list(self.reacting), block=False)
+        gevent.joinall(list(self.asking), timeout=30)
+        super().on_stop()
+
+    def reaction(self) -> float:
+        median = self.environment.parsed_options.reaction_ms / 1000
+        return float(min(5.0, max(0.15, random.lognormvariate(0, 0.5) * median)))
+
+    def grab(self, group: int, packet: int) -> None:
+        gevent.sleep(self.reaction())
+        if self.stopping:
+            return
+        # The grab limit (5 a second per user and group, bursts of 10): a human does not tap faster.
+        now = time.monotonic()
+        self.grab_times = [t for t in self.grab_times if now - t < 2.0]
+        if len(self.grab_times) >= 10:
+            return
+        self.grab_times.append(now)
+        current = gevent.getcurrent()
+        self.reacting.discard(current)
+        self.asking.add(current)
+        answered = self.ask("grab", group=group, packet=packet)
+        if answered is None:
+            return
+        reply, ms = answered
+        if reply.get("ok"):
+            self.fire("grab", str(reply["data"]["outcome"]), ms)
+        else:
+            code = str(reply["error"]["code"])
+            self.fire("grab", NAMES.get(code, code), ms, None if code in GRAB_OUTCOMES else code)
+        self.call("open", group=group, packet=packet)
+
+    @task
+    def chat(self) -> None:
+        every = self.environment.parsed_options.chat_every
+        if every <= 0 or random.random() > 30.0 / every:
+            return
+        socket = self.ensure_socket()
+        if socket is None or not socket.welcome["groups"]:
+            return
+        group = random.choice(socket.welcome["groups"])["group_id"]
+        self.call("chat", group=group, text=random.choice(["恭喜发财", "thanks!", "🧧", "again!"]))
+
+
+class Admin(Connected):
+    """A group's admin: about every ``--send-every`` seconds (never all admins at once) a lucky or an
+    equal packet into the group, shared among about as many as are online (none while fewer than two)."""
+
+    fixed_count = 1  # set to the number of groups at init
+    wait_time = between(5, 15)
+
+    def on_start(self) -> None:
+        index, stride = _stride(self.environment)
+        groups = Fixture.groups
+        self.room = groups[(next(_admins) * stride + index) % len(groups)]
+        self.identity = self.room["admin"]
+        self.sent = 0
+        self.ensure_socket()
+        gevent.sleep(random.uniform(0, self.environment.parsed_options.send_every))  # not all at once
+
+    @task
+    def send(self) -> None:
+        group_id = int(self.room["group_id"])
+        online = self.call("presence", group=group_id)
+        if online is None or len(online["online"]) < 2:
+            return
+        members = len(online["online"]) - 1
+        count = max(1, min(100, round(members * random.uniform(0.5, 1.0))))
+        self.sent += 1
+        kind = "equal" if self.sent % 2 == 0 else "lucky"
+        per = random.randint(20, 199)
+        total = min(20000 // count * count, count * per)
+        fields = {"group": group_id, "kind": kind, "total": total, "count": count, "greeting": "恭喜发财"}
+        answered = self.ask("send", **fields)
+        if answered is None:
+            return
+        reply, ms = answered
+        if reply.get("ok"):
+            self.fire("send", kind, ms)
+            return
+        code = str(reply["error"]["code"])
+        self.fire("send", code, ms, code)
+        if code == "insufficient_funds" and Fixture.topup:
+            top_up(self.host or "", self.identity["token"], f"load-{time.time_ns()}")
+
+
+def top_up(host: str, token: str, request_id: str, amount: int = 100_000_000) -> None:
+    body = json.dumps({"amount": amount, "request_id": request_id}).encode()
+    req = urllib.request.Request(
+        f"{host.rstrip('/')}/api/topup", data=body, headers={"authorization": f"Bearer {token}"}
+    )
+    with urllib.request.urlopen(req, timeout=30):
+        pass
+
+
+def _init(environment: Environment, **_: Any) -> None:
+    options = environment.parsed_options
+    if options is None:
+        return
+    if options.redpacket_fixture and not isinstance(environment.runner, MasterRunner):
+        Fixture.load(options.redpacket_fixture)
+        Admin.fixed_count = len(Fixture.groups)
+    elif options.redpacket_fixture:
+        with open(options.redpacket_fixture) as f:
+            Admin.fixed_count = len(json.load(f)["groups"])
+    # Admins do not send in step: each waits between half and one and a half of --send-every.
+    Admin.wait_time = between(options.send_every / 2, options.send_every * 1.5)
+    if environment.web_ui is not None and environment.web_ui.app is not None:
+        # The stage table and the servers' figures, live, beside Locust's own pages.
+        environment.web_ui.app.add_url_rule("/redpacket", "redpacket", lambda: Recorder.snapshot_json())
+
+
+# --- the report: per stage, what the clients saw and what the servers said -----------------------------
+
+
+def scrape(urls: list[tuple[str, str]]) -> dict[str, Any]:
+    """Sum the metrics the report reads over every (role, URL): counters and gauges by name (and label
+    set), histograms as cumulative buckets; the process's own (``process_cpu_seconds_total``) by role.
+    ``complete`` is false when a URL did not answer (its rates are then not computed)."""
+    values: dict[str, float] = {}
+    buckets: dict[str, dict[float, float]] = {}
+    complete = True
+    for role, url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                text = reply.read().decode()
+        except Exception as e:
+            log.warning("cannot read %s: %s", url, e)
+            complete = False
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    b = buckets.setdefault(sample.name[: -len("_bucket")], {})
+                    b[le] = b.get(le, 0.0) + sample.value
+                    continue
+                labels = dict(sample.labels)
+                if sample.name.startswith("process_"):
+                    labels["role"] = role
+                label = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+                key = f"{sample.name}{{{label}}}" if label else sample.name
+                values[key] = values.get(key, 0.0) + sample.value
+    return {"values": values, "buckets": buckets, "complete": complete}
+
+
+def _sum(values: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in values.items() if k == prefix or k.startswith(prefix + "{"))
+
+
+def server_figures(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, float | None]:
+    """What the servers did between two scrapes: rates, P99s of what happened in between, gauges now."""
+
+    def p99(name: str) -> float | None:
+        later = after["buckets"].get(name, {})
+        earlier = before["buckets"].get(name, {})
+        q = bucket_quantile([(le, n - earlier.get(le, 0.0)) for le, n in later.items()], 0.99)
+        return None if q is None else round(q * 1000, 1)
+
+    a, b = after["values"], before["values"]
+
+    def rate(prefix: str) -> float:
+        return round((_sum(a, prefix) - _sum(b, prefix)) / seconds, 1) if seconds > 0 else 0.0
+
+    if not (before.get("complete") and after.get("complete")):
+        seconds = 0.0  # a server did not answer one of the two scrapes: no rates from them
+
+    def cpu(key: str) -> float | None:
+        used = a.get(key, 0.0) - b.get(key, 0.0)
+        return round(100 * used / seconds, 1) if seconds > 0 and key in a and used >= 0 else None
+
+    redis_cpu = _sum(a, "redpacket_redis_cpu_seconds") - _sum(b, "redpacket_redis_cpu_seconds")
+    return {
+        "grabs_per_second": rate("redpacket_grab_outcomes_total"),
+        "won_per_second": rate("redpacket_grab_outcomes_total{outcome=won}"),
+        "grab_p99_ms": p99("redpacket_grab_seconds"),
+        "credit_lag_p99_ms": p99("redpacket_credit_lag_seconds"),
+        "loop_lag_p99_ms": p99("redpacket_hub_loop_lag_seconds"),
+        "credits_per_second": rate("redpacket_credits_total"),
+        "backlog": _sum(a, "redpacket_queue_depth"),
+        "connections": _sum(a, "redpacket_hub_connections"),
+        "send_queue_drops": _sum(a, "redpacket_send_queue_drops_total"),
+        "refunds": _sum(a, "redpacket_refunds_total"),
+        "reconcile_differences": _sum(a, "redpacket_reconcile_differences"),
+        "redis_cpu_percent": round(100 * redis_cpu / seconds, 1) if seconds > 0 and redis_cpu >= 0 else None,
+        "hub_cpu_percent": cpu("process_cpu_seconds_total{role=hub}"),
+        "worker_cpu_percent": cpu("process_cpu_seconds_total{role=worker}"),
+    }
+
+
+class Recorder:
+    """On the master (or the one local process): snapshots of Locust's stats and the servers' metrics at
+    each stage's end, every few seconds a server sample; the report written at quit."""
+
+    environment: Environment | None = None
+    stages: ClassVar[list[StageFigures]] = []
+    samples: ClassVar[list[dict[str, Any]]] = []
+    _mark: ClassVar[dict[str, Any]] = {}
+    peak_users = 0
+    remote_cpu_seconds = 0.0
+    _greenlet: Any = None
+
+    @classmethod
+    def urls(cls) -> list[tuple[str, str]]:
+        env = cls.environment
+        assert env is not None and env.parsed_options is not None
+        o = env.parsed_options
+        hubs = [u for u in o.hub_metrics.split(",") if u] or [f"{(env.host or '').rstrip('/')}/metrics"]
+        return [("hub", u) for u in hubs] + [("worker", u) for u in o.worker_metrics.split(",") if u]
+
+    @classmethod
+    def _stats(cls) -> dict[tuple[str, str], tuple[int, int, dict[int, int]]]:
+        assert cls.environment is not None
+        return {
+            (e.method or "", e.name): (e.num_requests, e.num_failures, dict(e.response_times))
+            for e in cls.environment.stats.entries.values()
+        }
+
+    @classmethod
+    def _client_cpu(cls) -> float:
+        """CPU seconds of the load's own processes so far: this one and the workers it forked
+        (``--processes``); workers elsewhere (``--master``) as they report their CPU, summed over time."""
+        me = psutil.Process()
+        children = me.children(recursive=True)
+        total = cls.remote_cpu_seconds if not children else 0.0
+        for p in [me, *children]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    @classmethod
+    def _count_remote_cpu(cls, seconds: float) -> None:
+        runner = cls.environment.runner if cls.environment is not None else None
+        if isinstance(runner, MasterRunner):
+            cls.remote_cpu_seconds += seconds * sum(w.cpu_usage for w in runner.clients.values()) / 100
+
+    @classmethod
+    def start(cls, environment: Environment) -> None:
+        cls.environment = environment
+        cls.stages, cls.samples = [], []
+        cls._mark = cls._take(0)
+        cls._greenlet = gevent.spawn(cls._sample_forever)
+
+    @classmethod
+    def _take(cls, users: int) -> dict[str, Any]:
+        return {
+            "at": time.monotonic(),
+            "users": users,
+            "stats": cls._stats(),
+            "server": scrape(cls.urls()),
+            "cpu": cls._client_cpu(),
+        }
+
+    @classmethod
+    def _sample_forever(cls) -> None:
+        started = time.monotonic()
+        last = cls._mark
+        while True:
+            gevent.sleep(2.0)
+            cls._count_remote_cpu(2.0)
+            env = cls.environment
+            users = env.runner.user_count if env is not None and env.runner is not None else 0
+            cls.peak_users = max(cls.peak_users, users)
+            now = cls._take(users)
+            figures = server_figures(last["server"], now["server"], now["at"] - last["at"])
+            cls.samples.append({"t": round(now["at"] - started, 1), "users": users, **figures})
+            last = now
+
+    @classmethod
+    def stage_done(cls, users: int) -> None:
+        """Close the stage that ran with ``users`` users."""
+        if cls.environment is None:
+            return
+        now = cls._take(users)
+        before, seconds = cls._mark, now["at"] - cls._mark["at"]
+        s = StageFigures(users=users, seconds=seconds)
+        grab_times: dict[int, int] = {}
+        connect_times: dict[int, int] = {}
+        for key, (n, failed, times) in now["stats"].items():
+            n0, f0, t0 = before["stats"].get(key, (0, 0, {}))
+            s.requests += n - n0
+            s.failures += failed - f0
+            gained = subtract(times, t0)
+            if key[0] == "grab":
+                s.grabs += n - n0
+                if key[1] in ("won", "already"):
+                    s.won += n - n0
+                for ms, c in gained.items():
+                    grab_times[ms] = grab_times.get(ms, 0) + c
+            elif key[0] == "connect":
+                for ms, c in gained.items():
+                    connect_times[ms] = connect_times.get(ms, 0) + c
+        s.grab_p50_ms = percentile(grab_times, 0.5)
+        s.grab_p99_ms = percentile(grab_times, 0.99)
+        s.connect_p99_ms = percentile(connect_times, 0.99)
+        if seconds > 0:
+            s.client_cpu_percent = round(100 * (now["cpu"] - before["cpu"]) / seconds, 1)
+        s.server = server_figures(before["server"], now["server"], seconds)
+        cls.stages.append(s)
+        cls._mark = now
+        log.info(
+            "stage %d users: %.0f grabs/s, grab P99 %.0f ms, errors %.2f%%, credit lag P99 %s ms, backlog %s",
+            users,
+            s.grabs_per_second,
+            s.grab_p99_ms,
+            100 * s.error_rate,
+            s.server.get("credit_lag_p99_ms"),
+            s.server.get("backlog"),
+        )
+
+    @classmethod
+    def snapshot_json(cls) -> str:
+        totals = {
+            f"{method} {name}": {"requests": n, "failures": failed}
+            for (method, name), (n, failed, _) in (cls._stats() if cls.environment else {}).items()
+        }
+        return json.dumps(
+            {"stages": [s.as_dict() for s in cls.stages], "samples": cls.samples[-300:], "totals": totals}
+        )
+
+    @classmethod
+    def write(cls) -> None:
+        env = cls.environment
+        if env is None or env.parsed_options is None:
+            return
+        if cls._greenlet is not None:
+            cls._greenlet.kill(block=False)
+        # Written at quit, once every user has stopped: ``totals`` count every reply, those of the
+        # requests still in flight when the run ended included (Locust's CSV is written once a second and
+        # may miss the last of them).
+        path = env.parsed_options.redpacket_report
+        if path:
+            with open(path, "w") as f:
+                f.write(cls.snapshot_json())
+
+
+def _reports(environment: Environment) -> bool:
+    return not isinstance(environment.runner, WorkerRunner)
+
+
+def _test_start(environment: Environment, **_: Any) -> None:
+    if _reports(environment) and Recorder.environment is None:
+        Recorder.start(environment)
+
+
+def _test_stop(environment: Environment, **_: Any) -> None:
+    # A run without stages (--users N) is one stage, closed when it stops.
+    if _reports(environment) and Recorder.environment is not None and not StepUp.active:
+        runner = environment.runner
+        Recorder.stage_done(max(Recorder.peak_users, runner.target_user_count or 0 if runner else 0))
+
+
+def _quitting(environment: Environment, **_: Any) -> None:
+    if _reports(environment):
+        Recorder.write()
+
+
+class StepUp(LoadTestShape):
+    """Users:seconds stages from ``REDPACKET_LOAD_STAGES``; each stage's figures are closed as it ends."""
+
+    active = False
+    abstract = STAGES_ENV not in os.environ
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = parse_stages(os.environ.get(STAGES_ENV, "1:1"))
+        self.current: int | None = None
+        StepUp.active = True
+
+    def tick(self) -> tuple[int, float] | None:
+        i = stage_at(self.stages, self.get_run_time())
+        if i != self.current:
+            if self.current is not None:
+                Recorder.stage_done(self.stages[self.current].users)
+            self.current = i
+        if i is None:
+            return None
+        users = self.stages[i].users
+        previous = self.stages[i - 1].users if i else 0
+        # Reach the stage's users within a fifth of it (at least 10 a second): the step, then the hold.
+        rate = max(10.0, abs(users - previous) / max(1.0, self.stages[i].seconds / 5))
+        return users, rate
+
+
+events.init_command_line_parser.add_listener(_options)
+events.init.add_listener(_init)
+events.test_start.add_listener(_test_start)
+events.test_stop.add_listener(_test_stop)
+events.quitting.add_listener(_quitting)
