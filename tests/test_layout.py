@@ -1,0 +1,167 @@
+"""The layout's rules, read from the source: which layer may import which, no import cycles, and no module
+reaching into another's private names. (docs/architecture.md draws the same picture.)
+
+- ``server.store``: plumbing; imports no other layer.
+- ``server.money``: the money core; imports the store, never the hub, the worker or the tools.
+- ``server.hub``: imports money and the store, never the tools.
+- ``worker``: imports money, the store and the hub's announcements; never the tools.
+- ``server.tools``: imported by nothing of the system; only the ``redpacket`` command (``server.cli``)
+  starts them.
+- Shared by all: ``server.settings``, ``server.errors``, ``server.text``, ``server.ids`` and
+  ``server.core`` (the context every layer is handed).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = {"server.settings", "server.errors", "server.text", "server.ids", "server.core", "server"}
+# What each layer may import besides itself and the shared modules.
+MAY_IMPORT = {
+    "server.store": set(),
+    "server.money": {"server.store"},
+    "server.hub": {"server.money", "server.store", "worker"},
+    "worker": {"server.money", "server.store", "server.hub"},
+    "server.tools": {"server.money", "server.store", "server.hub", "worker", "server.cli"},
+}
+
+
+def modules() -> Iterator[tuple[str, Path]]:
+    for path in sorted([*ROOT.glob("server/**/*.py"), *ROOT.glob("worker/*.py")]):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
+
+
+KNOWN = dict(modules())
+
+
+class _Imports(ast.NodeVisitor):
+    """Every import statement, at any depth (a function's too), except those under ``if TYPE_CHECKING:``
+    (for the type checker alone: they never run)."""
+
+    def __init__(self) -> None:
+        self.found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit_If(self, node: ast.If) -> None:
+        if isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for stmt in node.orelse:
+                self.visit(stmt)
+        else:
+            self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self.found.append(node)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        self.found.append(node)
+
+
+def imports(path: Path) -> Iterator[tuple[str, list[str], int]]:
+    """(module imported, names taken from it, line) for every import of our own modules in ``path``, at
+    any depth (a function's import too), but not those for the type checker alone."""
+    visitor = _Imports()
+    visitor.visit(ast.parse(path.read_text()))
+    for node in visitor.found:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in ("server", "worker")
+        ):
+            names = [a.name for a in node.names]
+            # `from server.money import ledger` imports the module server.money.ledger.
+            subs = [f"{node.module}.{n}" for n in names if f"{node.module}.{n}" in KNOWN]
+            yield (node.module, names, node.lineno) if not subs else (subs[0], [], node.lineno)
+            for extra in subs[1:]:
+                yield extra, [], node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in ("server", "worker"):
+                    yield alias.name, [], node.lineno
+
+
+def layer(module: str) -> str:
+    for name in MAY_IMPORT:
+        if module == name or module.startswith(name + "."):
+            return name
+    return module
+
+
+def test_each_layer_imports_only_what_it_may() -> None:
+    wrong = []
+    for module, path in KNOWN.items():
+        mine = layer(module)
+        if mine not in MAY_IMPORT:
+            continue  # the shared modules and the command
+        for imported, _, line in imports(path):
+            theirs = layer(imported)
+            if theirs == mine or imported in SHARED or theirs in MAY_IMPORT[mine]:
+                continue
+            wrong.append(f"{path.relative_to(ROOT)}:{line}: {mine} imports {imported}")
+    assert wrong == []
+
+
+def test_nothing_but_the_command_imports_the_tools() -> None:
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line}: {imported}"
+        for module, path in KNOWN.items()
+        if layer(module) != "server.tools" and module != "server.cli"
+        for imported, _, line in imports(path)
+        if layer(imported) == "server.tools"
+    ]
+    assert wrong == []
+
+
+def test_the_shared_modules_import_no_layer_but_the_store() -> None:
+    # Core composes the store's pieces, the member cache and the send limits; settings, errors, text and ids
+    # import nothing of ours but each other.
+    allowed = {"server.core": {"server.store", "server.money.membership", "server.money.split"}}
+    wrong = []
+    for module in SHARED - {"server"}:
+        for imported, _, line in imports(KNOWN[module]):
+            if imported in SHARED or any(
+                imported == a or layer(imported) == a for a in allowed.get(module, set())
+            ):
+                continue
+            wrong.append(f"{module}:{line}: {imported}")
+    assert wrong == []
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each ring of imports found by a depth-first walk, as the modules around it."""
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                found.append([*path[path.index(n) :], n])
+            elif n not in state:
+                visit(n, [*path, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return found
+
+
+def test_no_import_cycles() -> None:
+    """Not even through an import inside a function (cli <-> hubbench was one)."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]  # it finds them
+    graph = {m: {i for i, _, _ in imports(p) if i in KNOWN and i != m} for m, p in KNOWN.items()}
+    assert cycles(graph) == []
+
+
+def test_no_module_takes_another_ones_private_names() -> None:
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line}: {name} from {imported}"
+        for module, path in KNOWN.items()
+        for imported, names, line in imports(path)
+        for name in names
+        if name.startswith("_") and imported != module
+    ]
+    assert wrong == []
