@@ -717,7 +717,7 @@ async def test_a_storm_sends_redis_about_as_many_grabs_as_shares(
 def test_the_packet_view_is_sent_with_every_field_of_the_dataclass() -> None:
     from dataclasses import asdict
 
-    from server.hub.session import view_dict
+    from server.hub.requests import view_dict
     from server.money.packets import Grab, PacketView
 
     grabs = [Grab(8, 2, 301, 1_796_000_000_450), Grab(7, 1, 587, 1_796_000_001_200)]

@@ -30,7 +30,8 @@ from server.hub.gcpolicy import keep_collections_out_of_bursts
 from server.hub.httpkit import endpoint, error_response, id_of, json_body, path_id
 from server.hub.hub import Hub
 from server.hub.metrics import HubMetrics
-from server.hub.session import view_dict, websocket_endpoint
+from server.hub.requests import view_dict
+from server.hub.session import websocket_endpoint
 from server.hub.tokens import make_token
 from server.money import groups, ledger, packets
 from server.settings import Settings

@@ -1,0 +1,291 @@
+"""The requests a socket may send, one handler each (``HANDLERS``): ``ping``, ``sync``, ``chat``, ``send``,
+``grab``, ``open``, ``presence`` (docs/protocol.md). A handler answers at once, returns what to await for
+the answer, or a ``Later``; its errors are RedPacketErrors with the protocol's codes. ``Session`` (in
+``server.hub.session``) calls them in order, one at a time per socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from server import errors, text
+from server.errors import InvalidRequest, RedPacketError
+from server.hub import announce, events, protocol
+from server.hub.botscore import Attempt
+from server.hub.protocol import field_id, offset_key
+from server.money import packets
+
+if TYPE_CHECKING:
+    from server.hub.session import Session
+
+log = logging.getLogger(__name__)
+
+Answer = dict[str, Any] | Awaitable[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Later:
+    """An answer that waits for ``turn`` without a task of its own; then ``then(turn's result)``."""
+
+    turn: asyncio.Future[bool]
+    then: Callable[[bool], Answer]
+
+
+# A handler answers at once (a dict), returns what to await for the answer, or a ``Later``; errors are
+# RedPacketErrors.
+Handler = Callable[["Session", dict[str, Any]], "Answer | Later"]
+
+
+def on_ping(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    return {"ts": int(time.time() * 1000)}
+
+
+async def _open_packets(s: Session, group: int) -> list[dict[str, Any]]:
+    """The group's newest 20 packets that can still be grabbed (before expiry, with shares left)."""
+    now = int(time.time() * 1000)
+    rows = await s.core.db.fetchall(
+        "SELECT id FROM red_packets WHERE group_id = %s AND status = 'active' AND expires_ms > %s"
+        " ORDER BY id DESC LIMIT 20",
+        (group, now),
+    )
+    views = []
+    for (pid,) in rows:
+        with contextlib.suppress(RedPacketError):
+            view = await packets.open_packet(s.core, int(pid), group, s.conn.user_id)
+            if view.remaining > 0 and view.expires_ms > now:
+                views.append(view_dict(view))
+    return views
+
+
+async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    """Per group: replay what the client missed since its offset, or the current state when it has none
+    or the stream no longer holds the gap. Replayed events are sent before this reply."""
+    wanted = body.get("groups")
+    if not isinstance(wanted, dict):
+        raise InvalidRequest(errors.BAD_REQUEST, "groups must map group id to the last offset seen (or null)")
+    # Every offset is checked before anything is held or sent: a malformed one refuses the whole sync.
+    plan = [(raw, protocol.parse_offset(since)) for raw, since in wanted.items()]
+    out: dict[str, Any] = {}
+    for raw_group, since in plan:
+        group = (
+            int(raw_group)
+            if isinstance(raw_group, str) and raw_group.isascii() and raw_group.isdigit()
+            else raw_group
+        )
+        if not isinstance(group, int) or group not in s.conn.groups:
+            out[str(raw_group)] = {"error": errors.NOT_MEMBER}
+            continue
+        holding = group not in s.conn.held
+        if holding:
+            s.conn.held[group] = []  # a second sync of the same group holds live events again meanwhile
+        try:
+            latest = await events.latest_offset(s.core, group)
+            missed = await events.since(s.core, group, since, s.core.settings.sync_limit) if since else None
+        except BaseException:
+            if holding:  # this sync failed (Redis is down): the group goes on live as before
+                s.conn.release(group, s.conn.last.get(group, (0, 0)))
+            raise
+        if since is None or missed is None or missed.too_old:
+            s.conn.release(group, offset_key(latest))
+            out[str(group)] = {
+                "offset": latest,
+                "too_old": since is not None,
+                "packets": await _open_packets(s, group),
+            }
+            continue
+        # Never send again what this socket already received: a second sync only adds what is newer.
+        s.conn.last[group] = max(offset_key(since), s.conn.last.get(group, (0, 0)))
+        for offset, kind, data in missed.events:
+            key = offset_key(offset)
+            if key > s.conn.last[group]:
+                s.conn.last[group] = key
+                s.conn.send(protocol.event(group, offset, kind, data))
+        s.conn.release(group, s.conn.last[group])
+        out[str(group)] = {"offset": latest, "replayed": len(missed.events), "too_old": False}
+    return {"groups": out}
+
+
+async def on_chat(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    group = s.member_of(body)
+    said = body.get("text")
+    if not isinstance(said, str) or not said.strip() or len(said) > protocol.MAX_TEXT_CHARS:
+        raise InvalidRequest(errors.TEXT_INVALID, f"text is 1 to {protocol.MAX_TEXT_CHARS} characters")
+    if not text.chat_ok(said):
+        raise InvalidRequest(
+            errors.TEXT_INVALID, "chat may hold line feeds and tabs, no other control characters or overrides"
+        )
+    offset = await s.hub.publish(group, "chat", {"user": s.conn.user_id, "text": said})
+    return {"offset": offset}
+
+
+async def on_send(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    group = s.member_of(body)
+    request_id = body.get("request_id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidRequest(errors.BAD_REQUEST, "request_id must be a string")
+    p = await packets.send_packet(
+        s.core,
+        s.conn.user_id,
+        group,
+        body.get("kind", "lucky"),
+        body.get("total"),
+        body.get("count"),
+        body.get("greeting", ""),
+        body.get("target"),
+        request_id,
+    )
+    # Paid for and saved: announced now, or (offset null) by a retry or a worker once Redis is back.
+    s.hub.known.saw_packet(group, p.packet_id)
+    offset = await announce.announce_packet(s.core, p)
+    if offset is not None and not p.replay:
+        s.hub.metrics.events_published.inc()
+    return {**announce.packet_event(p), "offset": offset, "replay": p.replay}
+
+
+def on_grab(s: Session, body: dict[str, Any]) -> Answer | Later:
+    started = time.perf_counter()
+    metrics = s.hub.metrics
+    kp = s.hub.known
+    try:
+        group = s.member_of(body)
+        packet_id = field_id(body, "packet", errors.PACKET_NOT_FOUND)
+        _record_attempt(s, group, packet_id)
+    except RedPacketError as e:
+        metrics.grab_outcomes.labels(e.code).inc()
+        raise
+    # A packet this hub knows to be closed (or no packet at all) is answered from memory.
+    _refuse_if_known(s, group, packet_id)
+    # In a storm, grabs beyond the shares left wait their turn (no task each); most are then answered
+    # from memory when the packet empties.
+    turn = kp.admit(packet_id)
+    if turn is True:
+        return _grab(s, group, packet_id, started)
+
+    def then(admitted: bool) -> Answer:
+        if not admitted:
+            _refuse_if_known(s, group, packet_id, started)
+            kp.go(packet_id)  # a winner (only Redis answers their share), or the state could not be read
+        return _grab(s, group, packet_id, started)
+
+    assert not isinstance(turn, bool)
+    return Later(turn, then)
+
+
+def _refuse_if_known(s: Session, group: int, packet_id: int, started: float | None = None) -> None:
+    refusal = s.hub.known.refusal(group, packet_id, s.conn.user_id)
+    if refusal is None:
+        return
+    metrics = s.hub.metrics
+    metrics.grab_outcomes.labels(_OUTCOMES.get(refusal, refusal)).inc()
+    metrics.grabs_answered_locally.inc()
+    if started is not None:
+        metrics.grab_seconds.observe(time.perf_counter() - started)
+    raise packets.refusal_error(refusal)
+
+
+_OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
+
+
+async def _grab(s: Session, group: int, packet_id: int, started: float) -> dict[str, Any]:
+    """The grab in Redis, with a slot of the packet's flight (``Known.admit``) already taken."""
+    metrics = s.hub.metrics
+    kp = s.hub.known
+    remaining: int | None = None
+    try:
+        r = await packets.grab(s.core, packet_id, group, s.conn.user_id, gate=True)
+        remaining = r.remaining
+        if remaining == 0:
+            kp.saw_closed(group, packet_id)
+    except RedPacketError as e:
+        metrics.grab_outcomes.labels(_OUTCOMES.get(e.code, e.code)).inc()
+        if e.code in _OUTCOMES:
+            remaining = 0
+            kp.saw_closed(group, packet_id)
+        elif e.code == errors.PACKET_NOT_FOUND:
+            kp.saw_unknown(group, packet_id)
+        raise
+    finally:
+        kp.landed(packet_id, remaining)
+        metrics.grab_seconds.observe(time.perf_counter() - started)
+    metrics.grab_outcomes.labels(r.outcome).inc()
+    if r.outcome == "won":
+        s.hub.announcer.grabbed(group, packet_id, r.grab, r.remaining)
+        if r.remaining == 0:
+            # Exactly one grab empties a packet: it announces the result, after the grabs.
+            s.hub.spawn(s.hub.announcer.finished(group, packet_id, s.conn.user_id))
+    g = r.grab
+    return {
+        "packet": packet_id,
+        "outcome": r.outcome,
+        "user_id": g.user_id,
+        "seq": g.seq,
+        "amount": g.amount,
+        "grabbed_ms": g.grabbed_ms,
+        "remaining": r.remaining,
+    }
+
+
+def _record_attempt(s: Session, group: int, packet_id: int) -> None:
+    """For the bot detector: who grabbed what, how long after this socket was shown it."""
+    shown = s.conn.announced.get(packet_id)
+    now = int(time.time() * 1000)
+    reaction = None if shown is None else now - shown
+    s.hub.attempts.record(Attempt(s.conn.user_id, group, packet_id, reaction, s.conn.device, now))
+
+
+def _grab_dict(g: packets.Grab | None) -> dict[str, int] | None:
+    if g is None:
+        return None
+    return {"user_id": g.user_id, "seq": g.seq, "amount": g.amount, "grabbed_ms": g.grabbed_ms}
+
+
+def view_dict(v: packets.PacketView) -> dict[str, Any]:
+    """The packet view as the protocol sends it. Written out field by field: ``dataclasses.asdict``
+    (recursive, copying) cost a loaded hub an eighth of its CPU, every member opening a 100-grab packet."""
+    return {
+        "packet_id": v.packet_id,
+        "group_id": v.group_id,
+        "sender_id": v.sender_id,
+        "kind": v.kind,
+        "total": v.total,
+        "count": v.count,
+        "greeting": v.greeting,
+        "created_ms": v.created_ms,
+        "expires_ms": v.expires_ms,
+        "remaining": v.remaining,
+        "grabs": [_grab_dict(g) for g in v.grabs],
+        "mine": _grab_dict(v.mine),
+        "finished_ms": v.finished_ms,
+        "best_luck": _grab_dict(v.best_luck),
+        "duration_ms": v.duration_ms,
+    }
+
+
+async def on_open(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    group = s.member_of(body)
+    return view_dict(
+        await packets.open_packet(
+            s.core, field_id(body, "packet", errors.PACKET_NOT_FOUND), group, s.conn.user_id
+        )
+    )
+
+
+async def on_presence(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+    group = s.member_of(body)
+    return {"group": group, "online": await s.hub.online(group)}
+
+
+HANDLERS: dict[str, Handler] = {
+    "ping": on_ping,
+    "sync": on_sync,
+    "chat": on_chat,
+    "send": on_send,
+    "grab": on_grab,
+    "open": on_open,
+    "presence": on_presence,
+}
