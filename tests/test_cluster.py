@@ -16,7 +16,7 @@ from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.hub import bots, events
 from server.hub.botscore import Decision, Rules
-from server.money import ledger, packets, settlement
+from server.money import grabs, ledger, packets, settlement
 from server.money.reconcile import reconcile
 from server.settings import Settings
 from server.store import keys
@@ -54,12 +54,12 @@ async def test_every_operation_of_the_core_runs_on_the_cluster(cluster_core: Cor
     told: dict[tuple[int, int], int] = {}
     for g in [w.group, *more]:
         p = await packets.send_packet(core, w.admin, g, "lucky", 3_000, 30)
-        results = await asyncio.gather(*(packets.grab(core, p.packet_id, g, u, gate=True) for u in w.members))
+        results = await asyncio.gather(*(grabs.grab(core, p.packet_id, g, u, gate=True) for u in w.members))
         for r in results:
             told[(p.packet_id, r.grab.user_id)] = r.grab.amount
-        again = await packets.grab(core, p.packet_id, g, w.members[0], gate=True)
+        again = await grabs.grab(core, p.packet_id, g, w.members[0], gate=True)
         assert again.outcome == "already"
-        view = await packets.open_packet(core, p.packet_id, g, w.members[0])
+        view = await grabs.open_packet(core, p.packet_id, g, w.members[0])
         assert (
             view.remaining == 0 and sum(x.amount for x in view.grabs) == 3_000 and view.best_luck is not None
         )
@@ -86,7 +86,7 @@ async def test_every_operation_of_the_core_runs_on_the_cluster(cluster_core: Cor
     assert [b.user for b in await bots.list_blocks(core)] == [w.members[1]]
     assert await bots.lift(core, w.members[1])
     q = await packets.send_packet(core, w.admin, more[1], "lucky", 500, 5)
-    await packets.grab(core, q.packet_id, more[1], w.members[2])
+    await grabs.grab(core, q.packet_id, more[1], w.members[2])
     row = await core.db.fetchone("SELECT expires_ms FROM red_packets WHERE id = %s", (q.packet_id,))
     assert row is not None
     refund = await settlement.refund_packet(core, q.packet_id, now=int(row[0]) + 1)
@@ -128,11 +128,7 @@ async def test_a_storm_on_the_cluster_is_paid_by_two_worker_processes(
         told: dict[tuple[int, int], int] = {}
         sent = [await packets.send_packet(core, w.admin, g, "lucky", 10_000, 100) for g in gids]
         results = await asyncio.gather(
-            *(
-                packets.grab(core, p.packet_id, g, u)
-                for p, g in zip(sent, gids, strict=True)
-                for u in w.members
-            )
+            *(grabs.grab(core, p.packet_id, g, u) for p, g in zip(sent, gids, strict=True) for u in w.members)
         )
         for r in results:
             told[(r.packet_id, r.grab.user_id)] = r.grab.amount
@@ -174,7 +170,7 @@ async def test_a_master_killed_mid_storm_loses_no_won_grab_with_replica_durabili
                 # A client: retried while Redis is unavailable, as the protocol says.
                 for _ in range(1200):
                     try:
-                        g = (await packets.grab(c, p.packet_id, w.group, u)).grab
+                        g = (await grabs.grab(c, p.packet_id, w.group, u)).grab
                         told[u] = (g.seq, g.amount)
                         return
                     except RedPacketError as e:

@@ -9,7 +9,7 @@ import pytest
 from server import errors
 from server.core import Core
 from server.errors import Conflict
-from server.money import ledger, packets
+from server.money import grabs, ledger, packets
 from server.money.ledger import Credit
 from server.store import keys
 from tests.conftest import make_world, outbox
@@ -37,9 +37,9 @@ async def test_full_packet_is_credited_exactly(core: Core) -> None:
     w = await make_world(core, members=12, admin_cents=50_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 12_345, 10)
     results = await asyncio.gather(
-        *(packets.grab(core, p.packet_id, w.group, u) for u in w.members), return_exceptions=True
+        *(grabs.grab(core, p.packet_id, w.group, u) for u in w.members), return_exceptions=True
     )
-    won = {r.grab.user_id: r.grab.amount for r in results if isinstance(r, packets.GrabResult)}
+    won = {r.grab.user_id: r.grab.amount for r in results if isinstance(r, grabs.GrabResult)}
     assert len(won) == 10
     assert await run_worker(core) == 10
     for u in w.members:
@@ -62,7 +62,7 @@ async def test_the_grab_records_its_credit_in_the_same_call(core: Core) -> None:
     """lua/grab.lua writes the credit record keys.credit_entry names to the shard's outbox."""
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 777, 1)
-    g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
+    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
     mine = (p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
     assert await outbox(core, w.group) == [mine]
     # Ids and amounts past 32 bits, on a packet that lives only in Redis.
@@ -70,10 +70,10 @@ async def test_the_grab_records_its_credit_in_the_same_call(core: Core) -> None:
     meta, shares, _, _ = keys.packet_keys(w.group, big)
     await core.redis.hset(meta, mapping={"group": w.group, "expires_ms": ledger.now_ms() + 60_000})
     await core.redis.rpush(shares, f"70000:{2**31 + 7}")
-    k, args = packets.grab_call(core, big, w.group, user, False, False)
+    k, args = grabs.grab_call(core, big, w.group, user, False, False)
     res = await core.scripts.grab(keys=k, args=args)
     assert res[0] == b"won"
-    g2 = packets.parse_record(user, res[1])
+    g2 = grabs.parse_record(user, res[1])
     assert await outbox(core, w.group) == [mine, (big, user, 70_000, 2**31 + 7, g2.grabbed_ms, w.group)]
     await core.redis.delete(*keys.packet_keys(w.group, big))
 
@@ -81,12 +81,12 @@ async def test_the_grab_records_its_credit_in_the_same_call(core: Core) -> None:
 async def test_a_repeat_grab_answers_the_same_share_and_records_no_second_credit(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 600, 1)
-    g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
-    again = await packets.grab(core, p.packet_id, w.group, w.members[0])
+    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
+    again = await grabs.grab(core, p.packet_id, w.group, w.members[0])
     assert again.outcome == "already" and again.grab == g
     assert len(await outbox(core, w.group)) == 1
     assert await run_worker(core) == 1
-    assert (await packets.grab(core, p.packet_id, w.group, w.members[0])).outcome == "already"
+    assert (await grabs.grab(core, p.packet_id, w.group, w.members[0])).outcome == "already"
     assert await outbox(core, w.group) == []  # paid: off the outbox
     assert await ledger.balance(core.db, w.members[0]) == 600
 
@@ -94,7 +94,7 @@ async def test_a_repeat_grab_answers_the_same_share_and_records_no_second_credit
 async def test_a_credit_run_twice_pays_once(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 1)
-    g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
+    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
     c = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
     assert await ledger.credit_grab(core.db, c) == "credited"
     assert await ledger.credit_grab(core.db, c) == "already"
@@ -108,7 +108,7 @@ async def test_a_credit_run_twice_pays_once(core: Core) -> None:
 async def test_concurrent_duplicate_credits_pay_once(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "equal", 700, 1)
-    g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
+    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
     c = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
     outcomes = await asyncio.gather(*(ledger.credit_grab(core.db, c) for _ in range(8)))
     assert sorted(outcomes) == ["already"] * 7 + ["credited"]
@@ -119,8 +119,8 @@ async def test_concurrent_duplicate_credits_pay_once(core: Core) -> None:
 async def test_the_database_refuses_what_redis_cannot_prove(core: Core, lie: str) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 1_000, 2)
-    a = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
-    b = (await packets.grab(core, p.packet_id, w.group, w.members[1])).grab
+    a = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
+    b = (await grabs.grab(core, p.packet_id, w.group, w.members[1])).grab
     await ledger.credit_grab(core.db, Credit(p.packet_id, a.user_id, a.seq, a.amount, a.grabbed_ms))
     bad = {
         "amount": Credit(p.packet_id, b.user_id, b.seq, b.amount + 1, b.grabbed_ms),
@@ -138,7 +138,7 @@ async def test_the_database_refuses_what_redis_cannot_prove(core: Core, lie: str
 async def test_no_credit_lands_on_a_refunded_packet(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 300, 1)
-    g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
+    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
     await core.db.run(
         lambda tx: tx.execute("UPDATE red_packets SET status = 'refunded' WHERE id = %s", (p.packet_id,))
     )
@@ -160,7 +160,7 @@ async def test_a_packet_is_finished_by_the_transaction_that_credits_its_last_sha
     w = await make_world(core, members=3, admin_cents=10_000)
     for last_alone in (True, False):
         p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 3)
-        gs = [(await packets.grab(core, p.packet_id, w.group, u)).grab for u in w.members]
+        gs = [(await grabs.grab(core, p.packet_id, w.group, u)).grab for u in w.members]
         credits = [Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms) for g in gs]
         assert await credit_many(core.db, credits[:2]) == ["credited", "credited"]
         assert await _status(core, p.packet_id) == ("active", None)

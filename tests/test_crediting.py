@@ -6,7 +6,7 @@ import asyncio
 
 from server import errors
 from server.core import Core
-from server.money import ledger, packets
+from server.money import grabs, ledger, packets
 from server.money.crediting import credit_many
 from server.money.ledger import Credit
 from server.money.reconcile import reconcile
@@ -20,7 +20,7 @@ async def _grabs(core: Core, members: int, total: int) -> tuple[int, list[Credit
     p = await packets.send_packet(core, w.admin, w.group, "lucky", total, members)
     credits = []
     for u in w.members:
-        g = (await packets.grab(core, p.packet_id, w.group, u)).grab
+        g = (await grabs.grab(core, p.packet_id, w.group, u)).grab
         credits.append(Credit(p.packet_id, u, g.seq, g.amount, g.grabbed_ms))
     return p.packet_id, credits, w.members
 

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from server.core import Core
-from server.money import ledger, packets
+from server.money import grabs, ledger, packets
 from server.money.reconcile import reconcile
 from server.store import keys
 from tests.conftest import make_world, outbox
@@ -19,7 +19,7 @@ from worker.drain import CreditDrain
 async def _storm(core: Core, members: int) -> tuple[int, dict[int, int]]:
     w = await make_world(core, members=members, admin_cents=100_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", members * 100, members)
-    results = await asyncio.gather(*(packets.grab(core, p.packet_id, w.group, u) for u in w.members))
+    results = await asyncio.gather(*(grabs.grab(core, p.packet_id, w.group, u) for u in w.members))
     return w.group, {r.grab.user_id: r.grab.amount for r in results}
 
 

@@ -19,7 +19,7 @@ import redis
 from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError
-from server.money import ledger, packets
+from server.money import grabs, ledger, packets
 from server.money.reconcile import reconcile
 from tests.conftest import make_world
 from tests.hubtools import eventually
@@ -60,9 +60,9 @@ async def paid(core: Core) -> dict[int, tuple[int, int]]:
     return {int(u): (int(s), int(a)) for u, s, a in rows}
 
 
-async def grab_or_none(core: Core, packet_id: int, group: int, user: int) -> packets.GrabResult | None:
+async def grab_or_none(core: Core, packet_id: int, group: int, user: int) -> grabs.GrabResult | None:
     try:
-        return await packets.grab(core, packet_id, group, user)
+        return await grabs.grab(core, packet_id, group, user)
     except RedPacketError as e:
         assert e.code == errors.PACKET_EMPTY, e
         return None
@@ -79,7 +79,7 @@ async def test_lost_writes_never_hand_out_a_share_the_database_holds(core: Core,
             w = await make_world(c, members=60, admin_cents=100_000)
             p = await packets.send_packet(c, w.admin, w.group, "lucky", 4_000, 40)
             sent_by = await next_second()
-            before = {u: await packets.grab(c, p.packet_id, w.group, u) for u in w.members[:20]}
+            before = {u: await grabs.grab(c, p.packet_id, w.group, u) for u in w.members[:20]}
             await CreditDrain(c).until_empty()
             assert len(await paid(c)) == 20
             await crash(r, keep_until=sent_by)  # the packet survives, its 20 grabs and their credits do not
@@ -93,7 +93,7 @@ async def test_lost_writes_never_hand_out_a_share_the_database_holds(core: Core,
             held = await paid(c)
             for u, g in before.items():  # paid before the crash: still theirs, answered again as theirs
                 assert held[u] == (g.grab.seq, g.grab.amount)
-                again = await packets.grab(c, p.packet_id, w.group, u)
+                again = await grabs.grab(c, p.packet_id, w.group, u)
                 assert again.outcome == "already" and again.grab.seq == g.grab.seq
             for u, share in winners.items():  # told after the crash: paid exactly that
                 assert held[u] == share
@@ -114,13 +114,13 @@ async def test_with_aof_durability_every_won_survives_the_crash(core: Core, tmp_
             p = await packets.send_packet(c, w.admin, w.group, "lucky", 6_000, 60)
             told: dict[int, tuple[int, int]] = {}
             for u in w.members[:30]:
-                g = (await packets.grab(c, p.packet_id, w.group, u)).grab
+                g = (await grabs.grab(c, p.packet_id, w.group, u)).grab
                 told[u] = (g.seq, g.amount)
             last_answer = await next_second()
             # In flight when the machine died: executed, never answered (their answers are ignored),
             # and their credits even paid.
             for u in w.members[30:40]:
-                await packets.grab(c, p.packet_id, w.group, u)
+                await grabs.grab(c, p.packet_id, w.group, u)
             await CreditDrain(c).until_empty()
             await crash(r, keep_until=last_answer)
 
@@ -149,11 +149,11 @@ async def test_grabs_are_not_answered_won_when_durability_cannot_be_had(core: Co
         strict.batcher.durability = durability  # type: ignore[assignment]
         try:
             with pytest.raises(RedPacketError) as e:
-                await packets.grab(strict, p.packet_id, w.group, w.members[0])
+                await grabs.grab(strict, p.packet_id, w.group, w.members[0])
             assert e.value.code == errors.REDIS_UNAVAILABLE, e.value
         finally:
             strict.batcher.durability = "none"
-    got = await packets.grab(core, p.packet_id, w.group, w.members[0])
+    got = await grabs.grab(core, p.packet_id, w.group, w.members[0])
     assert got.outcome == "already"  # taken the first time; said now
     assert await ledger.balance(core.db, w.members[0]) == 0
 
@@ -174,7 +174,7 @@ async def test_replica_durability_answers_once_a_replica_has_the_grab(core: Core
             async with open_core(s) as c:
                 w = await make_world(c, members=20, admin_cents=10_000)
                 p = await packets.send_packet(c, w.admin, w.group, "lucky", 2_000, 20)
-                got = await asyncio.gather(*(packets.grab(c, p.packet_id, w.group, u) for u in w.members))
+                got = await asyncio.gather(*(grabs.grab(c, p.packet_id, w.group, u) for u in w.members))
                 assert all(g.outcome == "won" for g in got)
                 assert sum(g.grab.amount for g in got) == 2_000
 

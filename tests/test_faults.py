@@ -16,7 +16,7 @@ import pymysql
 import pytest
 
 from server.core import Core, open_core
-from server.money import ledger, packets
+from server.money import grabs, ledger, packets
 from server.money.crediting import credit_many
 from server.money.ledger import Credit
 from server.money.reconcile import reconcile
@@ -42,7 +42,7 @@ async def _storm(core: Core, members: int) -> tuple[int, list[int], list[Credit]
     credits: list[Credit] = []
     for _ in range(10):
         p = await packets.send_packet(core, w.admin, w.group, "lucky", 10_000, members)
-        results = await asyncio.gather(*(packets.grab(core, p.packet_id, w.group, u) for u in w.members))
+        results = await asyncio.gather(*(grabs.grab(core, p.packet_id, w.group, u) for u in w.members))
         credits += [
             Credit(p.packet_id, r.grab.user_id, r.grab.seq, r.grab.amount, r.grab.grabbed_ms) for r in results
         ]
@@ -152,7 +152,7 @@ async def test_redis_restarted_with_aof_in_a_grab_storm(core: Core, tmp_path: Pa
             async def grab(u: int) -> None:
                 for _ in range(100):
                     try:
-                        told[u] = (await packets.grab(c, p.packet_id, w.group, u)).grab.amount
+                        told[u] = (await grabs.grab(c, p.packet_id, w.group, u)).grab.amount
                         return
                     except Exception:
                         await asyncio.sleep(0.05)
@@ -166,7 +166,7 @@ async def test_redis_restarted_with_aof_in_a_grab_storm(core: Core, tmp_path: Pa
             await asyncio.gather(*(grab(u) for u in w.members[30:]))
             # Repeats after the restart answer the same share.
             for u in w.members[:30]:
-                assert (await packets.grab(c, p.packet_id, w.group, u)).grab.amount == told[u]
+                assert (await grabs.grab(c, p.packet_id, w.group, u)).grab.amount == told[u]
             await run_worker(c)
             for u in w.members:
                 assert await ledger.balance(c.db, u) == told[u]
@@ -208,7 +208,7 @@ async def test_redis_killed_and_restarted_under_two_workers_that_ride_it_out(
                 before = await packets.send_packet(c, w.admin, w.group, "lucky", 4_000, 40)
                 for u in w.members:
                     told[(before.packet_id, u)] = (
-                        await packets.grab(c, before.packet_id, w.group, u)
+                        await grabs.grab(c, before.packet_id, w.group, u)
                     ).grab.amount
                 await r.kill()
                 # Both workers notice (their loops fail) and keep running.
@@ -220,7 +220,7 @@ async def test_redis_killed_and_restarted_under_two_workers_that_ride_it_out(
                 after = await _retrying_send(c, w.admin, w.group)
                 for u in w.members:
                     told[(after.packet_id, u)] = (
-                        await packets.grab(c, after.packet_id, w.group, u)
+                        await grabs.grab(c, after.packet_id, w.group, u)
                     ).grab.amount
                 await eventually(lambda: _credited(c, len(told)), timeout=120)
                 rows = await c.db.fetchall(

@@ -11,7 +11,7 @@ import pytest
 from server import errors
 from server.core import Core
 from server.errors import RedPacketError
-from server.money import groups, ledger, packets
+from server.money import grabs, groups, ledger, packets
 from server.money.membership import Membership
 from server.store import keys
 from server.store.batch import Batcher
@@ -20,7 +20,7 @@ from tests.conftest import block, bulk_users, make_world, outbox
 
 async def _grab_code(core: Core, packet_id: int, group_id: int, user: int, gate: bool = False) -> str:
     try:
-        return (await packets.grab(core, packet_id, group_id, user, gate=gate)).outcome
+        return (await grabs.grab(core, packet_id, group_id, user, gate=gate)).outcome
     except RedPacketError as e:
         return e.code
 
@@ -38,16 +38,16 @@ async def test_a_thousand_members_race_for_a_hundred_shares(core: Core, batched:
     w = await make_world(core, members=1_000, admin_cents=100_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 20_000, 100)
     results = await asyncio.gather(
-        *(packets.grab(core, p.packet_id, w.group, u) for u in w.members), return_exceptions=True
+        *(grabs.grab(core, p.packet_id, w.group, u) for u in w.members), return_exceptions=True
     )
-    won = [r for r in results if isinstance(r, packets.GrabResult)]
+    won = [r for r in results if isinstance(r, grabs.GrabResult)]
     refused = [r for r in results if isinstance(r, RedPacketError)]
     assert len(won) == 100 and all(r.outcome == "won" for r in won)
     assert len(refused) == 900 and {e.code for e in refused} == {errors.PACKET_EMPTY}
     assert sum(r.grab.amount for r in won) == 20_000
     assert len({r.grab.user_id for r in won}) == 100
     assert sorted(r.grab.seq for r in won) == list(range(1, 101))
-    view = await packets.open_packet(core, p.packet_id, w.group, won[0].grab.user_id)
+    view = await grabs.open_packet(core, p.packet_id, w.group, won[0].grab.user_id)
     assert view.remaining == 0 and len(view.grabs) == 100 and view.finished_ms is not None
 
 
@@ -56,13 +56,11 @@ async def test_fifty_grabs_by_one_user_take_one_share(core: Core, batched: bool)
     core = core if batched else unbatched(core)
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 1_000, 2)
-    results = await asyncio.gather(
-        *(packets.grab(core, p.packet_id, w.group, w.members[0]) for _ in range(50))
-    )
+    results = await asyncio.gather(*(grabs.grab(core, p.packet_id, w.group, w.members[0]) for _ in range(50)))
     assert Counter(r.outcome for r in results) == {"won": 1, "already": 49}
     assert len({(r.grab.seq, r.grab.amount, r.grab.grabbed_ms) for r in results}) == 1
     assert await core.redis.llen(keys.packet_shares(w.group, p.packet_id)) == 1
-    other = await packets.grab(core, p.packet_id, w.group, w.members[1])
+    other = await grabs.grab(core, p.packet_id, w.group, w.members[1])
     assert other.grab.amount + results[0].grab.amount == 1_000
 
 
@@ -150,22 +148,22 @@ async def test_grab_survives_script_flush(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 100, 2)
     await core.redis.script_flush()
-    assert (await packets.grab(core, p.packet_id, w.group, w.members[0])).outcome == "won"
+    assert (await grabs.grab(core, p.packet_id, w.group, w.members[0])).outcome == "won"
     assert await core.redis.script_exists(core.scripts.sha("grab")) == [True]
 
 
 async def test_open_is_a_read_with_grab_order_best_luck_and_duration(core: Core) -> None:
     w = await make_world(core, members=3, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 999, 3, "大吉")
-    before = await packets.open_packet(core, p.packet_id, w.group, w.members[0])
+    before = await grabs.open_packet(core, p.packet_id, w.group, w.members[0])
     assert (
         before.mine is None
         and before.remaining == 3
         and before.best_luck is None
         and before.duration_ms is None
     )
-    results = [await packets.grab(core, p.packet_id, w.group, u) for u in w.members]
-    views = [await packets.open_packet(core, p.packet_id, w.group, w.members[1]) for _ in range(3)]
+    results = [await grabs.grab(core, p.packet_id, w.group, u) for u in w.members]
+    views = [await grabs.open_packet(core, p.packet_id, w.group, w.members[1]) for _ in range(3)]
     assert views[0] == views[1] == views[2]
     v = views[0]
     assert v.mine == results[1].grab
@@ -181,7 +179,7 @@ async def test_open_refuses_non_members(core: Core) -> None:
     outsider = await ledger.create_user(core.db, "outsider")
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 100, 1)
     with pytest.raises(RedPacketError) as e:
-        await packets.open_packet(core, p.packet_id, w.group, outsider)
+        await grabs.open_packet(core, p.packet_id, w.group, outsider)
     assert e.value.code == errors.NOT_MEMBER
 
 

@@ -8,7 +8,7 @@ import redis
 from server import errors
 from server.core import Core
 from server.errors import RedPacketError
-from server.money import groups, ledger, packets
+from server.money import grabs, groups, ledger, packets
 from server.store import keys
 from tests.conftest import make_world
 
@@ -122,5 +122,5 @@ async def test_redis_failing_after_the_commit_keeps_the_packet_and_recover_publi
     assert await core.redis.exists(keys.packet_meta(w.group, p.packet_id)) == 0
     r = await packets.recover_packet(core, p.packet_id)
     assert (r.shares_left, r.grabs_known) == (2, 0)
-    got = await packets.grab(core, p.packet_id, w.group, w.members[0])
+    got = await grabs.grab(core, p.packet_id, w.group, w.members[0])
     assert got.outcome == "won"

@@ -8,7 +8,7 @@ import sys
 
 from server.core import Core
 from server.errors import RedPacketError
-from server.money import ledger, packets, settlement
+from server.money import grabs, ledger, packets, settlement
 from server.money.reconcile import reconcile
 from server.settings import child_env
 from server.store import keys
@@ -26,18 +26,18 @@ async def _expire(core: Core, packet_id: int) -> int:
 async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -> None:
     w = await make_world(core, members=5, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 1_000, 5)
-    grabs = [await packets.grab(core, p.packet_id, w.group, u) for u in w.members[:2]]
-    taken = sum(g.grab.amount for g in grabs)
+    won = [await grabs.grab(core, p.packet_id, w.group, u) for u in w.members[:2]]
+    taken = sum(g.grab.amount for g in won)
     # The credit jobs never ran: the refund itself settles the grabs first, so they are paid, not refunded.
     r = await settlement.refund_packet(core, p.packet_id, now=await _expire(core, p.packet_id))
     assert (r.outcome, r.amount) == ("refunded", 1_000 - taken)
-    for g in grabs:
+    for g in won:
         assert await ledger.balance(core.db, g.grab.user_id) == g.grab.amount
     assert await ledger.balance(core.db, w.admin) == 10_000 - taken
     assert await core.redis.exists(*keys.packet_keys(w.group, p.packet_id)) == 0
     # Nothing more to grab, and a second refund pays nothing.
     try:
-        await packets.grab(core, p.packet_id, w.group, w.members[3])
+        await grabs.grab(core, p.packet_id, w.group, w.members[3])
         raise AssertionError("grab after refund")
     except RedPacketError as e:
         assert e.code in ("packet_expired", "packet_not_found")
@@ -52,7 +52,7 @@ async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -
 async def test_two_refunders_refund_once(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 2)
-    await packets.grab(core, p.packet_id, w.group, w.members[0])
+    await grabs.grab(core, p.packet_id, w.group, w.members[0])
     now = await _expire(core, p.packet_id)
     results = await asyncio.gather(*(settlement.refund_packet(core, p.packet_id, now=now) for _ in range(4)))
     assert [r.outcome for r in results].count("refunded") == 1
@@ -67,14 +67,14 @@ async def test_a_packet_not_yet_due_is_left_alone(core: Core) -> None:
     r = await settlement.refund_packet(core, p.packet_id)
     assert r.outcome == "not_due"
     assert await settlement.due_for_refund(core) == []
-    assert (await packets.grab(core, p.packet_id, w.group, w.members[0])).outcome == "won"
+    assert (await grabs.grab(core, p.packet_id, w.group, w.members[0])).outcome == "won"
 
 
 async def test_an_emptied_packet_is_finished_not_refunded(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "equal", 600, 2)
     for u in w.members:
-        await packets.grab(core, p.packet_id, w.group, u)
+        await grabs.grab(core, p.packet_id, w.group, u)
     await run_worker(core)
     # Finished by the credit of its last share; the periodic catch-up finds nothing left to do.
     row = await core.db.fetchone("SELECT status FROM red_packets WHERE id = %s", (p.packet_id,))
@@ -89,7 +89,7 @@ async def test_an_emptied_packet_is_finished_not_refunded(core: Core) -> None:
 async def test_sweeper_pays_a_grab_whose_enqueue_was_lost(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 800, 2)
-    g = (await packets.grab(core, p.packet_id, w.group, w.members[0])).grab
+    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
     # As if the credit job were lost (it expired unrun after a day, or Redis lost it): none exists.
     await core.redis.delete(keys.outbox_for(w.group))
     assert await run_worker(core) == 0
@@ -104,7 +104,7 @@ async def test_sweeper_pays_a_grab_whose_enqueue_was_lost(core: Core) -> None:
 async def test_reconciliation_finds_a_cent_out_of_place(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 700, 2)
-    await packets.grab(core, p.packet_id, w.group, w.members[0])
+    await grabs.grab(core, p.packet_id, w.group, w.members[0])
     await run_worker(core)
     clean = await reconcile(core.db)
     assert clean.ok and clean.money_in == 10_000 and clean.held_in_packets > 0
@@ -159,7 +159,7 @@ async def test_reconciliation_while_money_moves_reports_no_false_difference(core
     w = await make_world(core, members=40, admin_cents=1_000_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 4_000, 40)
     for m in w.members:
-        await packets.grab(core, p.packet_id, w.group, m)
+        await grabs.grab(core, p.packet_id, w.group, m)
     moving = True
 
     async def move_money() -> None:

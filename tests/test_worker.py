@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from server.core import Core
-from server.money import packets
+from server.money import grabs, packets
 from server.money.ledger import balance
 from server.settings import Settings
 from tests.conftest import make_world
@@ -78,7 +78,7 @@ async def test_arq_can_run_the_worker_settings_and_they_pay_credits(core: Core) 
     assert {"cron:refund_expired_job", "cron:announce_job", "cron:sweep_job"} <= names
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 321, 1)
-    await packets.grab(core, p.packet_id, w.group, w.members[0])
+    await grabs.grab(core, p.packet_id, w.group, w.members[0])
     ctx: dict[str, object] = {}
     await ws.on_startup(ctx)  # what arq calls first: it starts the credit drain
     try:

@@ -37,9 +37,10 @@ from redis.exceptions import RedisError
 from server.core import Core
 from server.errors import RedPacketError
 from server.hub import events, protocol
-from server.money import packets
+from server.money import grabs, packets
+from server.money.grabs import Grab
 from server.money.ledger import now_ms
-from server.money.packets import Grab, Packet
+from server.money.packets import Packet
 from server.store.db import Tx
 
 if TYPE_CHECKING:
@@ -256,7 +257,7 @@ class Announcer:
 
 
 async def _result(a: Announcer, group: int, packet_id: int, viewer: int) -> dict[str, Any]:
-    v = await packets.open_packet(a.hub.core, packet_id, group, viewer)
+    v = await grabs.open_packet(a.hub.core, packet_id, group, viewer)
     best = v.best_luck
     return {
         "packet_id": packet_id,

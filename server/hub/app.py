@@ -33,7 +33,7 @@ from server.hub.metrics import HubMetrics
 from server.hub.requests import view_dict
 from server.hub.session import websocket_endpoint
 from server.hub.tokens import make_token
-from server.money import groups, ledger, packets
+from server.money import grabs, groups, ledger
 from server.settings import Settings
 from server.store.shipped import shipped_dir
 
@@ -149,7 +149,7 @@ async def packet_detail(request: Request, core: Core, user: int) -> dict[str, An
     row = await core.db.fetchone("SELECT group_id, status FROM red_packets WHERE id = %s", (pid,))
     if row is None:
         raise NotFound(errors.PACKET_NOT_FOUND, "no such packet")
-    view = await packets.open_packet(core, pid, int(row[0]), user)
+    view = await grabs.open_packet(core, pid, int(row[0]), user)
     states = await core.db.fetchall("SELECT user_id, status FROM grab_records WHERE packet_id = %s", (pid,))
     credited = {int(r[0]): r[1] for r in states}
     data = view_dict(view)

@@ -18,7 +18,7 @@ from server.errors import InvalidRequest, RedPacketError
 from server.hub import announce, events, protocol
 from server.hub.botscore import Attempt
 from server.hub.protocol import field_id, offset_key
-from server.money import packets
+from server.money import grabs, packets
 
 if TYPE_CHECKING:
     from server.hub.session import Session
@@ -56,7 +56,7 @@ async def _open_packets(s: Session, group: int) -> list[dict[str, Any]]:
     views = []
     for (pid,) in rows:
         with contextlib.suppress(RedPacketError):
-            view = await packets.open_packet(s.core, int(pid), group, s.conn.user_id)
+            view = await grabs.open_packet(s.core, int(pid), group, s.conn.user_id)
             if view.remaining > 0 and view.expires_ms > now:
                 views.append(view_dict(view))
     return views
@@ -185,7 +185,7 @@ def _refuse_if_known(s: Session, group: int, packet_id: int, started: float | No
     metrics.grabs_answered_locally.inc()
     if started is not None:
         metrics.grab_seconds.observe(time.perf_counter() - started)
-    raise packets.refusal_error(refusal)
+    raise grabs.refusal_error(refusal)
 
 
 _OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
@@ -197,7 +197,7 @@ async def _grab(s: Session, group: int, packet_id: int, started: float) -> dict[
     kp = s.hub.known
     remaining: int | None = None
     try:
-        r = await packets.grab(s.core, packet_id, group, s.conn.user_id, gate=True)
+        r = await grabs.grab(s.core, packet_id, group, s.conn.user_id, gate=True)
         remaining = r.remaining
         if remaining == 0:
             kp.saw_closed(group, packet_id)
@@ -238,13 +238,13 @@ def _record_attempt(s: Session, group: int, packet_id: int) -> None:
     s.hub.attempts.record(Attempt(s.conn.user_id, group, packet_id, reaction, s.conn.device, now))
 
 
-def _grab_dict(g: packets.Grab | None) -> dict[str, int] | None:
+def _grab_dict(g: grabs.Grab | None) -> dict[str, int] | None:
     if g is None:
         return None
     return {"user_id": g.user_id, "seq": g.seq, "amount": g.amount, "grabbed_ms": g.grabbed_ms}
 
 
-def view_dict(v: packets.PacketView) -> dict[str, Any]:
+def view_dict(v: grabs.PacketView) -> dict[str, Any]:
     """The packet view as the protocol sends it. Written out field by field: ``dataclasses.asdict``
     (recursive, copying) cost a loaded hub an eighth of its CPU, every member opening a 100-grab packet."""
     return {
@@ -269,7 +269,7 @@ def view_dict(v: packets.PacketView) -> dict[str, Any]:
 async def on_open(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     group = s.member_of(body)
     return view_dict(
-        await packets.open_packet(
+        await grabs.open_packet(
             s.core, field_id(body, "packet", errors.PACKET_NOT_FOUND), group, s.conn.user_id
         )
     )

@@ -1,34 +1,32 @@
-"""Send, grab, open and recover red packets: the money core's operations.
+"""Send and recover red packets: the packet's life in the database and its state in Redis.
 
 Send debits the sender and writes the packet and its pre-split shares in one database transaction, then
-publishes them to Redis. Grab is one Lua call. Open is one Redis round trip. Recover rebuilds a packet's
-Redis state from the database. The pure pieces (the view of a packet) are plain functions at the bottom.
+publishes them to Redis. Recover rebuilds a packet's Redis state from the database (after a restart or a
+failover, or by hand). Grabbing and opening a packet are ``server.money.grabs``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from server import errors
-from server.core import Core, unavailable
-from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
+from server.core import Core
+from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unavailable
 from server.money import groups
 from server.money.ledger import now_ms, post
-from server.money.membership import not_member
 from server.money.split import Kind, PacketRequest, split, validate_request
 from server.store import keys
 from server.store.db import IntegrityError, Row, Tx
 
 log = logging.getLogger(__name__)
 
-_PACKET_COLUMNS = (
+PACKET_COLUMNS = (
     "id, sender_id, group_id, kind, total, share_count, greeting, target_user_id, status, request_id,"
     " created_ms, expires_ms, finished_ms, announced_ms"
 )
@@ -56,7 +54,7 @@ class Packet:
     announced_ms: int | None = None
 
 
-def _packet_from_row(row: Row) -> Packet:
+def packet_from_row(row: Row) -> Packet:
     return Packet(
         packet_id=int(row[0]),
         sender_id=int(row[1]),
@@ -79,12 +77,12 @@ class _Replay(Exception):
 
 async def _earlier_send(tx: Tx, sender_id: int, request_id: str, req: PacketRequest, group_id: int) -> Packet:
     row = await tx.fetchone(
-        f"SELECT {_PACKET_COLUMNS} FROM red_packets WHERE sender_id = %s AND request_id = %s",
+        f"SELECT {PACKET_COLUMNS} FROM red_packets WHERE sender_id = %s AND request_id = %s",
         (sender_id, request_id),
     )
     if row is None:
         raise RuntimeError("a send replay found no earlier packet")
-    p = _packet_from_row(row)
+    p = packet_from_row(row)
     if (p.group_id, p.kind, p.total, p.count, p.greeting, p.target_user_id) != (
         group_id,
         req.kind,
@@ -216,6 +214,11 @@ async def _require_redis(core: Core, group_id: int) -> None:
         raise Unavailable(errors.REDIS_UNAVAILABLE, f"Redis is unavailable, nothing was sent: {e}") from e
 
 
+async def call_script(core: Core, script: AsyncScript, keys_: list[str], args: list[Any]) -> Any:
+    """EVALSHA in the core's next batch (one pipeline per master per loop tick)."""
+    return await core.batcher.script(script, keys_, args)
+
+
 async def _load(
     core: Core,
     p: Packet,
@@ -260,8 +263,8 @@ class Recovered:
 
 async def load_packet(core: Core, packet_id: int) -> Packet | None:
     """A packet as the database has it, or None."""
-    row = await core.db.fetchone(f"SELECT {_PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
-    return None if row is None else _packet_from_row(row)
+    row = await core.db.fetchone(f"SELECT {PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
+    return None if row is None else packet_from_row(row)
 
 
 async def recover_packet(core: Core, packet_id: int) -> Recovered:
@@ -323,276 +326,3 @@ async def _queued_credits(
             if user not in users and seq not in seqs:
                 found[seq] = (user, seq, amount, ms)
     return list(found.values())
-
-
-@dataclass(frozen=True)
-class Grab:
-    user_id: int
-    seq: int
-    amount: int
-    grabbed_ms: int
-
-
-@dataclass(frozen=True)
-class GrabResult:
-    outcome: Literal["won", "already"]
-    packet_id: int
-    grab: Grab
-    remaining: int
-
-
-def refusal_error(code: str) -> RedPacketError:
-    """The error a grab answers with for ``code`` (``packet_empty``, ``packet_expired``, ``not_target``;
-    anything else: ``packet_not_found``), whether Redis or the hub (``server.hub.known``) decided it."""
-    if code == errors.PACKET_EMPTY:
-        return Conflict(code, "every share has been grabbed")
-    if code == errors.PACKET_EXPIRED:
-        return Conflict(code, "the packet has expired")
-    if code == errors.NOT_TARGET:
-        return Forbidden(code, "this packet is for someone else")
-    return NotFound(errors.PACKET_NOT_FOUND, "no such packet in this group")
-
-
-# The grab script's refusals (``lua/grab.lua``) and the error code of each.
-_REFUSALS = {"empty": errors.PACKET_EMPTY, "expired": errors.PACKET_EXPIRED, "not_target": errors.NOT_TARGET}
-
-
-def _refusal(status: str) -> RedPacketError:
-    """The error for a grab script answer other than won / already."""
-    return refusal_error(_REFUSALS.get(status, errors.PACKET_NOT_FOUND))
-
-
-def parse_record(user_id: int, record: bytes | str) -> Grab:
-    """``"seq:amount:ms"`` as stored in a packet's grabs hash."""
-    text = record.decode() if isinstance(record, bytes) else record
-    seq, amount, ms = text.split(":")
-    return Grab(user_id, int(seq), int(amount), int(ms))
-
-
-async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bool = False) -> GrabResult:
-    """Take one share of a packet for ``user_id``, or the share they took before.
-
-    One Lua call, one round trip, on the group's shard: the member check (Redis cache of the database),
-    the block and rate limit when ``gate`` (the hub's), the share, and its credit record in the shard's
-    outbox. A share is never taken without its credit recorded in the same atomic call. A second grab by
-    the same user returns the same share. With durable grabs the answer waits until the grab is on disk
-    or on a replica (``server.store.batch``). A cold member cache costs one database read and a second call;
-    so does a live packet that Redis no longer knows, recovered from the database first; so does the
-    first grab of a packet after Redis restarted or failed over (``server.store.repair``).
-    """
-
-    async def attempt(check_members: bool, gate: bool) -> tuple[str, Any]:
-        keys_, args = grab_call(core, packet_id, group_id, user_id, check_members, gate)
-        res = await core.batcher.script(core.scripts.grab, keys_, args, durable=_took_or_holds_a_share)
-        return res[0].decode(), res
-
-    try:
-        first: Any = None
-        for _ in range(3):
-            generation = core.repairs.generation
-            await core.repairs.ensure(packet_id, lambda: _check(core, packet_id))
-            status, res = await attempt(True, gate)
-            if status == "members":
-                # The cache was cold and the script stopped before the gate: it still applies.
-                await core.membership.require(group_id, user_id)
-                status, res = await attempt(False, gate)
-            if status == "unknown" and await _recover_if_live(core, packet_id, group_id):
-                # This attempt passed the member check and the gate already: not charged twice.
-                status, res = await attempt(False, False)
-            if status == "already" and first is not None and first[0] == "won" and first[1][1] == res[1]:
-                status, res = first  # it was this grab that won that share: say so (it is announced)
-            if core.repairs.generation == generation:
-                break
-            # A Redis server restarted or failed over while this grab was in flight: check the packet
-            # against the database, then ask again before answering (the same user gets the same share,
-            # unless the database showed it to be someone else's).
-            first = first or (status, res)
-        else:
-            raise Unavailable(errors.REDIS_UNAVAILABLE, "Redis keeps changing under this grab: retry")
-    except RedisError as e:
-        down = unavailable(e)
-        if down is None:
-            raise  # not Redis being away: a bug, answered internal and logged by the caller
-        raise down from e
-    if status == "not_member":
-        raise not_member(group_id, user_id)
-    if status == "blocked":
-        raise Forbidden(errors.BLOCKED, "grabbing is blocked for this account for now")
-    if status == "limited":
-        raise Conflict(errors.RATE_LIMITED, f"too many grabs: try again in {int(res[1])} ms")
-    if status in ("won", "already"):
-        outcome: Literal["won", "already"] = "won" if status == "won" else "already"
-        return GrabResult(outcome, packet_id, parse_record(user_id, res[1]), int(res[2]))
-    raise _refusal(status)
-
-
-def _took_or_holds_a_share(answer: Any) -> bool:
-    """A grab answer that says a share is this user's ("won", "already") waits for durability."""
-    return bool(answer) and answer[0] in (b"won", b"already")
-
-
-async def _check(core: Core, packet_id: int) -> None:
-    """The check of a packet after Redis may have lost writes: ``recover_packet``, for a packet the
-    database has and still pays out (one it refunded, or never had, is answered by the grab itself)."""
-    try:
-        await recover_packet(core, packet_id)
-    except (NotFound, Conflict):
-        pass
-
-
-def grab_call(
-    core: Core, packet_id: int, group_id: int, user_id: int, check_members: bool, gate: bool
-) -> tuple[list[str], list[Any]]:
-    """The keys and arguments of one call of ``lua/grab.lua`` (its header says what each one is)."""
-    s = core.settings
-    meta, shares, grabs, _ = keys.packet_keys(group_id, packet_id)
-    keys_ = [
-        meta,
-        shares,
-        grabs,
-        keys.group_members(group_id),
-        keys.gate_for(group_id),
-        keys.grab_bucket(group_id, user_id),
-        keys.outbox_for(group_id),
-    ]
-    args = [
-        user_id,
-        group_id,
-        packet_id,
-        "1" if check_members else "0",
-        s.grabs_per_second if gate else "",
-        s.grabs_burst,
-        keys.LOADED,
-        "0" if s.durability == "none" else "1",
-    ]
-    return keys_, args
-
-
-async def _recover_if_live(core: Core, packet_id: int, group_id: int) -> bool:
-    row = await core.db.fetchone("SELECT group_id, status FROM red_packets WHERE id = %s", (packet_id,))
-    if row is None or int(row[0]) != group_id or row[1] == "refunded":
-        return False
-    await recover_packet(core, packet_id)
-    return True
-
-
-async def call_script(core: Core, script: AsyncScript, keys_: list[str], args: list[Any]) -> Any:
-    """EVALSHA in the core's next batch (one pipeline per master per loop tick)."""
-    return await core.batcher.script(script, keys_, args)
-
-
-@dataclass(frozen=True)
-class PacketView:
-    """What ``open`` shows: the packet, this user's share and the grab list in grab order."""
-
-    packet_id: int
-    group_id: int
-    sender_id: int
-    kind: str
-    total: int
-    count: int
-    greeting: str
-    created_ms: int
-    expires_ms: int
-    remaining: int
-    grabs: list[Grab]
-    mine: Grab | None
-    finished_ms: int | None
-    best_luck: Grab | None
-
-    @property
-    def duration_ms(self) -> int | None:
-        """How long the packet took to empty."""
-        return None if self.finished_ms is None else self.finished_ms - self.created_ms
-
-
-def view_packet(
-    packet_id: int, meta: dict[str, str], records: dict[int, Grab], remaining: int, user_id: int
-) -> PacketView:
-    """Build the view from a packet's meta fields and grabs. Pure."""
-    grabs = sorted(records.values(), key=lambda g: (g.grabbed_ms, g.seq))
-    count = int(meta["count"])
-    finished = meta.get("finished_ms") or None
-    finished_ms = int(finished) if finished else None
-    if finished_ms is None and len(grabs) == count:
-        finished_ms = grabs[-1].grabbed_ms
-    # Best luck is only named once every share is out; ties go to whoever grabbed first.
-    best = max(grabs, key=lambda g: (g.amount, -g.grabbed_ms, -g.seq)) if finished_ms and grabs else None
-    return PacketView(
-        packet_id=packet_id,
-        group_id=int(meta["group"]),
-        sender_id=int(meta["sender"]),
-        kind=meta["kind"],
-        total=int(meta["total"]),
-        count=count,
-        greeting=meta.get("greeting", ""),
-        created_ms=int(meta["created_ms"]),
-        expires_ms=int(meta["expires_ms"]),
-        remaining=remaining,
-        grabs=grabs,
-        mine=records.get(user_id),
-        finished_ms=finished_ms,
-        best_luck=best,
-    )
-
-
-def _text(d: dict[Any, Any]) -> dict[str, str]:
-    return {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-        for k, v in d.items()
-    }
-
-
-async def open_packet(core: Core, packet_id: int, group_id: int, user_id: int) -> PacketView:
-    """This user's result and the packet's grab list: one Redis round trip when the cache is warm.
-
-    A read: calling it any number of times changes nothing. A packet whose Redis keys are gone (after its
-    refund, or a Redis loss) is read from the database instead.
-    """
-    meta_key, shares_key, grabs_key, _ = keys.packet_keys(group_id, packet_id)
-    members_key = keys.group_members(group_id)
-    b = core.batcher
-    try:
-        # Four reads of one slot, sent in this tick's pipeline to its master.
-        meta_raw, grabs_raw, left, (loaded, member) = await asyncio.gather(
-            b.call(lambda pipe: pipe.hgetall(meta_key), meta_key),
-            b.call(lambda pipe: pipe.hgetall(grabs_key), grabs_key),
-            b.call(lambda pipe: pipe.llen(shares_key), shares_key),
-            b.call(lambda pipe: pipe.smismember(members_key, [keys.LOADED, str(user_id)]), members_key),
-        )
-        if not loaded:
-            member = await core.membership.is_member(group_id, user_id)
-    except RedisError as e:
-        raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
-    if not member:
-        raise not_member(group_id, user_id)
-    meta = _text(meta_raw)
-    if meta and meta.get("group") == str(group_id):
-        records = {int(u): parse_record(int(u), r) for u, r in _text(grabs_raw).items()}
-        return view_packet(packet_id, meta, records, int(left), user_id)
-    if meta:
-        raise _refusal("unknown")
-    return await _open_from_database(core, packet_id, group_id, user_id)
-
-
-async def _open_from_database(core: Core, packet_id: int, group_id: int, user_id: int) -> PacketView:
-    row = await core.db.fetchone(f"SELECT {_PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
-    if row is None or int(row[2]) != group_id:
-        raise NotFound(errors.PACKET_NOT_FOUND, "no such packet in this group")
-    p = _packet_from_row(row)
-    rows = await core.db.fetchall(
-        "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (packet_id,)
-    )
-    records = {int(r[0]): Grab(int(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in rows}
-    meta = {
-        "group": str(p.group_id),
-        "sender": str(p.sender_id),
-        "kind": p.kind,
-        "total": str(p.total),
-        "count": str(p.count),
-        "greeting": p.greeting,
-        "created_ms": str(p.created_ms),
-        "expires_ms": str(p.expires_ms),
-        "finished_ms": "" if row[12] is None else str(row[12]),
-    }
-    return view_packet(packet_id, meta, records, p.count - len(records), user_id)

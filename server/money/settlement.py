@@ -16,8 +16,8 @@ from redis.exceptions import RedisError
 
 from server.core import Core
 from server.errors import RedPacketError
+from server.money.grabs import parse_record
 from server.money.ledger import Credit, credit_grab, finish_paid, now_ms, post
-from server.money.packets import parse_record
 from server.store import keys
 from server.store.db import Tx
 

@@ -10,7 +10,7 @@ Cluster (``redis+cluster://host:port,host:port,…``), chosen by URL; the same c
 - ``refresh()``: read the cluster's slot map again (after ``MOVED``, or a failover).
 - ``generation``: goes up whenever a connection finds a server this process has not seen under that run
   id — a restart or a failover. Redis may have lost writes then, so packets are checked against the
-  database before anyone grabs them again (``server.money.packets.grab``). Each connection reads the run id
+  database before anyone grabs them again (``server.money.grabs.grab``). Each connection reads the run id
   when it connects, before any command is sent on it, so no grab reaches a restarted server unseen.
 
 Every connection packs commands with hiredis (C) instead of redis-py's Python packer.

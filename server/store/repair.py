@@ -9,7 +9,7 @@ reads the server's run id before it is used (``server.store.redisnodes``), and a
 that address raises the *generation*. A packet is grabbed only once it was checked (``recover_packet``: the
 database's grabs put back, its shares taken out of the list) in the current generation; a grab that was
 in flight while the generation moved is checked and made again before it is answered
-(``packets.grab``). So no share the database holds is handed out twice, whichever process grabs.
+(``grabs.grab``). So no share the database holds is handed out twice, whichever process grabs.
 
 Checks are per packet and lazy: the first grab of a packet after a restart pays one database read, and
 concurrent grabs of it share that one check.

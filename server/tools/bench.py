@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 
 from server.core import Core, open_core
 from server.errors import RedPacketError
-from server.money import groups, ledger, packets
+from server.money import grabs, groups, ledger, packets
 from server.money.membership import Membership
 from server.settings import Settings
 from server.store import keys
@@ -50,7 +50,7 @@ async def _grab_all(core: Core, packet_id: int, group_id: int, users: list[int],
         for u in mine:
             outcome: str
             try:
-                outcome = (await packets.grab(core, packet_id, group_id, u)).outcome
+                outcome = (await grabs.grab(core, packet_id, group_id, u)).outcome
             except RedPacketError as e:
                 outcome = f"{e.code}: {e.message}"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
@@ -69,7 +69,7 @@ async def _script_only(core: Core, packet_id: int, group_id: int, n: int, concur
 
     async def lane(lane_no: int) -> None:
         for i in range(lane_no, n, concurrency):
-            k, args = packets.grab_call(core, packet_id, group_id, base + i, False, False)
+            k, args = grabs.grab_call(core, packet_id, group_id, base + i, False, False)
             res = await packets.call_script(core, core.scripts.grab, k, args)
             if res[0] != b"won":
                 raise RuntimeError(f"bench grab answered {res[0]!r}")
@@ -85,7 +85,7 @@ async def _redis_benchmark(core: Core, group_id: int, packet_id: int, pipeline: 
     exe = shutil.which("redis-benchmark") or shutil.which("valkey-benchmark")
     if exe is None:
         return None
-    k, args = packets.grab_call(core, packet_id, group_id, 0, False, False)
+    k, args = grabs.grab_call(core, packet_id, group_id, 0, False, False)
     node = core.nodes.node_client(k[0])
     await node.script_load(core.scripts.sources["grab"])
     kwargs = node.connection_pool.connection_kwargs
@@ -182,7 +182,7 @@ async def _spread_storm(
             t = time.perf_counter()
             outcome: str
             try:
-                outcome = (await packets.grab(core, packet_id, group_id, u, gate=gate)).outcome
+                outcome = (await grabs.grab(core, packet_id, group_id, u, gate=gate)).outcome
             except RedPacketError as e:
                 outcome = f"{e.code}: {e.message}"
             latencies.append(time.perf_counter() - t)

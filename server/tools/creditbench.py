@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from server.core import Core, open_core
-from server.money import groups, ledger, packets
+from server.money import grabs, groups, ledger, packets
 from server.money.crediting import add_to_balances, credit_many
 from server.money.ledger import Credit, credit_grab
 from server.settings import Settings, child_env
@@ -217,7 +217,7 @@ async def bench_storm(
                         if delay > 0:
                             await asyncio.sleep(delay)
                         tasks += [
-                            asyncio.create_task(packets.grab(core, p, group, u))
+                            asyncio.create_task(grabs.grab(core, p, group, u))
                             for p, u in jobs[i : i + per_tick]
                         ]
                         if i % rate < per_tick:

@@ -37,7 +37,7 @@ from typing import Any, cast
 import msgpack
 
 from server.core import open_core
-from server.money import packets
+from server.money import grabs
 from server.settings import Settings
 from server.store.redisnodes import RedisNodes
 from server.tools import hubbench, plots
@@ -249,7 +249,7 @@ async def bench_hot(
     client_cpu = figures["hub_client_cpu_s"] / client_procs
     figures["limit"] = "client" if client_cpu > figures["hub_server_cpu_s"] / workers else "hub"
     async with open_core(settings.with_(database_url=db_url)) as core:
-        view = await packets.open_packet(core, packet_id, group, admin)
+        view = await grabs.open_packet(core, packet_id, group, admin)
         figures["time_to_empty_ms"] = view.duration_ms
         paid = sum(g.amount for g in view.grabs)
         row = await core.db.fetchone(
