@@ -148,6 +148,24 @@ async def test_a_group_put_whole_by_version_reaches_live_sockets_and_an_older_ve
         await member.request("grab", group=group, packet=sent["packet_id"])
     assert outsider.value.code == "not_member"
 
+    # A put that died between its commit and telling the hubs (the database changed, nobody told): its
+    # retry finds nothing to change, and still brings the live sockets in line with the membership.
+    db = await connect(hub.settings.database_url)
+    try:
+        async with db.transaction() as tx:
+            await tx.execute(
+                "DELETE FROM group_members WHERE group_id = %s AND user_id = %s", (group, b.id(2))
+            )
+            await tx.execute("UPDATE chat_groups SET service_version = 8 WHERE id = %s", (group,))
+    finally:
+        await db.close()
+    retry = await b.ok("PUT", path, name="family", members=[], admins=[b.id(1)], version=8)
+    assert (retry["applied"], retry["removed"]) == (True, [])
+    assert await notice(two) == {"type": "removed", "group": group}
+    with pytest.raises(HubError) as cut_off:
+        await two.request("chat", group=group, text="am I still in?")
+    assert cut_off.value.code == "not_member"
+
     # Single changes: member 3 back in as an admin (the socket hears it), then out; replays are no-ops.
     members = f"{path}/members"
     assert (await b.ok("POST", members, user_id=b.id(3), role="admin"))["role"] == "admin"

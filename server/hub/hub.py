@@ -280,6 +280,13 @@ class Hub:
 
     async def _membership_changed(self, group: int, users: list[int], change: str) -> None:
         self.member_counts.forget(group)
+        if change == "exactly":  # the whole membership: this hub's sockets follow it both ways
+            members = set(users)
+            gone = {c.user_id for c in self.by_group.get(group, ()) if c.user_id not in members}
+            here = [u for u in members if any(group not in c.groups for c in self.by_user.get(u, ()))]
+            await self._membership_changed(group, sorted(gone), "removed")
+            await self._membership_changed(group, sorted(here), "added")
+            return
         for user in users:
             for conn in list(self.by_user.get(user, ())):
                 if change == "removed" and group in conn.groups:

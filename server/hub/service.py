@@ -114,6 +114,10 @@ async def add_member(request: Request, core: Core, _: int) -> dict[str, Any]:
     elif current != role:
         await groups.set_role(core.db, core.membership, group_id, user_id, role)
         await hub.publish(group_id, "member_role", {"user": user_id, "role": role, "by": BY_BACKEND})
+    else:
+        # Already so: perhaps a retry of a call that died before telling the hubs. Tell them again (the
+        # cache dropped, the user's live sockets given the group): a no-op when they knew.
+        await core.membership.changed(group_id, [user_id], "added")
     return {"group_id": group_id, "user_id": user_id, "role": role}
 
 

@@ -163,9 +163,12 @@ async def put_group(
         done = await db.run(work)
     except IntegrityError:  # the group created by a concurrent call: now there is a row to lock
         done = await db.run(work)
-    if done.applied:
-        # Always, even when nothing differs: a retry after a failure between the commit and this point
-        # still drops the cache. The removed first: their live connections stop receiving the group.
+    if done.applied and not (done.added or done.removed or done.roles):
+        # Nothing differs: perhaps a retry of a call that died between its commit and this point. Drop
+        # the cache and tell every hub the whole membership, so that live sockets still match it.
+        await membership.changed(group_id, sorted(members), "exactly")
+    elif done.applied:
+        # The removed first: their live connections stop receiving the group.
         await membership.changed(group_id, done.removed, "removed")
         await membership.changed(group_id, sorted(done.added), "added")
         if done.roles:

@@ -22,7 +22,8 @@ from server.store.batch import Batcher
 from server.store.db import Database
 from server.store.scripts import Scripts
 
-Change = Literal["added", "removed", "role"]
+# "exactly": the users are the group's whole membership (hubs drop or add their sockets to match).
+Change = Literal["added", "removed", "role", "exactly"]
 
 
 def parse_change(note: bytes) -> tuple[int, list[int], Change]:
