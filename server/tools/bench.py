@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import re
 import shutil
 import subprocess
@@ -39,6 +38,7 @@ from server.store import keys
 from server.store.batch import Batcher, Durability
 from server.tools import plots
 from server.tools.progress import phase
+from server.tools.report import report
 
 BENCH_QUEUE = "redpacket:bench:queue"
 
@@ -335,22 +335,19 @@ async def run_grab_bench(
         figures["script_batched_vs_raw_c50"] = round(
             figures["script_only_200_concurrent_batched"] / raw_c50, 3
         )
-    print(f"grab benchmark: {grabs} grabs per mode, Redis {settings.redis_url}")
-    for k, v in figures.items():
-        print(f"  {k:<36} {v if v is not None else 'n/a (redis-benchmark not found)'}")
-    print(json.dumps({"bench": "grab", **figures}))
-    if plot is not None:
-        rows = [(r["concurrency"], float(r["grabs_per_s"]), float(r["script_per_s"])) for r in sweep]
-        plots.said(
-            [
-                plots.throughput(
-                    rows,
-                    plot / "grab-throughput.png",
-                    "grabs/s against concurrency (baseline: the script alone)",
-                )
-            ]
-        )
-    return figures
+    rows = [(r["concurrency"], float(r["grabs_per_s"]), float(r["script_per_s"])) for r in sweep]
+    return report(
+        "grab",
+        figures,
+        plot,
+        charts=lambda d: [
+            plots.throughput(
+                rows, d / "grab-throughput.png", "grabs/s against concurrency (baseline: the script alone)"
+            )
+        ],
+        heading=f"grab benchmark: {grabs} grabs per mode, Redis {settings.redis_url}",
+        missing="n/a (redis-benchmark not found)",
+    )
 
 
 # -- bench db-read ---------------------------------------------------------------------------------------
@@ -385,11 +382,10 @@ async def run_db_read_bench(
                 wall, used = time.perf_counter() - start, time.process_time() - cpu
                 figures[f"{name}_per_s_{run}"] = round(reads / wall)
                 figures[f"{name}_cpu_us_{run}"] = round(used * 1e6 / reads)
-    print("db-read benchmark")
-    for k, v in figures.items():
-        print(f"  {k:<28} {v}")
-    print(json.dumps({"bench": "db-read", **figures}))
-    if plot is not None:
-        rates = {k: v for k, v in figures.items() if "_per_s_" in k}
-        plots.said([plots.bars(rates, plot / "db-read.png", "lone read vs in a transaction", "reads/s")])
-    return figures
+    rates = {k: v for k, v in figures.items() if "_per_s_" in k}
+    return report(
+        "db-read",
+        figures,
+        plot,
+        charts=lambda d: [plots.bars(rates, d / "db-read.png", "lone read vs in a transaction", "reads/s")],
+    )

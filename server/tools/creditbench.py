@@ -5,7 +5,6 @@ beside one transaction per credit, all in one run on the configured database (Ma
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import tempfile
 import time
@@ -22,6 +21,7 @@ from server.store import keys
 from server.tools import plots
 from server.tools.bench import drop_bench_credits, fresh_ids
 from server.tools.progress import phase
+from server.tools.report import report
 
 QUEUE = "redpacket:bench:credit"
 
@@ -155,16 +155,15 @@ async def bench_credit(
         shutil.rmtree(tmp, ignore_errors=True)
     figures["drain_vs_raw"] = round(figures["worker_drain_per_s"] / figures["raw_batched_insert_per_s"], 3)
     figures["drain_vs_one_tx"] = round(figures["worker_drain_per_s"] / figures["one_tx_per_credit_per_s"], 1)
-    print("credit benchmark")
-    for k, v in figures.items():
-        print(f"  {k:<28} {v}")
-    print(json.dumps({"bench": "credit", **figures}))
-    if plot is not None:
-        rates = {k: v for k, v in figures.items() if k.endswith("_per_s")}
-        plots.said(
-            [plots.bars(rates, plot / "credit.png", "credits/s: the drain beside its baselines", "credits/s")]
-        )
-    return figures
+    rates = {k: v for k, v in figures.items() if k.endswith("_per_s")}
+    return report(
+        "credit",
+        figures,
+        plot,
+        charts=lambda d: [
+            plots.bars(rates, d / "credit.png", "credits/s: the drain beside its baselines", "credits/s")
+        ],
+    )
 
 
 async def bench_storm(
@@ -267,16 +266,10 @@ async def bench_storm(
             await _forget(core, group, pids)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print("storm benchmark")
-    for k, v in figures.items():
-        print(f"  {k:<22} {v}")
-    print(json.dumps({"bench": "storm", **figures}))
-    if plot is not None:
-        plots.said(
-            [
-                plots.lag_and_backlog(
-                    samples, plot / "storm-lag-backlog.png", f"storm: {rate:,} grabs/s for {seconds} s"
-                )
-            ]
-        )
-    return figures
+    title = f"storm: {rate:,} grabs/s for {seconds} s"
+    return report(
+        "storm",
+        figures,
+        plot,
+        charts=lambda d: [plots.lag_and_backlog(samples, d / "storm-lag-backlog.png", title)],
+    )

@@ -42,6 +42,7 @@ from server.settings import Settings
 from server.store.redisnodes import RedisNodes
 from server.tools import hubbench, plots
 from server.tools.progress import phase
+from server.tools.report import report
 
 WINDOW = 500  # handshakes in flight per client process
 
@@ -257,7 +258,7 @@ async def bench_hot(
         )
         figures["over_issue_cents"] = paid - (int(row[0]) if row and row[0] is not None else 0)
         figures["distinct_winners"] = len({g.user_id for g in view.grabs})
-    hubbench.report("hot", figures)
+    report("hot", figures)
     if plot is not None:
         title = f"{clients_n:,} clients grab one {shares:,}-share packet"
         plots.said(

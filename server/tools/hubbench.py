@@ -35,8 +35,8 @@ from server.hub.tokens import make_token
 from server.money import groups, ledger, packets
 from server.settings import Settings, child_env
 from server.store.redisnodes import RedisNodes
-from server.tools import plots
 from server.tools.bench import fresh_ids
+from server.tools.report import report
 
 SECRET = "bench-secret-of-at-least-thirty-two-chars"
 
@@ -293,25 +293,6 @@ async def bench_fanout(
             await ws.close()
     figures["ratio"] = round(figures["hub_deliveries_per_s"] / figures["bare_broadcast_per_s"], 3)
     return report("fanout", figures, plot)
-
-
-def report(name: str, figures: dict[str, Any], plot: Path | None = None) -> dict[str, Any]:
-    """Print the figures and the JSON line; with ``plot``, bars of the rates and of the CPU per operation
-    (the measured beside its baseline)."""
-    print(f"{name} benchmark")
-    for k, v in figures.items():
-        print(f"  {k:<28} {v}")
-    print(json.dumps({"bench": name, **figures}))
-    if plot is not None:
-        rates = {k: v for k, v in figures.items() if k.endswith("_per_s")}
-        cpu = {k: v for k, v in figures.items() if "cpu_us_per" in k}
-        plots.said(
-            [
-                plots.bars(rates, plot / f"{name}-rates.png", f"{name}: per second", "per second"),
-                plots.bars(cpu, plot / f"{name}-cpu.png", f"{name}: CPU per operation", "µs"),
-            ]
-        )
-    return figures
 
 
 # -- the bare baselines, run as their own process ----------------------------------------------------------

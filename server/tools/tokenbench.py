@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from server.hub.tokens import Rules, Tokens, make_token, verify
-from server.tools.hubbench import report
+from server.tools.report import report
 
 
 def _cpu_us(check: Callable[[], object], n: int) -> float:
