@@ -27,7 +27,6 @@ from server.hub.hub import Hub
 from server.hub.tokens import TokenError
 from server.money import groups, ledger
 from server.money.groups import Role
-from server.store.db import Tx
 
 BY_BACKEND = 0  # the `by` of an event caused through this API
 MAX_MEMBERS = 100_000
@@ -61,9 +60,8 @@ def _role(value: object) -> Role:
 
 async def put_user(request: Request, core: Core, _: int) -> dict[str, Any]:
     user_id = path_id(request, "user_id")
-    body = await json_body(request)
-    done = await ledger.put_user(core.db, user_id, body.get("name"))
-    return {"user_id": user_id, "name": ledger.check_name(body.get("name")), "result": done}
+    name = ledger.check_name((await json_body(request)).get("name"))
+    return {"user_id": user_id, "name": name, "result": await ledger.put_user(core.db, user_id, name)}
 
 
 async def put_group(request: Request, core: Core, _: int) -> dict[str, Any]:
@@ -135,15 +133,7 @@ async def topup(request: Request, core: Core, _: int) -> dict[str, Any]:
     body = await json_body(request)
     user_id = id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id")
     amount, request_id = body.get("amount"), body.get("request_id")
-    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= ledger.MAX_TOPUP_CENTS:
-        raise InvalidRequest(errors.AMOUNT_INVALID, f"a top-up is 1 to {ledger.MAX_TOPUP_CENTS} cents")
-    if not isinstance(request_id, str) or not 0 < len(request_id) <= 64:
-        raise InvalidRequest(errors.BAD_REQUEST, "request_id is 1 to 64 characters")
-
-    async def work(tx: Tx) -> bool:
-        return await ledger.post(tx, user_id, amount, "topup", f"service-topup:{request_id}")
-
-    paid = await core.db.run(work)
+    paid = await ledger.topup(core.db, user_id, amount, request_id, service=True)
     return {
         "user_id": user_id,
         "amount": amount,

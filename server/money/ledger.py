@@ -175,13 +175,17 @@ async def journal_sum(db: Database, user_id: int) -> int:
     return int(row[0]) if row else 0
 
 
-async def topup(db: Database, user_id: int, amount: object, request_id: object) -> bool:
-    """Add play money (demo and tests). Idempotent on ``request_id``; returns False on a replay."""
+async def topup(
+    db: Database, user_id: int, amount: object, request_id: object, service: bool = False
+) -> bool:
+    """Add money to an account: play money (a demo top-up, keyed per user) or, with ``service``, the chat
+    backend's funding from its wallet (keyed by ``request_id`` alone: paid once, whoever asks). Idempotent
+    on the key; returns False on a replay."""
     if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= MAX_TOPUP_CENTS:
         raise InvalidRequest(errors.AMOUNT_INVALID, f"a top-up is 1 to {MAX_TOPUP_CENTS} cents")
     if not isinstance(request_id, str) or not 0 < len(request_id) <= 64:
         raise InvalidRequest(errors.BAD_REQUEST, "a top-up needs a request_id of 1 to 64 characters")
-    key = f"topup:{user_id}:{request_id}"
+    key = f"service-topup:{request_id}" if service else f"topup:{user_id}:{request_id}"
 
     async def work(tx: Tx) -> bool:
         return await post(tx, user_id, amount, "topup", key)
