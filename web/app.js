@@ -524,17 +524,20 @@ function layoutMembers(open) {
 
 const expired = (p) => Boolean(p.expires_ms) && serverNow() > p.expires_ms;
 
+// An exclusive packet whose target is someone else (a packet known only from a sync has no target).
+const forSomeoneElse = (p) => p.kind === "exclusive" && Boolean(p.target) && p.target !== me();
+
 function grabbable(p) {
   // A packet that opens to its card (開) rather than straight to its result.
   if (p.mine || p.remaining === 0 || p.finished || expired(p)) return false;
-  return !(p.kind === "exclusive" && p.target && p.target !== me());
+  return !forSomeoneElse(p);
 }
 
 function packetState(p) {
   if (p.mine) return `You got ${yuan(p.mine.amount)}`;
   if (p.remaining === 0) return "All grabbed";
   if (expired(p)) return "Expired";
-  if (p.kind === "exclusive" && p.target && p.target !== me()) return `For ${nameOf(p.target)}`;
+  if (forSomeoneElse(p)) return `For ${nameOf(p.target)}`;
   return "Tap to open";
 }
 
@@ -727,7 +730,7 @@ async function showResult(groupId, packetId, refusal) {
   let note = "";
   if (view.mine) note = "Goes to your balance";
   else if (refusal) note = say(refusal);
-  else if (p && p.kind === "exclusive" && p.target && p.target !== me()) note = say({ code: "not_target" });
+  else if (p && forSomeoneElse(p)) note = say({ code: "not_target" });
   else if (over) note = say({ code: "packet_expired" });
   else if (view.remaining === 0 && view.sender_id !== me()) note = say({ code: "packet_empty" });
   $("pd-from").textContent = fromLine(view.sender_id);
