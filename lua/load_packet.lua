@@ -2,7 +2,8 @@
 -- the repair after Redis lost writes (a restart, a failover to a replica that lagged). Safe while
 -- grabs continue (a script runs alone) and safe to repeat. One slot: the packet's keys and its shard's
 -- credit outbox.
--- KEYS[1] meta hash, KEYS[2] shares list, KEYS[3] grabs hash, KEYS[4] paid seqs, KEYS[5] credit outbox
+-- KEYS[1] meta hash, KEYS[2] shares list, KEYS[3] grabs hash, KEYS[4] the grabs repairs dropped (a list),
+-- KEYS[5] credit outbox
 -- ARGV[1] expire-at (unix ms) for the packet's keys, ARGV[2] packet id
 -- ARGV[3] number of meta field/value pairs n, then 2n meta items
 -- then: number of shares m, then m items 'seq:amount' (every share of the packet, in hand-out order)
@@ -10,9 +11,10 @@
 --
 -- The database wins: a grab Redis holds that conflicts with one the database holds (the same share to
 -- another user, or another share to the same user) can only be a grab made on data Redis has since
--- lost; it is dropped, with its credit record, and the database's grab put in its place. Grabs only
--- Redis holds (not yet paid) are kept. A share taken in either is never put back in the list.
--- Returns {shares left, grabs known, grabs dropped}.
+-- lost; it is dropped, with its credit record, and the database's grab put in its place. Its grabber
+-- may have been told "won": it is kept in KEYS[4] until the ledger has recorded it as refused. Grabs
+-- only Redis holds (not yet paid) are kept. A share taken in either is never put back in the list.
+-- Returns {shares left, grabs known, every grab in KEYS[4] as 'user:seq:amount:ms'}.
 local i = 3
 local n = tonumber(ARGV[i]); i = i + 1
 local fields = {}
@@ -37,6 +39,7 @@ for j = 1, #held, 2 do
   local seq = string.match(rec, '^(%d+):')
   if (db_seq[seq] and db_seq[seq] ~= user) or (db_user[user] and db_user[user] ~= rec) then
     redis.call('HDEL', KEYS[3], user)
+    redis.call('RPUSH', KEYS[4], user .. ':' .. rec)
     dropped[ARGV[2] .. ':' .. user .. ':' .. rec .. ':'] = true
   end
 end
@@ -75,6 +78,4 @@ for j = 1, m do
   end
 end
 for j = 1, 4 do redis.call('PEXPIREAT', KEYS[j], ARGV[1]) end
-local n_dropped = 0
-for _ in pairs(dropped) do n_dropped = n_dropped + 1 end
-return {left, redis.call('HLEN', KEYS[3]), n_dropped}
+return {left, redis.call('HLEN', KEYS[3]), redis.call('LRANGE', KEYS[4], 0, -1)}

@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 from server.core import open_core
 from server.hub.wire import uvicorn_config
 from server.settings import Settings, redact
+from server.store.batch import durability_problem
 from server.store.db import DatabaseError
 from server.store.embedded import EmbeddedError, embedded_valkey
 from server.store.redisnodes import RedisNodes
@@ -75,8 +76,9 @@ def _redis_url(settings: Settings, command: str) -> Iterator[Settings]:
         raise OperatorError(str(e)) from None
 
 
-async def _check_services(settings: Settings, redis_too: bool = True) -> None:
-    """Fail fast, in one line, if the database or Redis does not answer."""
+async def _check_services(settings: Settings, redis_too: bool = True, durability: bool = True) -> None:
+    """Fail fast, in one line, if the database or Redis does not answer (or, with ``durability``, cannot
+    make grabs as durable as the settings ask)."""
     from server.store.db import connect
 
     try:
@@ -99,7 +101,7 @@ async def _check_services(settings: Settings, redis_too: bool = True) -> None:
             " (check REDPACKET_REDIS_URL)"
         ) from None
     try:
-        for name, client in masters:
+        for name, client in masters if durability else ():
             await _check_durability(settings, name, client)
     finally:
         await nodes.aclose()
@@ -118,20 +120,12 @@ async def _check_services(settings: Settings, redis_too: bool = True) -> None:
 
 async def _check_durability(settings: Settings, name: str, client: Redis) -> None:
     """Refuse to start when grabs cannot be made as durable as REDPACKET_GRAB_DURABILITY asks."""
-    if settings.durability == "aof":
-        try:
-            await client.execute_command("WAITAOF", 1, 0, 100)  # type: ignore[no-untyped-call]
-        except RedisError as e:
-            raise OperatorError(
-                f"REDPACKET_GRAB_DURABILITY=aof needs WAITAOF (Redis 7.2 or later, or Valkey) with appendonly"
-                f" yes, and Redis at {name} says: {e} (use a server that has it, or choose none)"
-            ) from None
-    elif settings.durability == "replica":
-        info = await client.info("replication")
-        if int(info.get("connected_slaves", 0)) < 1:
-            raise OperatorError(
-                f"REDPACKET_GRAB_DURABILITY=replica needs a replica of every master; {name} has none"
-            )
+    problem = await durability_problem(client, settings.durability)
+    if problem is not None:
+        raise OperatorError(
+            f"REDPACKET_GRAB_DURABILITY={settings.durability} cannot be had on Redis at {name}: {problem}"
+            " (configure the server so, or choose another durability)"
+        )
 
 
 class _Server(uvicorn.Server):
@@ -318,16 +312,11 @@ async def _blocks(settings: Settings, lift: int | None) -> None:
 
 async def _reconcile(settings: Settings) -> bool:
     from server.money.reconcile import reconcile, render
-    from server.store import schema
-    from server.store.db import connect
 
-    await _check_services(settings, redis_too=False)
-    db = await connect(settings.effective_database_url)
-    try:
-        await schema.migrate(db)
-        report = await reconcile(db)
-    finally:
-        await db.close()
+    # Redis too: what it told grabbers is checked against the ledger.
+    await _check_services(settings, durability=False)
+    async with open_core(settings) as core:
+        report = await reconcile(core)
     print(render(report))
     return report.ok
 
@@ -346,6 +335,9 @@ async def _recover(settings: Settings, packet_ids: list[int]) -> None:
                 r = await recover_packet(core, pid)
             except RedPacketError as e:
                 print(f"packet {pid}: {e.message}")
+                continue
+            except RedisError as e:  # Redis restarted under the command: said, and the next one goes on
+                print(f"packet {pid}: Redis is unavailable ({e}); run it again")
                 continue
             print(f"packet {pid}: {r.shares_left} shares left, {r.grabs_known} grabs known")
 
@@ -451,8 +443,6 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     if command == "migrate":
         uvloop.run(_migrate(settings))
         return 0
-    if command == "reconcile":
-        return 0 if uvloop.run(_reconcile(settings)) else 1
     if command == "bench" and args.what == "tokens":  # pure CPU: no Redis, no database
         from server.tools.tokenbench import bench_tokens
 
@@ -485,6 +475,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
             uvloop.run(_blocks(s, args.lift))
         elif command == "recover":
             uvloop.run(_recover(s, args.packet_ids))
+        elif command == "reconcile":
+            return 0 if uvloop.run(_reconcile(s)) else 1
         else:
             uvloop.run(_bench(s, args))
     return 0

@@ -11,6 +11,9 @@ that encodes. On top of that, per kind of text:
 - **greetings**: no control characters, no bidi embeddings, overrides or isolates (U+202A–U+202E,
   U+2066–U+2069), which reorder the text shown after them.
 - **chat**: as greetings, but line feeds and tabs are allowed.
+- **request ids** (idempotency keys a client chooses): no control or invisible formatting characters and
+  no whitespace at either end. A key is compared byte for byte; one that differs from another only by
+  what nobody can see is refused rather than taken for a new request.
 
 Refused text moves nothing and gets the field's own error code.
 """
@@ -64,6 +67,12 @@ _CHAT_ALLOWED = frozenset("\n\t")
 
 def chat_ok(text: str) -> bool:
     return not any(_refused(ch, _CHAT_ALLOWED) for ch in text)
+
+
+def request_id_ok(key: str) -> bool:
+    return key == key.strip() and not any(
+        _refused(ch, frozenset()) or unicodedata.category(ch) == "Cf" for ch in key
+    )
 
 
 def device_id(raw: str) -> str:

@@ -1,7 +1,13 @@
 """The credit drain: every worker's way of paying grabs. It reads the credit records that the grab script
 writes next to each share (one outbox stream per shard, ``keys.credit_outbox``), hundreds at a time,
-pays them in one transaction per batch (``credit_many``, exactly once by the database's unique keys),
-and only then acknowledges them (``lua/ack_credits.lua``: off the outbox, shares marked paid).
+pays them in one transaction per batch (``credit_many``, exactly once by the database's unique keys;
+a credit the ledger refuses is recorded as refused in the same transaction), and only then acknowledges
+them (``lua/ack_credits.lua``: off the outbox).
+
+With durable grabs a worker pays only what is durable: each read (``XREADGROUP``, ``XAUTOCLAIM``) ends
+with the same wait as a grab, on its connection, which covers every write before it. So a credit it pays
+was never made on data Redis can still lose, and a repair of the packet after a crash always finds it
+(in Redis or in the database) instead of handing its share out again.
 
 All workers read every shard's outbox as one consumer group (``keys.CREDIT_GROUP``), each under its own
 consumer name, so each record goes to one worker. What a worker has read and not acknowledged stays
@@ -157,17 +163,22 @@ class CreditDrain:
         self._groups_made = True
 
     async def _each_shard(
-        self, command: Callable[[int, Pipeline], object], shards: list[int] | None = None
+        self,
+        command: Callable[[int, Pipeline], object],
+        shards: list[int] | None = None,
+        durable: bool = False,
     ) -> list[Any]:
         """One command per shard's outbox, sent as one pipeline per master (``server.store.batch``); each
-        answer, or the exception that answered it, in shard order."""
+        answer, or the exception that answered it, in shard order. ``durable``: answered once the
+        configured grab durability covers it (and every write before it)."""
         b = self.core.batcher
 
         def one(n: int) -> Callable[[Pipeline], object]:
             return lambda pipe: command(n, pipe)
 
         calls = [
-            b.call(one(n), keys.credit_outbox(n)) for n in (range(keys.SHARDS) if shards is None else shards)
+            b.call(one(n), keys.credit_outbox(n), durable)
+            for n in (range(keys.SHARDS) if shards is None else shards)
         ]
         return list(await asyncio.gather(*calls, return_exceptions=True))
 
@@ -193,7 +204,8 @@ class CreditDrain:
         results = await self._each_shard(
             lambda n, pipe: pipe.xreadgroup(
                 keys.CREDIT_GROUP, self.consumer, {keys.credit_outbox(n): ">"}, count=self.batch
-            )
+            ),
+            durable=True,
         )
         for n, result in enumerate(results):
             if isinstance(result, ResponseError) and "NOGROUP" in str(result):
@@ -214,7 +226,8 @@ class CreditDrain:
                 self.lease_ms,
                 "0-0",
                 count=self.batch,
-            )
+            ),
+            durable=True,
         )
         taken = 0
         for n, result in enumerate(results):
@@ -279,7 +292,6 @@ class CreditDrain:
         finished = now_ms()
         self.metrics.batch_size.observe(len(taken.items))
         acks: dict[int, list[bytes]] = {n: list(ids) for n, ids in taken.deleted.items()}
-        paid: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
         for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):
             acks.setdefault(n, []).append(entry_id)
             self.metrics.credits.labels(outcome if outcome in ("credited", "already") else "refused").inc()
@@ -287,21 +299,15 @@ class CreditDrain:
                 self.credited += 1
                 self.metrics.credit_lag.observe(max(0, finished - c.grabbed_ms) / 1000)
             elif outcome != "already":
-                # Retrying cannot fix a refusal; the reconciliation report shows it. Never pay on a guess.
+                # Recorded in credit_refusals by the transaction that refused it (reconciliation reports
+                # it); retrying cannot fix it. Never pay on a guess.
                 log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
-                continue
-            paid[n][keys.packet_paid(c.group_id, c.packet_id)].append(c.seq)
-        s = self.core.settings
-        ttl = s.packet_ttl_seconds + s.redis_grace_seconds
-        calls = []
-        for n, ids in acks.items():
-            sets = paid.get(n, {})
-            args: list[Any] = [keys.CREDIT_GROUP, ttl, len(ids), *ids]
-            for seqs in sets.values():
-                args += [len(seqs), *seqs]
-            calls.append(
-                self.core.batcher.script(self.core.scripts.ack_credits, [keys.credit_outbox(n), *sets], args)
+        calls = [
+            self.core.batcher.script(
+                self.core.scripts.ack_credits, [keys.credit_outbox(n)], [keys.CREDIT_GROUP, *ids]
             )
+            for n, ids in acks.items()
+        ]
         await asyncio.gather(*calls)  # one pipeline per master
         for n, ids in acks.items():
             self.holding[n].difference_update(ids)

@@ -12,6 +12,7 @@ import time
 from typing import Any, TypedDict
 
 from server.core import Core
+from server.errors import Unavailable
 from server.hub import announce
 from server.hub.bots import run_detector
 from server.money import settlement
@@ -37,6 +38,13 @@ async def refund_expired_job(ctx: Ctx) -> dict[str, Any]:
     for packet_id in await settlement.due_for_refund(core):
         try:
             r = await settlement.refund_packet(core, packet_id)
+        except Unavailable as e:
+            # Redis or the database away: the packet stays refunding (closed to grabs) until a run gets
+            # through; nothing is refunded on what the database alone says.
+            log.warning("refund of packet %d waits: %s; the next run tries again", packet_id, e.message)
+            if metrics:
+                metrics.refund_failures.inc()
+            continue
         except Exception:
             log.exception("refund of packet %d failed; the next run tries again", packet_id)
             if metrics:
@@ -76,7 +84,7 @@ async def score_bots_job(ctx: Ctx) -> int:
 
 async def reconcile_job(ctx: Ctx) -> int:
     """Log every difference in the books; returns how many there were."""
-    report = await reconcile(ctx["core"].db)
+    report = await reconcile(ctx["core"])
     if "metrics" in ctx:
         ctx["metrics"].reconcile_differences.set(len(report.differences))
         ctx["metrics"].reconciled_at.set(time.time())

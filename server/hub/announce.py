@@ -102,7 +102,7 @@ async def announce_packet(core: Core, p: Packet) -> str | None:
             (now_ms(), p.packet_id),
         )
 
-    await core.db.run(mark)
+    await core.db.run(mark, idempotent=True)
     return offset
 
 

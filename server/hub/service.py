@@ -27,6 +27,7 @@ from server.hub.hub import Hub
 from server.hub.tokens import TokenError
 from server.money import groups, ledger
 from server.money.groups import Role
+from server.store.db import as_text
 
 BY_BACKEND = 0  # the `by` of an event caused through this API
 MAX_MEMBERS = 100_000
@@ -174,7 +175,7 @@ async def journal(request: Request, core: Core, _: int) -> dict[str, Any]:
             "id": int(r[0]),
             "amount": int(r[1]),
             "kind": r[2],
-            "key": r[3],
+            "key": as_text(r[3]),
             "packet_id": r[4],
             "created_ms": int(r[5]),
         }

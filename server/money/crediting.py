@@ -1,48 +1,97 @@
-"""Batched crediting: many grabs paid in one transaction, exactly once.
+"""Batched crediting: many grabs paid in one transaction, exactly once; and the record of those never paid.
 
 The same rules as ``ledger.credit_grab`` (the share must be the one the database pre-split, one share
 per user, one user per share, nothing on a refunded packet), decided for a whole batch from three reads,
 then written as multi-row inserts and one balance update per account, accounts in a fixed order so two
 batches never deadlock. If another worker credited one of these grabs in the meantime the batch rolls
 back on the unique keys and falls back to crediting one by one; either way each grab is paid once.
+(The packet row lock each credit takes first makes that clash rare: only a payer that skipped the lock
+meets it.)
+
+A credit refused (its grabber was told "won", or can read it with ``open``, and the ledger will not pay it)
+is never only logged: it is a row of ``credit_refusals``, written in the transaction that decided it, and
+reconciliation reports every one not paid since (``server.money.reconcile``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Literal
 
 from server import errors
 from server.errors import RedPacketError
 from server.money.ledger import Credit, credit_grab, finish_paid, now_ms
-from server.store.db import Database, IntegrityError, Tx
+from server.store.db import Database, IntegrityError, Tx, as_text
 
 Outcome = str  # "credited", "already", or the error code that refused it
+# Who refused a grab: the credit drain, a settlement (refund, sweeper), or a repair that dropped it.
+RefusedBy = Literal["drain", "settle", "repair"]
 
 
-async def credit_many(db: Database, credits: list[Credit]) -> list[Outcome]:
-    """Credit every grab in ``credits``; one outcome per credit, in order.
+async def credit_many(db: Database, credits: list[Credit], refused_by: RefusedBy = "drain") -> list[Outcome]:
+    """Credit every grab in ``credits``; one outcome per credit, in order. A refusal is recorded before
+    this returns (in the same transaction as the credits, or in one of its own on the fallback).
 
-    Cancelled before the commit: nothing is written and every grab can be credited again later.
+    Cancelled before the commit: nothing is written and every grab can be credited again later. Run
+    again after a lost COMMIT answer, a grab the first run paid still counts as ``credited``.
     """
     if not credits:
         return []
     try:
-        return await db.run(lambda tx: _batch(tx, credits))
-    except IntegrityError:
+        return await db.run(lambda tx: _batch(tx, credits, refused_by), idempotent=True)
+    except (IntegrityError, RedPacketError):
+        # Another payer's row met on a unique key, or one credit the batch cannot take (a grabber with
+        # no account): one by one, each decided on its own.
         out: list[Outcome] = []
         for c in credits:
-            try:
-                out.append(await credit_grab(db, c))
-            except RedPacketError as e:
-                out.append(e.code)
+            out.append(await credit_or_record(db, c, refused_by))
         return out
+
+
+async def credit_or_record(db: Database, c: Credit, refused_by: RefusedBy) -> Outcome:
+    """``ledger.credit_grab``, and a refusal recorded (``record_refusals``) before its code is returned."""
+    try:
+        return await credit_grab(db, c)
+    except RedPacketError as e:
+        if e.code not in REFUSALS:
+            raise  # the database away, say: nothing decided, try again later
+        code = e.code
+    await db.run(lambda tx: record_refusals(tx, [(c, code)], refused_by), idempotent=True)
+    return code
+
+
+# The codes that say the ledger will never pay a credit (anything else is worth another try).
+REFUSALS = frozenset(
+    {
+        errors.SHARE_CONFLICT,
+        errors.PACKET_EXPIRED,
+        errors.PACKET_NOT_FOUND,
+        errors.USER_NOT_FOUND,
+        errors.IDEMPOTENCY_KEY_REUSED,
+    }
+)
+
+
+async def record_refusals(tx: Tx, refused: list[tuple[Credit, str]], refused_by: RefusedBy) -> None:
+    """Keep each (credit, code) in ``credit_refusals``, in the caller's transaction; a grab already
+    recorded keeps its first record."""
+    ts = now_ms()
+    await tx.executemany(
+        f"{tx.dialect.insert_ignore} INTO credit_refusals"
+        " (packet_id, user_id, seq, amount, grabbed_ms, code, refused_by, refused_ms)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+        [
+            (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, code, refused_by, ts)
+            for c, code in refused
+        ],
+    )
 
 
 def _marks(n: int) -> str:
     return ", ".join(["%s"] * n)
 
 
-async def _batch(tx: Tx, credits: list[Credit]) -> list[Outcome]:
+async def _batch(tx: Tx, credits: list[Credit], refused_by: RefusedBy) -> list[Outcome]:
     pids = sorted({c.packet_id for c in credits})
     lock = tx.dialect.share_lock
     # Exclusive, in id order: this batch may finish these packets, and two batches lock them in one order.
@@ -76,6 +125,9 @@ async def _batch(tx: Tx, credits: list[Credit]) -> list[Outcome]:
         if (int(pid), int(seq)) in seq_pairs or (int(pid), int(uid)) in user_pairs:
             by_seq[(int(pid), int(seq))] = (int(uid), str(st))
             by_user[(int(pid), int(uid))] = int(seq)
+    # A run again after a lost COMMIT answer: the shares the first run paid (their journal rows carry this
+    # call's token) are still this call's credits, not another worker's.
+    mine = await _paid_by_this_call(tx, credits) if tx.resumed else set()
 
     out: list[Outcome] = []
     inserts: list[Credit] = []
@@ -91,7 +143,7 @@ async def _batch(tx: Tx, credits: list[Credit]) -> list[Outcome]:
             if holder != c.user_id:
                 out.append(errors.SHARE_CONFLICT)
             elif st == "credited":
-                out.append("already")
+                out.append("credited" if seq_key in mine else "already")
             elif status[c.packet_id] == "refunded":
                 out.append(errors.PACKET_EXPIRED)
             else:
@@ -121,16 +173,31 @@ async def _batch(tx: Tx, credits: list[Credit]) -> list[Outcome]:
         )
     paid = inserts + updates
     await tx.executemany(
-        "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms)"
-        " VALUES (%s, %s, %s, %s, %s, %s)",
-        [(c.user_id, c.amount, "grab", f"grab:{c.packet_id}:{c.seq}", c.packet_id, ts) for c in paid],
+        "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms, tx)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+        [
+            (c.user_id, c.amount, "grab", f"grab:{c.packet_id}:{c.seq}", c.packet_id, ts, tx.token)
+            for c in paid
+        ],
     )
     per_account: dict[int, int] = defaultdict(int)
     for c in paid:
         per_account[c.user_id] += c.amount
     await add_to_balances(tx, dict(per_account), ts)
     await finish_paid(tx, [c.packet_id for c in paid])
+    refused = [(c, o) for c, o in zip(credits, out, strict=True) if o not in ("credited", "already")]
+    await record_refusals(tx, refused, refused_by)
     return out
+
+
+async def _paid_by_this_call(tx: Tx, credits: list[Credit]) -> set[tuple[int, int]]:
+    """(packet, seq) of the credits whose journal row this ``Database.run`` call wrote in an earlier run."""
+    keys = {f"grab:{c.packet_id}:{c.seq}": (c.packet_id, c.seq) for c in credits}
+    rows = await tx.fetchall(
+        f"SELECT idem_key FROM journal WHERE tx = %s AND idem_key IN ({_marks(len(keys))})",
+        [tx.token, *keys],
+    )
+    return {keys[as_text(r[0])] for r in rows}
 
 
 async def add_to_balances(tx: Tx, amounts: dict[int, int], ts: int) -> None:

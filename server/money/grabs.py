@@ -21,6 +21,7 @@ from server.errors import Conflict, Forbidden, NotFound, RedPacketError, Unavail
 from server.money.membership import not_member
 from server.money.packets import PACKET_COLUMNS, packet_from_row, recover_packet
 from server.store import keys
+from server.store.redisnodes import ServerChanged
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +91,18 @@ async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bo
         first: Any = None
         for _ in range(3):
             generation = core.repairs.generation
-            await core.repairs.ensure(packet_id, lambda: _check(core, packet_id))
-            status, res = await attempt(True, gate)
-            if status == "members":
-                # The cache was cold and the script stopped before the gate: it still applies.
-                await core.membership.require(group_id, user_id)
-                status, res = await attempt(False, gate)
-            if status == "unknown" and await _recover_if_live(core, packet_id, group_id):
-                # This attempt passed the member check and the gate already: not charged twice.
-                status, res = await attempt(False, False)
+            try:
+                await core.repairs.ensure(packet_id, lambda: _check(core, packet_id))
+                status, res = await attempt(True, gate)
+                if status == "members":
+                    # The cache was cold and the script stopped before the gate: it still applies.
+                    await core.membership.require(group_id, user_id)
+                    status, res = await attempt(False, gate)
+                if status == "unknown" and await _recover_if_live(core, packet_id, group_id):
+                    # This attempt passed the member check and the gate already: not charged twice.
+                    status, res = await attempt(False, False)
+            except ServerChanged:
+                continue  # seen before the grab was sent: check the packet in the new generation first
             if status == "already" and first is not None and first[0] == "won" and first[1][1] == res[1]:
                 status, res = first  # it was this grab that won that share: say so (it is announced)
             if core.repairs.generation == generation:

@@ -37,7 +37,7 @@ async def create_group(db: Database, owner_id: int, name: str, members_can_send:
         )
         return group_id
 
-    return await db.run(work)
+    return await db.run(work, idempotent=False)
 
 
 async def add_members(
@@ -73,7 +73,7 @@ async def add_members(
         )
         return len(new)
 
-    added = await db.run(work)
+    added = await db.run(work, idempotent=True)
     await membership.changed(group_id, wanted, "added")
     return added
 
@@ -160,9 +160,9 @@ async def put_group(
         return Replaced(True, version, created, added, removed, roles)
 
     try:
-        done = await db.run(work)
+        done = await db.run(work, idempotent=True)
     except IntegrityError:  # the group created by a concurrent call: now there is a row to lock
-        done = await db.run(work)
+        done = await db.run(work, idempotent=True)
     if done.applied and not (done.added or done.removed or done.roles):
         # Nothing differs: perhaps a retry of a call that died between its commit and this point. Drop
         # the cache and tell every hub the whole membership, so that live sockets still match it.
@@ -182,7 +182,7 @@ async def remove_member(db: Database, membership: Membership, group_id: int, use
             "DELETE FROM group_members WHERE group_id = %s AND user_id = %s", (group_id, user_id)
         )
 
-    removed = await db.run(work)
+    removed = await db.run(work, idempotent=True)
     await membership.changed(group_id, [user_id], "removed")
     return removed > 0
 
@@ -197,7 +197,7 @@ async def set_role(db: Database, membership: Membership, group_id: int, user_id:
             (role, group_id, user_id),
         )
 
-    if await db.run(work) == 0:
+    if await db.run(work, idempotent=True) == 0:
         raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not in group {group_id}")
     await membership.changed(group_id, [user_id], "role")
 

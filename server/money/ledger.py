@@ -18,6 +18,8 @@ JournalKind = Literal["topup", "send", "grab", "refund"]
 
 # A demo top-up is play money; this only keeps a typo from minting a fortune.
 MAX_TOPUP_CENTS = 100_000_000
+# A client's request id (an idempotency key), in characters.
+MAX_REQUEST_ID_CHARS = 64
 
 
 def now_ms() -> int:
@@ -34,24 +36,27 @@ async def post(
 ) -> bool:
     """Append one journal row and apply it to the balance, inside ``tx``.
 
-    Returns ``False`` and changes nothing when ``idem_key`` was posted before with the same account and
-    amount (a replay). Raises ``Conflict(insufficient_funds)`` if a debit would take the balance below
-    zero, and ``Conflict(idempotency_key_reused)`` if the key was posted with other content; either way
-    the caller's transaction must roll back, which undoes the journal row.
+    Returns ``True`` when this call posted it: now, or in a run of the same ``Database.run`` whose
+    COMMIT answer was lost (the row carries the call's ``tx.token``). Returns ``False`` and changes
+    nothing when another call posted ``idem_key`` before with the same account and amount (a replay).
+    Raises ``Conflict(insufficient_funds)`` if a debit would take the balance below zero, and
+    ``Conflict(idempotency_key_reused)`` if the key was posted with other content; either way the caller's
+    transaction must roll back, which undoes the journal row.
     """
     ts = now_ms()
     try:
         await tx.execute(
-            "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms)"
-            " VALUES (%s, %s, %s, %s, %s, %s)",
-            (account_id, amount, kind, idem_key, packet_id, ts),
+            "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms, tx)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+            (account_id, amount, kind, idem_key, packet_id, ts, tx.token),
         )
     except IntegrityError:
         prior = await tx.fetchone(
-            "SELECT account_id, amount FROM journal WHERE idem_key = %s" + tx.dialect.share_lock, (idem_key,)
+            "SELECT account_id, amount, tx FROM journal WHERE idem_key = %s" + tx.dialect.share_lock,
+            (idem_key,),
         )
         if prior is not None and (int(prior[0]), int(prior[1])) == (account_id, amount):
-            return False
+            return tx.resumed and prior[2] is not None and int(prior[2]) == tx.token
         raise Conflict(errors.IDEMPOTENCY_KEY_REUSED, f"{idem_key} was already used") from None
     changed = await tx.execute(
         "UPDATE accounts SET balance = balance + %s, updated_ms = %s"
@@ -64,6 +69,21 @@ async def post(
     if exists is None:
         raise NotFound(errors.USER_NOT_FOUND, f"no account for user {account_id}")
     raise Conflict(errors.INSUFFICIENT_FUNDS, "the balance is too low")
+
+
+def check_request_id(request_id: object, what: str = "a request_id") -> str:
+    """A client's idempotency key: a string of 1 to 64 characters, with no control or invisible characters
+    and no whitespace at either end (``server.text.request_id_ok``). Keys compare byte for byte."""
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(
+            errors.BAD_REQUEST, f"{what} is a string of 1 to {MAX_REQUEST_ID_CHARS} characters"
+        )
+    if not text.request_id_ok(request_id):
+        raise InvalidRequest(
+            errors.BAD_REQUEST,
+            f"{what} may not hold control or invisible characters, nor start or end with whitespace",
+        )
+    return request_id
 
 
 def check_name(name: object) -> str:
@@ -95,7 +115,7 @@ async def create_user(db: Database, name: str) -> int:
         )
         return user_id
 
-    return await db.run(work)
+    return await db.run(work, idempotent=False)
 
 
 async def put_user(db: Database, user_id: int, name: object) -> Literal["created", "renamed", "unchanged"]:
@@ -126,9 +146,9 @@ async def put_user(db: Database, user_id: int, name: object) -> Literal["created
             raise  # the same id created concurrently: the caller runs it again and finds it
 
     try:
-        return await db.run(work)
+        return await db.run(work, idempotent=True)
     except IntegrityError:
-        return await db.run(work)
+        return await db.run(work, idempotent=True)
 
 
 async def create_users(db: Database, names: list[str]) -> list[int]:
@@ -155,7 +175,7 @@ async def create_users(db: Database, names: list[str]) -> list[int]:
         )
         return ids
 
-    return await db.run(work)
+    return await db.run(work, idempotent=False)
 
 
 async def user_by_name(db: Database, name: str) -> int | None:
@@ -183,14 +203,13 @@ async def topup(
     on the key; returns False on a replay."""
     if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= MAX_TOPUP_CENTS:
         raise InvalidRequest(errors.AMOUNT_INVALID, f"a top-up is 1 to {MAX_TOPUP_CENTS} cents")
-    if not isinstance(request_id, str) or not 0 < len(request_id) <= 64:
-        raise InvalidRequest(errors.BAD_REQUEST, "a top-up needs a request_id of 1 to 64 characters")
+    request_id = check_request_id(request_id, "a top-up's request_id")
     key = f"service-topup:{request_id}" if service else f"topup:{user_id}:{request_id}"
 
     async def work(tx: Tx) -> bool:
         return await post(tx, user_id, amount, "topup", key)
 
-    return await db.run(work)
+    return await db.run(work, idempotent=True)
 
 
 @dataclass(frozen=True)
@@ -275,4 +294,4 @@ async def credit_grab(db: Database, c: Credit) -> CreditOutcome:
             await finish_paid(tx, [c.packet_id])
         return "credited" if posted else "already"
 
-    return await db.run(work)
+    return await db.run(work, idempotent=True)

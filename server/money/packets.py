@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +20,12 @@ from server import errors
 from server.core import Core
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unavailable
 from server.money import groups
-from server.money.ledger import now_ms, post
+from server.money.crediting import record_refusals
+from server.money.ledger import Credit, check_request_id, now_ms, post
 from server.money.split import Kind, PacketRequest, split, validate_request
 from server.store import keys
 from server.store.db import IntegrityError, Row, Tx
+from server.store.redisnodes import ServerChanged
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,12 @@ class _Replay(Exception):
     pass
 
 
+def new_request_id() -> str:
+    """The idempotency key of a send whose client gave none: made before its transaction, so that a run
+    again after a lost COMMIT answer finds the first run's packet instead of paying for a second one."""
+    return uuid.uuid4().hex
+
+
 async def _earlier_send(tx: Tx, sender_id: int, request_id: str, req: PacketRequest, group_id: int) -> Packet:
     row = await tx.fetchone(
         f"SELECT {PACKET_COLUMNS} FROM red_packets WHERE sender_id = %s AND request_id = %s",
@@ -83,6 +92,12 @@ async def _earlier_send(tx: Tx, sender_id: int, request_id: str, req: PacketRequ
     if row is None:
         raise RuntimeError("a send replay found no earlier packet")
     p = packet_from_row(row)
+    if tx.resumed:
+        # This very call made it, in a run whose COMMIT answer was lost: not a replay, and it is still
+        # to be put up in Redis.
+        debit = await tx.fetchone("SELECT tx FROM journal WHERE idem_key = %s", (f"send:{p.packet_id}",))
+        if debit is not None and debit[0] is not None and int(debit[0]) == tx.token:
+            return p
     if (p.group_id, p.kind, p.total, p.count, p.greeting, p.target_user_id) != (
         group_id,
         req.kind,
@@ -109,15 +124,16 @@ async def send_packet(
     """Debit the sender and create a packet with its shares; then publish it to Redis.
 
     Bad input raises ``InvalidRequest`` before anything is written. The debit, the packet, its shares
-    and the journal row commit together or not at all. With ``request_id`` a retried send returns the
-    first packet instead of paying twice. Redis must answer first (``redis_unavailable`` otherwise, and
-    nothing is debited): a packet is sent only when it can be put up at once. Cancelled before the
-    commit: nothing is written; after it: the packet exists, ``published`` or not, and
-    ``server.hub.announce`` (the sender's retry, or a worker) puts it up and announces it.
+    and the journal row commit together or not at all. Every send is keyed before its transaction: by
+    the client's ``request_id`` (a retried send returns the first packet instead of paying twice), or by
+    one made here (``new_request_id``), so the database's own run again after a lost COMMIT answer pays
+    once too. Redis must answer first (``redis_unavailable`` otherwise, and nothing is debited): a packet
+    is sent only when it can be put up at once. Cancelled before the commit: nothing is written; after
+    it: the packet exists, ``published`` or not, and ``server.hub.announce`` (the sender's retry, or a
+    worker) puts it up and announces it.
     """
     req = validate_request(kind, total, count, greeting, target_user_id, core.limits)
-    if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 64):
-        raise InvalidRequest(errors.BAD_REQUEST, "request_id is 1 to 64 characters")
+    key = new_request_id() if request_id is None else check_request_id(request_id)
     shares = split(req, core.rng)
     await _require_redis(core, group_id)
 
@@ -136,12 +152,11 @@ async def send_packet(
             target_role, _ = await groups.role_of(tx, group_id, req.target_user_id)
             if target_role is None or req.target_user_id == sender_id:
                 raise InvalidRequest(errors.TARGET_INVALID, "the target must be another member of the group")
-        if request_id is not None:
-            exists = await tx.fetchone(
-                "SELECT 1 FROM red_packets WHERE sender_id = %s AND request_id = %s", (sender_id, request_id)
-            )
-            if exists:
-                return await _earlier_send(tx, sender_id, request_id, req, group_id)
+        exists = await tx.fetchone(
+            "SELECT 1 FROM red_packets WHERE sender_id = %s AND request_id = %s", (sender_id, key)
+        )
+        if exists:
+            return await _earlier_send(tx, sender_id, key, req, group_id)
         created = now_ms()
         expires = created + core.settings.packet_ttl_seconds * 1000
         try:
@@ -157,7 +172,7 @@ async def send_packet(
                     req.count,
                     req.greeting,
                     req.target_user_id,
-                    request_id,
+                    key,
                     created,
                     expires,
                 ),
@@ -187,10 +202,11 @@ async def send_packet(
         )
 
     try:
-        packet = await core.db.run(work)
+        packet = await core.db.run(work, idempotent=True)
     except _Replay:
-        assert request_id is not None
-        packet = await core.db.run(lambda tx: _earlier_send(tx, sender_id, request_id, req, group_id))
+        packet = await core.db.run(
+            lambda tx: _earlier_send(tx, sender_id, key, req, group_id), idempotent=True
+        )
     if packet.replay:
         return packet
     try:
@@ -225,9 +241,9 @@ async def _load(
     shares: list[tuple[int, int]],
     grabs: list[tuple[int, int, int, int]],
     finished_ms: int | None = None,
-) -> tuple[int, int, int]:
+) -> tuple[int, int, list[Credit]]:
     """Run load_packet.lua: all shares (seq, amount) and the grabs (user, seq, amount, ms) the DB holds.
-    Returns (shares left, grabs known, grabs Redis held that the database contradicts, dropped)."""
+    Returns (shares left, grabs known, every grab a repair of this packet ever dropped)."""
     meta: dict[str, str | int] = {
         "group": p.group_id,
         "sender": p.sender_id,
@@ -241,6 +257,8 @@ async def _load(
     }
     if finished_ms is not None:
         meta["finished_ms"] = finished_ms
+    if p.status == "refunding":
+        meta["closed"] = 1  # its refund has begun: no grab may start again, whatever Redis lost
     args: list[str | int] = [p.expires_ms + core.settings.redis_grace_seconds * 1000, p.packet_id, len(meta)]
     for k, v in meta.items():
         args += [k, v]
@@ -251,7 +269,13 @@ async def _load(
         args += [user, f"{seq}:{amount}:{ms}"]
     keys_ = [*keys.packet_keys(p.group_id, p.packet_id), keys.outbox_for(p.group_id)]
     left, known, dropped = await core.scripts.load_packet(keys=keys_, args=args)
-    return int(left), int(known), int(dropped)
+    return int(left), int(known), [dropped_credit(p, entry) for entry in dropped]
+
+
+def dropped_credit(p: Packet, entry: bytes | str) -> Credit:
+    """The credit of a grab a repair dropped (a ``keys.packet_dropped`` entry)."""
+    user, seq, amount, ms = keys.parse_dropped(entry)
+    return Credit(p.packet_id, user, seq, amount, ms, p.group_id)
 
 
 @dataclass(frozen=True)
@@ -272,57 +296,88 @@ async def recover_packet(core: Core, packet_id: int) -> Recovered:
 
     Safe while grabs continue and safe to repeat: the script runs alone, keeps every grab Redis already
     holds unless the database holds that share (or that user) otherwise — then the database's grab
-    replaces it — and never puts back a share that Redis or the database shows as taken. This is also
-    the check of a packet after Redis may have lost writes (``server.store.repair``).
+    replaces it, and the dropped one is recorded as refused (its grabber may have been told "won") —
+    and never puts back a share that Redis, its outbox or the database shows as taken. This is also the
+    check of a packet after Redis may have lost writes (``server.store.repair``).
+
+    Serialised with crediting: it holds the packet's row lock (as every credit takes it first) from
+    before it reads until Redis is loaded, so no credit of this packet commits in between, and it reads
+    the outbox before the database, so a credit paid and acknowledged meanwhile is in one of them.
+    Cancelled half-way: Redis is loaded or not (one script); running it again does the rest.
     """
-    p = await load_packet(core, packet_id)
-    if p is None:
-        raise NotFound(errors.PACKET_NOT_FOUND, f"packet {packet_id} does not exist")
-    if p.status == "refunded":
-        raise Conflict(errors.PACKET_EXPIRED, f"packet {packet_id} was refunded")
-    shares = await core.db.fetchall(
-        "SELECT seq, amount FROM red_packet_shares WHERE packet_id = %s ORDER BY seq", (packet_id,)
-    )
-    grabs = await core.db.fetchall(
-        "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (packet_id,)
-    )
-    known_grabs = [(int(g[0]), int(g[1]), int(g[2]), int(g[3])) for g in grabs]
-    finished = max(g[3] for g in known_grabs) if len(known_grabs) == p.count else None
-    try:
+
+    async def work(tx: Tx) -> tuple[Packet, int, int, list[Credit]]:
+        p = await _locked(tx, packet_id)
+        if p.status == "refunded":
+            raise Conflict(errors.PACKET_EXPIRED, f"packet {packet_id} was refunded")
         generation = core.repairs.generation
-        if not await core.redis.exists(keys.packet_meta(p.group_id, p.packet_id)):
-            # The packet's keys are gone: its credits still waiting in the outbox keep their shares.
-            known_grabs += await _queued_credits(core, p, known_grabs)
-        left, known, dropped = await _load(
-            core, p, [(int(s[0]), int(s[1])) for s in shares], known_grabs, finished
+        shares = await tx.fetchall(
+            "SELECT seq, amount FROM red_packet_shares WHERE packet_id = %s ORDER BY seq", (packet_id,)
         )
+        taken = await _taken(core, tx, p)
+        finished = max(g[3] for g in taken) if len(taken) == p.count else None
+        left, n, dropped = await _load(core, p, [(int(x[0]), int(x[1])) for x in shares], taken, finished)
         core.repairs.mark(packet_id, generation)
+        return p, left, n, dropped
+
+    try:
+        p, left, known, dropped = await core.db.run(work, idempotent=True)
+    except ServerChanged:
+        raise  # the caller checks again in the new generation
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
     if dropped:
-        log.warning(
-            "packet %d: %d grab(s) Redis held contradicted the database and were dropped", packet_id, dropped
+        # Kept in Redis too (keys.packet_dropped) until the packet's keys go: a failure here loses nothing.
+        await core.db.run(
+            lambda tx: record_refusals(tx, [(c, errors.SHARE_CONFLICT) for c in dropped], "repair"),
+            idempotent=True,
+        )
+        log.error(
+            "packet %d: %d grab(s) Redis held contradict the database; dropped and recorded as refused",
+            packet_id,
+            len(dropped),
         )
     log.info("recovered packet %d: %d shares left, %d grabs known", packet_id, left, known)
-    return Recovered(packet_id, left, known)
+    return Recovered(p.packet_id, left, known)
 
 
-async def _queued_credits(
-    core: Core, p: Packet, paid: list[tuple[int, int, int, int]]
-) -> list[tuple[int, int, int, int]]:
-    """Grabs whose credit still waits in the shard's outbox (or is being paid): told to their grabber, not
-    yet in the database, as (user, seq, amount, grabbed_ms) — those the database does not contradict.
+async def _locked(tx: Tx, packet_id: int) -> Packet:
+    """The packet's row, locked until ``tx`` ends: every credit of it takes this lock first."""
+    row = await tx.fetchone(
+        f"SELECT {PACKET_COLUMNS} FROM red_packets WHERE id = %s" + tx.dialect.for_update, (packet_id,)
+    )
+    if row is None:
+        raise NotFound(errors.PACKET_NOT_FOUND, f"packet {packet_id} does not exist")
+    return packet_from_row(row)
+
+
+async def _taken(core: Core, tx: Tx, p: Packet) -> list[tuple[int, int, int, int]]:
+    """The grabs a repair must keep, as (user, seq, amount, grabbed_ms): the database's, and — when the
+    packet's keys are gone — those whose credit still waits in the outbox. The outbox is read first: a
+    credit acknowledged since was committed before, so the database read after it has it."""
+    queued = (
+        [] if await core.redis.exists(keys.packet_meta(p.group_id, p.packet_id)) else await _queued(core, p)
+    )
+    rows = await tx.fetchall(
+        "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (p.packet_id,)
+    )
+    known = [(int(g[0]), int(g[1]), int(g[2]), int(g[3])) for g in rows]
+    users, seqs = {g[0] for g in known}, {g[1] for g in known}
+    return known + [g for g in queued if g[0] not in users and g[1] not in seqs]
+
+
+async def _queued(core: Core, p: Packet) -> list[tuple[int, int, int, int]]:
+    """Grabs of this packet whose credit waits in the shard's outbox (or is being paid), as (user, seq,
+    amount, grabbed_ms), one per share: told to their grabber, perhaps not yet in the database.
 
     When only the packet's keys were lost (not the whole Redis), these keep their share instead of it
     being handed out a second time. A read of the outbox: recovery is rare and the outbox short.
     """
-    users, seqs = {g[0] for g in paid}, {g[1] for g in paid}
     prefix = f"{p.packet_id}:".encode()
     found: dict[int, tuple[int, int, int, int]] = {}
     for _, fields in await core.redis.xrange(keys.outbox_for(p.group_id)):
         entry = fields.get(b"c", b"")
         if entry.startswith(prefix):
             _, user, seq, amount, ms, _ = keys.parse_credit_entry(entry)
-            if user not in users and seq not in seqs:
-                found[seq] = (user, seq, amount, ms)
+            found.setdefault(seq, (user, seq, amount, ms))
     return list(found.values())

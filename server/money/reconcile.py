@@ -1,20 +1,43 @@
-"""Reconciliation: every cent accounted for, per packet and across the whole ledger.
+"""Reconciliation: every cent accounted for, per packet, per posting, per grab Redis answered, and across
+the whole ledger.
 
-The arithmetic is pure (``check``); ``gather`` reads the numbers from the database. Zero tolerance: any
-difference is reported.
+The arithmetic is pure (``check``); ``gather`` reads the figures, from the database in one snapshot and
+from Redis (what it told grabbers). Zero tolerance: any difference is reported.
 
-    per packet:  debited = total;  credited + refunded + outstanding = total, outstanding ≥ 0,
-                 outstanding = 0 once the packet is finished or refunded;
-                 credited in the journal = credited in grab_records
-    per account: balance = sum of its journal
-    global:      money in (top-ups) = money in balances + money held in packets (outstanding)
+    per packet:   debited = total = the sum of its shares, count = its shares;
+                  credited + refunded + outstanding = total, outstanding ≥ 0,
+                  outstanding = 0 once the packet is finished or refunded;
+                  credited in the journal = credited in grab_records;
+                  expired longer than LATE_MS ago and still not settled: a difference
+    per posting:  a send or refund goes to the packet's sender, a grab credit to the grab record's user,
+                  of that share, for that amount (and every credited grab record has its posting);
+                  a grab record's amount is its share's;
+                  one ``Database.run`` call posts one send, top-up or refund (never two: a second one
+                  is a transaction run again without its key)
+    per grab:     every grab the ledger refused (``credit_refusals``) and has not paid since;
+                  every grab Redis holds matches the database's record of it, if any, and one older
+                  than LATE_MS has one
+    per account:  balance = sum of its journal
+    global:       money in (top-ups) = money in balances + money held in packets (outstanding)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
 
+from redis.exceptions import RedisError
+
+from server.core import Core
+from server.money.ledger import now_ms
+from server.store import keys
 from server.store.db import Database
+
+# A grab not paid, or an expired packet not settled, this long after is a difference: credits land in
+# seconds and the refund job runs every minute (a worker that stays away longer is worth an alert).
+LATE_MS = 15 * 60 * 1000
+# Packets finished this recently are compared with Redis too (older ones are settled for good).
+RECENT_MS = 60 * 60 * 1000
 
 
 @dataclass(frozen=True)
@@ -26,6 +49,11 @@ class PacketBooks:
     credited: int
     refunded: int
     credited_records: int
+    count: int = 0
+    shares_total: int = 0
+    shares_count: int = 0
+    expires_ms: int = 0
+    group_id: int = 0
 
     @property
     def outstanding(self) -> int:
@@ -44,10 +72,44 @@ class Difference:
 
 
 @dataclass(frozen=True)
+class Posting:
+    """A journal row that went wrong: which packet, what kind, to which account, how much."""
+
+    packet_id: int
+    kind: str
+    account_id: int
+    amount: int
+    expected_account: int
+
+
+@dataclass(frozen=True)
+class GrabRow:
+    """A grab as one side has it: packet, user, share, amount (and, from Redis, when it was made)."""
+
+    packet_id: int
+    user_id: int
+    seq: int
+    amount: int
+    grabbed_ms: int = 0
+    note: str = ""  # a refusal's code and who refused it
+
+
+@dataclass(frozen=True)
 class Books:
     packets: list[PacketBooks]
     accounts: list[tuple[int, int, int]]  # (user, balance, journal sum)
     topups: int
+    wrong_account: list[Posting] = field(default_factory=list)
+    grab_postings_unmatched: list[GrabRow] = field(default_factory=list)  # journal rows with no record
+    records_unposted: list[GrabRow] = field(default_factory=list)  # credited records with no journal row
+    records_off_share: list[GrabRow] = field(default_factory=list)  # amount is not the share's
+    refused: list[GrabRow] = field(default_factory=list)  # refused and not paid since
+    repeated: list[tuple[int, int]] = field(default_factory=list)  # (call token, postings)
+    # Redis: packet → its grabs there; the database's records of those packets (credited or not).
+    redis_grabs: dict[int, list[GrabRow]] = field(default_factory=dict)
+    db_grabs: dict[int, list[GrabRow]] = field(default_factory=dict)
+    redis_error: str = ""
+    now_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,6 +125,14 @@ class Report:
     def ok(self) -> bool:
         return not self.differences
 
+    def checks(self) -> set[str]:
+        """The names of the checks that found a difference."""
+        return {d.check for d in self.differences}
+
+
+def _grab_name(g: GrabRow) -> str:
+    return f"packet {g.packet_id} user {g.user_id} share {g.seq}"
+
 
 def check(books: Books) -> Report:
     """Every difference in ``books``. Pure."""
@@ -71,12 +141,39 @@ def check(books: Books) -> Report:
         name = f"packet {p.packet_id}"
         if p.debited != p.total:
             diffs.append(Difference("packet_debit", name, p.total, p.debited))
+        if (p.shares_total, p.shares_count) != (p.total, p.count):
+            diffs.append(Difference("packet_shares", name + " shares sum", p.total, p.shares_total))
         if p.outstanding < 0:
             diffs.append(Difference("packet_overpaid", name, p.total, p.credited + p.refunded))
         elif p.status in ("finished", "refunded") and p.outstanding != 0:
             diffs.append(Difference("packet_unsettled", name, 0, p.outstanding))
         if p.credited != p.credited_records:
             diffs.append(Difference("packet_credit_records", name, p.credited, p.credited_records))
+        if p.status in ("active", "refunding") and p.expires_ms and p.expires_ms < books.now_ms - LATE_MS:
+            late_s = (books.now_ms - p.expires_ms) // 1000
+            diffs.append(
+                Difference("packet_stuck", f"{name} {p.status}, expired {late_s} s ago", 0, p.outstanding)
+            )
+    for w in books.wrong_account:
+        diffs.append(
+            Difference(
+                "posting_account",
+                f"packet {w.packet_id} {w.kind} of {w.amount}",
+                w.expected_account,
+                w.account_id,
+            )
+        )
+    for g in books.grab_postings_unmatched:
+        diffs.append(Difference("grab_posting", f"{_grab_name(g)} posted with no grab record", 0, g.amount))
+    for g in books.records_unposted:
+        diffs.append(Difference("grab_posting", f"{_grab_name(g)} credited with no posting", g.amount, 0))
+    for g in books.records_off_share:
+        diffs.append(Difference("grab_share", _grab_name(g), int(g.note or 0), g.amount))
+    for g in books.refused:
+        diffs.append(Difference("credit_refused", f"{_grab_name(g)} ({g.note})", g.amount, 0))
+    for token, n in books.repeated:
+        diffs.append(Difference("repeated_posting", f"transaction {token}", 1, n))
+    diffs += _redis_differences(books)
     for user, balance, journal in books.accounts:
         if balance != journal:
             diffs.append(Difference("account_journal", f"account {user}", journal, balance))
@@ -87,11 +184,82 @@ def check(books: Books) -> Report:
     return Report(diffs, len(books.packets), len(books.accounts), books.topups, in_balances, held)
 
 
-async def gather(db: Database) -> Books:
-    """Every figure, read in one snapshot: credits and top-ups committed meanwhile are all in or all out
-    (read apart, they made a reconciliation under load report differences that were not there)."""
+def _redis_differences(books: Books) -> list[Difference]:
+    """Each grab Redis holds (what its grabber was told, and sees on opening the packet) against the
+    database: the same share for the same amount, and paid once it is older than ``LATE_MS``."""
+    if books.redis_error:
+        return [Difference("redis_unreadable", books.redis_error, 0, 0)]
+    diffs = []
+    for pid, grabs in books.redis_grabs.items():
+        db = books.db_grabs.get(pid, [])
+        by_user = {g.user_id: g for g in db}
+        by_seq = {g.seq: g for g in db}
+        for g in grabs:
+            mine, holder = by_user.get(g.user_id), by_seq.get(g.seq)
+            if mine is not None and (mine.seq, mine.amount) != (g.seq, g.amount):
+                diffs.append(
+                    Difference(
+                        "redis_grab",
+                        f"{_grab_name(g)}: the ledger has share {mine.seq}",
+                        g.amount,
+                        mine.amount,
+                    )
+                )
+            elif mine is None and holder is not None:
+                diffs.append(
+                    Difference(
+                        "redis_grab",
+                        f"{_grab_name(g)}: the ledger gave it to user {holder.user_id}",
+                        g.amount,
+                        0,
+                    )
+                )
+            elif mine is None and g.grabbed_ms < books.now_ms - LATE_MS:
+                diffs.append(Difference("redis_grab_unpaid", _grab_name(g), g.amount, 0))
+    return diffs
+
+
+async def gather(core: Core, now: int | None = None) -> Books:
+    """Every figure: the database's read in one snapshot (credits and top-ups committed meanwhile are all
+    in or all out — read apart, they made a reconciliation under load report differences that were not
+    there), then the grabs Redis holds for the packets not settled long ago."""
+    now = now_ms() if now is None else now
+    books, live = await _gather_db(core.db, now)
+    try:
+        redis_grabs = await _redis_grabs(core, live)
+    except RedisError as e:
+        return replace(books, redis_error=f"cannot read Redis: {e}")
+    return replace(books, redis_grabs=redis_grabs)
+
+
+async def _redis_grabs(core: Core, packets: dict[int, int]) -> dict[int, list[GrabRow]]:
+    """packet → the grabs its Redis hash holds, read 500 packets a pipeline."""
+    out: dict[int, list[GrabRow]] = {}
+    items = sorted(packets.items())
+    for i in range(0, len(items), 500):
+        chunk = items[i : i + 500]
+        async with core.redis.pipeline(transaction=False) as pipe:
+            for pid, gid in chunk:
+                pipe.hgetall(keys.packet_grabs(gid, pid))
+            answers = await pipe.execute()
+        for (pid, _), held in zip(chunk, answers, strict=True):
+            rows = []
+            for user, record in held.items():
+                seq, amount, ms = (int(x) for x in record.decode().split(":"))
+                rows.append(GrabRow(pid, int(user), seq, amount, ms))
+            if rows:
+                out[pid] = rows
+    return out
+
+
+async def _gather_db(db: Database, now: int) -> tuple[Books, dict[int, int]]:
+    """The database's figures, and the packets (id → group) whose grabs are compared with Redis's."""
+    d = db.dialect
+    grab_key = d.concat("'grab:'", "g.packet_id", "':'", "g.seq")
     async with db.snapshot() as tx:
-        packets = await tx.fetchall("SELECT id, status, total FROM red_packets")
+        packets = await tx.fetchall(
+            "SELECT id, status, total, share_count, expires_ms, group_id, finished_ms FROM red_packets"
+        )
         sums = await tx.fetchall(
             "SELECT packet_id, kind, SUM(amount) FROM journal"
             " WHERE packet_id IS NOT NULL GROUP BY packet_id, kind"
@@ -99,13 +267,55 @@ async def gather(db: Database) -> Books:
         records = await tx.fetchall(
             "SELECT packet_id, SUM(amount) FROM grab_records WHERE status = 'credited' GROUP BY packet_id"
         )
+        shares = await tx.fetchall(
+            "SELECT packet_id, SUM(amount), COUNT(*) FROM red_packet_shares GROUP BY packet_id"
+        )
         accounts = await tx.fetchall(
             "SELECT a.user_id, a.balance, COALESCE(SUM(j.amount), 0) FROM accounts a"
             " LEFT JOIN journal j ON j.account_id = a.user_id GROUP BY a.user_id, a.balance"
         )
         topups = await tx.fetchone("SELECT COALESCE(SUM(amount), 0) FROM journal WHERE kind = 'topup'")
+        wrong = await tx.fetchall(
+            "SELECT j.packet_id, j.kind, j.account_id, j.amount, p.sender_id FROM journal j"
+            " JOIN red_packets p ON p.id = j.packet_id"
+            " WHERE j.kind IN ('send', 'refund') AND j.account_id <> p.sender_id"
+        )
+        unmatched = await tx.fetchall(
+            "SELECT j.packet_id, j.account_id, j.amount FROM journal j"
+            " LEFT JOIN grab_records g ON g.packet_id = j.packet_id AND g.user_id = j.account_id"
+            f" AND g.amount = j.amount AND g.status = 'credited' AND j.idem_key = {grab_key}"
+            " WHERE j.kind = 'grab' AND g.id IS NULL"
+        )
+        unposted = await tx.fetchall(
+            "SELECT g.packet_id, g.user_id, g.seq, g.amount FROM grab_records g"
+            f" LEFT JOIN journal j ON j.idem_key = {grab_key} AND j.account_id = g.user_id"
+            " AND j.amount = g.amount"
+            " WHERE g.status = 'credited' AND j.id IS NULL"
+        )
+        off_share = await tx.fetchall(
+            "SELECT g.packet_id, g.user_id, g.seq, g.amount, COALESCE(s.amount, 0) FROM grab_records g"
+            " LEFT JOIN red_packet_shares s ON s.packet_id = g.packet_id AND s.seq = g.seq"
+            " WHERE s.amount IS NULL OR s.amount <> g.amount"
+        )
+        refused = await tx.fetchall(
+            "SELECT r.packet_id, r.user_id, r.seq, r.amount, r.code, r.refused_by FROM credit_refusals r"
+            " LEFT JOIN grab_records g ON g.packet_id = r.packet_id AND g.user_id = r.user_id"
+            " AND g.seq = r.seq AND g.status = 'credited'"
+            " WHERE g.id IS NULL"
+        )
+        repeated = await tx.fetchall(
+            "SELECT tx, COUNT(*) FROM journal WHERE kind IN ('send', 'topup', 'refund') AND tx IS NOT NULL"
+            " GROUP BY tx HAVING COUNT(*) > 1"
+        )
+        compared = await tx.fetchall(
+            "SELECT g.packet_id, g.user_id, g.seq, g.amount FROM grab_records g"
+            " JOIN red_packets p ON p.id = g.packet_id"
+            " WHERE p.status IN ('active', 'refunding') OR (p.status = 'finished' AND p.finished_ms >= %s)",
+            (now - RECENT_MS,),
+        )
     by_kind: dict[tuple[int, str], int] = {(int(r[0]), str(r[1])): int(r[2]) for r in sums}
     credited_records = {int(r[0]): int(r[1]) for r in records}
+    share_sums = {int(r[0]): (int(r[1]), int(r[2])) for r in shares}
     books = [
         PacketBooks(
             packet_id=int(pid),
@@ -115,18 +325,45 @@ async def gather(db: Database) -> Books:
             credited=by_kind.get((int(pid), "grab"), 0),
             refunded=by_kind.get((int(pid), "refund"), 0),
             credited_records=credited_records.get(int(pid), 0),
+            count=int(count),
+            shares_total=share_sums.get(int(pid), (0, 0))[0],
+            shares_count=share_sums.get(int(pid), (0, 0))[1],
+            expires_ms=int(expires),
+            group_id=int(group),
         )
-        for pid, status, total in packets
+        for pid, status, total, count, expires, group, _ in packets
     ]
-    return Books(
+    db_grabs: dict[int, list[GrabRow]] = defaultdict(list)
+    for pid, uid, seq, amount in compared:
+        db_grabs[int(pid)].append(GrabRow(int(pid), int(uid), int(seq), int(amount)))
+    live = {
+        int(pid): int(group)
+        for pid, status, _, _, _, group, finished in packets
+        if status in ("active", "refunding")
+        or (status == "finished" and finished is not None and int(finished) >= now - RECENT_MS)
+    }
+    result = Books(
         books,
         [(int(u), int(b), int(j)) for u, b, j in accounts],
         int(topups[0]) if topups else 0,
+        wrong_account=[Posting(int(p), str(k), int(a), int(m), int(s)) for p, k, a, m, s in wrong],
+        grab_postings_unmatched=[GrabRow(int(p), int(a), 0, int(m)) for p, a, m in unmatched],
+        records_unposted=[GrabRow(int(p), int(u), int(s), int(m)) for p, u, s, m in unposted],
+        records_off_share=[
+            GrabRow(int(p), int(u), int(s), int(m), note=str(e)) for p, u, s, m, e in off_share
+        ],
+        refused=[
+            GrabRow(int(p), int(u), int(s), int(m), note=f"{c}, by {b}") for p, u, s, m, c, b in refused
+        ],
+        repeated=[(int(t), int(n)) for t, n in repeated],
+        db_grabs=dict(db_grabs),
+        now_ms=now,
     )
+    return result, live
 
 
-async def reconcile(db: Database) -> Report:
-    return check(await gather(db))
+async def reconcile(core: Core, now: int | None = None) -> Report:
+    return check(await gather(core, now))
 
 
 def render(report: Report) -> str:

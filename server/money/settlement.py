@@ -3,25 +3,41 @@ took once a packet expires. Used by the sweeper and the refund jobs in ``worker/
 
 A packet's life in the database: ``active`` → ``finished`` (every share credited) or, past its expiry,
 ``active`` → ``refunding`` (claimed by one worker, compare-and-set) → ``refunded``.
+
+A refund never runs on what the database alone says: it first closes the packet in Redis and reads its
+grabs in the same atomic call (``lua/close_packet.lua``), made durable like a grab, and pays every one of
+them before it computes what is left. While Redis cannot be reached the packet stays ``refunding`` (no
+grab is answered for it: ``refunding`` is loaded as closed by any repair) and the next run tries again.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import cast
 
 from redis.exceptions import RedisError
 
-from server.core import Core
-from server.errors import RedPacketError
+from server import errors
+from server.core import Core, unavailable
+from server.errors import RedPacketError, Unavailable
+from server.money.crediting import credit_or_record, record_refusals
 from server.money.grabs import parse_record
-from server.money.ledger import Credit, credit_grab, finish_paid, now_ms, post
+from server.money.ledger import Credit, finish_paid, now_ms, post
+from server.money.packets import (
+    PACKET_COLUMNS,
+    Packet,
+    dropped_credit,
+    load_packet,
+    packet_from_row,
+    recover_packet,
+)
 from server.store import keys
 from server.store.db import Tx
 
 log = logging.getLogger(__name__)
+
+# The sweeper pays a grab Redis holds only once it is this old: younger ones are the drain's to pay.
+STRANDED_MS = 60_000
 
 
 @dataclass(frozen=True)
@@ -30,39 +46,63 @@ class Settled:
     refused: int
 
 
-async def settle(core: Core, packet_id: int, group_id: int) -> Settled:
-    """Credit every grab of the packet that Redis holds and the database does not (idempotent).
+@dataclass(frozen=True)
+class Seen:
+    """What Redis holds of a packet, read in one atomic call: its grabs, and the grabs repairs dropped."""
+
+    grabs: list[Credit]
+    dropped: list[Credit]
+
+
+async def read_grabs(core: Core, p: Packet, close: bool) -> Seen:
+    """Close the packet to grabs (``close``) or only mark it read, and read its grabs: one call in its
+    slot, answered once what it read is as durable as a grab ("won" is never answered for less). Raises
+    ``Unavailable`` when Redis cannot do it."""
+    meta, _, grabs, dropped = keys.packet_keys(p.group_id, p.packet_id)
+    expire_at = p.expires_ms + core.settings.redis_grace_seconds * 1000
+    try:
+        held, gone = await core.batcher.script(
+            core.scripts.close_packet,
+            [meta, grabs, dropped],
+            ["1" if close else "0", expire_at],
+            durable=True,
+        )
+    except RedisError as e:
+        raise unavailable(e) or Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
+    out = []
+    for i in range(0, len(held), 2):
+        g = parse_record(int(held[i]), held[i + 1])
+        out.append(Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, p.group_id))
+    return Seen(out, [dropped_credit(p, entry) for entry in gone])
+
+
+async def settle(core: Core, p: Packet, seen: Seen, older_than_ms: int | None = None) -> Settled:
+    """Credit every grab in ``seen`` that the database has not (idempotent); record every refusal and
+    every grab a repair dropped (``credit_refusals``). With ``older_than_ms``, only grabs made before it.
 
     Cancelled half-way: the credits already committed stand; running it again pays the rest once.
     """
-    try:
-        held = await cast(
-            Awaitable[dict[bytes, bytes]], core.redis.hgetall(keys.packet_grabs(group_id, packet_id))
-        )
-    except RedisError as e:
-        log.warning(
-            "packet %d: cannot read its grabs from Redis (%s); settling what the database has", packet_id, e
-        )
-        return Settled(0, 0)
     rows = await core.db.fetchall(
-        "SELECT user_id FROM grab_records WHERE packet_id = %s AND status = 'credited'", (packet_id,)
+        "SELECT user_id FROM grab_records WHERE packet_id = %s AND status = 'credited'", (p.packet_id,)
     )
     paid = {int(r[0]) for r in rows}
     credited = refused = 0
-    for user, record in held.items():
-        uid = int(user)
-        if uid in paid:
+    for c in seen.grabs:
+        if c.user_id in paid or (older_than_ms is not None and c.grabbed_ms >= older_than_ms):
             continue
-        g = parse_record(uid, record)
-        try:
-            if (
-                await credit_grab(core.db, Credit(packet_id, uid, g.seq, g.amount, g.grabbed_ms))
-                == "credited"
-            ):
-                credited += 1
-        except RedPacketError as e:
+        outcome = await credit_or_record(core.db, c, "settle")
+        if outcome == "credited":
+            credited += 1
+        elif outcome != "already":
             refused += 1
-            log.error("packet %d: grab of user %d share %d not credited: %s", packet_id, uid, g.seq, e.code)
+            log.error(
+                "packet %d: grab of user %d share %d refused: %s", p.packet_id, c.user_id, c.seq, outcome
+            )
+    if seen.dropped:
+        await core.db.run(
+            lambda tx: record_refusals(tx, [(c, errors.SHARE_CONFLICT) for c in seen.dropped], "repair"),
+            idempotent=True,
+        )
     return Settled(credited, refused)
 
 
@@ -74,12 +114,14 @@ class Refund:
 
 
 async def refund_packet(core: Core, packet_id: int, now: int | None = None) -> Refund:
-    """Close an expired packet: settle its grabs, give the sender back what nobody took, clean Redis.
+    """Close an expired packet: pay every grab it had, give the sender back what nobody took, clean Redis.
 
     Two workers at once: the compare-and-set on the status lets one through. A worker that died after
     claiming leaves ``refunding``; running this again finishes the job (the refund's journal key is
-    ``refund:<packet>``, so it is paid once). A grab made in the last moment before expiry is paid,
-    not refunded: every grab Redis holds is settled before the refund is computed.
+    ``refund:<packet>``, so it is paid once). A grab made in the last moment before expiry is paid, not
+    refunded: the packet is closed in Redis and its grabs read in one durable call, and every one settled,
+    before the refund is computed. If Redis cannot be reached for that, this raises ``Unavailable`` and
+    the packet stays ``refunding`` (its grabs answered as expired) until a later run gets through.
     """
     now = now_ms() if now is None else now
 
@@ -90,33 +132,36 @@ async def refund_packet(core: Core, packet_id: int, now: int | None = None) -> R
             (packet_id, now),
         )
 
-    claimed = await core.db.run(claim)
-    row = await core.db.fetchone("SELECT status, group_id FROM red_packets WHERE id = %s", (packet_id,))
-    if row is None:
+    claimed = await core.db.run(claim, idempotent=True)
+    p = await load_packet(core, packet_id)
+    if p is None:
         return Refund(packet_id, "taken")
-    group_id = int(row[1])
-    if claimed == 0 and row[0] != "refunding":
-        return Refund(packet_id, "not_due" if row[0] == "active" else "taken")
-    # No grab may start after this point: the packet is closed in Redis before its grabs are read.
+    if claimed == 0 and p.status != "refunding":
+        return Refund(packet_id, "not_due" if p.status == "active" else "taken")
+    # The packet's Redis state checked against the database first (rebuilt if its keys were lost, with
+    # the credits still in the outbox), loaded closed; then closed and read durably: no grab after this.
     try:
-        await cast(Awaitable[int], core.redis.hset(keys.packet_meta(group_id, packet_id), "closed", "1"))
-    except RedisError as e:
-        log.warning("packet %d: could not close it in Redis (%s)", packet_id, e)
-    await settle(core, packet_id, group_id)
+        await recover_packet(core, packet_id)
+    except RedPacketError as e:
+        if e.code != errors.PACKET_EXPIRED:  # refunded meanwhile by another worker: the pay-back says so
+            raise
+    await settle(core, p, await read_grabs(core, p, close=True))
 
     async def pay_back(tx: Tx) -> Refund:
-        p = await tx.fetchone(
+        row = await tx.fetchone(
             "SELECT sender_id, total, status FROM red_packets WHERE id = %s" + tx.dialect.for_update,
             (packet_id,),
         )
-        if p is None or p[2] != "refunding":
+        if row is None:
             return Refund(packet_id, "taken")
-        sender, total = int(p[0]), int(p[1])
-        row = await tx.fetchone(
+        if row[2] != "refunding":
+            return await _settled_before(tx, packet_id, str(row[2]))
+        sender, total = int(row[0]), int(row[1])
+        paid = await tx.fetchone(
             "SELECT COALESCE(SUM(amount), 0) FROM grab_records WHERE packet_id = %s AND status = 'credited'",
             (packet_id,),
         )
-        left = total - int(row[0] if row else 0)
+        left = total - int(paid[0] if paid else 0)
         if left < 0:
             raise RuntimeError(f"packet {packet_id} paid out more than its total")
         status = "refunded" if left else "finished"
@@ -127,14 +172,30 @@ async def refund_packet(core: Core, packet_id: int, now: int | None = None) -> R
         )
         return Refund(packet_id, status, left)
 
-    result = await core.db.run(pay_back)
-    if result.outcome in ("refunded", "finished"):
-        try:
-            await core.redis.delete(*keys.packet_keys(group_id, packet_id))
-        except RedisError as e:
-            log.warning("packet %d settled; its Redis keys stay until they expire (%s)", packet_id, e)
+    result = await core.db.run(pay_back, idempotent=True)
+    # Settled, by this worker or another: the keys go (a grab of it is then answered from the database).
+    try:
+        await core.redis.delete(*keys.packet_keys(p.group_id, packet_id))
+    except RedisError as e:
+        log.warning("packet %d settled; its Redis keys stay until they expire (%s)", packet_id, e)
+    if result.outcome != "taken":
         log.info("packet %d %s, %d cents back to the sender", packet_id, result.outcome, result.amount)
     return result
+
+
+async def _settled_before(tx: Tx, packet_id: int, status: str) -> Refund:
+    """The pay-back found the packet settled: by this very call, in a run whose COMMIT answer was lost
+    (its refund row carries the call's token; only a refund finishes a ``refunding`` packet), or by
+    another worker."""
+    if tx.resumed and status == "finished":
+        return Refund(packet_id, "finished")
+    if tx.resumed and status == "refunded":
+        row = await tx.fetchone(
+            "SELECT amount, tx FROM journal WHERE idem_key = %s", (f"refund:{packet_id}",)
+        )
+        if row is not None and row[1] is not None and int(row[1]) == tx.token:
+            return Refund(packet_id, "refunded", int(row[0]))
+    return Refund(packet_id, "taken")
 
 
 async def due_for_refund(core: Core, now: int | None = None, limit: int = 500) -> list[int]:
@@ -156,20 +217,27 @@ async def mark_finished(core: Core) -> int:
         " FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = 'credited')"
     )
     ids = [int(r[0]) for r in rows]
-    return await core.db.run(lambda tx: finish_paid(tx, ids)) if ids else 0
+    return await core.db.run(lambda tx: finish_paid(tx, ids), idempotent=True) if ids else 0
 
 
 async def sweep(core: Core, now: int | None = None, window_ms: int = 26 * 3600 * 1000) -> Settled:
-    """Credit grabs Redis recorded but the database never received (a hub died between the grab and
-    the enqueue, or the enqueue failed), for every live packet of the window."""
+    """Credit grabs Redis recorded that the database never received and the drain did not pay within
+    ``STRANDED_MS``, for every live packet of the window. A packet Redis cannot be read for is skipped
+    (the next sweep looks again); a refund never is."""
     now = now_ms() if now is None else now
     rows = await core.db.fetchall(
-        "SELECT id, group_id FROM red_packets WHERE status IN ('active', 'refunding') AND created_ms >= %s",
+        f"SELECT {PACKET_COLUMNS} FROM red_packets"
+        " WHERE status IN ('active', 'refunding') AND created_ms >= %s",
         (now - window_ms,),
     )
     credited = refused = 0
-    for pid, gid in rows:
-        s = await settle(core, int(pid), int(gid))
+    for p in map(packet_from_row, rows):
+        try:
+            seen = await read_grabs(core, p, close=False)
+        except Unavailable as e:
+            log.warning("packet %d: cannot read its grabs (%s); the next sweep looks again", p.packet_id, e)
+            continue
+        s = await settle(core, p, seen, older_than_ms=now - STRANDED_MS)
         credited += s.credited_now
         refused += s.refused
     return Settled(credited, refused)

@@ -31,7 +31,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from server import errors
 from server.errors import Unavailable
-from server.store.redisnodes import RedisNodes, moved
+from server.store.redisnodes import DATA_ID_COMMAND, RedisNodes, ServerChanged, moved
 
 Queue = Callable[[Pipeline], object]
 Durability = Literal["none", "aof", "replica"]
@@ -121,9 +121,20 @@ class Batcher:
     async def _send(self, node: Redis, batch: list[_Call]) -> None:
         self.batches += 1
         self.calls += len(batch)
-        wait = self.durability != "none" and any(c.durable for c in batch)  # a test counts as maybe
+        # Before a pipeline with a grab in it (a durable call, or a test that may make it one) is sent,
+        # its server's data id is read: data replaced since the last look (a node demoted and promoted
+        # again, its connections kept) fails the batch unsent, and grab() checks the packet against the
+        # database first (a restart is seen the same way, by the new connection). The pipeline reads it
+        # again first thing, for a change in the round trip between: its grabs then ran, and are not
+        # answered before the check.
+        watch = any(c.durable for c in batch)
+        wait = self.durability != "none" and watch
+        if watch and not await self._looked(node, batch):
+            return
         try:
             async with node.pipeline(transaction=False) as pipe:
+                if watch:
+                    pipe.execute_command(DATA_ID_COMMAND)
                 for c in batch:
                     c.queue(pipe)
                 if wait and self.durability == "aof":
@@ -141,6 +152,10 @@ class Batcher:
         short = None
         if wait:
             short = _shortfall(self.durability, results.pop())
+        if watch:
+            info = results.pop(0)
+            if not isinstance(info, Exception):
+                self._nodes.saw_data(node, info)
         if any(isinstance(r, RedisError) and moved(r) for r in results):
             await self._refresh()
         for c, result in zip(batch, results, strict=True):
@@ -167,6 +182,25 @@ class Batcher:
             else:
                 c.future.set_result(result)
 
+    async def _looked(self, node: Redis, batch: list[_Call]) -> bool:
+        """Read the server's data id before sending ``batch`` to it; False (and every call failed, with
+        ``ServerChanged`` if it changed) when the batch must not be sent now."""
+        generation = self._nodes.generation
+        try:
+            self._nodes.saw_data(node, await node.execute_command(DATA_ID_COMMAND))  # type: ignore[no-untyped-call]
+        except Exception as e:
+            failure: Exception = e
+        else:
+            if self._nodes.generation == generation:
+                return True
+            failure = ServerChanged("Redis's data was replaced: checked, then sent again")
+        for c in batch:
+            if not c.future.done():
+                c.future.set_exception(failure)
+        if isinstance(failure, ConnectionError | TimeoutError | RedisConnectionError):
+            await self._refresh()
+        return False
+
     async def _refresh(self) -> None:
         try:
             await self._nodes.refresh()
@@ -181,6 +215,36 @@ class Batcher:
 
 
 MAX_HOPS = 2
+
+
+async def durability_problem(client: Redis, level: str) -> str | None:
+    """Why grabs cannot be made ``level``-durable on this master as it is configured, or None if they
+    can (``none`` always can). Start-up refuses a problem (``redpacket serve``, ``worker``); the grab
+    bench skips the level."""
+    if level == "aof":
+        try:
+            await client.execute_command("WAITAOF", 1, 0, 100)  # type: ignore[no-untyped-call]
+        except RedisError as e:
+            return f"WAITAOF fails ({e}): it needs Redis 7.2 or later, or Valkey, with appendonly yes"
+        try:
+            fsync = (await client.config_get("appendfsync")).get("appendfsync")
+        except RedisError:
+            fsync = None  # CONFIG renamed or refused (a managed server): WAITAOF's answer is all there is
+        if isinstance(fsync, bytes):
+            fsync = fsync.decode()
+        if fsync is not None and fsync != "always":
+            # Measured on Valkey 9.1 (an fsync recorder under the server): with everysec, WAITAOF 1 0
+            # answers at once while nothing was fsynced (the bug of redis/redis#13793), so a grab
+            # answered "won" could be lost by a crash after all.
+            return (
+                f"appendfsync is {fsync}: WAITAOF then answers before the AOF is fsynced, so only"
+                " appendfsync always makes a grab answered won survive a crash"
+            )
+    elif level == "replica":
+        info = await client.info("replication")
+        if int(info.get("connected_slaves", 0)) < 1:
+            return "it has no replica"
+    return None
 
 
 def _moved_to(answer: object) -> str | None:

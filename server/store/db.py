@@ -4,15 +4,23 @@ SQL is written once with ``%s`` placeholders. Every dialect difference lives in 
 placeholders, shared row locks, DDL tokens, and how a write transaction begins. Errors from either driver
 come out as the two classes here, so callers never import a driver.
 
+**An unknown outcome.** A connection lost while COMMIT is in flight (the server may have committed and its
+answer was lost) raises ``CommitUnknown``. ``Database.run`` runs the work again only when the caller says
+it is idempotent — every money write carries an idempotency key made *before* the transaction (a unique
+key decides a replay), so a second run finds the first one's rows instead of writing them again. The
+re-run's ``Tx.resumed`` is true and its ``Tx.token`` is the first run's, so it can tell its own earlier
+rows (journal rows carry the token) from someone else's. Work that is not idempotent gets
+``OutcomeUnknown`` instead of a second run.
+
 Cancellation: cancelling a transaction before COMMIT rolls it back (aiomysql closes the connection, which
-drops the work). A cancel after COMMIT was sent leaves the outcome unknown; every money write is keyed by
-a unique idempotency key, so the caller simply runs it again.
+drops the work). A cancel while COMMIT is in flight leaves the outcome unknown, as above.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -32,6 +40,11 @@ Params = Sequence[Any]
 T = TypeVar("T")
 
 
+def as_text(value: object) -> str:
+    """A key column as text: MySQL answers VARBINARY columns (the byte-exact keys) with bytes."""
+    return value.decode() if isinstance(value, bytes | bytearray) else str(value)
+
+
 class DatabaseError(Exception):
     pass
 
@@ -44,7 +57,19 @@ class RetryableError(DatabaseError):
     """Deadlock, lock wait timeout or a lost connection: the transaction was rolled back; run it again."""
 
 
+class CommitUnknown(RetryableError):
+    """The connection was lost while COMMIT was in flight: the transaction may or may not have committed.
+    Safe to run again only if the work is idempotent (``Database.run(..., idempotent=True)``)."""
+
+
+class OutcomeUnknown(DatabaseError):
+    """Work that is not idempotent lost its COMMIT answer: it may have been done. Not run again; the
+    caller (or its client) looks before retrying."""
+
+
 _MYSQL_RETRYABLE = {1205, 1213, 2006, 2013, 2014}
+# The connection went away (server gone, lost during the query): a COMMIT sent on it has no answer.
+_COMMIT_LOST = {2006, 2013}
 
 
 @dataclass(frozen=True)
@@ -56,10 +81,16 @@ class Dialect:
     for_update: str
     # Counts the tables named %s in the current database.
     table_exists: str
+    # An INSERT that skips a row whose key is already there.
+    insert_ignore: str
     ddl: dict[str, str]
 
     def sql(self, statement: str) -> str:
         return statement if self.name == "mysql" else statement.replace("%s", "?")
+
+    def concat(self, *parts: str) -> str:
+        """SQL that joins ``parts`` (expressions) into one string."""
+        return f"CONCAT({', '.join(parts)})" if self.name == "mysql" else "(" + " || ".join(parts) + ")"
 
 
 MYSQL = Dialect(
@@ -68,6 +99,7 @@ MYSQL = Dialect(
     for_update=" FOR UPDATE",
     table_exists="SELECT COUNT(*) FROM information_schema.tables"
     " WHERE table_schema = DATABASE() AND table_name = %s",
+    insert_ignore="INSERT IGNORE",
     ddl={
         "id": "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
         "table_options": " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
@@ -78,17 +110,25 @@ SQLITE = Dialect(
     share_lock="",
     for_update="",
     table_exists="SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = %s",
+    insert_ignore="INSERT OR IGNORE",
     ddl={"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "table_options": ""},
 )
 
 
 class Tx:
-    """One open transaction. Obtained from ``Database.transaction()``; never kept past it."""
+    """One open transaction. Obtained from ``Database.transaction()``; never kept past it.
+
+    ``token``: a random number of the ``Database.run`` call, the same in each of its runs, written into
+    the journal rows it posts. ``resumed``: an earlier run of this call lost its COMMIT answer, so rows
+    carrying ``token`` may already be there.
+    """
 
     def __init__(self, dialect: Dialect, cursor: Any) -> None:
         self.dialect = dialect
         self._cur = cursor
         self.lastrowid: int | None = None
+        self.token: int = secrets.randbits(63)
+        self.resumed = False
 
     async def execute(self, statement: str, params: Params = ()) -> int:
         """Run one statement; return the number of rows it changed."""
@@ -141,12 +181,28 @@ class Database:
         block no writer (the reconciliation: its figures must add up while money moves)."""
         return self.transaction()
 
-    async def run(self, work: Callable[[Tx], Awaitable[T]], attempts: int = 5) -> T:
-        """Run ``work`` in a transaction, again from the start after a deadlock or lost connection."""
+    async def run(self, work: Callable[[Tx], Awaitable[T]], *, idempotent: bool, attempts: int = 5) -> T:
+        """Run ``work`` in a transaction, again from the start after a deadlock or a lost connection.
+
+        ``idempotent``: whether running ``work`` again after its COMMIT answer was lost is safe (its
+        writes are keyed, so a second run finds the first one's). If not, a lost COMMIT answer raises
+        ``OutcomeUnknown`` and ``work`` is not run again."""
+        token = secrets.randbits(63)
+        resumed = False
         for attempt in range(1, attempts + 1):
             try:
                 async with self.transaction() as tx:
+                    tx.token, tx.resumed = token, resumed
                     return await work(tx)
+            except CommitUnknown as e:
+                if not idempotent:
+                    raise OutcomeUnknown(
+                        f"the connection was lost while committing: the change may or may not be made ({e})"
+                    ) from e
+                resumed = True
+                if attempt == attempts:
+                    raise
+                log.warning("transaction's COMMIT answer lost: run again, keyed (attempt %d)", attempt)
             except RetryableError:
                 if attempt == attempts:
                     raise
@@ -226,7 +282,6 @@ class MySQLDatabase(Database):
                 try:
                     async with conn.cursor() as cur:
                         yield Tx(self.dialect, cur)
-                    await conn.commit()
                 except BaseException:
                     # A broken connection cannot roll back; closing it drops the transaction anyway.
                     try:
@@ -234,6 +289,18 @@ class MySQLDatabase(Database):
                     except Exception:
                         conn.close()
                     raise
+                try:
+                    await conn.commit()
+                except BaseException as e:
+                    conn.close()
+                    lost = isinstance(e, pymysql.err.InterfaceError) or (
+                        isinstance(e, pymysql.err.OperationalError)
+                        and bool(e.args)
+                        and e.args[0] in _COMMIT_LOST
+                    )
+                    if lost:  # the server may have committed and its answer was lost
+                        raise CommitUnknown(str(e)) from e
+                    raise  # an answer (a deadlock at commit, say): rolled back; cancelled: unknown, as said
         except pymysql.err.OperationalError as e:
             raise _mysql_error(e) from e
         except pymysql.err.InterfaceError as e:

@@ -2,10 +2,11 @@
 
 **One slot per script.** Every key of a group lives in its group's *shard*: one of ``SHARDS`` hash tags
 ``{s<n>}``, with ``n = group id mod SHARDS``. The group's member cache, its event stream and pub/sub
-channel, its presence, its packets (meta, shares, grabs, paid seqs), each member's grab bucket in it, the
-shard's gate (blocks and throttles, copied into every shard) and the shard's credit outbox all share that
-tag. So the grab — member check, block, rate limit, the share, its credit record — is one script on one
-slot, and runs on a Redis Cluster as on one server. A packet's keys need its group id.
+channel, its presence, its packets (meta, shares, grabs, grabs a repair dropped), each member's grab
+bucket in it, the shard's gate (blocks and throttles, copied into every shard) and the shard's credit
+outbox all share that tag. So the grab — member check, block, rate limit, the share, its credit record
+— is one script on one slot, and runs on a Redis Cluster as on one server. A packet's keys need its
+group id.
 
 ``SHARDS`` is part of where the data lives: changing it on a running system orphans every key. 64 hash
 tags spread evenly enough over up to ~16 masters (docs/scaling.md).
@@ -50,9 +51,11 @@ def packet_grabs(group_id: int, packet_id: int) -> str:
     return _p(group_id, packet_id) + ":grabs"
 
 
-def packet_paid(group_id: int, packet_id: int) -> str:
-    """Set of the seqs whose credit a worker has committed."""
-    return _p(group_id, packet_id) + ":paid"
+def packet_dropped(group_id: int, packet_id: int) -> str:
+    """List of grabs a repair took out of the packet because the database holds their share (or their
+    user) otherwise, ``"<user>:<seq>:<amount>:<grabbed_ms>"``: evidence kept beside the packet until the
+    ledger has it (``credit_refusals``), whatever happens to the repair's own transaction."""
+    return _p(group_id, packet_id) + ":dropped"
 
 
 def packet_keys(group_id: int, packet_id: int) -> list[str]:
@@ -61,7 +64,7 @@ def packet_keys(group_id: int, packet_id: int) -> list[str]:
         packet_meta(group_id, packet_id),
         packet_shares(group_id, packet_id),
         packet_grabs(group_id, packet_id),
-        packet_paid(group_id, packet_id),
+        packet_dropped(group_id, packet_id),
     ]
 
 
@@ -159,6 +162,13 @@ def parse_credit_entry(entry: bytes | str) -> tuple[int, int, int, int, int, int
     text = entry.decode() if isinstance(entry, bytes) else entry
     packet, user, seq, amount, ms, group = (int(x) for x in text.split(":"))
     return packet, user, seq, amount, ms, group
+
+
+def parse_dropped(entry: bytes | str) -> tuple[int, int, int, int]:
+    """(user, seq, amount, grabbed_ms) of a ``packet_dropped`` entry."""
+    text = entry.decode() if isinstance(entry, bytes) else entry
+    user, seq, amount, ms = (int(x) for x in text.split(":"))
+    return user, seq, amount, ms
 
 
 # -- control, and keys that stand alone -----------------------------------------------------------------

@@ -8,10 +8,14 @@ Cluster (``redis+cluster://host:port,host:port,…``), chosen by URL; the same c
 - ``dedicated(key)``: how to open a connection of one's own to the master of a key's slot (sharded pub/sub
   subscribes per master, ``server.hub.subscriber``).
 - ``refresh()``: read the cluster's slot map again (after ``MOVED``, or a failover).
-- ``generation``: goes up whenever a connection finds a server this process has not seen under that run
-  id — a restart or a failover. Redis may have lost writes then, so packets are checked against the
-  database before anyone grabs them again (``server.money.grabs.grab``). Each connection reads the run id
-  when it connects, before any command is sent on it, so no grab reaches a restarted server unseen.
+- ``generation``: goes up whenever a server's data may not be what this process last saw there — a
+  restart (another run id), a failover, or a node that was demoted to replica and promoted again (it
+  keeps its run id, but its data was replaced by its master's: its role and replication id change). Redis
+  may have lost writes then, so packets are checked against the database before anyone grabs them again
+  (``server.money.grabs.grab``). Each connection reads the run id, role and replication id when it
+  connects, and refuses to be used if they changed (``ServerChanged``); and every pipeline that carries a
+  grab is preceded by a read of the role and replication id (``server.store.batch``), so a change on a
+  connection already open is seen before a grab runs on the new data.
 
 Every connection packs commands with hiredis (C) instead of redis-py's Python packer.
 """
@@ -29,6 +33,7 @@ import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +42,60 @@ CLUSTER_SCHEME = "redis+cluster://"
 
 @dataclass
 class Identities:
-    """Which server answered at each address (its run id), and a generation that counts changes."""
+    """Which server answered at each address, and with which data: its run id (a process) and its data
+    id (role and replication id); and a generation that counts the changes of either."""
 
-    seen: dict[str, str] = field(default_factory=dict)
+    seen: dict[str, tuple[str, str]] = field(default_factory=dict)
     generation: int = 0
 
-    def saw(self, address: str, run_id: str) -> None:
-        if self.seen.get(address) != run_id:
-            if address in self.seen:
+    def saw(self, address: str, run_id: str | None = None, data: str | None = None) -> bool:
+        """Record what answered at ``address``; True if it differs from what was there before."""
+        before = self.seen.get(address)
+        now = (
+            run_id if run_id is not None else (before[0] if before else ""),
+            data if data is not None else (before[1] if before else ""),
+        )
+        if before != now:
+            if before is not None:
                 log.warning(
-                    "Redis at %s is a new server (run id %s): packets are checked again", address, run_id
+                    "Redis at %s is another server or holds other data (run id %s, %s; was %s, %s):"
+                    " packets are checked again",
+                    address,
+                    *now,
+                    *before,
                 )
-            self.seen[address] = run_id
+            self.seen[address] = now
             self.generation += 1
+            return before is not None
+        return False
+
+
+class ServerChanged(RedisConnectionError):
+    """A new connection found another server at an address (another run id), or the same server with other
+    data (role, replication id): nothing was sent on it, and the generation has risen. Check what must be
+    checked against the database, then send again (the next connection goes through)."""
+
+
+# What a pipeline sends first to read a server's data id. Under this two-word name redis-py applies no
+# reply callback: the answer stays the raw text ``data_id`` reads two fields of.
+DATA_ID_COMMAND = "INFO REPLICATION"
+
+
+def data_id(info: bytes | str) -> str:
+    """``role:master_replid`` from the text of ``INFO replication``: what changes when a server's data is
+    replaced (a replica promoted takes a new replication id; a master demoted turns replica, then takes
+    its new master's id and data)."""
+    text = info.decode() if isinstance(info, bytes) else info
+    return f"{_field(text, 'role:')}:{_field(text, 'master_replid:')}"
+
+
+def _field(text: str, name: str) -> str:
+    at = text.find("\n" + name)
+    if at < 0:
+        return ""
+    start = at + 1 + len(name)
+    end = text.find("\r", start)
+    return text[start : end if end >= 0 else len(text)].strip()
 
 
 class PackedConnection(Connection):
@@ -72,11 +118,19 @@ class PackedConnection(Connection):
     async def on_connect(self) -> None:
         await super().on_connect()
         if self._identities is not None:
-            await self.send_command("INFO", "server")
+            await self.send_command("INFO", "server", "replication")
             info = await self.read_response()
             text = info.decode() if isinstance(info, bytes) else str(info)
             run_id = next((line[7:].strip() for line in text.splitlines() if line.startswith("run_id:")), "")
-            self._identities.saw(f"{self.host}:{self.port}", run_id)
+            address = address_of(self.host, self.port)
+            if self._identities.saw(address, run_id, data_id(text)):
+                # Not a command goes out on it: what it would carry (a grab) was made for the data before.
+                raise ServerChanged(f"Redis at {address} restarted or failed over: checked, then sent again")
+
+
+def address_of(host: str, port: int) -> str:
+    """How a server is named in ``Identities``: ``host:port``, as its connections were told."""
+    return f"{host}:{port}"
 
 
 def is_cluster_url(url: str) -> bool:
@@ -138,6 +192,16 @@ class RedisNodes:
     @property
     def generation(self) -> int:
         return self.identities.generation
+
+    def saw_data(self, client: Redis, info: bytes | str) -> None:
+        """A pipeline's read of its server's data id (``DATA_ID_COMMAND``): a change raises the
+        generation."""
+        self.identities.saw(self._address(client), data=data_id(info))
+
+    @staticmethod
+    def _address(client: Redis) -> str:
+        kwargs = client.connection_pool.connection_kwargs
+        return address_of(kwargs.get("host", "localhost"), kwargs.get("port", 6379))
 
     async def open(self) -> RedisNodes:
         """Learn the cluster's slot map and meet every master now, so that the servers this process

@@ -1,8 +1,9 @@
 """The one schema definition, applied by versioned migrations.
 
 Each migration is a list of statements with ``{id}`` and ``{table_options}`` tokens that the dialect
-fills in. ``migrate()`` applies the ones a database has not seen, in order, and records each in
-``schema_migrations``; running it again is a no-op. Never edit a released migration: add the next one.
+fills in; a statement only one dialect needs is a ``{dialect name: statement}`` map. ``migrate()``
+applies the ones a database has not seen, in order, and records each in ``schema_migrations``; running
+it again is a no-op. Never edit a released migration: add the next one.
 
 All times are unix milliseconds in BIGINT columns, all money is integer cents in BIGINT columns.
 """
@@ -16,7 +17,9 @@ from server.store.db import Database, Tx
 
 log = logging.getLogger(__name__)
 
-MIGRATIONS: list[tuple[int, str, list[str]]] = [
+Statement = str | dict[str, str]
+
+MIGRATIONS: list[tuple[int, str, list[Statement]]] = [
     (
         1,
         "ledger, groups and packets",
@@ -123,6 +126,38 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
             "ALTER TABLE chat_groups ADD COLUMN service_version BIGINT NULL",
         ],
     ),
+    (
+        4,
+        "keys compared byte for byte, refused credits, the transaction of each journal row",
+        [
+            # utf8mb4_bin pads with spaces: "r1" and "r1 " were one key to the unique indexes. Bytes
+            # compare as SQLite's text does (4 bytes a character: the keys' lengths are in characters).
+            {
+                "mysql": "ALTER TABLE journal MODIFY idem_key VARBINARY(512) NOT NULL",
+            },
+            {
+                "mysql": "ALTER TABLE red_packets MODIFY request_id VARBINARY(256) NULL",
+            },
+            # Which Database.run call posted the row (``Tx.token``): a run again after a lost COMMIT
+            # answer tells its own rows from another caller's, and reconciliation sees one call that
+            # posted twice.
+            "ALTER TABLE journal ADD COLUMN tx BIGINT NULL",
+            # A grab Redis answered that the ledger will never pay (the credit refused, or dropped by a
+            # repair because the database holds that share for someone else): kept for the audit, which
+            # reports every one not paid since.
+            """CREATE TABLE credit_refusals (
+                packet_id BIGINT NOT NULL,
+                user_id BIGINT NOT NULL,
+                seq INT NOT NULL,
+                amount BIGINT NOT NULL,
+                grabbed_ms BIGINT NOT NULL,
+                code VARCHAR(32) NOT NULL,
+                refused_by VARCHAR(16) NOT NULL,
+                refused_ms BIGINT NOT NULL,
+                PRIMARY KEY (packet_id, user_id, seq)
+            ){table_options}""",
+        ],
+    ),
 ]
 
 LATEST = MIGRATIONS[-1][0]
@@ -155,7 +190,9 @@ async def migrate(db: Database) -> list[int]:
                 if version in done:
                     continue
                 for statement in statements:
-                    await tx.execute(statement.format(**db.dialect.ddl))
+                    sql = statement.get(db.dialect.name) if isinstance(statement, dict) else statement
+                    if sql is not None:
+                        await tx.execute(sql.format(**db.dialect.ddl))
                 await tx.execute(
                     "INSERT INTO schema_migrations (version, name, applied_ms) VALUES (%s, %s, %s)",
                     (version, name, _now_ms()),

@@ -30,6 +30,7 @@ class Scripts:
     publish_event: AsyncScript
     presence: AsyncScript
     ack_credits: AsyncScript
+    close_packet: AsyncScript
     read_events: AsyncScript
 
     def __init__(self, redis: Redis, directory: Path = LUA_DIR) -> None:

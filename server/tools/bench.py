@@ -27,15 +27,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.money import grabs, groups, ledger, packets
 from server.money.membership import Membership
 from server.settings import Settings
 from server.store import keys
-from server.store.batch import Batcher, Durability
+from server.store.batch import Batcher, Durability, durability_problem
 from server.tools import plots
 from server.tools.progress import phase
 from server.tools.report import report
@@ -140,22 +138,17 @@ async def fresh_ids(core: Core) -> None:
         lambda tx: tx.executemany(
             "INSERT INTO sqlite_sequence (name, seq) VALUES (%s, %s)",
             [("red_packets", start), ("chat_groups", start), ("users", start)],
-        )
+        ),
+        idempotent=False,
     )
 
 
 async def _durability_ready(core: Core, level: str) -> str | None:
     """Why ``level`` cannot be had on this Redis as it is configured, or None if it can."""
     for name, client in core.nodes.masters().items():
-        if level == "aof":
-            try:
-                await client.execute_command("WAITAOF", 1, 0, 100)  # type: ignore[no-untyped-call]
-            except RedisError as e:
-                return f"{name}: {e}"
-        elif level == "replica":
-            info = await client.info("replication")
-            if int(info.get("connected_slaves", 0)) < 1:
-                return f"{name} has no replica"
+        problem = await durability_problem(client, level)
+        if problem is not None:
+            return f"{name}: {problem}"
     return None
 
 
