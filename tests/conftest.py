@@ -22,6 +22,7 @@ from server.store.db import Database, connect
 from server.store.schema import migrate
 
 TABLES = (
+    "credit_refusals",
     "grab_records",
     "red_packet_shares",
     "red_packets",

@@ -4,10 +4,12 @@ OS crash would, while the shared Redis on 6379 stays untouched."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,12 +26,16 @@ needs_redis_server = pytest.mark.skipif(
 
 
 class RedisProcess:
-    def __init__(self, directory: Path, *extra: str, binary: str = "redis-server") -> None:
+    def __init__(
+        self, directory: Path, *extra: str, binary: str = "redis-server", fsyncs: Path | None = None
+    ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.dir = directory
         self.port = free_port()
         self.extra = extra
         self.binary = binary
+        # With an fsync recorder (``fsync_recorder``): every fsync of the server is logged here.
+        self.fsyncs = fsyncs
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = False
 
@@ -45,7 +51,10 @@ class RedisProcess:
             args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                     "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
                     *self.extra]  # fmt: skip
-            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)  # noqa: ASYNC220 - a few per test
+            env = None
+            if self.fsyncs is not None:
+                env = {**os.environ, "LD_PRELOAD": str(fsync_recorder()), "FSYNC_LOG": str(self.fsyncs)}
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, env=env)  # noqa: ASYNC220
             deadline = time.monotonic() + 30
             while not await asyncio.to_thread(self._answers):
                 if self.proc.poll() is not None and not self.started and attempt < 3:
@@ -83,12 +92,62 @@ class RedisProcess:
                 self.proc.kill()
                 await asyncio.to_thread(self.proc.wait, 30)
 
+    async def os_crash(self) -> int:
+        """What an OS crash does to the server: killed, and each append-only file it appends to cut back
+        to what it had fsynced (recorded by the fsync recorder; one never fsynced keeps nothing). Returns how
+        many bytes were cut. Start it again with ``start()``."""
+        assert self.fsyncs is not None, "an OS crash needs the fsync recorder (fsyncs=...)"
+        await self.kill()
+        return self._cut_to_fsynced()
+
+    def _cut_to_fsynced(self) -> int:
+        # Only the files appended to: a base file (an AOF rewrite's) is written whole and fsynced under a
+        # temporary name before it is renamed in, and so is the manifest.
+        cut = 0
+        for f in (self.dir / "appendonlydir").glob("*.incr.aof"):
+            keep = self.fsynced(f.name)
+            size = f.stat().st_size
+            if size > keep:
+                cut += size - keep
+                os.truncate(f, keep)
+        return cut
+
+    def fsynced(self, name: str) -> int:
+        """The largest size of append-only file ``name`` (in appendonlydir) known fsynced so far."""
+        if self.fsyncs is None or not self.fsyncs.exists():
+            return 0
+        target = os.path.realpath(self.dir / "appendonlydir" / name)
+        sizes = [
+            int(size)
+            for path, size, _ in (line.rsplit(" ", 2) for line in self.fsyncs.read_text().splitlines())
+            if os.path.realpath(path) == target
+        ]
+        return max(sizes, default=0)
+
+
+def fsync_recorder() -> Path:
+    """tests/fsyncshim.c built once into a shared library (gcc; the test skips without it)."""
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to build the fsync recorder that simulates an OS crash")
+    out = Path(tempfile.gettempdir()) / f"redpacket-fsyncshim-{os.getuid()}.so"
+    source = Path(__file__).with_name("fsyncshim.c")
+    if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
+        built = out.with_suffix(f".{os.getpid()}.so")
+        subprocess.run(
+            ["gcc", "-shared", "-fPIC", "-O2", "-o", str(built), str(source), "-ldl"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(built, out)
+    return out
+
 
 @asynccontextmanager
 async def redis_process(
-    directory: Path, *extra: str, binary: str = "redis-server"
+    directory: Path, *extra: str, binary: str = "redis-server", fsyncs: Path | None = None
 ) -> AsyncIterator[RedisProcess]:
-    r = RedisProcess(directory, *extra, binary=binary)
+    r = RedisProcess(directory, *extra, binary=binary, fsyncs=fsyncs)
     await r.start()
     try:
         yield r

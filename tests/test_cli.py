@@ -55,7 +55,12 @@ def test_operator_mistakes_are_one_line_and_an_exit_code(
         (("migrate",), {"REDPACKET_PORT": "eighty"}, 2, "REDPACKET_PORT"),
         (("worker", "--check"), {"REDPACKET_WORKER_METRICS_PORT": "0"}, 2, "METRICS_PORT"),
         (("migrate",), {"REDPACKET_DATABASE_URL": "mysql://root@127.0.0.1:1/x"}, 1, "does not answer"),
-        (("reconcile",), {"REDPACKET_DATABASE_URL": mysql_url + "_no_such_db"}, 1, "Unknown database"),
+        (
+            ("reconcile",),
+            {**ok_redis, "REDPACKET_DATABASE_URL": mysql_url + "_no_such_db"},
+            1,
+            "Unknown database",
+        ),
         (("worker",), {**ok_db, "REDPACKET_REDIS_URL": "redis://127.0.0.1:1/0"}, 1, "Redis at"),
         (("blocks",), {**ok_db, "REDPACKET_REDIS_URL": "redis://127.0.0.1:1/0"}, 1, "Redis at"),
         (("recover", "0"), {**ok_db, **ok_redis}, 2, "no packet"),
@@ -183,11 +188,14 @@ def test_commands_beside_a_running_up_use_its_valkey(up: tuple[Path, subprocess.
         assert_one_line_error(again, 1, "in use by `redpacket up`", str(proc.pid))
     finally:
         live.close()
-    # The database-only commands start no Valkey at all.
+    # Reconciliation reads what Redis told grabbers too: on a directory of its own, its own Valkey.
     fresh = data.parent / "fresh"
     assert redpacket("reconcile", REDPACKET_DATA_DIR=str(fresh)).returncode == 0
-    assert redpacket("migrate", REDPACKET_DATA_DIR=str(fresh)).returncode == 0
-    assert not (fresh / "valkey").exists() and not (fresh / "valkey.json").exists()
+    assert not (fresh / "valkey.json").exists()  # stopped with the command
+    # The database-only command starts no Valkey at all.
+    other = data.parent / "other"
+    assert redpacket("migrate", REDPACKET_DATA_DIR=str(other)).returncode == 0
+    assert not (other / "valkey").exists() and not (other / "valkey.json").exists()
 
 
 def test_a_valkey_orphaned_by_a_killed_up_is_shut_down_before_another_opens_its_files(

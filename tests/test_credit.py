@@ -140,7 +140,8 @@ async def test_no_credit_lands_on_a_refunded_packet(core: Core) -> None:
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 300, 1)
     g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
     await core.db.run(
-        lambda tx: tx.execute("UPDATE red_packets SET status = 'refunded' WHERE id = %s", (p.packet_id,))
+        lambda tx: tx.execute("UPDATE red_packets SET status = 'refunded' WHERE id = %s", (p.packet_id,)),
+        idempotent=True,
     )
     with pytest.raises(Conflict) as e:
         await ledger.credit_grab(core.db, Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms))

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import urlparse
+
+import pymysql
+import pytest
 
 from server import errors
 from server.core import Core
@@ -10,6 +14,7 @@ from server.money import grabs, ledger, packets
 from server.money.crediting import credit_many
 from server.money.ledger import Credit
 from server.money.reconcile import reconcile
+from server.store.db import Tx
 from tests.conftest import make_world
 from tests.test_credit import assert_books_balance
 from worker.drain import CreditDrain
@@ -49,9 +54,26 @@ async def test_a_mixed_batch_pays_each_share_once(core: Core) -> None:
     for c in credits:
         expected = 0 if c is third else c.amount
         assert await ledger.balance(core.db, c.user_id) == expected
-    # The refused one is paid when its true credit comes.
+    # Both refusals are recorded in the batch's transaction: the audit reports each until it is paid.
+    refused = await core.db.fetchall(
+        "SELECT user_id, seq, code, refused_by FROM credit_refusals ORDER BY seq"
+    )
+    assert sorted((int(u), int(s), str(c), str(b)) for u, s, c, b in refused) == sorted(
+        [
+            (third.user_id, third.seq, errors.SHARE_CONFLICT, "drain"),
+            (third.user_id, second.seq, errors.SHARE_CONFLICT, "drain"),
+        ]
+    )
+    assert {d.subject for d in (await reconcile(core)).differences} == {
+        f"packet {pid} user {third.user_id} share {third.seq} (share_conflict, by drain)",
+        f"packet {pid} user {third.user_id} share {second.seq} (share_conflict, by drain)",
+    }
+    # The refused one is paid when its true credit comes; the lie about someone else's share stays.
     assert await credit_many(core.db, [third]) == ["credited"]
-    assert (await reconcile(core.db)).ok
+    report = await reconcile(core)
+    assert [(d.check, d.subject) for d in report.differences] == [
+        ("credit_refused", f"packet {pid} user {third.user_id} share {second.seq} (share_conflict, by drain)")
+    ]
     await assert_books_balance(core)
 
 
@@ -79,4 +101,64 @@ async def test_the_worker_credits_a_storm_in_batches(core: Core) -> None:
     assert sum(b.get() for b in metrics.batch_size._buckets) == 4  # 30 + 30 + 30 + 10
     for c in credits:
         assert await ledger.balance(core.db, c.user_id) == c.amount
-    assert (await reconcile(core.db)).ok
+    assert (await reconcile(core)).ok
+
+
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
+async def test_a_clash_on_the_unique_keys_inside_a_batch_pays_each_share_once(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another payer that did not take the packet's lock pays one of the batch's shares after the batch
+    read the grab records and before it writes them: the batch's insert meets the unique keys, rolls
+    back, and each credit is decided alone. Only the database's keys stand in the way here."""
+    pid, credits, _ = await _grabs(core, 6, 6_000)
+    victim = credits[2]
+    injected = []
+    real_fetchall = Tx.fetchall
+
+    async def fetchall_then_pay(tx: Tx, statement: str, params: object = ()) -> list[tuple[object, ...]]:
+        rows = await real_fetchall(tx, statement, params)  # type: ignore[arg-type]
+        if "FROM grab_records WHERE packet_id IN" in statement and not injected:
+            injected.append(await asyncio.to_thread(_pay_behind_the_lock, core.settings.database_url, victim))
+        return rows
+
+    monkeypatch.setattr(Tx, "fetchall", fetchall_then_pay)
+    outcomes = await credit_many(core.db, credits)
+    monkeypatch.undo()
+    assert injected == [1]  # the clash was made to happen
+    assert outcomes == ["already" if c is victim else "credited" for c in credits]
+    rows = await core.db.fetchall(
+        "SELECT seq, COUNT(*) FROM grab_records WHERE packet_id = %s GROUP BY seq", (pid,)
+    )
+    assert sorted((int(s), int(n)) for s, n in rows) == sorted((c.seq, 1) for c in credits)
+    for c in credits:
+        assert await ledger.balance(core.db, c.user_id) == c.amount
+    assert (await reconcile(core)).ok
+    await assert_books_balance(core)
+
+
+def _pay_behind_the_lock(database_url: str, c: Credit) -> int:
+    """Pay ``c`` on a connection of its own, as a payer that skips the packet's row lock would."""
+    u = urlparse(database_url)
+    conn = pymysql.connect(
+        host=u.hostname, port=u.port or 3306, user=u.username or "root", database=u.path[1:]
+    )
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
+                " VALUES (%s, %s, %s, %s, 'credited', %s, %s)",
+                (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, c.grabbed_ms),
+            )
+            cur.execute(
+                "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms)"
+                " VALUES (%s, %s, 'grab', %s, %s, %s)",
+                (c.user_id, c.amount, f"grab:{c.packet_id}:{c.seq}", c.packet_id, c.grabbed_ms),
+            )
+            changed = cur.execute(
+                "UPDATE accounts SET balance = balance + %s WHERE user_id = %s", (c.amount, c.user_id)
+            )
+        conn.commit()
+        return int(changed)
+    finally:
+        conn.close()

@@ -6,9 +6,10 @@ import pytest
 
 from server import errors
 from server.core import Core
-from server.errors import Conflict, InvalidRequest
-from server.money import ledger
-from server.store.db import Database
+from server.errors import Conflict, InvalidRequest, RedPacketError
+from server.money import ledger, packets
+from server.store.db import Database, Tx
+from tests.conftest import make_world
 
 
 async def _journal_rows(db: Database) -> int:
@@ -54,7 +55,7 @@ async def test_a_debit_below_zero_rolls_back_its_journal_row(core: Core) -> None
         return await ledger.post(tx, u, -101, "send", "overdraw")  # type: ignore[arg-type]
 
     with pytest.raises(Conflict) as e:
-        await core.db.run(overdraw)
+        await core.db.run(overdraw, idempotent=True)
     assert e.value.code == errors.INSUFFICIENT_FUNDS
     assert await ledger.balance(core.db, u) == 100
     assert await _journal_rows(core.db) == 1
@@ -73,3 +74,43 @@ async def test_migrations_run_once(sqlite_db: Database) -> None:
     from server.store.schema import migrate
 
     assert await migrate(sqlite_db) == []
+
+
+async def test_keys_that_differ_only_by_trailing_spaces_are_different_keys(core: Core) -> None:
+    """MariaDB's utf8mb4_bin pads with spaces ("r1" = "r1 "); the keys are bytes there, as in SQLite."""
+    u = await ledger.create_user(core.db, "li")
+
+    async def posts(tx: Tx) -> list[bool]:
+        return [await ledger.post(tx, u, 5, "topup", key) for key in ("k", "k ", " k")]
+
+    assert await core.db.run(posts, idempotent=True) == [True, True, True]
+    assert await ledger.balance(core.db, u) == 15
+    w = await make_world(core, members=1)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 100, 1, request_id="x")
+
+    async def same_sender_spaced_key(tx: Tx) -> int:
+        return await tx.execute(
+            "UPDATE red_packets SET request_id = %s WHERE id = %s", ("x ", p.packet_id)
+        ) + await tx.execute(
+            "INSERT INTO red_packets (sender_id, group_id, kind, total, share_count, greeting, status,"
+            " request_id, created_ms, expires_ms) VALUES (%s, %s, 'lucky', 1, 1, '', 'refunded', 'x', 0, 0)",
+            (w.admin, w.group),
+        )
+
+    assert await core.db.run(same_sender_spaced_key, idempotent=False) == 2
+
+
+async def test_request_ids_that_differ_from_another_only_invisibly_are_refused(core: Core) -> None:
+    """Whitespace at either end, control and invisible characters: refused as bad requests, nothing moved
+    (a key is compared byte for byte, so such a key would be taken for a new request)."""
+    w = await make_world(core, members=2, admin_cents=10_000)
+    for bad in (" r1", "r1 ", "r\t1", "r\u200b1", "", "x" * 65, 17):
+        with pytest.raises(RedPacketError) as e:
+            await ledger.topup(core.db, w.admin, 100, bad)
+        assert e.value.code == errors.BAD_REQUEST
+        with pytest.raises(RedPacketError) as e:
+            await packets.send_packet(core, w.admin, w.group, "lucky", 100, 1, request_id=bad)  # type: ignore[arg-type]
+        assert e.value.code == errors.BAD_REQUEST
+    assert await ledger.balance(core.db, w.admin) == 10_000
+    row = await core.db.fetchone("SELECT COUNT(*) FROM red_packets")
+    assert row is not None and int(row[0]) == 0

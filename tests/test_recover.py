@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 
-from server.core import Core
+import pytest
+
+from server import errors
+from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.money import grabs, ledger, packets
+from server.money.reconcile import reconcile
 from server.store import keys
-from tests.conftest import make_world
+from server.store.db import Tx
+from tests.conftest import make_world, outbox
 from tests.test_credit import assert_books_balance, run_worker
+from worker.drain import CreditDrain
 
 
 async def _paid(core: Core, packet_id: int) -> tuple[int, int, int]:
@@ -73,8 +79,8 @@ async def test_grabs_still_queued_for_credit_keep_their_share_through_recovery(c
     for u in w.members[2:]:
         try:
             told[u] = (await grabs.grab(core, p.packet_id, w.group, u)).grab.amount
-        except RedPacketError:
-            pass
+        except RedPacketError as e:
+            assert e.code == errors.PACKET_EMPTY, e  # the two queued shares were not handed out again
     assert len(told) == 4 and sum(told.values()) == 4_000
     await run_worker(core)
     for u in w.members:
@@ -92,14 +98,83 @@ async def test_grabs_lost_with_the_whole_redis_never_overpay(core: Core) -> None
     for u in w.members[:2]:
         await grabs.grab(core, p.packet_id, w.group, u)
     await core.redis.flushdb()
+    refused = []
     for u in w.members[2:]:
         try:
             await grabs.grab(core, p.packet_id, w.group, u)
-        except RedPacketError:
-            pass
+        except RedPacketError as e:
+            refused.append(e.code)
+    assert refused == [errors.PACKET_EMPTY] * 2  # four shares, six grabbers: two too many, said as such
     await run_worker(core)
     paid, paid_grabs, seqs = await _paid(core, p.packet_id)
     assert paid == 4_000 and paid_grabs == seqs == 4
     balances = sum([await ledger.balance(core.db, u) for u in w.members])
     assert balances == 4_000
+    await assert_books_balance(core)
+
+
+@pytest.mark.parametrize("guard", ["on", "off"])
+async def test_a_repair_racing_the_drain_never_hands_a_paid_share_out_again(
+    core: Core, guard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The packet's keys are gone; user A's grab of a share waits in the outbox. A repair of the packet
+    and a drain paying that grab run at once. The drain may not commit between the repair's reads (it
+    waits on the packet's row lock), and the repair reads the outbox before the database: A keeps the
+    share. ``off`` is the hole: the database read first and no lock, the drain committing and
+    acknowledging in between — the share goes back, user B is told "won" for it, the credit is refused,
+    and reconciliation says so."""
+    if guard == "off" and core.db.dialect.name == "sqlite":
+        pytest.skip("SQLite has one writer: a drain cannot commit inside the repair's transaction")
+    w = await make_world(core, members=4, admin_cents=50_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 4_000, 4)
+    a, b = w.members[:2]
+    mine = (await grabs.grab(core, p.packet_id, w.group, a)).grab
+    await core.redis.delete(*keys.packet_keys(w.group, p.packet_id)[:3])
+    assert len(await outbox(core, w.group)) == 1
+    drain = CreditDrain(core)
+    draining: list[asyncio.Task[int]] = []
+    real_taken = packets._taken
+
+    async def taken_while_draining(c: Core, tx: Tx, q: packets.Packet) -> list[tuple[int, int, int, int]]:
+        # The drain starts right here, inside the repair's transaction (on the fixed path it then waits
+        # for the packet's lock until the repair is done).
+        draining.append(asyncio.create_task(drain.until_empty()))
+        return await real_taken(c, tx, q)
+
+    async def taken_old_order(c: Core, tx: Tx, q: packets.Packet) -> list[tuple[int, int, int, int]]:
+        # The hole: the database read first, then a drain commits and acknowledges, then the outbox.
+        rows = await tx.fetchall(
+            "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (q.packet_id,)
+        )
+        async with open_core(c.settings) as other:  # the worker: another process, its own connections
+            assert await CreditDrain(other).until_empty() == 1
+        return [(int(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in rows] + await packets._queued(c, q)
+
+    async def unlocked(tx: Tx, packet_id: int) -> packets.Packet:
+        row = await tx.fetchone(
+            f"SELECT {packets.PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,)
+        )
+        assert row is not None
+        return packets.packet_from_row(row)
+
+    if guard == "on":
+        monkeypatch.setattr(packets, "_taken", taken_while_draining)
+    else:
+        monkeypatch.setattr(packets, "_taken", taken_old_order)
+        monkeypatch.setattr(packets, "_locked", unlocked)
+    await packets.recover_packet(core, p.packet_id)
+    for t in draining:
+        await t
+    assert await ledger.balance(core.db, a) == mine.amount  # paid, whichever way
+    theirs = (await grabs.grab(core, p.packet_id, w.group, b)).grab
+    await run_worker(core)
+    report = await reconcile(core)
+    if guard == "off":
+        assert theirs.seq == mine.seq  # handed out twice
+        assert await ledger.balance(core.db, b) == 0
+        assert "credit_refused" in report.checks(), report.differences
+        return
+    assert theirs.seq != mine.seq
+    assert await ledger.balance(core.db, b) == theirs.amount
+    assert report.ok, report.differences
     await assert_books_balance(core)

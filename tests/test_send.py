@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis
 
@@ -124,3 +126,25 @@ async def test_redis_failing_after_the_commit_keeps_the_packet_and_recover_publi
     assert (r.shares_left, r.grabs_known) == (2, 0)
     got = await grabs.grab(core, p.packet_id, w.group, w.members[0])
     assert got.outcome == "won"
+
+
+async def test_ten_concurrent_sends_with_one_request_id_pay_once(core: Core) -> None:
+    """A client's retries racing each other: one packet, one debit; the others answer it as a replay
+    (found before their insert, or after it met the unique key of the one that won)."""
+    w = await make_world(core, members=3, admin_cents=10_000)
+    sent = await asyncio.gather(
+        *(
+            packets.send_packet(core, w.admin, w.group, "lucky", 600, 3, request_id="double-tap")
+            for _ in range(10)
+        )
+    )
+    assert len({p.packet_id for p in sent}) == 1
+    assert sorted(p.replay for p in sent) == [False] + [True] * 9
+    assert await ledger.balance(core.db, w.admin) == 9_400
+    row = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'send'")
+    assert row is not None and int(row[0]) == 1
+    # Another packet under the same id is a mistake, said as such; nothing moves.
+    with pytest.raises(RedPacketError) as e:
+        await packets.send_packet(core, w.admin, w.group, "lucky", 601, 3, request_id="double-tap")
+    assert e.value.code == errors.IDEMPOTENCY_KEY_REUSED
+    assert await ledger.balance(core.db, w.admin) == 9_400

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from server.core import open_core
 from server.hub.tokens import make_token
 from server.money import ledger
 from server.money.reconcile import reconcile
@@ -221,11 +222,8 @@ async def test_a_service_top_up_is_paid_once_under_concurrent_retries_and_reconc
     demo = await hub.api("POST", "/api/topup", b.token(1), amount=100, request_id="demo")
     assert demo["error"]["code"] == "disabled"
 
-    db = await connect(hub.settings.database_url)
-    try:
-        assert (await reconcile(db)).ok
-    finally:
-        await db.close()
+    async with open_core(hub.settings) as core:
+        assert (await reconcile(core)).ok
 
 
 async def test_a_big_group_is_put_in_one_call(hub: HubUnderTest) -> None:

@@ -5,15 +5,27 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
-from server.core import Core
-from server.errors import RedPacketError
+import pytest
+from redis.exceptions import RedisError
+
+from server import errors
+from server.core import Core, open_core
+from server.errors import RedPacketError, Unavailable
 from server.money import grabs, ledger, packets, settlement
 from server.money.reconcile import reconcile
 from server.settings import child_env
 from server.store import keys
-from tests.conftest import make_world
+from tests.conftest import make_world, outbox
+from tests.hubtools import eventually
+from tests.redisproc import needs_redis_server, redis_process
 from tests.test_credit import assert_books_balance, run_worker
+from worker.drain import CreditDrain
+
+T = TypeVar("T")
 
 
 async def _expire(core: Core, packet_id: int) -> int:
@@ -44,7 +56,7 @@ async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -
     again = await settlement.refund_packet(core, p.packet_id, now=await _expire(core, p.packet_id))
     assert again.outcome == "taken"
     assert await run_worker(core) == 2  # the recorded credits are handled and pay nothing more
-    report = await reconcile(core.db)
+    report = await reconcile(core)
     assert report.ok, report.differences
     await assert_books_balance(core)
 
@@ -58,7 +70,7 @@ async def test_two_refunders_refund_once(core: Core) -> None:
     assert [r.outcome for r in results].count("refunded") == 1
     rows = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'refund'")
     assert rows is not None and int(rows[0]) == 1
-    assert (await reconcile(core.db)).ok
+    assert (await reconcile(core)).ok
 
 
 async def test_a_packet_not_yet_due_is_left_alone(core: Core) -> None:
@@ -83,7 +95,7 @@ async def test_an_emptied_packet_is_finished_not_refunded(core: Core) -> None:
     assert await settlement.due_for_refund(core, now=await _expire(core, p.packet_id)) == []
     refunds = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'refund'")
     assert refunds is not None and int(refunds[0]) == 0
-    assert (await reconcile(core.db)).ok
+    assert (await reconcile(core)).ok
 
 
 async def test_sweeper_pays_a_grab_whose_enqueue_was_lost(core: Core) -> None:
@@ -94,11 +106,13 @@ async def test_sweeper_pays_a_grab_whose_enqueue_was_lost(core: Core) -> None:
     await core.redis.delete(keys.outbox_for(w.group))
     assert await run_worker(core) == 0
     assert await ledger.balance(core.db, w.members[0]) == 0
-    swept = await settlement.sweep(core)
+    # A younger grab is the drain's to pay (it may be on its way): the sweeper leaves it.
+    assert (await settlement.sweep(core)).credited_now == 0
+    swept = await settlement.sweep(core, now=ledger.now_ms() + settlement.STRANDED_MS)
     assert (swept.credited_now, swept.refused) == (1, 0)
     assert await ledger.balance(core.db, w.members[0]) == g.amount
     assert (await settlement.sweep(core)).credited_now == 0
-    assert (await reconcile(core.db)).ok
+    assert (await reconcile(core)).ok
 
 
 async def test_reconciliation_finds_a_cent_out_of_place(core: Core) -> None:
@@ -106,12 +120,15 @@ async def test_reconciliation_finds_a_cent_out_of_place(core: Core) -> None:
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 700, 2)
     await grabs.grab(core, p.packet_id, w.group, w.members[0])
     await run_worker(core)
-    clean = await reconcile(core.db)
+    clean = await reconcile(core)
     assert clean.ok and clean.money_in == 10_000 and clean.held_in_packets > 0
     await core.db.run(
-        lambda tx: tx.execute("UPDATE accounts SET balance = balance + 1 WHERE user_id = %s", (w.members[1],))
+        lambda tx: tx.execute(
+            "UPDATE accounts SET balance = balance + 1 WHERE user_id = %s", (w.members[1],)
+        ),
+        idempotent=False,
     )
-    report = await reconcile(core.db)
+    report = await reconcile(core)
     assert {d.check for d in report.differences} == {"account_journal", "global"}
     # The command prints the report and exits non-zero.
     env = child_env(
@@ -171,10 +188,126 @@ async def test_reconciliation_while_money_moves_reports_no_false_difference(core
     mover = asyncio.create_task(move_money())
     crediting = asyncio.create_task(run_worker(core))
     try:
-        reports = [await reconcile(core.db) for _ in range(30)]
+        reports = [await reconcile(core) for _ in range(30)]
     finally:
         moving = False
         await mover
         await crediting
     assert [r.differences for r in reports if not r.ok] == []
-    assert (await reconcile(core.db)).ok
+    assert (await reconcile(core)).ok
+
+
+@needs_redis_server
+@pytest.mark.parametrize("guard", ["on", "off"])
+async def test_a_refund_waits_while_redis_is_unreachable(
+    core: Core, tmp_path: Path, guard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grab was told "won"; its credit waits in the outbox; the packet expires while Redis is away. The
+    refund must not pay the sender back from what the database alone says: it waits (``refunding``,
+    nothing moved) until Redis answers, then pays the grab and refunds the rest. ``off`` is the hole: a
+    refund that shrugs at Redis being away refunds everything, the credit is then refused — and
+    reconciliation reports it."""
+    if guard == "off":
+        monkeypatch.setattr(settlement, "read_grabs", _blind(settlement.read_grabs, settlement.Seen([], [])))
+        monkeypatch.setattr(settlement, "recover_packet", _blind(settlement.recover_packet, None))
+    async with redis_process(tmp_path) as r:
+        async with open_core(core.settings.with_(redis_url=r.url)) as c:
+            w = await make_world(c, members=3, admin_cents=10_000)
+            p = await packets.send_packet(c, w.admin, w.group, "lucky", 900, 3)
+            told = (await grabs.grab(c, p.packet_id, w.group, w.members[0])).grab
+            assert [e[1] for e in await outbox(c, w.group)] == [told.user_id]  # waiting to be paid
+            await r.stop()  # a clean stop: its append-only file keeps the grab and its credit
+            now = p.expires_ms + 1
+            if guard == "on":
+                with pytest.raises(Unavailable):
+                    await settlement.refund_packet(c, p.packet_id, now=now)
+                assert await _status(c, p.packet_id) == "refunding"
+                assert await ledger.balance(c.db, w.admin) == 9_100
+            else:
+                assert (await settlement.refund_packet(c, p.packet_id, now=now)).amount == 900
+            await r.start()
+            await eventually(lambda: _pings(c), timeout=30)
+            await CreditDrain(c).until_empty()
+            again = await settlement.refund_packet(c, p.packet_id, now=now)
+            report = await reconcile(c)
+            if guard == "off":
+                assert await ledger.balance(c.db, told.user_id) == 0
+                assert "credit_refused" in report.checks(), report.differences
+                return
+            assert (again.outcome, again.amount) == ("refunded", 900 - told.amount)
+            assert await ledger.balance(c.db, told.user_id) == told.amount
+            assert await ledger.balance(c.db, w.admin) == 10_000 - told.amount
+            assert report.ok, report.differences
+
+
+def _blind(real: Callable[..., Awaitable[T]], instead: T) -> Callable[..., Awaitable[T]]:
+    """``real``, with Redis being away ignored (what the refund did before it waited)."""
+
+    async def blind(*args: Any, **kwargs: Any) -> T:
+        try:
+            return await real(*args, **kwargs)
+        except RedPacketError:
+            return instead
+
+    return blind
+
+
+async def _status(core: Core, packet_id: int) -> str:
+    row = await core.db.fetchone("SELECT status FROM red_packets WHERE id = %s", (packet_id,))
+    assert row is not None
+    return str(row[0])
+
+
+async def _pings(c: Core) -> bool:
+    try:
+        return bool(await c.redis.ping())
+    except RedisError:
+        return False
+
+
+async def test_a_refund_closes_the_packet_even_when_the_workers_clock_is_ahead(core: Core) -> None:
+    """The worker thinks the packet expired; Redis (whose clock grab.lua reads) does not yet. The refund
+    closes it in Redis before it reads the grabs: a grab after that is refused, never paid back to the
+    sender after it was told "won"."""
+    w = await make_world(core, members=3, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 3)
+    before = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
+    r = await settlement.refund_packet(core, p.packet_id, now=p.expires_ms + 1)  # ahead of Redis by a day
+    assert (r.outcome, r.amount) == ("refunded", 900 - before.amount)
+    with pytest.raises(RedPacketError) as e:
+        await grabs.grab(core, p.packet_id, w.group, w.members[1])
+    assert e.value.code in (errors.PACKET_EXPIRED, errors.PACKET_NOT_FOUND)
+    await run_worker(core)
+    assert await ledger.balance(core.db, before.user_id) == before.amount
+    assert (await reconcile(core)).ok
+
+
+async def test_refunds_racing_the_drains_batches_pay_every_told_share_once(core: Core) -> None:
+    """Packets expire with grabs still in the outbox; the refund job and two drains run at once. Each told
+    share is paid once (by whichever gets there first), the rest goes back, the books balance."""
+    w = await make_world(core, members=30, admin_cents=100_000)
+    told: dict[tuple[int, int], int] = {}
+    sent = []
+    for _ in range(5):
+        p = await packets.send_packet(core, w.admin, w.group, "lucky", 3_000, 30)
+        sent.append(p)
+        for u in w.members[:20]:
+            told[(p.packet_id, u)] = (await grabs.grab(core, p.packet_id, w.group, u)).grab.amount
+    now = max(p.expires_ms for p in sent) + 1
+    a, b = CreditDrain(core, batch=7), CreditDrain(core, batch=11)
+    results = await asyncio.gather(
+        a.until_empty(),
+        *(settlement.refund_packet(core, p.packet_id, now=now) for p in sent),
+        b.until_empty(),
+    )
+    refunds = [r for r in results if isinstance(r, settlement.Refund)]
+    assert all(r.outcome == "refunded" for r in refunds), refunds
+    rows = await core.db.fetchall(
+        "SELECT packet_id, user_id, amount FROM grab_records WHERE status = 'credited'"
+    )
+    assert {(int(p), int(u)): int(m) for p, u, m in rows} == told
+    for p, r in zip(sent, refunds, strict=True):
+        assert r.amount == 3_000 - sum(m for (pid, _), m in told.items() if pid == p.packet_id)
+    assert await run_worker(core) == 0
+    assert (await reconcile(core)).ok
+    await assert_books_balance(core)

@@ -1,0 +1,139 @@
+"""A COMMIT whose answer is lost: MariaDB commits, the client's connection dies before it hears so
+(``tests/dbproxy.py``). ``Database.run`` runs keyed work again and finds its own first run's rows; work
+that is not keyed is not run again. Every case here makes the loss happen and asserts it did."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from server.core import Core
+from server.money import grabs, groups, ledger, packets, settlement
+from server.money.crediting import credit_many
+from server.money.ledger import Credit
+from server.money.reconcile import reconcile
+from server.store import keys
+from server.store.db import OutcomeUnknown
+from tests.conftest import make_world
+from tests.dbproxy import MySQLProxy, core_behind_proxy
+from tests.test_credit import assert_books_balance
+
+pytestmark = pytest.mark.parametrize("core", ["mysql"], indirect=True)
+
+
+@pytest.fixture
+async def lossy(core: Core) -> AsyncIterator[tuple[Core, MySQLProxy]]:
+    """A Core whose database connections go through a proxy that can lose COMMIT answers."""
+    async with core_behind_proxy(core) as both:
+        yield both
+
+
+async def _count(core: Core, sql: str, *params: object) -> int:
+    row = await core.db.fetchone(sql, params)
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("guard", ["on", "off"])
+async def test_a_send_without_request_id_whose_commit_answer_is_lost_debits_once(
+    lossy: tuple[Core, MySQLProxy], guard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The send is keyed before its transaction (a key made by the server when the client gave none), so
+    the run again finds the first run's packet. With the key made inside instead (the hole, ``off``),
+    the run again makes a second packet and a second debit — and reconciliation says so."""
+    c, proxy = lossy
+    if guard == "off":
+        monkeypatch.setattr(packets, "new_request_id", lambda: None)
+    w = await make_world(c, members=3, admin_cents=10_000)
+    proxy.lose_commit_answers(1)
+    p = await packets.send_packet(c, w.admin, w.group, "lucky", 500, 2)
+    assert proxy.lost == 1  # the dangerous state existed: committed, and the client did not hear it
+    sent = await _count(c, "SELECT COUNT(*) FROM red_packets WHERE sender_id = %s", w.admin)
+    report = await reconcile(c)
+    if guard == "off":
+        assert sent == 2 and await ledger.balance(c.db, w.admin) == 9_000
+        assert "repeated_posting" in report.checks(), report.differences
+        return
+    assert sent == 1 and not p.replay
+    assert await ledger.balance(c.db, w.admin) == 9_500
+    # The first run's packet was put up in Redis and announced as any new packet: it can be grabbed.
+    got = await grabs.grab(c, p.packet_id, w.group, w.members[0])
+    assert got.outcome == "won"
+    assert report.ok, report.differences
+
+
+async def test_a_client_retry_of_that_send_is_still_a_replay(lossy: tuple[Core, MySQLProxy]) -> None:
+    c, proxy = lossy
+    w = await make_world(c, members=3, admin_cents=10_000)
+    proxy.lose_commit_answers(1)
+    first = await packets.send_packet(c, w.admin, w.group, "lucky", 500, 2, request_id="tap-1")
+    assert proxy.lost == 1 and not first.replay  # this call's own packet, though its answer was lost
+    again = await packets.send_packet(c, w.admin, w.group, "lucky", 500, 2, request_id="tap-1")
+    assert again.replay and again.packet_id == first.packet_id
+    assert await ledger.balance(c.db, w.admin) == 9_500
+
+
+async def test_a_top_up_whose_commit_answer_is_lost_is_paid_once_and_not_called_a_replay(
+    lossy: tuple[Core, MySQLProxy],
+) -> None:
+    c, proxy = lossy
+    user = await ledger.create_user(c.db, "li")
+    proxy.lose_commit_answers(1)
+    assert await ledger.topup(c.db, user, 700, "t1") is True  # paid by this call: not a replay
+    assert proxy.lost == 1
+    assert await ledger.topup(c.db, user, 700, "t1") is False  # the client's own retry is one
+    assert await ledger.balance(c.db, user) == 700
+    assert (await reconcile(c)).ok
+
+
+async def test_a_credit_batch_whose_commit_answer_is_lost_pays_once_and_counts_as_credited(
+    lossy: tuple[Core, MySQLProxy],
+) -> None:
+    c, proxy = lossy
+    w = await make_world(c, members=5, admin_cents=10_000)
+    p = await packets.send_packet(c, w.admin, w.group, "lucky", 1_000, 5)
+    credits = []
+    for u in w.members:
+        g = (await grabs.grab(c, p.packet_id, w.group, u)).grab
+        credits.append(Credit(p.packet_id, u, g.seq, g.amount, g.grabbed_ms, w.group))
+    await credit_many(c.db, credits[:1])  # another worker's credit: "already" stays "already"
+    proxy.lose_commit_answers(1)
+    outcomes = await credit_many(c.db, credits)
+    assert proxy.lost == 1
+    assert outcomes == ["already"] + ["credited"] * 4
+    assert await _count(c, "SELECT COUNT(*) FROM journal WHERE kind = 'grab'") == 5
+    for credit in credits:
+        assert await ledger.balance(c.db, credit.user_id) == credit.amount
+    assert (await reconcile(c)).ok
+    await assert_books_balance(c)
+
+
+async def test_a_refund_whose_commit_answer_is_lost_says_refunded_and_cleans_redis(
+    lossy: tuple[Core, MySQLProxy],
+) -> None:
+    c, proxy = lossy
+    w = await make_world(c, members=3, admin_cents=10_000)
+    p = await packets.send_packet(c, w.admin, w.group, "lucky", 900, 3)
+    won = (await grabs.grab(c, p.packet_id, w.group, w.members[0])).grab
+    proxy.lose_commit_answers(1, after=f"refund:{p.packet_id}".encode())  # the pay-back's COMMIT
+    r = await settlement.refund_packet(c, p.packet_id, now=p.expires_ms + 1)
+    assert proxy.lost == 1
+    assert r.outcome == "refunded" and r.amount == 900 - won.amount, r
+    assert await ledger.balance(c.db, w.admin) == 10_000 - won.amount
+    assert await ledger.balance(c.db, w.members[0]) == won.amount
+    assert await c.redis.exists(*keys.packet_keys(w.group, p.packet_id)) == 0
+    assert (await reconcile(c)).ok
+
+
+async def test_a_new_group_whose_commit_answer_is_lost_is_not_made_twice(
+    lossy: tuple[Core, MySQLProxy],
+) -> None:
+    """Not keyed, so not run again: the caller hears the outcome is unknown, as an unavailable database."""
+    c, proxy = lossy
+    owner = await ledger.create_user(c.db, "owner")
+    proxy.lose_commit_answers(1)
+    with pytest.raises(OutcomeUnknown):
+        await groups.create_group(c.db, owner, "family")
+    assert proxy.lost == 1
+    assert await _count(c, "SELECT COUNT(*) FROM chat_groups WHERE owner_id = %s", owner) == 1

@@ -1,0 +1,151 @@
+"""Reconciliation sees every way the money can go wrong: the pure arithmetic on hand-made books, then
+real books spoiled in the database and in Redis the way a bug would spoil them, on both dialects."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from server.core import Core
+from server.money import grabs, ledger, packets, settlement
+from server.money.reconcile import LATE_MS, Books, GrabRow, PacketBooks, Posting, check, reconcile
+from server.store import keys
+from tests.conftest import make_world
+from tests.test_credit import run_worker
+
+NOW = 10 * LATE_MS
+
+
+def _books(**changes: object) -> Books:
+    """One packet of 100 in two shares, 60 paid to user 2, 40 held; user 1 sent it from a top-up of 100."""
+    packet = PacketBooks(
+        packet_id=7,
+        status="active",
+        total=100,
+        debited=100,
+        credited=60,
+        refunded=0,
+        credited_records=60,
+        count=2,
+        shares_total=100,
+        shares_count=2,
+        expires_ms=NOW + 1,
+        group_id=3,
+    )
+    books = Books(
+        packets=[packet],
+        accounts=[(1, 0, 0), (2, 60, 60)],
+        topups=100,
+        redis_grabs={7: [GrabRow(7, 2, 1, 60, NOW - 1)]},
+        db_grabs={7: [GrabRow(7, 2, 1, 60)]},
+        now_ms=NOW,
+    )
+    packet_changes = {k[2:]: v for k, v in changes.items() if k.startswith("p_")}
+    if packet_changes:
+        books = dataclasses.replace(books, packets=[dataclasses.replace(packet, **packet_changes)])  # type: ignore[arg-type]
+    return dataclasses.replace(books, **{k: v for k, v in changes.items() if not k.startswith("p_")})  # type: ignore[arg-type]
+
+
+def test_books_in_order_have_no_difference() -> None:
+    report = check(_books())
+    assert report.ok, report.differences
+    assert (report.money_in, report.in_balances, report.held_in_packets) == (100, 60, 40)
+
+
+@pytest.mark.parametrize(
+    ("spoiled", "found"),
+    [
+        ({"p_shares_total": 99}, "packet_shares"),
+        ({"p_shares_count": 3}, "packet_shares"),
+        ({"p_debited": 200}, "packet_debit"),
+        ({"p_status": "refunding", "p_expires_ms": NOW - LATE_MS - 1}, "packet_stuck"),
+        ({"p_status": "active", "p_expires_ms": NOW - LATE_MS - 1}, "packet_stuck"),
+        ({"wrong_account": [Posting(7, "refund", 2, 40, 1)]}, "posting_account"),
+        ({"grab_postings_unmatched": [GrabRow(7, 3, 0, 60)]}, "grab_posting"),
+        ({"records_unposted": [GrabRow(7, 2, 1, 60)]}, "grab_posting"),
+        ({"records_off_share": [GrabRow(7, 2, 1, 60, note="59")]}, "grab_share"),
+        ({"refused": [GrabRow(7, 3, 2, 40, note="packet_expired, by drain")]}, "credit_refused"),
+        ({"repeated": [(12345, 2)]}, "repeated_posting"),
+        ({"redis_grabs": {7: [GrabRow(7, 2, 2, 40, NOW - 1)]}}, "redis_grab"),  # the ledger has share 1
+        ({"redis_grabs": {7: [GrabRow(7, 2, 1, 60), GrabRow(7, 3, 1, 60)]}}, "redis_grab"),  # told twice
+        (
+            {"redis_grabs": {7: [GrabRow(7, 2, 1, 60), GrabRow(7, 3, 2, 40, NOW - LATE_MS - 1)]}},
+            "redis_grab_unpaid",
+        ),
+        ({"redis_error": "cannot read Redis: gone"}, "redis_unreadable"),
+    ],
+)
+def test_each_way_the_money_can_go_wrong_is_a_difference(spoiled: dict[str, object], found: str) -> None:
+    assert found in check(_books(**spoiled)).checks()
+
+
+def test_a_young_unpaid_grab_and_a_packet_expired_just_now_are_not_differences() -> None:
+    """Crediting takes seconds and the refund job runs every minute: only LATE_MS later is it late."""
+    young = {7: [GrabRow(7, 2, 1, 60), GrabRow(7, 3, 2, 40, NOW - LATE_MS + 1)]}
+    assert check(_books(redis_grabs=young, p_expires_ms=NOW - LATE_MS + 1)).ok
+
+
+async def test_a_posting_to_someone_elses_account_is_found(core: Core) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 2)
+    for u in w.members:
+        await grabs.grab(core, p.packet_id, w.group, u)
+    await run_worker(core)
+    assert (await reconcile(core)).ok
+    a, b = w.members
+
+    async def misdirect(tx: object) -> int:
+        # A credit posted to the wrong member (both accounts still sum to their journals).
+        return await tx.execute(  # type: ignore[attr-defined,no-any-return]
+            "UPDATE journal SET account_id = %s WHERE kind = 'grab' AND account_id = %s", (b, a)
+        )
+
+    await core.db.run(misdirect, idempotent=False)
+    assert "grab_posting" in (await reconcile(core)).checks()
+
+
+async def test_shares_that_do_not_add_up_are_found(core: Core) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 2)
+
+    async def shave(tx: object) -> int:
+        return await tx.execute(  # type: ignore[attr-defined,no-any-return]
+            "UPDATE red_packet_shares SET amount = amount - 1 WHERE packet_id = %s AND seq = 1",
+            (p.packet_id,),
+        )
+
+    await core.db.run(shave, idempotent=False)
+    assert "packet_shares" in (await reconcile(core)).checks()
+
+
+async def test_an_expired_packet_nobody_settled_is_found(core: Core) -> None:
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 2)
+    assert (await reconcile(core, now=p.expires_ms + LATE_MS - 1)).ok
+    late = await reconcile(core, now=p.expires_ms + LATE_MS + 1)
+    assert "packet_stuck" in late.checks()
+    await settlement.refund_packet(core, p.packet_id, now=p.expires_ms + 1)
+    assert (await reconcile(core, now=p.expires_ms + LATE_MS + 1)).ok
+
+
+async def test_what_redis_told_is_checked_against_the_ledger(core: Core) -> None:
+    w = await make_world(core, members=3, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 3)
+    a, b, c = w.members
+    mine = (await grabs.grab(core, p.packet_id, w.group, a)).grab
+    theirs = (await grabs.grab(core, p.packet_id, w.group, b)).grab
+    # Not yet paid: no difference while young, one once late.
+    assert (await reconcile(core)).ok
+    assert "redis_grab_unpaid" in (await reconcile(core, now=ledger.now_ms() + LATE_MS + 1)).checks()
+    await run_worker(core)
+    assert (await reconcile(core, now=ledger.now_ms() + LATE_MS + 1)).ok
+    # Redis tells c it holds a's share (as a lost write handed out again would): found at once.
+    grabs_key = keys.packet_grabs(w.group, p.packet_id)
+    await core.redis.hset(grabs_key, str(c), f"{mine.seq}:{mine.amount}:{ledger.now_ms()}")
+    report = await reconcile(core)
+    assert [d.check for d in report.differences] == ["redis_grab"], report.differences
+    # And b holding another share than the ledger says.
+    await core.redis.hdel(grabs_key, str(c))
+    await core.redis.hset(grabs_key, str(b), f"{theirs.seq + 1}:{theirs.amount}:{ledger.now_ms()}")
+    assert "redis_grab" in (await reconcile(core)).checks()
