@@ -1,13 +1,35 @@
--- Settle credits a worker has committed to the database (or recorded as refused): take them off the
--- shard's outbox, acknowledged and deleted, in one call on the shard's slot.
--- KEYS[1] the shard's credit outbox
--- ARGV[1] the consumer group, ARGV[2..] the entry ids
+-- Settle credits a worker has committed to the database (or recorded as refused), in one call on the
+-- shard's slot: take them off the shard's outbox (acknowledged and deleted), and make Redis agree with
+-- the ledger about each paid share: out of its packet's list, held by its grabber. A repair that ran
+-- while the credit was in flight, after Redis lost its grab, may have put the share back in the list
+-- (it waits for the packet's row lock, so the credit commits after it): the share must not be handed
+-- out again.
+-- KEYS[1] the shard's credit outbox; then, per packet with paid credits, its meta hash, its shares list
+-- and its grabs hash
+-- ARGV[1] the consumer group, ARGV[2] n entry ids, ARGV[3..2+n] the ids, then per packet in KEYS order:
+-- how many paid credits m, then m times: user, 'seq:amount', grabbed_ms
 -- Returns how many entries were acknowledged.
-local group = ARGV[1]
-local ids = {unpack(ARGV, 2)}
-if #ids == 0 then
-  return 0
+local n = tonumber(ARGV[2])
+local acked = 0
+if n > 0 then
+  local ids = {unpack(ARGV, 3, 2 + n)}
+  acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
+  redis.call('XDEL', KEYS[1], unpack(ids))
 end
-local acked = redis.call('XACK', KEYS[1], group, unpack(ids))
-redis.call('XDEL', KEYS[1], unpack(ids))
+local i = 3 + n
+for k = 2, #KEYS, 3 do
+  local meta, shares, grabs = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+  local m = tonumber(ARGV[i]); i = i + 1
+  -- Only while the packet lives in Redis (its keys carry their expiry): nothing is made for one gone.
+  local expires_at = redis.call('PEXPIRETIME', meta)
+  for _ = 1, m do
+    local user, share, ms = ARGV[i], ARGV[i + 1], ARGV[i + 2]; i = i + 3
+    if expires_at > 0 then
+      redis.call('LREM', shares, 0, share)
+      if redis.call('HSETNX', grabs, user, share .. ':' .. ms) == 1 then
+        redis.call('PEXPIREAT', grabs, expires_at)
+      end
+    end
+  end
+end
 return acked

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -13,9 +14,12 @@ from server.money import grabs, ledger, packets
 from server.money.reconcile import reconcile
 from server.store import keys
 from server.store.db import Tx
+from server.store.redisnodes import ServerChanged
 from tests.conftest import make_world, outbox
+from tests.hubtools import eventually
+from tests.redisproc import needs_redis_server, redis_process
 from tests.test_credit import assert_books_balance, run_worker
-from worker.drain import CreditDrain
+from worker.drain import Batch, CreditDrain
 
 
 async def _paid(core: Core, packet_id: int) -> tuple[int, int, int]:
@@ -178,3 +182,89 @@ async def test_a_repair_racing_the_drain_never_hands_a_paid_share_out_again(
     assert await ledger.balance(core.db, b) == theirs.amount
     assert report.ok, report.differences
     await assert_books_balance(core)
+
+
+@needs_redis_server
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
+@pytest.mark.parametrize("guard", ["on", "off"])
+async def test_a_credit_in_flight_when_redis_lost_its_grab_keeps_its_share(
+    core: Core, tmp_path: Path, guard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Durability none. A is told "won" a share; a worker reads its credit and is paying it when Redis
+    crashes (an OS crash: the server never fsynced, it comes back empty), and a repair rebuilds the
+    packet from the database, which has not got A's credit yet. The payment waits for the packet's row
+    lock until the repair has loaded Redis, then commits, and its acknowledgement takes the share out of
+    the list again and gives it back to A: nobody else is told it. ``off``: without the lock the payment
+    commits between the repair's read and its load, the repair puts the share back, and X is handed it."""
+    if guard == "off":
+        monkeypatch.setattr(packets, "_locked", _unlocked)
+    async with redis_process(tmp_path, "--appendfsync", "no", fsyncs=tmp_path / "fsyncs") as r:
+        async with open_core(core.settings.with_(redis_url=r.url, grab_durability="none")) as c:
+            w = await make_world(c, members=4, admin_cents=10_000)
+            p = await packets.send_packet(c, w.admin, w.group, "lucky", 1_000, 4)
+            a, x = w.members[:2]
+            mine = (await grabs.grab(c, p.packet_id, w.group, a)).grab
+            drain = CreditDrain(c, consumer="paying")
+            await drain._make_groups()
+            taken = await drain._read()
+            assert taken is not None and [credit.user_id for _, _, credit in taken.items] == [a]
+            assert await r.os_crash() > 0  # the packet, the grab and its credit: all gone from Redis
+            await r.start()
+            paying: list[asyncio.Task[None]] = []
+            real_taken = packets._taken
+
+            async def taken_then_pay(cc: Core, tx: Tx, q: packets.Packet) -> list[tuple[int, int, int, int]]:
+                held = await real_taken(cc, tx, q)
+                assert a not in {g[0] for g in held}  # the repair's read: A's credit not in it yet
+                paying.append(asyncio.create_task(_pay(drain, taken)))
+                await eventually(lambda: _paid_or_waiting(c, p.packet_id), timeout=30)
+                return held
+
+            monkeypatch.setattr(packets, "_taken", taken_then_pay)
+            await _recover(c, p.packet_id)
+            monkeypatch.setattr(packets, "_taken", real_taken)
+            await paying[0]
+            assert await ledger.balance(c.db, a) == mine.amount  # A is paid as told, either way
+            theirs = (await grabs.grab(c, p.packet_id, w.group, x)).grab
+            await CreditDrain(c).until_empty()
+            report = await reconcile(c)
+            if guard == "off":
+                assert theirs.seq == mine.seq  # handed out again
+                assert "credit_refused" in report.checks(), report.differences
+                return
+            assert theirs.seq != mine.seq
+            again = await grabs.grab(c, p.packet_id, w.group, a)
+            assert again.outcome == "already" and again.grab.seq == mine.seq
+            assert await ledger.balance(c.db, x) == theirs.amount
+            assert report.ok, report.differences
+
+
+async def _unlocked(tx: Tx, packet_id: int) -> packets.Packet:
+    """The hole: the packet read without its row lock."""
+    row = await tx.fetchone(f"SELECT {packets.PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
+    assert row is not None
+    return packets.packet_from_row(row)
+
+
+async def _pay(drain: CreditDrain, taken: Batch) -> None:
+    await drain._finish(taken, await drain._pay(taken))
+
+
+async def _paid_or_waiting(c: Core, packet_id: int) -> bool:
+    """The payment committed, or it is waiting for the packet's row lock (its locking read is running:
+    the repair holds the lock). (INNODB_TRX would say LOCK WAIT, but it is a cache that polling faster
+    than every 0.1 s never lets refresh.)"""
+    paid = await c.db.fetchone("SELECT COUNT(*) FROM grab_records WHERE packet_id = %s", (packet_id,))
+    waiting = await c.db.fetchone(
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE COMMAND = 'Query'"
+        " AND INFO LIKE 'SELECT id, status FROM red_packets WHERE id IN %% FOR UPDATE'"
+    )
+    return bool(paid and int(paid[0])) or bool(waiting and int(waiting[0]))
+
+
+async def _recover(c: Core, packet_id: int) -> None:
+    """recover_packet, once more if the first connection after the restart refused to be used."""
+    try:
+        await packets.recover_packet(c, packet_id)
+    except ServerChanged:
+        await packets.recover_packet(c, packet_id)

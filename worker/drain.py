@@ -2,7 +2,8 @@
 writes next to each share (one outbox stream per shard, ``keys.credit_outbox``), hundreds at a time,
 pays them in one transaction per batch (``credit_many``, exactly once by the database's unique keys;
 a credit the ledger refuses is recorded as refused in the same transaction), and only then acknowledges
-them (``lua/ack_credits.lua``: off the outbox).
+them (``lua/ack_credits.lua``: off the outbox, and each paid share out of its packet's list in Redis —
+a repair that waited for the packet's lock while the credit was in flight may have put it back).
 
 With durable grabs a worker pays only what is durable: each read (``XREADGROUP``, ``XAUTOCLAIM``) ends
 with the same wait as a grab, on its connection, which covers every write before it. So a credit it pays
@@ -292,6 +293,8 @@ class CreditDrain:
         finished = now_ms()
         self.metrics.batch_size.observe(len(taken.items))
         acks: dict[int, list[bytes]] = {n: list(ids) for n, ids in taken.deleted.items()}
+        # Per shard, per packet (group, packet): the paid credits, for Redis to agree with the ledger.
+        paid: dict[int, dict[tuple[int, int], list[Credit]]] = defaultdict(lambda: defaultdict(list))
         for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):
             acks.setdefault(n, []).append(entry_id)
             self.metrics.credits.labels(outcome if outcome in ("credited", "already") else "refused").inc()
@@ -302,12 +305,22 @@ class CreditDrain:
                 # Recorded in credit_refusals by the transaction that refused it (reconciliation reports
                 # it); retrying cannot fix it. Never pay on a guess.
                 log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
-        calls = [
-            self.core.batcher.script(
-                self.core.scripts.ack_credits, [keys.credit_outbox(n)], [keys.CREDIT_GROUP, *ids]
+                continue
+            paid[n][(c.group_id, c.packet_id)].append(c)
+        calls = []
+        for n, ids in acks.items():
+            packet_keys: list[str] = []
+            args: list[Any] = [keys.CREDIT_GROUP, len(ids), *ids]
+            for (group, packet), credits in paid.get(n, {}).items():
+                packet_keys += keys.packet_keys(group, packet)[:3]  # meta, shares, grabs
+                args.append(len(credits))
+                for c in credits:
+                    args += [c.user_id, f"{c.seq}:{c.amount}", c.grabbed_ms]
+            calls.append(
+                self.core.batcher.script(
+                    self.core.scripts.ack_credits, [keys.credit_outbox(n), *packet_keys], args
+                )
             )
-            for n, ids in acks.items()
-        ]
         await asyncio.gather(*calls)  # one pipeline per master
         for n, ids in acks.items():
             self.holding[n].difference_update(ids)
