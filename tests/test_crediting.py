@@ -162,3 +162,60 @@ def _pay_behind_the_lock(database_url: str, c: Credit) -> int:
         return int(changed)
     finally:
         conn.close()
+
+
+async def test_a_batch_refuses_a_second_share_for_a_user_and_any_share_of_a_refunded_packet(
+    core: Core,
+) -> None:
+    """Decided inside one batch, recorded in its transaction: a credit for a user who already holds
+    another share of the packet, and a credit of a packet refunded before it came."""
+    pid, credits, members = await _grabs(core, 4, 4_000)
+    first, second, third, fourth = credits
+    await credit_many(core.db, [first])
+    refunded = await packets.send_packet(
+        core, await _admin(core), await _group_of(core, pid), "lucky", 100, 1
+    )
+
+    async def refund(tx: Tx) -> int:
+        return await tx.execute(
+            "UPDATE red_packets SET status = 'refunded' WHERE id = %s", (refunded.packet_id,)
+        )
+
+    await core.db.run(refund, idempotent=False)
+    late = Credit(
+        refunded.packet_id, members[1], 1, await _share(core, refunded.packet_id, 1), first.grabbed_ms
+    )
+    greedy = Credit(
+        pid, first.user_id, third.seq, third.amount, first.grabbed_ms
+    )  # first holds a share already
+    outcomes = await credit_many(core.db, [greedy, second, late, fourth])
+    assert outcomes == [errors.SHARE_CONFLICT, "credited", errors.PACKET_EXPIRED, "credited"]
+    rows = await core.db.fetchall("SELECT packet_id, user_id, seq, code FROM credit_refusals")
+    assert sorted((int(p), int(u), int(s), str(c)) for p, u, s, c in rows) == sorted(
+        [
+            (pid, first.user_id, third.seq, errors.SHARE_CONFLICT),
+            (refunded.packet_id, members[1], 1, errors.PACKET_EXPIRED),
+        ]
+    )
+    assert await ledger.balance(core.db, first.user_id) == first.amount
+    assert {"credit_refused"} <= (await reconcile(core)).checks()
+
+
+async def _admin(core: Core) -> int:
+    row = await core.db.fetchone("SELECT id FROM users WHERE name = 'admin'")
+    assert row is not None
+    return int(row[0])
+
+
+async def _group_of(core: Core, packet_id: int) -> int:
+    row = await core.db.fetchone("SELECT group_id FROM red_packets WHERE id = %s", (packet_id,))
+    assert row is not None
+    return int(row[0])
+
+
+async def _share(core: Core, packet_id: int, seq: int) -> int:
+    row = await core.db.fetchone(
+        "SELECT amount FROM red_packet_shares WHERE packet_id = %s AND seq = %s", (packet_id, seq)
+    )
+    assert row is not None
+    return int(row[0])
