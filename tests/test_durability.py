@@ -60,6 +60,22 @@ async def grab_or_none(core: Core, packet_id: int, group: int, user: int) -> gra
         return None
 
 
+async def grab_the_rest_and_pay(
+    c: Core, packet_id: int, group: int, users: list[int], told: dict[int, tuple[int, int]]
+) -> dict[int, tuple[int, int]]:
+    """Each of ``users`` grabs (those too late are told the packet is empty), a worker pays, and every
+    share in ``told`` (theirs added) is paid as told. Returns what the ledger holds, as ``paid``."""
+    for u in users:
+        g = await grab_or_none(c, packet_id, group, u)
+        if g is not None:
+            told[u] = (g.grab.seq, g.grab.amount)
+    await CreditDrain(c).until_empty()
+    held = await paid(c)
+    for u, share in told.items():
+        assert held.get(u) == share, u
+    return held
+
+
 @needs_redis_server
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)
 async def test_lost_writes_never_hand_out_a_share_the_database_holds(core: Core, tmp_path: Path) -> None:
@@ -140,14 +156,7 @@ async def test_with_aof_durability_every_won_survives_an_os_crash(core: Core, tm
             await asyncio.gather(*storm)
             assert 25 <= len(told) < 60  # it died mid-storm
             await r.start()
-            for u in w.members[60:]:
-                g = await grab_or_none(c, p.packet_id, w.group, u)
-                if g is not None:
-                    told[u] = (g.grab.seq, g.grab.amount)
-            await CreditDrain(c).until_empty()
-            held = await paid(c)
-            for u, share in told.items():
-                assert held.get(u) == share, u
+            held = await grab_the_rest_and_pay(c, p.packet_id, w.group, w.members[60:], told)
             seqs = [seq for seq, _ in held.values()]
             assert len(seqs) == len(set(seqs)) and sum(a for _, a in held.values()) <= 6_000
             assert (await reconcile(c)).ok
@@ -345,14 +354,7 @@ async def test_with_replica_durability_every_won_survives_a_failover_to_a_laggin
                     await primary.kill()
             _detach(replica)  # the failover: the lagging replica is the master now
             async with open_core(s.with_(redis_url=replica.url, grab_durability="none")) as c:
-                for u in w.members[20:]:
-                    g = await grab_or_none(c, p.packet_id, w.group, u)
-                    if g is not None:
-                        told[u] = (g.grab.seq, g.grab.amount)
-                await CreditDrain(c).until_empty()
-                held = await paid(c)
-                for u, share in told.items():
-                    assert held.get(u) == share, u
+                held = await grab_the_rest_and_pay(c, p.packet_id, w.group, w.members[20:], told)
                 assert not set(unanswered) & set(held)  # lost with the master: told nothing, paid nothing
                 assert len(told) == 30 and sum(a for _, a in held.values()) == 3_000
                 assert (await reconcile(c)).ok
