@@ -4,12 +4,16 @@ each, or Redis refuses it with CROSSSLOT), groups spread over the masters, grabs
 from __future__ import annotations
 
 import asyncio
+import gc
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
+from redis.asyncio import Redis
 
 from server import errors
 from server.core import Core, open_core
@@ -23,7 +27,7 @@ from server.store import keys
 from server.tools.client import HubClient, HubError
 from tests.conftest import make_world
 from tests.hubtools import eventually, hub_process, worker_env
-from tests.redisproc import LocalCluster, local_cluster
+from tests.redisproc import LocalCluster, RedisProcess, local_cluster
 from tests.test_credit import assert_books_balance, run_worker
 from worker.drain import CreditDrain
 
@@ -91,7 +95,7 @@ async def test_every_operation_of_the_core_runs_on_the_cluster(cluster_core: Cor
     assert row is not None
     refund = await settlement.refund_packet(core, q.packet_id, now=int(row[0]) + 1)
     assert refund.outcome == "refunded"
-    assert (await reconcile(core.db)).ok
+    assert (await reconcile(core)).ok
     await assert_books_balance(core)
 
 
@@ -138,7 +142,7 @@ async def test_a_storm_on_the_cluster_is_paid_by_two_worker_processes(
         )
         assert {(int(p), int(u)): int(a) for p, u, a in rows} == told
         assert all(wk.poll() is None for wk in workers)
-        assert (await reconcile(core.db)).ok
+        assert (await reconcile(core)).ok
         await assert_books_balance(core)
     finally:
         for wk in workers:
@@ -150,6 +154,12 @@ async def _credited_is(core: Core, n: int) -> bool:
     return await _credited(core) == n
 
 
+# The ClusterNode of the dead master that redis-py 5.3 drops unclosed after the failover (pyproject.toml
+# ignores its warning) may hold a connection opened before the kill and idle since; that warns too, when
+# collected (collected below, while this filter holds).
+@pytest.mark.filterwarnings(
+    "ignore:unclosed Connection <server.store.redisnodes.PackedConnection:ResourceWarning"
+)
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)
 async def test_a_master_killed_mid_storm_loses_no_won_grab_with_replica_durability(
     core: Core, redis_url: str, tmp_path: Path
@@ -180,15 +190,47 @@ async def test_a_master_killed_mid_storm_loses_no_won_grab_with_replica_durabili
                     await asyncio.sleep(0.05)
 
             await asyncio.gather(*(grabber(u) for u in w.members[:30]))
-            doomed = cl.master_of(keys.packet_shares(w.group, p.packet_id))
-            await doomed.kill()
-            # The rest of the storm runs into the dead master and waits out the failover. The promoted
-            # replica has no replica of its own, so no grab on it can be answered "won" until the dead
-            # node is back (as its replica, as an orchestrator would restart it): they wait, and retry.
-            rest = asyncio.gather(*(grabber(u) for u in w.members[30:]))
-            await eventually(lambda: cl.master_of(keys.packet_shares(w.group, p.packet_id)) is not doomed, 60)
+            grabs_key = keys.packet_grabs(w.group, p.packet_id)
+            doomed = cl.master_of(grabs_key)
+            its_replica = _replica_of(cl, doomed)
+            # The rest of the storm, in ten lanes of ten grabbers one after another: the grabs of one
+            # loop tick go to Redis as one pipeline, so a hundred started at once would be answered all
+            # together; the lanes make the answers come ten at a time. ``enough`` is set by the grab
+            # that makes 40 answered.
+            enough = asyncio.Event()
+
+            async def lane(users: list[int]) -> None:
+                for u in users:
+                    await grabber(u)
+                    if len(told) >= 40:
+                        enough.set()
+
+            rest = w.members[30:]
+            storm = asyncio.gather(*(lane(rest[i::10]) for i in range(10)))
+            await asyncio.wait_for(enough.wait(), 60)
+            # The state ``replica`` durability is for: the replica is stopped (SIGSTOP), so the master
+            # makes the next grabs but cannot answer them (their WAIT for a replica is not met). Once
+            # it holds grabs that no grabber was told, kill -9 it and let the replica go on (what its
+            # socket had received by then may still reach it, or not: either way nobody was told).
+            # Some of the storm answered, the rest not.
+            assert its_replica.proc is not None
+            its_replica.proc.send_signal(signal.SIGSTOP)
+            master = Redis(port=doomed.port)
+            try:
+                await eventually(lambda: _more_than(master, grabs_key, len(told)), 30)
+                only_on_master = {int(u) for u in await master.hkeys(grabs_key)} - set(told)
+                told_at_kill = dict(told)
+                await doomed.kill()
+            finally:
+                its_replica.proc.send_signal(signal.SIGCONT)
+                await master.aclose()
+            assert 40 <= len(told_at_kill) < 100 and only_on_master, (len(told_at_kill), only_on_master)
+            # The storm runs into the dead master and waits out the failover. The promoted replica has
+            # no replica of its own, so no grab on it can be answered "won" until the dead node is back
+            # (as its replica, as an orchestrator would restart it): they wait, and retry.
+            await eventually(lambda: cl.master_of(grabs_key) is not doomed, 60)
             await doomed.start()
-            await rest
+            await storm
             assert set(refused) <= {errors.PACKET_EMPTY} and len(told) == 100
             await CreditDrain(c).until_empty()
             rows = await c.db.fetchall(
@@ -196,9 +238,26 @@ async def test_a_master_killed_mid_storm_loses_no_won_grab_with_replica_durabili
             )
             paid = {int(u): (int(q), int(a)) for u, q, a in rows}
             assert paid == told  # every "won" paid, as told; nobody else
+            assert told_at_kill.items() <= paid.items()  # those told before the kill, unchanged
             assert len({q for q, _ in paid.values()}) == 100 and sum(a for _, a in paid.values()) == 10_000
-            assert (await reconcile(c.db)).ok
+            assert (await reconcile(c)).ok
             await assert_books_balance(c)
+        gc.collect()
+
+
+def _replica_of(cl: LocalCluster, master: RedisProcess) -> RedisProcess:
+    """The node that replicates ``master``."""
+    client = redis.Redis(port=master.port)
+    try:
+        replicas = client.execute_command("ROLE")[2]
+    finally:
+        client.close()
+    assert len(replicas) == 1, replicas
+    return next(n for n in cl.nodes if n.port == int(replicas[0][1]))
+
+
+async def _more_than(node: Redis, key: str, n: int) -> bool:
+    return int(await node.hlen(key)) > n
 
 
 async def _until_event(c: HubClient, kind: str, timeout: float = 60) -> dict[str, Any]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from typing import Any
 
+import redis
 from websockets.exceptions import ConnectionClosed
 
 from server.hub import protocol
@@ -119,9 +121,33 @@ async def queued_seqs(settings: Settings, group: int, packet_id: int) -> list[in
     return sorted(entry[2] for entry in parsed if entry[0] == packet_id)
 
 
+async def _unpaid_in_redis(r: Any, group: int, packet_id: int) -> dict[int, tuple[int, int]]:
+    """The packet's grabs Redis holds (user → (seq, amount)) whose credit still waits in the shard's
+    outbox, unacknowledged: both read in one MULTI."""
+    async with r.pipeline(transaction=True) as pipe:
+        pipe.hgetall(keys.packet_grabs(group, packet_id))
+        pipe.xrange(keys.outbox_for(group))
+        held, rows = await pipe.execute()
+    queued = {keys.parse_credit_entry(fields[b"c"])[1:4] for _, fields in rows}
+    unpaid = {}
+    for user, record in held.items():
+        seq, amount, _ = (int(x) for x in record.split(b":"))
+        if (int(user), seq, amount) in queued:
+            unpaid[int(user)] = (seq, amount)
+    return unpaid
+
+
+def _won(answered: list[dict[str, Any]]) -> dict[int, tuple[int, int]]:
+    """user → (seq, amount) of every "won" reply."""
+    return {int(a["user_id"]): (int(a["seq"]), int(a["amount"])) for a in answered if a["outcome"] == "won"}
+
+
 async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> None:
-    """SIGKILL mid-storm: every grab Redis recorded is paid — its credit job was queued in the same
-    Lua call, and the sweeper pays any whose job is gone."""
+    """SIGKILL of a hub holding grabs in Redis not yet paid, with more grabs on their way: every grab
+    Redis recorded is paid (its credit was queued in the same Lua call; the sweeper pays any whose credit
+    is gone), and every "won" for what its grabber was told."""
+    from redis.asyncio import Redis
+
     from server.core import open_core
     from server.money import settlement
     from server.money.reconcile import reconcile
@@ -131,23 +157,59 @@ async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> N
         _, admin_token, group, people = await _members(a, 80, "k")
         admin = await HubClient.connect(a.ws, admin_token)
         sent = await admin.request("send", group=group, kind="lucky", total=8_000, count=80)
+        pid = sent["packet_id"]
         doomed = [await HubClient.connect(b.ws, t) for _, t in people]
+        answered: list[dict[str, Any]] = []
+        r = Redis.from_url(hub_settings.redis_url)
+        try:
+            # First wave: until hub b holds grabs in Redis, told "won" and not paid (no worker runs
+            # before the end: their credits wait in the outbox).
+            first, rest = doomed[:20], doomed[20:]
+            storm = [asyncio.create_task(_grab(c, group, pid, answered)) for c in first]
 
-        storm = [asyncio.create_task(_grab(c, group, sent["packet_id"], [])) for c in doomed]
+            async def told_and_unpaid() -> bool:
+                unpaid = await _unpaid_in_redis(r, group, pid)
+                return len(_won(answered)) >= 10 and _won(answered).items() <= unpaid.items()
+
+            await eventually(told_and_unpaid, 30)
+            unpaid = await _unpaid_in_redis(r, group, pid)
+            assert len(unpaid) >= 10 and _won(answered).items() <= unpaid.items()
+        finally:
+            await r.aclose()
+        # The rest of the storm (each task's first step writes its grab to the socket), then SIGKILL as
+        # soon as hub b is at work on it: more grabs in Redis than the first wave can make. The look is
+        # made with a blocking client on purpose: this loop runs nothing from the look to the kill, so
+        # no answer of the second wave can reach its client first (an async look lost that race on a
+        # loaded machine) and the kill is certain to land mid-storm.
+        storm += [asyncio.create_task(_grab(c, group, pid, answered)) for c in rest]
         await asyncio.sleep(0)
-        assert b.process is not None
-        b.process.send_signal(signal.SIGKILL)
+        look = redis.Redis.from_url(hub_settings.redis_url)
+        try:
+            deadline = time.monotonic() + 30
+            while (in_redis_at_kill := look.hlen(keys.packet_grabs(group, pid))) <= len(first):
+                assert time.monotonic() < deadline, "hub b did not take the second wave"
+            told_at_kill, answered_at_kill = _won(answered), len(answered)
+            assert b.process is not None
+            b.process.send_signal(signal.SIGKILL)
+        finally:
+            look.close()
+        # Killed mid-storm: grabs in Redis that no client had heard of yet, and grabbers still waiting.
+        assert answered_at_kill < in_redis_at_kill and answered_at_kill < len(doomed)
         await asyncio.gather(*storm)
         async with open_core(hub_settings) as core:
-            held = await a_redis_grabs(hub_settings, group, sent["packet_id"])
+            held = await a_redis_grabs(hub_settings, group, pid)
             await settlement.sweep(core)
             await run_worker(core)
             rows = await core.db.fetchall(
-                "SELECT seq FROM grab_records WHERE packet_id = %s AND status = 'credited'",
-                (sent["packet_id"],),
+                "SELECT user_id, seq, amount FROM grab_records WHERE packet_id = %s AND status = 'credited'",
+                (pid,),
             )
-            assert sorted(int(r[0]) for r in rows) == sorted(held)
-            assert (await reconcile(core.db)).ok
+            paid = {int(u): (int(q), int(m)) for u, q, m in rows}
+            assert sorted(q for q, _ in paid.values()) == sorted(held)
+            # Every "won" told before the kill is paid as told; so is any that arrived after it.
+            assert len(told_at_kill) >= 10 and told_at_kill.items() <= paid.items()
+            assert _won(answered).items() <= paid.items()
+            assert (await reconcile(core)).ok
         for c in [admin, *doomed]:
             await c.close()
 
