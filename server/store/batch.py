@@ -121,20 +121,17 @@ class Batcher:
     async def _send(self, node: Redis, batch: list[_Call]) -> None:
         self.batches += 1
         self.calls += len(batch)
-        # Before a pipeline with a grab in it (a durable call, or a test that may make it one) is sent,
-        # its server's data id is read: data replaced since the last look (a node demoted and promoted
-        # again, its connections kept) fails the batch unsent, and grab() checks the packet against the
-        # database first (a restart is seen the same way, by the new connection). The pipeline reads it
-        # again first thing, for a change in the round trip between: its grabs then ran, and are not
-        # answered before the check.
+        # Before a pipeline with a grab in it (a durable call, or a test that may make it one) is sent to
+        # a server not looked at in the last LOOK_FIRST_AFTER, its data id is read: data replaced since
+        # (a node demoted and promoted again, its connections kept) fails the batch unsent, and grab()
+        # checks the packet against the database first. A restart is seen the same way, by the new
+        # connection; a replica's or a moved slot's answer makes the next pipeline look first.
         watch = any(c.durable for c in batch)
         wait = self.durability != "none" and watch
-        if watch and not await self._looked(node, batch):
+        if watch and self._nodes.look_first(node) and not await self._looked(node, batch):
             return
         try:
             async with node.pipeline(transaction=False) as pipe:
-                if watch:
-                    pipe.execute_command(DATA_ID_COMMAND)
                 for c in batch:
                     c.queue(pipe)
                 if wait and self.durability == "aof":
@@ -152,12 +149,10 @@ class Batcher:
         short = None
         if wait:
             short = _shortfall(self.durability, results.pop())
-        if watch:
-            info = results.pop(0)
-            if not isinstance(info, Exception):
-                self._nodes.saw_data(node, info)
         if any(isinstance(r, RedisError) and moved(r) for r in results):
             await self._refresh()
+        if any(isinstance(r, RedisError) and (moved(r) or str(r).startswith("READONLY")) for r in results):
+            self._nodes.look_again(node)  # its role changed: what it holds may be replaced before long
         for c, result in zip(batch, results, strict=True):
             if c.future.done():
                 continue

@@ -13,9 +13,11 @@ Cluster (``redis+cluster://host:port,host:port,…``), chosen by URL; the same c
   keeps its run id, but its data was replaced by its master's: its role and replication id change). Redis
   may have lost writes then, so packets are checked against the database before anyone grabs them again
   (``server.money.grabs.grab``). Each connection reads the run id, role and replication id when it
-  connects, and refuses to be used if they changed (``ServerChanged``); and every pipeline that carries a
-  grab is preceded by a read of the role and replication id (``server.store.batch``), so a change on a
-  connection already open is seen before a grab runs on the new data.
+  connects, and refuses to be used if they changed (``ServerChanged``); and a pipeline that carries a
+  grab is preceded by a read of the role and replication id whenever the last was more than
+  ``LOOK_FIRST_AFTER`` ago, or the server answered as a replica or moved a slot since
+  (``server.store.batch``), so a change on a connection already open is seen before a grab runs on the
+  new data.
 
 Every connection packs commands with hiredis (C) instead of redis-py's Python packer.
 """
@@ -47,9 +49,12 @@ class Identities:
 
     seen: dict[str, tuple[str, str]] = field(default_factory=dict)
     generation: int = 0
+    # When each address's data id was last read (monotonic seconds).
+    looked: dict[str, float] = field(default_factory=dict)
 
     def saw(self, address: str, run_id: str | None = None, data: str | None = None) -> bool:
         """Record what answered at ``address``; True if it differs from what was there before."""
+        self.looked[address] = time.monotonic()
         before = self.seen.get(address)
         now = (
             run_id if run_id is not None else (before[0] if before else ""),
@@ -79,6 +84,12 @@ class ServerChanged(RedisConnectionError):
 # What a pipeline sends first to read a server's data id. Under this two-word name redis-py applies no
 # reply callback: the answer stays the raw text ``data_id`` reads two fields of.
 DATA_ID_COMMAND = "INFO REPLICATION"
+
+
+# A pipeline with a grab in it, to a server whose data id was read longer ago than this, reads it first
+# (a round trip more, once per this interval per busy server). Replacing a server's data takes its
+# demotion, a full sync from another and its promotion: seconds in practice, never this little.
+LOOK_FIRST_AFTER = 0.01
 
 
 def data_id(info: bytes | str) -> str:
@@ -197,6 +208,15 @@ class RedisNodes:
         """A pipeline's read of its server's data id (``DATA_ID_COMMAND``): a change raises the
         generation."""
         self.identities.saw(self._address(client), data=data_id(info))
+
+    def look_first(self, client: Redis) -> bool:
+        """Whether this server's data id was last read longer ago than ``LOOK_FIRST_AFTER``."""
+        looked = self.identities.looked.get(self._address(client))
+        return looked is None or time.monotonic() - looked > LOOK_FIRST_AFTER
+
+    def look_again(self, client: Redis) -> None:
+        """The next pipeline with a grab in it to this server reads its data id first."""
+        self.identities.looked.pop(self._address(client), None)
 
     @staticmethod
     def _address(client: Redis) -> str:
