@@ -24,9 +24,14 @@ for k = 2, #KEYS, 3 do
   local expires_at = redis.call('PEXPIRETIME', meta)
   for _ = 1, m do
     local user, share, ms = ARGV[i], ARGV[i + 1], ARGV[i + 2]; i = i + 3
-    if expires_at > 0 then
+    local record = share .. ':' .. ms
+    local held = redis.call('HGET', grabs, user)
+    -- As it should be (one read): Redis holds the grab that was paid. Otherwise a repair rebuilt the
+    -- packet without it, and the share may be back in the list.
+    if held ~= record and expires_at > 0 then
       redis.call('LREM', shares, 0, share)
-      if redis.call('HSETNX', grabs, user, share .. ':' .. ms) == 1 then
+      if not held then
+        redis.call('HSET', grabs, user, record)
         redis.call('PEXPIREAT', grabs, expires_at)
       end
     end

@@ -32,11 +32,17 @@ def _p99(values: list[int]) -> float:
 
 
 async def _enqueue(core: Core, credits: list[Credit]) -> None:
-    """Record each credit as its grab would have: an entry in its group's shard outbox."""
+    """Record each credit as its grab would have: the grab in its packet's grabs hash, an entry in its
+    group's shard outbox."""
     for i in range(0, len(credits), 1000):
         async with core.redis.pipeline(transaction=False) as pipe:
             for c in credits[i : i + 1000]:
                 entry = keys.credit_entry(c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, c.group_id)
+                pipe.hset(
+                    keys.packet_grabs(c.group_id, c.packet_id),
+                    str(c.user_id),
+                    f"{c.seq}:{c.amount}:{c.grabbed_ms}",
+                )
                 pipe.xadd(keys.outbox_for(c.group_id), {"c": entry})
             await pipe.execute()
 
