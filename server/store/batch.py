@@ -76,6 +76,7 @@ class Batcher:
         self._count = 0
         self._scheduled = False
         self._inflight: set[asyncio.Task[None]] = set()
+        self._looks: dict[Redis, asyncio.Future[None]] = {}  # a read of a server's data id in flight
         self.batches = 0
         self.calls = 0
 
@@ -181,8 +182,12 @@ class Batcher:
         """Read the server's data id before sending ``batch`` to it; False (and every call failed, with
         ``ServerChanged`` if it changed) when the batch must not be sent now."""
         generation = self._nodes.generation
+        look = self._looks.get(node)
+        if look is None:  # one look at a time per server: the batches sent meanwhile wait for it
+            look = self._looks[node] = asyncio.ensure_future(self._read_data_id(node))
+            look.add_done_callback(lambda _: self._looks.pop(node, None))
         try:
-            self._nodes.saw_data(node, await node.execute_command(DATA_ID_COMMAND))  # type: ignore[no-untyped-call]
+            await asyncio.shield(look)
         except Exception as e:
             failure: Exception = e
         else:
@@ -195,6 +200,9 @@ class Batcher:
         if isinstance(failure, ConnectionError | TimeoutError | RedisConnectionError):
             await self._refresh()
         return False
+
+    async def _read_data_id(self, node: Redis) -> None:
+        self._nodes.saw_data(node, await node.execute_command(DATA_ID_COMMAND))  # type: ignore[no-untyped-call]
 
     async def _refresh(self) -> None:
         try:
