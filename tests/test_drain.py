@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from redis.exceptions import ResponseError
 
 from server.core import Core
-from server.money import grabs, ledger, packets
+from server.money import grabs, groups, ledger, packets
 from server.money.reconcile import reconcile
 from server.store import keys
 from server.store.db import DatabaseError
@@ -98,13 +99,28 @@ async def test_a_slow_payment_keeps_its_hold_and_pays_once(core: Core) -> None:
 
     holder = asyncio.create_task(hold_the_packet())
     await locked.wait()
-    slow = CreditDrain(core, lease_ms=2_000, consumer="slow")
+    lease = 600
+    slow = CreditDrain(core, lease_ms=lease, consumer="slow")
     paying = asyncio.create_task(slow.until_empty())
     try:
         await eventually(lambda: _pending_is(core, group, 10), timeout=30)  # read, now paying
-        other = CreditDrain(core, lease_ms=2_000, consumer="other")
-        for _ in range(3):
-            await eventually(lambda: _idle_below(core, group, 1_000), timeout=30)  # renewed meanwhile
+        other = CreditDrain(core, lease_ms=lease, consumer="other")
+        idle = [await _idle(core, group)]
+
+        async def renewed() -> bool:
+            """The hold was renewed since the last look: the entries' idle time went down."""
+            now = await _idle(core, group)
+            went_down = now < idle[0]
+            idle[0] = now
+            return went_down
+
+        started = time.monotonic()
+        renewals = 0
+        # Held for longer than a lease, renewed all along: another drain's look for idle entries (those
+        # idle past the lease) finds none each time.
+        while renewals < 3 or time.monotonic() - started < 2 * lease / 1000:
+            await eventually(renewed, timeout=30)
+            renewals += 1
             batch = await other._read()
             assert batch is None or not batch.items
             other._last_takeover = 0.0
@@ -123,6 +139,12 @@ async def _last_packet(core: Core) -> int:
     row = await core.db.fetchone("SELECT MAX(id) FROM red_packets")
     assert row is not None
     return int(row[0])
+
+
+async def _idle(core: Core, group: int) -> int:
+    """How long the longest-idle pending entry of the group's outbox has been idle (ms)."""
+    rows = await core.redis.xpending_range(keys.outbox_for(group), keys.CREDIT_GROUP, "-", "+", 100)
+    return max((int(r["time_since_delivered"]) for r in rows), default=0)
 
 
 async def _pending_is(core: Core, group: int, n: int) -> bool:
@@ -155,3 +177,48 @@ async def test_a_batch_whose_payment_fails_is_given_back_at_once(core: Core) -> 
 async def _idle_below(core: Core, group: int, ms: int) -> bool:
     rows = await core.redis.xpending_range(keys.outbox_for(group), keys.CREDIT_GROUP, "-", "+", 100)
     return bool(rows) and max(int(r["time_since_delivered"]) for r in rows) < ms
+
+
+async def test_a_read_that_fails_on_one_shard_gives_back_what_the_others_gave(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One master fails a read (away, or its durability wait fell short) while the others answer: the
+    drain gives their entries back at once instead of holding (and renewing) them unpaid."""
+    w = await make_world(core, members=5, admin_cents=100_000)
+    group = w.group
+    if keys.shard(group) == keys.SHARDS - 1:  # the failing shard must come after the packet's
+        group = await groups.create_group(core.db, w.admin, "next")
+        await groups.add_members(core.db, core.membership, group, w.members)
+    p = await packets.send_packet(core, w.admin, group, "lucky", 500, 5)
+    told = {u: (await grabs.grab(core, p.packet_id, group, u)).grab.amount for u in w.members}
+    drain = CreditDrain(core, consumer="partial")
+    await drain._make_groups()
+    real = drain._each_shard
+
+    async def one_shard_fails(
+        command: Any, shards: list[int] | None = None, durable: bool = False
+    ) -> list[Any]:
+        answers = await real(command, shards, durable)
+        if shards is None:  # a read of every shard: the last one fails, after the packet's answered
+            answers[-1] = ConnectionError("a master away")
+        return answers
+
+    monkeypatch.setattr(drain, "_each_shard", one_shard_fails)
+    with pytest.raises(ConnectionError):
+        await drain._read()
+    monkeypatch.undo()
+    assert not any(drain.holding.values())  # nothing left to be renewed
+    assert (
+        min(
+            [
+                int(r["time_since_delivered"])
+                for r in await core.redis.xpending_range(
+                    keys.outbox_for(group), keys.CREDIT_GROUP, "-", "+", 100
+                )
+            ]
+        )
+        >= drain.lease_ms
+    )  # given back: idle past the lease
+    assert await CreditDrain(core, consumer="next").until_empty() == 5
+    for user, amount in told.items():
+        assert await ledger.balance(core.db, user) == amount

@@ -137,3 +137,36 @@ async def test_a_new_group_whose_commit_answer_is_lost_is_not_made_twice(
         await groups.create_group(c.db, owner, "family")
     assert proxy.lost == 1
     assert await _count(c, "SELECT COUNT(*) FROM chat_groups WHERE owner_id = %s", owner) == 1
+
+
+async def test_a_single_credit_whose_commit_answer_is_lost_counts_as_credited(
+    lossy: tuple[Core, MySQLProxy],
+) -> None:
+    c, proxy = lossy
+    w = await make_world(c, members=2, admin_cents=10_000)
+    p = await packets.send_packet(c, w.admin, w.group, "lucky", 500, 2)
+    g = (await grabs.grab(c, p.packet_id, w.group, w.members[0])).grab
+    credit = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
+    proxy.lose_commit_answers(1)
+    assert await ledger.credit_grab(c.db, credit) == "credited"  # this call paid it
+    assert proxy.lost == 1
+    assert await ledger.credit_grab(c.db, credit) == "already"  # another call finds it paid
+    assert await ledger.balance(c.db, g.user_id) == g.amount
+
+
+async def test_a_role_set_whose_commit_answer_is_lost_is_set_not_refused(
+    lossy: tuple[Core, MySQLProxy],
+) -> None:
+    """Run again, the UPDATE changes no row (MariaDB counts changed rows): the member is there, in that
+    role — not ``not_member``. The same for a role set to what it already is."""
+    c, proxy = lossy
+    w = await make_world(c, members=1, admin_cents=100)
+    member = w.members[0]
+    proxy.lose_commit_answers(1)
+    await groups.set_role(c.db, c.membership, w.group, member, "admin")
+    assert proxy.lost == 1
+    await groups.set_role(c.db, c.membership, w.group, member, "admin")
+    row = await c.db.fetchone(
+        "SELECT role FROM group_members WHERE group_id = %s AND user_id = %s", (w.group, member)
+    )
+    assert row is not None and row[0] == "admin"

@@ -31,7 +31,6 @@ def _books(**changes: object) -> Books:
         shares_total=100,
         shares_count=2,
         expires_ms=NOW + 1,
-        group_id=3,
     )
     books = Books(
         packets=[packet],

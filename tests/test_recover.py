@@ -140,9 +140,12 @@ async def test_a_repair_racing_the_drain_never_hands_a_paid_share_out_again(
     real_taken = packets._taken
 
     async def taken_while_draining(c: Core, tx: Tx, q: packets.Packet) -> list[tuple[int, int, int, int]]:
-        # The drain starts right here, inside the repair's transaction (on the fixed path it then waits
-        # for the packet's lock until the repair is done).
+        # The drain starts right here, inside the repair's transaction: on the fixed path it then waits
+        # for the packet's lock until the repair is done (seen waiting on MariaDB; on SQLite it waits
+        # for the one writer's lock, which is not to be seen from here).
         draining.append(asyncio.create_task(drain.until_empty()))
+        if c.db.dialect.name == "mysql":
+            await eventually(lambda: _paid_or_waiting(c, q.packet_id), timeout=30)
         return await real_taken(c, tx, q)
 
     async def taken_old_order(c: Core, tx: Tx, q: packets.Packet) -> list[tuple[int, int, int, int]]:
@@ -194,8 +197,10 @@ async def test_a_credit_in_flight_when_redis_lost_its_grab_keeps_its_share(
     crashes (an OS crash: the server never fsynced, it comes back empty), and a repair rebuilds the
     packet from the database, which has not got A's credit yet. The payment waits for the packet's row
     lock until the repair has loaded Redis, then commits, and its acknowledgement takes the share out of
-    the list again and gives it back to A: nobody else is told it. ``off``: without the lock the payment
-    commits between the repair's read and its load, the repair puts the share back, and X is handed it."""
+    the list again and gives it back to A: X, grabbing after that, is not told it. (Between the repair
+    and the acknowledgement — milliseconds — the share is in the list: a grab then gets it, its credit
+    is refused and reconciliation reports it.) ``off``: without the lock the payment commits between
+    the repair's read and its load, the repair puts the share back, and X is handed it."""
     if guard == "off":
         monkeypatch.setattr(packets, "_locked", _unlocked)
     async with redis_process(tmp_path, "--appendfsync", "no", fsyncs=tmp_path / "fsyncs") as r:

@@ -12,6 +12,7 @@ from server.core import Core
 from server.errors import RedPacketError
 from server.money import grabs, groups, ledger, packets
 from server.store import keys
+from server.store.db import IntegrityError, Tx
 from tests.conftest import make_world
 
 
@@ -128,16 +129,46 @@ async def test_redis_failing_after_the_commit_keeps_the_packet_and_recover_publi
     assert got.outcome == "won"
 
 
-async def test_ten_concurrent_sends_with_one_request_id_pay_once(core: Core) -> None:
-    """A client's retries racing each other: one packet, one debit; the others answer it as a replay
-    (found before their insert, or after it met the unique key of the one that won)."""
+async def test_ten_concurrent_sends_with_one_request_id_pay_once(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client's retries racing each other: one packet, one debit; the others answer it as a replay.
+    On MariaDB all ten are made to look for an earlier send before any inserts (the look is held until
+    all have made it), so nine meet the unique key of the one that won and answer from there; SQLite
+    has one writer, so there each finds the earlier send."""
     w = await make_world(core, members=3, admin_cents=10_000)
+    looked, clashes = asyncio.Event(), []
+    lookers: list[int] = []
+    real_fetchone, real_execute = Tx.fetchone, Tx.execute
+
+    async def fetchone(tx: Tx, statement: str, params: object = ()) -> tuple[object, ...] | None:
+        row = await real_fetchone(tx, statement, params)  # type: ignore[arg-type]
+        if statement.startswith("SELECT 1 FROM red_packets WHERE sender_id"):
+            lookers.append(1)
+            if len(lookers) == 10:
+                looked.set()
+            await looked.wait()
+        return row
+
+    async def execute(tx: Tx, statement: str, params: object = ()) -> int:
+        try:
+            return await real_execute(tx, statement, params)  # type: ignore[arg-type]
+        except IntegrityError:
+            clashes.append(statement.split("(")[0])
+            raise
+
+    if core.db.dialect.name == "mysql":
+        monkeypatch.setattr(Tx, "fetchone", fetchone)
+        monkeypatch.setattr(Tx, "execute", execute)
     sent = await asyncio.gather(
         *(
             packets.send_packet(core, w.admin, w.group, "lucky", 600, 3, request_id="double-tap")
             for _ in range(10)
         )
     )
+    monkeypatch.undo()
+    if core.db.dialect.name == "mysql":
+        assert clashes == ["INSERT INTO red_packets "] * 9  # the unique key decided nine of them
     assert len({p.packet_id for p in sent}) == 1
     assert sorted(p.replay for p in sent) == [False] + [True] * 9
     assert await ledger.balance(core.db, w.admin) == 9_400

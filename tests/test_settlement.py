@@ -23,7 +23,7 @@ from tests.conftest import make_world, outbox
 from tests.hubtools import eventually
 from tests.redisproc import needs_redis_server, redis_process
 from tests.test_credit import assert_books_balance, run_worker
-from worker.drain import CreditDrain
+from worker.drain import Batch, CreditDrain
 
 T = TypeVar("T")
 
@@ -298,9 +298,10 @@ async def test_a_refund_closes_the_packet_even_when_the_workers_clock_is_ahead(
     assert (await reconcile(core)).ok
 
 
-async def test_refunds_racing_the_drains_batches_pay_every_told_share_once(core: Core) -> None:
-    """Packets expire with grabs still in the outbox; the refund job and two drains run at once. Each told
-    share is paid once (by whichever gets there first), the rest goes back, the books balance."""
+async def test_refunds_and_two_drains_at_once_pay_every_told_share_once(core: Core) -> None:
+    """Packets expire with grabs still in the outbox; the refund job and two drains run at once, in
+    whatever order the loop gives them (the orders themselves are made to happen in the next test).
+    Each told share is paid once, the rest goes back, the books balance."""
     w = await make_world(core, members=30, admin_cents=100_000)
     told: dict[tuple[int, int], int] = {}
     sent = []
@@ -327,3 +328,66 @@ async def test_refunds_racing_the_drains_batches_pay_every_told_share_once(core:
     assert await run_worker(core) == 0
     assert (await reconcile(core)).ok
     await assert_books_balance(core)
+
+
+async def test_a_refund_and_a_drain_holding_the_same_credits_pay_each_once(core: Core) -> None:
+    """Both orders, made to happen: a drain holds every credit of five expired packets. It pays two
+    packets' credits; then the refunds run — for those two they find the grabs paid and give back the
+    rest; for the other three they pay the grabs themselves (from Redis) first. Then the drain pays what
+    it still holds: all already paid. Each told share once, the rest back to the sender, to the cent."""
+    w = await make_world(core, members=30, admin_cents=100_000)
+    told: dict[tuple[int, int], int] = {}
+    sent = []
+    for _ in range(5):
+        p = await packets.send_packet(core, w.admin, w.group, "lucky", 3_000, 30)
+        sent.append(p)
+        for u in w.members[:20]:
+            told[(p.packet_id, u)] = (await grabs.grab(core, p.packet_id, w.group, u)).grab.amount
+    drain = CreditDrain(core, batch=1_000, consumer="holding")
+    await drain._make_groups()
+    held = await drain._read()
+    assert held is not None and len(held.items) == 100
+    early = {p.packet_id for p in sent[:2]}
+    first = Batch(items=[i for i in held.items if i[2].packet_id in early])
+    second = Batch(items=[i for i in held.items if i[2].packet_id not in early])
+    assert set(await drain._pay(first)) == {"credited"}
+    await drain._finish(first, ["credited"] * len(first.items))
+    now = max(p.expires_ms for p in sent) + 1
+    for p in sent:
+        r = await settlement.refund_packet(core, p.packet_id, now=now)
+        paid_out = sum(m for (pid, _), m in told.items() if pid == p.packet_id)
+        assert (r.outcome, r.amount) == ("refunded", 3_000 - paid_out)
+    assert set(await drain._pay(second)) == {"already"}  # the refunds paid them first
+    rows = await core.db.fetchall(
+        "SELECT packet_id, user_id, amount FROM grab_records WHERE status = 'credited'"
+    )
+    assert {(int(p), int(u)): int(m) for p, u, m in rows} == told
+    assert (await reconcile(core)).ok
+    await assert_books_balance(core)
+
+
+async def test_a_refund_whose_packet_vanishes_from_redis_after_its_repair_rebuilds_it_again(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The packet's keys go (expired, evicted, lost) between the refund's repair and its close: the close
+    finds no packet there, not "no grabs". The refund rebuilds it again, with the credit still in the
+    outbox, and pays that grab before it gives anything back."""
+    w = await make_world(core, members=3, admin_cents=10_000)
+    p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 3)
+    told = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
+    real_recover = settlement.recover_packet
+    vanished: list[int] = []
+
+    async def recover_then_vanish(c: Core, packet_id: int) -> packets.Recovered:
+        done = await real_recover(c, packet_id)
+        if not vanished:
+            vanished.append(await c.redis.delete(*keys.packet_keys(w.group, packet_id)))
+        return done
+
+    monkeypatch.setattr(settlement, "recover_packet", recover_then_vanish)
+    r = await settlement.refund_packet(core, p.packet_id, now=p.expires_ms + 1)
+    assert vanished and vanished[0] > 0
+    assert (r.outcome, r.amount) == ("refunded", 900 - told.amount)
+    assert await ledger.balance(core.db, told.user_id) == told.amount
+    assert await run_worker(core) == 1  # the credit in the outbox: found paid
+    assert (await reconcile(core)).ok

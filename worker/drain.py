@@ -208,14 +208,22 @@ class CreditDrain:
             ),
             durable=True,
         )
+        failed: Exception | None = None
         for n, result in enumerate(results):
             if isinstance(result, ResponseError) and "NOGROUP" in str(result):
                 self._groups_made = False  # Redis lost it (a restart): made again on the next drain
                 continue
             if isinstance(result, Exception):
-                raise result
+                failed = failed or result
+                continue
             for _, entries in result or []:
                 self._add(batch, n, entries)
+        if failed is not None:
+            # One master failed (away, or its wait for durability fell short): what the others gave is
+            # given back at once, not held (and renewed) by a batch that will not be paid.
+            with contextlib.suppress(Exception):
+                await self._release(batch)
+            raise failed
         return batch if batch.items or batch.deleted else None
 
     async def _take_over(self, batch: Batch) -> None:
@@ -267,27 +275,31 @@ class CreditDrain:
             raise
 
     async def _release(self, taken: Batch) -> None:
-        """Give entries back: marked long idle, so the next takeover (by any worker) pays them."""
+        """Give entries back: marked long idle, so the next takeover (by any worker) pays them. Whether
+        or not Redis takes the mark, this worker stops renewing them: unmarked, they fall idle after a
+        lease and are taken over then."""
         per_shard: dict[int, list[Any]] = defaultdict(list)
         for n, entry_id, _ in taken.items:
             per_shard[n].append(entry_id)
-        answers = await self._each_shard(
-            lambda n, pipe: pipe.xclaim(
-                keys.credit_outbox(n),
-                keys.CREDIT_GROUP,
-                self.consumer,
-                0,
-                per_shard[n],
-                idle=10 * self.lease_ms,
-                justid=True,
-            ),
-            list(per_shard),
-        )
+        try:
+            answers = await self._each_shard(
+                lambda n, pipe: pipe.xclaim(
+                    keys.credit_outbox(n),
+                    keys.CREDIT_GROUP,
+                    self.consumer,
+                    0,
+                    per_shard[n],
+                    idle=10 * self.lease_ms,
+                    justid=True,
+                ),
+                list(per_shard),
+            )
+        finally:
+            for n, ids in per_shard.items():
+                self.holding[n].difference_update(ids)
         for answer in answers:
             if isinstance(answer, Exception):
                 raise answer
-        for n, ids in per_shard.items():
-            self.holding[n].difference_update(ids)
 
     async def _finish(self, taken: Batch, outcomes: list[str]) -> None:
         finished = now_ms()
@@ -315,7 +327,7 @@ class CreditDrain:
                 packet_keys += keys.packet_keys(group, packet)[:3]  # meta, shares, grabs
                 args.append(len(credits))
                 for c in credits:
-                    args += [c.user_id, f"{c.seq}:{c.amount}", c.grabbed_ms]
+                    args += [c.user_id, keys.share_entry(c.seq, c.amount), c.grabbed_ms]
             calls.append(
                 self.core.batcher.script(
                     self.core.scripts.ack_credits, [keys.credit_outbox(n), *packet_keys], args

@@ -20,7 +20,7 @@ from typing import Literal
 
 from server import errors
 from server.errors import RedPacketError
-from server.money.ledger import Credit, credit_grab, finish_paid, now_ms
+from server.money.ledger import Credit, credit_grab, finish_paid, grab_key, now_ms
 from server.store.db import Database, IntegrityError, Tx, as_text
 
 Outcome = str  # "credited", "already", or the error code that refused it
@@ -176,7 +176,7 @@ async def _batch(tx: Tx, credits: list[Credit], refused_by: RefusedBy) -> list[O
         "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms, tx)"
         " VALUES (%s, %s, %s, %s, %s, %s, %s)",
         [
-            (c.user_id, c.amount, "grab", f"grab:{c.packet_id}:{c.seq}", c.packet_id, ts, tx.token)
+            (c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id, ts, tx.token)
             for c in paid
         ],
     )
@@ -192,7 +192,7 @@ async def _batch(tx: Tx, credits: list[Credit], refused_by: RefusedBy) -> list[O
 
 async def _paid_by_this_call(tx: Tx, credits: list[Credit]) -> set[tuple[int, int]]:
     """(packet, seq) of the credits whose journal row this ``Database.run`` call wrote in an earlier run."""
-    keys = {f"grab:{c.packet_id}:{c.seq}": (c.packet_id, c.seq) for c in credits}
+    keys = {grab_key(c.packet_id, c.seq): (c.packet_id, c.seq) for c in credits}
     rows = await tx.fetchall(
         f"SELECT idem_key FROM journal WHERE tx = %s AND idem_key IN ({_marks(len(keys))})",
         [tx.token, *keys],

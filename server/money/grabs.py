@@ -65,9 +65,8 @@ def _refusal(status: str) -> RedPacketError:
 
 def parse_record(user_id: int, record: bytes | str) -> Grab:
     """``"seq:amount:ms"`` as stored in a packet's grabs hash."""
-    text = record.decode() if isinstance(record, bytes) else record
-    seq, amount, ms = text.split(":")
-    return Grab(user_id, int(seq), int(amount), int(ms))
+    seq, amount, ms = keys.parse_grab_record(record)
+    return Grab(user_id, seq, amount, ms)
 
 
 async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bool = False) -> GrabResult:

@@ -192,10 +192,17 @@ async def set_role(db: Database, membership: Membership, group_id: int, user_id:
         raise InvalidRequest(errors.ROLE_INVALID, "role is admin or member")
 
     async def work(tx: Tx) -> int:
-        return await tx.execute(
+        if await tx.execute(
             "UPDATE group_members SET role = %s WHERE group_id = %s AND user_id = %s",
             (role, group_id, user_id),
+        ):
+            return 1
+        # No row changed: not a member — or one already in that role (a run again after a lost COMMIT
+        # answer, say: MySQL counts changed rows, not matched ones).
+        member = await tx.fetchone(
+            "SELECT 1 FROM group_members WHERE group_id = %s AND user_id = %s", (group_id, user_id)
         )
+        return 0 if member is None else 1
 
     if await db.run(work, idempotent=True) == 0:
         raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not in group {group_id}")

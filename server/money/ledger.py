@@ -225,6 +225,12 @@ class Credit:
 CreditOutcome = Literal["credited", "already"]
 
 
+def grab_key(packet_id: int, seq: int) -> str:
+    """The journal's idempotency key of a grab's credit: one share of one packet is paid once.
+    (``server.money.reconcile`` builds the same in SQL to join postings with grab records.)"""
+    return f"grab:{packet_id}:{seq}"
+
+
 async def finish_paid(tx: Tx, packet_ids: list[int]) -> int:
     """Among these active packets, those whose every share is now credited become ``finished``, in the
     caller's transaction (the one that credited their last share): ``finished`` means every share is
@@ -240,6 +246,15 @@ async def finish_paid(tx: Tx, packet_ids: list[int]) -> int:
         " FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = 'credited')",
         ids,
     )
+
+
+async def _posted_by_this_call(tx: Tx, idem_key: str) -> bool:
+    """Whether this ``Database.run`` call posted ``idem_key`` in an earlier run whose COMMIT answer was
+    lost (its journal row carries the call's token)."""
+    if not tx.resumed:
+        return False
+    row = await tx.fetchone("SELECT tx FROM journal WHERE idem_key = %s", (idem_key,))
+    return row is not None and row[0] is not None and int(row[0]) == tx.token
 
 
 async def credit_grab(db: Database, c: Credit) -> CreditOutcome:
@@ -281,7 +296,9 @@ async def credit_grab(db: Database, c: Credit) -> CreditOutcome:
                     errors.SHARE_CONFLICT, "that share or that user is paid to another grab"
                 ) from None
             if rows[0][2] == "credited":
-                return "already"
+                return (
+                    "credited" if await _posted_by_this_call(tx, grab_key(c.packet_id, c.seq)) else "already"
+                )
             await tx.execute(
                 "UPDATE grab_records SET status = 'credited', credited_ms = %s"
                 " WHERE packet_id = %s AND seq = %s",
@@ -289,7 +306,7 @@ async def credit_grab(db: Database, c: Credit) -> CreditOutcome:
             )
         if packet[0] == "refunded":
             raise Conflict(errors.PACKET_EXPIRED, f"packet {c.packet_id} was refunded before this credit")
-        posted = await post(tx, c.user_id, c.amount, "grab", f"grab:{c.packet_id}:{c.seq}", c.packet_id)
+        posted = await post(tx, c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id)
         if posted:
             await finish_paid(tx, [c.packet_id])
         return "credited" if posted else "already"

@@ -7,11 +7,13 @@ failover, or by hand). Grabbing and opening a packet are ``server.money.grabs``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
@@ -263,10 +265,10 @@ async def _load(
     for k, v in meta.items():
         args += [k, v]
     args.append(len(shares))
-    args += [f"{seq}:{amount}" for seq, amount in shares]
+    args += [keys.share_entry(seq, amount) for seq, amount in shares]
     args.append(len(grabs))
     for user, seq, amount, ms in grabs:
-        args += [user, f"{seq}:{amount}:{ms}"]
+        args += [user, keys.grab_record(seq, amount, ms)]
     keys_ = [*keys.packet_keys(p.group_id, p.packet_id), keys.outbox_for(p.group_id)]
     left, known, dropped = await core.scripts.load_packet(keys=keys_, args=args)
     return int(left), int(known), [dropped_credit(p, entry) for entry in dropped]
@@ -316,7 +318,9 @@ async def recover_packet(core: Core, packet_id: int) -> Recovered:
         )
         taken = await _taken(core, tx, p)
         finished = max(g[3] for g in taken) if len(taken) == p.count else None
-        left, n, dropped = await _load(core, p, [(int(x[0]), int(x[1])) for x in shares], taken, finished)
+        left, n, dropped = await _bounded(
+            _load(core, p, [(int(x[0]), int(x[1])) for x in shares], taken, finished)
+        )
         core.repairs.mark(packet_id, generation)
         return p, left, n, dropped
 
@@ -341,6 +345,22 @@ async def recover_packet(core: Core, packet_id: int) -> Recovered:
     return Recovered(p.packet_id, left, known)
 
 
+# A repair holds its packet's row lock (and, on SQLite, the one writer's) while it talks to Redis: a Redis
+# that stops answering without closing the connection must not hold it longer than this.
+REPAIR_REDIS_SECONDS = 5.0
+
+T = TypeVar("T")
+
+
+async def _bounded(aw: Awaitable[T]) -> T:
+    """``aw``, or ``Unavailable`` after ``REPAIR_REDIS_SECONDS``: the transaction then rolls back and the
+    lock goes (the load script, if it ran, is safe to run again)."""
+    try:
+        return await asyncio.wait_for(aw, REPAIR_REDIS_SECONDS)
+    except TimeoutError:
+        raise Unavailable(errors.REDIS_UNAVAILABLE, "Redis did not answer the repair in time") from None
+
+
 async def _locked(tx: Tx, packet_id: int) -> Packet:
     """The packet's row, locked until ``tx`` ends: every credit of it takes this lock first."""
     row = await tx.fetchone(
@@ -355,9 +375,11 @@ async def _taken(core: Core, tx: Tx, p: Packet) -> list[tuple[int, int, int, int
     """The grabs a repair must keep, as (user, seq, amount, grabbed_ms): the database's, and — when the
     packet's keys are gone — those whose credit still waits in the outbox. The outbox is read first: a
     credit acknowledged since was committed before, so the database read after it has it."""
-    queued = (
-        [] if await core.redis.exists(keys.packet_meta(p.group_id, p.packet_id)) else await _queued(core, p)
+    # A meta hash that names its group is the packet's keys being there (a close alone makes one without).
+    present = await _bounded(
+        cast(Awaitable[bool], core.redis.hexists(keys.packet_meta(p.group_id, p.packet_id), "group"))
     )
+    queued = [] if present else await _bounded(_queued(core, p))
     rows = await tx.fetchall(
         "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (p.packet_id,)
     )

@@ -53,7 +53,6 @@ class PacketBooks:
     shares_total: int = 0
     shares_count: int = 0
     expires_ms: int = 0
-    group_id: int = 0
 
     @property
     def outstanding(self) -> int:
@@ -245,7 +244,7 @@ async def _redis_grabs(core: Core, packets: dict[int, int]) -> dict[int, list[Gr
         for (pid, _), held in zip(chunk, answers, strict=True):
             rows = []
             for user, record in held.items():
-                seq, amount, ms = (int(x) for x in record.decode().split(":"))
+                seq, amount, ms = keys.parse_grab_record(record)
                 rows.append(GrabRow(pid, int(user), seq, amount, ms))
             if rows:
                 out[pid] = rows
@@ -255,7 +254,7 @@ async def _redis_grabs(core: Core, packets: dict[int, int]) -> dict[int, list[Gr
 async def _gather_db(db: Database, now: int) -> tuple[Books, dict[int, int]]:
     """The database's figures, and the packets (id → group) whose grabs are compared with Redis's."""
     d = db.dialect
-    grab_key = d.concat("'grab:'", "g.packet_id", "':'", "g.seq")
+    grab_key = d.concat("'grab:'", "g.packet_id", "':'", "g.seq")  # ledger.grab_key, in SQL
     async with db.snapshot() as tx:
         packets = await tx.fetchall(
             "SELECT id, status, total, share_count, expires_ms, group_id, finished_ms FROM red_packets"
@@ -329,7 +328,6 @@ async def _gather_db(db: Database, now: int) -> tuple[Books, dict[int, int]]:
             shares_total=share_sums.get(int(pid), (0, 0))[0],
             shares_count=share_sums.get(int(pid), (0, 0))[1],
             expires_ms=int(expires),
-            group_id=int(group),
         )
         for pid, status, total, count, expires, group, _ in packets
     ]

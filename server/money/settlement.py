@@ -52,6 +52,8 @@ class Seen:
 
     grabs: list[Credit]
     dropped: list[Credit]
+    # Whether the packet's keys were there: if not, its grabs may be only in the outbox.
+    present: bool = True
 
 
 async def read_grabs(core: Core, p: Packet, close: bool) -> Seen:
@@ -61,7 +63,7 @@ async def read_grabs(core: Core, p: Packet, close: bool) -> Seen:
     meta, _, grabs, dropped = keys.packet_keys(p.group_id, p.packet_id)
     expire_at = p.expires_ms + core.settings.redis_grace_seconds * 1000
     try:
-        held, gone = await core.batcher.script(
+        present, held, gone = await core.batcher.script(
             core.scripts.close_packet,
             [meta, grabs, dropped],
             ["1" if close else "0", expire_at],
@@ -73,7 +75,7 @@ async def read_grabs(core: Core, p: Packet, close: bool) -> Seen:
     for i in range(0, len(held), 2):
         g = parse_record(int(held[i]), held[i + 1])
         out.append(Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, p.group_id))
-    return Seen(out, [dropped_credit(p, entry) for entry in gone])
+    return Seen(out, [dropped_credit(p, entry) for entry in gone], bool(present))
 
 
 async def settle(core: Core, p: Packet, seen: Seen, older_than_ms: int | None = None) -> Settled:
@@ -140,12 +142,20 @@ async def refund_packet(core: Core, packet_id: int, now: int | None = None) -> R
         return Refund(packet_id, "not_due" if p.status == "active" else "taken")
     # The packet's Redis state checked against the database first (rebuilt if its keys were lost, with
     # the credits still in the outbox), loaded closed; then closed and read durably: no grab after this.
-    try:
-        await recover_packet(core, packet_id)
-    except RedPacketError as e:
-        if e.code != errors.PACKET_EXPIRED:  # refunded meanwhile by another worker: the pay-back says so
-            raise
-    await settle(core, p, await read_grabs(core, p, close=True))
+    for _ in range(2):
+        try:
+            await recover_packet(core, packet_id)
+        except RedPacketError as e:
+            if e.code != errors.PACKET_EXPIRED:  # refunded meanwhile by another worker: the pay-back says so
+                raise
+        seen = await read_grabs(core, p, close=True)
+        if seen.present:
+            break
+        # The keys went between the repair and the close (expired, evicted, lost): rebuild them again,
+        # with the credits still in the outbox, before anything is paid back.
+    else:
+        raise Unavailable(errors.REDIS_UNAVAILABLE, f"packet {packet_id}'s state keeps vanishing from Redis")
+    await settle(core, p, seen)
 
     async def pay_back(tx: Tx) -> Refund:
         row = await tx.fetchone(
@@ -203,7 +213,8 @@ async def due_for_refund(core: Core, now: int | None = None, limit: int = 500) -
     now = now_ms() if now is None else now
     rows = await core.db.fetchall(
         "SELECT id FROM red_packets WHERE (status = 'active' AND expires_ms <= %s) OR status = 'refunding'"
-        " ORDER BY expires_ms LIMIT %s",
+        # Newly due first: a refund waiting for its Redis (``refunding``) must not hold up the others.
+        " ORDER BY status = 'refunding', expires_ms LIMIT %s",
         (now, limit),
     )
     return [int(r[0]) for r in rows]

@@ -47,8 +47,27 @@ def packet_shares(group_id: int, packet_id: int) -> str:
 
 
 def packet_grabs(group_id: int, packet_id: int) -> str:
-    """Hash user id → ``"<seq>:<amount>:<grabbed_ms>"``: who took which share, and when."""
+    """Hash user id → ``"<seq>:<amount>:<grabbed_ms>"`` (a ``grab_record``): who took which share, and
+    when."""
     return _p(group_id, packet_id) + ":grabs"
+
+
+def share_entry(seq: int, amount: int) -> str:
+    """A share as the shares list holds it: ``"<seq>:<amount>"`` (``lua/grab.lua`` pops it as is)."""
+    return f"{seq}:{amount}"
+
+
+def grab_record(seq: int, amount: int, grabbed_ms: int) -> str:
+    """A grab as the grabs hash holds it: ``"<seq>:<amount>:<grabbed_ms>"`` (``lua/grab.lua`` builds the
+    same from the share it pops)."""
+    return f"{seq}:{amount}:{grabbed_ms}"
+
+
+def parse_grab_record(record: bytes | str) -> tuple[int, int, int]:
+    """(seq, amount, grabbed_ms) of a ``grab_record``."""
+    text = record.decode() if isinstance(record, bytes) else record
+    seq, amount, ms = (int(x) for x in text.split(":"))
+    return seq, amount, ms
 
 
 def packet_dropped(group_id: int, packet_id: int) -> str:

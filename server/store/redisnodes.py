@@ -81,8 +81,8 @@ class ServerChanged(RedisConnectionError):
     checked against the database, then send again (the next connection goes through)."""
 
 
-# What a pipeline sends first to read a server's data id. Under this two-word name redis-py applies no
-# reply callback: the answer stays the raw text ``data_id`` reads two fields of.
+# How the batcher reads a server's data id before a pipeline with a grab in it. Under this two-word name
+# redis-py applies no reply callback: the answer stays the raw text ``data_id`` reads two fields of.
 DATA_ID_COMMAND = "INFO REPLICATION"
 
 
@@ -205,8 +205,7 @@ class RedisNodes:
         return self.identities.generation
 
     def saw_data(self, client: Redis, info: bytes | str) -> None:
-        """A pipeline's read of its server's data id (``DATA_ID_COMMAND``): a change raises the
-        generation."""
+        """A read of a server's data id (``DATA_ID_COMMAND``): a change raises the generation."""
         self.identities.saw(self._address(client), data=data_id(info))
 
     def look_first(self, client: Redis) -> bool:

@@ -41,7 +41,7 @@ async def _enqueue(core: Core, credits: list[Credit]) -> None:
                 pipe.hset(
                     keys.packet_grabs(c.group_id, c.packet_id),
                     str(c.user_id),
-                    f"{c.seq}:{c.amount}:{c.grabbed_ms}",
+                    keys.grab_record(c.seq, c.amount, c.grabbed_ms),
                 )
                 pipe.xadd(keys.outbox_for(c.group_id), {"c": entry})
             await pipe.execute()
@@ -78,7 +78,7 @@ async def _raw(core: Core, credits: list[Credit], batch: int) -> None:
                 "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms)"
                 " VALUES (%s, %s, %s, %s, %s, %s)",
                 [
-                    (c.user_id, c.amount, "grab", f"grab:{c.packet_id}:{c.seq}", c.packet_id, ts)
+                    (c.user_id, c.amount, "grab", ledger.grab_key(c.packet_id, c.seq), c.packet_id, ts)
                     for c in chunk
                 ],
             )
