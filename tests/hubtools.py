@@ -176,11 +176,11 @@ async def hub_process(settings: Settings, *args: str) -> AsyncIterator[HubUnderT
 
 @contextmanager
 def redpacket_up(
-    data_dir: Path, *args: str, env: dict[str, str] | None = None
+    data_dir: Path, *args: str, env: dict[str, str] | None = None, said: list[str] | None = None
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """``redpacket up --port 0`` on ``data_dir`` as a newcomer runs it (with ``env`` set): (its address,
-    the process). Its output is drained so it never blocks on a full pipe; stopped with SIGINT (Ctrl-C)
-    unless already gone."""
+    the process). Its output is drained (into ``said``, its lines as they come) so it never blocks on a
+    full pipe; stopped with SIGINT (Ctrl-C) unless already gone."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "up", "--port", "0", *args],
         env=child_env(REDPACKET_DATA_DIR=str(data_dir), **(env or {})),
@@ -190,7 +190,7 @@ def redpacket_up(
     )
     assert proc.stdout is not None
     url = hub_url(proc.stdout)
-    said: list[str] = []
+    said = [] if said is None else said
     drain = threading.Thread(target=lambda: said.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     drain.start()
     try:

@@ -10,7 +10,12 @@ packets and grabs. One data directory has at most one Valkey, whoever started it
   (``redpacket blocks`` beside a running ``redpacket up`` sees and changes the live state);
 - ``redpacket up`` wants the directory to itself and refuses to start beside another holder;
 - a Valkey left running by a holder that was killed (its child outlives it) is shut down, its AOF
-  flushed, before a new one opens the same files.
+  flushed, before a new one opens the same files;
+- the holder supervises its Valkey: should the server process end unasked (killed, crashed: by a
+  signal or an error exit; a clean shutdown is left alone), it is reaped and started again on the same
+  port and files — its AOF replayed, so with ``aof`` durability no
+  grab answered "won" is lost — with one log line per restart. The hub and worker reconnect on their
+  own, and check each packet against the database before its next grab (a new run id).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import fcntl
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,32 +120,112 @@ def embedded_valkey(
             return
         _shut_down_orphan(data_dir)
         (data_dir / STATE).unlink(missing_ok=True)
-        server = ValkeyServer(
-            port=port or None,
-            host="127.0.0.1",
-            data_dir=data_dir / "valkey",
-            persist=True,
-            config={"appendonly": "yes", "appendfsync": fsync},
-        )
         try:
-            server.start()
+            server = _start(data_dir, port or None, fsync)
         except Exception as e:
             raise EmbeddedError(f"the embedded Valkey did not start on port {port or 'any'}: {e}") from e
+        supervisor = _Supervisor(server, data_dir, fsync, owner)
         try:
-            url = server.connection_url
-            client = _answers(url)
-            info: dict[str, object] = client.info("server") if client else {}  # type: ignore[assignment]
-            valkey_pid = info.get("process_id")
-            if client is not None:
-                client.close()
-            state = {"url": url, "pid": os.getpid(), "valkey_pid": valkey_pid, "owner": owner}
-            tmp = data_dir / (STATE + ".tmp")
-            tmp.write_text(json.dumps(state))
-            tmp.replace(data_dir / STATE)
-            log.info("embedded Valkey listening on %s", url)
-            yield url
+            supervisor.announce()
+            log.info("embedded Valkey listening on %s", server.connection_url)
+            supervisor.start()
+            yield server.connection_url
         finally:
+            supervisor.stop()
             (data_dir / STATE).unlink(missing_ok=True)
-            server.stop()
+            supervisor.server.stop()
     finally:
         lock.close()  # releases the lock
+
+
+def _start(data_dir: Path, port: int | None, fsync: str) -> ValkeyServer:
+    server = ValkeyServer(
+        port=port,
+        host="127.0.0.1",
+        data_dir=data_dir / "valkey",
+        persist=True,
+        config={"appendonly": "yes", "appendfsync": fsync},
+    )
+    server.start()
+    return server
+
+
+class _Supervisor(threading.Thread):
+    """Watches the embedded Valkey's process and starts it again when it ends unasked."""
+
+    # How often the process is looked at, and the longest wait between attempts to start it again.
+    LOOK_EVERY = 0.2
+    BACK_OFF_MAX = 5.0
+
+    def __init__(self, server: ValkeyServer, data_dir: Path, fsync: str, owner: str) -> None:
+        super().__init__(name="embedded-valkey-supervisor", daemon=True)
+        self.server = server
+        self.port = server.port  # a restart keeps it: every client's URL stays right
+        self.data_dir = data_dir
+        self.fsync = fsync
+        self.owner = owner
+        self.valkey_pid = 0
+        self.restarts = 0
+        self._stopping = threading.Event()
+
+    def announce(self) -> None:
+        """Write where the server listens and its process id to ``valkey.json``."""
+        url = self.server.connection_url
+        client = _answers(url)
+        info: dict[str, object] = client.info("server") if client else {}  # type: ignore[assignment]
+        if client is not None:
+            client.close()
+        self.valkey_pid = int(info.get("process_id", 0))  # type: ignore[call-overload]
+        state = {"url": url, "pid": os.getpid(), "valkey_pid": self.valkey_pid, "owner": self.owner}
+        tmp = self.data_dir / (STATE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.replace(self.data_dir / STATE)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.is_alive():
+            self.join(timeout=30)
+
+    def run(self) -> None:
+        while not self._stopping.wait(self.LOOK_EVERY):
+            status = self._ended()
+            if status is None or self._stopping.is_set():
+                continue
+            if status == "exit code 0":
+                # A clean shutdown somebody asked for (SHUTDOWN, SIGTERM, the terminal's Ctrl-C, which
+                # reaches it too): not a crash to undo.
+                log.warning("the embedded Valkey shut down (exit code 0); not started again")
+                return
+            self.restarts += 1
+            back_off = 0.1
+            while not self._stopping.is_set():
+                try:
+                    self.server.terminate()  # the process is gone: this only forgets it
+                    self.server = _start(self.data_dir, self.port, self.fsync)
+                    self.announce()
+                except Exception as e:
+                    log.warning("the embedded Valkey did not start again (%s); trying again", e)
+                    self._stopping.wait(back_off)
+                    back_off = min(back_off * 2, self.BACK_OFF_MAX)
+                    continue
+                log.warning(
+                    "the embedded Valkey ended (%s); started again on %s (pid %d, restart %d), its"
+                    " append-only file replayed",
+                    status,
+                    self.server.connection_url,
+                    self.valkey_pid,
+                    self.restarts,
+                )
+                break
+
+    def _ended(self) -> str | None:
+        """How the server's process ended, reaping it, or None while it runs."""
+        try:
+            pid, status = os.waitpid(self.valkey_pid, os.WNOHANG)
+        except ChildProcessError:
+            return None  # not a child of this process (never expected): left alone
+        if pid == 0:
+            return None
+        if os.WIFSIGNALED(status):
+            return f"signal {os.WTERMSIG(status)}"
+        return f"exit code {os.WEXITSTATUS(status)}"
