@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 
 from server.core import open_core
 from server.hub.wire import uvicorn_config
-from server.settings import Settings, redact
+from server.settings import Settings, fsyncs, redact
 from server.store.batch import durability_problem
 from server.store.db import DatabaseError
 from server.store.embedded import EmbeddedError, embedded_valkey
@@ -62,7 +62,7 @@ def _redis_url(settings: Settings, command: str) -> Iterator[Settings]:
     # The embedded Valkey makes grabs durable on its disk unless told otherwise: appendfsync always
     # (the event loop fsyncs all of one iteration's writes at once), and every grab waits for it.
     durability = settings.grab_durability or "aof"
-    fsync = "always" if durability == "aof" else "everysec"
+    fsync = "always" if fsyncs(durability) else "everysec"
     try:
         with embedded_valkey(
             settings.data_dir,

@@ -18,9 +18,9 @@ from server import errors
 from server.errors import Unavailable
 from server.money.membership import Membership
 from server.money.split import Limits
-from server.settings import Settings
+from server.settings import Durability, Settings
 from server.store import schema
-from server.store.batch import Batcher, Durability
+from server.store.batch import Batcher
 from server.store.db import Database, DatabaseError, connect
 from server.store.queue import make_queue
 from server.store.redisnodes import RedisNodes, moved

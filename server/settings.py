@@ -10,11 +10,25 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar, get_args
 
 PREFIX = "REDPACKET_"
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
-DURABILITY = ("none", "aof", "replica")
+# What a grab answered "won" survives (the README's configuration table says what each one waits for).
+Durability = Literal["none", "aof", "replica", "aof+replica"]
+DURABILITY: tuple[str, ...] = get_args(Durability)
+
+
+def fsyncs(level: str) -> bool:
+    """Whether a grab of this durability waits for the master's fsync (WAITAOF; appendfsync always)."""
+    return level in ("aof", "aof+replica")
+
+
+def wants_replica(level: str) -> bool:
+    """Whether a grab of this durability waits for a replica (``aof+replica``: when one is online)."""
+    return level in ("replica", "aof+replica")
+
+
 DATABASE_SCHEMES = ("mysql://", "mariadb://", "sqlite:///")
 N = TypeVar("N", int, float)
 
@@ -276,7 +290,7 @@ class Settings:
 
     @property
     def durability(self) -> str:
-        """none, aof or replica (the embedded Valkey is started with aof chosen, unless set)."""
+        """One of ``DURABILITY`` (the embedded Valkey is started with aof chosen, unless set)."""
         return self.grab_durability or "none"
 
     @property

@@ -145,6 +145,7 @@ def worker_env(settings: Settings, metrics_port: int = 0) -> dict[str, str]:
         REDPACKET_QUEUE_REDIS_URL=settings.queue_redis_url,
         REDPACKET_DATABASE_URL=settings.database_url,
         REDPACKET_QUEUE_NAME=settings.queue_name,
+        REDPACKET_GRAB_DURABILITY=settings.grab_durability,
         REDPACKET_WORKER_METRICS_PORT=str(metrics_port),
     )
 

@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any, cast
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from arq import Worker
 from arq.cron import cron
 
-from server.core import Core
+from server.core import Core, unavailable
+from server.settings import wants_replica
 from server.store import keys
 from server.store.queue import job_deserializer, job_serializer
 from worker.drain import CreditDrain
 from worker.metrics import WorkerMetrics
-from worker.settle import announce_job, reconcile_job, refund_expired_job, score_bots_job, sweep_job
+from worker.settle import Ctx, announce_job, reconcile_job, refund_expired_job, score_bots_job, sweep_job
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +38,35 @@ HEALTHY_WITHIN = 30.0
 def cron_jobs() -> list[Any]:
     """Every periodic job; arq's ``unique`` runs each tick once across workers."""
     return [
-        cron(cast(Any, refund_expired_job), second=0, unique=True, timeout=600),
-        cron(cast(Any, announce_job), second=set(range(2, 60, 5)), unique=True, timeout=60),
-        cron(cast(Any, sweep_job), second={15, 45}, unique=True, timeout=300),
-        cron(cast(Any, reconcile_job), minute=set(range(0, 60, 10)), second=30, unique=True, timeout=600),
-        cron(cast(Any, score_bots_job), second=set(range(5, 60, 10)), unique=True, timeout=60),
+        cron(transient_is_a_line(refund_expired_job), second=0, unique=True, timeout=600),
+        cron(transient_is_a_line(announce_job), second=set(range(2, 60, 5)), unique=True, timeout=60),
+        cron(transient_is_a_line(sweep_job), second={15, 45}, unique=True, timeout=300),
+        cron(
+            transient_is_a_line(reconcile_job),
+            minute=set(range(0, 60, 10)),
+            second=30,
+            unique=True,
+            timeout=600,
+        ),
+        cron(transient_is_a_line(score_bots_job), second=set(range(5, 60, 10)), unique=True, timeout=60),
     ]
+
+
+def transient_is_a_line(job: Callable[[Ctx], Awaitable[object]]) -> Any:
+    """``job``, whose failure on Redis or the database being away (a restart, a failover) is one log line
+    and no result: the next run of the cron tries again. Any other failure is arq's to report."""
+
+    @functools.wraps(job)
+    async def run(ctx: Ctx) -> object:
+        try:
+            return await job(ctx)
+        except Exception as e:
+            if unavailable(e) is None:
+                raise
+            log.warning("%s left for its next run: %s", job.__name__, e)
+            return None
+
+    return run
 
 
 def make_worker(core: Core, metrics: WorkerMetrics | None = None, **overrides: Any) -> Worker:
@@ -110,9 +135,14 @@ async def sample(core: Core, metrics: WorkerMetrics) -> None:
             pipe.xlen(keys.credit_outbox(n))
         depths = await pipe.execute()
     metrics.queue_depth.set(sum(int(d) for d in depths))
-    for address, (cpu, memory) in (await core.nodes.usage()).items():
+    wants = wants_replica(core.settings.durability)
+    for address, (cpu, memory, replicas) in (await core.nodes.usage()).items():
         metrics.redis_cpu.labels(address).set(cpu)
         metrics.redis_memory.labels(address).set(memory)
+        metrics.redis_replicas.labels(address).set(replicas)
+        # replica: this master's grabs fail until a replica is back; aof+replica: they are on its disk
+        # alone meanwhile (the loss of the machine would lose them).
+        metrics.durability_degraded.labels(address).set(int(wants and replicas == 0))
 
 
 @contextlib.asynccontextmanager

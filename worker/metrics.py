@@ -53,6 +53,19 @@ class WorkerMetrics:
             ["server"],
             registry=r,
         )
+        self.redis_replicas = Gauge(
+            "redpacket_redis_replicas",
+            "replicas in sync (online) of each Redis master (INFO replication, read every 5 s)",
+            ["server"],
+            registry=r,
+        )
+        self.durability_degraded = Gauge(
+            "redpacket_durability_degraded",
+            "1 while a master has no replica online although the grab durability wants one (replica:"
+            " its grabs fail; aof+replica: they are on its disk alone)",
+            ["server"],
+            registry=r,
+        )
         self.healthy_at = Gauge(
             "redpacket_worker_healthy_at_seconds",
             "unix time of the last heartbeat that reached both Redis and the database",

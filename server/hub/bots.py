@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import cast
 
 import msgpack
-from redis.exceptions import RedisError
 
 from server.core import Core
 from server.hub.botscore import Attempt, Decision, Rules, score
@@ -23,6 +22,10 @@ log = logging.getLogger(__name__)
 
 def _text(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
+
+
+# Grab attempts kept while Redis cannot take them (a minute of a busy hub's); the oldest go first.
+KEEP_AT_MOST = 100_000
 
 
 class AttemptLog:
@@ -48,6 +51,9 @@ class AttemptLog:
         task.add_done_callback(self.writing.discard)
 
     async def flush(self) -> None:
+        """Write what is pending as one entry. If Redis fails (away, failing over — or redis-py's cluster
+        client tripping over itself meanwhile), the attempts are kept, up to ``KEEP_AT_MOST``, and
+        written with the next entry."""
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -58,8 +64,11 @@ class AttemptLog:
             await self.core.redis.xadd(
                 keys.GRAB_ATTEMPTS, {"a": msgpack.packb(batch)}, maxlen=10_000, approximate=True
             )
-        except RedisError as e:
-            log.warning("%d grab attempts not recorded for the bot detector: %s", len(batch), e)
+        except Exception as e:  # never lost to a transient error, never a task that dies
+            self.pending = (batch + self.pending)[-KEEP_AT_MOST:]
+            log.warning("%d grab attempts kept for the bot detector, written later: %s", len(self.pending), e)
+            if self.timer is None:
+                self.timer = asyncio.get_running_loop().call_later(self.interval * 10, self._write_soon)
 
     async def close(self) -> None:
         await self.flush()

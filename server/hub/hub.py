@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Awaitable
 from typing import Any
 
-from server.core import Core
+from server.core import Core, unavailable
 from server.hub import events, protocol
 from server.hub.announce import Announcer
 from server.hub.bots import AttemptLog
@@ -215,8 +215,11 @@ class Hub:
         async def run() -> None:
             try:
                 await work
-            except Exception:
-                log.exception("hub background task failed")
+            except Exception as e:
+                if unavailable(e) is not None:  # Redis or the database away: a line, not a traceback
+                    log.warning("hub background task left undone: %s", e)
+                else:
+                    log.exception("hub background task failed")
 
         task = asyncio.create_task(run())
         self._tasks.add(task)

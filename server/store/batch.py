@@ -7,10 +7,13 @@ result or its own exception. On a Redis Cluster the calls of a tick are grouped 
 their slot.
 
 **Durability** (``REDPACKET_GRAB_DURABILITY``): a pipeline that carries a durable call (a grab) ends with
-``WAITAOF 1 0`` (``aof``: the master has fsynced its append-only file up to these writes) or ``WAIT 1``
-(``replica``: a replica has them), on the same connection as the writes. If the wait falls short within
-the timeout, every durable call of the pipeline fails with ``NotDurable`` (``redis_unavailable``): the
-share stays taken, and the grabber's retry answers it again, waiting once more.
+waits on the same connection as the writes (``_waits``): ``WAITAOF 1 0`` (``aof``: the master has
+fsynced its append-only file up to these writes), ``WAIT 1`` (``replica``: a replica has them), or both
+(``aof+replica`` — ``WAITAOF 1 0`` alone while the master has no replica online, as the last look at it
+said: fsynced alone until one is back). If the wait falls
+short within the timeout, every durable call of the pipeline fails with ``NotDurable``
+(``redis_unavailable``): the share stays taken, and the grabber's retry answers it again, waiting once
+more.
 
 Cancelling a waiting caller does not unsend its command: a grab already in the pipeline still happens in
 Redis (the Lua script is atomic either way), exactly as with an unbatched call cancelled mid-flight.
@@ -21,7 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -31,10 +34,10 @@ from redis.exceptions import NoScriptError, RedisError
 
 from server import errors
 from server.errors import Unavailable
+from server.settings import Durability, fsyncs
 from server.store.redisnodes import DATA_ID_COMMAND, RedisNodes, ServerChanged, moved
 
 Queue = Callable[[Pipeline], object]
-Durability = Literal["none", "aof", "replica"]
 
 
 class NotDurable(Unavailable):
@@ -135,10 +138,9 @@ class Batcher:
             async with node.pipeline(transaction=False) as pipe:
                 for c in batch:
                     c.queue(pipe)
-                if wait and self.durability == "aof":
-                    pipe.execute_command("WAITAOF", 1, 0, self._timeout_ms)
-                elif wait:
-                    pipe.execute_command("WAIT", 1, self._timeout_ms)
+                waits = _waits(self.durability, self._nodes.replicas(node)) if wait else []
+                for command in waits:
+                    pipe.execute_command(*command, self._timeout_ms)
                 results = await pipe.execute(raise_on_error=False)
         except Exception as e:
             for c in batch:
@@ -149,7 +151,11 @@ class Batcher:
             return
         short = None
         if wait:
-            short = _shortfall(self.durability, results.pop())
+            answers = results[len(results) - len(waits) :]
+            del results[len(results) - len(waits) :]
+            short = next((s for c, a in zip(waits, answers, strict=True) if (s := _shortfall(c, a))), None)
+            if short is not None and self.durability == "aof+replica":
+                self._nodes.look_again(node)  # its replica may have gone: the next batch counts again
         if any(isinstance(r, RedisError) and moved(r) for r in results):
             await self._refresh()
         if any(isinstance(r, RedisError) and (moved(r) or str(r).startswith("READONLY")) for r in results):
@@ -219,12 +225,15 @@ class Batcher:
 
 MAX_HOPS = 2
 
+# A wait that ends a durable pipeline: the command and its arguments before the timeout.
+Wait = tuple[str | int, ...]
+
 
 async def durability_problem(client: Redis, level: str) -> str | None:
     """Why grabs cannot be made ``level``-durable on this master as it is configured, or None if they
     can (``none`` always can). Start-up refuses a problem (``redpacket serve``, ``worker``); the grab
     bench skips the level."""
-    if level == "aof":
+    if fsyncs(level):
         try:
             await client.execute_command("WAITAOF", 1, 0, 100)  # type: ignore[no-untyped-call]
         except RedisError as e:
@@ -243,7 +252,7 @@ async def durability_problem(client: Redis, level: str) -> str | None:
                 f"appendfsync is {fsync}: WAITAOF then answers before the AOF is fsynced, so only"
                 " appendfsync always makes a grab answered won survive a crash"
             )
-    elif level == "replica":
+    elif level == "replica":  # (aof+replica goes on without one: on disk alone meanwhile)
         info = await client.info("replication")
         if int(info.get("connected_slaves", 0)) < 1:
             return "it has no replica"
@@ -258,11 +267,25 @@ def _moved_to(answer: object) -> str | None:
     return parts[2] if len(parts) == 3 and parts[0] == "MOVED" else None
 
 
-def _shortfall(durability: Durability, answer: object) -> str | None:
-    """Why a WAIT / WAITAOF answer falls short of the durability asked for, or None if it does not."""
-    if isinstance(answer, Exception):
-        return f"the grab could not be made durable ({durability}): {answer}"
+def _waits(durability: Durability, replicas_online: int) -> list[Wait]:
+    """The waits that end a pipeline with a grab in it (each takes the timeout last). ``aof+replica``
+    waits for the master's fsync and, while it has a replica online, for a replica to have received
+    the writes too (``WAIT``, not ``WAITAOF 1 1``: a replica that has just synced acknowledges its own
+    fsyncs only once its AOF rewrite is done — measured: waits of the full timeout)."""
     if durability == "aof":
+        return [("WAITAOF", 1, 0)]
+    if durability == "replica":
+        return [("WAIT", 1)]
+    if durability == "aof+replica":
+        return [("WAITAOF", 1, 0), ("WAIT", 1)] if replicas_online else [("WAITAOF", 1, 0)]
+    return []
+
+
+def _shortfall(wait: Wait, answer: object) -> str | None:
+    """Why the answer to ``wait`` falls short, or None if it does not."""
+    if isinstance(answer, Exception):
+        return f"the grab could not be made durable ({wait[0]}): {answer}"
+    if wait[0] == "WAITAOF":
         local = int(answer[0]) if isinstance(answer, list | tuple) and answer else 0
         if local < 1:
             return "the grab is not yet on disk: retry"

@@ -49,6 +49,8 @@ class Identities:
 
     seen: dict[str, tuple[str, str]] = field(default_factory=dict)
     generation: int = 0
+    # How many replicas each address had online at the last look (``aof+replica`` waits for one if so).
+    replicas: dict[str, int] = field(default_factory=dict)
     # When each address's data id was last read (monotonic seconds).
     looked: dict[str, float] = field(default_factory=dict)
 
@@ -90,6 +92,12 @@ DATA_ID_COMMAND = "INFO REPLICATION"
 # (a round trip more, once per this interval per busy server). Replacing a server's data takes its
 # demotion, a full sync from another and its promotion: seconds in practice, never this little.
 LOOK_FIRST_AFTER = 0.01
+
+
+def online_replicas(info: bytes | str) -> int:
+    """How many replicas are in sync (``state=online``), from the text of ``INFO replication``."""
+    text = info.decode() if isinstance(info, bytes) else info
+    return sum(1 for line in text.splitlines() if line.startswith("slave") and "state=online" in line)
 
 
 def data_id(info: bytes | str) -> str:
@@ -134,6 +142,7 @@ class PackedConnection(Connection):
             text = info.decode() if isinstance(info, bytes) else str(info)
             run_id = next((line[7:].strip() for line in text.splitlines() if line.startswith("run_id:")), "")
             address = address_of(self.host, self.port)
+            self._identities.replicas[address] = online_replicas(text)
             if self._identities.saw(address, run_id, data_id(text)):
                 # Not a command goes out on it: what it would carry (a grab) was made for the data before.
                 raise ServerChanged(f"Redis at {address} restarted or failed over: checked, then sent again")
@@ -182,6 +191,8 @@ class RedisNodes:
                 startup_nodes=startup,
                 max_connections=pool_size * 8,
                 connection_error_retry_attempts=0,
+                # While one master's slots fail over, the others' keep serving (docs/scaling.md).
+                require_full_coverage=False,
                 **common,
             )
             # The nodes' connections are made from these (RedisCluster takes no connection class).
@@ -205,8 +216,15 @@ class RedisNodes:
         return self.identities.generation
 
     def saw_data(self, client: Redis, info: bytes | str) -> None:
-        """A read of a server's data id (``DATA_ID_COMMAND``): a change raises the generation."""
-        self.identities.saw(self._address(client), data=data_id(info))
+        """A read of a server's data id (``DATA_ID_COMMAND``): a change raises the generation. The
+        replicas it has online are noted too."""
+        address = self._address(client)
+        self.identities.replicas[address] = online_replicas(info)
+        self.identities.saw(address, data=data_id(info))
+
+    def replicas(self, client: Redis) -> int:
+        """How many replicas this server had online at the last look (0 if never looked)."""
+        return self.identities.replicas.get(self._address(client), 0)
 
     def look_first(self, client: Redis) -> bool:
         """Whether this server's data id was last read longer ago than ``LOOK_FIRST_AFTER``."""
@@ -275,17 +293,23 @@ class RedisNodes:
 
     async def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds (user + system) each master has used so far, by ``host:port``."""
-        return {address: cpu for address, (cpu, _) in (await self.usage()).items()}
+        return {address: cpu for address, (cpu, _, _) in (await self.usage()).items()}
 
-    async def usage(self) -> dict[str, tuple[float, int]]:
-        """(CPU seconds used so far, memory used in bytes) of each master, by ``host:port``: one INFO
-        each (its default sections hold both)."""
+    async def usage(self) -> dict[str, tuple[float, int, int]]:
+        """(CPU seconds used so far, memory used in bytes, replicas online) of each master, by
+        ``host:port``: one INFO each (its default sections hold all three)."""
         out = {}
         for address, client in self.masters().items():
             info = await client.info()
+            online = sum(
+                1
+                for k, v in info.items()
+                if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online"
+            )
             out[address] = (
                 float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
                 int(info["used_memory"]),
+                online,
             )
         return out
 
@@ -324,7 +348,13 @@ class RedisNodes:
             if time.monotonic() - self._refreshed < 0.5:
                 return
             self._refreshed = time.monotonic()
-            await cast(RedisCluster, self.client).nodes_manager.initialize()
+            cluster = cast(RedisCluster, self.client)
+            # Re-read under the client's own lock, as it does after its own errors (the flag is how it
+            # asks itself): a reading of ours beside one of its raced it in redis-py 5.3 — its loop over
+            # the startup nodes awaits each one while the other reading replaces that dict ("dictionary
+            # changed size during iteration", seen killing the hub's batches of grab attempts).
+            cluster._initialize = True
+            await cluster.initialize()
 
     async def aclose(self) -> None:
         for client in self._nodes.values():

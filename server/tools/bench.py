@@ -25,15 +25,15 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.money import grabs, groups, ledger, packets
 from server.money.membership import Membership
-from server.settings import Settings
+from server.settings import DURABILITY, Durability, Settings
 from server.store import keys
-from server.store.batch import Batcher, Durability, durability_problem
+from server.store.batch import Batcher, durability_problem
 from server.tools import plots
 from server.tools.progress import phase
 from server.tools.report import report
@@ -268,7 +268,7 @@ async def run_grab_bench(
                     figures[name] = round(await _grab_all(c, p.packet_id, group, users, concurrency))
             # The hub's grab (block and rate limit included) spread over the groups' shards, under each
             # durability level the server allows as configured, in this run.
-            levels: tuple[Durability, ...] = ("none", "aof", "replica")
+            levels = cast(tuple[Durability, ...], DURABILITY)
             for level in levels:
                 why_not = await _durability_ready(core, level)
                 if why_not is not None:
