@@ -568,6 +568,32 @@ async def test_grab_attempts_are_written_one_stream_entry_per_interval(h: HubUnd
     assert all(a.ms >= now - 60_000 for a in await bots.recent_attempts(h.core, now))
 
 
+async def test_grab_attempts_a_failed_write_could_not_take_are_written_with_the_next(
+    h: HubUnderTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write fails (as redis-py's cluster client failed at master kills, with a RuntimeError): the
+    attempts are kept and go out with the next write, none dropped, no task dead."""
+    log = bots.AttemptLog(h.core, interval=3600)
+    now = now_ms()
+    real = h.core.redis.xadd
+    failures = [RuntimeError("dictionary changed size during iteration")]
+
+    async def fails_once(*args: object, **kwargs: object) -> object:
+        if failures:
+            raise failures.pop()
+        return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(h.core.redis, "xadd", fails_once)
+    for i in range(3):
+        log.record(Attempt(100 + i, 2, 3, 40, "tablet", now - i))
+    await log.flush()
+    assert not failures and len(log.pending) == 3  # kept
+    log.record(Attempt(103, 2, 3, 40, "tablet", now))
+    await log.close()
+    seen = [a for a in await bots.recent_attempts(h.core, now) if a.device == "tablet"]
+    assert sorted(a.user for a in seen) == [100, 101, 102, 103]
+
+
 def test_big_room_announcements_list_the_latest_grabs_and_what_is_left() -> None:
     items = [
         {"packet_id": 1 + i % 2, "user": i, "amount": 5, "seq": i, "ms": i, "remaining": 20 - i}

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
+
+import pytest
 
 from server.core import Core
 from server.money import grabs, packets
@@ -89,3 +92,28 @@ async def test_arq_can_run_the_worker_settings_and_they_pay_credits(core: Core) 
 
 async def _balance_is(core: Core, user: int, cents: int) -> bool:
     return await balance(core.db, user) == cents
+
+
+async def test_a_cron_job_failing_on_a_service_away_is_one_line_not_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At a master's kill every cron job that touches Redis fails once: a warning line and the next run,
+    not arq's traceback. Any other failure is still arq's to report."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from worker.main import transient_is_a_line
+
+    async def redis_away(ctx: object) -> int:
+        raise RedisConnectionError("Error 111 connecting to 127.0.0.1:7000. Connection refused.")
+
+    async def a_bug(ctx: object) -> int:
+        raise ValueError("a bug")
+
+    with caplog.at_level(logging.WARNING, logger="worker.main"):
+        assert await transient_is_a_line(redis_away)({}) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "redis_away left for its next run: Error 111 connecting to 127.0.0.1:7000. Connection refused."
+    ]
+    assert transient_is_a_line(redis_away).__qualname__.endswith("redis_away")  # arq names the cron so
+    with pytest.raises(ValueError):
+        await transient_is_a_line(a_bug)({})
