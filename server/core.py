@@ -10,7 +10,13 @@ from typing import cast
 
 from arq.connections import ArqRedis
 from redis.asyncio import Redis
-from redis.exceptions import ClusterDownError, ReadOnlyError, ResponseError, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    ReadOnlyError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -21,15 +27,23 @@ from server.money.split import Limits
 from server.settings import Durability, Settings
 from server.store import schema
 from server.store.batch import Batcher
-from server.store.db import Database, DatabaseError, connect
+from server.store.db import Database, DatabaseError, OutcomeUnknown, RetryableError, connect
 from server.store.queue import make_queue
 from server.store.redisnodes import RedisNodes, moved
 from server.store.repair import Repairs
 from server.store.scripts import Scripts
 
 # Redis is down, restarting, loading its data (BusyLoadingError is a ConnectionError), or failing over
-# (a replica refusing writes, a cluster without a primary). Any other Redis error is a bug.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, TryAgainError, ClusterDownError)
+# (a replica refusing writes, a cluster without a primary, a slot the client knows no master of). Any other
+# Redis error is a bug.
+REDIS_DOWN = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ReadOnlyError,
+    TryAgainError,
+    ClusterDownError,
+    SlotNotCoveredError,
+)
 
 
 def unavailable(e: BaseException) -> Unavailable | None:
@@ -43,6 +57,16 @@ def unavailable(e: BaseException) -> Unavailable | None:
     if isinstance(e, DatabaseError):
         return Unavailable(errors.DATABASE_UNAVAILABLE, f"the database is unavailable: {e}")
     return None
+
+
+def transient(e: BaseException) -> bool:
+    """Whether background work that failed with ``e`` met a service away (Redis down or failing over, the
+    database unreachable or its connection lost, an outcome left unknown by it) and is tried again later:
+    a warning line. Anything else — a database error that is an answer (a bad statement, a constraint)
+    included — is a bug, with its traceback."""
+    if isinstance(e, DatabaseError):
+        return isinstance(e, RetryableError | OutcomeUnknown)
+    return unavailable(e) is not None
 
 
 @dataclass

@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from server.core import Core
+from server.core import Core, transient
 from server.money import grabs, groups, ledger, packets, settlement
 from server.money.crediting import credit_many
 from server.money.ledger import Credit
 from server.money.reconcile import reconcile
 from server.store import keys
-from server.store.db import OutcomeUnknown
+from server.store.db import DatabaseError, OutcomeUnknown, RetryableError, connect
 from tests.conftest import make_world
 from tests.dbproxy import MySQLProxy, core_behind_proxy
 from tests.test_credit import assert_books_balance
@@ -170,3 +170,26 @@ async def test_a_role_set_whose_commit_answer_is_lost_is_set_not_refused(
         "SELECT role FROM group_members WHERE group_id = %s AND user_id = %s", (w.group, member)
     )
     assert row is not None and row[0] == "admin"
+
+
+async def test_a_database_that_refuses_connections_is_a_service_away_not_a_bug(
+    core: Core, lossy: tuple[Core, MySQLProxy]
+) -> None:
+    """A MariaDB gone (its port refusing: 2003) is what a lost connection is — retryable, and a warning
+    line in background work — while an answer the server gave (a bad statement) stays a bug."""
+    c, proxy = lossy
+    db = await connect(proxy.url(c.settings.database_url), 1)
+    try:
+        assert await db.fetchone("SELECT 1") == (1,)
+        proxy.cut_at(b"SELECT 41")  # the pooled connection dies
+        await proxy.close()  # and the port refuses a new one
+        with pytest.raises(RetryableError):
+            await db.fetchone("SELECT 41")
+        with pytest.raises(RetryableError, match="2003") as refused:
+            await db.fetchone("SELECT 1")
+        assert transient(refused.value)
+    finally:
+        await db.close()
+    with pytest.raises(DatabaseError) as answer:
+        await core.db.fetchone("SELECT no_such_column FROM users")
+    assert not isinstance(answer.value, RetryableError) and not transient(answer.value)

@@ -1,4 +1,4 @@
-"""The worker process's own surface: its health check for compose, and arq's own command."""
+"""The worker process's own surface: its health check for compose, arq's command, how its crons fail."""
 
 from __future__ import annotations
 
@@ -97,23 +97,35 @@ async def _balance_is(core: Core, user: int, cents: int) -> bool:
 async def test_a_cron_job_failing_on_a_service_away_is_one_line_not_a_traceback(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """At a master's kill every cron job that touches Redis fails once: a warning line and the next run,
-    not arq's traceback. Any other failure is still arq's to report."""
+    """At a master's kill every cron job that touches Redis fails once, and a database gone fails them the
+    same: a warning line and the next run, not arq's traceback. Any other failure — a database's answer
+    to a bad statement included — is still arq's to report."""
     from redis.exceptions import ConnectionError as RedisConnectionError
 
+    from server.store.db import DatabaseError, RetryableError
     from worker.main import transient_is_a_line
 
     async def redis_away(ctx: object) -> int:
         raise RedisConnectionError("Error 111 connecting to 127.0.0.1:7000. Connection refused.")
 
+    async def database_away(ctx: object) -> int:
+        raise RetryableError("(2003, \"Can't connect to MySQL server on '127.0.0.1'\")")
+
     async def a_bug(ctx: object) -> int:
         raise ValueError("a bug")
 
+    async def a_bad_statement(ctx: object) -> int:
+        raise DatabaseError("(1054, \"Unknown column 'no_such_column' in 'SELECT'\")")
+
     with caplog.at_level(logging.WARNING, logger="worker.main"):
         assert await transient_is_a_line(redis_away)({}) is None
+        assert await transient_is_a_line(database_away)({}) is None
     assert [r.getMessage() for r in caplog.records] == [
-        "redis_away left for its next run: Error 111 connecting to 127.0.0.1:7000. Connection refused."
+        "redis_away left for its next run: Error 111 connecting to 127.0.0.1:7000. Connection refused.",
+        "database_away left for its next run: (2003, \"Can't connect to MySQL server on '127.0.0.1'\")",
     ]
     assert transient_is_a_line(redis_away).__qualname__.endswith("redis_away")  # arq names the cron so
     with pytest.raises(ValueError):
         await transient_is_a_line(a_bug)({})
+    with pytest.raises(DatabaseError):
+        await transient_is_a_line(a_bad_statement)({})

@@ -19,7 +19,7 @@ from typing import Any
 from arq import Worker
 from arq.cron import cron
 
-from server.core import Core, unavailable
+from server.core import Core, transient
 from server.settings import wants_replica
 from server.store import keys
 from server.store.queue import job_deserializer, job_serializer
@@ -61,7 +61,7 @@ def transient_is_a_line(job: Callable[[Ctx], Awaitable[object]]) -> Any:
         try:
             return await job(ctx)
         except Exception as e:
-            if unavailable(e) is None:
+            if not transient(e):
                 raise
             log.warning("%s left for its next run: %s", job.__name__, e)
             return None

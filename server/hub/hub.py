@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Awaitable
 from typing import Any
 
-from server.core import Core, unavailable
+from server.core import Core, transient
 from server.hub import events, protocol
 from server.hub.announce import Announcer
 from server.hub.bots import AttemptLog
@@ -216,7 +216,7 @@ class Hub:
             try:
                 await work
             except Exception as e:
-                if unavailable(e) is not None:  # Redis or the database away: a line, not a traceback
+                if transient(e):  # Redis or the database away: a line, not a traceback
                     log.warning("hub background task left undone: %s", e)
                 else:
                     log.exception("hub background task failed")

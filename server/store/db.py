@@ -67,7 +67,9 @@ class OutcomeUnknown(DatabaseError):
     caller (or its client) looks before retrying."""
 
 
-_MYSQL_RETRYABLE = {1205, 1213, 2006, 2013, 2014}
+# Deadlock, lock wait timeout, a connection lost or out of sync; and no connection made at all (the server
+# down or full: 2003, 1040) — nothing was sent then.
+_MYSQL_RETRYABLE = {1040, 1205, 1213, 2003, 2006, 2013, 2014}
 # The connection went away (server gone, lost during the query): a COMMIT sent on it has no answer.
 _COMMIT_LOST = {2006, 2013}
 
