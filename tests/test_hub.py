@@ -6,13 +6,15 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
+from server.core import open_core
 from server.hub import bots, known, protocol
 from server.hub.botscore import Attempt
 from server.hub.known import Closed, local_refusal
@@ -23,6 +25,7 @@ from server.store import keys
 from server.tools.client import HubClient, HubError
 from tests.conftest import block
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
+from tests.redisproc import needs_redis_server, redis_process
 
 
 @dataclass
@@ -568,30 +571,31 @@ async def test_grab_attempts_are_written_one_stream_entry_per_interval(h: HubUnd
     assert all(a.ms >= now - 60_000 for a in await bots.recent_attempts(h.core, now))
 
 
-async def test_grab_attempts_a_failed_write_could_not_take_are_written_with_the_next(
-    h: HubUnderTest, monkeypatch: pytest.MonkeyPatch
+@needs_redis_server
+async def test_grab_attempts_a_redis_away_could_not_take_are_written_once_it_is_back(
+    h: HubUnderTest, tmp_path: Path
 ) -> None:
-    """The write fails (as redis-py's cluster client failed at master kills, with a RuntimeError): the
-    attempts are kept and go out with the next write, none dropped, no task dead."""
-    log = bots.AttemptLog(h.core, interval=3600)
-    now = now_ms()
-    real = h.core.redis.xadd
-    failures = [RuntimeError("dictionary changed size during iteration")]
-
-    async def fails_once(*args: object, **kwargs: object) -> object:
-        if failures:
-            raise failures.pop()
-        return await real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(h.core.redis, "xadd", fails_once)
-    for i in range(3):
-        log.record(Attempt(100 + i, 2, 3, 40, "tablet", now - i))
-    await log.flush()
-    assert not failures and len(log.pending) == 3  # kept
-    log.record(Attempt(103, 2, 3, 40, "tablet", now))
-    await log.close()
-    seen = [a for a in await bots.recent_attempts(h.core, now) if a.device == "tablet"]
-    assert sorted(a.user for a in seen) == [100, 101, 102, 103]
+    """Redis dies under a hub: the attempts are kept (those the detector still reads), the write is
+    tried again after a growing pause, not every interval, and once Redis is back they go out by
+    themselves, none dropped, no task dead."""
+    async with redis_process(tmp_path) as r, open_core(h.core.settings.with_(redis_url=r.url)) as c:
+        log = bots.AttemptLog(c, interval=0.05)
+        now = now_ms()
+        await r.kill()
+        log.record(Attempt(99, 2, 3, 40, "tablet", now - 120_000))  # past the detector's minute
+        for i in range(3):
+            log.record(Attempt(100 + i, 2, 3, 40, "tablet", now - i))
+        await eventually(lambda: log.failures >= 3, timeout=30)
+        assert sorted(cast(int, a[0]) for a in log.pending) == [100, 101, 102]
+        assert log.pause >= bots.RETRY_AFTER[2] > log.interval  # not tried again every interval
+        log.record(Attempt(103, 2, 3, 40, "tablet", now))
+        await r.start()
+        await eventually(lambda: log.failures == 0 and not log.pending, timeout=30)  # a write went out
+        seen = [a for a in await bots.recent_attempts(c, now) if a.device == "tablet"]
+        assert sorted(a.user for a in seen) == [100, 101, 102, 103]
+        await log.close()
+        log.record(Attempt(104, 2, 3, 40, "tablet", now))
+        assert log.timer is None  # closed: nothing is written any more
 
 
 def test_big_room_announcements_list_the_latest_grabs_and_what_is_left() -> None:

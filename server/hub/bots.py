@@ -24,8 +24,12 @@ def _text(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-# Grab attempts kept while Redis cannot take them (a minute of a busy hub's); the oldest go first.
-KEEP_AT_MOST = 100_000
+# Grab attempts kept while Redis cannot take them: only those the detector still reads (its window, a
+# minute), and at most this many of them (~10 MB; the oldest go first).
+KEEP_AT_MOST = 50_000
+WINDOW_MS = 60_000
+# After a failed write the next is tried this much later, doubling up to the last.
+RETRY_AFTER = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class AttemptLog:
@@ -39,21 +43,30 @@ class AttemptLog:
         self.pending: list[list[object]] = []
         self.timer: asyncio.TimerHandle | None = None
         self.writing: set[asyncio.Task[None]] = set()
+        self.failures = 0  # writes failed in a row
+        self.pause = interval  # before the write armed last
+        self.closed = False
 
     def record(self, a: Attempt) -> None:
         self.pending.append([a.user, a.group, a.packet, a.reaction_ms, a.device, a.ms])
-        if self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(self.interval, self._write_soon)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self.timer is None and not self.closed:
+            failed = min(self.failures, len(RETRY_AFTER))
+            self.pause = RETRY_AFTER[failed - 1] if failed else self.interval
+            self.timer = asyncio.get_running_loop().call_later(self.pause, self._write_soon)
 
     def _write_soon(self) -> None:
+        self.timer = None
         task = asyncio.get_running_loop().create_task(self.flush())
         self.writing.add(task)
         task.add_done_callback(self.writing.discard)
 
     async def flush(self) -> None:
         """Write what is pending as one entry. If Redis fails (away, failing over — or redis-py's cluster
-        client tripping over itself meanwhile), the attempts are kept, up to ``KEEP_AT_MOST``, and
-        written with the next entry."""
+        client tripping over itself meanwhile), the attempts the detector still reads are kept (up to
+        ``KEEP_AT_MOST``) and written with a later entry, tried again after a growing pause."""
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -65,15 +78,35 @@ class AttemptLog:
                 keys.GRAB_ATTEMPTS, {"a": msgpack.packb(batch)}, maxlen=10_000, approximate=True
             )
         except Exception as e:  # never lost to a transient error, never a task that dies
-            self.pending = (batch + self.pending)[-KEEP_AT_MOST:]
-            log.warning("%d grab attempts kept for the bot detector, written later: %s", len(self.pending), e)
-            if self.timer is None:
-                self.timer = asyncio.get_running_loop().call_later(self.interval * 10, self._write_soon)
+            since = now_ms() - WINDOW_MS
+            kept = [a for a in batch + self.pending if cast(int, a[5]) >= since]
+            self.pending = kept[-KEEP_AT_MOST:]
+            self.failures += 1
+            if self.failures == 1 or self.failures % 10 == 0:
+                log.warning(
+                    "%d grab attempts kept for the bot detector, written later (%d failed writes): %s",
+                    len(self.pending),
+                    self.failures,
+                    e,
+                )
+            if self.timer is not None:  # one armed meanwhile by a record: replaced by the pause
+                self.timer.cancel()
+                self.timer = None
+            self._arm()
+        else:
+            self.failures = 0
+            if self.pending:
+                self._arm()
 
     async def close(self) -> None:
+        """Write what is pending (once: if Redis is away, it is lost with the hub) and record no more."""
+        self.closed = True
         await self.flush()
         if self.writing:
             await asyncio.gather(*self.writing, return_exceptions=True)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 async def recent_attempts(core: Core, now: int, window_ms: int = 60_000) -> list[Attempt]:
