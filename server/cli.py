@@ -95,6 +95,11 @@ async def _check_services(settings: Settings, redis_too: bool = True, durability
     try:
         await asyncio.wait_for(nodes.open(), STARTUP_CHECK_SECONDS + 1)
         masters = nodes.masters().items()
+        replicas = (
+            (await asyncio.wait_for(nodes.replicas_known(), STARTUP_CHECK_SECONDS)).items()
+            if durability
+            else ()
+        )
     except (RedisError, OSError, TimeoutError) as e:
         raise OperatorError(
             f"Redis at {redact(settings.redis_url)} does not answer: {e or 'timed out'}"
@@ -103,6 +108,13 @@ async def _check_services(settings: Settings, redis_too: bool = True, durability
     try:
         for name, client in masters if durability else ():
             await _check_durability(settings, name, client)
+        for name, client in replicas:  # each may be its master one day
+            try:
+                await asyncio.wait_for(
+                    _check_durability(settings, name, client, replica=True), STARTUP_CHECK_SECONDS
+                )
+            except (RedisError, OSError, TimeoutError) as e:  # down now: not a reason to stay down too
+                log.warning("Redis replica at %s not checked (%s): it must fsync as its master does", name, e)
     finally:
         await nodes.aclose()
     if settings.queue_url != settings.redis_url:
@@ -118,9 +130,9 @@ async def _check_services(settings: Settings, redis_too: bool = True, durability
             await q.aclose()
 
 
-async def _check_durability(settings: Settings, name: str, client: Redis) -> None:
+async def _check_durability(settings: Settings, name: str, client: Redis, replica: bool = False) -> None:
     """Refuse to start when grabs cannot be made as durable as REDPACKET_GRAB_DURABILITY asks."""
-    problem = await durability_problem(client, settings.durability)
+    problem = await durability_problem(client, settings.durability, replica)
     if problem is not None:
         raise OperatorError(
             f"REDPACKET_GRAB_DURABILITY={settings.durability} cannot be had on Redis at {name}: {problem}"

@@ -25,8 +25,15 @@ def fsyncs(level: str) -> bool:
 
 
 def wants_replica(level: str) -> bool:
-    """Whether a grab of this durability waits for a replica (``aof+replica``: when one is online)."""
+    """Whether a grab of this durability waits for a replica (``aof+replica``: while one could take the
+    master's place; ``replica``: always)."""
     return level in ("replica", "aof+replica")
+
+
+def degrades(level: str) -> bool:
+    """Whether a grab of this durability goes on without a replica while its master has none that could
+    take its place (``aof+replica``: on the master's fsync alone meanwhile)."""
+    return level == "aof+replica"
 
 
 DATABASE_SCHEMES = ("mysql://", "mariadb://", "sqlite:///")

@@ -10,11 +10,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from websockets.exceptions import ConnectionClosed
 
 from server import errors
@@ -25,12 +26,13 @@ from server.hub.botscore import Decision, Rules
 from server.money import grabs, ledger, packets, settlement
 from server.money.reconcile import reconcile
 from server.settings import Settings
-from server.store import keys
+from server.store import keys, redisnodes
 from server.tools.client import HubClient, HubError
 from tests.conftest import make_world
 from tests.hubtools import eventually, hub_process, worker_env
 from tests.redisproc import LocalCluster, RedisProcess, local_cluster, valkey_server
 from tests.test_credit import assert_books_balance, run_worker
+from tests.test_durability import _online_only
 from worker.drain import CreditDrain
 
 
@@ -42,6 +44,27 @@ async def test_the_shards_spread_over_the_masters(cluster: LocalCluster) -> None
         for port in owners
     ]
     assert min(per_master) >= keys.SHARDS // cluster.masters // 2, per_master
+
+
+async def test_a_reading_of_the_slot_map_survives_a_node_dropped_meanwhile(cluster: LocalCluster) -> None:
+    """redis-py 5.3 reads the slot map looping over its startup nodes, awaiting each, while a command
+    that lost its node pops that node from them (redis/redis-py#3565: "dictionary changed size during
+    iteration" at a master's kill). Ours are iterated over a copy: the reading goes on."""
+    nodes = await redisnodes.RedisNodes(cluster.url, 2).open()
+    try:
+        startup = cast(RedisCluster, nodes.client).nodes_manager.startup_nodes
+        assert len(startup) >= 2
+        seen = 0
+        for _node in startup.values():  # as the reading does, a node dropped on the way
+            if seen == 0:
+                startup.pop(next(iter(startup)))
+            seen += 1
+        assert seen >= 2 and len(startup) == seen - 1
+        cast(RedisCluster, nodes.client)._initialize = True
+        await nodes.refresh()
+        assert len(nodes.masters()) == cluster.masters
+    finally:
+        await nodes.aclose()
 
 
 async def test_every_operation_of_the_core_runs_on_the_cluster(cluster_core: Core) -> None:
@@ -364,7 +387,7 @@ async def _storm_through_a_master_kill(cl: LocalCluster, s: Settings, a: Any, b:
     sent = {g: (await admin.request("send", group=g, total=2_400, count=24))["packet_id"] for g in group_ids}
     await admin.close()
     told: dict[tuple[int, int], int] = {}  # (packet, user) → amount
-    won_at: dict[int, list[float]] = {g: [] for g in group_ids}
+    won_at: dict[int, list[tuple[float, float]]] = {g: [] for g in group_ids}  # (asked, answered won)
     killed_at: list[float] = []
 
     async def member(i: int, user: int, token: str) -> None:
@@ -373,11 +396,12 @@ async def _storm_through_a_master_kill(cl: LocalCluster, s: Settings, a: Any, b:
             deadline = time.monotonic() + 60
             while True:
                 assert time.monotonic() < deadline, "a grab not answered within 60 s"
+                asked = time.monotonic()
                 try:
                     async with await HubClient.connect(hub.ws, token) as c:
                         got = await c.request("grab", group=g, packet=sent[g])
                     told[(sent[g], user)] = got["amount"]
-                    won_at[g].append(time.monotonic())
+                    won_at[g].append((asked, time.monotonic()))
                     break
                 except HubError as e:  # retried, as the protocol says
                     assert e.code in (errors.REDIS_UNAVAILABLE, errors.RATE_LIMITED), e
@@ -390,8 +414,9 @@ async def _storm_through_a_master_kill(cl: LocalCluster, s: Settings, a: Any, b:
 
     await asyncio.gather(*(member(i, u, t) for i, (u, t) in enumerate(people)))
     assert killed_at and len(told) == 24 * 6
-    after = [t - killed_at[0] for g in hit for t in won_at[g] if t > killed_at[0]]
-    assert after, "no grab of the killed master's groups after the kill"
+    # Only grabs asked after the kill: one in flight at the kill says nothing about the shard since.
+    after = [won - killed_at[0] for g in hit for asked, won in won_at[g] if asked > killed_at[0]]
+    assert after, "no grab of the killed master's groups asked after the kill was answered won"
     print(f"groups of the killed master answered won again {min(after):.2f} s after the kill")
     assert min(after) < 5.0
     async with open_core(s) as core:
@@ -455,3 +480,125 @@ async def test_a_master_that_crashes_and_is_back_before_its_failover_keeps_every
                 return
             assert unpaid == {} and len(told) == 40
             assert (await reconcile(c)).ok
+
+
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
+@pytest.mark.parametrize("guard", ["on", "off"])
+async def test_aof_replica_waits_for_a_lost_replica_until_the_cluster_agrees_it_failed(
+    core: Core, redis_url: str, tmp_path: Path, guard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``aof+replica`` goes on with the master's fsync alone only once no replica could take its place.
+    A replica gone from its master's link may be alive (a network partition) and win the election the
+    master's death starts, so its master's grabs are refused until the cluster agrees it failed (FAIL
+    after the node timeout), then answered "won" fsynced alone: the worker's gauge says degraded.
+    Guard off (counting the replicas the master's link has, as before): answered at once, on the
+    master's disk alone while the replica might still be promoted. The start-up check reads every
+    node's appendfsync: a replica that would not fsync is refused too."""
+    from worker.main import sample
+    from worker.metrics import WorkerMetrics
+
+    if guard == "off":
+        monkeypatch.setattr(redisnodes, "replicas_to_wait_for", _online_only)
+    async with local_cluster(tmp_path, 3, valkey_server(), "--appendfsync", "always") as cl:
+        await cl.wait_ok(replicated=True)
+        s = core.settings.with_(
+            redis_url=cl.url,
+            queue_redis_url=redis_url,
+            grab_durability="aof+replica",
+            durability_timeout_ms=300,
+        )
+        if guard == "on":
+            lax = _replica_of(cl, cl.nodes[0])
+            redis.Redis(port=lax.port).config_set("appendfsync", "everysec")
+            refused = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-m", "server", "worker"],
+                env=worker_env(s),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert refused.returncode != 0
+            assert f"Redis at 127.0.0.1:{lax.port}: appendfsync is everysec" in refused.stderr, refused.stderr
+            assert "Traceback" not in refused.stderr
+            redis.Redis(port=lax.port).config_set("appendfsync", "always")
+        async with open_core(s) as c:
+            for client in c.nodes.masters().values():  # CLUSTER NODES as Valkey writes it: one each
+                await c.nodes.look(client, replicas=True)
+                assert c.nodes.replicas(client) == 1
+            w = await make_world(c, members=40, admin_cents=10_000)
+            p = await packets.send_packet(c, w.admin, w.group, "lucky", 4_000, 40)
+            shares = keys.packet_shares(w.group, p.packet_id)
+            master = cl.master_of(shares)
+            assert (await grabs.grab(c, p.packet_id, w.group, w.members[0])).outcome == "won"
+            lost = _replica_of(cl, master)
+            await lost.kill()
+            killed = time.monotonic()
+            await eventually(lambda: _links(master) == 0, timeout=30)  # the master saw its link go
+            node = c.nodes.node_client(shares)
+            await eventually(lambda: c.nodes.look_first(node), timeout=5)  # the batcher's count is due
+            got, tries = await _grab_retrying(c, p.packet_id, w.group, w.members[1])
+            answered = time.monotonic() - killed
+            print(f"guard {guard}: its master answered won again {answered:.2f} s after a replica's kill")
+            if guard == "off":
+                assert tries == 1 and got.outcome == "won"
+                return
+            assert tries > 1 and _agreed_failed(master)
+            metrics = WorkerMetrics()
+            await sample(c, metrics)
+            address = f"127.0.0.1:{master.port}"
+            assert metrics.durability_degraded.labels(address)._value.get() == 1
+            assert metrics.redis_replicas.labels(address)._value.get() == 0
+            # The replica back: counted again once the cluster sees it, waited for from then on, and
+            # its master's grabs refused for as long as it takes to sync — what users see of a return.
+            await lost.start()
+            back, longest = time.monotonic(), 0.0
+            while c.nodes.replicas(node) != 1:  # one member asks again and again (each answer waits)
+                asked = time.monotonic()
+                _, tries = await _grab_retrying(c, p.packet_id, w.group, w.members[2])
+                if tries > 1:
+                    longest = max(longest, time.monotonic() - asked)
+                assert time.monotonic() - back < 60, "the replica back was never counted"
+            asked = time.monotonic()
+            got, tries = await _grab_retrying(c, p.packet_id, w.group, w.members[3])
+            assert got.outcome == "won"
+            if tries > 1:
+                longest = max(longest, time.monotonic() - asked)
+            print(f"a replica's return refused its master's grabs for {longest:.2f} s at most")
+            await sample(c, metrics)
+            assert metrics.durability_degraded.labels(address)._value.get() == 0
+
+
+async def _grab_retrying(c: Core, packet: int, group: int, user: int) -> tuple[grabs.GrabResult, int]:
+    """A grab retried while it is answered ``redis_unavailable`` (for a minute at most), as a client
+    does; with the number of tries."""
+    started, tries = time.monotonic(), 0
+    while True:
+        tries += 1
+        try:
+            got = await grabs.grab(c, packet, group, user)
+        except RedPacketError as e:
+            assert e.code == errors.REDIS_UNAVAILABLE, e
+            assert time.monotonic() - started < 60, "refused for a minute"
+            continue
+        assert got.outcome in ("won", "already")
+        return got, tries
+
+
+def _links(master: RedisProcess) -> int:
+    client = redis.Redis(port=master.port)
+    try:
+        return int(client.info("replication")["connected_slaves"])
+    finally:
+        client.close()
+
+
+def _agreed_failed(master: RedisProcess) -> bool:
+    """Whether ``master``'s replica is flagged ``fail`` (not only ``fail?``) in its CLUSTER NODES."""
+    client = redis.Redis(port=master.port)
+    try:
+        rows = [line.split() for line in client.execute_command("CLUSTER", "NODES").decode().splitlines()]
+    finally:
+        client.close()
+    me = next(r[0] for r in rows if "myself" in r[2].split(","))
+    return any("fail" in r[2].split(",") for r in rows if r[3] == me)

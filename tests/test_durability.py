@@ -21,12 +21,80 @@ from server.errors import RedPacketError
 from server.money import grabs, ledger, packets
 from server.money.reconcile import reconcile
 from server.store import keys, redisnodes
-from server.store.batch import NotDurable, durability_problem
+from server.store.batch import NotDurable, _shortfall, _waits, durability_problem
 from tests.conftest import make_world
 from tests.hubtools import eventually, free_port
 from tests.redisproc import RedisProcess, needs_redis_server, redis_process, valkey_server
 from tests.test_credit import assert_books_balance
 from worker.drain import CreditDrain
+
+ME = "e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca"
+OTHER = "67ed2db8d677e59ec4a4cefb06858cf2a1a89fa1"
+
+
+def _nodes(*replica_flags: str) -> str:
+    """CLUSTER NODES as a master answers it: itself, another master with a replica of its own, and one
+    replica of itself per flags given."""
+    rows = [
+        f"{ME} 127.0.0.1:30001@31001 myself,master - 0 0 1 connected 0-8191",
+        f"{OTHER} 127.0.0.1:30002@31002 master - 0 1426238316232 2 connected 8192-16383",
+        f"6ec23923021cf3ffec47632106199cb7f496ce01 127.0.0.1:30005@31005 slave {OTHER} 0 1 5 connected",
+    ]
+    rows += [
+        f"{n:040x} 127.0.0.1:{30010 + n}@{31010 + n} {flags} {ME} 0 1426238317239 4 connected"
+        for n, flags in enumerate(replica_flags)
+    ]
+    return "\n".join(rows) + "\n"
+
+
+INFO_ALONE = "# Replication\r\nrole:master\r\nconnected_slaves:0\r\nmaster_replid:ab\r\n"
+INFO_SYNCING = (
+    "# Replication\r\nrole:master\r\nconnected_slaves:1\r\n"
+    "slave0:ip=127.0.0.1,port=30010,state=wait_bgsave,offset=0,lag=0\r\nmaster_replid:ab\r\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("info", "nodes", "count"),
+    [
+        (INFO_ALONE, None, 0),
+        (INFO_SYNCING, None, 1),  # syncing still counts: a Sentinel may promote it
+        (INFO_ALONE, _nodes(), 0),
+        (INFO_ALONE, _nodes("slave"), 1),  # its link down (INFO lists none): it can still win an election
+        (INFO_ALONE, _nodes("slave,fail?"), 1),  # one node's doubt is not the cluster's word
+        (INFO_ALONE, _nodes("slave,fail"), 0),
+        (INFO_ALONE, _nodes("slave,nofailover"), 0),
+        (INFO_ALONE, _nodes("slave,handshake", "slave,noaddr"), 0),
+        (INFO_SYNCING, _nodes("slave,fail", "slave"), 1),
+    ],
+    ids=[
+        "alone",
+        "syncing",
+        "no-replica",
+        "link-down",
+        "pfail",
+        "fail",
+        "nofailover",
+        "not-yet",
+        "one-of-two",
+    ],
+)
+def test_the_replicas_that_could_take_a_masters_place(info: str, nodes: str | None, count: int) -> None:
+    assert redisnodes.replicas_to_wait_for(info, nodes) == count
+
+
+def test_what_a_durable_pipeline_waits_for_and_when_it_falls_short() -> None:
+    assert _waits("none", None) == []
+    assert _waits("aof", 0) == [("WAITAOF", 1, 0)]
+    assert _waits("replica", 0) == [("WAIT", 1)]  # no replica: it falls short, never answered alone
+    assert _waits("aof+replica", 0) == [("WAITAOF", 1, 0)]
+    assert _waits("aof+replica", 1) == [("WAITAOF", 1, 0), ("WAIT", 1)]
+    assert _waits("aof+replica", None) == [("WAITAOF", 1, 0), ("WAIT", 1)]  # not counted yet: assume one
+    assert _shortfall(("WAITAOF", 1, 0), [1, 0]) is None
+    assert _shortfall(("WAITAOF", 1, 0), [0, 0]) == "the grab is not yet on disk: retry"
+    assert _shortfall(("WAIT", 1), 1) is None
+    assert _shortfall(("WAIT", 1), 0) == "no replica has the grab yet: retry"
+    assert "could not be made durable (WAITAOF)" in str(_shortfall(("WAITAOF", 1, 0), RuntimeError("x")))
 
 
 async def on_disk(r: RedisProcess) -> None:
@@ -178,9 +246,12 @@ async def test_aof_durability_needs_a_server_that_fsyncs_every_write(
         client = Redis.from_url(r.url)
         try:
             problem = await durability_problem(client, "aof")
+            # A replica is checked the same (it is its master once promoted), without WAITAOF (refused).
+            as_replica = await durability_problem(client, "aof+replica", replica=True)
         finally:
             await client.aclose()
     assert (problem is not None) == refused, problem
+    assert as_replica == problem
     if refused:
         assert f"appendfsync is {fsync}" in str(problem)
 
@@ -203,6 +274,84 @@ async def test_grabs_are_not_answered_won_when_durability_cannot_be_had(core: Co
     got = await grabs.grab(core, p.packet_id, w.group, w.members[0])
     assert got.outcome == "already"  # taken the first time; said now
     assert await ledger.balance(core.db, w.members[0]) == 0
+
+
+def _replica_state(primary: RedisProcess) -> str | None:
+    info = redis.Redis(port=primary.port).info("replication")
+    return next(
+        (v.get("state") for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)), None
+    )
+
+
+def _online_only(info: bytes | str, cluster_nodes: bytes | str | None = None) -> int:
+    """The count before it was fixed: only replicas in sync (``state=online``)."""
+    text = info.decode() if isinstance(info, bytes) else info
+    return sum(1 for line in text.splitlines() if line.startswith("slave") and "state=online" in line)
+
+
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
+@pytest.mark.parametrize("guard", ["on", "off"])
+async def test_aof_replica_waits_for_any_replica_that_could_take_over_and_goes_on_alone_without_one(
+    core: Core, tmp_path: Path, guard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``aof+replica`` on one server: alone, a grab is answered "won" once fsynced (degraded: the worker's
+    gauge says so). A replica connected but still waiting for its full sync could be promoted by a
+    Sentinel without the grabs: while it syncs, grabs are not answered "won" (the wait for a replica
+    falls short). Once in sync they are; once it is gone, fsynced alone again. Guard off (counting only
+    replicas in sync, as before): the grab is answered "won" on the master's disk alone meanwhile."""
+    from worker.main import sample
+    from worker.metrics import WorkerMetrics
+
+    if guard == "off":
+        monkeypatch.setattr(redisnodes, "replicas_to_wait_for", _online_only)
+    always = ("--appendfsync", "always")
+    # A replica that connects waits a minute in wait_bgsave for its (diskless) full sync to start.
+    async with redis_process(
+        tmp_path / "primary", *always, "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "60",
+        binary=valkey_server(),
+    ) as primary:  # fmt: skip
+        s = core.settings.with_(
+            redis_url=primary.url, grab_durability="aof+replica", durability_timeout_ms=300
+        )
+        async with open_core(s) as c:
+            metrics = WorkerMetrics()
+            address = next(iter(c.nodes.masters()))
+
+            def degraded() -> float:
+                return metrics.durability_degraded.labels(address)._value.get()
+
+            w = await make_world(c, members=6, admin_cents=10_000)
+            p = await packets.send_packet(c, w.admin, w.group, "lucky", 600, 6)
+            assert (await grabs.grab(c, p.packet_id, w.group, w.members[0])).outcome == "won"
+            await sample(c, metrics)
+            assert degraded() == 1  # on its disk alone
+            async with redis_process(
+                tmp_path / "replica", *always, "--replicaof", "127.0.0.1", str(primary.port),
+                binary=valkey_server(),
+            ) as replica:  # fmt: skip
+                await eventually(lambda: _replica_state(primary) == "wait_bgsave", timeout=30)
+                await eventually(lambda: c.nodes.look_first(c.nodes.client), timeout=5)
+                if guard == "on":
+                    with pytest.raises(RedPacketError) as e:
+                        await grabs.grab(c, p.packet_id, w.group, w.members[1])
+                    assert e.value.code == errors.REDIS_UNAVAILABLE
+                    await sample(c, metrics)
+                    assert degraded() == 0
+                else:
+                    assert (await grabs.grab(c, p.packet_id, w.group, w.members[1])).outcome == "won"
+                    return
+                redis.Redis(port=primary.port).config_set("repl-diskless-sync-delay", 0)
+                await eventually(lambda: _replica_state(primary) == "online", timeout=60)
+                assert (await grabs.grab(c, p.packet_id, w.group, w.members[1])).outcome == "already"
+                assert (await grabs.grab(c, p.packet_id, w.group, w.members[2])).outcome == "won"
+                await replica.kill()
+                await eventually(lambda: _replica_state(primary) is None, timeout=30)
+            # (the batcher's count is at most LOOK_FIRST_AFTER old: a grab sooner waits for the replica gone,
+            # is refused, and its retry is answered)
+            await eventually(lambda: c.nodes.look_first(c.nodes.client), timeout=5)
+            assert (await grabs.grab(c, p.packet_id, w.group, w.members[3])).outcome == "won"
+            await sample(c, metrics)
+            assert degraded() == 1
 
 
 def _replica_online(primary: RedisProcess) -> bool:

@@ -20,9 +20,10 @@ from arq import Worker
 from arq.cron import cron
 
 from server.core import Core, transient
-from server.settings import wants_replica
+from server.settings import degrades, fsyncs, wants_replica
 from server.store import keys
 from server.store.queue import job_deserializer, job_serializer
+from server.store.redisnodes import MasterUsage
 from worker.drain import CreditDrain
 from worker.metrics import WorkerMetrics
 from worker.settle import Ctx, announce_job, reconcile_job, refund_expired_job, score_bots_job, sweep_job
@@ -116,33 +117,65 @@ async def run_arq(core: Core, metrics: WorkerMetrics) -> None:
 
 async def heartbeat(core: Core, metrics: WorkerMetrics) -> None:
     """Beat (``metrics.healthy_at``) every ``BEAT_SECONDS`` while Redis and the database both answer;
-    read the credit backlog and each Redis master's CPU and memory for the metrics."""
+    read the credit backlog and each Redis master's CPU, memory and durability for the metrics."""
+    degraded: dict[str, str] = {}
     while True:
         try:
             await core.redis.ping()
             await core.db.fetchone("SELECT 1")
             metrics.healthy_at.set(time.time())
-            await sample(core, metrics)
+            degraded = await sample(core, metrics, degraded)
         except Exception as e:
             log.debug("heartbeat skipped: %s", e)
         await asyncio.sleep(BEAT_SECONDS)
 
 
-async def sample(core: Core, metrics: WorkerMetrics) -> None:
-    """The backlog (entries in the 64 outboxes, waiting or being paid) and INFO of every master."""
+async def sample(core: Core, metrics: WorkerMetrics, said: dict[str, str] | None = None) -> dict[str, str]:
+    """The backlog (entries in the 64 outboxes, waiting or being paid) and INFO of every master. Returns
+    how each degraded master is degraded (``durability_degraded``); an error line says each one not in
+    ``said`` (what the last sample returned)."""
     async with core.redis.pipeline(transaction=False) as pipe:
         for n in range(keys.SHARDS):
             pipe.xlen(keys.credit_outbox(n))
         depths = await pipe.execute()
     metrics.queue_depth.set(sum(int(d) for d in depths))
-    wants = wants_replica(core.settings.durability)
-    for address, (cpu, memory, replicas) in (await core.nodes.usage()).items():
-        metrics.redis_cpu.labels(address).set(cpu)
-        metrics.redis_memory.labels(address).set(memory)
-        metrics.redis_replicas.labels(address).set(replicas)
-        # replica: this master's grabs fail until a replica is back; aof+replica: they are on its disk
-        # alone meanwhile (the loss of the machine would lose them).
-        metrics.durability_degraded.labels(address).set(int(wants and replicas == 0))
+    level = core.settings.durability
+    usage = await core.nodes.usage()
+    degraded: dict[str, str] = {}
+    for gone in metrics.masters - usage.keys():  # a master failed over is no master any more
+        for gauge in (
+            metrics.redis_cpu,
+            metrics.redis_memory,
+            metrics.redis_replicas,
+            metrics.durability_degraded,
+        ):
+            gauge.remove(gone)
+    metrics.masters = set(usage)
+    for address, master in usage.items():
+        metrics.redis_cpu.labels(address).set(master.cpu)
+        metrics.redis_memory.labels(address).set(master.memory)
+        metrics.redis_replicas.labels(address).set(master.replicas)
+        problem = durability_degraded(level, master)
+        metrics.durability_degraded.labels(address).set(int(problem is not None))
+        if problem is not None:
+            degraded[address] = problem
+            if (said or {}).get(address) != problem:
+                log.error("Redis master %s: %s", address, problem)
+    return degraded
+
+
+def durability_degraded(level: str, master: MasterUsage) -> str | None:
+    """How this master keeps grabs less durable than ``level`` says, or None."""
+    if fsyncs(level) and master.appendfsync not in ("always", ""):
+        return (
+            f"appendfsync is {master.appendfsync}, not always: a crash may lose grabs answered won"
+            f" (REDPACKET_GRAB_DURABILITY={level}; a replica promoted must be configured as its master)"
+        )
+    if wants_replica(level) and master.replicas == 0:
+        if degrades(level):
+            return "no replica could take its place: its grabs answered won are on its disk alone"
+        return "no replica: its grabs fail until one is back"
+    return None
 
 
 @contextlib.asynccontextmanager

@@ -55,17 +55,20 @@ class WorkerMetrics:
         )
         self.redis_replicas = Gauge(
             "redpacket_redis_replicas",
-            "replicas in sync (online) of each Redis master (INFO replication, read every 5 s)",
+            "replicas that could take each Redis master's place (a cluster's not agreed failed, a single"
+            " server's connected; read every 5 s)",
             ["server"],
             registry=r,
         )
         self.durability_degraded = Gauge(
             "redpacket_durability_degraded",
-            "1 while a master has no replica online although the grab durability wants one (replica:"
-            " its grabs fail; aof+replica: they are on its disk alone)",
+            "1 while a master keeps grabs less durable than REDPACKET_GRAB_DURABILITY says: no replica"
+            " (replica: its grabs fail; aof+replica: they are on its disk alone), or appendfsync not"
+            " always (aof, aof+replica: a crash may lose grabs answered won)",
             ["server"],
             registry=r,
         )
+        self.masters: set[str] = set()  # the masters the four gauges above have a series of
         self.healthy_at = Gauge(
             "redpacket_worker_healthy_at_seconds",
             "unix time of the last heartbeat that reached both Redis and the database",
@@ -80,6 +83,9 @@ class WorkerMetrics:
             "redpacket_reconciled_at_seconds", "unix time the last reconciliation finished", registry=r
         )
         self.swept = Counter(
-            "redpacket_sweeper_credited", "stranded grabs the sweeper credited (should stay 0)", registry=r
+            "redpacket_sweeper_credited",
+            "grabs a minute old the credit drain had not paid, credited by the sweeper (0 unless Redis lost"
+            " an outbox entry or no worker drained for a minute)",
+            registry=r,
         )
         self.blocks_set = Counter("redpacket_blocks_set", "users blocked by the bot detector", registry=r)

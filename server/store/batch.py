@@ -9,8 +9,8 @@ their slot.
 **Durability** (``REDPACKET_GRAB_DURABILITY``): a pipeline that carries a durable call (a grab) ends with
 waits on the same connection as the writes (``_waits``): ``WAITAOF 1 0`` (``aof``: the master has
 fsynced its append-only file up to these writes), ``WAIT 1`` (``replica``: a replica has them), or both
-(``aof+replica`` — ``WAITAOF 1 0`` alone while the master has no replica online, as the last look at it
-said: fsynced alone until one is back). If the wait falls
+(``aof+replica`` — ``WAITAOF 1 0`` alone while no replica could take the master's place, as the last
+look at it said: fsynced alone until one is back; ``RedisNodes.look``). If the wait falls
 short within the timeout, every durable call of the pipeline fails with ``NotDurable``
 (``redis_unavailable``): the share stays taken, and the grabber's retry answers it again, waiting once
 more.
@@ -22,6 +22,7 @@ Redis (the Lua script is atomic either way), exactly as with an unbatched call c
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +35,10 @@ from redis.exceptions import NoScriptError, RedisError
 
 from server import errors
 from server.errors import Unavailable
-from server.settings import Durability, fsyncs
-from server.store.redisnodes import DATA_ID_COMMAND, RedisNodes, ServerChanged, moved
+from server.settings import Durability, degrades, fsyncs
+from server.store.redisnodes import RedisNodes, ServerChanged, moved
+
+log = logging.getLogger(__name__)
 
 Queue = Callable[[Pipeline], object]
 
@@ -73,6 +76,7 @@ class Batcher:
     ) -> None:
         self._nodes = nodes
         self.durability = durability
+        self._counts = degrades(durability)  # its waits depend on the replicas the last look counted
         self._timeout_ms = timeout_ms
         self._max_batch = max_batch
         self._pending: dict[Redis, list[_Call]] = {}
@@ -123,6 +127,20 @@ class Batcher:
             task.add_done_callback(self._inflight.discard)
 
     async def _send(self, node: Redis, batch: list[_Call]) -> None:
+        try:
+            await self._send_batch(node, batch)
+        except BaseException as e:  # a bug (or a cancellation): no caller is left waiting for ever
+            for c in batch:
+                if not c.future.done():
+                    if isinstance(e, Exception):
+                        c.future.set_exception(e)
+                    else:
+                        c.future.cancel()
+            if not isinstance(e, Exception):
+                raise
+            log.exception("a batch of Redis calls failed")
+
+    async def _send_batch(self, node: Redis, batch: list[_Call]) -> None:
         self.batches += 1
         self.calls += len(batch)
         # Before a pipeline with a grab in it (a durable call, or a test that may make it one) is sent to
@@ -132,7 +150,8 @@ class Batcher:
         # connection; a replica's or a moved slot's answer makes the next pipeline look first.
         watch = any(c.durable for c in batch)
         wait = self.durability != "none" and watch
-        if watch and self._nodes.look_first(node) and not await self._looked(node, batch):
+        look = self._nodes.look_first(node) or (self._counts and self._nodes.replicas(node) is None)
+        if watch and look and not await self._looked(node, batch):
             return
         try:
             async with node.pipeline(transaction=False) as pipe:
@@ -154,8 +173,8 @@ class Batcher:
             answers = results[len(results) - len(waits) :]
             del results[len(results) - len(waits) :]
             short = next((s for c, a in zip(waits, answers, strict=True) if (s := _shortfall(c, a))), None)
-            if short is not None and self.durability == "aof+replica":
-                self._nodes.look_again(node)  # its replica may have gone: the next batch counts again
+            if short is not None and self._counts:
+                self._nodes.look_again(node)  # its replicas may have changed: the next batch counts again
         if any(isinstance(r, RedisError) and moved(r) for r in results):
             await self._refresh()
         if any(isinstance(r, RedisError) and (moved(r) or str(r).startswith("READONLY")) for r in results):
@@ -190,7 +209,7 @@ class Batcher:
         generation = self._nodes.generation
         look = self._looks.get(node)
         if look is None:  # one look at a time per server: the batches sent meanwhile wait for it
-            look = self._looks[node] = asyncio.ensure_future(self._read_data_id(node))
+            look = self._looks[node] = asyncio.ensure_future(self._nodes.look(node, replicas=self._counts))
             look.add_done_callback(lambda _: self._looks.pop(node, None))
         try:
             await asyncio.shield(look)
@@ -207,14 +226,11 @@ class Batcher:
             await self._refresh()
         return False
 
-    async def _read_data_id(self, node: Redis) -> None:
-        self._nodes.saw_data(node, await node.execute_command(DATA_ID_COMMAND))  # type: ignore[no-untyped-call]
-
     async def _refresh(self) -> None:
         try:
             await self._nodes.refresh()
-        except RedisError:
-            pass  # the next call's error says it again
+        except Exception as e:  # (not only RedisError: the cluster client raises its own for "no node")
+            log.debug("the slot map could not be read again (the next call's error says it): %s", e)
 
     async def drain(self) -> None:
         """Wait for every batch already sent."""
@@ -229,21 +245,27 @@ MAX_HOPS = 2
 Wait = tuple[str | int, ...]
 
 
-async def durability_problem(client: Redis, level: str) -> str | None:
-    """Why grabs cannot be made ``level``-durable on this master as it is configured, or None if they
-    can (``none`` always can). Start-up refuses a problem (``redpacket serve``, ``worker``); the grab
-    bench skips the level."""
+async def durability_problem(client: Redis, level: str, replica: bool = False) -> str | None:
+    """Why grabs cannot be made ``level``-durable on this master as it is configured (with ``replica``:
+    on this replica once promoted), or None if they can (``none`` always can). Start-up refuses a problem
+    (``redpacket serve``, ``worker``); the grab bench skips the level."""
     if fsyncs(level):
+        if not replica:  # (a replica refuses WAITAOF)
+            try:
+                await client.execute_command("WAITAOF", 1, 0, 100)  # type: ignore[no-untyped-call]
+            except RedisError as e:
+                return f"WAITAOF fails ({e}): it needs Redis 7.2 or later, or Valkey, with appendonly yes"
+        config: dict[str, str] = {}
         try:
-            await client.execute_command("WAITAOF", 1, 0, 100)  # type: ignore[no-untyped-call]
-        except RedisError as e:
-            return f"WAITAOF fails ({e}): it needs Redis 7.2 or later, or Valkey, with appendonly yes"
-        try:
-            fsync = (await client.config_get("appendfsync")).get("appendfsync")
+            for name in ("appendonly", "appendfsync"):
+                value = (await client.config_get(name)).get(name)
+                if value is not None:
+                    config[name] = value.decode() if isinstance(value, bytes) else str(value)
         except RedisError:
-            fsync = None  # CONFIG renamed or refused (a managed server): WAITAOF's answer is all there is
-        if isinstance(fsync, bytes):
-            fsync = fsync.decode()
+            pass  # CONFIG renamed or refused (a managed server): WAITAOF's answer is all there is
+        if replica and config.get("appendonly", "yes") != "yes":
+            return "appendonly is no: promoted, it could not fsync grabs"
+        fsync = config.get("appendfsync")
         if fsync is not None and fsync != "always":
             # Measured on Valkey 9.1 (an fsync recorder under the server): with everysec, WAITAOF 1 0
             # answers at once while nothing was fsynced (the bug of redis/redis#13793), so a grab
@@ -252,7 +274,7 @@ async def durability_problem(client: Redis, level: str) -> str | None:
                 f"appendfsync is {fsync}: WAITAOF then answers before the AOF is fsynced, so only"
                 " appendfsync always makes a grab answered won survive a crash"
             )
-    elif level == "replica":  # (aof+replica goes on without one: on disk alone meanwhile)
+    elif level == "replica" and not replica:  # (aof+replica goes on without one: on disk alone meanwhile)
         info = await client.info("replication")
         if int(info.get("connected_slaves", 0)) < 1:
             return "it has no replica"
@@ -267,17 +289,18 @@ def _moved_to(answer: object) -> str | None:
     return parts[2] if len(parts) == 3 and parts[0] == "MOVED" else None
 
 
-def _waits(durability: Durability, replicas_online: int) -> list[Wait]:
+def _waits(durability: Durability, replicas: int | None) -> list[Wait]:
     """The waits that end a pipeline with a grab in it (each takes the timeout last). ``aof+replica``
-    waits for the master's fsync and, while it has a replica online, for a replica to have received
-    the writes too (``WAIT``, not ``WAITAOF 1 1``: a replica that has just synced acknowledges its own
-    fsyncs only once its AOF rewrite is done — measured: waits of the full timeout)."""
+    waits for the master's fsync and, unless the last look counted no replica that could take its place
+    (``replicas_to_wait_for``; None: not counted), for a replica to have received the writes too
+    (``WAIT``, not ``WAITAOF 1 1``: a replica that has just synced acknowledges its own fsyncs only once
+    its AOF rewrite is done — measured: waits of the full timeout)."""
     if durability == "aof":
         return [("WAITAOF", 1, 0)]
     if durability == "replica":
         return [("WAIT", 1)]
-    if durability == "aof+replica":
-        return [("WAITAOF", 1, 0), ("WAIT", 1)] if replicas_online else [("WAITAOF", 1, 0)]
+    if degrades(durability):
+        return [("WAITAOF", 1, 0)] if replicas == 0 else [("WAITAOF", 1, 0), ("WAIT", 1)]
     return []
 
 

@@ -49,14 +49,19 @@ class Identities:
 
     seen: dict[str, tuple[str, str]] = field(default_factory=dict)
     generation: int = 0
-    # How many replicas each address had online at the last look (``aof+replica`` waits for one if so).
+    # How many replicas could take each address's place, at the last look that counted them
+    # (``replicas_to_wait_for``; ``aof+replica`` waits for one while there is one).
     replicas: dict[str, int] = field(default_factory=dict)
     # When each address's data id was last read (monotonic seconds).
     looked: dict[str, float] = field(default_factory=dict)
 
-    def saw(self, address: str, run_id: str | None = None, data: str | None = None) -> bool:
-        """Record what answered at ``address``; True if it differs from what was there before."""
-        self.looked[address] = time.monotonic()
+    def saw(
+        self, address: str, run_id: str | None = None, data: str | None = None, look: bool = True
+    ) -> bool:
+        """Record what answered at ``address``; True if it differs from what was there before. ``look``:
+        this was a batcher's look (``RedisNodes.look``), which counted its replicas too if they count."""
+        if look:
+            self.looked[address] = time.monotonic()
         before = self.seen.get(address)
         now = (
             run_id if run_id is not None else (before[0] if before else ""),
@@ -94,10 +99,42 @@ DATA_ID_COMMAND = "INFO REPLICATION"
 LOOK_FIRST_AFTER = 0.01
 
 
-def online_replicas(info: bytes | str) -> int:
-    """How many replicas are in sync (``state=online``), from the text of ``INFO replication``."""
-    text = info.decode() if isinstance(info, bytes) else info
-    return sum(1 for line in text.splitlines() if line.startswith("slave") and "state=online" in line)
+@dataclass(frozen=True)
+class MasterUsage:
+    """One master as the worker's gauges show it."""
+
+    cpu: float  # CPU seconds (user + system) used so far
+    memory: int  # bytes used
+    replicas: int  # replicas that could take its place (``replicas_to_wait_for``)
+    appendfsync: str  # its setting ("" when CONFIG is refused)
+
+
+def replicas_to_wait_for(info: bytes | str, cluster_nodes: bytes | str | None = None) -> int:
+    """How many replicas could take a master's place, so that a grab answered "won" must be on one of
+    them too: from the text of its ``INFO replication`` on a single server — every replica connected, in
+    sync or still syncing (a Sentinel may promote one that is behind) — and from its ``CLUSTER NODES`` on
+    a cluster: every replica of it the cluster has not agreed is down (``fail``), connected or not, since
+    a replica whose link to its master broke can still win its election; one that may not
+    (``nofailover``) or is not a node yet (``handshake``, ``noaddr``) does not count."""
+    if cluster_nodes is None:
+        text = info.decode() if isinstance(info, bytes) else info
+        return sum(1 for line in text.splitlines() if line.startswith("slave") and ":ip=" in line)
+    rows = _rows(cluster_nodes)
+    me = next((row[0] for row in rows if "myself" in row[2].split(",")), None)
+    out = 0
+    for row in rows:
+        if row[3] != me:
+            continue
+        flags = set(row[2].split(","))
+        if "slave" in flags and not flags & {"fail", "nofailover", "handshake", "noaddr"}:
+            out += 1
+    return out
+
+
+def _rows(cluster_nodes: bytes | str) -> list[list[str]]:
+    """The rows of a ``CLUSTER NODES`` answer, each split into its fields (id, address, flags, master…)."""
+    text = cluster_nodes.decode() if isinstance(cluster_nodes, bytes) else cluster_nodes
+    return [row for row in (line.split() for line in text.splitlines()) if len(row) >= 8]
 
 
 def data_id(info: bytes | str) -> str:
@@ -142,10 +179,19 @@ class PackedConnection(Connection):
             text = info.decode() if isinstance(info, bytes) else str(info)
             run_id = next((line[7:].strip() for line in text.splitlines() if line.startswith("run_id:")), "")
             address = address_of(self.host, self.port)
-            self._identities.replicas[address] = online_replicas(text)
-            if self._identities.saw(address, run_id, data_id(text)):
+            if self._identities.saw(address, run_id, data_id(text), look=False):
                 # Not a command goes out on it: what it would carry (a grab) was made for the data before.
                 raise ServerChanged(f"Redis at {address} restarted or failed over: checked, then sent again")
+
+
+class _Snapshots(dict[str, ClusterNode]):
+    """The cluster client's startup nodes, iterated over a copy. redis-py 5.3's reading of the slot map
+    loops over them awaiting each, while a command that lost its node pops that node from them outside
+    any lock (redis/redis-py#3565): "dictionary changed size during iteration", seen at a master's kill
+    failing the reading and, through it, the hub's writes of grab attempts."""
+
+    def values(self) -> list[ClusterNode]:  # type: ignore[override]
+        return list(super().values())
 
 
 def address_of(host: str, port: int) -> str:
@@ -199,6 +245,8 @@ class RedisNodes:
             cluster.nodes_manager.connection_kwargs.update(
                 connection_class=PackedConnection, identities=self.identities
             )
+            manager = cluster.nodes_manager
+            manager.startup_nodes = _Snapshots(manager.startup_nodes)
             self.client: Redis = cast(Redis, cluster)
         else:
             pool = BlockingConnectionPool.from_url(
@@ -215,16 +263,24 @@ class RedisNodes:
     def generation(self) -> int:
         return self.identities.generation
 
-    def saw_data(self, client: Redis, info: bytes | str) -> None:
-        """A read of a server's data id (``DATA_ID_COMMAND``): a change raises the generation. The
-        replicas it has online are noted too."""
+    async def look(self, client: Redis, replicas: bool = False) -> None:
+        """Read a server's data id (``DATA_ID_COMMAND``): a change raises the generation. With
+        ``replicas``, count the replicas that could take its place too (``replicas_to_wait_for``; on a
+        cluster its ``CLUSTER NODES`` is read in the same round trip)."""
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.execute_command(DATA_ID_COMMAND)
+            if replicas and self.cluster:
+                pipe.execute_command("CLUSTER", "NODES")  # (as two words: no reply callback)
+            answers = await pipe.execute()
         address = self._address(client)
-        self.identities.replicas[address] = online_replicas(info)
-        self.identities.saw(address, data=data_id(info))
+        if replicas:
+            self.identities.replicas[address] = replicas_to_wait_for(*answers)
+        self.identities.saw(address, data=data_id(answers[0]))
 
-    def replicas(self, client: Redis) -> int:
-        """How many replicas this server had online at the last look (0 if never looked)."""
-        return self.identities.replicas.get(self._address(client), 0)
+    def replicas(self, client: Redis) -> int | None:
+        """How many replicas could take this server's place at the last look that counted them (None:
+        not counted yet)."""
+        return self.identities.replicas.get(self._address(client))
 
     def look_first(self, client: Redis) -> bool:
         """Whether this server's data id was last read longer ago than ``LOOK_FIRST_AFTER``."""
@@ -291,25 +347,49 @@ class RedisNodes:
             for n in cast(RedisCluster, self.client).get_primaries()
         }
 
+    async def replicas_known(self) -> dict[str, Redis]:
+        """A plain client of every replica the cluster's nodes list holds (not those it agrees failed), by
+        ``host:port``; none on a single server (its replicas' addresses are theirs to know). From CLUSTER
+        NODES: CLUSTER SLOTS leaves out a replica until its master has written something."""
+        if not self.cluster:
+            return {}
+        out = {}
+        for client in self.masters().values():
+            text = await client.execute_command("CLUSTER", "NODES")  # type: ignore[no-untyped-call]
+            for row in _rows(text):
+                flags = set(row[2].split(","))
+                if "slave" in flags and not flags & {"fail", "handshake", "noaddr"}:
+                    host, _, port = row[1].split("@", 1)[0].rpartition(":")
+                    out[f"{host}:{port}"] = self._node(host, int(port))
+            return out
+        return out
+
     async def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds (user + system) each master has used so far, by ``host:port``."""
-        return {address: cpu for address, (cpu, _, _) in (await self.usage()).items()}
+        return {address: u.cpu for address, u in (await self.usage()).items()}
 
-    async def usage(self) -> dict[str, tuple[float, int, int]]:
-        """(CPU seconds used so far, memory used in bytes, replicas online) of each master, by
-        ``host:port``: one INFO each (its default sections hold all three)."""
+    async def usage(self) -> dict[str, MasterUsage]:
+        """What each master has used and how its grabs are kept (``MasterUsage``), by ``host:port``: one
+        round trip each (INFO, CONFIG GET appendfsync, and CLUSTER NODES on a cluster)."""
         out = {}
         for address, client in self.masters().items():
-            info = await client.info()
-            online = sum(
-                1
-                for k, v in info.items()
-                if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online"
-            )
-            out[address] = (
-                float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
-                int(info["used_memory"]),
-                online,
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.execute_command("INFO DEFAULT")  # (one word: its raw text, no reply callback)
+                pipe.execute_command("CONFIG", "GET", "appendfsync")
+                if self.cluster:
+                    pipe.execute_command("CLUSTER", "NODES")
+                info, fsync, *nodes = await pipe.execute(raise_on_error=False)
+            if isinstance(info, Exception):
+                raise info
+            text = info.decode()
+            # CONFIG renamed or refused (a managed server): what it is set to is unknown ("").
+            fsync_value = fsync[1].decode() if isinstance(fsync, list) and len(fsync) == 2 else ""
+            cluster_nodes = nodes[0] if nodes and not isinstance(nodes[0], Exception) else None
+            out[address] = MasterUsage(
+                cpu=float(_field(text, "used_cpu_user:")) + float(_field(text, "used_cpu_sys:")),
+                memory=int(_field(text, "used_memory:")),
+                replicas=replicas_to_wait_for(text, cluster_nodes),
+                appendfsync=fsync_value,
             )
         return out
 
@@ -350,9 +430,7 @@ class RedisNodes:
             self._refreshed = time.monotonic()
             cluster = cast(RedisCluster, self.client)
             # Re-read under the client's own lock, as it does after its own errors (the flag is how it
-            # asks itself): a reading of ours beside one of its raced it in redis-py 5.3 — its loop over
-            # the startup nodes awaits each one while the other reading replaces that dict ("dictionary
-            # changed size during iteration", seen killing the hub's batches of grab attempts).
+            # asks itself), not beside a reading of its own.
             cluster._initialize = True
             await cluster.initialize()
 
