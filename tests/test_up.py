@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from websockets.exceptions import ConnectionClosed
 
 from server.tools.client import HubClient, HubError
@@ -96,6 +97,8 @@ async def test_the_embedded_valkey_killed_during_grabs_is_started_again_and_ever
             async with await HubClient.connect(ws, m["token"]) as c:
                 told[m["token"]] = (await c.request("grab", group=group, packet=sent["packet_id"]))["amount"]
         before = json.loads((data / "valkey.json").read_text())
+        valkey = redis.Redis.from_url(before["url"])
+        valkey.set("test:written-before-the-kill", "1")  # (answered once fsynced: appendfsync always)
         killed = int(before["valkey_pid"])
         os.kill(killed, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -104,16 +107,21 @@ async def test_the_embedded_valkey_killed_during_grabs_is_started_again_and_ever
             told[m["token"]] = await _grab_until_answered(ws, m["token"], group, sent["packet_id"])
             won_again_after = won_again_after or time.monotonic() - killed_at
         print(f"grabs answered won again {won_again_after:.1f} s after the kill")
-        restarted = json.loads((data / "valkey.json").read_text())
-        assert restarted["valkey_pid"] != killed and restarted["url"] == before["url"]  # same port, files
-        restarts = [line for line in said if "the embedded Valkey ended (signal 9); started again" in line]
+        assert valkey.get("test:written-before-the-kill") == b"1"  # its AOF replayed
+        valkey.close()
+        # The supervisor writes valkey.json and its line once the new server answers (grabs may be
+        # answered first), and `up`'s output is read by another thread: both waited for, bounded.
         deadline = time.monotonic() + 30
-        while not restarts and time.monotonic() < deadline:  # `up`'s output is read by another thread
-            await asyncio.sleep(0.05)
+        while True:
+            restarted = json.loads((data / "valkey.json").read_text())
             restarts = [
                 line for line in said if "the embedded Valkey ended (signal 9); started again" in line
             ]
-        assert len(restarts) == 1, said[-20:]
+            if restarted["valkey_pid"] != killed and restarts:
+                break
+            assert time.monotonic() < deadline, (restarted, said[-20:])
+            await asyncio.sleep(0.05)
+        assert restarted["url"] == before["url"] and len(restarts) == 1  # same port and files; one line
         with pytest.raises(ProcessLookupError):
             os.kill(killed, 0)  # reaped, not left <defunct>
         # Every "won" is paid as told (the in-process worker credits them; a deadline bounds the wait).
