@@ -4,6 +4,7 @@ that is not keyed is not run again. Every case here makes the loss happen and as
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -14,7 +15,7 @@ from server.money.crediting import credit_many
 from server.money.ledger import Credit
 from server.money.reconcile import reconcile
 from server.store import keys
-from server.store.db import DatabaseError, OutcomeUnknown, RetryableError, connect
+from server.store.db import DatabaseError, OutcomeUnknown, RetryableError, Unreachable, connect
 from tests.conftest import make_world
 from tests.dbproxy import MySQLProxy, core_behind_proxy
 from tests.test_credit import assert_books_balance
@@ -173,7 +174,7 @@ async def test_a_role_set_whose_commit_answer_is_lost_is_set_not_refused(
 
 
 async def test_a_database_that_refuses_connections_is_a_service_away_not_a_bug(
-    core: Core, lossy: tuple[Core, MySQLProxy]
+    core: Core, lossy: tuple[Core, MySQLProxy], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A MariaDB gone (its port refusing: 2003) is what a lost connection is — retryable, and a warning
     line in background work — while an answer the server gave (a bad statement) stays a bug."""
@@ -185,9 +186,19 @@ async def test_a_database_that_refuses_connections_is_a_service_away_not_a_bug(
         await proxy.close()  # and the port refuses a new one
         with pytest.raises(RetryableError):
             await db.fetchone("SELECT 41")
-        with pytest.raises(RetryableError, match="2003") as refused:
+        with pytest.raises(Unreachable, match="2003") as refused:
             await db.fetchone("SELECT 1")
         assert transient(refused.value)
+        runs = 0
+
+        async def work(tx: object) -> None:
+            nonlocal runs
+            runs += 1
+
+        with caplog.at_level(logging.WARNING), pytest.raises(Unreachable):
+            await db.run(work, idempotent=True)
+        assert runs == 0
+        assert not [r for r in caplog.records if "retried" in r.getMessage()]  # at once, not five times
     finally:
         await db.close()
     with pytest.raises(DatabaseError) as answer:

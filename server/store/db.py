@@ -57,6 +57,12 @@ class RetryableError(DatabaseError):
     """Deadlock, lock wait timeout or a lost connection: the transaction was rolled back; run it again."""
 
 
+class Unreachable(RetryableError):
+    """No connection could be made (the server down, unreachable or full): nothing was sent. Retryable,
+    but not at once — ``Database.run`` does not run it again; its caller answers that the database is
+    unavailable, and the client, cron or drain tries later."""
+
+
 class CommitUnknown(RetryableError):
     """The connection was lost while COMMIT was in flight: the transaction may or may not have committed.
     Safe to run again only if the work is idempotent (``Database.run(..., idempotent=True)``)."""
@@ -67,9 +73,10 @@ class OutcomeUnknown(DatabaseError):
     caller (or its client) looks before retrying."""
 
 
-# Deadlock, lock wait timeout, a connection lost or out of sync; and no connection made at all (the server
-# down or full: 2003, 1040) — nothing was sent then.
-_MYSQL_RETRYABLE = {1040, 1205, 1213, 2003, 2006, 2013, 2014}
+# Deadlock, lock wait timeout, a connection lost or out of sync.
+_MYSQL_RETRYABLE = {1205, 1213, 2006, 2013, 2014}
+# No connection made at all: the server down or unreachable (2003), or full (1040).
+_MYSQL_UNREACHABLE = {1040, 2003}
 # The connection went away (server gone, lost during the query): a COMMIT sent on it has no answer.
 _COMMIT_LOST = {2006, 2013}
 
@@ -184,7 +191,8 @@ class Database:
         return self.transaction()
 
     async def run(self, work: Callable[[Tx], Awaitable[T]], *, idempotent: bool, attempts: int = 5) -> T:
-        """Run ``work`` in a transaction, again from the start after a deadlock or a lost connection.
+        """Run ``work`` in a transaction, again from the start after a deadlock or a lost connection (not
+        when no connection can be made: ``Unreachable``, raised at once).
 
         ``idempotent``: whether running ``work`` again after its COMMIT answer was lost is safe (its
         writes are keyed, so a second run finds the first one's). If not, a lost COMMIT answer raises
@@ -205,8 +213,8 @@ class Database:
                 if attempt == attempts:
                     raise
                 log.warning("transaction's COMMIT answer lost: run again, keyed (attempt %d)", attempt)
-            except RetryableError:
-                if attempt == attempts:
+            except RetryableError as e:
+                if attempt == attempts or isinstance(e, Unreachable):
                     raise
                 log.warning("transaction retried after a retryable error (attempt %d)", attempt)
                 await asyncio.sleep(0.01 * attempt)
@@ -233,6 +241,8 @@ class Database:
 
 
 def _mysql_error(e: pymysql.err.OperationalError) -> DatabaseError:
+    if e.args and e.args[0] in _MYSQL_UNREACHABLE:
+        return Unreachable(str(e))
     if e.args and e.args[0] in _MYSQL_RETRYABLE:
         return RetryableError(str(e))
     return DatabaseError(str(e))
