@@ -66,6 +66,8 @@ INFO_SYNCING = (
         (INFO_ALONE, _nodes("slave,nofailover"), 0),
         (INFO_ALONE, _nodes("slave,handshake", "slave,noaddr"), 0),
         (INFO_SYNCING, _nodes("slave,fail", "slave"), 1),
+        ("# Replication\r\nrole:master\r\n", None, None),  # not said: not counted (waited for)
+        (INFO_ALONE, _nodes().replace("myself,", ""), None),
     ],
     ids=[
         "alone",
@@ -77,9 +79,13 @@ INFO_SYNCING = (
         "nofailover",
         "not-yet",
         "one-of-two",
+        "info-unsaid",
+        "no-myself",
     ],
 )
-def test_the_replicas_that_could_take_a_masters_place(info: str, nodes: str | None, count: int) -> None:
+def test_the_replicas_that_could_take_a_masters_place(
+    info: str, nodes: str | None, count: int | None
+) -> None:
     assert redisnodes.replicas_to_wait_for(info, nodes) == count
 
 

@@ -20,8 +20,9 @@ from arq import Worker
 from arq.cron import cron
 
 from server.core import Core, transient
-from server.settings import degrades, fsyncs, wants_replica
+from server.settings import degrades, wants_replica
 from server.store import keys
+from server.store.batch import fsync_problem
 from server.store.queue import job_deserializer, job_serializer
 from server.store.redisnodes import MasterUsage
 from worker.drain import CreditDrain
@@ -161,15 +162,17 @@ async def sample(core: Core, metrics: WorkerMetrics, said: dict[str, str] | None
             degraded[address] = problem
             if (said or {}).get(address) != problem:
                 log.error("Redis master %s: %s", address, problem)
+        elif address in (said or {}):
+            log.warning("Redis master %s keeps grabs as durable as asked again", address)
     return degraded
 
 
 def durability_degraded(level: str, master: MasterUsage) -> str | None:
     """How this master keeps grabs less durable than ``level`` says, or None."""
-    if fsyncs(level) and master.appendfsync not in ("always", ""):
+    problem = fsync_problem(level, master.appendfsync)
+    if problem is not None:
         return (
-            f"appendfsync is {master.appendfsync}, not always: a crash may lose grabs answered won"
-            f" (REDPACKET_GRAB_DURABILITY={level}; a replica promoted must be configured as its master)"
+            f"{problem} (REDPACKET_GRAB_DURABILITY={level}: a replica promoted must fsync as its master did)"
         )
     if wants_replica(level) and master.replicas == 0:
         if degrades(level):

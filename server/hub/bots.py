@@ -13,7 +13,7 @@ from typing import cast
 import msgpack
 
 from server.core import Core
-from server.hub.botscore import Attempt, Decision, Rules, score
+from server.hub.botscore import WINDOW_MS, Attempt, Decision, Rules, score
 from server.money.ledger import now_ms
 from server.store import keys
 
@@ -24,11 +24,10 @@ def _text(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-# Grab attempts kept while Redis cannot take them: only those the detector still reads (its window, a
-# minute), and at most this many of them (~10 MB; the oldest go first).
+# Grab attempts kept while Redis cannot take them: only those the detector still reads (its window), and
+# at most this many of them (~10 MB; the oldest go first).
 KEEP_AT_MOST = 50_000
-WINDOW_MS = 60_000
-# After a failed write the next is tried this much later, doubling up to the last.
+# After the n-th failed write in a row the next is tried RETRY_AFTER[n - 1] later (the last from then on).
 RETRY_AFTER = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -43,6 +42,7 @@ class AttemptLog:
         self.pending: list[list[object]] = []
         self.timer: asyncio.TimerHandle | None = None
         self.writing: set[asyncio.Task[None]] = set()
+        self.flushing = False  # a write is in flight: the next is armed when it ends
         self.failures = 0  # writes failed in a row
         self.pause = interval  # before the write armed last
         self.closed = False
@@ -52,7 +52,7 @@ class AttemptLog:
         self._arm()
 
     def _arm(self) -> None:
-        if self.timer is None and not self.closed:
+        if self.timer is None and not self.closed and not self.flushing:
             failed = min(self.failures, len(RETRY_AFTER))
             self.pause = RETRY_AFTER[failed - 1] if failed else self.interval
             self.timer = asyncio.get_running_loop().call_later(self.pause, self._write_soon)
@@ -73,11 +73,19 @@ class AttemptLog:
         batch, self.pending = self.pending, []
         if not batch:
             return
+        self.flushing = True
+        failed: Exception | None = None
         try:
             await self.core.redis.xadd(
                 keys.GRAB_ATTEMPTS, {"a": msgpack.packb(batch)}, maxlen=10_000, approximate=True
             )
         except Exception as e:  # never lost to a transient error, never a task that dies
+            failed = e
+        finally:
+            self.flushing = False
+        if failed is None:
+            self.failures = 0
+        else:
             since = now_ms() - WINDOW_MS
             kept = [a for a in batch + self.pending if cast(int, a[5]) >= since]
             self.pending = kept[-KEEP_AT_MOST:]
@@ -87,16 +95,10 @@ class AttemptLog:
                     "%d grab attempts kept for the bot detector, written later (%d failed writes): %s",
                     len(self.pending),
                     self.failures,
-                    e,
+                    failed,
                 )
-            if self.timer is not None:  # one armed meanwhile by a record: replaced by the pause
-                self.timer.cancel()
-                self.timer = None
+        if self.pending:
             self._arm()
-        else:
-            self.failures = 0
-            if self.pending:
-                self._arm()
 
     async def close(self) -> None:
         """Write what is pending (once: if Redis is away, it is lost with the hub) and record no more."""
@@ -109,7 +111,7 @@ class AttemptLog:
             self.timer = None
 
 
-async def recent_attempts(core: Core, now: int, window_ms: int = 60_000) -> list[Attempt]:
+async def recent_attempts(core: Core, now: int, window_ms: int = WINDOW_MS) -> list[Attempt]:
     # An entry is written up to one interval after its attempts: read a little further back, then
     # keep the attempts of the window by their own time.
     rows = await core.redis.xrange(keys.GRAB_ATTEMPTS, min=str(now - window_ms - 5_000), max="+")

@@ -43,6 +43,10 @@ class Decision:
     reasons: list[str] = field(default_factory=list)
 
 
+# The detector judges the grab attempts of the last minute.
+WINDOW_MS = 60_000
+
+
 def score(attempts: list[Attempt], rules: Rules, now_ms: int) -> dict[int, Decision]:
     """Decisions for the users in ``attempts`` (the last minute of them); a block outranks a throttle."""
     out: dict[int, Decision] = {}
@@ -57,7 +61,7 @@ def score(attempts: list[Attempt], rules: Rules, now_ms: int) -> dict[int, Decis
         if action == "block" and d.action != "block":
             d.action, d.seconds = "block", seconds
 
-    recent = [a for a in attempts if now_ms - a.ms <= 60_000]
+    recent = [a for a in attempts if now_ms - a.ms <= WINDOW_MS]
     fast: dict[int, int] = defaultdict(int)
     per_user: dict[int, int] = defaultdict(int)
     per_device: dict[str, set[int]] = defaultdict(set)

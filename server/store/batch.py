@@ -76,7 +76,6 @@ class Batcher:
     ) -> None:
         self._nodes = nodes
         self.durability = durability
-        self._counts = degrades(durability)  # its waits depend on the replicas the last look counted
         self._timeout_ms = timeout_ms
         self._max_batch = max_batch
         self._pending: dict[Redis, list[_Call]] = {}
@@ -86,6 +85,11 @@ class Batcher:
         self._looks: dict[Redis, asyncio.Future[None]] = {}  # a read of a server's data id in flight
         self.batches = 0
         self.calls = 0
+
+    @property
+    def _counts(self) -> bool:
+        """Whether its waits depend on the replicas the last look counted."""
+        return degrades(self.durability)
 
     async def call(
         self, queue: Queue, key: str, durable: Durable = False, script: AsyncScript | None = None
@@ -265,19 +269,27 @@ async def durability_problem(client: Redis, level: str, replica: bool = False) -
             pass  # CONFIG renamed or refused (a managed server): WAITAOF's answer is all there is
         if replica and config.get("appendonly", "yes") != "yes":
             return "appendonly is no: promoted, it could not fsync grabs"
-        fsync = config.get("appendfsync")
-        if fsync is not None and fsync != "always":
-            # Measured on Valkey 9.1 (an fsync recorder under the server): with everysec, WAITAOF 1 0
-            # answers at once while nothing was fsynced (the bug of redis/redis#13793), so a grab
-            # answered "won" could be lost by a crash after all.
-            return (
-                f"appendfsync is {fsync}: WAITAOF then answers before the AOF is fsynced, so only"
-                " appendfsync always makes a grab answered won survive a crash"
-            )
+        problem = fsync_problem(level, config.get("appendfsync", ""))
+        if problem is not None:
+            return problem
     elif level == "replica" and not replica:  # (aof+replica goes on without one: on disk alone meanwhile)
         info = await client.info("replication")
         if int(info.get("connected_slaves", 0)) < 1:
             return "it has no replica"
+    return None
+
+
+def fsync_problem(level: str, appendfsync: str) -> str | None:
+    """Why a server with this ``appendfsync`` cannot keep ``level``-durable grabs ("": not known, as when
+    CONFIG is refused — WAITAOF's answer is all there is then), or None."""
+    if fsyncs(level) and appendfsync not in ("always", ""):
+        # Measured on Valkey 9.1 (an fsync recorder under the server): with everysec, WAITAOF 1 0
+        # answers at once while nothing was fsynced (the bug of redis/redis#13793), so a grab
+        # answered "won" could be lost by a crash after all.
+        return (
+            f"appendfsync is {appendfsync}: WAITAOF then answers before the AOF is fsynced, so only"
+            " appendfsync always makes a grab answered won survive a crash"
+        )
     return None
 
 

@@ -36,6 +36,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 
@@ -109,26 +110,32 @@ class MasterUsage:
     appendfsync: str  # its setting ("" when CONFIG is refused)
 
 
-def replicas_to_wait_for(info: bytes | str, cluster_nodes: bytes | str | None = None) -> int:
+# Flags of a CLUSTER NODES row that is no node to talk to yet, and those of a replica no election
+# promotes (``nofailover``: not automatically; an operator's CLUSTER FAILOVER still can).
+NOT_A_NODE = frozenset({"handshake", "noaddr"})
+UNELECTABLE = NOT_A_NODE | {"fail", "nofailover"}
+
+
+def replicas_to_wait_for(info: bytes | str, cluster_nodes: bytes | str | None = None) -> int | None:
     """How many replicas could take a master's place, so that a grab answered "won" must be on one of
-    them too: from the text of its ``INFO replication`` on a single server — every replica connected, in
-    sync or still syncing (a Sentinel may promote one that is behind) — and from its ``CLUSTER NODES`` on
-    a cluster: every replica of it the cluster has not agreed is down (``fail``), connected or not, since
-    a replica whose link to its master broke can still win its election; one that may not
-    (``nofailover``) or is not a node yet (``handshake``, ``noaddr``) does not count."""
+    them too: on a single server its ``connected_slaves`` (``INFO replication``) — every replica
+    connected, in sync or still syncing (a Sentinel may promote one that is behind); on a cluster, from
+    its ``CLUSTER NODES``, every replica of it not ``UNELECTABLE`` — connected or not, since a replica
+    whose link to its master broke can still win its election. None when the answer does not say (no
+    such field, no ``myself`` row): not counted, so waited for."""
     if cluster_nodes is None:
         text = info.decode() if isinstance(info, bytes) else info
-        return sum(1 for line in text.splitlines() if line.startswith("slave") and ":ip=" in line)
+        connected = _field(text, "connected_slaves:")
+        return int(connected) if connected.isdigit() else None
     rows = _rows(cluster_nodes)
     me = next((row[0] for row in rows if "myself" in row[2].split(",")), None)
-    out = 0
-    for row in rows:
-        if row[3] != me:
-            continue
-        flags = set(row[2].split(","))
-        if "slave" in flags and not flags & {"fail", "nofailover", "handshake", "noaddr"}:
-            out += 1
-    return out
+    if me is None:
+        return None
+    return sum(
+        1
+        for row in rows
+        if row[3] == me and "slave" in (flags := set(row[2].split(","))) and not flags & UNELECTABLE
+    )
 
 
 def _rows(cluster_nodes: bytes | str) -> list[list[str]]:
@@ -274,7 +281,11 @@ class RedisNodes:
             answers = await pipe.execute()
         address = self._address(client)
         if replicas:
-            self.identities.replicas[address] = replicas_to_wait_for(*answers)
+            count = replicas_to_wait_for(*answers)
+            if count is None:
+                self.identities.replicas.pop(address, None)  # not counted: waited for
+            else:
+                self.identities.replicas[address] = count
         self.identities.saw(address, data=data_id(answers[0]))
 
     def replicas(self, client: Redis) -> int | None:
@@ -348,20 +359,18 @@ class RedisNodes:
         }
 
     async def replicas_known(self) -> dict[str, Redis]:
-        """A plain client of every replica the cluster's nodes list holds (not those it agrees failed), by
-        ``host:port``; none on a single server (its replicas' addresses are theirs to know). From CLUSTER
-        NODES: CLUSTER SLOTS leaves out a replica until its master has written something."""
+        """A plain client of every replica in the cluster's nodes list but those it agrees failed, by
+        ``host:port`` (read from one master); none on a single server (its replicas' addresses are theirs
+        to know). From CLUSTER NODES: CLUSTER SLOTS leaves out a replica of a master that never wrote."""
         if not self.cluster:
             return {}
+        client = next(iter(self.masters().values()))
         out = {}
-        for client in self.masters().values():
-            text = await client.execute_command("CLUSTER", "NODES")  # type: ignore[no-untyped-call]
-            for row in _rows(text):
-                flags = set(row[2].split(","))
-                if "slave" in flags and not flags & {"fail", "handshake", "noaddr"}:
-                    host, _, port = row[1].split("@", 1)[0].rpartition(":")
-                    out[f"{host}:{port}"] = self._node(host, int(port))
-            return out
+        for row in _rows(await client.execute_command("CLUSTER", "NODES")):  # type: ignore[no-untyped-call]
+            flags = set(row[2].split(","))
+            if "slave" in flags and not flags & (NOT_A_NODE | {"fail"}):
+                host, _, port = row[1].split("@", 1)[0].rpartition(":")
+                out[f"{host}:{port}"] = self._node(host, int(port))
         return out
 
     async def cpu_seconds(self) -> dict[str, float]:
@@ -379,16 +388,19 @@ class RedisNodes:
                 if self.cluster:
                     pipe.execute_command("CLUSTER", "NODES")
                 info, fsync, *nodes = await pipe.execute(raise_on_error=False)
-            if isinstance(info, Exception):
-                raise info
+            for answer in (info, *nodes):
+                if isinstance(answer, Exception):
+                    raise answer
             text = info.decode()
             # CONFIG renamed or refused (a managed server): what it is set to is unknown ("").
             fsync_value = fsync[1].decode() if isinstance(fsync, list) and len(fsync) == 2 else ""
-            cluster_nodes = nodes[0] if nodes and not isinstance(nodes[0], Exception) else None
+            replicas = replicas_to_wait_for(text, nodes[0] if nodes else None)
+            if replicas is None:
+                raise RedisError(f"Redis at {address} did not say its replicas")
             out[address] = MasterUsage(
                 cpu=float(_field(text, "used_cpu_user:")) + float(_field(text, "used_cpu_sys:")),
                 memory=int(_field(text, "used_memory:")),
-                replicas=replicas_to_wait_for(text, cluster_nodes),
+                replicas=replicas,
                 appendfsync=fsync_value,
             )
         return out
