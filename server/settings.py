@@ -122,6 +122,14 @@ class Settings:
     service_key: str = ""
     dev_login: bool = False  # POST /api/login mints a token for any user name: demos only
     demo_topup: bool = False  # POST /api/topup adds play money: demos only
+    # What one HTTP request may carry: its request line and headers together, their number, its body
+    # (the chat backend's /api/service/* more: a group of up to 100,000 members), and how deeply any
+    # JSON or msgpack message (an HTTP body, a websocket frame) may nest.
+    max_head_bytes: int = 16 * 1024
+    max_headers: int = 64
+    max_body_bytes: int = 64 * 1024
+    max_service_body_bytes: int = 4 * 1024 * 1024
+    max_nesting: int = 32
     ws_compression: bool = False
     ws_max_frame_bytes: int = 64 * 1024
     ws_ping_interval: float = 20.0
@@ -183,6 +191,11 @@ class Settings:
             service_key=env.get(PREFIX + "SERVICE_KEY", d.service_key),
             dev_login=bool(_int(env, "DEV_LOGIN", int(d.dev_login))),
             demo_topup=bool(_int(env, "DEMO_TOPUP", int(d.demo_topup))),
+            max_head_bytes=_int(env, "MAX_HEAD_BYTES", d.max_head_bytes),
+            max_headers=_int(env, "MAX_HEADERS", d.max_headers),
+            max_body_bytes=_int(env, "MAX_BODY_BYTES", d.max_body_bytes),
+            max_service_body_bytes=_int(env, "MAX_SERVICE_BODY_BYTES", d.max_service_body_bytes),
+            max_nesting=_int(env, "MAX_NESTING", d.max_nesting),
             ws_compression=bool(_int(env, "WS_COMPRESSION", int(d.ws_compression))),
             ws_max_frame_bytes=_int(env, "WS_MAX_FRAME_BYTES", d.ws_max_frame_bytes),
             ws_ping_interval=_float(env, "WS_PING_INTERVAL", d.ws_ping_interval),

@@ -1,6 +1,6 @@
 """What text the system accepts and stores: names, greetings, chat, device ids. Pure: no I/O.
 
-Every string that reaches a handler came through ``check_strings``: no lone surrogates (JSON can carry
+Every message that reaches a handler came through ``message_problem``: no lone surrogates (JSON can carry
 ``"\\ud800"``; no database, msgpack or UTF-8 page can store it), so the rest of the system sees only text
 that encodes. On top of that, per kind of text:
 
@@ -32,16 +32,28 @@ _JOINERS = frozenset("\u200c\u200d")
 _DEVICE = re.compile(r"[A-Za-z0-9._:@/+=-]{1,64}", re.ASCII)
 
 
-def has_surrogates(value: Any) -> bool:
-    """True if any string in ``value`` (a decoded JSON or msgpack message, keys included) holds a lone
-    surrogate."""
-    if isinstance(value, str):
-        return _SURROGATE.search(value) is not None
-    if isinstance(value, dict):
-        return any(has_surrogates(k) or has_surrogates(v) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return any(has_surrogates(v) for v in value)
-    return False
+def has_surrogates(value: str) -> bool:
+    """True if the string holds a lone surrogate."""
+    return _SURROGATE.search(value) is not None
+
+
+def message_problem(value: Any, max_depth: int) -> str | None:
+    """Why a decoded message (JSON or msgpack: an HTTP body, a websocket frame) is not one the system
+    takes, or None: nested deeper than ``max_depth`` maps and lists, or a string (a key included) holding
+    a lone surrogate. Walked without recursion: a message nested a thousand deep costs a loop, not a
+    stack."""
+    todo: list[tuple[Any, int]] = [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v) is not None:
+                return "a string holds a lone surrogate (\\ud800-\\udfff): not text"
+        elif isinstance(v, dict | list | tuple):
+            if depth > max_depth:
+                return f"nested deeper than {max_depth} maps and lists"
+            items = [x for kv in v.items() for x in kv] if isinstance(v, dict) else v
+            todo.extend((x, depth + 1) for x in items)
+    return None
 
 
 def _refused(ch: str, allow: frozenset[str]) -> bool:

@@ -357,3 +357,131 @@ async def test_an_id_too_long_is_answered_with_null(h: HubUnderTest) -> None:
         assert reply["id"] is None and reply["error"]["code"] == "bad_request", (bad, reply)  # type: ignore[index]
     assert (await raw.ask(json.dumps({"id": "x" * 64, "type": "ping"})))["id"] == "x" * 64
     await raw.ws.close()
+
+
+# -- bounds on what one request may carry -----------------------------------------------------------------
+
+
+async def test_a_body_over_the_limit_is_refused_before_it_is_read(h: HubUnderTest) -> None:
+    """A Content-Length over the bound is answered 413 at once: the hub reads none of it (the client is
+    told while it has sent only the head)."""
+    host, port = h.http.removeprefix("http://").split(":")
+    head = b"POST /api/login HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    answer = await _answer(host, int(port), head + b"Content-Length: 157286400\r\n\r\n")
+    assert _status_and_code(answer) == (413, "request_too_large"), answer[:200]
+    assert b"65536" in answer
+
+
+async def _send_until_answered(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, chunk: bytes, most: int
+) -> int:
+    """Write ``chunk`` again and again, as a client streaming a huge request does, until the server's
+    answer starts (or ``most`` bytes); returns how many bytes were written."""
+    sent = 0
+    answered = asyncio.ensure_future(reader.readexactly(1))
+    while sent < most and not answered.done():
+        writer.write(chunk)
+        await asyncio.wait([answered, asyncio.ensure_future(writer.drain())], return_when="FIRST_COMPLETED")
+        sent += len(chunk)
+    first = await asyncio.wait_for(answered, 15)
+    reader._buffer[:0] = first  # type: ignore[attr-defined]  # (put the byte back for the caller's read)
+    return sent
+
+
+async def test_a_chunked_body_is_cut_where_it_passes_the_limit(h: HubUnderTest) -> None:
+    """A chunked body has no length to check: it is answered 413 and the connection closed as soon as it
+    passes the bound, long before the 10 MB the client means to send."""
+    host, port = h.http.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /api/login HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"%x\r\n%s\r\n" % (16_384, b" " * 16_384)
+        sent = await _send_until_answered(reader, writer, chunk, 10_000_000)
+        answer = await asyncio.wait_for(reader.read(), 15)
+    finally:
+        writer.close()
+    assert _status_and_code(answer) == (413, "request_too_large"), answer[:200]
+    assert sent < 5_000_000, sent
+
+
+async def test_the_chat_backends_routes_take_larger_bodies(hub_settings: Settings) -> None:
+    """/api/service/* takes a group of 100,000 members in one body (1.2 MB): over the user routes' bound,
+    under its own."""
+    key = "k" * 32
+    async with (
+        hub_in_process(hub_settings.with_(service_key=key)) as h,
+        httpx.AsyncClient(base_url=h.http, timeout=60, headers={"authorization": f"Bearer {key}"}) as http,
+    ):
+        for u in (1, 2):
+            assert (await http.put(f"/api/service/users/{u}", json={"name": f"u{u}"})).status_code == 200
+        members = [1, 2, *range(3, 100_001)]
+        body = json.dumps({"name": "big", "members": members, "admins": [1]}).encode()
+        assert len(body) > 65_536
+        r = await http.put(
+            "/api/service/groups/7", content=body, headers={"content-type": "application/json"}
+        )
+        assert r.status_code != 413, r.text
+        r = await http.post("/api/login", json={"name": "x" * 70_000})
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
+
+
+async def test_headers_over_the_limit_are_refused_by_size_and_by_count(h: HubUnderTest) -> None:
+    """A 60 MB header was answered 200: now a request line and headers over 16 KB (counted as the bytes
+    arrive, so the hub holds no more than that and a read) or over 64 headers are answered 431."""
+    host, port = h.http.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        sent = await _send_until_answered(reader, writer, b"b" * 65_536, 60_000_000)
+        answer = await asyncio.wait_for(reader.read(), 15)
+    finally:
+        writer.close()
+    assert _status_and_code(answer) == (431, "request_too_large"), answer[:200]
+    assert sent < 10_000_000, sent
+    many = "".join(f"X-{i}: y\r\n" for i in range(65)).encode()
+    answer = await _answer(host, int(port), b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+    assert _status_and_code(answer) == (431, "request_too_large"), answer[:200]
+    async with httpx.AsyncClient(base_url=h.http, timeout=10) as http:  # the hub is fine afterwards
+        assert (await http.get("/healthz")).json() == {"ok": True}
+
+
+def _nested(depth: int) -> str:
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize("depth", [33, 900, 100_000])
+async def test_deeply_nested_json_is_a_bad_request_with_no_traceback(
+    h: HubUnderTest, depth: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A body or a frame nested past 32 (900 gave a 500 and two tracebacks of 2,000 lines; 100,000 runs
+    past the parser's own recursion guard) is answered bad_request, on HTTP and on the socket, which
+    stays open; nothing is logged at error level."""
+    async with httpx.AsyncClient(base_url=h.http, timeout=30) as http:
+        r = await http.post(
+            "/api/login", content=_nested(depth).encode(), headers={"content-type": "application/json"}
+        )
+    if depth * 6 > 65_536:
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
+    else:
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "bad_request"), r.text
+    _, token = await h.login("deep")
+    async with websockets.connect(
+        f"{h.ws}?token={token}",
+        subprotocols=[protocol.SUBPROTOCOL_JSON],
+        max_size=None,  # type: ignore[list-item]
+    ) as ws:
+        assert json.loads(await ws.recv())["type"] == "welcome"
+        frame = '{"id":1,"type":"ping","x":' + _nested(min(depth, 10_000)) + "}"
+        await ws.send(frame)
+        reply = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert reply["error"]["code"] in ("bad_request", "bad_frame"), reply
+        await ws.send(msgpack.packb({"id": 2, "type": "ping", "x": [[[[[[]]]]]] * 2}))
+        # {"id": 3, "type": "ping", "x": [[[...1...]]]} written by hand: msgpack's own packer refuses depth.
+        head = b"\x83" + b"".join(msgpack.packb(v) for v in ("id", 3, "type", "ping", "x"))
+        await ws.send(head + b"\x91" * min(depth, 10_000) + b"\x01")
+        answers = [json.loads(await asyncio.wait_for(ws.recv(), 10)) for _ in range(2)]
+        assert answers[0]["id"] == 2 and "error" not in answers[0], answers[0]
+        assert answers[1]["error"]["code"] in ("bad_request", "bad_frame"), answers[1]
+        await ws.send(json.dumps({"id": 4, "type": "ping"}))
+        assert json.loads(await asyncio.wait_for(ws.recv(), 10))["id"] == 4  # still open
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records[:3]

@@ -5,11 +5,15 @@
   nothing, or trickles its headers, holds a file descriptor forever (a hub has ~20,000). Here it gets
   ``408 Request Timeout`` and the connection is closed ``handshake_seconds`` after it opened (or after the
   previous response), unless its request or upgrade has arrived whole by then.
+- **A request is bounded before the app sees it** (``HttpLimits``): its request line and headers together
+  (``431``, checked as the bytes arrive, so an endless header is never held whole), the number of its
+  headers (``431``), its body — by ``Content-Length`` before anything is read (``413``), and as it arrives
+  when chunked. The chat backend's routes (``/api/service/``) take larger bodies than a user's.
 - **An oversized upgrade request is answered.** websockets refuses a request line or header over 8 KB
   (or more than 128 headers) and prepares an answer (414 / 431), but uvicorn's websockets-sansio
   protocol never writes it and never closes the socket. Here it is answered and the socket closed.
 
-Both answers carry the HTTP API's JSON error (``request_timeout``, ``request_too_large``).
+Every answer carries the HTTP API's JSON error (``request_timeout``, ``request_too_large``).
 
 What happens after the upgrade (the token check, the welcome) is bounded by the app itself
 (``server.hub.session``). These classes subclass uvicorn's own (``uvicorn.protocols``); the tests in
@@ -20,14 +24,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import SecurityError
 
 from server import errors
+from server.settings import Settings
 
 
 def _answer(status: int, code: str, message: str) -> bytes:
@@ -41,16 +48,129 @@ def _answer(status: int, code: str, message: str) -> bytes:
 
 
 _TIMEOUT = _answer(408, errors.REQUEST_TIMEOUT, "the request did not arrive whole in time")
+SERVICE_PREFIX = b"/api/service/"
+# After a refusal, what the peer still sends is read and dropped for this long, or up to this much.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP request may carry (the README's settings table names each)."""
+
+    head_bytes: int  # request line and headers together
+    headers: int
+    body_bytes: int
+    service_body_bytes: int  # /api/service/*
+
+    @classmethod
+    def of(cls, settings: Settings) -> HttpLimits:
+        return cls(
+            settings.max_head_bytes,
+            settings.max_headers,
+            settings.max_body_bytes,
+            settings.max_service_body_bytes,
+        )
+
+
+class _Refused(Exception):
+    """Raised in a parser callback: the request is answered with ``answer`` and the connection closed."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
 
 
 class BoundedHttp(HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol; a request must arrive whole within ``deadline_seconds``."""
+    """uvicorn's HTTP/1.1 protocol; a request must arrive whole within ``deadline_seconds``, and stay
+    within ``limits``."""
 
     deadline_seconds: ClassVar[float] = 10.0
+    limits: ClassVar[HttpLimits] = HttpLimits.of(Settings())
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
+        self._in_head = True  # the current request's line and headers are still arriving
+        self._head_bytes = 0
+        self._header_count = 0
+        self._body_bytes = 0
+        self._body_limit = self.limits.body_bytes
+        self._lingering = False
+        self._lingered = 0
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:  # refused: what the peer still sends is read and dropped, within a bound
+            self._lingered += len(data)
+            if self._lingered > LINGER_BYTES:
+                self.transport.abort()
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            if not isinstance(e.__context__, _Refused):
+                raise
+            self._refuse(e.__context__.answer)
+            return
+        except httptools.HttpParserError:
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        if self._in_head and self._head_bytes > self.limits.head_bytes:
+            message = f"the request line and headers are over {self.limits.head_bytes} bytes"
+            self._refuse(_answer(431, errors.REQUEST_TOO_LARGE, message))
+
+    def _refuse(self, answer: bytes) -> None:
+        """Answer, read no more requests, and close once the peer stops sending (within ``LINGER_*``):
+        closing on bytes still unread would reset the connection, and the answer with it."""
+        self._disarm()
+        self._lingering = True
+        self.transport.write(answer)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.transport.resume_reading()  # (flow control may have paused it for a body)
+        self.loop.call_later(LINGER_SECONDS, self._close)
+
+    def _close(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _stop(self, status: int, message: str) -> None:
+        """From a parser callback: stop parsing; the request is answered and the connection closed."""
+        raise _Refused(_answer(status, errors.REQUEST_TOO_LARGE, message))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._header_count, self._body_bytes = True, 0, 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.headers:
+            self._stop(431, f"more than {self.limits.headers} headers")
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._head_bytes = False, 0
+        service = self.url.startswith(SERVICE_PREFIX)
+        self._body_limit = self.limits.service_body_bytes if service else self.limits.body_bytes
+        for name, value in self.headers:
+            if name == b"content-length" and value.isdigit() and int(value) > self._body_limit:
+                self._stop(413, f"the body is over {self._body_limit} bytes")
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self._body_limit:  # a chunked body: stopped as it grows
+            self._stop(413, f"the body is over {self._body_limit} bytes")
+        super().on_body(body)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -63,6 +183,7 @@ class BoundedHttp(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._disarm()
+        self._in_head, self._head_bytes = True, 0  # the next request's head
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -116,7 +237,13 @@ class BoundedWebSocket(WebSocketsSansIOProtocol):
         self.transport.close()
 
 
-def bounded_protocols(deadline_seconds: float) -> tuple[type[BoundedHttp], type[BoundedWebSocket]]:
+def bounded_protocols(
+    deadline_seconds: float, limits: HttpLimits | None = None
+) -> tuple[type[BoundedHttp], type[BoundedWebSocket]]:
     """The HTTP and websocket protocol classes to give uvicorn (``http=``, ``ws=``)."""
-    http = type("BoundedHttp", (BoundedHttp,), {"deadline_seconds": deadline_seconds})
+    http = type(
+        "BoundedHttp",
+        (BoundedHttp,),
+        {"deadline_seconds": deadline_seconds, "limits": limits or BoundedHttp.limits},
+    )
     return http, BoundedWebSocket

@@ -8,7 +8,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from server import errors, text
@@ -58,6 +58,8 @@ def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awai
             return error_response(e.code, e.message, _STATUS.get(type(e), 400), e.details)
         except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
             return error_response(errors.BAD_REQUEST, f"malformed request: {e}", 400)
+        except ClientDisconnect:  # the caller went (or its body was refused as too large): nobody to answer
+            return Response(status_code=400)
         except Exception as e:
             down = unavailable(e)
             if down is not None:
@@ -68,13 +70,16 @@ def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awai
 
 
 async def json_body(request: Request) -> dict[str, Any]:
-    data = await request.json()
+    """The request's JSON object (the body's size is bounded before it is read: ``server.hub.handshake``)."""
+    try:
+        data = json.loads(await request.body())
+    except RecursionError:  # (the C parser's own depth guard) nested past any bound: one answer, no trace
+        raise InvalidRequest(errors.BAD_REQUEST, "the body is nested too deeply") from None
     if not isinstance(data, dict):
         raise InvalidRequest(errors.BAD_REQUEST, "the body must be a JSON object")
-    if text.has_surrogates(data):
-        raise InvalidRequest(
-            errors.BAD_REQUEST, "a string holds a lone surrogate (\\ud800-\\udfff): not text"
-        )
+    problem = text.message_problem(data, request.app.state.core.settings.max_nesting)
+    if problem is not None:
+        raise InvalidRequest(errors.BAD_REQUEST, problem)
     return data
 
 

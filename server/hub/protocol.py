@@ -75,17 +75,18 @@ def encode(fmt: Format, message: dict[str, Any]) -> bytes | str:
     return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
 
 
-def parse_request(message: Any, from_msgpack: bool = False) -> Request:
-    """Validate the envelope of a request; the fields of each type are checked by its handler.
-    ``from_msgpack``: msgpack's strict UTF-8 decoding has already refused lone surrogates."""
+def parse_request(message: Any, max_depth: int) -> Request:
+    """Validate the envelope of a request; the fields of each type are checked by its handler. A message
+    nested deeper than ``max_depth``, or with a lone surrogate in a string, is a bad request."""
     if not isinstance(message, dict):
         raise ProtocolError(errors.BAD_REQUEST, "a request is a map")
     if request_id_of(message) is None:
         raise ProtocolError(
             errors.BAD_REQUEST, "id must be a 64-bit integer or a string of at most 64 characters"
         )
-    if not from_msgpack and text.has_surrogates(message):
-        raise ProtocolError(errors.BAD_REQUEST, "a string holds a lone surrogate (\\ud800-\\udfff): not text")
+    problem = text.message_problem(message, max_depth)
+    if problem is not None:
+        raise ProtocolError(errors.BAD_REQUEST, problem)
     rid = message["id"]
     kind = message.get("type")
     if kind not in REQUEST_TYPES:

@@ -144,7 +144,7 @@ class Session:
             return False
         self.strikes = 0
         try:
-            req = protocol.parse_request(protocol.decode(frame), from_msgpack=isinstance(frame, bytes))
+            req = protocol.parse_request(protocol.decode(frame), self.core.settings.max_nesting)
         except ProtocolError as e:
             rid = protocol.request_id_of(_try_decode(frame))
             self.conn.reply(protocol.reply_error(rid, e.code, e.message))

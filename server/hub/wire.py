@@ -23,7 +23,7 @@ from typing import Any, Protocol, cast
 import uvicorn
 from websockets.frames import Opcode
 
-from server.hub.handshake import BoundedWebSocket, bounded_protocols
+from server.hub.handshake import BoundedWebSocket, HttpLimits, bounded_protocols
 from server.settings import Settings
 
 # The scope extension under which the endpoint finds its socket's protocol object.
@@ -194,7 +194,7 @@ class HubWebSocket(BoundedWebSocket):
 def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
     """How the hub runs under uvicorn: websockets-sansio with bounded handshakes (``server.hub.handshake``),
     no compression unless asked, frame cap, pings."""
-    http, _ = bounded_protocols(settings.handshake_seconds)
+    http, _ = bounded_protocols(settings.handshake_seconds, HttpLimits.of(settings))
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         http=http,
