@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 
 from server.core import open_core
 from server.hub.wire import uvicorn_config
-from server.settings import Settings, fsyncs, redact
+from server.settings import Settings, fsyncs, is_loopback, redact
 from server.store.batch import durability_problem
 from server.store.db import DatabaseError
 from server.store.embedded import EmbeddedError, embedded_valkey
@@ -173,15 +173,16 @@ def _print_tasks() -> None:
 
 
 def _demo_secret(settings: Settings) -> Settings:
-    """`up` is the embedded demo: a secret kept under the data dir, dev login and top-ups on."""
+    """`up` is the embedded demo: a secret kept under the data dir (dev login and top-ups are on:
+    ``_settings``)."""
     if settings.secret:
-        return settings.with_(dev_login=True, demo_topup=True)
+        return settings
     path = settings.data_dir / "secret"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(secrets.token_hex(32))
         path.chmod(0o600)
-    return settings.with_(secret=path.read_text().strip(), dev_login=True, demo_topup=True)
+    return settings.with_(secret=path.read_text().strip())
 
 
 def _listen(settings: Settings) -> socket.socket:
@@ -202,11 +203,23 @@ def _listen(settings: Settings) -> socket.socket:
     return sock
 
 
-def _banner(settings: Settings, port: int, workers: int = 1) -> None:
+def _banner(settings: Settings, port: int, workers: int = 1, up: bool = False) -> None:
     db = settings.database_url or f"SQLite {settings.sqlite_path}"
     print(f"redpacket hub on http://{settings.host}:{port}  websocket ws://{settings.host}:{port}/ws")
     processes = f", {workers} hub processes" if workers > 1 else ""
     print(f"  Redis {redact(settings.redis_url)}, database {redact(db)}{processes}", flush=True)
+    if settings.dev_login or settings.demo_topup:
+        on = " and ".join(
+            w for w, f in (("DEV LOGIN", settings.dev_login), ("DEMO MONEY", settings.demo_topup)) if f
+        )
+        print(
+            f"  {on} ON: whoever reaches this hub can log in as any user by name and top up from nothing."
+            " A demo on this machine only (it listens on loopback), never a deployment",
+            flush=True,
+        )
+    elif up:
+        why = "a chat backend is configured" if settings.backend else "it listens beyond this machine"
+        print(f"  dev login and demo money are off: {why}", flush=True)
     if settings.dev_login:
         print(f'  try: curl -s -XPOST http://{settings.host}:{port}/api/login -d \'{{"name": "li"}}\'')
 
@@ -228,7 +241,7 @@ async def _serve(
     gc.freeze()
     gc.set_threshold(20_000, 20, 100)
     if not supervised:
-        _banner(settings, sock.getsockname()[1])
+        _banner(settings, sock.getsockname()[1], up=with_worker)
     if _stop_requested:
         return  # told to stop while starting up
     await server.serve(sockets=[sock])
@@ -564,6 +577,9 @@ def _settings(args: argparse.Namespace) -> Settings:
                 settings = settings.with_(host=args.host)
             if args.port is not None:
                 settings = settings.with_(port=args.port)
+        if args.command == "up" and is_loopback(settings.host) and not settings.backend:
+            # The demo: log in by name, play money — on this machine alone, with no chat backend.
+            settings = settings.with_(dev_login=True, demo_topup=True)
         settings.check()
     except ValueError as e:  # a setting that cannot be read as written
         raise OperatorError(str(e), 2) from None

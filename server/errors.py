@@ -89,6 +89,8 @@ NOT_FOUND = "not_found"
 REQUEST_TIMEOUT = "request_timeout"
 REQUEST_TOO_LARGE = "request_too_large"
 METHOD_NOT_ALLOWED = "method_not_allowed"
+MANAGED_BY_BACKEND = "managed_by_backend"
+ID_TAKEN = "id_taken"
 
 ALL_CODES = (
     AMOUNT_INVALID,
@@ -132,4 +134,6 @@ ALL_CODES = (
     METHOD_NOT_ALLOWED,
     REQUEST_TIMEOUT,
     REQUEST_TOO_LARGE,
+    MANAGED_BY_BACKEND,
+    ID_TAKEN,
 )

@@ -5,6 +5,7 @@ Nothing else in the project reads ``os.environ``.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -58,6 +59,16 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
     return _number(env, name, default, float)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a hub listening on ``host`` is reachable from this machine alone."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def redact(url: str) -> str:
@@ -120,8 +131,13 @@ class Settings:
     jwt_leeway_seconds: int = 30
     # The chat backend's key for /api/service/* (Authorization: Bearer <key>); empty: the API is off.
     service_key: str = ""
-    dev_login: bool = False  # POST /api/login mints a token for any user name: demos only
-    demo_topup: bool = False  # POST /api/topup adds play money: demos only
+    # POST /api/login mints a token for any user name; POST /api/topup adds play money: demos only — on a
+    # hub listening on loopback with no chat backend configured (``check``).
+    dev_login: bool = False
+    demo_topup: bool = False
+    # Users may create groups and change their members (empty: yes, unless a chat backend manages them:
+    # REDPACKET_SERVICE_KEY set). A group the backend made is the backend's to change either way.
+    user_groups: str = ""
     # What one HTTP request may carry: its request line and headers together, their number, its body
     # (the chat backend's /api/service/* more: a group of up to 100,000 members), and how deeply any
     # JSON or msgpack message (an HTTP body, a websocket frame) may nest.
@@ -191,6 +207,7 @@ class Settings:
             service_key=env.get(PREFIX + "SERVICE_KEY", d.service_key),
             dev_login=bool(_int(env, "DEV_LOGIN", int(d.dev_login))),
             demo_topup=bool(_int(env, "DEMO_TOPUP", int(d.demo_topup))),
+            user_groups=env.get(PREFIX + "USER_GROUPS", d.user_groups),
             max_head_bytes=_int(env, "MAX_HEAD_BYTES", d.max_head_bytes),
             max_headers=_int(env, "MAX_HEADERS", d.max_headers),
             max_body_bytes=_int(env, "MAX_BODY_BYTES", d.max_body_bytes),
@@ -217,6 +234,16 @@ class Settings:
             shutdown_seconds=_int(env, "SHUTDOWN_SECONDS", d.shutdown_seconds),
             worker_metrics_port=_int(env, "WORKER_METRICS_PORT", d.worker_metrics_port),
         )
+
+    @property
+    def backend(self) -> bool:
+        """Whether a chat backend is configured: its service key, or its tokens' public key or JWKS."""
+        return bool(self.service_key or self.jwt_public_key or self.jwks_url)
+
+    @property
+    def users_manage_groups(self) -> bool:
+        """Whether users may create groups and change members (``REDPACKET_USER_GROUPS``)."""
+        return self.user_groups == "1" if self.user_groups else not self.service_key
 
     @property
     def jwt_algorithm_list(self) -> tuple[str, ...]:
@@ -296,6 +323,25 @@ class Settings:
                 f"{PREFIX}GRAB_DURABILITY must be one of {', '.join(DURABILITY)}"
                 f" (got {self.grab_durability!r})"
             )
+        if self.dev_login or self.demo_topup:
+            on = " and ".join(
+                name
+                for name, flag in (("DEV_LOGIN", self.dev_login), ("DEMO_TOPUP", self.demo_topup))
+                if flag
+            )
+            what = f"{PREFIX}{on.replace(' and ', f' and {PREFIX}')} (on under `redpacket up`)"
+            if not is_loopback(self.host):
+                raise ValueError(
+                    f"{what} let anyone log in as any user and make money from nothing: only on a hub"
+                    f" listening on this machine alone (REDPACKET_HOST=127.0.0.1, got {self.host!r})"
+                )
+            if self.backend:
+                raise ValueError(
+                    f"{what} never beside a chat backend (REDPACKET_SERVICE_KEY, REDPACKET_JWT_PUBLIC_KEY"
+                    " or REDPACKET_JWKS_URL is set): its users log in through it"
+                )
+        if self.user_groups not in ("", "0", "1"):
+            raise ValueError(f"{PREFIX}USER_GROUPS is 0 or 1, or empty (got {self.user_groups!r})")
         for name, port in (("PORT", self.port), ("WORKER_METRICS_PORT", self.worker_metrics_port),
                            ("EMBEDDED_REDIS_PORT", self.embedded_redis_port)):  # fmt: skip
             if not 0 <= port <= 65535:

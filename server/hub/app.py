@@ -43,23 +43,36 @@ log = logging.getLogger(__name__)
 WEB_DIR = shipped_dir("web")
 
 
+def _demo(core: Core, what: str, on: bool) -> None:
+    """Refuse a demo convenience that is off, or that a chat backend makes meaningless (its users log in
+    through it; ``Settings.check`` refuses the combination at start-up too)."""
+    if not on:
+        raise Forbidden(errors.DISABLED, f"{what} is disabled on this hub")
+    if core.settings.backend:
+        raise Forbidden(errors.DISABLED, f"{what} is off beside a chat backend")
+
+
 async def login(request: Request, core: Core, _: int) -> dict[str, Any]:
-    """Dev login by name (creates the user on first use). Off unless REDPACKET_DEV_LOGIN=1 or `up`."""
-    if not core.settings.dev_login:
-        raise Forbidden(errors.DISABLED, "dev login is disabled on this hub")
+    """Dev login by name (creates the user on first use). Off unless REDPACKET_DEV_LOGIN=1 or `up`, on a
+    hub listening on loopback only, and never for a user the chat backend made."""
+    _demo(core, "dev login", core.settings.dev_login)
     if not request.app.state.hub.tokens.rules.hmac:
         raise Forbidden(errors.DISABLED, "dev login issues HS256 tokens; this hub takes RS256/ES256 only")
     name = (await json_body(request)).get("name")
     if not isinstance(name, str):
         raise InvalidRequest(errors.NAME_INVALID, "name is required")
-    user_id = await ledger.user_by_name(core.db, name)
-    if user_id is None:
+    found = await ledger.user_by_name(core.db, name, with_origin=True)
+    if found is None:
         try:
             user_id = await ledger.create_user(core.db, name)
         except Conflict:  # created by a concurrent login
-            user_id = await ledger.user_by_name(core.db, name)
-    if user_id is None:
-        raise Conflict(errors.NAME_TAKEN, "try again")
+            found = await ledger.user_by_name(core.db, name, with_origin=True)
+            if found is None:
+                raise Conflict(errors.NAME_TAKEN, "try again") from None
+    if found is not None:
+        user_id, origin = found
+        if origin == "backend":
+            raise Forbidden(errors.MANAGED_BY_BACKEND, "this user logs in through the chat backend")
     token = make_token(
         core.settings.secret.encode(), user_id, int(time.time()), core.settings.token_ttl_seconds
     )
@@ -79,14 +92,23 @@ async def me(request: Request, core: Core, user: int) -> dict[str, Any]:
 
 
 async def topup(request: Request, core: Core, user: int) -> dict[str, Any]:
-    if not core.settings.demo_topup:
-        raise Forbidden(errors.DISABLED, "top-ups are disabled on this hub")
+    _demo(core, "demo top-up", core.settings.demo_topup)
     body = await json_body(request)
     await ledger.topup(core.db, user, body.get("amount"), body.get("request_id"))
     return {"user_id": user, "balance": await ledger.balance(core.db, user)}
 
 
+async def _users_may_change(core: Core, group: int | None = None) -> None:
+    """Group management by users: off when the chat backend manages groups (REDPACKET_USER_GROUPS), and
+    never on a group the backend made."""
+    if not core.settings.users_manage_groups:
+        raise Forbidden(errors.DISABLED, "groups and their members are managed by the chat backend here")
+    if group is not None:
+        await groups.require_maker(core.db, group, backend=False)
+
+
 async def create_group(request: Request, core: Core, user: int) -> dict[str, Any]:
+    await _users_may_change(core)
     body = await json_body(request)
     gid = await groups.create_group(
         core.db, user, str(body.get("name") or ""), bool(body.get("members_can_send"))
@@ -103,6 +125,7 @@ async def list_members(request: Request, core: Core, user: int) -> dict[str, Any
 
 async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]:
     gid = path_id(request, "group_id")
+    await _users_may_change(core, gid)
     await groups.require_admin(core.db, gid, user)
     body = await json_body(request)
     ids = [id_of(u, errors.USER_NOT_FOUND, "user") for u in body.get("user_ids", [])]
@@ -127,6 +150,7 @@ async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]
 async def remove_member(request: Request, core: Core, user: int) -> dict[str, Any]:
     gid = path_id(request, "group_id")
     target = path_id(request, "user_id")
+    await _users_may_change(core, gid)
     if target != user:  # anyone may leave; only admins remove others
         await groups.require_admin(core.db, gid, user)
     removed = await groups.remove_member(core.db, core.membership, gid, target)
@@ -138,6 +162,7 @@ async def remove_member(request: Request, core: Core, user: int) -> dict[str, An
 async def make_admin(request: Request, core: Core, user: int) -> dict[str, Any]:
     gid = path_id(request, "group_id")
     target = path_id(request, "user_id")
+    await _users_may_change(core, gid)
     await groups.require_admin(core.db, gid, user)
     await groups.set_role(core.db, core.membership, gid, target, "admin")
     await request.app.state.hub.publish(gid, "member_role", {"user": target, "role": "admin", "by": user})

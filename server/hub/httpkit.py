@@ -46,13 +46,23 @@ async def user_of(request: Request) -> int:
     return await tokens.user(bearer(request))
 
 
+async def known_user(core: Core, user: int) -> int:
+    """``user`` if the database has it; a valid token for a user never made (a backend that has not
+    provisioned it yet) is ``user_not_found``, on every route as on the websocket (close 4004)."""
+    if await core.db.fetchone("SELECT 1 FROM users WHERE id = %s", (user,)) is None:
+        raise NotFound(
+            errors.USER_NOT_FOUND, f"no user {user}: the token names a user this hub does not have"
+        )
+    return user
+
+
 def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
     """Run ``handler`` with the Core and the caller's user id; JSON in, JSON out, errors as codes."""
 
     async def run(request: Request) -> Response:
         core: Core = request.app.state.core
         try:
-            user = 0 if public else await user_of(request)
+            user = 0 if public else await known_user(core, await user_of(request))
             return JSONResponse(await handler(request, core, user))
         except RedPacketError as e:
             return error_response(e.code, e.message, _STATUS.get(type(e), 400), e.details)

@@ -30,6 +30,7 @@ CLOSE_RESTART = 1012  # the hub is shutting down: reconnect, to another hub if y
 CLOSE_TRY_AGAIN = 1013  # a backing service is down or slow: reconnect after a moment
 CLOSE_UNAUTHORIZED = 4001  # missing, malformed, tampered or expired token
 CLOSE_HEARTBEAT = 4002  # nothing heard from the client within the heartbeat timeout
+CLOSE_USER_UNKNOWN = 4004  # a valid token for a user the hub does not have (never provisioned)
 CLOSE_SLOW_CONSUMER = 4008  # the client did not read fast enough: its send queue overflowed
 CLOSE_RATE_LIMITED = 4029  # the client kept sending past its rate limit
 

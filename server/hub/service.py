@@ -100,6 +100,7 @@ async def put_group(request: Request, core: Core, _: int) -> dict[str, Any]:
 async def add_member(request: Request, core: Core, _: int) -> dict[str, Any]:
     """One member in (or their role changed): idempotent."""
     group_id = path_id(request, "group_id")
+    await groups.require_maker(core.db, group_id, backend=True)
     body = await json_body(request)
     user_id = id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id")
     role = _role(body.get("role", "member"))
@@ -123,6 +124,7 @@ async def add_member(request: Request, core: Core, _: int) -> dict[str, Any]:
 async def remove_member(request: Request, core: Core, _: int) -> dict[str, Any]:
     group_id = path_id(request, "group_id")
     user_id = path_id(request, "user_id")
+    await groups.require_maker(core.db, group_id, backend=True)
     removed = await groups.remove_member(core.db, core.membership, group_id, user_id)
     if removed:
         await request.app.state.hub.publish(group_id, "member_removed", {"user": user_id, "by": BY_BACKEND})

@@ -210,6 +210,9 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         # Bounded: a stalled database or Redis must not hold the socket open unanswered.
         async with asyncio.timeout(core.settings.handshake_seconds):
             mine = await groups.groups_of(core.db, user_id, hub.member_counts)
+            if not mine and await core.db.fetchone("SELECT 1 FROM users WHERE id = %s", (user_id,)) is None:
+                await ws.close(protocol.CLOSE_USER_UNKNOWN, errors.USER_NOT_FOUND)
+                return
             await hub.join(conn, [int(g["group_id"]) for g in mine])  # type: ignore[call-overload]
     except Exception as e:
         down = unavailable(e)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from server import errors
-from server.errors import Forbidden, InvalidRequest, NotFound
+from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from server.money.ledger import check_name, now_ms
 from server.money.membership import Membership
 from server.store.db import Database, IntegrityError, Tx
@@ -121,6 +121,10 @@ async def put_group(
         row = await tx.fetchone(
             "SELECT service_version FROM chat_groups WHERE id = %s" + tx.dialect.for_update, (group_id,)
         )
+        if row is not None and row[0] is None:
+            raise Conflict(
+                errors.ID_TAKEN, f"group {group_id} was made on the hub by a user, not by the backend"
+            )
         ts = now_ms()
         created = row is None
         if row is None:
@@ -207,6 +211,20 @@ async def set_role(db: Database, membership: Membership, group_id: int, user_id:
     if await db.run(work, idempotent=True) == 0:
         raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not in group {group_id}")
     await membership.changed(group_id, [user_id], "role")
+
+
+async def require_maker(db: Database, group_id: int, backend: bool) -> None:
+    """Refuse a change of a group by the side that did not make it: a group the chat backend made
+    (``service_version`` set) is changed through its API only (``managed_by_backend``), and one a user
+    made on the hub never through that API (``id_taken``)."""
+    row = await db.fetchone("SELECT service_version FROM chat_groups WHERE id = %s", (group_id,))
+    if row is None:
+        raise NotFound(errors.GROUP_NOT_FOUND, f"no group {group_id}")
+    made_by_backend = row[0] is not None
+    if made_by_backend and not backend:
+        raise Forbidden(errors.MANAGED_BY_BACKEND, "this group's members are changed by the chat backend")
+    if backend and not made_by_backend:
+        raise Conflict(errors.ID_TAKEN, f"group {group_id} was made on the hub by a user, not by the backend")
 
 
 async def role_of(tx: Tx, group_id: int, user_id: int) -> tuple[Role | None, bool]:

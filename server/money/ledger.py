@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, overload
 
 from server import errors, text
 from server.errors import Conflict, InvalidRequest, NotFound
@@ -120,16 +120,24 @@ async def create_user(db: Database, name: str) -> int:
 
 async def put_user(db: Database, user_id: int, name: object) -> Literal["created", "renamed", "unchanged"]:
     """Create user ``user_id`` (with an empty account) or rename it: the chat backend's own ids.
-    Idempotent; a name another user holds is ``name_taken``."""
+    Idempotent; a name another user holds is ``name_taken``, an id the hub gave a user of its own
+    (dev login) ``id_taken``."""
     clean = check_name(name)
 
     async def work(tx: Tx) -> Literal["created", "renamed", "unchanged"]:
-        row = await tx.fetchone("SELECT name FROM users WHERE id = %s" + tx.dialect.for_update, (user_id,))
+        row = await tx.fetchone(
+            "SELECT name, origin FROM users WHERE id = %s" + tx.dialect.for_update, (user_id,)
+        )
         ts = now_ms()
+        if row is not None and row[1] != "backend":
+            raise Conflict(
+                errors.ID_TAKEN, f"user {user_id} was made on the hub (dev login), not by the backend"
+            )
         try:
             if row is None:
                 await tx.execute(
-                    "INSERT INTO users (id, name, created_ms) VALUES (%s, %s, %s)", (user_id, clean, ts)
+                    "INSERT INTO users (id, name, created_ms, origin) VALUES (%s, %s, %s, 'backend')",
+                    (user_id, clean, ts),
                 )
                 await tx.execute(
                     "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", (user_id, ts)
@@ -178,9 +186,21 @@ async def create_users(db: Database, names: list[str]) -> list[int]:
     return await db.run(work, idempotent=False)
 
 
-async def user_by_name(db: Database, name: str) -> int | None:
-    row = await db.fetchone("SELECT id FROM users WHERE name = %s", (check_name(name),))
-    return None if row is None else int(row[0])
+@overload
+async def user_by_name(db: Database, name: str) -> int | None: ...
+
+
+@overload
+async def user_by_name(db: Database, name: str, with_origin: Literal[True]) -> tuple[int, str] | None: ...
+
+
+async def user_by_name(db: Database, name: str, with_origin: bool = False) -> int | tuple[int, str] | None:
+    """The id of the user called ``name`` (with ``with_origin``: and who made it, ``hub`` or
+    ``backend``), or None."""
+    row = await db.fetchone("SELECT id, origin FROM users WHERE name = %s", (check_name(name),))
+    if row is None:
+        return None
+    return (int(row[0]), str(row[1])) if with_origin else int(row[0])
 
 
 async def balance(db: Database, user_id: int) -> int:

@@ -158,6 +158,16 @@ MIGRATIONS: list[tuple[int, str, list[Statement]]] = [
             ){table_options}""",
         ],
     ),
+    (
+        5,
+        "who made each user: the hub (dev login) or the chat backend",
+        [
+            # 'backend': made by PUT /api/service/users/{id}; dev login never issues its token, and the
+            # backend never takes over a user the hub made ('hub'). A group's maker is its
+            # service_version (NULL: made on the hub by a user).
+            "ALTER TABLE users ADD COLUMN origin VARCHAR(8) NOT NULL DEFAULT 'hub'",
+        ],
+    ),
 ]
 
 LATEST = MIGRATIONS[-1][0]
