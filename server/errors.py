@@ -5,6 +5,7 @@ RedPacketError
 ├── Forbidden             the user may not do this (not a member, not an admin, not the target)
 ├── NotFound              unknown packet, group or user
 ├── Conflict              the state refuses it (insufficient funds, expired, all grabbed)
+├── TooMany               past a rate or count limit: slow down (HTTP 429)
 └── Unavailable           a backing service is down; safe to retry
 """
 
@@ -40,6 +41,10 @@ class NotFound(RedPacketError):
 
 
 class Conflict(RedPacketError):
+    pass
+
+
+class TooMany(RedPacketError):
     pass
 
 

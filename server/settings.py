@@ -156,6 +156,18 @@ class Settings:
     send_queue_frames: int = 1024
     msgs_per_second: float = 20.0
     msgs_burst: int = 40
+    # Per user and per address, kept by each hub process in its own memory.
+    user_msgs_per_second: float = 40.0  # a user's websocket requests over all its sockets
+    user_msgs_burst: int = 80
+    max_sockets_per_user: int = 10
+    http_per_address_per_second: float = 20.0  # HTTP API requests from one client address
+    http_per_address_burst: int = 200
+    http_per_user_per_second: float = 10.0  # HTTP API requests with one user's token
+    http_per_user_burst: int = 50
+    service_key_failures_per_minute: int = 10  # wrong service keys from one address, then 429
+    # Kept in the database, over every hub: groups a user may make in a minute; names and ids per request.
+    groups_per_user_per_minute: int = 10
+    max_users_per_request: int = 500
     grabs_per_second: float = 5.0
     grabs_burst: int = 10
     grab_coalesce_ms: int = 100
@@ -221,6 +233,20 @@ class Settings:
             send_queue_frames=_int(env, "SEND_QUEUE_FRAMES", d.send_queue_frames),
             msgs_per_second=_float(env, "MSGS_PER_SECOND", d.msgs_per_second),
             msgs_burst=_int(env, "MSGS_BURST", d.msgs_burst),
+            user_msgs_per_second=_float(env, "USER_MSGS_PER_SECOND", d.user_msgs_per_second),
+            user_msgs_burst=_int(env, "USER_MSGS_BURST", d.user_msgs_burst),
+            max_sockets_per_user=_int(env, "MAX_SOCKETS_PER_USER", d.max_sockets_per_user),
+            http_per_address_per_second=_float(
+                env, "HTTP_PER_ADDRESS_PER_SECOND", d.http_per_address_per_second
+            ),
+            http_per_address_burst=_int(env, "HTTP_PER_ADDRESS_BURST", d.http_per_address_burst),
+            http_per_user_per_second=_float(env, "HTTP_PER_USER_PER_SECOND", d.http_per_user_per_second),
+            http_per_user_burst=_int(env, "HTTP_PER_USER_BURST", d.http_per_user_burst),
+            service_key_failures_per_minute=_int(
+                env, "SERVICE_KEY_FAILURES_PER_MINUTE", d.service_key_failures_per_minute
+            ),
+            groups_per_user_per_minute=_int(env, "GROUPS_PER_USER_PER_MINUTE", d.groups_per_user_per_minute),
+            max_users_per_request=_int(env, "MAX_USERS_PER_REQUEST", d.max_users_per_request),
             grabs_per_second=_float(env, "GRABS_PER_SECOND", d.grabs_per_second),
             grabs_burst=_int(env, "GRABS_BURST", d.grabs_burst),
             grab_coalesce_ms=_int(env, "GRAB_COALESCE_MS", d.grab_coalesce_ms),
@@ -340,6 +366,10 @@ class Settings:
                     f"{what} never beside a chat backend (REDPACKET_SERVICE_KEY, REDPACKET_JWT_PUBLIC_KEY"
                     " or REDPACKET_JWKS_URL is set): its users log in through it"
                 )
+        if self.service_key and len(self.service_key) < 32:
+            raise ValueError(
+                f"{PREFIX}SERVICE_KEY is too short: at least 32 characters, e.g. `openssl rand -hex 32`"
+            )
         if self.user_groups not in ("", "0", "1"):
             raise ValueError(f"{PREFIX}USER_GROUPS is 0 or 1, or empty (got {self.user_groups!r})")
         for name, port in (("PORT", self.port), ("WORKER_METRICS_PORT", self.worker_metrics_port),

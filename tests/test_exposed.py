@@ -204,3 +204,100 @@ async def test_beside_a_backend_users_make_no_groups_unless_told(hub_settings: S
         token = make_token(h.settings.secret.encode(), 9_501, int(time.time()), 600)
         status, data = await _call(h, "POST", "/api/groups", token, name="mine")
         assert (status, data["error"]["code"]) == (403, "disabled")
+
+
+# -- limits per user and per address ------------------------------------------------------------------------
+
+
+def test_a_service_key_shorter_than_32_characters_is_refused() -> None:
+    with pytest.raises(ValueError, match="SERVICE_KEY is too short"):
+        Settings(secret="s" * 32, service_key="x").check()
+    Settings(secret="s" * 32, service_key="x" * 32).check()
+
+
+async def test_wrong_service_keys_are_counted_and_an_address_past_its_allowance_waits(
+    hub_settings: Settings,
+) -> None:
+    """2,000 wrong keys took 0.6 s, all 401. Now the fifth wrong key in a minute from one address is the
+    last one compared: after it, 429 — the right key included, until the allowance refills."""
+    s = hub_settings.with_(
+        service_key=KEY, dev_login=False, demo_topup=False, service_key_failures_per_minute=5
+    )
+    async with hub_in_process(s) as h:
+        codes = [(await _call(h, "GET", "/api/service/accounts/1", "wrong-key"))[0] for _ in range(8)]
+        assert codes == [401] * 5 + [429] * 3
+        status, data = await _call(h, "GET", "/api/service/accounts/1", KEY)
+        assert (status, data["error"]["code"]) == (429, "rate_limited")
+        assert h.hub.metrics.service_key_failures._value.get() == 5
+
+
+async def test_http_requests_are_limited_per_address_and_per_user(hub_settings: Settings) -> None:
+    s = hub_settings.with_(
+        http_per_address_per_second=0.001, http_per_address_burst=6,
+        http_per_user_per_second=0.001, http_per_user_burst=3,
+    )  # fmt: skip
+    async with hub_in_process(s) as h:
+        _, token = await h.login("busy")  # (a login is one request from the address)
+        codes = [(await _call(h, "GET", "/api/me", token))[0] for _ in range(4)]
+        assert codes == [200, 200, 200, 429]  # the user's three
+        async with httpx.AsyncClient(base_url=h.http, timeout=10) as http:
+            r = await http.post("/api/login", json={"name": "other"})
+            assert r.status_code == 200  # the address's sixth
+            r = await http.post("/api/login", json={"name": "third"})
+        assert (r.status_code, r.json()["error"]["code"]) == (429, "rate_limited")
+        assert h.hub.metrics.limited.labels("user")._value.get() == 1
+        assert h.hub.metrics.limited.labels("address")._value.get() == 1
+
+
+async def test_a_user_has_a_bounded_number_of_sockets_and_one_message_allowance(
+    hub_settings: Settings,
+) -> None:
+    """One user opened 300 sockets, all welcomed, and 10 sockets x 35 requests were all served."""
+    s = hub_settings.with_(max_sockets_per_user=3, user_msgs_per_second=0.001, user_msgs_burst=10)
+    async with hub_in_process(s) as h:
+        _, token = await h.login("many")
+        open_ = [await h.client(token, sync=False) for _ in range(3)]
+        async with websockets.connect(f"{h.ws}?token={token}") as fourth:
+            with pytest.raises(ConnectionClosed) as closed:
+                await asyncio.wait_for(fourth.recv(), 10)
+        assert closed.value.rcvd is not None
+        assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (
+            protocol.CLOSE_TOO_MANY_SOCKETS,
+            "too_many_sockets",
+        )
+        answered, limited = 0, 0
+        for c in open_:
+            for _ in range(5):
+                try:
+                    await c.request("ping")
+                    answered += 1
+                except Exception as e:
+                    assert getattr(e, "code", None) == "rate_limited", e
+                    limited += 1
+        assert (answered, limited) == (10, 5)
+        for c in open_:
+            await c.close()
+
+
+async def test_a_user_makes_a_bounded_number_of_groups_a_minute(hub_settings: Settings) -> None:
+    """1,500 groups were made in 10 s by one user; now the fourth in a minute is refused."""
+    async with hub_in_process(hub_settings.with_(groups_per_user_per_minute=3)) as h:
+        _, token = await h.login("founder")
+        codes = [(await _call(h, "POST", "/api/groups", token, name=f"g{i}"))[0] for i in range(4)]
+        assert codes == [200, 200, 200, 429]
+
+
+async def test_adding_members_by_name_is_bounded_and_one_query_per_batch(hub_settings: Settings) -> None:
+    async with hub_in_process(hub_settings.with_(max_users_per_request=300)) as h:
+        _, token = await h.login("host")
+        names = [f"guest{i}" for i in range(300)]
+        await ledger.create_users(h.core.db, names)
+        gid = (await _call(h, "POST", "/api/groups", token, name="party"))[1]["group_id"]
+        status, data = await _call(h, "POST", f"/api/groups/{gid}/members", token, names=[*names, "one-more"])
+        assert (status, data["error"]["code"]) == (400, "bad_request")
+        started = time.monotonic()
+        status, data = await _call(h, "POST", f"/api/groups/{gid}/members", token, names=names)
+        assert status == 200 and data["added"] == 300, data
+        print(f"300 members added by name in {time.monotonic() - started:.2f} s")
+        status, data = await _call(h, "POST", f"/api/groups/{gid}/members", token, names=["nobody", "guest1"])
+        assert (status, data["error"]["code"], data["error"]["names"]) == (404, "user_not_found", ["nobody"])

@@ -282,7 +282,13 @@ async def test_bad_frames_get_errors_and_the_hub_keeps_serving(h: HubUnderTest) 
 async def test_a_client_that_never_reads_is_dropped_and_the_room_gets_everything(
     hub_settings: Settings,
 ) -> None:
-    s = hub_settings.with_(msgs_per_second=1e6, msgs_burst=10**6, send_queue_frames=64)
+    s = hub_settings.with_(
+        msgs_per_second=1e6,
+        msgs_burst=10**6,
+        user_msgs_per_second=1e6,
+        user_msgs_burst=10**6,
+        send_queue_frames=64,
+    )
     async with hub_in_process(s) as h:
         await _never_reads(h)
 

@@ -27,6 +27,7 @@ from server.errors import Unavailable
 from server.hub import protocol
 from server.hub import tokens as tokens_module
 from server.hub.tokens import SEEN_TOKENS, Jwks, Rules, TokenError, Tokens, make_token, verify
+from server.money import ledger
 from server.settings import Settings
 from server.tools.client import HubClient
 from tests.hubtools import hub_in_process
@@ -250,6 +251,16 @@ async def test_a_hub_taking_rs256_tokens_opens_sockets_and_the_api_for_them_and_
                 await c.next_event()
             assert closed.value.rcvd is not None
             assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (protocol.CLOSE_UNAUTHORIZED, code)
+        with pytest.raises(ConnectionClosed) as closed:  # valid, but nobody put user 9001 yet
+            c = await HubClient.connect(hub.ws, ours)
+            await c.next_event()
+        assert closed.value.rcvd is not None
+        assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (
+            protocol.CLOSE_USER_UNKNOWN,
+            "user_not_found",
+        )
+        assert await ledger.put_user(hub.core.db, 9001, "li") == "created"  # the backend puts it
+        assert (await hub.api("GET", "/api/me", ours))["user_id"] == 9001
         client = await HubClient.connect(hub.ws, ours)
         assert client.welcome["user"] == 9001
         await client.close()

@@ -111,7 +111,11 @@ async def create_group(request: Request, core: Core, user: int) -> dict[str, Any
     await _users_may_change(core)
     body = await json_body(request)
     gid = await groups.create_group(
-        core.db, user, str(body.get("name") or ""), bool(body.get("members_can_send"))
+        core.db,
+        user,
+        str(body.get("name") or ""),
+        bool(body.get("members_can_send")),
+        per_minute=core.settings.groups_per_user_per_minute,
     )
     await core.membership.changed(gid, [user], "added")
     return {"group_id": gid}
@@ -128,14 +132,14 @@ async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]
     await _users_may_change(core, gid)
     await groups.require_admin(core.db, gid, user)
     body = await json_body(request)
-    ids = [id_of(u, errors.USER_NOT_FOUND, "user") for u in body.get("user_ids", [])]
-    unknown: list[str] = []
-    for name in body.get("names", []):
-        found = await ledger.user_by_name(core.db, name)
-        if found is None:
-            unknown.append(name)
-        else:
-            ids.append(found)
+    user_ids, names = body.get("user_ids", []), body.get("names", [])
+    most = core.settings.max_users_per_request
+    if not isinstance(user_ids, list) or not isinstance(names, list) or len(user_ids) + len(names) > most:
+        raise InvalidRequest(errors.BAD_REQUEST, f"user_ids and names are lists of at most {most} together")
+    ids = [id_of(u, errors.USER_NOT_FOUND, "user") for u in user_ids]
+    by_name = await ledger.users_by_name(core.db, names)
+    unknown = [n for n in names if n not in by_name]
+    ids += [by_name[n] for n in names if n in by_name]
     if unknown:
         # Every unknown name at once, and nobody added: the admin fixes the list and sends it again.
         raise NotFound(errors.USER_NOT_FOUND, f"no user named {', '.join(unknown)}", names=unknown)

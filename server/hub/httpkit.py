@@ -5,6 +5,7 @@ stable code and its status, the caller's user from a bearer token."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -13,11 +14,13 @@ from starlette.responses import JSONResponse, Response
 
 from server import errors, text
 from server.core import Core, unavailable
-from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, Unavailable
+from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, TooMany, Unavailable
+from server.hub.ratelimit import KeyedBuckets
 from server.hub.tokens import TokenError, Tokens
 from server.ids import MAX_ID
 
 _STATUS = {
+    TooMany: 429,
     InvalidRequest: 400,
     Forbidden: 403,
     NotFound: 404,
@@ -46,6 +49,18 @@ async def user_of(request: Request) -> int:
     return await tokens.user(bearer(request))
 
 
+def client_address(request: Request) -> str:
+    """Who is calling, as far as this hub can tell: the peer's address (behind a proxy, the proxy's)."""
+    return request.client.host if request.client else ""
+
+
+def limit(request: Request, name: str, buckets: KeyedBuckets, key: object) -> None:
+    """One request against ``buckets``' ``key``: 429 ``rate_limited`` past it."""
+    if not buckets.take(key, time.monotonic()):
+        request.app.state.hub.metrics.limited.labels(name).inc()
+        raise TooMany(errors.RATE_LIMITED, f"too many requests from this {name}: slow down")
+
+
 async def known_user(core: Core, user: int) -> int:
     """``user`` if the database has it; a valid token for a user never made (a backend that has not
     provisioned it yet) is ``user_not_found``, on every route as on the websocket (close 4004)."""
@@ -56,13 +71,21 @@ async def known_user(core: Core, user: int) -> int:
     return user
 
 
-def endpoint(handler: Handler, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
-    """Run ``handler`` with the Core and the caller's user id; JSON in, JSON out, errors as codes."""
+def endpoint(
+    handler: Handler, public: bool = False, service: bool = False
+) -> Callable[[Request], Awaitable[Response]]:
+    """Run ``handler`` with the Core and the caller's user id; JSON in, JSON out, errors as codes.
+    Requests are limited per client address (not the chat backend's: ``service``) and per user (not
+    ``public`` ones, which name none)."""
 
     async def run(request: Request) -> Response:
         core: Core = request.app.state.core
         try:
+            if not service:  # (the chat backend's routes are limited by their key: ``server.hub.service``)
+                limit(request, "address", request.app.state.hub.http_by_address, client_address(request))
             user = 0 if public else await known_user(core, await user_of(request))
+            if not public:
+                limit(request, "user", request.app.state.hub.http_by_user, user)
             return JSONResponse(await handler(request, core, user))
         except RedPacketError as e:
             return error_response(e.code, e.message, _STATUS.get(type(e), 400), e.details)

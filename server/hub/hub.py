@@ -25,6 +25,7 @@ from server.hub.bots import AttemptLog
 from server.hub.known import Known
 from server.hub.metrics import HubMetrics
 from server.hub.protocol import Format, offset_key
+from server.hub.ratelimit import KeyedBuckets
 from server.hub.subscriber import Subscriber
 from server.hub.tokens import Rules, Tokens
 from server.hub.wire import HubWebSocket, data_frame
@@ -184,6 +185,13 @@ class Hub:
         self._presence_pending: list[tuple[int, int, str]] = []
         self._fanouts: deque[_FanOut] = deque()
         self.attempts = AttemptLog(core)
+        st = core.settings
+        # Limits this process keeps in memory (the README's settings table): by user, by client address.
+        self.user_msgs = KeyedBuckets(st.user_msgs_per_second, st.user_msgs_burst)
+        self.http_by_address = KeyedBuckets(st.http_per_address_per_second, st.http_per_address_burst)
+        self.http_by_user = KeyedBuckets(st.http_per_user_per_second, st.http_per_user_burst)
+        n = st.service_key_failures_per_minute
+        self.service_key_failures = KeyedBuckets(n / 60, n)
         self.subscriber = Subscriber(core.nodes, self._on_message, self._fill_gaps)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refresher: asyncio.Task[None] | None = None

@@ -43,6 +43,19 @@ class HubMetrics:
             "redpacket_send_queue_drops", "connections closed because their send queue overflowed", registry=r
         )
         self.events_published = Counter("redpacket_events_published", "group events published", registry=r)
+        self.limited = Counter(
+            "redpacket_hub_limited",
+            "requests and sockets refused by a per-user or per-address limit, by limit",
+            ["limit"],
+            registry=r,
+        )
+        for name in ("address", "user", "service_key", "sockets"):
+            self.limited.labels(name)  # each exported from the start, at 0
+        self.service_key_failures = Counter(
+            "redpacket_service_key_failures",
+            "calls to the chat backend's API with a wrong or missing key (alert on a rise)",
+            registry=r,
+        )
         self.gc_pauses = Histogram(
             "redpacket_hub_gc_pause_seconds",
             "how long each garbage collection held the hub's event loop",

@@ -33,6 +33,7 @@ CLOSE_HEARTBEAT = 4002  # nothing heard from the client within the heartbeat tim
 CLOSE_USER_UNKNOWN = 4004  # a valid token for a user the hub does not have (never provisioned)
 CLOSE_SLOW_CONSUMER = 4008  # the client did not read fast enough: its send queue overflowed
 CLOSE_RATE_LIMITED = 4029  # the client kept sending past its rate limit
+CLOSE_TOO_MANY_SOCKETS = 4030  # this user has REDPACKET_MAX_SOCKETS_PER_USER sockets open on this hub
 
 REQUEST_TYPES = ("ping", "sync", "chat", "send", "grab", "open", "presence")
 MAX_TEXT_CHARS = 2000

@@ -1,7 +1,10 @@
-"""A token bucket, pure: the per-connection message limit. (The per-user grab limit, shared by every
-hub, is the same arithmetic inside ``lua/grab.lua``.)"""
+"""Token buckets, pure: the per-connection message limit, and by key (a user, an address) the limits a
+hub keeps in its own memory. (The per-user grab limit, shared by every hub, is the same arithmetic inside
+``lua/grab.lua``.)"""
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 
 class TokenBucket:
@@ -19,3 +22,34 @@ class TokenBucket:
             self.tokens -= 1
             return True
         return False
+
+
+class KeyedBuckets:
+    """A ``TokenBucket`` per key, made full on first use. At most ``most`` keys are kept: the one used
+    longest ago is forgotten first (it comes back full), so memory stays bounded whatever the keys."""
+
+    def __init__(self, rate: float, burst: int, most: int = 100_000) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.most = most
+        self._buckets: OrderedDict[object, TokenBucket] = OrderedDict()
+
+    def allows(self, key: object, now: float) -> bool:
+        """Whether ``take`` would succeed now (nothing is spent)."""
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            return self.burst >= 1
+        return min(bucket.burst, bucket.tokens + (now - bucket.last) * bucket.rate) >= 1
+
+    def take(self, key: object, now: float) -> bool:
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket(self.rate, self.burst, now)
+            if len(self._buckets) > self.most:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(key)
+        return bucket.take(now)
+
+    def __len__(self) -> int:
+        return len(self._buckets)

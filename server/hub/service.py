@@ -12,6 +12,7 @@ stops receiving the group), and each is announced in the group as the user route
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,8 +22,8 @@ from starlette.routing import Route
 
 from server import errors
 from server.core import Core
-from server.errors import Forbidden, InvalidRequest
-from server.hub.httpkit import Handler, bearer, endpoint, id_of, json_body, path_id
+from server.errors import Forbidden, InvalidRequest, TooMany
+from server.hub.httpkit import Handler, bearer, client_address, endpoint, id_of, json_body, path_id
 from server.hub.hub import Hub
 from server.hub.tokens import TokenError
 from server.money import groups, ledger
@@ -35,11 +36,21 @@ JOURNAL_PAGE = 500
 
 
 def _require_key(request: Request, core: Core) -> None:
+    """The service key, compared in constant time. Wrong keys are counted (a metric to alert on), and an
+    address past ``REDPACKET_SERVICE_KEY_FAILURES_PER_MINUTE`` of them is answered 429 without its key
+    even being compared, until its allowance refills."""
     key = core.settings.service_key
     if not key:
         raise Forbidden(errors.DISABLED, "the service API is off on this hub: set REDPACKET_SERVICE_KEY")
+    hub: Hub = request.app.state.hub
+    address, now = client_address(request), time.monotonic()
+    if not hub.service_key_failures.allows(address, now):
+        hub.metrics.limited.labels("service_key").inc()
+        raise TooMany(errors.RATE_LIMITED, "too many wrong service keys from this address: wait a minute")
     given = bearer(request) or ""
     if not hmac.compare_digest(given.encode(), key.encode()):
+        hub.metrics.service_key_failures.inc()
+        hub.service_key_failures.take(address, now)
         raise TokenError(
             errors.TOKEN_INVALID, "the service API takes REDPACKET_SERVICE_KEY as its bearer token"
         )
@@ -76,6 +87,8 @@ async def put_group(request: Request, core: Core, _: int) -> dict[str, Any]:
         raise InvalidRequest(errors.BAD_REQUEST, "members_can_send must be true or false")
     wanted: dict[int, Role] = dict.fromkeys(_user_ids(body.get("members", []), "members"), "member")
     wanted.update(dict.fromkeys(_user_ids(body.get("admins", []), "admins"), "admin"))
+    if len(wanted) > MAX_MEMBERS:
+        raise InvalidRequest(errors.BAD_REQUEST, f"a group has at most {MAX_MEMBERS} members and admins")
     done = await groups.put_group(
         core.db, core.membership, group_id, body.get("name"), wanted, can_send, version
     )
@@ -198,7 +211,7 @@ def routes() -> list[Route]:
             _require_key(request, core)
             return await handler(request, core, user)
 
-        return endpoint(keyed, public=True)
+        return endpoint(keyed, public=True, service=True)
 
     return [
         Route("/api/service/users/{user_id}", public(put_user), methods=["PUT"]),

@@ -135,7 +135,8 @@ class Session:
     def _start(self, frame: bytes | str) -> bool:
         """Answer this frame now (False), or start what its answer waits for (True)."""
         self.hub.metrics.frames_in.inc()
-        if not self.bucket.take(time.monotonic()):
+        now = time.monotonic()
+        if not self.bucket.take(now) or not self.hub.user_msgs.take(self.conn.user_id, now):
             self.strikes += 1
             if self.strikes > self.core.settings.msgs_burst:
                 self.conn.close(protocol.CLOSE_RATE_LIMITED, "too many messages")
@@ -204,6 +205,10 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         return
     except Unavailable as e:  # the backend's JWKS cannot be fetched: the token is not known bad
         await ws.close(protocol.CLOSE_TRY_AGAIN, e.code)
+        return
+    if len(hub.by_user.get(user_id, ())) >= core.settings.max_sockets_per_user:
+        hub.metrics.limited.labels("sockets").inc()
+        await ws.close(protocol.CLOSE_TOO_MANY_SOCKETS, "too_many_sockets")
         return
     conn = Connection(hub, wire, user_id, fmt, device=text.device_id(ws.query_params.get("device", "")))
     try:

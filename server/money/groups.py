@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from server import errors
-from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
+from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, TooMany
 from server.money.ledger import check_name, now_ms
 from server.money.membership import Membership
 from server.store.db import Database, IntegrityError, Tx
@@ -16,14 +16,28 @@ from server.store.db import Database, IntegrityError, Tx
 Role = Literal["admin", "member"]
 
 
-async def create_group(db: Database, owner_id: int, name: str, members_can_send: bool = False) -> int:
-    """A new group whose owner is its first admin."""
+async def create_group(
+    db: Database, owner_id: int, name: str, members_can_send: bool = False, per_minute: int | None = None
+) -> int:
+    """A new group whose owner is its first admin. ``per_minute``: refused (``rate_limited``) if the owner
+    made that many in the last minute — counted under a lock on the owner's row, so concurrent calls on
+    any hub count each other."""
     name = check_name(name)
 
     async def work(tx: Tx) -> int:
-        if await tx.fetchone("SELECT 1 FROM users WHERE id = %s", (owner_id,)) is None:
+        lock = tx.dialect.for_update
+        if await tx.fetchone("SELECT 1 FROM users WHERE id = %s" + lock, (owner_id,)) is None:
             raise NotFound(errors.USER_NOT_FOUND, f"user {owner_id} does not exist")
         ts = now_ms()
+        if per_minute is not None:
+            row = await tx.fetchone(
+                "SELECT COUNT(*) FROM chat_groups WHERE owner_id = %s AND created_ms > %s",
+                (owner_id, ts - 60_000),
+            )
+            if row is not None and int(row[0]) >= per_minute:
+                raise TooMany(
+                    errors.RATE_LIMITED, f"at most {per_minute} new groups a minute: try again later"
+                )
         await tx.execute(
             "INSERT INTO chat_groups (name, owner_id, members_can_send, created_ms) VALUES (%s, %s, %s, %s)",
             (name, owner_id, int(members_can_send), ts),

@@ -168,6 +168,11 @@ MIGRATIONS: list[tuple[int, str, list[Statement]]] = [
             "ALTER TABLE users ADD COLUMN origin VARCHAR(8) NOT NULL DEFAULT 'hub'",
         ],
     ),
+    (
+        6,
+        "the groups a user made lately, counted at each new one",
+        ["CREATE INDEX chat_groups_owner ON chat_groups (owner_id, created_ms)"],
+    ),
 ]
 
 LATEST = MIGRATIONS[-1][0]
