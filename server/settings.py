@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, TypeVar, get_args
+from urllib.parse import urlparse
 
 PREFIX = "REDPACKET_"
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
@@ -323,8 +324,13 @@ class Settings:
                 raise ValueError(
                     f"{PREFIX}JWT_PUBLIC_KEY does not hold a PEM public key (-----BEGIN PUBLIC KEY-----): {e}"
                 ) from None
-        if self.jwks_url and not self.jwks_url.startswith(("https://", "http://")):
-            raise ValueError(f"{PREFIX}JWKS_URL must be an http(s) URL (got {self.jwks_url!r})")
+        if self.jwks_url:
+            u = urlparse(self.jwks_url)
+            if not (u.scheme == "https" or (u.scheme == "http" and is_loopback(u.hostname or ""))):
+                raise ValueError(
+                    f"{PREFIX}JWKS_URL must be https (plain http only to this machine): the keys that say"
+                    f" who every user is must not be swappable on the way (got {self.jwks_url!r})"
+                )
         if self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):
             raise ValueError(
                 f"{PREFIX}REDIS_URL must start with {', '.join(REDIS_SCHEMES)}"

@@ -5,6 +5,7 @@ that rotates its keys, then a real hub taking RS256 tokens over its socket and H
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -30,7 +31,7 @@ from server.hub.tokens import SEEN_TOKENS, Jwks, Rules, TokenError, Tokens, make
 from server.money import ledger
 from server.settings import Settings
 from server.tools.client import HubClient
-from tests.hubtools import hub_in_process
+from tests.hubtools import eventually, hub_in_process
 
 SECRET = b"a-long-random-secret-of-the-hub-and-the-backend"
 
@@ -148,12 +149,23 @@ class KeyServer:
 
     def __init__(self) -> None:
         self.keys: list[dict[str, Any]] = []
-        self.fetches = 0
+        self.fetches = 0  # answered with the keys
+        self.asked = 0  # requests, whatever their answer
         self.up = True
+        self.hold: threading.Event | None = None  # set: requests hang until it is
+        self.redirect_to = ""
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                outer.asked += 1
+                if outer.hold is not None:
+                    outer.hold.wait(30)
+                if outer.redirect_to:
+                    self.send_response(302)
+                    self.send_header("location", outer.redirect_to)
+                    self.end_headers()
+                    return
                 if not outer.up:
                     self.send_error(503)
                     return
@@ -296,3 +308,69 @@ async def test_a_token_checked_once_is_remembered_but_never_past_its_exp(
     for i in range(SEEN_TOKENS + 50):
         await tokens.user(make_token(SECRET, i + 1, now(), 600))
     assert len(tokens._seen) <= SEEN_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("url", "ok"),
+    [
+        ("https://auth.example/.well-known/jwks.json", True),
+        ("http://127.0.0.1:9000/jwks.json", True),
+        ("http://localhost/jwks.json", True),
+        ("http://auth.example/.well-known/jwks.json", False),
+        ("ftp://auth.example/jwks.json", False),
+    ],
+)
+def test_a_jwks_is_fetched_over_https_or_from_this_machine_only(url: str, ok: bool) -> None:
+    s = Settings(jwks_url=url)
+    if ok:
+        s.check()
+    else:
+        with pytest.raises(ValueError, match="JWKS_URL must be https"):
+            s.check()
+
+
+async def test_a_jwks_behind_a_redirect_is_not_used() -> None:
+    """A plain-http JWKS behind a 302 was used. A redirect is now a failed fetch."""
+    key = rsa_key()[0]
+    with KeyServer().running() as real, KeyServer().running() as hop:
+        real.publish(("k1", key))
+        hop.redirect_to = real.url
+        tokens = Tokens(Rules(algorithms=("RS256",), jwks_url=hop.url))
+        with pytest.raises(Unavailable) as refused:
+            await tokens.user(signed(key, "RS256", headers={"kid": "k1"}))
+        assert refused.value.code == "auth_unavailable" and "redirect" in refused.value.message
+        assert real.fetches == 0
+
+
+async def test_a_jwks_down_answers_every_waiting_token_with_one_fetch_and_remembers_it() -> None:
+    """With the JWKS down, four concurrent connections were answered after 5.1 / 10.0 / 15.0 / 19.9 s:
+    each waited for the one before it to try its own fetch. Now one fetch is shared by all four, its
+    failure is remembered (the next try backs off), and a token whose key is held never waits behind a
+    fetch at all."""
+    key, other = rsa_key()[0], rsa_key()[0]
+    with KeyServer().running() as keys:
+        keys.publish(("k1", key))
+        tokens = Tokens(Rules(algorithms=("RS256",), jwks_url=keys.url))
+        assert tokens.jwks is not None
+        tokens.jwks.min_refresh_seconds = 30  # (so the backoff outlasts the test)
+        assert await tokens.user(signed(key, "RS256", headers={"kid": "k1"})) == 42
+        assert keys.fetches == 1
+        keys.hold = threading.Event()  # the endpoint hangs now, as a dead backend's does
+        tokens.jwks.fetched_at = float("-inf")  # due for a fetch
+        waiting = [
+            asyncio.create_task(tokens.user(signed(other, "RS256", headers={"kid": f"junk-{i}"})))
+            for i in range(4)
+        ]
+        await eventually(lambda: keys.asked == 2, timeout=10)  # the one fetch is in flight
+        # A token whose key is held is answered while the fetch hangs.
+        assert await tokens.user(signed(key, "RS256", headers={"kid": "k1"}, sub="43")) == 43
+        assert not any(t.done() for t in waiting)
+        keys.up = False
+        keys.hold.set()  # the fetch fails: every waiting token is answered by it
+        outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+        assert all(isinstance(o, TokenError) and o.code == "token_invalid" for o in outcomes), outcomes
+        assert keys.asked == 2 and tokens.jwks.failures == 1
+        # Remembered: another unknown kid is answered at once, without a fetch, until the backoff ends.
+        with pytest.raises(TokenError):
+            await tokens.user(signed(other, "RS256", headers={"kid": "junk-5"}))
+        assert keys.asked == 2

@@ -200,6 +200,9 @@ class Hub:
 
     async def __aenter__(self) -> Hub:
         self.metrics.watch_gc()
+        if self.tokens.jwks is not None:  # the backend's keys, before the first token needs them
+            with contextlib.suppress(Exception):  # (said in a warning line; tried again on demand)
+                await self.tokens.jwks.refresh()
         await self.subscriber.start([keys.MEMBERSHIP_CHANNEL])
         self._refresher = asyncio.create_task(self._refresh_presence())
         return self

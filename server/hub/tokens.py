@@ -2,8 +2,9 @@
 
 - **HS256** with ``REDPACKET_SECRET`` (the default, and what ``/api/login`` of a dev hub issues), or
 - **RS256 / ES256** with the backend's public key (``REDPACKET_JWT_PUBLIC_KEY``) or its JWKS
-  (``REDPACKET_JWKS_URL``: fetched with a time bound, cached, fetched again for an unknown ``kid`` at most
-  every ``JWKS_MIN_REFRESH_SECONDS``).
+  (``REDPACKET_JWKS_URL``, https — plain http to this machine only: fetched at start-up with a time
+  bound and no redirects, cached, fetched again for an unknown ``kid`` at most every
+  ``JWKS_MIN_REFRESH_SECONDS``, one fetch at a time, a failure backed off: ``Jwks``).
 
 A hub takes one family only: an HS256 token is refused by a hub that checks RS256, and the other way round,
 so a public key can never be used as an HMAC secret (algorithm confusion); ``alg: none`` is never taken.
@@ -15,6 +16,7 @@ leeway for clocks. ``verify`` is pure; ``Tokens`` adds the JWKS cache, the only 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -38,6 +40,7 @@ KEY_ALGORITHMS = ("RS256", "ES256")
 JWKS_TTL_SECONDS = 300.0
 JWKS_MIN_REFRESH_SECONDS = 10.0
 JWKS_TIMEOUT_SECONDS = 5.0
+JWKS_MAX_BACKOFF_SECONDS = 60.0
 JWKS_MAX_BYTES = 1 << 20
 MAX_TOKEN_CHARS = 8192
 SEEN_TOKENS = 10_000
@@ -138,22 +141,41 @@ def checked(rules: Rules, token: object, key: Any) -> tuple[int, int]:
     return user_of(claims.get("sub")), int(claims["exp"])
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A JWKS is fetched from its URL or not at all: a redirect (to plain http, to another host) is a
+    failed fetch."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused", headers, fp)
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 @dataclass
 class Jwks:
-    """The backend's published keys, by ``kid``: fetched once, kept ``ttl_seconds``, fetched again early
-    for an unknown ``kid`` (a rotation) but never more often than ``min_refresh_seconds``, so that tokens
-    with made-up kids cannot make the hub fetch once each. If a fetch fails, the keys held stay in use."""
+    """The backend's published keys, by ``kid``: fetched at the hub's start, kept ``ttl_seconds``, fetched
+    again early for an unknown ``kid`` (a rotation) but never more often than ``min_refresh_seconds``, so
+    that tokens with made-up kids cannot make the hub fetch once each.
+
+    One fetch at a time, shared: a token waits for it only when its ``kid`` is not held (a token whose key
+    is held never waits; keys past their ``ttl_seconds`` are fetched again behind it). A failed fetch
+    keeps the keys held, and is remembered: the next is tried ``min_refresh_seconds`` later, doubling up
+    to ``JWKS_MAX_BACKOFF_SECONDS`` — meanwhile a token whose key is not held is refused at once
+    (``auth_unavailable``), not queued behind another try."""
 
     url: str
     ttl_seconds: float = JWKS_TTL_SECONDS
     min_refresh_seconds: float = JWKS_MIN_REFRESH_SECONDS
     keys: dict[str, jwt.PyJWK] = field(default_factory=dict)
-    fetched_at: float = float("-inf")
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    fetched_at: float = float("-inf")  # when a fetch last succeeded, or was last tried
+    failures: int = 0  # fetches failed in a row
+    error: str = ""  # why the last one failed
+    _fetch: asyncio.Future[None] | None = None
 
     def _download(self) -> dict[str, jwt.PyJWK]:
         try:
-            with urllib.request.urlopen(self.url, timeout=JWKS_TIMEOUT_SECONDS) as r:
+            with _OPENER.open(self.url, timeout=JWKS_TIMEOUT_SECONDS) as r:
                 data = json.loads(r.read(JWKS_MAX_BYTES))
         except urllib.error.HTTPError as e:
             e.close()  # an error status holds its response open
@@ -168,24 +190,50 @@ class Jwks:
                 log.warning("JWKS key %s skipped: %s", raw.get("kid"), e)
         return found
 
+    def _wait(self) -> float:
+        """How long after the last fetch the next may be tried."""
+        if not self.failures:
+            return self.min_refresh_seconds
+        return min(JWKS_MAX_BACKOFF_SECONDS, self.min_refresh_seconds * float(2 ** (self.failures - 1)))
+
+    def refresh(self) -> asyncio.Future[None]:
+        """The fetch in flight, or a new one: every caller shares it."""
+        if self._fetch is None or self._fetch.done():
+            self._fetch = asyncio.ensure_future(self._fetch_now())
+            self._fetch.add_done_callback(lambda f: f.cancelled() or f.exception())  # (retrieved)
+        return self._fetch
+
+    async def _fetch_now(self) -> None:
+        try:
+            keys = await asyncio.to_thread(self._download)
+        except Exception as e:  # unreachable, slow, redirected, not JSON: keep what we had
+            self.failures += 1
+            self.error = str(e) or type(e).__name__
+            log.warning("JWKS %s could not be fetched (%d in a row): %s", self.url, self.failures, self.error)
+            raise
+        else:
+            self.keys, self.failures, self.error = keys, 0, ""
+        finally:
+            self.fetched_at = time.monotonic()
+
     async def key(self, kid: object) -> jwt.PyJWK:
         if not isinstance(kid, str):
             raise TokenError(errors.TOKEN_INVALID, "a token checked against a JWKS needs a kid")
-        async with self._lock:
-            age = time.monotonic() - self.fetched_at
-            if age > self.ttl_seconds or (kid not in self.keys and age > self.min_refresh_seconds):
-                try:
-                    self.keys = await asyncio.to_thread(self._download)
-                except Exception as e:  # unreachable, slow, not JSON: keep what we had
-                    log.warning("JWKS %s could not be fetched: %s", self.url, e)
-                    if not self.keys:
-                        message = f"the JWKS could not be fetched: {e}"
-                        raise Unavailable(errors.AUTH_UNAVAILABLE, message) from None
-                self.fetched_at = time.monotonic()
+        age = time.monotonic() - self.fetched_at
+        may_fetch = age > self._wait()
+        if kid in self.keys:
+            if age > self.ttl_seconds and may_fetch:
+                self.refresh()  # behind this token, not before it
+            return self.keys[kid]
+        if may_fetch or (self._fetch is not None and not self._fetch.done()):
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.refresh())
         found = self.keys.get(kid)
-        if found is None:
-            raise TokenError(errors.TOKEN_INVALID, f"no key {kid!r} in the JWKS")
-        return found
+        if found is not None:
+            return found
+        if self.failures and not self.keys:
+            raise Unavailable(errors.AUTH_UNAVAILABLE, f"the JWKS could not be fetched: {self.error}")
+        raise TokenError(errors.TOKEN_INVALID, f"no key {kid!r} in the JWKS")
 
 
 class Tokens:
