@@ -75,7 +75,7 @@ def test_operator_mistakes_are_one_line_and_an_exit_code(
             "database",
         ),
         (("serve", "--port", "0"), {"REDPACKET_SECRET": "short", **ok_db, **ok_redis}, 2, "at least 32"),
-        (("serve", "--port", "0"), {"REDPACKET_JWKS_URL": "ftp://x", **ok_db, **ok_redis}, 2, "http(s) URL"),
+        (("serve", "--port", "0"), {"REDPACKET_JWKS_URL": "ftp://x", **ok_db, **ok_redis}, 2, "must be https"),
         (
             ("serve", "--port", "0"),
             {"REDPACKET_JWT_PUBLIC_KEY": "/no/such/key.pem", **ok_db, **ok_redis},
