@@ -25,7 +25,7 @@ from server.errors import Unavailable
 from server.money.membership import Membership
 from server.money.split import Limits
 from server.settings import Durability, Settings
-from server.store import schema
+from server.store import keys, schema
 from server.store.batch import Batcher
 from server.store.db import Database, DatabaseError, OutcomeUnknown, RetryableError, connect
 from server.store.queue import make_queue
@@ -72,6 +72,8 @@ def transient(e: BaseException) -> bool:
 @dataclass
 class Core:
     settings: Settings
+    # What this deployment's Redis keys and arq queue are named under (server.store.keys).
+    namespace: str
     db: Database
     nodes: RedisNodes
     # arq's queue server (the main Redis unless that is a cluster).
@@ -84,6 +86,10 @@ class Core:
     repairs: Repairs
     # The OS CSPRNG in production; tests pass a seeded random.Random.
     rng: random.Random = field(default_factory=random.SystemRandom)
+
+    @property
+    def queue_name(self) -> str:
+        return queue_name(self.settings, self.namespace)
 
     @property
     def redis(self) -> Redis:
@@ -107,11 +113,16 @@ async def open_core(
         await db.close()
         raise ValueError("no Redis URL: start the embedded Valkey first (see server.store.embedded)")
     nodes = RedisNodes(settings.redis_url, settings.redis_pool_size)
-    queue = make_queue(settings)
+    queue: ArqRedis | None = None
+    claimed = False
     try:
-        await nodes.open()
         if migrate:
             await schema.migrate(db)
+        namespace = settings.namespace or await schema.deployment_id(db)
+        keys.claim(namespace)
+        claimed = True
+        queue = make_queue(settings, queue_name(settings, namespace))
+        await nodes.open()
         scripts = Scripts(nodes.client)
         durability = cast(Durability, settings.durability)
         batcher = Batcher(
@@ -119,6 +130,7 @@ async def open_core(
         )
         yield Core(
             settings=settings,
+            namespace=namespace,
             db=db,
             nodes=nodes,
             queue=queue,
@@ -129,6 +141,14 @@ async def open_core(
             rng=rng or random.SystemRandom(),
         )
     finally:
-        await queue.aclose(close_connection_pool=True)
+        if claimed:
+            keys.release()
+        if queue is not None:
+            await queue.aclose(close_connection_pool=True)
         await nodes.aclose()
         await db.close()
+
+
+def queue_name(settings: Settings, namespace: str) -> str:
+    """arq's queue of this deployment: ``REDPACKET_QUEUE_NAME`` within its namespace."""
+    return f"{settings.queue_name}:{namespace}" if namespace else settings.queue_name

@@ -112,6 +112,9 @@ class Settings:
     membership_cache_seconds: int = 300
 
     queue_name: str = "redpacket:queue"
+    # What this deployment's Redis keys, channels and arq queue are named under (server.store.keys): empty
+    # means the database's own deployment id, so two deployments sharing a Redis never meet.
+    namespace: str = ""
     redis_pool_size: int = 64
     # Send the grab path's Redis calls of one event-loop tick as one pipeline (1 = on, 0 = off).
     batch_redis: bool = True
@@ -139,6 +142,8 @@ class Settings:
     # Users may create groups and change their members (empty: yes, unless a chat backend manages them:
     # REDPACKET_SERVICE_KEY set). A group the backend made is the backend's to change either way.
     user_groups: str = ""
+    # User ids the bot detector never scores (a chat backend's own scripted clients: its tests, its bots).
+    bot_exempt_users: str = ""
     # What one HTTP request may carry: its request line and headers together, their number, its body
     # (the chat backend's /api/service/* more: a group of up to 100,000 members), and how deeply any
     # JSON or msgpack message (an HTTP body, a websocket frame) may nest.
@@ -204,6 +209,7 @@ class Settings:
             redis_grace_seconds=_int(env, "REDIS_GRACE_SECONDS", d.redis_grace_seconds),
             membership_cache_seconds=_int(env, "MEMBERSHIP_CACHE_SECONDS", d.membership_cache_seconds),
             queue_name=env.get(PREFIX + "QUEUE_NAME", d.queue_name),
+            namespace=env.get(PREFIX + "NAMESPACE", d.namespace),
             redis_pool_size=_int(env, "REDIS_POOL_SIZE", d.redis_pool_size),
             batch_redis=bool(_int(env, "BATCH_REDIS", int(d.batch_redis))),
             db_pool_size=_int(env, "DB_POOL_SIZE", d.db_pool_size),
@@ -221,6 +227,7 @@ class Settings:
             dev_login=bool(_int(env, "DEV_LOGIN", int(d.dev_login))),
             demo_topup=bool(_int(env, "DEMO_TOPUP", int(d.demo_topup))),
             user_groups=env.get(PREFIX + "USER_GROUPS", d.user_groups),
+            bot_exempt_users=env.get(PREFIX + "BOT_EXEMPT_USERS", d.bot_exempt_users),
             max_head_bytes=_int(env, "MAX_HEAD_BYTES", d.max_head_bytes),
             max_headers=_int(env, "MAX_HEADERS", d.max_headers),
             max_body_bytes=_int(env, "MAX_BODY_BYTES", d.max_body_bytes),
@@ -271,6 +278,11 @@ class Settings:
     def users_manage_groups(self) -> bool:
         """Whether users may create groups and change members (``REDPACKET_USER_GROUPS``)."""
         return self.user_groups == "1" if self.user_groups else not self.service_key
+
+    @property
+    def bot_exempt_user_ids(self) -> frozenset[int]:
+        """``REDPACKET_BOT_EXEMPT_USERS``: comma-separated user ids."""
+        return frozenset(int(u) for u in self.bot_exempt_users.replace(" ", "").split(",") if u)
 
     @property
     def jwt_algorithm_list(self) -> tuple[str, ...]:
@@ -375,6 +387,15 @@ class Settings:
         if self.service_key and len(self.service_key) < 32:
             raise ValueError(
                 f"{PREFIX}SERVICE_KEY is too short: at least 32 characters, e.g. `openssl rand -hex 32`"
+            )
+        if self.namespace and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,31}", self.namespace):
+            raise ValueError(
+                f"{PREFIX}NAMESPACE is 1 to 32 of a-z, 0-9 and -, starting with a letter or digit"
+                f" (got {self.namespace!r}); leave it empty for the database's own"
+            )
+        if not re.fullmatch(r"(\d{1,19}(,\d{1,19})*)?", self.bot_exempt_users.replace(" ", "")):
+            raise ValueError(
+                f"{PREFIX}BOT_EXEMPT_USERS is user ids separated by commas (got {self.bot_exempt_users!r})"
             )
         if self.user_groups not in ("", "0", "1"):
             raise ValueError(f"{PREFIX}USER_GROUPS is 0 or 1, or empty (got {self.user_groups!r})")

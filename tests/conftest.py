@@ -58,6 +58,11 @@ def redis_url() -> Iterator[str]:
         server.stop()
 
 
+# Every test's processes name their keys so (a deployment's own id would differ from one test database to
+# the next); the tests of namespaces themselves leave it empty.
+TEST_NAMESPACE = "test"
+
+
 @pytest.fixture(scope="session")
 def mysql_url() -> str:
     url = os.environ.get("REDPACKET_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/redpacket_test")
@@ -99,7 +104,9 @@ async def core(
         db_url = request.getfixturevalue("mysql_url")
     else:
         db_url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'ledger.sqlite3'}"
-    settings = Settings(redis_url=redis_url, database_url=db_url, queue_name="redpacket:test:queue")
+    settings = Settings(
+        redis_url=redis_url, database_url=db_url, queue_name="redpacket:test:queue", namespace=TEST_NAMESPACE
+    )
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
     r.close()
@@ -149,6 +156,7 @@ async def hub_settings(redis_url: str, mysql_url: str) -> AsyncIterator[Settings
         redis_url=redis_url,
         database_url=mysql_url,
         queue_name="redpacket:test:queue",
+        namespace=TEST_NAMESPACE,
         secret="test-secret-of-at-least-thirty-two-chars",
         dev_login=True,
         demo_topup=True,
@@ -213,6 +221,7 @@ async def cluster_core(
         queue_redis_url=redis_url,
         database_url=db_url,
         queue_name="redpacket:test:queue",
+        namespace=TEST_NAMESPACE,
     )
     async with open_core(settings, rng=random.Random(20261130)) as c:
         await _clean(c.db)

@@ -8,9 +8,11 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import redis
 
 from server.settings import Settings, child_env
 from server.store import keys
+from tests.conftest import TEST_NAMESPACE
 from tests.hubtools import redpacket_up
 
 
@@ -75,7 +78,12 @@ def test_operator_mistakes_are_one_line_and_an_exit_code(
             "database",
         ),
         (("serve", "--port", "0"), {"REDPACKET_SECRET": "short", **ok_db, **ok_redis}, 2, "at least 32"),
-        (("serve", "--port", "0"), {"REDPACKET_JWKS_URL": "ftp://x", **ok_db, **ok_redis}, 2, "must be https"),
+        (
+            ("serve", "--port", "0"),
+            {"REDPACKET_JWKS_URL": "ftp://x", **ok_db, **ok_redis},
+            2,
+            "must be https",
+        ),
         (
             ("serve", "--port", "0"),
             {"REDPACKET_JWT_PUBLIC_KEY": "/no/such/key.pem", **ok_db, **ok_redis},
@@ -122,16 +130,24 @@ def test_help_lists_every_command_with_help_and_no_markup() -> None:
     assert "--host HOST  address to listen on" in up and "--port PORT  port to listen on" in up
 
 
-def _blocked(r: redis.Redis, user: int, until: int, why: str) -> None:
+def _blocked(r: redis.Redis, user: int, until: int, why: str, namespace: str = TEST_NAMESPACE) -> None:
     """What the bot detector writes for a block (``server.hub.bots.apply``), written from outside."""
-    for n in range(keys.SHARDS):
-        r.hset(keys.shard_gate(n), f"b:{user}", until)
-    r.zadd(keys.BLOCKS, {str(user): until})
-    r.hset(keys.BLOCK_REASONS, str(user), why)
+    keys.claim(namespace)
+    try:
+        for n in range(keys.SHARDS):
+            r.hset(keys.shard_gate(n), f"b:{user}", until)
+        r.zadd(keys.blocks(), {str(user): until})
+        r.hset(keys.block_reasons(), str(user), why)
+    finally:
+        keys.release()
 
 
-def _still_blocked(r: redis.Redis, user: int) -> bool:
-    return bool(r.hexists(keys.shard_gate(0), f"b:{user}") or r.zscore(keys.BLOCKS, str(user)))
+def _still_blocked(r: redis.Redis, user: int, namespace: str = TEST_NAMESPACE) -> bool:
+    keys.claim(namespace)
+    try:
+        return bool(r.hexists(keys.shard_gate(0), f"b:{user}") or r.zscore(keys.blocks(), str(user)))
+    finally:
+        keys.release()
 
 
 def test_blocks_shows_deadlines_as_dates(redis_url: str, mysql_url: str, tmp_path: Path) -> None:
@@ -140,7 +156,11 @@ def test_blocks_shows_deadlines_as_dates(redis_url: str, mysql_url: str, tmp_pat
         r.flushdb()
         until = int(time.time() * 1000) + 630_000
         _blocked(r, 42, until, "grabs faster than a human")
-        env = {"REDPACKET_REDIS_URL": redis_url, "REDPACKET_DATABASE_URL": mysql_url}
+        env = {
+            "REDPACKET_REDIS_URL": redis_url,
+            "REDPACKET_DATABASE_URL": mysql_url,
+            "REDPACKET_NAMESPACE": TEST_NAMESPACE,
+        }
         shown = redpacket("blocks", **env)
         assert shown.returncode == 0, shown.stderr
         line = next(x for x in shown.stdout.splitlines() if x.startswith("user 42"))
@@ -158,7 +178,10 @@ def test_blocks_shows_deadlines_as_dates(redis_url: str, mysql_url: str, tmp_pat
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
-    with redpacket_up(tmp_path / "data") as (_, proc):
+    with redpacket_up(tmp_path / "data") as (url, proc):
+        # Answered once the hub has started (its database migrated): the banner comes before that.
+        with urllib.request.urlopen(f"{url}/healthz", timeout=60) as ready:
+            assert ready.status == 200
         yield tmp_path / "data", proc
 
 
@@ -171,14 +194,16 @@ def test_commands_beside_a_running_up_use_its_valkey(up: tuple[Path, subprocess.
     state = _state(data)
     live = redis.Redis.from_url(str(state["url"]))
     try:
-        _blocked(live, 2, int(time.time() * 1000) + 600_000, "a test block")
+        with sqlite3.connect(data / "redpacket.sqlite3") as ledger:  # the deployment's own namespace
+            (namespace,) = ledger.execute("SELECT id FROM deployment").fetchone()
+        _blocked(live, 2, int(time.time() * 1000) + 600_000, "a test block", namespace)
         env = {"REDPACKET_DATA_DIR": str(data)}
         listed = redpacket("blocks", **env)
         assert listed.returncode == 0 and "user 2 blocked until" in listed.stdout, (
             listed.stdout + listed.stderr
         )
         assert "user 2: unblocked" in redpacket("blocks", "--lift", "2", **env).stdout
-        assert not _still_blocked(live, 2)  # lifted in the server `up` uses
+        assert not _still_blocked(live, 2, namespace)  # lifted in the server `up` uses
         # The live server's files are untouched, and it is the only one that ever served them.
         assert _state(data) == state
         assert (data / "valkey" / "valkey.conf").exists()

@@ -21,7 +21,9 @@ from server.hub import protocol
 from server.hub.tokens import make_token
 from server.money import groups, ledger
 from server.settings import Settings, child_env
-from tests.hubtools import HubUnderTest, hub_in_process, redpacket_up
+from server.store import keys
+from server.tools.client import HubClient, HubError
+from tests.hubtools import HubUnderTest, eventually, hub_in_process, redpacket_up
 
 KEY = "service-key-of-the-chat-backend-0123456789"
 
@@ -301,3 +303,207 @@ async def test_adding_members_by_name_is_bounded_and_one_query_per_batch(hub_set
         print(f"300 members added by name in {time.monotonic() - started:.2f} s")
         status, data = await _call(h, "POST", f"/api/groups/{gid}/members", token, names=["nobody", "guest1"])
         assert (status, data["error"]["code"], data["error"]["names"]) == (404, "user_not_found", ["nobody"])
+
+
+# -- two deployments on one Redis ---------------------------------------------------------------------------
+
+
+async def _deployment(url: str) -> dict[str, Any]:
+    """A deployment's first minutes, the same on both: an admin and a member (user ids 1 and 2), money,
+    a group (id 1) with both in it; the member's socket listening."""
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        admin = (await http.post("/api/login", json={"name": "admin"})).json()
+        member = (await http.post("/api/login", json={"name": "member"})).json()
+        auth = {"authorization": f"Bearer {admin['token']}"}
+        await http.post("/api/topup", json={"amount": 10_000, "request_id": "seed"}, headers=auth)
+        group = (await http.post("/api/groups", json={"name": "family"}, headers=auth)).json()["group_id"]
+        await http.post(f"/api/groups/{group}/members", json={"names": ["member"]}, headers=auth)
+    ws = url.replace("http://", "ws://") + "/ws"
+    listener = await HubClient.connect(ws, member["token"])
+    await listener.sync()
+    sender = await HubClient.connect(ws, admin["token"])
+    await sender.sync()
+    return {
+        "url": url,
+        "admin": admin,
+        "member": member,
+        "group": group,
+        "listener": listener,
+        "sender": sender,
+    }
+
+
+async def _first_chat(c: HubClient, timeout: float) -> str | None:
+    """The text of the next chat event ``c`` hears, or None if none comes within ``timeout``."""
+    try:
+        while True:
+            ev = await c.next_event(timeout=timeout)
+            if ev["event"] == "chat":
+                return str(ev["data"]["text"])
+    except TimeoutError:
+        return None
+
+
+async def _chat_and_removal(a: dict[str, Any], b: dict[str, Any], timeout: float) -> str | None:
+    """a's admin chats; a's listener must hear it first. a removes its member (the same ids as b's) from
+    its group. b's admin chats; b's listener must hear that first (not a's chat, and still attached).
+    What went wrong, or None."""
+    await a["sender"].request("chat", group=a["group"], text="for a only")
+    if (heard := await _first_chat(a["listener"], timeout)) != "for a only":
+        return f"a's member heard {heard!r} for its own chat"
+    async with httpx.AsyncClient(base_url=a["url"], timeout=10) as http:
+        auth = {"authorization": f"Bearer {a['admin']['token']}"}
+        r = await http.delete(f"/api/groups/{a['group']}/members/{a['member']['user_id']}", headers=auth)
+        assert r.status_code == 200
+    await b["sender"].request("chat", group=b["group"], text="for b")
+    if (heard := await _first_chat(b["listener"], timeout)) != "for b":
+        return f"b's member heard {heard!r} for b's chat"
+    return None
+
+
+@pytest.mark.parametrize(
+    ("databases", "namespaces"),
+    [("one", "own"), ("two", "own"), ("two", "forced equal")],
+    ids=["same-redis-db", "two-redis-dbs", "guard-off"],
+)
+async def test_two_deployments_on_one_redis_never_meet(
+    tmp_path: Path, redis_url: str, databases: str, namespaces: str
+) -> None:
+    """Pub/sub ignores the database number: a second deployment on db 12 received the first's (db 11)
+    chat and membership notes, and acted on them. Two `redpacket up`s on one Redis server, each with
+    its own database (so the same user, group and packet ids), one Redis database or two: neither hears
+    the other's chat or membership changes, and each pays its own grabs. Guard off (both forced to one
+    namespace, on two Redis databases): they meet — a's chat reaches b, a's removal detaches b's member,
+    or one hub drops its own group's events as ones it has seen."""
+    import redis as sync_redis
+
+    base, _, db = redis_url.rpartition("/")
+    urls = [redis_url, redis_url if databases == "one" else f"{base}/{int(db) - 1}"]
+    for u in set(urls):
+        sync_redis.Redis.from_url(u).flushdb()
+    env = [{"REDPACKET_REDIS_URL": u} for u in urls]
+    if namespaces == "forced equal":
+        for e in env:
+            e["REDPACKET_NAMESPACE"] = "shared"
+    await _two_deployments(tmp_path, env, guard_off=namespaces == "forced equal")
+
+
+async def test_two_deployments_on_one_cluster_never_meet(
+    tmp_path: Path, redis_url: str, cluster: object
+) -> None:
+    """The same on one Redis Cluster, their arq queues on one Redis."""
+    from tests.redisproc import LocalCluster
+
+    assert isinstance(cluster, LocalCluster)
+    cluster.flush()
+    env = {"REDPACKET_REDIS_URL": cluster.url, "REDPACKET_QUEUE_REDIS_URL": redis_url}
+    await _two_deployments(tmp_path, [env, env], guard_off=False)
+
+
+async def _two_deployments(tmp_path: Path, env: list[dict[str, str]], guard_off: bool) -> None:
+    with (
+        redpacket_up(tmp_path / "a", env=env[0]) as (url_a, _),
+        redpacket_up(tmp_path / "b", env=env[1]) as (url_b, _),
+    ):
+        a, b = await _deployment(url_a), await _deployment(url_b)
+        assert (a["group"], a["member"]["user_id"]) == (b["group"], b["member"]["user_id"])  # the same ids
+        if guard_off:
+            # (A chat that never comes is waited for 10 s: here that is the leak, not a slow machine.)
+            assert await _chat_and_removal(a, b, timeout=10) is not None
+            return
+        assert await _chat_and_removal(a, b, timeout=60) is None
+        # Money: a packet on each, grabbed by each member; each ledger pays its own.
+        for d in (a, b):
+            sent = await d["sender"].request("send", group=d["group"], kind="lucky", total=500, count=1)
+            d["packet"] = sent["packet_id"]
+        assert a["packet"] == b["packet"]
+        with pytest.raises(Exception) as gone:  # a's member is not in a's group any more
+            await a["listener"].request("grab", group=a["group"], packet=a["packet"])
+        assert getattr(gone.value, "code", None) == "not_member"
+        got = await b["listener"].request("grab", group=b["group"], packet=b["packet"])
+        assert got["amount"] == 500
+        async with httpx.AsyncClient(base_url=url_b, timeout=10) as http:
+            me = {"authorization": f"Bearer {b['member']['token']}"}
+
+            async def paid() -> bool:
+                return bool((await http.get("/api/me", headers=me)).json()["balance"] == 500)
+
+            await eventually(paid, timeout=60)  # b's worker paid b's grab
+        async with httpx.AsyncClient(base_url=url_a, timeout=10) as http:
+            me = {"authorization": f"Bearer {a['member']['token']}"}
+            assert (await http.get("/api/me", headers=me)).json()["balance"] == 0
+        for d in (a, b):
+            await d["listener"].close()
+            await d["sender"].close()
+
+
+# -- a removal this hub did not hear ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["chat", "presence", "open", "sync"])
+async def test_a_removed_member_is_refused_when_the_hub_missed_the_note(
+    demo: HubUnderTest, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Before: a hub that missed the ``removed`` note (its subscriber reconnecting, a failover) let the
+    removed member chat, sync and see presence (only grabs were checked again, in Redis). Each request
+    that reads or writes a group checks the versioned member cache, refuses, and takes the socket out
+    of the group as the note would have."""
+    admin_id, _ = await demo.login("boss")
+    member_id, member_token = await demo.login("leaving")
+    group = await groups.create_group(demo.core.db, admin_id, "family")
+    await groups.add_members(demo.core.db, demo.core.membership, group, [member_id])
+    c = await HubClient.connect(demo.ws, member_token)
+    try:
+        assert group in c.groups
+        await c.sync()
+        # The removal commits and drops the cache; its note is sent where this hub does not listen.
+        with monkeypatch.context() as m:
+            m.setattr(keys, "membership_channel", lambda: keys._root() + "{ctl}:nowhere")
+            assert await groups.remove_member(demo.core.db, demo.core.membership, group, member_id)
+        if kind == "sync":
+            synced = await c.request("sync", groups={str(group): None})
+            assert synced["groups"][str(group)] == {"error": "not_member"}
+        else:
+            with pytest.raises(HubError) as refused:
+                await c.request(
+                    kind,
+                    group=group,
+                    **({"text": "still here?"} if kind == "chat" else {}),
+                    **({"packet": 1} if kind == "open" else {}),
+                )
+            assert refused.value.code == "not_member"
+        while (notice := await c.next_notice()).get("type") != "removed":
+            pass
+        assert notice == {"type": "removed", "group": group}
+    finally:
+        await c.close()
+
+
+async def test_a_hub_that_was_not_listening_checks_its_members_again(
+    demo: HubUnderTest, monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    """The removal's note lost while the hub's subscriber was away: when it is back, the hub checks
+    every member it serves against the member cache, and the removed member's socket leaves the group
+    without sending anything."""
+    import redis.asyncio as aredis
+
+    admin_id, _ = await demo.login("boss")
+    member_id, member_token = await demo.login("leaving")
+    group = await groups.create_group(demo.core.db, admin_id, "family")
+    await groups.add_members(demo.core.db, demo.core.membership, group, [member_id])
+    c = await HubClient.connect(demo.ws, member_token)
+    try:
+        await c.sync()
+        with monkeypatch.context() as m:
+            m.setattr(keys, "membership_channel", lambda: keys._root() + "{ctl}:nowhere")
+            assert await groups.remove_member(demo.core.db, demo.core.membership, group, member_id)
+        r = aredis.Redis.from_url(redis_url)
+        try:
+            assert await r.client_kill_filter(_type="pubsub") >= 1  # the hub's subscriber reconnects
+        finally:
+            await r.aclose()
+        while (notice := await c.next_notice()).get("type") != "removed":
+            pass
+        assert notice == {"type": "removed", "group": group}
+    finally:
+        await c.close()

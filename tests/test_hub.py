@@ -569,9 +569,9 @@ async def test_grab_attempts_are_written_one_stream_entry_per_interval(h: HubUnd
     log.record(Attempt(1, 2, 3, None, "d", now - 120_000))  # outside the detector's minute
     for i in range(500):
         log.record(Attempt(10 + i, 2, 3, 50, "phone", now - i))
-    before = int(await h.core.redis.xlen(keys.GRAB_ATTEMPTS))
+    before = int(await h.core.redis.xlen(keys.grab_attempts()))
     await log.close()
-    assert int(await h.core.redis.xlen(keys.GRAB_ATTEMPTS)) == before + 1
+    assert int(await h.core.redis.xlen(keys.grab_attempts())) == before + 1
     seen = [a for a in await bots.recent_attempts(h.core, now) if a.device == "phone"]
     assert sorted(a.user for a in seen) == list(range(10, 510))
     assert all(a.ms >= now - 60_000 for a in await bots.recent_attempts(h.core, now))

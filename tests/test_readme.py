@@ -3,6 +3,7 @@ against a real ``redpacket up``, and exactly two commands for a newcomer."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import subprocess
@@ -11,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.hubtools import redpacket_up
+from server.hub.bots import list_blocks, now_ms, run_detector
+from server.hub.botscore import Attempt, Rules, score
+from server.money import groups, ledger
+from server.settings import Settings
+from tests.hubtools import hub_in_process, redpacket_up
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -51,3 +56,38 @@ def test_try_it_runs_as_written(tmp_path: Path) -> None:
         assert ran.returncode == 0, ran.stdout + ran.stderr
         m = re.fullmatch(r"li grabbed (\d+) of 888 cents; 1 share left\n", ran.stdout)
         assert m and 1 <= int(m[1]) <= 887, ran.stdout
+
+
+async def test_the_python_example_run_again_and_again_is_never_taken_for_a_bot(
+    hub_settings: Settings,
+) -> None:
+    """Before: each run of the README's script was throttled (`1 grab(s) faster than 100 ms`) and the
+    fourth within a minute blocked li for an hour. Four runs, then the detector over them: no decision."""
+    async with hub_in_process(hub_settings) as h:
+        wang, _ = await h.login("wang")
+        li, _ = await h.login("li")
+        await ledger.topup(h.core.db, wang, 100_000, "seed")
+        family = await groups.create_group(h.core.db, wang, "family")
+        await groups.add_members(h.core.db, h.core.membership, family, [li])
+        script = block("try-python").replace("127.0.0.1:8000", h.http.removeprefix("http://"))
+        for _ in range(4):
+            run = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+            )
+            out, _ = await asyncio.wait_for(run.communicate(), 120)
+            assert run.returncode == 0 and out.startswith(b"li grabbed "), out
+        decisions = await run_detector(h.core, now=now_ms())
+        assert decisions == {}, decisions
+        assert li not in {b.user for b in await list_blocks(h.core)}
+
+
+async def test_a_backends_scripted_clients_can_be_exempted(hub_settings: Settings) -> None:
+    """What the detector does to a script grabbing at once, and REDPACKET_BOT_EXEMPT_USERS letting the
+    backend's own through."""
+    bot_like = [Attempt(user=7, group=1, packet=p, reaction_ms=5, device="", ms=now_ms()) for p in range(3)]
+    assert score(bot_like, Rules(), now_ms())[7].action == "block"
+    exempt = hub_settings.with_(bot_exempt_users="7, 8")
+    exempt.check()
+    assert score(bot_like, Rules(exempt=exempt.bot_exempt_user_ids), now_ms()) == {}
+    with pytest.raises(ValueError, match="BOT_EXEMPT_USERS"):
+        hub_settings.with_(bot_exempt_users="seven").check()

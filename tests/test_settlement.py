@@ -153,11 +153,11 @@ async def test_the_periodic_jobs(core: Core) -> None:
 
     names = {c.name for c in make_worker(core).cron_jobs}
     assert {
-        "cron:refund_expired_job",
-        "cron:announce_job",
-        "cron:sweep_job",
-        "cron:reconcile_job",
-        "cron:score_bots_job",
+        f"{core.namespace}:refund_expired_job",
+        f"{core.namespace}:announce_job",
+        f"{core.namespace}:sweep_job",
+        f"{core.namespace}:reconcile_job",
+        f"{core.namespace}:score_bots_job",
     } <= names
     w = await make_world(core, members=1, admin_cents=10_000)
     expired = dataclasses.replace(core, settings=core.settings.with_(packet_ttl_seconds=0))

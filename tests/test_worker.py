@@ -68,17 +68,24 @@ async def test_arq_can_run_the_worker_settings_and_they_pay_credits(core: Core) 
     os.environ["REDPACKET_REDIS_URL"] = core.settings.redis_url
     os.environ["REDPACKET_DATABASE_URL"] = core.settings.database_url
     os.environ["REDPACKET_QUEUE_NAME"] = core.settings.queue_name
+    os.environ["REDPACKET_NAMESPACE"] = core.namespace
     try:
         import worker.settings
 
         settings_module = importlib.reload(worker.settings)
     finally:
-        for k in ("REDPACKET_REDIS_URL", "REDPACKET_DATABASE_URL", "REDPACKET_QUEUE_NAME"):
+        for k in (
+            "REDPACKET_REDIS_URL",
+            "REDPACKET_DATABASE_URL",
+            "REDPACKET_QUEUE_NAME",
+            "REDPACKET_NAMESPACE",
+        ):
             del os.environ[k]
     ws = settings_module.WorkerSettings
-    assert ws.queue_name == core.settings.queue_name
+    assert ws.queue_name == core.queue_name == f"{core.settings.queue_name}:{core.namespace}"
     names = {c.name for c in create_worker(ws, handle_signals=False).cron_jobs}
-    assert {"cron:refund_expired_job", "cron:announce_job", "cron:sweep_job"} <= names
+    ns = core.namespace
+    assert {f"{ns}:refund_expired_job", f"{ns}:announce_job", f"{ns}:sweep_job"} <= names
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 321, 1)
     await grabs.grab(core, p.packet_id, w.group, w.members[0])

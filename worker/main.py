@@ -37,20 +37,21 @@ BEAT_SECONDS = 5.0
 HEALTHY_WITHIN = 30.0
 
 
-def cron_jobs() -> list[Any]:
-    """Every periodic job; arq's ``unique`` runs each tick once across workers."""
+def cron_jobs(namespace: str) -> list[Any]:
+    """Every periodic job; arq's ``unique`` runs each tick once across workers — of this deployment: a
+    tick's job id holds the job's name, so the name holds the namespace (another deployment's workers on
+    the same queue server run their own)."""
+
+    def named(job: Callable[[Ctx], Awaitable[object]], **when: Any) -> Any:
+        name = f"{namespace}:{job.__name__}" if namespace else job.__name__
+        return cron(transient_is_a_line(job), name=name, unique=True, **when)
+
     return [
-        cron(transient_is_a_line(refund_expired_job), second=0, unique=True, timeout=600),
-        cron(transient_is_a_line(announce_job), second=set(range(2, 60, 5)), unique=True, timeout=60),
-        cron(transient_is_a_line(sweep_job), second={15, 45}, unique=True, timeout=300),
-        cron(
-            transient_is_a_line(reconcile_job),
-            minute=set(range(0, 60, 10)),
-            second=30,
-            unique=True,
-            timeout=600,
-        ),
-        cron(transient_is_a_line(score_bots_job), second=set(range(5, 60, 10)), unique=True, timeout=60),
+        named(refund_expired_job, second=0, timeout=600),
+        named(announce_job, second=set(range(2, 60, 5)), timeout=60),
+        named(sweep_job, second={15, 45}, timeout=300),
+        named(reconcile_job, minute=set(range(0, 60, 10)), second=30, timeout=600),
+        named(score_bots_job, second=set(range(5, 60, 10)), timeout=60),
     ]
 
 
@@ -75,9 +76,9 @@ def make_worker(core: Core, metrics: WorkerMetrics | None = None, **overrides: A
     """arq's worker running the periodic jobs against ``core``, on its queue."""
     options: dict[str, Any] = {
         "functions": [],
-        "cron_jobs": cron_jobs(),
+        "cron_jobs": cron_jobs(core.namespace),
         "redis_pool": core.queue,
-        "queue_name": core.settings.queue_name,
+        "queue_name": core.queue_name,
         # arq types ctx as a plain dict; our jobs take the TypedDict that says what is in it.
         "ctx": {"core": core, "metrics": metrics or WorkerMetrics()},
         "job_serializer": job_serializer,

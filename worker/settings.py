@@ -18,13 +18,30 @@ from typing import Any, ClassVar
 from arq.connections import RedisSettings
 
 from server.core import open_core
+from server.core import queue_name as deployment_queue
 from server.settings import Settings
+from server.store.db import connect
 from server.store.queue import job_deserializer, job_serializer
+from server.store.schema import deployment_id, migrate
 from worker.drain import CreditDrain
 from worker.main import cron_jobs, heartbeat
 from worker.metrics import WorkerMetrics
 
 _settings = Settings.from_env()
+
+
+async def _namespace() -> str:
+    db = await connect(_settings.effective_database_url, 1)
+    try:
+        await migrate(db)
+        return await deployment_id(db)
+    finally:
+        await db.close()
+
+
+# The queue and the crons' names hold the deployment's namespace, which the database holds: read now
+# (arq reads this class before it starts its loop).
+_namespace_now = _settings.namespace or asyncio.run(_namespace())
 
 
 async def _startup(ctx: dict[str, Any]) -> None:
@@ -47,8 +64,8 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
 
 class WorkerSettings:
     functions: ClassVar[list[Any]] = []
-    cron_jobs = cron_jobs()
-    queue_name = _settings.queue_name
+    cron_jobs = cron_jobs(_namespace_now)
+    queue_name = deployment_queue(_settings, _namespace_now)
     redis_settings = RedisSettings.from_dsn(_settings.redis_url or "redis://127.0.0.1:6379/0")
     job_serializer = staticmethod(job_serializer)
     job_deserializer = staticmethod(job_deserializer)

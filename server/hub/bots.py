@@ -77,7 +77,7 @@ class AttemptLog:
         failed: Exception | None = None
         try:
             await self.core.redis.xadd(
-                keys.GRAB_ATTEMPTS, {"a": msgpack.packb(batch)}, maxlen=10_000, approximate=True
+                keys.grab_attempts(), {"a": msgpack.packb(batch)}, maxlen=10_000, approximate=True
             )
         except Exception as e:  # never lost to a transient error, never a task that dies
             failed = e
@@ -114,7 +114,7 @@ class AttemptLog:
 async def recent_attempts(core: Core, now: int, window_ms: int = WINDOW_MS) -> list[Attempt]:
     # An entry is written up to one interval after its attempts: read a little further back, then
     # keep the attempts of the window by their own time.
-    rows = await core.redis.xrange(keys.GRAB_ATTEMPTS, min=str(now - window_ms - 5_000), max="+")
+    rows = await core.redis.xrange(keys.grab_attempts(), min=str(now - window_ms - 5_000), max="+")
     out = []
     for _, f in rows:
         for user, group, packet, reaction_ms, device, ms in msgpack.unpackb(f[b"a"]):
@@ -141,8 +141,8 @@ async def apply(core: Core, decisions: dict[int, Decision], rules: Rules, now: i
                     slower = f"{rules.throttled_grabs_per_second}:{until}"
                     pipe.hset(keys.shard_gate(n), f"t:{d.user}", slower)
             if d.action == "block":
-                pipe.zadd(keys.BLOCKS, {str(d.user): until})
-                pipe.hset(keys.BLOCK_REASONS, str(d.user), "; ".join(d.reasons))
+                pipe.zadd(keys.blocks(), {str(d.user): until})
+                pipe.hset(keys.block_reasons(), str(d.user), "; ".join(d.reasons))
         await pipe.execute()
     for d in decisions.values():
         if d.action == "block":
@@ -165,15 +165,15 @@ async def _forget_expired(core: Core, now: int) -> None:
             over = [field for field, value in gate.items() if int(_text(value).rsplit(":", 1)[-1]) <= now]
             if over:
                 pipe.hdel(keys.shard_gate(n), *over)
-        expired = await core.redis.zrangebyscore(keys.BLOCKS, "-inf", now)
+        expired = await core.redis.zrangebyscore(keys.blocks(), "-inf", now)
         if expired:
-            pipe.zrem(keys.BLOCKS, *expired)
-            pipe.hdel(keys.BLOCK_REASONS, *expired)
+            pipe.zrem(keys.blocks(), *expired)
+            pipe.hdel(keys.block_reasons(), *expired)
         await pipe.execute()
 
 
 async def run_detector(core: Core, rules: Rules | None = None, now: int | None = None) -> dict[int, Decision]:
-    rules = rules or Rules()
+    rules = rules or Rules(exempt=core.settings.bot_exempt_user_ids)
     now = now_ms() if now is None else now
     decisions = score(await recent_attempts(core, now), rules, now)
     await apply(core, decisions, rules, now)
@@ -190,8 +190,8 @@ class Block:
 async def list_blocks(core: Core) -> list[Block]:
     now = now_ms()
     out = []
-    for user, until in await core.redis.zrangebyscore(keys.BLOCKS, f"({now}", "+inf", withscores=True):
-        reasons = await cast(Awaitable[bytes | None], core.redis.hget(keys.BLOCK_REASONS, user))
+    for user, until in await core.redis.zrangebyscore(keys.blocks(), f"({now}", "+inf", withscores=True):
+        reasons = await cast(Awaitable[bytes | None], core.redis.hget(keys.block_reasons(), user))
         out.append(Block(int(user), int(until), _text(reasons or b"")))
     return out
 
@@ -201,7 +201,7 @@ async def lift(core: Core, user: int) -> bool:
     async with core.redis.pipeline(transaction=False) as pipe:
         for n in range(keys.SHARDS):
             pipe.hdel(keys.shard_gate(n), f"b:{user}", f"t:{user}")
-        pipe.zrem(keys.BLOCKS, str(user))
-        pipe.hdel(keys.BLOCK_REASONS, str(user))
+        pipe.zrem(keys.blocks(), str(user))
+        pipe.hdel(keys.block_reasons(), str(user))
         results = await pipe.execute()
     return any(results[: keys.SHARDS]) or bool(results[-2])

@@ -33,6 +33,8 @@ class Rules:
     throttle_seconds: int = 300
     block_seconds: int = 3600
     throttled_grabs_per_second: float = 0.2
+    # Never scored: REDPACKET_BOT_EXEMPT_USERS (a chat backend's own scripted clients).
+    exempt: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -61,7 +63,7 @@ def score(attempts: list[Attempt], rules: Rules, now_ms: int) -> dict[int, Decis
         if action == "block" and d.action != "block":
             d.action, d.seconds = "block", seconds
 
-    recent = [a for a in attempts if now_ms - a.ms <= WINDOW_MS]
+    recent = [a for a in attempts if now_ms - a.ms <= WINDOW_MS and a.user not in rules.exempt]
     fast: dict[int, int] = defaultdict(int)
     per_user: dict[int, int] = defaultdict(int)
     per_device: dict[str, set[int]] = defaultdict(set)

@@ -203,7 +203,7 @@ class Hub:
         if self.tokens.jwks is not None:  # the backend's keys, before the first token needs them
             with contextlib.suppress(Exception):  # (said in a warning line; tried again on demand)
                 await self.tokens.jwks.refresh()
-        await self.subscriber.start([keys.MEMBERSHIP_CHANNEL])
+        await self.subscriber.start([keys.membership_channel()])
         self._refresher = asyncio.create_task(self._refresh_presence())
         return self
 
@@ -292,6 +292,23 @@ class Hub:
             del self.by_group[g]
             await self.subscriber.remove(keys.group_channel(g))
 
+    async def no_longer_member(self, group: int, user: int) -> None:
+        """The member cache says ``user`` left ``group`` and this hub did not hear it (a note lost to a
+        subscriber reconnect or a failover): act as the note would have."""
+        await self._membership_changed(group, [user], "removed")
+
+    async def _recheck_members(self) -> None:
+        """After this hub was not listening, check every (group, user) it serves against the member
+        cache: a removal whose note it missed takes its sockets out of the group now, not at their next
+        request."""
+        pairs = list(self.local)
+        for start in range(0, len(pairs), 1_000):
+            chunk = pairs[start : start + 1_000]
+            still = await asyncio.gather(*(self.core.membership.is_member(g, u) for g, u in chunk))
+            for (g, u), member in zip(chunk, still, strict=True):
+                if not member:
+                    await self.no_longer_member(g, u)
+
     async def _membership_changed(self, group: int, users: list[int], change: str) -> None:
         self.member_counts.forget(group)
         if change == "exactly":  # the whole membership: this hub's sockets follow it both ways
@@ -379,6 +396,7 @@ class Hub:
         """After a reconnect or a failover, send each group's events published while we were not
         listening."""
         self.metrics.pubsub_reconnects.inc()
+        await self._recheck_members()
         for g in list(self.by_group):
             since = self.delivered.get(g)
             if since is None:
@@ -392,7 +410,7 @@ class Hub:
                 self._fan_out(g, offset, kind, data)
 
     def _on_message(self, channel: bytes, data: bytes) -> None:
-        if channel == keys.MEMBERSHIP_CHANNEL.encode():
+        if channel == keys.membership_channel().encode():
             self.spawn(self._membership_changed(*parse_change(data)))
             return
         g = keys.channel_group(channel)

@@ -62,6 +62,11 @@ async def _open_packets(s: Session, group: int) -> list[dict[str, Any]]:
     return views
 
 
+def _group_key(raw: Any) -> Any:
+    """A sync's group key: an int for a string of digits, else as sent (refused as not_member)."""
+    return int(raw) if isinstance(raw, str) and raw.isascii() and raw.isdigit() else raw
+
+
 async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     """Per group: replay what the client missed since its offset, or the current state when it has none
     or the stream no longer holds the gap. Replayed events are sent before this reply."""
@@ -71,12 +76,15 @@ async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     # Every offset is checked before anything is held or sent: a malformed one refuses the whole sync.
     plan = [(raw, protocol.parse_offset(since)) for raw, since in wanted.items()]
     out: dict[str, Any] = {}
-    for raw_group, since in plan:
-        group = (
-            int(raw_group)
-            if isinstance(raw_group, str) and raw_group.isascii() and raw_group.isdigit()
-            else raw_group
-        )
+    asked = [(raw, _group_key(raw), since) for raw, since in plan]
+    # Each group this socket is in, checked again in the member cache at once (one pipeline): a hub that
+    # missed a removal's note does not replay the group to its removed member (``Session.member_now``).
+    mine = [g for _, g, _ in asked if isinstance(g, int) and g in s.conn.groups]
+    still = await asyncio.gather(*(s.core.membership.is_member(g, s.conn.user_id) for g in mine))
+    for g, member in zip(mine, still, strict=True):
+        if not member:
+            await s.hub.no_longer_member(g, s.conn.user_id)
+    for raw_group, group, since in asked:
         if not isinstance(group, int) or group not in s.conn.groups:
             out[str(raw_group)] = {"error": errors.NOT_MEMBER}
             continue
@@ -111,7 +119,7 @@ async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def on_chat(s: Session, body: dict[str, Any]) -> dict[str, Any]:
-    group = s.member_of(body)
+    group = await s.member_now(body)
     said = body.get("text")
     if not isinstance(said, str) or not said.strip() or len(said) > protocol.MAX_TEXT_CHARS:
         raise InvalidRequest(errors.TEXT_INVALID, f"text is 1 to {protocol.MAX_TEXT_CHARS} characters")
@@ -267,7 +275,7 @@ def view_dict(v: grabs.PacketView) -> dict[str, Any]:
 
 
 async def on_open(s: Session, body: dict[str, Any]) -> dict[str, Any]:
-    group = s.member_of(body)
+    group = await s.member_now(body)
     return view_dict(
         await grabs.open_packet(
             s.core, field_id(body, "packet", errors.PACKET_NOT_FOUND), group, s.conn.user_id
@@ -276,7 +284,7 @@ async def on_open(s: Session, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def on_presence(s: Session, body: dict[str, Any]) -> dict[str, Any]:
-    group = s.member_of(body)
+    group = await s.member_now(body)
     return {"group": group, "online": await s.hub.online(group)}
 
 

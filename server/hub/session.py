@@ -56,8 +56,20 @@ class Session:
         self.stopped = False
 
     def member_of(self, body: dict[str, Any]) -> int:
+        """The request's group, if this socket is in it (a grab is checked again in Redis, a send in the
+        database)."""
         group = field_int(body, "group")
         if group not in self.conn.groups:
+            raise Forbidden(errors.NOT_MEMBER, f"you are not a member of group {group}")
+        return group
+
+    async def member_now(self, body: dict[str, Any]) -> int:
+        """``member_of``, then the group's versioned member cache (``server.money.membership``): a hub that
+        missed the note of a removal (its subscriber reconnecting, a failover) still refuses the removed
+        member, and takes its sockets out of the group as the note would have."""
+        group = self.member_of(body)
+        if not await self.core.membership.is_member(group, self.conn.user_id):
+            await self.hub.no_longer_member(group, self.conn.user_id)
             raise Forbidden(errors.NOT_MEMBER, f"you are not a member of group {group}")
         return group
 

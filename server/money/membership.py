@@ -70,7 +70,7 @@ class Membership:
             pipe.delete(keys.group_members(group_id))
             await pipe.execute()
         # (The cluster client has no spublish(); the command is routed by its channel's slot.)
-        await self._redis.execute_command("SPUBLISH", keys.MEMBERSHIP_CHANNEL, note)  # type: ignore[no-untyped-call]
+        await self._redis.execute_command("SPUBLISH", keys.membership_channel(), note)  # type: ignore[no-untyped-call]
 
     async def _load(self, group_id: int) -> frozenset[int]:
         # The load runs as its own task: a cancelled caller does not cancel it for the others waiting.

@@ -13,11 +13,48 @@ tags spread evenly enough over up to ~16 masters (docs/scaling.md).
 
 Keys with no tag (the bot detector's attempt stream) are single-key; ``{ctl}`` holds the control
 channel (membership changes) and the operators' list of blocks.
+
+**One deployment's names.** Every key and channel starts ``rp:<namespace>:`` (plain ``rp:`` for a
+deployment older than namespaces): two deployments on one Redis server — one database number or two,
+since pub/sub ignores it — or one cluster never read, write or hear each other's. The namespace is the
+database's deployment id (``schema.deployment_id``) unless ``REDPACKET_NAMESPACE`` says otherwise; a
+process serves one (``claim``).
 """
 
 from __future__ import annotations
 
+import re
+
 SHARDS = 64
+NAMESPACE = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
+_namespace = ""
+_claims = 0
+
+
+def claim(namespace: str) -> None:
+    """Name every key of this process with ``namespace`` (``""``: none, a deployment from before), while
+    a Core holds it; ``release`` when it closes. A second namespace at once is a bug."""
+    global _namespace, _claims
+    if namespace and not NAMESPACE.fullmatch(namespace):
+        raise ValueError(
+            f"a namespace is 1 to 32 of a-z, 0-9 and -, starting with a letter or digit: {namespace!r}"
+        )
+    if _claims and namespace != _namespace:
+        raise RuntimeError(f"this process already names its keys {_namespace!r}, not {namespace!r}")
+    _namespace, _claims = namespace, _claims + 1
+
+
+def release() -> None:
+    global _claims
+    _claims = max(0, _claims - 1)
+
+
+def namespace() -> str:
+    return _namespace
+
+
+def _root() -> str:
+    return f"rp:{_namespace}:" if _namespace else "rp:"
 
 
 def shard(group_id: int) -> int:
@@ -26,11 +63,11 @@ def shard(group_id: int) -> int:
 
 
 def _g(group_id: int) -> str:
-    return f"rp:{{s{shard(group_id)}}}:g{group_id}"
+    return f"{_root()}{{s{shard(group_id)}}}:g{group_id}"
 
 
 def _p(group_id: int, packet_id: int) -> str:
-    return f"rp:{{s{shard(group_id)}}}:p{packet_id}"
+    return f"{_root()}{{s{shard(group_id)}}}:p{packet_id}"
 
 
 # -- packets --------------------------------------------------------------------------------------------
@@ -119,7 +156,7 @@ def channel_group(channel: bytes | str) -> int | None:
     """The group id of a ``group_channel`` name, or None for any other channel."""
     text = channel.decode() if isinstance(channel, bytes) else channel
     head, _, rest = text.rpartition(":g")
-    if head.startswith("rp:{s") and rest.endswith(":ch") and rest[:-3].isdigit():
+    if head.startswith(_root() + "{s") and rest.endswith(":ch") and rest[:-3].isdigit():
         return int(rest[:-3])
     return None
 
@@ -151,7 +188,7 @@ def grab_bucket(group_id: int, user_id: int) -> str:
 def shard_gate(n: int) -> str:
     """Hash of the bot detector's decisions, copied into every shard so that the grab script reads
     them in its own slot: ``b:<user>`` → block end (unix ms); ``t:<user>`` → ``"<grabs/s>:<end ms>"``."""
-    return f"rp:{{s{n}}}:gate"
+    return f"{_root()}{{s{n}}}:gate"
 
 
 def gate_for(group_id: int) -> str:
@@ -161,7 +198,7 @@ def gate_for(group_id: int) -> str:
 def credit_outbox(n: int) -> str:
     """Stream of the credits of the shard's grabs, written by the grab script next to the share, read by
     the workers' consumer group ``CREDIT_GROUP``, deleted once paid. Field ``c``: a ``credit_entry``."""
-    return f"rp:{{s{n}}}:credits"
+    return f"{_root()}{{s{n}}}:credits"
 
 
 def outbox_for(group_id: int) -> str:
@@ -192,10 +229,22 @@ def parse_dropped(entry: bytes | str) -> tuple[int, int, int, int]:
 
 # -- control, and keys that stand alone -----------------------------------------------------------------
 
-# Every hub hears every membership change here, to attach or detach its live connections.
-MEMBERSHIP_CHANNEL = "rp:{ctl}:membership"
-# Sorted set user id → when their block ends (unix ms), and hash user id → why: what operators list.
-BLOCKS = "rp:{ctl}:blocks"
-BLOCK_REASONS = "rp:{ctl}:block-reasons"
-# Every grab attempt, for the bot detector: a capped stream (user, group, packet, reaction, device).
-GRAB_ATTEMPTS = "rp:attempts"
+
+def membership_channel() -> str:
+    """Every hub hears every membership change here, to attach or detach its live connections."""
+    return _root() + "{ctl}:membership"
+
+
+def blocks() -> str:
+    """Sorted set user id → when their block ends (unix ms): what operators list."""
+    return _root() + "{ctl}:blocks"
+
+
+def block_reasons() -> str:
+    """Hash user id → why they are blocked."""
+    return _root() + "{ctl}:block-reasons"
+
+
+def grab_attempts() -> str:
+    """Every grab attempt, for the bot detector: a capped stream (user, group, packet, reaction, device)."""
+    return _root() + "attempts"

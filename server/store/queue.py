@@ -22,8 +22,8 @@ def job_deserializer(data: bytes) -> dict[str, Any]:
     return msgpack.unpackb(data, raw=False)  # type: ignore[no-any-return]
 
 
-def make_queue(settings: Settings) -> ArqRedis:
-    """A client of arq's queue server. Opens no connection yet."""
+def make_queue(settings: Settings, queue_name: str) -> ArqRedis:
+    """A client of arq's queue server, on the queue named so. Opens no connection yet."""
     if not settings.queue_url:
         raise ValueError("no Redis URL: start the embedded Valkey first (see server.store.embedded)")
     pool = BlockingConnectionPool.from_url(
@@ -37,5 +37,5 @@ def make_queue(settings: Settings) -> ArqRedis:
         pool_or_conn=pool,
         job_serializer=job_serializer,
         job_deserializer=job_deserializer,
-        default_queue_name=settings.queue_name,
+        default_queue_name=queue_name,
     )

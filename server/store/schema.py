@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from server.store.db import Database, Tx
+from server.store.db import Database, DatabaseError, Tx, as_text
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,21 @@ MIGRATIONS: list[tuple[int, str, list[Statement]]] = [
         "the groups a user made lately, counted at each new one",
         ["CREATE INDEX chat_groups_owner ON chat_groups (owner_id, created_ms)"],
     ),
+    (
+        7,
+        "this deployment's name in a Redis it may share (server.store.keys)",
+        [
+            "CREATE TABLE deployment (id VARCHAR(32) NOT NULL PRIMARY KEY){table_options}",
+            # Random for a new database; empty for one that already has users or groups: its keys in
+            # Redis (credits not yet paid among them) keep the names they were written under.
+            {
+                "mysql": "INSERT INTO deployment (id) SELECT IF(EXISTS(SELECT 1 FROM users)"
+                " OR EXISTS(SELECT 1 FROM chat_groups), '', LEFT(SHA2(CONCAT(UUID(), RAND()), 256), 12))",
+                "sqlite": "INSERT INTO deployment (id) SELECT CASE WHEN EXISTS(SELECT 1 FROM users)"
+                " OR EXISTS(SELECT 1 FROM chat_groups) THEN '' ELSE lower(hex(randomblob(6))) END",
+            },
+        ],
+    ),
 ]
 
 LATEST = MIGRATIONS[-1][0]
@@ -190,6 +205,18 @@ async def _applied(tx: Tx) -> set[int]:
             " version INT NOT NULL PRIMARY KEY, name VARCHAR(128) NOT NULL, applied_ms BIGINT NOT NULL)"
         )
     return {int(r[0]) for r in await tx.fetchall("SELECT version FROM schema_migrations")}
+
+
+async def deployment_id(db: Database) -> str:
+    """The id migration 7 gave this database: every process of the deployment names its Redis keys and
+    queue with it. A database not yet migrated so has none to give: run ``redpacket migrate``."""
+    try:
+        row = await db.fetchone("SELECT id FROM deployment")
+    except DatabaseError as e:
+        raise DatabaseError(f"the database has no deployment id (run `redpacket migrate`): {e}") from e
+    if row is None:
+        raise DatabaseError("the database has no deployment id (run `redpacket migrate`)")
+    return as_text(row[0])
 
 
 async def migrate(db: Database) -> list[int]:
