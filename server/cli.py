@@ -14,6 +14,7 @@ import datetime
 import faulthandler
 import gc
 import logging
+import os
 import re
 import secrets
 import signal
@@ -203,11 +204,40 @@ def _listen(settings: Settings) -> socket.socket:
     return sock
 
 
+def _listen_metrics(settings: Settings, processes: int) -> list[socket.socket | None]:
+    """With ``REDPACKET_METRICS_PORT``: one socket per hub process for its /metrics (ports from that
+    one up), bound now so that a busy port is one line; else none."""
+    if not settings.metrics_port:
+        return [None] * processes
+    out: list[socket.socket | None] = []
+    for i in range(processes):
+        port = settings.metrics_port + i
+        try:
+            out.append(socket.create_server((settings.metrics_host, port)))
+        except OSError as e:
+            for bound in out:
+                assert bound is not None
+                bound.close()
+            raise OperatorError(
+                f"cannot serve the hub's metrics on {settings.metrics_host}:{port}: {e.strerror}"
+                " (choose another with REDPACKET_METRICS_PORT / REDPACKET_METRICS_HOST, 0 for the hub's port)"
+            ) from None
+    return out
+
+
 def _banner(settings: Settings, port: int, workers: int = 1, up: bool = False) -> None:
     db = settings.database_url or f"SQLite {settings.sqlite_path}"
     print(f"redpacket hub on http://{settings.host}:{port}  websocket ws://{settings.host}:{port}/ws")
     processes = f", {workers} hub processes" if workers > 1 else ""
     print(f"  Redis {redact(settings.redis_url)}, database {redact(db)}{processes}", flush=True)
+    if settings.metrics_port:
+        last = settings.metrics_port + workers - 1
+        ports = (
+            f"{settings.metrics_port}" if workers == 1 else f"{settings.metrics_port}-{last} (one a process)"
+        )
+        print(
+            f"  metrics on http://{settings.metrics_host}:{ports}/metrics, not on the hub's port", flush=True
+        )
     if settings.dev_login or settings.demo_topup:
         on = " and ".join(
             w for w, f in (("DEV LOGIN", settings.dev_login), ("DEMO MONEY", settings.demo_topup)) if f
@@ -225,7 +255,11 @@ def _banner(settings: Settings, port: int, workers: int = 1, up: bool = False) -
 
 
 async def _serve(
-    settings: Settings, sock: socket.socket, with_worker: bool, supervised: bool = False
+    settings: Settings,
+    sock: socket.socket,
+    with_worker: bool,
+    supervised: bool = False,
+    metrics_sock: socket.socket | None = None,
 ) -> None:
     """One hub process on ``sock``. ``supervised``: one of ``serve --workers``, whose supervisor has
     checked the services and printed the address already."""
@@ -233,7 +267,7 @@ async def _serve(
 
     if not supervised:
         await _check_services(settings)
-    app = create_app(settings, run_worker=with_worker, manage_gc=True)
+    app = create_app(settings, run_worker=with_worker, manage_gc=True, metrics_sock=metrics_sock)
     server = _Server(uvicorn_config(app, settings))
     # With 10k sockets open a full collection pauses the loop for a quarter of a second: start-up objects
     # stay out of it, full collections wait for a quiet moment (server.hub.gcpolicy), and the young
@@ -247,13 +281,21 @@ async def _serve(
     await server.serve(sockets=[sock])
 
 
-def _serve_processes(settings: Settings, sock: socket.socket, workers: int) -> int:
-    """``serve --workers N``: the services checked once, then N hub processes on the one socket."""
+def _serve_processes(
+    settings: Settings, sock: socket.socket, workers: int, metrics: list[socket.socket | None]
+) -> int:
+    """``serve --workers N``: the services checked once, then N hub processes on the one socket (each
+    its own metrics socket, if any)."""
     from server.hub.procs import supervise
 
     uvloop.run(_check_services(settings))
     _banner(settings, sock.getsockname()[1], workers)
-    return supervise(workers, lambda: uvloop.run(_serve(settings, sock, with_worker=False, supervised=True)))
+    return supervise(
+        workers,
+        lambda slot: uvloop.run(
+            _serve(settings, sock, with_worker=False, supervised=True, metrics_sock=metrics[slot])
+        ),
+    )
 
 
 async def _worker(settings: Settings) -> None:
@@ -497,13 +539,14 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         # Bound first, before anything starts: a busy port is said at once, port 0 works, and the address
         # printed is the one listening.
         sock = _listen(settings)
+        metrics = _listen_metrics(settings, args.workers if command == "serve" else 1)
     with _redis_url(settings, command) as s:
         if command == "up" and sock is not None:
-            uvloop.run(_serve(_demo_secret(s), sock, with_worker=True))
+            uvloop.run(_serve(_demo_secret(s), sock, with_worker=True, metrics_sock=metrics[0]))
         elif command == "serve" and sock is not None and args.workers > 1:
-            return _serve_processes(s, sock, args.workers)
+            return _serve_processes(s, sock, args.workers, metrics)
         elif command == "serve" and sock is not None:
-            uvloop.run(_serve(s, sock, with_worker=False))
+            uvloop.run(_serve(s, sock, with_worker=False, metrics_sock=metrics[0]))
         elif command == "worker":
             uvloop.run(_worker(s))
         elif command == "blocks":
@@ -580,6 +623,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         if args.command == "up" and is_loopback(settings.host) and not settings.backend:
             # The demo: log in by name, play money — on this machine alone, with no chat backend.
             settings = settings.with_(dev_login=True, demo_topup=True)
+        if args.command == "up" and not os.environ.get("REDPACKET_ALLOWED_ORIGINS"):
+            settings = settings.with_(allowed_origins="self")  # the demo page's websockets, no other site's
         settings.check()
     except ValueError as e:  # a setting that cannot be read as written
         raise OperatorError(str(e), 2) from None

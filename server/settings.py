@@ -142,6 +142,9 @@ class Settings:
     # Users may create groups and change their members (empty: yes, unless a chat backend manages them:
     # REDPACKET_SERVICE_KEY set). A group the backend made is the backend's to change either way.
     user_groups: str = ""
+    # Web pages whose websockets the hub takes (their Origin): comma-separated origins, "self" for the
+    # hub's own pages; empty: any (``up`` allows "self" unless set).
+    allowed_origins: str = ""
     # User ids the bot detector never scores (a chat backend's own scripted clients: its tests, its bots).
     bot_exempt_users: str = ""
     # What one HTTP request may carry: its request line and headers together, their number, its body
@@ -189,6 +192,10 @@ class Settings:
     presence_event_limit: int = 500
     shutdown_seconds: int = 20
     worker_metrics_port: int = 9108  # `redpacket worker` serves Prometheus metrics here (0: off)
+    # The hub's /metrics on a port of its own (hub process i of `serve --workers` on port + i), on
+    # metrics_host; 0: on the hub's own port, beside everything else.
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -227,6 +234,7 @@ class Settings:
             dev_login=bool(_int(env, "DEV_LOGIN", int(d.dev_login))),
             demo_topup=bool(_int(env, "DEMO_TOPUP", int(d.demo_topup))),
             user_groups=env.get(PREFIX + "USER_GROUPS", d.user_groups),
+            allowed_origins=env.get(PREFIX + "ALLOWED_ORIGINS", d.allowed_origins),
             bot_exempt_users=env.get(PREFIX + "BOT_EXEMPT_USERS", d.bot_exempt_users),
             max_head_bytes=_int(env, "MAX_HEAD_BYTES", d.max_head_bytes),
             max_headers=_int(env, "MAX_HEADERS", d.max_headers),
@@ -267,6 +275,8 @@ class Settings:
             presence_event_limit=_int(env, "PRESENCE_EVENT_LIMIT", d.presence_event_limit),
             shutdown_seconds=_int(env, "SHUTDOWN_SECONDS", d.shutdown_seconds),
             worker_metrics_port=_int(env, "WORKER_METRICS_PORT", d.worker_metrics_port),
+            metrics_port=_int(env, "METRICS_PORT", d.metrics_port),
+            metrics_host=env.get(PREFIX + "METRICS_HOST", d.metrics_host),
         )
 
     @property
@@ -278,6 +288,11 @@ class Settings:
     def users_manage_groups(self) -> bool:
         """Whether users may create groups and change members (``REDPACKET_USER_GROUPS``)."""
         return self.user_groups == "1" if self.user_groups else not self.service_key
+
+    @property
+    def allowed_origin_list(self) -> tuple[str, ...]:
+        """``REDPACKET_ALLOWED_ORIGINS``, each lower-cased without a trailing slash."""
+        return tuple(o.strip().lower().rstrip("/") for o in self.allowed_origins.split(",") if o.strip())
 
     @property
     def bot_exempt_user_ids(self) -> frozenset[int]:
@@ -393,6 +408,12 @@ class Settings:
                 f"{PREFIX}NAMESPACE is 1 to 32 of a-z, 0-9 and -, starting with a letter or digit"
                 f" (got {self.namespace!r}); leave it empty for the database's own"
             )
+        for origin in self.allowed_origin_list:
+            if origin != "self" and not re.fullmatch(r"https?://[a-z0-9.\-\[\]:]+", origin):
+                raise ValueError(
+                    f"{PREFIX}ALLOWED_ORIGINS holds origins such as https://chat.example.com (scheme, host,"
+                    f" port if not the default; no path), or self (got {origin!r})"
+                )
         if not re.fullmatch(r"(\d{1,19}(,\d{1,19})*)?", self.bot_exempt_users.replace(" ", "")):
             raise ValueError(
                 f"{PREFIX}BOT_EXEMPT_USERS is user ids separated by commas (got {self.bot_exempt_users!r})"
@@ -400,7 +421,8 @@ class Settings:
         if self.user_groups not in ("", "0", "1"):
             raise ValueError(f"{PREFIX}USER_GROUPS is 0 or 1, or empty (got {self.user_groups!r})")
         for name, port in (("PORT", self.port), ("WORKER_METRICS_PORT", self.worker_metrics_port),
-                           ("EMBEDDED_REDIS_PORT", self.embedded_redis_port)):  # fmt: skip
+                           ("EMBEDDED_REDIS_PORT", self.embedded_redis_port),
+                           ("METRICS_PORT", self.metrics_port)):  # fmt: skip
             if not 0 <= port <= 65535:
                 raise ValueError(f"{PREFIX}{name} must be a port number, 0 to 65535 (got {port})")
 

@@ -189,3 +189,27 @@ def test_the_cluster_variant_is_six_nodes_formed_once_and_named_as_the_readme_sa
     assert {h.split(":")[0] for h in m[1].split(",")} <= set(nodes)
     assert "REDPACKET_QUEUE_REDIS_URL=redis://redis:6379/0" in m[2]
     assert "REDPACKET_REDIS_URL=redis+cluster://redis-1:6379" in (ROOT / "docker-compose.yml").read_text()
+
+
+def test_no_secret_is_written_in_the_file_and_internal_tools_are_not_published() -> None:
+    """Before: the MariaDB password `redpacket` in the file, Grafana's admin `admin` with anonymous
+    viewers, and 3000, 9090 and 9108 published on every interface."""
+    compose = _compose()
+    services = compose["services"]
+    env = services["hub"]["environment"]
+    for value in (env["REDPACKET_SECRET"], env["REDPACKET_DATABASE_URL"]):
+        assert re.search(r"\$\{[A-Z_]+:\?[^}]+\}", value), value  # required, never a default
+    assert services["mariadb"]["environment"]["MARIADB_PASSWORD"].startswith("${MARIADB_PASSWORD:?")
+    assert "${MARIADB_PASSWORD:?" in env["REDPACKET_DATABASE_URL"]
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_AUTH_ANONYMOUS_ORG_ROLE" not in grafana
+    for name, service in services.items():
+        for published in service.get("ports", []):
+            if name == "hub":
+                assert published == "8000:8000"  # the one port for strangers
+            else:
+                assert published.startswith("127.0.0.1:"), (name, published)
+    # The hub's metrics are on a port of their own, not published, where Prometheus reads them.
+    assert env["REDPACKET_METRICS_PORT"] == "9100"
+    assert not any("9100" in p for s in services.values() for p in s.get("ports", []))

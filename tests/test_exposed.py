@@ -5,6 +5,10 @@ user's groups)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +27,7 @@ from server.money import groups, ledger
 from server.settings import Settings, child_env
 from server.store import keys
 from server.tools.client import HubClient, HubError
-from tests.hubtools import HubUnderTest, eventually, hub_in_process, redpacket_up
+from tests.hubtools import HubUnderTest, eventually, free_port, hub_in_process, redpacket_up
 
 KEY = "service-key-of-the-chat-backend-0123456789"
 
@@ -507,3 +511,130 @@ async def test_a_hub_that_was_not_listening_checks_its_members_again(
         assert notice == {"type": "removed", "group": group}
     finally:
         await c.close()
+
+
+# -- the browser: which pages may connect, and the token out of the URL -------------------------------------
+
+
+async def test_an_origin_allow_list_keeps_other_sites_pages_out(hub_settings: Settings) -> None:
+    """Before: any page on any site could open a socket to the hub. With REDPACKET_ALLOWED_ORIGINS, an
+    upgrade from another site's page is answered 403 before it is a websocket; a listed origin, the
+    hub's own pages ("self") and programs that send no Origin are welcomed."""
+    settings = hub_settings.with_(allowed_origins="https://chat.example.com, self")
+    settings.check()
+    async with hub_in_process(settings) as h:
+        _, token = await h.login("li")
+        url = f"{h.ws}?token={token}"
+        own = h.http.lower()
+        for origin in ("https://chat.example.com", own, None):
+            headers = {"Origin": origin} if origin else {}
+            async with websockets.connect(url, additional_headers=headers) as ws:
+                welcome = protocol.decode(await asyncio.wait_for(ws.recv(), 10))
+                assert welcome["type"] == "welcome", origin
+        for origin in ("https://evil.example", "http://chat.example.com", "https://chat.example.com.evil.io"):
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                await websockets.connect(url, additional_headers={"Origin": origin})
+            assert refused.value.response.status_code == 403, origin
+        async with httpx.AsyncClient(timeout=10) as http:
+            metrics = (await http.get(f"{h.http}/metrics")).text
+        assert 'redpacket_hub_limited_total{limit="origin"} 3.0' in metrics
+    with pytest.raises(ValueError, match="ALLOWED_ORIGINS"):
+        hub_settings.with_(allowed_origins="https://chat.example.com/app").check()
+
+
+async def test_up_lets_only_its_own_page_connect(tmp_path: Path) -> None:
+    with redpacket_up(tmp_path / "data") as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            token = (await http.post("/api/login", json={"name": "li"})).json()["token"]
+        ws_url = url.replace("http://", "ws://") + f"/ws?token={token}"
+        async with websockets.connect(ws_url, additional_headers={"Origin": url}) as ws:
+            assert protocol.decode(await asyncio.wait_for(ws.recv(), 10))["type"] == "welcome"
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            await websockets.connect(ws_url, additional_headers={"Origin": "https://evil.example"})
+        assert refused.value.response.status_code == 403
+
+
+async def test_the_token_can_travel_as_a_subprotocol_never_echoed(demo: HubUnderTest) -> None:
+    """A browser cannot set a header on a websocket, and a URL ends up in logs: the token is taken from
+    a ``bearer.<token>`` subprotocol offered beside the format, which is the one accepted."""
+    user, token = await demo.login("li")
+    offered = [protocol.SUBPROTOCOL_JSON, protocol.TOKEN_SUBPROTOCOL + token]
+    async with websockets.connect(demo.ws, subprotocols=offered) as ws:  # type: ignore[arg-type]
+        assert ws.subprotocol == protocol.SUBPROTOCOL_JSON
+        welcome = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert (welcome["type"], welcome["user"]) == ("welcome", user)
+    bad = [protocol.SUBPROTOCOL_JSON, protocol.TOKEN_SUBPROTOCOL + token[:-4] + "AAAA"]
+    async with websockets.connect(demo.ws, subprotocols=bad) as ws:  # type: ignore[arg-type]
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 10)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == protocol.CLOSE_UNAUTHORIZED
+
+
+# -- what the page and the operators' routes give away -------------------------------------------------------
+
+
+async def test_the_demo_page_and_every_answer_carry_security_headers(demo: HubUnderTest) -> None:
+    """Before: none. The page runs no inline script, so its policy allows none; it is never framed."""
+    async with httpx.AsyncClient(base_url=demo.http, timeout=10) as http:
+        for path in ("/", "/app.js", "/api/me", "/healthz", "/no-such-page"):
+            r = await http.get(path)
+            csp = r.headers.get("content-security-policy", "")
+            assert "script-src 'self'" in csp and "unsafe-inline" not in csp, (path, csp)
+            assert "frame-ancestors 'none'" in csp, path
+            assert r.headers.get("x-frame-options") == "DENY", path
+            assert r.headers.get("x-content-type-options") == "nosniff", path
+            assert r.headers.get("referrer-policy") == "no-referrer", path
+        page = (await http.get("/")).text
+    assert re.search(r"<script(?![^>]*\bsrc=)", page) is None  # no inline script for the policy to break
+    assert re.search(r"<[^>]*\son\w+=", page) is None  # no inline handlers either
+
+
+async def test_healthz_says_what_is_down_never_the_errors_text(
+    demo: HubUnderTest, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: the raw MySQL / Redis error (hosts, user names) went to whoever asked."""
+    secret = "Access denied for user 'redpacket'@'10.1.2.3' (using password: YES)"
+
+    async def refused(*_: object) -> None:
+        raise RuntimeError(secret)
+
+    caplog.set_level(logging.WARNING, logger="server.hub.app")
+    monkeypatch.setattr(demo.core.db, "fetchone", refused)
+    async with httpx.AsyncClient(base_url=demo.http, timeout=10) as http:
+        r = await http.get("/healthz")
+    assert r.status_code == 503
+    assert r.json()["error"] == {"code": "database_unavailable", "message": "the database is unavailable"}
+    assert "10.1.2.3" not in r.text
+    assert any(secret in rec.getMessage() for rec in caplog.records)  # the operator still reads it
+
+
+async def test_metrics_can_be_kept_off_the_public_port(hub_settings: Settings) -> None:
+    """Before: /metrics answered anyone on the hub's port. With REDPACKET_METRICS_PORT they are served on
+    that port (on REDPACKET_METRICS_HOST, loopback by default) and the hub's port answers 404."""
+    port = free_port()
+    async with hub_in_process(hub_settings.with_(metrics_port=port)) as h:
+        async with httpx.AsyncClient(timeout=10) as http:
+            public = await http.get(f"{h.http}/metrics")
+            assert (public.status_code, public.json()["error"]["code"]) == (404, "not_found")
+            apart = await http.get(f"http://127.0.0.1:{port}/metrics")
+            assert apart.status_code == 200 and "redpacket_grab_seconds_bucket" in apart.text
+            assert apart.headers["content-type"].startswith("text/plain")
+            assert (await http.get(f"http://127.0.0.1:{port}/api/me")).status_code == 404
+
+
+def test_a_busy_metrics_port_is_one_line_and_an_exit_code(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        run = subprocess.run(
+            [sys.executable, "-m", "server", "serve", "--port", "0"],
+            env=child_env(
+                REDPACKET_SECRET="s" * 32,
+                REDPACKET_DATA_DIR=str(tmp_path),
+                REDPACKET_METRICS_PORT=str(busy.getsockname()[1]),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot serve the hub's metrics on 127.0.0.1:" in lines[0], run.stderr

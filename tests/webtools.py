@@ -57,6 +57,8 @@ async def open_page(browser: Browser, url: str, viewport: dict[str, int], hold_g
     page = await context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    # Anything the hub's Content-Security-Policy stopped is an error of the page too.
+    page.on("console", lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None)
     page.errors = errors  # type: ignore[attr-defined]
     if hold_grabs:
         await page.add_init_script(HOLD_GRABS)

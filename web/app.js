@@ -211,8 +211,9 @@ function connect() {
   clearTimeout(state.retryTimer);
   setConn(state.everOnline ? "reconnecting" : "connecting");
   const proto = location.protocol === "https:" ? "wss:" : "ws:";
-  const url = `${proto}//${location.host}/ws?token=${encodeURIComponent(state.token)}&device=${device()}`;
-  const ws = new WebSocket(url, [SUBPROTOCOL]);
+  // The token travels as a subprotocol, not in the URL (docs/protocol.md, "Connecting").
+  const url = `${proto}//${location.host}/ws?device=${device()}`;
+  const ws = new WebSocket(url, [SUBPROTOCOL, `bearer.${state.token}`]);
   state.ws = ws;
   ws.onmessage = (e) => {
     let msg;

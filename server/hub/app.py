@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -27,9 +29,9 @@ from server.core import Core, open_core
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from server.hub import service
 from server.hub.gcpolicy import keep_collections_out_of_bursts
-from server.hub.httpkit import endpoint, error_response, id_of, json_body, path_id
+from server.hub.httpkit import SecurityHeaders, endpoint, error_response, id_of, json_body, path_id
 from server.hub.hub import Hub
-from server.hub.metrics import HubMetrics
+from server.hub.metrics import HubMetrics, serve_metrics
 from server.hub.requests import view_dict
 from server.hub.session import websocket_endpoint
 from server.hub.tokens import make_token
@@ -210,15 +212,19 @@ async def my_packets(request: Request, core: Core, user: int) -> dict[str, Any]:
 
 
 async def healthz(request: Request) -> Response:
+    """Whether this hub reaches Redis and the database. Anyone may ask: the answer says which is down,
+    never the error's text (hosts, users), which goes to the log."""
     core: Core = request.app.state.core
-    try:
-        await core.redis.ping()
-    except Exception as e:
-        return error_response(errors.REDIS_UNAVAILABLE, str(e), 503)
-    try:
-        await core.db.fetchone("SELECT 1")
-    except Exception as e:
-        return error_response(errors.DATABASE_UNAVAILABLE, str(e), 503)
+    for code, check in (
+        (errors.REDIS_UNAVAILABLE, core.redis.ping),
+        (errors.DATABASE_UNAVAILABLE, lambda: core.db.fetchone("SELECT 1")),
+    ):
+        try:
+            await check()
+        except Exception as e:
+            what = "Redis" if code == errors.REDIS_UNAVAILABLE else "the database"
+            log.warning("health check: %s is unavailable: %s", what, e)
+            return error_response(code, f"{what} is unavailable", 503)
     return JSONResponse({"ok": True})
 
 
@@ -238,19 +244,32 @@ async def server_error(request: Request, exc: Exception) -> Response:
     return error_response(errors.INTERNAL, "internal error", 500)
 
 
-async def metrics(request: Request) -> Response:
+def metrics_page(app: Starlette) -> bytes:
     """This hub process's metrics, and under ``redpacket up`` the in-process worker's after them."""
-    body = generate_latest(request.app.state.metrics.registry)
-    worker = getattr(request.app.state, "worker_metrics", None)
+    body: bytes = generate_latest(app.state.metrics.registry)
+    worker = getattr(app.state, "worker_metrics", None)
     if worker is not None:
         body += generate_latest(worker.registry)
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+    return body
 
 
-def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = False) -> Starlette:
+async def metrics(request: Request) -> Response:
+    """/metrics on the hub's port, unless REDPACKET_METRICS_PORT gives them a port of their own."""
+    if request.app.state.metrics_apart:
+        return error_response(errors.NOT_FOUND, "Not Found", 404)
+    return Response(metrics_page(request.app), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(
+    settings: Settings,
+    run_worker: bool = False,
+    manage_gc: bool = False,
+    metrics_sock: socket.socket | None = None,
+) -> Starlette:
     """The hub app for ``settings``; nothing connects until the lifespan starts. ``manage_gc``: this
     process is the hub's own (``redpacket serve`` / ``up``): keep collections out of bursts
-    (``server.hub.gcpolicy``)."""
+    (``server.hub.gcpolicy``). With ``REDPACKET_METRICS_PORT`` /metrics is answered there instead of on the
+    hub's port: on ``metrics_sock`` if the caller bound it (``serve --workers``: one port each)."""
     if not settings.secret and "HS256" in settings.jwt_algorithm_list:
         raise ValueError("REDPACKET_SECRET is required to check HS256 tokens")
 
@@ -263,6 +282,10 @@ def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = F
             hub_metrics.read_hot(hub.known.hottest)
             frames = hub_metrics.frames_in
             background = [asyncio.create_task(hub_metrics.watch_loop())]
+            apart = None
+            if settings.metrics_port:  # (bound here unless the command line bound it, to say a busy port)
+                sock = metrics_sock or socket.create_server((settings.metrics_host, settings.metrics_port))
+                apart = await serve_metrics(sock, lambda: metrics_page(app))
             if manage_gc:
                 background.append(
                     asyncio.create_task(keep_collections_out_of_bursts(lambda: float(frames._value.get())))
@@ -281,8 +304,10 @@ def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = F
                 for task in background:
                     task.cancel()
                 await asyncio.gather(*background, return_exceptions=True)
+                if apart is not None:
+                    apart.close()
 
-    return Starlette(
+    app = Starlette(
         routes=[
             WebSocketRoute("/ws", websocket_endpoint),
             Route("/healthz", healthz),
@@ -304,4 +329,7 @@ def create_app(settings: Settings, run_worker: bool = False, manage_gc: bool = F
         ],
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: server_error},
+        middleware=[Middleware(SecurityHeaders)],
     )
+    app.state.metrics_apart = bool(settings.metrics_port)
+    return app

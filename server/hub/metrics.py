@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+)
 
 
 class HubMetrics:
@@ -45,11 +53,11 @@ class HubMetrics:
         self.events_published = Counter("redpacket_events_published", "group events published", registry=r)
         self.limited = Counter(
             "redpacket_hub_limited",
-            "requests and sockets refused by a per-user or per-address limit, by limit",
+            "requests and sockets refused by a per-user or per-address limit or by Origin, by limit",
             ["limit"],
             registry=r,
         )
-        for name in ("address", "user", "service_key", "sockets"):
+        for name in ("address", "user", "service_key", "sockets", "origin"):
             self.limited.labels(name)  # each exported from the start, at 0
         self.service_key_failures = Counter(
             "redpacket_service_key_failures",
@@ -133,3 +141,33 @@ class HubMetrics:
             due = loop.time() + every
             await asyncio.sleep(every)
             self.loop_lag.observe(max(0.0, loop.time() - due))
+
+
+async def serve_metrics(sock: socket.socket, page: Callable[[], bytes]) -> asyncio.Server:
+    """``GET /metrics`` answered with ``page()`` on a socket of its own (``REDPACKET_METRICS_PORT``): the
+    hub's metrics kept off the port strangers reach. Anything else is 404; a request head over 8 KB or
+    not whole within 5 s is dropped."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(5):
+                head = await reader.readuntil(b"\r\n\r\n")
+            method, _, rest = head.partition(b" ")
+            path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
+            if method in (b"GET", b"HEAD") and path == b"/metrics":
+                status, kind, body = b"200 OK", CONTENT_TYPE_LATEST.encode(), page()
+            else:
+                status, kind, body = b"404 Not Found", b"text/plain; charset=utf-8", b"not found\n"
+            writer.write(
+                b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                % (status, kind, len(body))
+            )
+            if method != b"HEAD":
+                writer.write(body)
+            await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(answer, sock=sock, limit=8192)

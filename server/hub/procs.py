@@ -29,8 +29,9 @@ def _exit_now(signum: int, frame: object) -> None:
     os._exit(0)
 
 
-def supervise(n: int, run_one: Callable[[], None], poll_seconds: float = 0.2) -> int:
-    """Run ``run_one`` in ``n`` forked processes until a signal says stop; the exit code."""
+def supervise(n: int, run_one: Callable[[int], None], poll_seconds: float = 0.2) -> int:
+    """Run ``run_one(slot)`` in ``n`` forked processes (slots 0 to n - 1) until a signal says stop; the
+    exit code."""
     children: dict[int, tuple[int, float]] = {}  # pid → (slot, started at)
     stopping = False
 
@@ -45,7 +46,7 @@ def supervise(n: int, run_one: Callable[[], None], poll_seconds: float = 0.2) ->
                 # and dropped, and the process went on to serve after its supervisor had said stop.
                 signal.signal(signal.SIGTERM, _exit_now)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
-                run_one()
+                run_one(slot)
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else 0
             except KeyboardInterrupt:

@@ -26,6 +26,7 @@ Format = Literal["msgpack", "json"]
 # Close codes (1xxx from RFC 6455, 4xxx ours).
 CLOSE_NORMAL = 1000
 CLOSE_TOO_BIG = 1009  # a frame over the size limit (sent by the server's websocket layer)
+CLOSE_POLICY = 1008  # refused before the upgrade (an Origin not allowed): the client sees HTTP 403
 CLOSE_RESTART = 1012  # the hub is shutting down: reconnect, to another hub if you can
 CLOSE_TRY_AGAIN = 1013  # a backing service is down or slow: reconnect after a moment
 CLOSE_UNAUTHORIZED = 4001  # missing, malformed, tampered or expired token
@@ -59,6 +60,34 @@ def choose_format(offered: list[str]) -> tuple[Format, str | None]:
         if sub == SUBPROTOCOL_JSON:
             return "json", sub
     return "msgpack", None
+
+
+# A token offered as a subprotocol (a browser cannot set a header on a websocket, and a URL is logged):
+# ``Sec-WebSocket-Protocol: redpacket.v1.json, bearer.<token>``. Never accepted back.
+TOKEN_SUBPROTOCOL = "bearer."
+
+
+def offered_token(offered: list[str]) -> str | None:
+    """The token a client offered as a ``bearer.<token>`` subprotocol, if any."""
+    for sub in offered:
+        if sub.startswith(TOKEN_SUBPROTOCOL) and len(sub) > len(TOKEN_SUBPROTOCOL):
+            return sub[len(TOKEN_SUBPROTOCOL) :]
+    return None
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...]) -> bool:
+    """Whether a websocket upgrade from a page of ``origin`` may connect. ``allowed`` empty: any (the
+    default: clients that are not browsers send no Origin). ``self``: the hub's own pages (an origin
+    whose host and port are the request's Host). A request with no Origin (not from a browser) passes:
+    the allow-list keeps other sites' pages out, not other programs."""
+    if not allowed or origin is None:
+        return True
+    origin = origin.lower().rstrip("/")
+    if origin in allowed:
+        return True
+    if "self" in allowed and host:
+        return origin in (f"http://{host.lower()}", f"https://{host.lower()}")
+    return False
 
 
 def decode(frame: bytes | str) -> Any:

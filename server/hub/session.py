@@ -208,10 +208,17 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         )
         await ws.close(1011)
         return
-    fmt, subprotocol = protocol.choose_format(list(ws.scope.get("subprotocols", [])))
+    if not protocol.origin_allowed(
+        ws.headers.get("origin"), ws.headers.get("host"), core.settings.allowed_origin_list
+    ):
+        hub.metrics.limited.labels("origin").inc()
+        await ws.close(protocol.CLOSE_POLICY)  # before the upgrade: answered 403
+        return
+    offered = list(ws.scope.get("subprotocols", []))
+    fmt, subprotocol = protocol.choose_format(offered)
     await ws.accept(subprotocol=subprotocol)
     try:
-        user_id = await hub.tokens.user(ws.query_params.get("token"))
+        user_id = await hub.tokens.user(protocol.offered_token(offered) or ws.query_params.get("token"))
     except TokenError as e:
         await ws.close(protocol.CLOSE_UNAUTHORIZED, e.code)
         return

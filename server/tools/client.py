@@ -24,7 +24,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.typing import Subprotocol
 
 from server.errors import RedPacketError
-from server.hub.protocol import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Format, offset_key
+from server.hub.protocol import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, TOKEN_SUBPROTOCOL, Format, offset_key
 
 
 class HubError(RedPacketError):
@@ -59,10 +59,12 @@ class HubClient:
         on_event: Callable[[dict[str, Any]], None] | None = None,
         **options: Any,
     ) -> HubClient:
-        """Open a socket; ``device`` identifies the client device to the bot detector."""
+        """Open a socket; ``device`` identifies the client device to the bot detector. The token goes as
+        a ``bearer.`` subprotocol, out of the URL (docs/protocol.md, "Connecting")."""
         sub = SUBPROTOCOL_MSGPACK if fmt == "msgpack" else SUBPROTOCOL_JSON
-        query = f"?token={token}" + (f"&device={device}" if device else "")
-        ws = await connect(f"{url}{query}", subprotocols=[Subprotocol(sub)], compression=None, **options)
+        query = f"?device={device}" if device else ""
+        offered = [Subprotocol(sub), Subprotocol(TOKEN_SUBPROTOCOL + token)]
+        ws = await connect(f"{url}{query}", subprotocols=offered, compression=None, **options)
         client = cls(ws, fmt, on_event)
         client._reader = asyncio.create_task(client._read())
         welcomed = asyncio.create_task(client._welcomed.wait())
