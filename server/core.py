@@ -118,7 +118,7 @@ async def open_core(
     try:
         if migrate:
             await schema.migrate(db)
-        namespace = settings.namespace or await schema.deployment_id(db)
+        namespace = await schema.deployment_id(db)  # the one place it is decided: every process reads it
         keys.claim(namespace)
         claimed = True
         queue = make_queue(settings, queue_name(settings, namespace))

@@ -96,6 +96,7 @@ REQUEST_TOO_LARGE = "request_too_large"
 METHOD_NOT_ALLOWED = "method_not_allowed"
 MANAGED_BY_BACKEND = "managed_by_backend"
 ID_TAKEN = "id_taken"
+NOT_LOCAL = "not_local"
 
 ALL_CODES = (
     AMOUNT_INVALID,

@@ -112,9 +112,6 @@ class Settings:
     membership_cache_seconds: int = 300
 
     queue_name: str = "redpacket:queue"
-    # What this deployment's Redis keys, channels and arq queue are named under (server.store.keys): empty
-    # means the database's own deployment id, so two deployments sharing a Redis never meet.
-    namespace: str = ""
     redis_pool_size: int = 64
     # Send the grab path's Redis calls of one event-loop tick as one pipeline (1 = on, 0 = off).
     batch_redis: bool = True
@@ -216,7 +213,6 @@ class Settings:
             redis_grace_seconds=_int(env, "REDIS_GRACE_SECONDS", d.redis_grace_seconds),
             membership_cache_seconds=_int(env, "MEMBERSHIP_CACHE_SECONDS", d.membership_cache_seconds),
             queue_name=env.get(PREFIX + "QUEUE_NAME", d.queue_name),
-            namespace=env.get(PREFIX + "NAMESPACE", d.namespace),
             redis_pool_size=_int(env, "REDIS_POOL_SIZE", d.redis_pool_size),
             batch_redis=bool(_int(env, "BATCH_REDIS", int(d.batch_redis))),
             db_pool_size=_int(env, "DB_POOL_SIZE", d.db_pool_size),
@@ -402,11 +398,6 @@ class Settings:
         if self.service_key and len(self.service_key) < 32:
             raise ValueError(
                 f"{PREFIX}SERVICE_KEY is too short: at least 32 characters, e.g. `openssl rand -hex 32`"
-            )
-        if self.namespace and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,31}", self.namespace):
-            raise ValueError(
-                f"{PREFIX}NAMESPACE is 1 to 32 of a-z, 0-9 and -, starting with a letter or digit"
-                f" (got {self.namespace!r}); leave it empty for the database's own"
             )
         for origin in self.allowed_origin_list:
             if origin != "self" and not re.fullmatch(r"https?://[a-z0-9.\-\[\]:]+", origin):

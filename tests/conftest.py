@@ -58,9 +58,20 @@ def redis_url() -> Iterator[str]:
         server.stop()
 
 
-# Every test's processes name their keys so (a deployment's own id would differ from one test database to
-# the next); the tests of namespaces themselves leave it empty.
+# The deployment id the tests give their databases (``name_deployment``), so that test code writing Redis
+# keys from outside names them as the processes under test do (each reads it from the database).
 TEST_NAMESPACE = "test"
+
+
+async def name_deployment(db_url: str, namespace: str = TEST_NAMESPACE) -> None:
+    """Migrate the database at ``db_url`` and give it the deployment id ``namespace``."""
+    db = await connect(db_url, 1)
+    try:
+        await migrate(db)
+        async with db.transaction() as tx:
+            await tx.execute("UPDATE deployment SET id = %s", (namespace,))
+    finally:
+        await db.close()
 
 
 @pytest.fixture(scope="session")
@@ -104,12 +115,11 @@ async def core(
         db_url = request.getfixturevalue("mysql_url")
     else:
         db_url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'ledger.sqlite3'}"
-    settings = Settings(
-        redis_url=redis_url, database_url=db_url, queue_name="redpacket:test:queue", namespace=TEST_NAMESPACE
-    )
+    settings = Settings(redis_url=redis_url, database_url=db_url, queue_name="redpacket:test:queue")
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
     r.close()
+    await name_deployment(db_url)
     async with open_core(settings, rng=random.Random(20261130)) as c:
         await _clean(c.db)
         yield c
@@ -156,7 +166,6 @@ async def hub_settings(redis_url: str, mysql_url: str) -> AsyncIterator[Settings
         redis_url=redis_url,
         database_url=mysql_url,
         queue_name="redpacket:test:queue",
-        namespace=TEST_NAMESPACE,
         secret="test-secret-of-at-least-thirty-two-chars",
         dev_login=True,
         demo_topup=True,
@@ -165,9 +174,9 @@ async def hub_settings(redis_url: str, mysql_url: str) -> AsyncIterator[Settings
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
     r.close()
+    await name_deployment(mysql_url)
     db = await connect(mysql_url)
     try:
-        await migrate(db)
         await _clean(db)
     finally:
         await db.close()
@@ -221,8 +230,8 @@ async def cluster_core(
         queue_redis_url=redis_url,
         database_url=db_url,
         queue_name="redpacket:test:queue",
-        namespace=TEST_NAMESPACE,
     )
+    await name_deployment(db_url)
     async with open_core(settings, rng=random.Random(20261130)) as c:
         await _clean(c.db)
         yield c

@@ -132,7 +132,6 @@ def hub_env(settings: Settings) -> dict[str, str]:
         REDPACKET_DEV_LOGIN="1",
         REDPACKET_DEMO_TOPUP="1",
         REDPACKET_QUEUE_NAME=settings.queue_name,
-        REDPACKET_NAMESPACE=settings.namespace,
         REDPACKET_QUEUE_REDIS_URL=settings.queue_redis_url,
         REDPACKET_GRAB_DURABILITY=settings.grab_durability,
         REDPACKET_SHUTDOWN_SECONDS="10",
@@ -146,7 +145,6 @@ def worker_env(settings: Settings, metrics_port: int = 0) -> dict[str, str]:
         REDPACKET_QUEUE_REDIS_URL=settings.queue_redis_url,
         REDPACKET_DATABASE_URL=settings.database_url,
         REDPACKET_QUEUE_NAME=settings.queue_name,
-        REDPACKET_NAMESPACE=settings.namespace,
         REDPACKET_GRAB_DURABILITY=settings.grab_durability,
         REDPACKET_WORKER_METRICS_PORT=str(metrics_port),
     )

@@ -3,6 +3,7 @@ and every command on a data directory uses the embedded Valkey a running ``redpa
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import redis
 
 from server.settings import Settings, child_env
 from server.store import keys
-from tests.conftest import TEST_NAMESPACE
+from tests.conftest import TEST_NAMESPACE, name_deployment
 from tests.hubtools import redpacket_up
 
 
@@ -151,6 +152,7 @@ def _still_blocked(r: redis.Redis, user: int, namespace: str = TEST_NAMESPACE) -
 
 
 def test_blocks_shows_deadlines_as_dates(redis_url: str, mysql_url: str, tmp_path: Path) -> None:
+    asyncio.run(name_deployment(mysql_url))  # the namespace the command reads from the database
     r = redis.Redis.from_url(redis_url)
     try:
         r.flushdb()
@@ -159,7 +161,6 @@ def test_blocks_shows_deadlines_as_dates(redis_url: str, mysql_url: str, tmp_pat
         env = {
             "REDPACKET_REDIS_URL": redis_url,
             "REDPACKET_DATABASE_URL": mysql_url,
-            "REDPACKET_NAMESPACE": TEST_NAMESPACE,
         }
         shown = redpacket("blocks", **env)
         assert shown.returncode == 0, shown.stderr

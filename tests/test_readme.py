@@ -4,18 +4,22 @@ against a real ``redpacket up``, and exactly two commands for a newcomer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import msgpack
 import pytest
 
+from server.core import Core
 from server.hub.bots import list_blocks, now_ms, run_detector
 from server.hub.botscore import Attempt, Rules, score
 from server.money import groups, ledger
 from server.settings import Settings
+from server.store import keys
 from tests.hubtools import hub_in_process, redpacket_up
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -81,13 +85,16 @@ async def test_the_python_example_run_again_and_again_is_never_taken_for_a_bot(
         assert li not in {b.user for b in await list_blocks(h.core)}
 
 
-async def test_a_backends_scripted_clients_can_be_exempted(hub_settings: Settings) -> None:
-    """What the detector does to a script grabbing at once, and REDPACKET_BOT_EXEMPT_USERS letting the
-    backend's own through."""
-    bot_like = [Attempt(user=7, group=1, packet=p, reaction_ms=5, device="", ms=now_ms()) for p in range(3)]
-    assert score(bot_like, Rules(), now_ms())[7].action == "block"
-    exempt = hub_settings.with_(bot_exempt_users="7, 8")
+async def test_a_backends_scripted_clients_can_be_exempted(core: Core) -> None:
+    """What the detector does to a script grabbing at once, and REDPACKET_BOT_EXEMPT_USERS, as the worker
+    reads it, letting the backend's own through."""
+    now = now_ms()
+    fast = [[7, 1, packet, 5, "", now] for packet in range(3)]  # three grabs 5 ms after the packet showed
+    await core.redis.xadd(keys.grab_attempts(), {"a": msgpack.packb(fast)})
+    exempt = core.settings.with_(bot_exempt_users="7, 8")
     exempt.check()
-    assert score(bot_like, Rules(exempt=exempt.bot_exempt_user_ids), now_ms()) == {}
+    assert await run_detector(dataclasses.replace(core, settings=exempt), now=now) == {}
+    assert (await run_detector(core, now=now))[7].action == "block"
+    assert score([Attempt(7, 1, 1, 5, "", now)] * 3, Rules(exempt=exempt.bot_exempt_user_ids), now) == {}
     with pytest.raises(ValueError, match="BOT_EXEMPT_USERS"):
-        hub_settings.with_(bot_exempt_users="seven").check()
+        core.settings.with_(bot_exempt_users="seven").check()

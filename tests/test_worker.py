@@ -68,17 +68,17 @@ async def test_arq_can_run_the_worker_settings_and_they_pay_credits(core: Core) 
     os.environ["REDPACKET_REDIS_URL"] = core.settings.redis_url
     os.environ["REDPACKET_DATABASE_URL"] = core.settings.database_url
     os.environ["REDPACKET_QUEUE_NAME"] = core.settings.queue_name
-    os.environ["REDPACKET_NAMESPACE"] = core.namespace
     try:
-        import worker.settings
-
-        settings_module = importlib.reload(worker.settings)
+        # (In a thread: the module reads the deployment's namespace from the database with asyncio.run,
+        # as it does when arq's command imports it, before any loop runs.)
+        settings_module = await asyncio.to_thread(
+            lambda: importlib.reload(importlib.import_module("worker.settings"))
+        )
     finally:
         for k in (
             "REDPACKET_REDIS_URL",
             "REDPACKET_DATABASE_URL",
             "REDPACKET_QUEUE_NAME",
-            "REDPACKET_NAMESPACE",
         ):
             del os.environ[k]
     ws = settings_module.WorkerSettings

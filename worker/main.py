@@ -43,7 +43,9 @@ def cron_jobs(namespace: str) -> list[Any]:
     the same queue server run their own)."""
 
     def named(job: Callable[[Ctx], Awaitable[object]], **when: Any) -> Any:
-        name = f"{namespace}:{job.__name__}" if namespace else job.__name__
+        # (A deployment from before namespaces keeps arq's own names, "cron:<job>": workers of the old
+        # and the new version side by side in a rolling upgrade run each other's ticks.)
+        name = f"{namespace}:{job.__name__}" if namespace else None
         return cron(transient_is_a_line(job), name=name, unique=True, **when)
 
     return [

@@ -41,7 +41,7 @@ async def _namespace() -> str:
 
 # The queue and the crons' names hold the deployment's namespace, which the database holds: read now
 # (arq reads this class before it starts its loop).
-_namespace_now = _settings.namespace or asyncio.run(_namespace())
+_namespace_now = asyncio.run(_namespace())
 
 
 async def _startup(ctx: dict[str, Any]) -> None:

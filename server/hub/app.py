@@ -29,7 +29,7 @@ from server.core import Core, open_core
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from server.hub import service
 from server.hub.gcpolicy import keep_collections_out_of_bursts
-from server.hub.httpkit import SecurityHeaders, endpoint, error_response, id_of, json_body, path_id
+from server.hub.httpkit import LocalOnly, SecurityHeaders, endpoint, error_response, id_of, json_body, path_id
 from server.hub.hub import Hub
 from server.hub.metrics import HubMetrics, serve_metrics
 from server.hub.requests import view_dict
@@ -329,7 +329,9 @@ def create_app(
         ],
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: server_error},
-        middleware=[Middleware(SecurityHeaders)],
+        # (The demo's conveniences, when on, for this machine alone: server.hub.httpkit.LocalOnly.)
+        middleware=[Middleware(SecurityHeaders)]
+        + ([Middleware(LocalOnly)] if settings.dev_login or settings.demo_topup else []),
     )
     app.state.metrics_apart = bool(settings.metrics_port)
     return app

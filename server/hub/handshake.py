@@ -93,6 +93,7 @@ class BoundedHttp(HttpToolsProtocol):
         self._in_head = True  # the current request's line and headers are still arriving
         self._head_bytes = 0
         self._header_count = 0
+        self._head_parsed = 0  # the request line and headers parsed so far, in bytes
         self._body_bytes = 0
         self._body_limit = self.limits.body_bytes
         self._lingering = False
@@ -149,12 +150,20 @@ class BoundedHttp(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head, self._header_count, self._body_bytes = True, 0, 0
+        self._in_head, self._header_count, self._body_bytes, self._head_parsed = True, 0, 0, 0
+
+    def on_url(self, url: bytes) -> None:
+        self._head_parsed += len(url)
+        super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
         if self._header_count > self.limits.headers:
             self._stop(431, f"more than {self.limits.headers} headers")
+        # Counted as parsed too: a whole head that came in one read is never past the bound unseen.
+        self._head_parsed += len(name) + len(value) + 4
+        if self._head_parsed > self.limits.head_bytes:
+            self._stop(431, f"the request line and headers are over {self.limits.head_bytes} bytes")
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:

@@ -4,6 +4,8 @@ stable code and its status, the caller's user from a bearer token."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +21,7 @@ from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPack
 from server.hub.ratelimit import KeyedBuckets
 from server.hub.tokens import TokenError, Tokens
 from server.ids import MAX_ID
+from server.settings import is_loopback
 
 _STATUS = {
     TooMany: 429,
@@ -51,8 +54,14 @@ async def user_of(request: Request) -> int:
 
 
 def client_address(request: Request) -> str:
-    """Who is calling, as far as this hub can tell: the peer's address (behind a proxy, the proxy's)."""
-    return request.client.host if request.client else ""
+    """Who is calling, as far as this hub can tell: the peer's address (behind a proxy, the proxy's;
+    a trusted proxy's X-Forwarded-For, uvicorn's FORWARDED_ALLOW_IPS). An IPv6 peer counts as its /64:
+    one machine is handed a whole /64 and could otherwise take a fresh allowance per address."""
+    host = request.client.host if request.client else ""
+    if ":" in host:
+        with contextlib.suppress(ValueError):
+            return str(ipaddress.ip_network(f"{host}/64", strict=False))
+    return host
 
 
 def limit(request: Request, name: str, buckets: KeyedBuckets, key: object) -> None:
@@ -166,3 +175,36 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+
+def _local_request(scope: Scope) -> bool:
+    """Whether a request reached this hub from this machine as itself: a Host naming loopback, and no
+    proxy's forwarding header (a page of another site resolving its name to 127.0.0.1 — DNS rebinding —
+    sends its own name as Host; a proxy in front brings the world)."""
+    host = ""
+    for name, value in scope.get("headers", []):
+        if name in (b"x-forwarded-for", b"forwarded", b"x-real-ip"):
+            return False
+        if name == b"host":
+            host = value.decode("latin-1")
+    name = host[1:].split("]", 1)[0] if host.startswith("[") else host.rsplit(":", 1)[0]
+    return is_loopback(name.lower())
+
+
+class LocalOnly:
+    """ASGI middleware of a hub with dev login or demo money on: every request (HTTP or websocket) that
+    is not ``_local_request`` is refused 403 ``not_local``, so that the demo's conveniences stay on this
+    machine even when a browser or a proxy would carry them further."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or _local_request(scope):
+            await self.app(scope, receive, send)
+            return
+        message = "this demo hub (dev login, demo money) answers requests from this machine only"
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": errors.NOT_LOCAL})
+            return
+        await error_response(errors.NOT_LOCAL, message, 403)(scope, receive, send)

@@ -176,6 +176,9 @@ class Hub:
         self.serial = itertools.count(1)
         self.by_group: dict[int, set[Connection]] = {}
         self.by_user: dict[int, set[Connection]] = {}
+        # Sockets being welcomed, per user: counted with the open ones against max_sockets_per_user, so
+        # that sockets opened at once cannot all pass the check while the first waits on the database.
+        self.arriving: dict[int, int] = {}
         # (group, user) → that user's local connections in the group: presence changes at 0 ↔ 1.
         self.local: dict[tuple[int, int], int] = {}
         self.delivered: dict[int, str] = {}
@@ -396,7 +399,10 @@ class Hub:
         """After a reconnect or a failover, send each group's events published while we were not
         listening."""
         self.metrics.pubsub_reconnects.inc()
-        await self._recheck_members()
+        try:
+            await self._recheck_members()
+        except Exception as e:  # Redis or the database still shaky: each request checks again anyway
+            log.warning("after reconnecting, members could not be checked again: %s", e)
         for g in list(self.by_group):
             since = self.delivered.get(g)
             if since is None:

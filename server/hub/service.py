@@ -36,24 +36,24 @@ JOURNAL_PAGE = 500
 
 
 def _require_key(request: Request, core: Core) -> None:
-    """The service key, compared in constant time. Wrong keys are counted (a metric to alert on), and an
-    address past ``REDPACKET_SERVICE_KEY_FAILURES_PER_MINUTE`` of them is answered 429 without its key
-    even being compared, until its allowance refills."""
+    """The service key, compared in constant time. The right key is always taken: wrong ones from the
+    backend's own address (a proxy, a NAT) must not lock the backend out. Wrong keys are counted (a metric
+    to alert on), and an address past ``REDPACKET_SERVICE_KEY_FAILURES_PER_MINUTE`` of them is answered
+    429 instead of 401 until its allowance refills (a key of 32+ random characters is not guessed)."""
     key = core.settings.service_key
     if not key:
         raise Forbidden(errors.DISABLED, "the service API is off on this hub: set REDPACKET_SERVICE_KEY")
+    given = bearer(request) or ""
+    if hmac.compare_digest(given.encode(), key.encode()):
+        return
     hub: Hub = request.app.state.hub
     address, now = client_address(request), time.monotonic()
+    hub.metrics.service_key_failures.inc()
     if not hub.service_key_failures.allows(address, now):
         hub.metrics.limited.labels("service_key").inc()
         raise TooMany(errors.RATE_LIMITED, "too many wrong service keys from this address: wait a minute")
-    given = bearer(request) or ""
-    if not hmac.compare_digest(given.encode(), key.encode()):
-        hub.metrics.service_key_failures.inc()
-        hub.service_key_failures.take(address, now)
-        raise TokenError(
-            errors.TOKEN_INVALID, "the service API takes REDPACKET_SERVICE_KEY as its bearer token"
-        )
+    hub.service_key_failures.take(address, now)
+    raise TokenError(errors.TOKEN_INVALID, "the service API takes REDPACKET_SERVICE_KEY as its bearer token")
 
 
 def _user_ids(value: object, field: str) -> list[int]:

@@ -225,42 +225,20 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     except Unavailable as e:  # the backend's JWKS cannot be fetched: the token is not known bad
         await ws.close(protocol.CLOSE_TRY_AGAIN, e.code)
         return
-    if len(hub.by_user.get(user_id, ())) >= core.settings.max_sockets_per_user:
+    if len(hub.by_user.get(user_id, ())) + hub.arriving.get(user_id, 0) >= core.settings.max_sockets_per_user:
         hub.metrics.limited.labels("sockets").inc()
         await ws.close(protocol.CLOSE_TOO_MANY_SOCKETS, "too_many_sockets")
         return
+    hub.arriving[user_id] = hub.arriving.get(user_id, 0) + 1  # (no await since the check)
     conn = Connection(hub, wire, user_id, fmt, device=text.device_id(ws.query_params.get("device", "")))
     try:
-        # Bounded: a stalled database or Redis must not hold the socket open unanswered.
-        async with asyncio.timeout(core.settings.handshake_seconds):
-            mine = await groups.groups_of(core.db, user_id, hub.member_counts)
-            if not mine and await core.db.fetchone("SELECT 1 FROM users WHERE id = %s", (user_id,)) is None:
-                await ws.close(protocol.CLOSE_USER_UNKNOWN, errors.USER_NOT_FOUND)
-                return
-            await hub.join(conn, [int(g["group_id"]) for g in mine])  # type: ignore[call-overload]
-    except Exception as e:
-        down = unavailable(e)
-        if down is None and not isinstance(e, TimeoutError):
-            raise
-        await hub.leave(conn)
-        log.warning("connection of user %d refused: %s", user_id, down.message if down else "timed out")
-        await ws.close(protocol.CLOSE_TRY_AGAIN, down.code if down else "timeout")
+        welcomed = await _welcome(ws, hub, conn)
+    finally:
+        hub.arriving[user_id] -= 1
+        if not hub.arriving[user_id]:
+            del hub.arriving[user_id]
+    if not welcomed:
         return
-    conn.send(
-        {
-            "type": "welcome",
-            "version": protocol.VERSION,
-            "user": user_id,
-            "connection": conn.id,
-            "hub": hub.id,
-            "groups": mine,
-            "server_ms": int(time.time() * 1000),
-            "limits": {
-                **asdict(core.limits),
-                "packet_ttl_seconds": core.settings.packet_ttl_seconds,
-            },
-        }
-    )
     session = Session(hub, conn)
     wire.listen(session)  # frames that came before the welcome are handled now, in order
     if wire.close_sent or wire.disconnected:
@@ -283,6 +261,45 @@ async def websocket_endpoint(ws: WebSocket) -> None:
                 await asyncio.wait_for(ws.close(conn.close_code, conn.close_reason), 1)
             except Exception:
                 _abort(wire)
+
+
+async def _welcome(ws: WebSocket, hub: Hub, conn: Connection) -> bool:
+    """Join the user's groups and send ``welcome``; False if the socket was closed instead."""
+    try:
+        # Bounded: a stalled database or Redis must not hold the socket open unanswered.
+        async with asyncio.timeout(hub.core.settings.handshake_seconds):
+            mine = await groups.groups_of(hub.core.db, conn.user_id, hub.member_counts)
+            if (
+                not mine
+                and await hub.core.db.fetchone("SELECT 1 FROM users WHERE id = %s", (conn.user_id,)) is None
+            ):
+                await ws.close(protocol.CLOSE_USER_UNKNOWN, errors.USER_NOT_FOUND)
+                return False
+            await hub.join(conn, [int(g["group_id"]) for g in mine])  # type: ignore[call-overload]
+    except Exception as e:
+        down = unavailable(e)
+        if down is None and not isinstance(e, TimeoutError):
+            raise
+        await hub.leave(conn)
+        log.warning("connection of user %d refused: %s", conn.user_id, down.message if down else "timed out")
+        await ws.close(protocol.CLOSE_TRY_AGAIN, down.code if down else "timeout")
+        return False
+    conn.send(
+        {
+            "type": "welcome",
+            "version": protocol.VERSION,
+            "user": conn.user_id,
+            "connection": conn.id,
+            "hub": hub.id,
+            "groups": mine,
+            "server_ms": int(time.time() * 1000),
+            "limits": {
+                **asdict(hub.core.limits),
+                "packet_ttl_seconds": hub.core.settings.packet_ttl_seconds,
+            },
+        }
+    )
+    return True
 
 
 def _abort(wire: HubWebSocket) -> None:

@@ -104,7 +104,9 @@ async def create_user(db: Database, name: str) -> int:
     async def work(tx: Tx) -> int:
         ts = now_ms()
         try:
-            await tx.execute("INSERT INTO users (name, created_ms) VALUES (%s, %s)", (name, ts))
+            await tx.execute(
+                "INSERT INTO users (name, created_ms, origin) VALUES (%s, %s, 'hub')", (name, ts)
+            )
         except IntegrityError:
             raise Conflict(errors.NAME_TAKEN, f"{name} is taken") from None
         user_id = tx.lastrowid
@@ -129,7 +131,7 @@ async def put_user(db: Database, user_id: int, name: object) -> Literal["created
             "SELECT name, origin FROM users WHERE id = %s" + tx.dialect.for_update, (user_id,)
         )
         ts = now_ms()
-        if row is not None and row[1] != "backend":
+        if row is not None and row[1] == "hub":
             raise Conflict(
                 errors.ID_TAKEN, f"user {user_id} was made on the hub (dev login), not by the backend"
             )
@@ -143,6 +145,8 @@ async def put_user(db: Database, user_id: int, name: object) -> Literal["created
                     "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", (user_id, ts)
                 )
                 return "created"
+            if row[1] != "backend":  # a user from before origins were kept: the backend's from now on
+                await tx.execute("UPDATE users SET origin = 'backend' WHERE id = %s", (user_id,))
             if row[0] == clean:
                 return "unchanged"
             await tx.execute("UPDATE users SET name = %s WHERE id = %s", (clean, user_id))
@@ -167,7 +171,8 @@ async def create_users(db: Database, names: list[str]) -> list[int]:
         ts = now_ms()
         try:
             await tx.executemany(
-                "INSERT INTO users (name, created_ms) VALUES (%s, %s)", [(n, ts) for n in clean]
+                "INSERT INTO users (name, created_ms, origin) VALUES (%s, %s, 'hub')",
+                [(n, ts) for n in clean],
             )
         except IntegrityError:
             raise Conflict(errors.NAME_TAKEN, "one of the names is taken") from None

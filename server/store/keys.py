@@ -17,8 +17,8 @@ channel (membership changes) and the operators' list of blocks.
 **One deployment's names.** Every key and channel starts ``rp:<namespace>:`` (plain ``rp:`` for a
 deployment older than namespaces): two deployments on one Redis server — one database number or two,
 since pub/sub ignores it — or one cluster never read, write or hear each other's. The namespace is the
-database's deployment id (``schema.deployment_id``) unless ``REDPACKET_NAMESPACE`` says otherwise; a
-process serves one (``claim``).
+database's deployment id (``schema.deployment_id``), read by every process; a process serves one
+(``claim``).
 """
 
 from __future__ import annotations

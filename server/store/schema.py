@@ -11,6 +11,7 @@ All times are unix milliseconds in BIGINT columns, all money is integer cents in
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 
 from server.store.db import Database, DatabaseError, Tx, as_text
@@ -163,9 +164,11 @@ MIGRATIONS: list[tuple[int, str, list[Statement]]] = [
         "who made each user: the hub (dev login) or the chat backend",
         [
             # 'backend': made by PUT /api/service/users/{id}; dev login never issues its token, and the
-            # backend never takes over a user the hub made ('hub'). A group's maker is its
+            # backend never takes over a user the hub made ('hub'). '' for the users of a database from
+            # before: nobody knows who made them, so neither side is refused them (a backend's put then
+            # marks the user its own). Every insert names its origin. A group's maker is its
             # service_version (NULL: made on the hub by a user).
-            "ALTER TABLE users ADD COLUMN origin VARCHAR(8) NOT NULL DEFAULT 'hub'",
+            "ALTER TABLE users ADD COLUMN origin VARCHAR(8) NOT NULL DEFAULT ''",
         ],
     ),
     (
@@ -179,13 +182,10 @@ MIGRATIONS: list[tuple[int, str, list[Statement]]] = [
         [
             "CREATE TABLE deployment (id VARCHAR(32) NOT NULL PRIMARY KEY){table_options}",
             # Random for a new database; empty for one that already has users or groups: its keys in
-            # Redis (credits not yet paid among them) keep the names they were written under.
-            {
-                "mysql": "INSERT INTO deployment (id) SELECT IF(EXISTS(SELECT 1 FROM users)"
-                " OR EXISTS(SELECT 1 FROM chat_groups), '', LEFT(SHA2(CONCAT(UUID(), RAND()), 256), 12))",
-                "sqlite": "INSERT INTO deployment (id) SELECT CASE WHEN EXISTS(SELECT 1 FROM users)"
-                " OR EXISTS(SELECT 1 FROM chat_groups) THEN '' ELSE lower(hex(randomblob(6))) END",
-            },
+            # Redis (credits not yet paid among them) keep the names they were written under. The id is
+            # a literal made here, not UUID() or RAND(): a replica replaying the statement gets the same.
+            "INSERT INTO deployment (id) SELECT CASE WHEN EXISTS(SELECT 1 FROM users)"
+            " OR EXISTS(SELECT 1 FROM chat_groups) THEN '' ELSE '" + secrets.token_hex(6) + "' END",
         ],
     ),
 ]

@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from server.tools.loadplan import StageFigures, knee, parse_stages
 
@@ -66,29 +66,56 @@ def parser() -> argparse.ArgumentParser:
 # --- preparing users and groups over HTTP --------------------------------------------------------------
 
 
+# Preparing thousands of users from one address meets the hub's per-address HTTP limit
+# (REDPACKET_HTTP_PER_ADDRESS_PER_SECOND): a refused call waits and is made again, this long at most.
+RATE_LIMITED_PATIENCE_SECONDS = 600
+
+
 def _call(host: str, path: str, body: dict[str, Any] | None = None, token: str | None = None) -> Any:
     req = urllib.request.Request(
         f"{host.rstrip('/')}{path}",
         data=None if body is None else json.dumps(body).encode(),
         headers={"authorization": f"Bearer {token}"} if token else {},
     )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as reply:
-            return json.load(reply)
-    except urllib.error.HTTPError as e:
+    deadline = time.monotonic() + RATE_LIMITED_PATIENCE_SECONDS
+    while True:
         try:
-            error = json.load(e)["error"]
-        except Exception:
-            raise LoadError(f"{host}{path} answered HTTP {e.code}") from None
-        if error["code"] == "disabled":
-            raise LoadError(
-                f"the hub at {host} has dev login or demo top-ups off: make the users yourself and "
-                "give them with --fixture FILE (format: docs/load.md)"
-            ) from None
-        raise LoadError(f"{host}{path}: {error['code']}: {error['message']}") from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise LoadError(f"cannot reach the hub at {host} ({reason}); is it running? (--host)") from None
+            with urllib.request.urlopen(req, timeout=30) as reply:
+                return json.load(reply)
+        except urllib.error.HTTPError as e:
+            if e.code != 429 or time.monotonic() > deadline:
+                _failed(host, path, e)
+            _say_slowed_once(host)
+            time.sleep(1.0)  # (the allowance refills continuously; one call a second is its floor)
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise LoadError(f"cannot reach the hub at {host} ({reason}); is it running? (--host)") from None
+
+
+_slowed: set[str] = set()
+
+
+def _say_slowed_once(host: str) -> None:
+    if host not in _slowed:
+        _slowed.add(host)
+        print(
+            f"the hub at {host} limits HTTP requests from one address: preparing goes at its pace (a hub"
+            " for load tests can raise REDPACKET_HTTP_PER_ADDRESS_PER_SECOND / _BURST)",
+            file=sys.stderr,
+        )
+
+
+def _failed(host: str, path: str, e: urllib.error.HTTPError) -> NoReturn:
+    try:
+        error = json.load(e)["error"]
+    except Exception:
+        raise LoadError(f"{host}{path} answered HTTP {e.code}") from None
+    if error["code"] == "disabled":
+        raise LoadError(
+            f"the hub at {host} has dev login or demo top-ups off: make the users yourself and "
+            "give them with --fixture FILE (format: docs/load.md)"
+        ) from None
+    raise LoadError(f"{host}{path}: {error['code']}: {error['message']}") from None
 
 
 def prepare(host: str, members: int, group_size: int, prefix: str) -> dict[str, Any]:
