@@ -33,6 +33,15 @@ from tests.hubtools import HubUnderTest, eventually, free_port, hub_in_process, 
 KEY = "service-key-of-the-chat-backend-0123456789"
 
 
+async def _closed_with(url: str) -> tuple[int, str]:
+    """The close code and reason a socket to ``url`` is closed with before anything else comes."""
+    async with websockets.connect(url) as ws:
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 10)
+    assert closed.value.rcvd is not None
+    return closed.value.rcvd.code, closed.value.rcvd.reason
+
+
 # -- the demo's conveniences: loopback only, never beside a backend -----------------------------------------
 
 
@@ -155,14 +164,7 @@ async def test_users_from_before_origins_were_kept_are_the_backends_to_put(demo:
 async def test_a_token_for_a_user_never_made_is_refused_everywhere(demo: HubUnderTest) -> None:
     """Before: welcomed on the socket (``"user": 9999``, no groups) while /api/me said 404."""
     token = make_token(demo.settings.secret.encode(), 9_999_001, int(time.time()), 600)
-    async with websockets.connect(f"{demo.ws}?token={token}") as ws:
-        with pytest.raises(ConnectionClosed) as closed:
-            await asyncio.wait_for(ws.recv(), 10)
-    assert closed.value.rcvd is not None
-    assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (
-        protocol.CLOSE_USER_UNKNOWN,
-        "user_not_found",
-    )
+    assert await _closed_with(f"{demo.ws}?token={token}") == (protocol.CLOSE_USER_UNKNOWN, "user_not_found")
     headers = {"authorization": f"Bearer {token}"}
     async with httpx.AsyncClient(base_url=demo.http, timeout=10, headers=headers) as http:
         for method, path, body in (
@@ -302,14 +304,8 @@ async def test_a_user_has_a_bounded_number_of_sockets_and_one_message_allowance(
     async with hub_in_process(s) as h:
         _, token = await h.login("many")
         open_ = [await h.client(token, sync=False) for _ in range(3)]
-        async with websockets.connect(f"{h.ws}?token={token}") as fourth:
-            with pytest.raises(ConnectionClosed) as closed:
-                await asyncio.wait_for(fourth.recv(), 10)
-        assert closed.value.rcvd is not None
-        assert (closed.value.rcvd.code, closed.value.rcvd.reason) == (
-            protocol.CLOSE_TOO_MANY_SOCKETS,
-            "too_many_sockets",
-        )
+        fourth = await _closed_with(f"{h.ws}?token={token}")
+        assert fourth == (protocol.CLOSE_TOO_MANY_SOCKETS, "too_many_sockets")
         answered, limited = 0, 0
         for c in open_:
             for _ in range(5):
