@@ -89,6 +89,10 @@ async def since(core: Core, group_id: int, offset: str, limit: int) -> Missed:
     kept_from = first if int(length) else last
     if (ever_trimmed and offset_key(offset) < offset_key(kept_from or b"0-0")) or len(rows) > limit:
         return Missed([], too_old=True)
+    if offset_key(offset) > offset_key(last or b"0-0"):
+        # Past the newest event: an offset from before Redis lost the group's events (or from
+        # elsewhere). What the client holds cannot be trusted: start over, as for a group with none.
+        return Missed([], too_old=True)
     out = []
     for rid, fields in rows:
         kind, data = unpack(dict(zip(fields[::2], fields[1::2], strict=True))[b"e"])

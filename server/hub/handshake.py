@@ -115,9 +115,8 @@ class BoundedHttp(HttpToolsProtocol):
                 raise
             self._refuse(e.__context__.answer)
             return
-        except httptools.HttpParserError:
-            self.logger.warning("Invalid HTTP request received.")
-            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserError:  # the HTTP API's JSON error, like every other refusal here
+            self._refuse(_answer(400, errors.BAD_REQUEST, "the request is not valid HTTP/1.1"))
             return
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():

@@ -99,7 +99,9 @@ async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
                 s.conn.release(group, s.conn.last.get(group, (0, 0)))
             raise
         if since is None or missed is None or missed.too_old:
-            s.conn.release(group, offset_key(latest))
+            # What was held since the welcome is sent first (a fresh start loses nothing that happened
+            # while the client was unsynced); what this socket already had is not sent again.
+            s.conn.release(group, (0, 0))
             out[str(group)] = {
                 "offset": latest,
                 "too_old": since is not None,

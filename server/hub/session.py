@@ -150,10 +150,10 @@ class Session:
         now = time.monotonic()
         if not self.bucket.take(now) or not self.hub.user_msgs.take(self.conn.user_id, now):
             self.strikes += 1
-            if self.strikes > self.core.settings.msgs_burst:
-                self.conn.close(protocol.CLOSE_RATE_LIMITED, "too many messages")
             rid = protocol.request_id_of(_try_decode(frame))
             self.conn.reply(protocol.reply_error(rid, errors.RATE_LIMITED, "too many messages: slow down"))
+            if self.strikes > self.core.settings.msgs_burst:  # answered, then closed (after the answer)
+                self.conn.close(protocol.CLOSE_RATE_LIMITED, "too many messages")
             return False
         self.strikes = 0
         try:

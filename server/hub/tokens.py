@@ -138,6 +138,10 @@ def checked(rules: Rules, token: object, key: Any) -> tuple[int, int]:
     except (jwt.PyJWTError, ValueError, TypeError) as e:
         # Bad signature, not yet valid, wrong audience or issuer, a missing claim, a key of the wrong kind.
         raise TokenError(errors.TOKEN_INVALID, str(e) or type(e).__name__) from None
+    for name in ("exp", "nbf", "iat"):  # NumericDate (RFC 7519): a JSON number, never a string of digits
+        value = claims.get(name)
+        if name in claims and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise TokenError(errors.TOKEN_INVALID, f"{name} must be a number (seconds since the epoch)")
     return user_of(claims.get("sub")), int(claims["exp"])
 
 
