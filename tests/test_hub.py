@@ -798,3 +798,32 @@ async def test_the_hot_packet_gauges_read_the_storm_admission() -> None:
         assert k.hottest() == (2, 0, 40)
     finally:
         known.FIRST_FLIGHT = monkey_first
+
+
+async def test_a_channel_left_and_wanted_again_at_once_is_not_a_moved_slot(
+    h: HubUnderTest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: `channel … left 127.0.0.1:… (its slot moved); re-routing` on one server whenever a group's
+    last local member left and one came back before Redis confirmed the unsubscribe (a quick reconnect),
+    and every channel was subscribed again."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="server.hub.subscriber")
+    room = await make_room(h, 1)
+    listener = await h.client(room.members[0][1])
+    channel = keys.group_channel(room.group)
+    reconnects = h.hub.metrics.pubsub_reconnects._value.get()
+    for _ in range(5):  # left, and wanted again before the reply to the unsubscribe is read
+        await h.hub.subscriber.remove(channel)
+        await h.hub.subscriber.add(channel)
+    admin = await h.client(room.admin_token)
+    await admin.request("chat", group=room.group, text="still here")
+    while (ev := await listener.next_event())[
+        "event"
+    ] != "chat":  # replies in order: the unsubscribes' came first
+        pass
+    assert ev["data"]["text"] == "still here"
+    assert not [r for r in caplog.records if "slot moved" in r.getMessage()]
+    assert h.hub.metrics.pubsub_reconnects._value.get() == reconnects
+    await listener.close()
+    await admin.close()

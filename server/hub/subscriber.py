@@ -39,6 +39,9 @@ class _Link:
         self.address = address
         self.kwargs = kwargs
         self.channels: set[bytes] = set()
+        # Unsubscribes sent and not yet confirmed, per channel: their replies are ours, not a moved slot
+        # (a channel left and wanted again at once gets the old reply while it is wanted again).
+        self.leaving: dict[bytes, int] = {}
         self.conn: PackedConnection | None = None
         self.lock = asyncio.Lock()
         self.up = asyncio.Event()
@@ -59,6 +62,7 @@ class _Link:
             await conn.connect()  # type: ignore[no-untyped-call]
             async with self.lock:
                 self.conn = conn
+                self.leaving.clear()  # a new connection: no reply to an old one's unsubscribe will come
                 # One channel per command: on a cluster the channels of one command must share a slot.
                 for name in sorted(self.channels):
                     await conn.send_command("SSUBSCRIBE", name)
@@ -140,6 +144,7 @@ class Subscriber:
         for link in self.links.values():
             if name in link.channels:
                 link.channels.discard(name)
+                link.leaving[name] = link.leaving.get(name, 0) + 1
                 with contextlib.suppress(RedisError, OSError):
                     await link.command("SUNSUBSCRIBE", name)
 
@@ -161,6 +166,10 @@ class Subscriber:
         kind = reply[0]
         if kind == b"smessage" and len(reply) == 3:
             self.on_message(reply[1], reply[2])
+        elif kind == b"sunsubscribe" and len(reply) >= 2 and link.leaving.get(reply[1]):
+            link.leaving[reply[1]] -= 1  # the answer to our own unsubscribe
+            if not link.leaving[reply[1]]:
+                del link.leaving[reply[1]]
         elif kind == b"sunsubscribe" and len(reply) >= 2 and reply[1] in link.channels:
             # Not asked for: the slot moved (a migration or a failover). Re-route everything.
             log.warning("channel %r left %s (its slot moved); re-routing", reply[1], link.address)
