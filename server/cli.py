@@ -29,7 +29,7 @@ from types import FrameType
 import uvicorn
 import uvloop
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from server.core import open_core
 from server.hub.wire import uvicorn_config
@@ -85,17 +85,24 @@ async def _check_services(settings: Settings, redis_too: bool = True, durability
     try:
         db = await asyncio.wait_for(connect(settings.effective_database_url, 1), STARTUP_CHECK_SECONDS)
         await db.close()
-    except (DatabaseError, TimeoutError) as e:
+    except TimeoutError:
         raise OperatorError(
-            f"the database at {redact(settings.effective_database_url)} does not answer: {e or 'timed out'}"
+            f"the database at {redact(settings.effective_database_url)} does not answer (timed out)"
             " (check REDPACKET_DATABASE_URL)"
         ) from None
+    except DatabaseError as e:  # it says what is wrong: no such database, a refused user, no server
+        raise OperatorError(f"{e} (check REDPACKET_DATABASE_URL)") from None
     if not redis_too:
         return
     nodes = RedisNodes(settings.redis_url, 4)
     try:
         await asyncio.wait_for(nodes.open(), STARTUP_CHECK_SECONDS + 1)
         masters = nodes.masters().items()
+    except RedisClusterException as e:  # (not a RedisError)
+        raise OperatorError(
+            f"Redis at {redact(settings.redis_url)} is not a cluster, or no node of it answers: {e}"
+            " (check REDPACKET_REDIS_URL: redis+cluster:// is for a Redis Cluster, redis:// for one server)"
+        ) from None
     except (RedisError, OSError, TimeoutError) as e:
         raise OperatorError(
             f"Redis at {redact(settings.redis_url)} does not answer: {e or 'timed out'}"
@@ -513,6 +520,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that read the ledger and must find it, never make an empty one.
+READERS = ("reconcile", "blocks", "recover")
+
+
 def _run(args: argparse.Namespace, settings: Settings) -> int:
     command = args.command
     if command == "worker" and args.check:
@@ -535,6 +546,13 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         )
     if command == "serve" and not 1 <= args.workers <= 64:
         raise OperatorError("--workers is 1 to 64 (hub processes on this machine, one core each)", 2)
+    if command in READERS and not settings.database_url and not settings.sqlite_path.exists():
+        # A command that reads never creates: a fresh SQLite file would be reconciled "no difference".
+        raise OperatorError(
+            f"no database at {settings.sqlite_path.resolve()}: `redpacket {command}` reads the one"
+            " `redpacket up` or `serve` made — run it in the same directory, or set REDPACKET_DATA_DIR or"
+            " REDPACKET_DATABASE_URL"
+        )
     if command in ("up", "serve"):
         # Bound first, before anything starts: a busy port is said at once, port 0 works, and the address
         # printed is the one listening.

@@ -9,7 +9,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal, TypeVar, get_args
 from urllib.parse import urlparse
@@ -70,6 +70,31 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def url_problem(url: str) -> str:
+    """What is wrong with the shape of a Redis or database URL (a port that is not a number, a broken
+    IPv6 address, a Redis database that is not a number, no host), or "" when nothing is (or it is
+    empty). Whether anything answers there is for start-up to find."""
+    if not url or url.startswith(("unix://", "sqlite://")):
+        return ""
+    scheme, _, rest = url.partition("://")
+    hosts, _, path = rest.partition("/")
+    if "@" in hosts:
+        hosts = hosts.rsplit("@", 1)[1]
+    for host in hosts.split(",") if scheme == "redis+cluster" else [hosts]:
+        try:
+            parsed = urlparse(f"x://{host}")
+            parsed.port  # noqa: B018 - raises on a port that is not a number
+        except ValueError as e:
+            return f"has a host that cannot be read ({host!r}: {e})"
+        if not parsed.hostname:
+            return f"names no host ({host!r})"
+    if scheme in ("redis", "rediss") and path and not path.split("?", 1)[0].isdigit():
+        return f"ends in a Redis database that is not a number ({path!r})"
+    if scheme == "mysql" and not path.split("?", 1)[0]:
+        return "names no database: mysql://user:password@host:port/DATABASE"
+    return ""
 
 
 def redact(url: str) -> str:
@@ -369,6 +394,18 @@ class Settings:
                 f"{PREFIX}QUEUE_REDIS_URL must be one server: redis://, rediss:// or unix://"
                 f" (got {redact(self.queue_redis_url)!r})"
             )
+        for name, url in (
+            ("REDIS_URL", self.redis_url),
+            ("QUEUE_REDIS_URL", self.queue_redis_url),
+            ("DATABASE_URL", self.database_url),
+        ):
+            problem = url_problem(url)
+            if problem:
+                raise ValueError(f"{PREFIX}{name} {problem} (got {redact(url)!r})")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"{PREFIX}{f.name.upper()} cannot be negative (got {value})")
         if self.redis_url.startswith("redis+cluster://") and not self.queue_redis_url:
             raise ValueError(
                 f"{PREFIX}QUEUE_REDIS_URL is required with a Redis Cluster: arq's queue needs one server"

@@ -76,7 +76,7 @@ def test_operator_mistakes_are_one_line_and_an_exit_code(
                 "REDPACKET_DATABASE_URL": "mysql://root@127.0.0.1:1/x",
             },
             1,
-            "database",
+            "MySQL server on 127.0.0.1:1 does not answer",
         ),
         (("serve", "--port", "0"), {"REDPACKET_SECRET": "short", **ok_db, **ok_redis}, 2, "at least 32"),
         (
@@ -214,14 +214,13 @@ def test_commands_beside_a_running_up_use_its_valkey(up: tuple[Path, subprocess.
         assert_one_line_error(again, 1, "in use by `redpacket up`", str(proc.pid))
     finally:
         live.close()
-    # Reconciliation reads what Redis told grabbers too: on a directory of its own, its own Valkey.
+    # The database-only command starts no Valkey at all.
     fresh = data.parent / "fresh"
+    assert redpacket("migrate", REDPACKET_DATA_DIR=str(fresh)).returncode == 0
+    assert not (fresh / "valkey").exists() and not (fresh / "valkey.json").exists()
+    # Reconciliation reads what Redis told grabbers too: on a directory of its own, its own Valkey.
     assert redpacket("reconcile", REDPACKET_DATA_DIR=str(fresh)).returncode == 0
     assert not (fresh / "valkey.json").exists()  # stopped with the command
-    # The database-only command starts no Valkey at all.
-    other = data.parent / "other"
-    assert redpacket("migrate", REDPACKET_DATA_DIR=str(other)).returncode == 0
-    assert not (other / "valkey").exists() and not (other / "valkey.json").exists()
 
 
 def test_a_valkey_orphaned_by_a_killed_up_is_shut_down_before_another_opens_its_files(

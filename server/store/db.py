@@ -280,10 +280,19 @@ class MySQLDatabase(Database):
                 init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
             )
         except (pymysql.err.Error, OSError) as e:
+            code = e.args[0] if isinstance(e, pymysql.err.Error) and e.args else None
             detail = e.args[1] if isinstance(e, pymysql.err.Error) and len(e.args) > 1 else str(e)
-            raise DatabaseError(
-                f"cannot connect to MySQL database {name!r} on {host}:{port}: {detail}"
-            ) from e
+            if code == 1049:
+                what = f"MySQL on {host}:{port} has no database {name!r} (create it, or name another)"
+            elif code in (1045, 1698):
+                what = f"MySQL on {host}:{port} refused the user and password"
+            elif code == 1044:
+                what = f"MySQL on {host}:{port} does not let this user use {name!r}"
+            elif code in (None, 2003, 2005, 2013):
+                what = f"the MySQL server on {host}:{port} does not answer"
+            else:
+                what = f"cannot connect to MySQL database {name!r} on {host}:{port}"
+            raise DatabaseError(f"{what}: {detail}") from e
         return cls(pool)
 
     @asynccontextmanager

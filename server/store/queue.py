@@ -8,10 +8,9 @@ from typing import Any
 
 import msgpack
 from arq.connections import ArqRedis
-from redis.asyncio import BlockingConnectionPool
 
 from server.settings import Settings
-from server.store.redisnodes import PackedConnection
+from server.store.redisnodes import packed_pool
 
 
 def job_serializer(obj: dict[str, Any]) -> bytes:
@@ -26,13 +25,7 @@ def make_queue(settings: Settings, queue_name: str) -> ArqRedis:
     """A client of arq's queue server, on the queue named so. Opens no connection yet."""
     if not settings.queue_url:
         raise ValueError("no Redis URL: start the embedded Valkey first (see server.store.embedded)")
-    pool = BlockingConnectionPool.from_url(
-        settings.queue_url,
-        max_connections=16,
-        timeout=10,
-        connection_class=PackedConnection,
-        socket_connect_timeout=5,
-    )
+    pool = packed_pool(settings.queue_url, max_connections=16, timeout=10, socket_connect_timeout=5)
     return ArqRedis(
         pool_or_conn=pool,
         job_serializer=job_serializer,

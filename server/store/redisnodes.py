@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
@@ -161,7 +161,7 @@ def _field(text: str, name: str) -> str:
     return text[start : end if end >= 0 else len(text)].strip()
 
 
-class PackedConnection(Connection):
+class _Packing:
     """A Redis connection that packs commands with hiredis (under a grab storm redis-py's own packer was a
     third of the hub's time; same bytes on the wire; multi-word command names are split as redis-py does)
     and reports the run id of the server it connected to before it is used."""
@@ -169,6 +169,9 @@ class PackedConnection(Connection):
     def __init__(self, *args: Any, identities: Identities | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._identities = identities
+
+    def _where(self) -> str:
+        raise NotImplementedError
 
     def pack_command(self, *args: Any) -> list[bytes]:
         head = args[0]
@@ -179,16 +182,49 @@ class PackedConnection(Connection):
         return [hiredis.pack_command(args)]
 
     async def on_connect(self) -> None:
-        await super().on_connect()
+        await super().on_connect()  # type: ignore[misc]
         if self._identities is not None:
-            await self.send_command("INFO", "server", "replication")
-            info = await self.read_response()
+            await self.send_command("INFO", "server", "replication")  # type: ignore[attr-defined]
+            info = await self.read_response()  # type: ignore[attr-defined]
             text = info.decode() if isinstance(info, bytes) else str(info)
             run_id = next((line[7:].strip() for line in text.splitlines() if line.startswith("run_id:")), "")
-            address = address_of(self.host, self.port)
+            address = self._where()
             if self._identities.saw(address, run_id, data_id(text), look=False):
                 # Not a command goes out on it: what it would carry (a grab) was made for the data before.
                 raise ServerChanged(f"Redis at {address} restarted or failed over: checked, then sent again")
+
+
+class PackedConnection(_Packing, Connection):
+    """``_Packing`` over TCP."""
+
+    def _where(self) -> str:
+        return address_of(self.host, self.port)
+
+
+class PackedUnixConnection(_Packing, UnixDomainSocketConnection):
+    """``_Packing`` over a Unix socket (``unix://`` URLs)."""
+
+    def _where(self) -> str:
+        return str(self.path)
+
+
+def packed_pool(url: str, **kwargs: Any) -> BlockingConnectionPool:
+    """A blocking pool of packed connections to one server's URL (``redis://``, ``rediss://``, ``unix://``).
+    The class is set after the URL is read: redis-py's ``from_url`` puts its own class for ``unix://``
+    over the one it is given."""
+    pool = BlockingConnectionPool.from_url(url, **kwargs)
+    pool.connection_class = packed_class(url)
+    return pool
+
+
+def packed_class(url_or_kwargs: str | dict[str, Any]) -> type[PackedConnection | PackedUnixConnection]:
+    """The connection class for a URL or a connection's keyword arguments: over TCP or a Unix socket."""
+    unix = (
+        url_or_kwargs.startswith("unix://")
+        if isinstance(url_or_kwargs, str)
+        else bool(url_or_kwargs.get("path"))
+    )
+    return PackedUnixConnection if unix else PackedConnection
 
 
 class _Snapshots(dict[str, ClusterNode]):
@@ -256,13 +292,8 @@ class RedisNodes:
             manager.startup_nodes = _Snapshots(manager.startup_nodes)
             self.client: Redis = cast(Redis, cluster)
         else:
-            pool = BlockingConnectionPool.from_url(
-                url,
-                max_connections=pool_size,
-                timeout=10,
-                connection_class=PackedConnection,
-                identities=self.identities,
-                **common,
+            pool = packed_pool(
+                url, max_connections=pool_size, timeout=10, identities=self.identities, **common
             )
             self.client = Redis(connection_pool=pool)
 

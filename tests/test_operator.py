@@ -1,0 +1,110 @@
+"""What an operator meets: every URL form the README offers works, and every mistake is one line and an
+exit code — never a traceback, a hang, or a false all-clear."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import redis
+
+from server.money import groups, ledger
+from server.settings import Settings
+from tests.hubtools import eventually, hub_in_process
+from tests.redisproc import needs_redis_server, redis_process
+from tests.test_cli import assert_one_line_error, redpacket
+
+
+@needs_redis_server
+async def test_redis_over_a_unix_socket(tmp_path: Path, hub_settings: Settings) -> None:
+    """Before: `REDPACKET_REDIS_URL=unix:///…/r.sock`, which the README offers, crashed at the first
+    connection (TypeError: … unexpected keyword argument 'identities')."""
+    sock = tmp_path / "r.sock"
+    async with redis_process(tmp_path / "redis", "--unixsocket", str(sock), "--unixsocketperm", "700"):
+        settings = hub_settings.with_(redis_url=f"unix://{sock}", queue_redis_url="")
+        async with hub_in_process(settings, run_worker=True) as h:
+            admin, admin_token = await h.login("wang")
+            member, member_token = await h.login("li")
+            await ledger.topup(h.core.db, admin, 1_000, "seed")
+            group = await groups.create_group(h.core.db, admin, "family")
+            await groups.add_members(h.core.db, h.core.membership, group, [member])
+            li = await h.client(member_token)
+            wang = await h.client(admin_token)
+            sent = await wang.request("send", group=group, kind="lucky", total=300, count=1)
+            while (await li.next_event())["event"] != "packet":  # heard through the socket's pub/sub
+                pass
+            got = await li.request("grab", group=group, packet=sent["packet_id"])
+            assert got["amount"] == 300
+
+            async def paid() -> bool:
+                return await ledger.balance(h.core.db, member) == 300
+
+            await eventually(paid, timeout=60)  # the worker read the outbox over the socket too
+            await li.close()
+            await wang.close()
+
+
+def test_malformed_urls_and_settings_are_one_line_at_start(
+    tmp_path: Path, redis_url: str, mysql_url: str
+) -> None:
+    """Before: tracebacks for a port that is not a number or a broken IPv6 address; a Redis database
+    that is not a number and a negative leeway were taken silently; a MySQL URL without a database used
+    `redpacket` without saying so."""
+    db, queue = {"REDPACKET_DATABASE_URL": mysql_url}, {"REDPACKET_QUEUE_REDIS_URL": redis_url}
+    cases: list[tuple[dict[str, str], str]] = [
+        (
+            {"REDPACKET_DATABASE_URL": "mysql://root@127.0.0.1:abc/x"},
+            "DATABASE_URL has a host that cannot be read",
+        ),
+        ({"REDPACKET_DATABASE_URL": "mysql://root@[::1/x"}, "DATABASE_URL has a host that cannot be read"),
+        ({"REDPACKET_DATABASE_URL": "mysql://root@127.0.0.1:3306"}, "DATABASE_URL names no database"),
+        ({"REDPACKET_REDIS_URL": "redis://127.0.0.1:abc", **db}, "REDIS_URL has a host that cannot be read"),
+        ({"REDPACKET_REDIS_URL": "redis+cluster://127.0.0.1:abc", **queue, **db}, "cannot be read"),
+        ({"REDPACKET_REDIS_URL": "redis://127.0.0.1:6379/abc", **db}, "Redis database that is not a number"),
+        ({"REDPACKET_JWT_LEEWAY_SECONDS": "-5", **db}, "REDPACKET_JWT_LEEWAY_SECONDS cannot be negative"),
+    ]
+    for env, words in cases:
+        assert_one_line_error(redpacket("reconcile", REDPACKET_DATA_DIR=str(tmp_path), **env), 2, words)
+
+
+def test_what_is_wrong_with_a_service_is_said_as_it_is(
+    tmp_path: Path, redis_url: str, mysql_url: str
+) -> None:
+    """Before: "does not answer" for a database that does not exist and for a refused user; a traceback
+    for redis+cluster:// pointed at a server that is not a cluster."""
+    base = mysql_url.rsplit("/", 1)[0]
+    r = redis.Redis.from_url(redis_url)
+    port = r.connection_pool.connection_kwargs.get("port", 6379)
+    r.close()
+    cases: list[tuple[dict[str, str], tuple[str, ...]]] = [
+        (
+            {"REDPACKET_DATABASE_URL": f"{base}/no_such_database", "REDPACKET_REDIS_URL": redis_url},
+            ("has no database 'no_such_database'",),
+        ),
+        (
+            {
+                "REDPACKET_DATABASE_URL": base.replace("root@", "nobody:wrong@") + "/x",
+                "REDPACKET_REDIS_URL": redis_url,
+            },
+            ("refused the user and password", "Access denied for user 'nobody'"),
+        ),
+        (
+            {
+                "REDPACKET_REDIS_URL": f"redis+cluster://127.0.0.1:{port}",
+                "REDPACKET_QUEUE_REDIS_URL": redis_url,
+                "REDPACKET_DATABASE_URL": mysql_url,
+            },
+            ("is not a cluster", "redis:// for one server"),
+        ),
+    ]
+    for env, words in cases:
+        assert_one_line_error(redpacket("reconcile", REDPACKET_DATA_DIR=str(tmp_path), **env), 1, *words)
+
+
+def test_a_command_that_reads_never_makes_an_empty_ledger(tmp_path: Path) -> None:
+    """Before: `redpacket reconcile` where there was no database made a fresh SQLite file and printed
+    `reconciled: no difference`, exit 0 — a false all-clear."""
+    for command in ("reconcile", "blocks", "recover"):
+        args = (command, "1") if command == "recover" else (command,)
+        line = assert_one_line_error(redpacket(*args, REDPACKET_DATA_DIR=str(tmp_path / "data")), 1)
+        assert "no database at" in line and command in line, line
+    assert not (tmp_path / "data").exists()  # nothing made: no SQLite, no Valkey
