@@ -390,8 +390,10 @@ async def _blocks(settings: Settings, lift: int | None) -> None:
             return
         shown = await bots.list_blocks(core)
         for b in shown:
-            print(f"user {b.user} blocked until {_when(b.until_ms)}: {b.reasons}")
-        print(f"{len(shown)} blocked")
+            what = "blocked" if b.action == "block" else "throttled (one grab in 5 s)"
+            print(f"user {b.user} {what} until {_when(b.until_ms)}: {b.reasons}")
+        blocked = sum(1 for b in shown if b.action == "block")
+        print(f"{blocked} blocked, {len(shown) - blocked} throttled")
 
 
 async def _reconcile(settings: Settings) -> bool:

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgpack
 import redis
 
+from server.core import Core
+from server.hub.bots import lift, list_blocks, now_ms, run_detector
 from server.money import groups, ledger
 from server.settings import Settings
+from server.store import keys
 from tests.hubtools import eventually, hub_in_process
 from tests.redisproc import needs_redis_server, redis_process
 from tests.test_cli import assert_one_line_error, redpacket
@@ -108,3 +112,31 @@ def test_a_command_that_reads_never_makes_an_empty_ledger(tmp_path: Path) -> Non
         line = assert_one_line_error(redpacket(*args, REDPACKET_DATA_DIR=str(tmp_path / "data")), 1)
         assert "no database at" in line and command in line, line
     assert not (tmp_path / "data").exists()  # nothing made: no SQLite, no Valkey
+
+
+async def test_throttles_are_listed_lifted_and_never_scored_twice(core: Core) -> None:
+    """Before: `redpacket blocks` said `0 blocked` while a user was throttled; every run of the detector
+    (every 10 s, over a minute) throttled them again from the same attempt, and after `--lift` the old
+    attempt throttled them once more."""
+    now = now_ms() - 40_000  # the detector's runs below, each 10 s later, all before the lift
+
+    async def fast_grabs(user: int, packets: range, at: int) -> None:
+        rows = [[user, 1, packet, 5, "", at] for packet in packets]  # 5 ms after the packet showed
+        await core.redis.xadd(keys.grab_attempts(), {"a": msgpack.packb(rows)})
+
+    await fast_grabs(7, range(1), now)
+    first = await run_detector(core, now=now)
+    assert {u: d.action for u, d in first.items()} == {7: "throttle"}
+    listed = await list_blocks(core)
+    assert [(b.user, b.action) for b in listed] == [(7, "throttle")] and "faster than" in listed[0].reasons
+    assert await run_detector(core, now=now + 10_000) == {}  # the same attempt, read again: nothing new
+    await fast_grabs(7, range(1, 3), now + 15_000)  # three fast grabs in the minute now: a block
+    escalated = await run_detector(core, now=now + 20_000)
+    assert {u: d.action for u, d in escalated.items()} == {7: "block"}
+    assert {b.action for b in await list_blocks(core)} == {"block", "throttle"}
+    assert await lift(core, 7)
+    assert await list_blocks(core) == []
+    assert await run_detector(core, now=now + 30_000) == {}  # its attempts were forgiven with the lift
+    later = now_ms() + 1
+    await fast_grabs(7, range(3, 4), later)  # a new fast grab after the lift counts again
+    assert {u: d.action for u, d in (await run_detector(core, now=later)).items()} == {7: "throttle"}

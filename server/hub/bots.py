@@ -143,6 +143,9 @@ async def apply(core: Core, decisions: dict[int, Decision], rules: Rules, now: i
             if d.action == "block":
                 pipe.zadd(keys.blocks(), {str(d.user): until})
                 pipe.hset(keys.block_reasons(), str(d.user), "; ".join(d.reasons))
+            else:
+                pipe.zadd(keys.throttles(), {str(d.user): until})
+                pipe.hset(keys.block_reasons(), f"t:{d.user}", "; ".join(d.reasons))
         await pipe.execute()
     for d in decisions.values():
         if d.action == "block":
@@ -169,13 +172,39 @@ async def _forget_expired(core: Core, now: int) -> None:
         if expired:
             pipe.zrem(keys.blocks(), *expired)
             pipe.hdel(keys.block_reasons(), *expired)
+        slowed = await core.redis.zrangebyscore(keys.throttles(), "-inf", now)
+        if slowed:
+            pipe.zrem(keys.throttles(), *slowed)
+            pipe.hdel(keys.block_reasons(), *(f"t:{_text(u)}" for u in slowed))
+        forgiven = await cast(Awaitable[dict[bytes, bytes]], core.redis.hgetall(keys.forgiven()))
+        past = [_text(u) for u, ms in forgiven.items() if int(ms) < now - WINDOW_MS]  # none of then is read
+        if past:
+            pipe.hdel(keys.forgiven(), *past)
         await pipe.execute()
 
 
 async def run_detector(core: Core, rules: Rules | None = None, now: int | None = None) -> dict[int, Decision]:
+    """Score the last minute's grab attempts and apply what is new: a user already under a throttle (or a
+    block) is not throttled again by the attempts that throttled them — the detector runs every 10 s over
+    a minute, so each attempt is read six times — only a block outranks a throttle; attempts made before
+    an operator lifted a user's decision are not scored again. The decisions applied."""
     rules = rules or Rules(exempt=core.settings.bot_exempt_user_ids)
     now = now_ms() if now is None else now
-    decisions = score(await recent_attempts(core, now), rules, now)
+    async with core.redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.forgiven())
+        pipe.hgetall(keys.shard_gate(0))  # every shard holds the same decisions
+        forgiven_raw, gate = await pipe.execute()
+    forgiven = {int(u): int(ms) for u, ms in forgiven_raw.items()}
+    attempts = [a for a in await recent_attempts(core, now) if a.ms > forgiven.get(a.user, -1)]
+    active: dict[tuple[str, int], int] = {}
+    for field, value in gate.items():
+        kind, _, user = _text(field).partition(":")
+        active[(kind, int(user))] = int(_text(value).rsplit(":", 1)[-1])
+    decisions = {
+        user: d
+        for user, d in score(attempts, rules, now).items()
+        if active.get(("b", user), 0) <= now and (d.action == "block" or active.get(("t", user), 0) <= now)
+    }
     await apply(core, decisions, rules, now)
     return decisions
 
@@ -185,23 +214,30 @@ class Block:
     user: int
     until_ms: int
     reasons: str
+    action: str = "block"  # or "throttle"
 
 
 async def list_blocks(core: Core) -> list[Block]:
+    """The blocks and throttles in force, blocks first."""
     now = now_ms()
     out = []
-    for user, until in await core.redis.zrangebyscore(keys.blocks(), f"({now}", "+inf", withscores=True):
-        reasons = await cast(Awaitable[bytes | None], core.redis.hget(keys.block_reasons(), user))
-        out.append(Block(int(user), int(until), _text(reasons or b"")))
+    for action, listed, prefix in (("block", keys.blocks(), ""), ("throttle", keys.throttles(), "t:")):
+        for user, until in await core.redis.zrangebyscore(listed, f"({now}", "+inf", withscores=True):
+            field = f"{prefix}{_text(user)}"
+            reasons = await cast(Awaitable[bytes | None], core.redis.hget(keys.block_reasons(), field))
+            out.append(Block(int(user), int(until), _text(reasons or b""), action))
     return out
 
 
 async def lift(core: Core, user: int) -> bool:
-    """End a user's block and throttle on every shard; True if they were blocked or throttled."""
+    """End a user's block and throttle on every shard, and forgive the attempts that led to them (the
+    detector does not score them again); True if they were blocked or throttled."""
     async with core.redis.pipeline(transaction=False) as pipe:
         for n in range(keys.SHARDS):
             pipe.hdel(keys.shard_gate(n), f"b:{user}", f"t:{user}")
         pipe.zrem(keys.blocks(), str(user))
-        pipe.hdel(keys.block_reasons(), str(user))
+        pipe.zrem(keys.throttles(), str(user))
+        pipe.hdel(keys.block_reasons(), str(user), f"t:{user}")
+        pipe.hset(keys.forgiven(), str(user), str(now_ms()))
         results = await pipe.execute()
-    return any(results[: keys.SHARDS]) or bool(results[-2])
+    return any(results[: keys.SHARDS + 2])

@@ -241,8 +241,19 @@ def blocks() -> str:
 
 
 def block_reasons() -> str:
-    """Hash user id → why they are blocked."""
+    """Hash user id → why they are blocked; ``t:<user id>`` → why they are throttled."""
     return _root() + "{ctl}:block-reasons"
+
+
+def throttles() -> str:
+    """Sorted set user id → when their throttle ends (unix ms): listed for operators beside the blocks."""
+    return _root() + "{ctl}:throttles"
+
+
+def forgiven() -> str:
+    """Hash user id → unix ms: an operator lifted their block or throttle then; their grab attempts until
+    then are not scored again."""
+    return _root() + "{ctl}:forgiven"
 
 
 def grab_attempts() -> str:
