@@ -3,6 +3,11 @@ exit code — never a traceback, a hang, or a false all-clear."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import msgpack
@@ -11,9 +16,9 @@ import redis
 from server.core import Core
 from server.hub.bots import lift, list_blocks, now_ms, run_detector
 from server.money import groups, ledger
-from server.settings import Settings
+from server.settings import Settings, child_env
 from server.store import keys
-from tests.hubtools import eventually, hub_in_process
+from tests.hubtools import eventually, hub_in_process, hub_url
 from tests.redisproc import needs_redis_server, redis_process
 from tests.test_cli import assert_one_line_error, redpacket
 
@@ -140,3 +145,33 @@ async def test_throttles_are_listed_lifted_and_never_scored_twice(core: Core) ->
     later = now_ms() + 1
     await fast_grabs(7, range(3, 4), later)  # a new fast grab after the lift counts again
     assert {u: d.action for u, d in (await run_detector(core, now=later)).items()} == {7: "throttle"}
+
+
+def test_ctrl_c_of_up_stops_the_valkey_last(tmp_path: Path) -> None:
+    """Before: the terminal's Ctrl-C (SIGINT to the whole foreground process group) reached the embedded
+    Valkey with `up`, which then warned at every exit of a lost pub/sub connection and a failed drain."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "up", "--port", "0"],
+        env=child_env(REDPACKET_DATA_DIR=str(tmp_path / "data")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a terminal's foreground group of its own
+    )
+    try:
+        assert proc.stdout is not None
+        url = hub_url(proc.stdout)
+        with urllib.request.urlopen(f"{url}/healthz", timeout=60) as ready:  # serving: pub/sub, drain
+            assert ready.status == 200
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, out
+    noisy = [
+        line for line in out.splitlines() if " WARNING " in line or " ERROR " in line or "Traceback" in line
+    ]
+    assert noisy == [], out
+    assert not (tmp_path / "data" / "valkey.json").exists()  # the Valkey was stopped, last
