@@ -256,7 +256,12 @@ def _banner(settings: Settings, port: int, workers: int = 1, up: bool = False) -
         )
     elif up:
         why = "a chat backend is configured" if settings.backend else "it listens beyond this machine"
-        print(f"  dev login and demo money are off: {why}", flush=True)
+        print(
+            f"  dev login and demo money are off: {why}. Users connect with tokens your chat backend mints"
+            " and money comes through its service API (docs/integration.md); the demo page's name login"
+            " answers that it is switched off",
+            flush=True,
+        )
     if settings.dev_login:
         print(f'  try: curl -s -XPOST http://{settings.host}:{port}/api/login -d \'{{"name": "li"}}\'')
 

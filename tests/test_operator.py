@@ -18,7 +18,7 @@ from server.hub.bots import lift, list_blocks, now_ms, run_detector
 from server.money import groups, ledger
 from server.settings import Settings, child_env
 from server.store import keys
-from tests.hubtools import eventually, hub_in_process, hub_url
+from tests.hubtools import eventually, hub_in_process, hub_url, redpacket_up
 from tests.redisproc import needs_redis_server, redis_process
 from tests.test_cli import assert_one_line_error, redpacket
 
@@ -175,3 +175,24 @@ def test_ctrl_c_of_up_stops_the_valkey_last(tmp_path: Path) -> None:
     ]
     assert noisy == [], out
     assert not (tmp_path / "data" / "valkey.json").exists()  # the Valkey was stopped, last
+
+
+def test_up_beside_a_backend_says_what_works_instead(tmp_path: Path) -> None:
+    """Before: with REDPACKET_JWT_PUBLIC_KEY set, up still offered `try: curl … /api/login`, which answers
+    `disabled`."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    pem = (
+        ec.generate_private_key(ec.SECP256R1())
+        .public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
+    said: list[str] = []
+    with redpacket_up(tmp_path / "data", env={"REDPACKET_JWT_PUBLIC_KEY": pem}, said=said) as (url, _):
+        with urllib.request.urlopen(f"{url}/healthz", timeout=60) as ready:
+            assert ready.status == 200
+    banner = "".join(said[:6])
+    assert "/api/login" not in banner, banner
+    assert "Users connect with tokens your chat backend mints" in banner, banner

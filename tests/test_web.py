@@ -691,3 +691,16 @@ async def open_by_its_coin_refused(page: Page, packet_id: int) -> None:
     await page.get_by_role("button", name="Open", exact=True).click()
     await expect(page.locator("#pd-note")).not_to_be_empty()
     await expect(page.locator("#packet-dialog")).to_have_attribute("data-face", "card")
+
+
+async def test_a_hub_without_name_login_says_how_to_get_in(browser: Browser, hub_settings: Settings) -> None:
+    """Before: beside a chat backend the page's login answered "That is switched off on this server." and
+    nothing more."""
+    async with hub_in_process(hub_settings.with_(dev_login=False, demo_topup=False)) as hub:
+        page = await open_page(browser, hub.http, PHONE)
+        await page.fill("#login-name", "li")
+        await page.click("#login-form button[type=submit]")
+        await expect(page.locator("#login-error")).to_have_text(
+            "This server does not log in by name: open it from your chat app, which signs you in."
+        )
+        await done_with(page)

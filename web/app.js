@@ -850,7 +850,11 @@ async function login(name) {
     sessionStorage.setItem("rp.name", data.name);
     start();
   } catch (e) {
-    $("login-error").textContent = say(e);
+    // A hub beside a chat backend (or beyond this machine) has no name login: the chat app signs you in.
+    $("login-error").textContent =
+      e.code === "disabled"
+        ? "This server does not log in by name: open it from your chat app, which signs you in."
+        : say(e);
   }
 }
 
