@@ -504,7 +504,9 @@ def _parser() -> argparse.ArgumentParser:
     rec = sub.add_parser(
         "recover", help="rebuild packets' Redis state from the database (safe while grabs go on)"
     )
-    rec.add_argument("packet_ids", type=int, nargs="+", metavar="PACKET_ID")
+    rec.add_argument(
+        "packet_ids", type=int, nargs="+", metavar="PACKET_ID", help="a packet whose Redis state to rebuild"
+    )
     # Parsed by server.tools.load (every flag it does not know goes to Locust): listed here for --help only.
     sub.add_parser(
         "load",

@@ -129,6 +129,13 @@ def test_help_lists_every_command_with_help_and_no_markup() -> None:
     assert "--lift USER  lift the block" in redpacket("blocks", "--help").stdout
     up = redpacket("up", "--help").stdout
     assert "--host HOST  address to listen on" in up and "--port PORT  port to listen on" in up
+    # Every positional argument and every flag docs/load.md names is described (they were not).
+    assert re.search(
+        r"PACKET_ID\s+a packet whose Redis state to rebuild", redpacket("recover", "--help").stdout
+    )
+    load = redpacket("load", "--help").stdout
+    for flag in ("--send-every", "--reaction-ms", "--chat-every", "--hub-metrics", "--worker-metrics"):
+        assert re.search(rf"{flag} \S+\n?\s+\w", load), flag
 
 
 def _blocked(r: redis.Redis, user: int, until: int, why: str, namespace: str = TEST_NAMESPACE) -> None:

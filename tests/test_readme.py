@@ -54,6 +54,8 @@ def test_try_it_runs_as_written(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stdout + done.stderr
         assert '"added":1' in done.stdout.replace(" ", ""), done.stdout
+        # Each reply printed on a line of its own (curl adds no newline: -w '\n').
+        assert [line[:1] for line in done.stdout.splitlines()] == ["{"] * 4, done.stdout
         script = tmp_path / "try.py"
         script.write_text(block("try-python").replace("127.0.0.1:8000", address))
         ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
@@ -98,3 +100,16 @@ async def test_a_backends_scripted_clients_can_be_exempted(core: Core) -> None:
     assert score([Attempt(7, 1, 1, 5, "", now)] * 3, Rules(exempt=exempt.bot_exempt_user_ids), now) == {}
     with pytest.raises(ValueError, match="BOT_EXEMPT_USERS"):
         core.settings.with_(bot_exempt_users="seven").check()
+
+
+def test_the_layout_table_names_every_module() -> None:
+    """Before: the README's layout omitted server/hub/requests.py."""
+    root = README.parent
+    table = README.read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    modules = [p for d in ("server", "worker") for p in (root / d).rglob("*.py") if p.name != "__init__.py"]
+    missing = [
+        str(p.relative_to(root))
+        for p in modules
+        if f"`{p.name}`" not in table and f"`{p.relative_to(root)}`" not in table
+    ]
+    assert not missing, missing

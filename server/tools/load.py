@@ -22,13 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
 
-from server.tools.loadplan import StageFigures, knee, parse_stages
+from server.tools.loadplan import LOCUST_FLAGS, StageFigures, knee, parse_stages
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 DEFAULT_STAGES = "1000:60,2000:60,5000:60"
 STAGES_ENV = "REDPACKET_LOAD_STAGES"
 # The locustfile's own flags: forwarded to Locust as they are (they reach its workers too).
-FORWARDED = ("--send-every", "--reaction-ms", "--chat-every", "--hub-metrics", "--worker-metrics")
+FORWARDED = tuple(flag for flag, *_ in LOCUST_FLAGS)
 
 
 class LoadError(Exception):
@@ -58,8 +58,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots of the run into DIR")
     p.add_argument("--report", default=None, metavar="FILE", help="write the stage report (JSON) here too")
-    for flag in FORWARDED:
-        p.add_argument(flag, default=None, help=argparse.SUPPRESS)
+    for flag, _, default, what in LOCUST_FLAGS:
+        p.add_argument(flag, default=None, help=f"{what} (default {default})" if default != "" else what)
     return p
 
 

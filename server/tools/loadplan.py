@@ -9,6 +9,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# The locustfile's own flags, which `redpacket load` passes on to Locust: (flag, type, default, help).
+# Read by both sides (the locustfile's parser, and `redpacket load --help`).
+LOCUST_FLAGS: tuple[tuple[str, type, Any, str], ...] = (
+    ("--send-every", float, 10.0, "seconds between two packets of one admin"),
+    ("--reaction-ms", float, 800.0, "median reaction time of a member before grabbing, in ms"),
+    ("--chat-every", float, 30.0, "mean seconds between two chats of a member (0: none)"),
+    ("--hub-metrics", str, "", "every hub process's /metrics, comma-separated (default: the --host's)"),
+    ("--worker-metrics", str, "", "every worker's /metrics, comma-separated (http://host:9108/metrics)"),
+)
+
 # A stage is past the knee when its grab P99 is this many times the first stage's (and above the floor),
 # or its error rate above ERROR_RATE_LIMIT (the seeds: over 0.5% investigate, over 1% unacceptable), or
 # grabs/s grew less than THROUGHPUT_GAIN times while the users grew at least that much.

@@ -31,6 +31,7 @@ from locust.runners import MasterRunner, WorkerRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.tools.loadplan import (
+    LOCUST_FLAGS,
     StageFigures,
     bucket_quantile,
     parse_stages,
@@ -55,11 +56,8 @@ def _options(parser: Any) -> None:
     group = parser.add_argument_group("redpacket")
     group.add_argument("--redpacket-fixture", default="", help="users and groups of the run (JSON)")
     group.add_argument("--redpacket-report", default="", help="where the master writes the stage report")
-    group.add_argument("--send-every", type=float, default=10.0, help="seconds between packets per admin")
-    group.add_argument("--reaction-ms", type=float, default=800.0, help="median reaction time of a member")
-    group.add_argument("--chat-every", type=float, default=30.0, help="mean seconds between a member's chats")
-    group.add_argument("--hub-metrics", default="", help="comma-separated /metrics URLs of the hubs")
-    group.add_argument("--worker-metrics", default="", help="comma-separated /metrics URLs of the workers")
+    for flag, kind, default, what in LOCUST_FLAGS:
+        group.add_argument(flag, type=kind, default=default, help=what)
 
 
 class Fixture:
