@@ -11,8 +11,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pymysql
 import pytest
@@ -55,19 +57,23 @@ async def _storm(core: Core, members: int) -> tuple[int, list[int], list[Credit]
 
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)
 async def test_a_worker_killed_mid_batch_then_a_new_worker_finishes(core: Core) -> None:
-    _, _, credits = await _storm(core, 100)
+    """The worker is held mid-batch, not raced: a payment it must make waits on a grabber's account row
+    the test holds locked, while it holds claims on outbox entries it read; it is killed there (it had
+    finished before the kill once, on a loaded machine)."""
+    _, grabbers, credits = await _storm(core, 100)
     env = worker_env(core.settings)
-    worker = subprocess.Popen(  # noqa: ASYNC220 - one process per test
-        [sys.executable, "-m", "server", "worker"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        await eventually(lambda: _some_paid(core), timeout=60)
-    finally:
-        worker.send_signal(signal.SIGKILL)
-        await asyncio.to_thread(worker.wait, 30)
+    with _held_payment(core, grabbers[0]):
+        worker = subprocess.Popen(  # noqa: ASYNC220 - one process per test
+            [sys.executable, "-m", "server", "worker"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            await eventually(lambda: _claimed(core), timeout=60)  # read, claimed, its payment held
+        finally:
+            worker.send_signal(signal.SIGKILL)
+            await asyncio.to_thread(worker.wait, 30)
     killed_at = time.monotonic()
     paid_at_kill = (await _paid(core))[0]
     assert paid_at_kill < len(credits), "the worker finished before it could be killed"
@@ -83,8 +89,31 @@ async def test_a_worker_killed_mid_batch_then_a_new_worker_finishes(core: Core) 
     await assert_books_balance(core)
 
 
-async def _some_paid(core: Core) -> bool:
-    return (await _paid(core))[0] > 0
+async def _claimed(core: Core) -> bool:
+    """Whether a worker holds outbox entries it read and has not acknowledged (paid) yet."""
+    for n in range(keys.SHARDS):
+        with contextlib.suppress(redis.ResponseError):  # no consumer group on that shard yet
+            summary = await core.redis.xpending(keys.credit_outbox(n), keys.CREDIT_GROUP)
+            if summary["pending"]:
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def _held_payment(core: Core, user: int) -> Iterator[None]:
+    """While inside, no payment to ``user`` can commit: their account row is locked by a MariaDB
+    connection of the test's own."""
+    u = urlparse(core.settings.database_url)
+    conn = pymysql.connect(
+        host=u.hostname, port=u.port or 3306, user=u.username or "root", password=u.password or "",
+        database=u.path.lstrip("/"), autocommit=False,
+    )  # fmt: skip
+    try:
+        conn.cursor().execute("SELECT balance FROM accounts WHERE user_id = %s FOR UPDATE", (user,))
+        yield
+    finally:
+        conn.rollback()
+        conn.close()
 
 
 async def _all_paid(core: Core, drain: CreditDrain, n: int) -> bool:
