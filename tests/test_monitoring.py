@@ -115,8 +115,13 @@ async def hub_and_worker(settings: Settings) -> AsyncIterator[tuple[str, str, di
                     pages["worker"] = (await http.get(worker_url)).text
                 except httpx.TransportError:
                     return False
-                # The first heartbeat has read Redis (the per-master gauges have a sample).
-                return "redpacket_redis_cpu_seconds{" in pages["worker"]
+                # The first heartbeat has read Redis (the per-master series have a sample), and the
+                # reconciliation a worker makes at its start is done (its gauges are absent before).
+                page = pages["worker"]
+                return (
+                    "redpacket_redis_cpu_seconds_total{" in page
+                    and "redpacket_reconciled_at_seconds " in page
+                )
 
             await eventually(worker_page, timeout=60)
             yield hub.http, worker_url, pages
@@ -147,6 +152,65 @@ async def test_every_metric_named_is_exported_by_a_running_hub_and_worker(hub_se
     families = {n for n in exported if not n.endswith(("_bucket", "_sum", "_count"))}
     assert families <= documented, families - documented
     assert documented <= exported | {"redpacket_test"}, documented - exported
+
+
+def _types(text: str) -> dict[str, str]:
+    """Each series name of a /metrics page and its type (a histogram's series as ``histogram``)."""
+    types: dict[str, str] = {}
+    for m in re.finditer(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE):
+        name, kind = m[1], m[2]
+        types[name] = kind
+        if kind == "counter" and not name.endswith("_total"):
+            types[f"{name}_total"] = kind
+        if kind == "histogram":
+            types |= {f"{name}_bucket": kind, f"{name}_sum": kind, f"{name}_count": kind}
+    return types
+
+
+async def test_every_query_fits_its_metric_and_alarming_panels_have_thresholds(
+    hub_settings: Settings,
+) -> None:
+    """Before: `rate()` of a gauge; each Redis server counted once per worker under one legend; the
+    stat panels "must be 0" and "since the last reconciliation" with no thresholds (Grafana's default red
+    at 80 showed 1 to 79 differences green)."""
+    async with hub_and_worker(hub_settings) as (_, _, pages):
+        pass
+    types = _types(pages["hub"]) | _types(pages["worker"])
+    per_server = set(re.findall(r"^(redpacket_[a-z0-9_]+)\{server=", pages["worker"], re.MULTILINE))
+    assert {"redpacket_redis_cpu_seconds_total", "redpacket_redis_memory_bytes"} <= per_server
+    for panel in _panels():
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for fn, name in re.findall(r"\b(rate|increase|irate)\((\w+)", expr):
+                assert types.get(name) in ("counter", "histogram"), (
+                    panel["title"],
+                    fn,
+                    name,
+                    types.get(name),
+                )
+            if set(METRIC.findall(expr)) & per_server:  # one series per worker per server
+                assert "by (server)" in expr, (panel["title"], expr)
+        if panel["type"] == "stat":
+            steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+            assert steps[0]["value"] is None and steps[0]["color"] == "green", panel["title"]
+            assert steps[-1]["color"] == "red", panel["title"]
+            if "must be 0" in panel["title"]:
+                assert steps[1]["value"] == 1, panel["title"]  # one difference is red
+            assert panel["fieldConfig"]["defaults"].get("noValue"), panel["title"]  # absent is said
+
+
+def test_reconciliation_gauges_are_absent_until_a_worker_has_reconciled() -> None:
+    """Before: 0 differences (and a time of 0: "56 years ago") before any reconciliation ran."""
+    from prometheus_client import generate_latest
+
+    from worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(own_process=False)
+    assert b"redpacket_reconcile" not in generate_latest(metrics.registry)
+    metrics.reconciled.record(0, 1_796_000_000.0)
+    page = generate_latest(metrics.registry).decode()
+    assert "redpacket_reconcile_differences 0.0" in page
+    assert "redpacket_reconciled_at_seconds 1.796e+09" in page
 
 
 def _prometheus() -> str:

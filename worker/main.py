@@ -52,7 +52,8 @@ def cron_jobs(namespace: str) -> list[Any]:
         named(refund_expired_job, second=0, timeout=600),
         named(announce_job, second=set(range(2, 60, 5)), timeout=60),
         named(sweep_job, second={15, 45}, timeout=300),
-        named(reconcile_job, minute=set(range(0, 60, 10)), second=30, timeout=600),
+        # Also once at the start: until a worker has reconciled, its gauges say nothing (not "0").
+        named(reconcile_job, minute=set(range(0, 60, 10)), second=30, timeout=600, run_at_startup=True),
         named(score_bots_job, second=set(range(5, 60, 10)), timeout=60),
     ]
 
@@ -156,7 +157,7 @@ async def sample(core: Core, metrics: WorkerMetrics, said: dict[str, str] | None
             gauge.remove(gone)
     metrics.masters = set(usage)
     for address, master in usage.items():
-        metrics.redis_cpu.labels(address).set(master.cpu)
+        metrics.redis_cpu.set(address, master.cpu)
         metrics.redis_memory.labels(address).set(master.memory)
         metrics.redis_replicas.labels(address).set(master.replicas)
         problem = durability_degraded(level, master)

@@ -2,7 +2,56 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class RedisCpu(Collector):
+    """``redpacket_redis_cpu_seconds_total{server}``: the CPU seconds each Redis master has used (INFO cpu,
+    read every 5 s) — a counter, as Redis keeps it (a restarted server starts again from 0, which
+    ``rate()`` reads as a reset), so dashboards can take its rate."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def set(self, server: str, seconds: float) -> None:
+        self.seconds[server] = seconds
+
+    def remove(self, server: str) -> None:
+        self.seconds.pop(server, None)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "redpacket_redis_cpu_seconds", "CPU seconds each Redis master has used", labels=["server"]
+        )
+        for server, seconds in self.seconds.items():
+            family.add_metric([server], seconds)
+        yield family
+
+
+class Reconciled(Collector):
+    """``redpacket_reconcile_differences`` and ``redpacket_reconciled_at_seconds``: absent until this worker
+    has reconciled once (a 0 before any run would read as "no difference", and a time of 0 as 56 years)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, float] | None = None
+
+    def record(self, differences: int, at: float) -> None:
+        self.last = (differences, at)
+
+    def collect(self) -> Iterator[Metric]:
+        if self.last is None:
+            return
+        differences, at = self.last
+        yield GaugeMetricFamily(
+            "redpacket_reconcile_differences", "differences found by the last reconciliation", differences
+        )
+        yield GaugeMetricFamily(
+            "redpacket_reconciled_at_seconds", "unix time the last reconciliation finished", at
+        )
 
 
 class WorkerMetrics:
@@ -41,12 +90,8 @@ class WorkerMetrics:
             "credits in the outboxes, waiting or being paid (the backlog; read every 5 s)",
             registry=r,
         )
-        self.redis_cpu = Gauge(
-            "redpacket_redis_cpu_seconds",
-            "CPU seconds each Redis master has used (INFO cpu, read every 5 s)",
-            ["server"],
-            registry=r,
-        )
+        self.redis_cpu = RedisCpu()
+        r.register(self.redis_cpu)
         self.redis_memory = Gauge(
             "redpacket_redis_memory_bytes",
             "memory each Redis master uses (INFO memory)",
@@ -76,12 +121,8 @@ class WorkerMetrics:
         )
         self.refunds = Counter("redpacket_refunds", "refund attempts by outcome", ["outcome"], registry=r)
         self.refund_failures = Counter("redpacket_refund_failures", "refunds that raised", registry=r)
-        self.reconcile_differences = Gauge(
-            "redpacket_reconcile_differences", "differences found by the last reconciliation", registry=r
-        )
-        self.reconciled_at = Gauge(
-            "redpacket_reconciled_at_seconds", "unix time the last reconciliation finished", registry=r
-        )
+        self.reconciled = Reconciled()
+        r.register(self.reconciled)
         self.swept = Counter(
             "redpacket_sweeper_credited",
             "grabs a minute old the credit drain had not paid, credited by the sweeper (0 unless Redis lost"

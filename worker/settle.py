@@ -86,8 +86,7 @@ async def reconcile_job(ctx: Ctx) -> int:
     """Log every difference in the books; returns how many there were."""
     report = await reconcile(ctx["core"])
     if "metrics" in ctx:
-        ctx["metrics"].reconcile_differences.set(len(report.differences))
-        ctx["metrics"].reconciled_at.set(time.time())
+        ctx["metrics"].reconciled.record(len(report.differences), time.time())
     for d in report.differences:
         log.error("reconciliation: %s", d)
     return len(report.differences)

@@ -446,7 +446,7 @@ def server_figures(before: dict[str, Any], after: dict[str, Any], seconds: float
         used = a.get(key, 0.0) - b.get(key, 0.0)
         return round(100 * used / seconds, 1) if seconds > 0 and key in a and used >= 0 else None
 
-    redis_cpu = _sum(a, "redpacket_redis_cpu_seconds") - _sum(b, "redpacket_redis_cpu_seconds")
+    redis_cpu = _sum(a, "redpacket_redis_cpu_seconds_total") - _sum(b, "redpacket_redis_cpu_seconds_total")
     return {
         "grabs_per_second": rate("redpacket_grab_outcomes_total"),
         "won_per_second": rate("redpacket_grab_outcomes_total{outcome=won}"),
