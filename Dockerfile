@@ -3,12 +3,15 @@
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# A container's loopback is reached by nobody: listen on its network (docker run -p 8000:8000 works).
+ENV REDPACKET_HOST=0.0.0.0
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY server server
 COPY worker worker
 COPY lua lua
 COPY web web
+# The system only: the benchmarks' and the load tool's packages (the `tools` extra) stay out of the image.
 RUN pip install .
 RUN useradd --system --uid 10001 --no-create-home redpacket
 USER redpacket

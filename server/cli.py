@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import faulthandler
 import gc
+import importlib.util
 import logging
 import os
 import re
@@ -529,6 +530,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What the commands around the system need beyond it (the `tools` extra of pyproject.toml).
+TOOLS = {
+    "bench": ("rich", "matplotlib", "picows"),
+    "load": ("locust", "websocket", "matplotlib", "rich"),
+}
+
+
+def _need_tools(command: str) -> None:
+    missing = [m for m in TOOLS.get(command, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise OperatorError(
+            f"`redpacket {command}` needs the tools ({', '.join(missing)} missing): pip install -e '.[tools]'"
+            " in a clone (or pip install 'redpacket[tools]')",
+            2,
+        )
+
+
 # Commands that read the ledger and must find it, never make an empty one.
 READERS = ("reconcile", "blocks", "recover")
 
@@ -540,6 +558,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     if command == "migrate":
         uvloop.run(_migrate(settings))
         return 0
+    if command == "bench":
+        _need_tools(command)
     if command == "bench" and args.what == "tokens":  # pure CPU: no Redis, no database
         from server.tools.tokenbench import bench_tokens
 
@@ -628,6 +648,11 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def _load(argv: list[str]) -> None:
     """``redpacket load``: its own flags, every other one Locust's (so not through ``_parser``)."""
+    try:
+        _need_tools("load")
+    except OperatorError as e:
+        print(f"redpacket: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     from server.tools import load
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

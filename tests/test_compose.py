@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -197,8 +198,10 @@ def test_no_secret_is_written_in_the_file_and_internal_tools_are_not_published()
     compose = _compose()
     services = compose["services"]
     env = services["hub"]["environment"]
-    for value in (env["REDPACKET_SECRET"], env["REDPACKET_DATABASE_URL"]):
-        assert re.search(r"\$\{[A-Z_]+:\?[^}]+\}", value), value  # required, never a default
+    assert re.search(r"\$\{[A-Z_]+:\?[^}]+\}", env["REDPACKET_DATABASE_URL"])  # required, never a default
+    # The token secret has no default either: empty unless set, and the hub refuses to start without it
+    # unless the backend's public key or JWKS is set instead (RS256/ES256 setups need no secret).
+    assert env["REDPACKET_SECRET"] == "${REDPACKET_SECRET:-}"
     assert services["mariadb"]["environment"]["MARIADB_PASSWORD"].startswith("${MARIADB_PASSWORD:?")
     assert "${MARIADB_PASSWORD:?" in env["REDPACKET_DATABASE_URL"]
     grafana = services["grafana"]["environment"]
@@ -213,3 +216,39 @@ def test_no_secret_is_written_in_the_file_and_internal_tools_are_not_published()
     # The hub's metrics are on a port of their own, not published, where Prometheus reads them.
     assert env["REDPACKET_METRICS_PORT"] == "9100"
     assert not any("9100" in p for s in services.values() for p in s.get("ports", []))
+
+
+def test_the_system_installs_without_the_tools_and_the_image_listens_on_its_network() -> None:
+    """Before: `pip install -e .` pulled Locust (and gevent), matplotlib, picows, websocket-client and rich
+    (a newcomer's clone-to-serving went from 18.5 s to 86 s), the image carried them, and a `docker run`
+    outside compose listened on the container's loopback."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    tools = {"locust", "matplotlib", "picows", "websocket-client", "rich"}
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[<>=\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+    assert not names(project["dependencies"]) & tools
+    assert names(project["optional-dependencies"]["tools"]) == tools
+    assert "redpacket[tools]" in project["optional-dependencies"]["test"]
+    runs = [rest for word, rest in _instructions() if word == "RUN" and "pip install" in rest]
+    assert runs == ["pip install ."], runs  # the system alone, no extra
+    assert ("ENV", "REDPACKET_HOST=0.0.0.0") in _instructions()
+
+
+def test_a_tool_command_without_the_tools_asks_for_them_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from server import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "locust" else real(name, *a)
+    )
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["load", "--help"])
+    assert ended.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs the tools (locust missing)" in err[0] and ".[tools]" in err[0], err
