@@ -51,9 +51,15 @@ def test_percentiles_of_counts_and_of_prometheus_buckets() -> None:
     assert bucket_quantile([(0.1, 5), (float("inf"), 10)], 0.99) == 0.1  # beyond the last bound
 
 
-def _stage(users: int, grabs: int, p99: float, failures: int = 0) -> StageFigures:
+def _stage(users: int, grabs: int, p99: float, failures: int = 0, offered: int = 0) -> StageFigures:
     return StageFigures(
-        users=users, seconds=10, requests=grabs + 100, failures=failures, grabs=grabs, grab_p99_ms=p99
+        users=users,
+        seconds=10,
+        requests=grabs + 100,
+        failures=failures,
+        grabs=grabs,
+        grab_p99_ms=p99,
+        offered=offered,
     )
 
 
@@ -64,6 +70,15 @@ def test_the_knee_is_where_p99_errors_or_throughput_turn() -> None:
     assert knee([_stage(100, 1000, 20), _stage(200, 2000, 25, failures=50)])[0] == 1  # 2.3% errors
     assert knee([_stage(100, 1000, 20), _stage(200, 1050, 25)])[0] == 1  # throughput flat
     assert knee([])[0] is None
+
+
+def test_flat_throughput_is_the_loads_limit_when_the_load_offered_no_more() -> None:
+    """Before: "grabs/s 28 did not grow with the users (200 → 300)" at 14 % hub CPU, when three admins
+    sending every 10 s offered no more grabs."""
+    at, why = knee([_stage(200, 280, 20, offered=285), _stage(300, 290, 22, offered=295)])
+    assert at is None and "the load was the limit from 300 users" in why and "--send-every" in why, why
+    at, why = knee([_stage(200, 280, 20, offered=285), _stage(300, 290, 22, offered=600)])
+    assert at == 1 and "while the grabs offered did (28 → 60/s)" in why, why
 
 
 def test_a_step_up_run_against_a_hub_and_worker(tmp_path: Path) -> None:
@@ -135,6 +150,9 @@ def test_a_step_up_run_against_a_hub_and_worker(tmp_path: Path) -> None:
         report = json.loads((out / "stages.json").read_text())
         assert [s["users"] for s in report["stages"]] == [8, 16]
         assert sum(s["won"] for s in report["stages"]) <= won
+        # Every grab answers a packet a member saw: what the load offered is counted apart, and is more.
+        offered, grabbed = (sum(s[k] for s in report["stages"]) for k in ("offered", "grabs"))
+        assert offered >= grabbed > 0, report["stages"]
         assert report["stages"][-1]["server"]["connections"] >= 1
         summary = json.loads(run.stdout.strip().splitlines()[-1])
         assert len(summary["load"]) == 2

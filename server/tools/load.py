@@ -194,6 +194,7 @@ def check_fixture(data: Any, path: str) -> None:
 
 COLUMNS: tuple[tuple[str, Callable[[StageFigures], str]], ...] = (
     ("users", lambda s: f"{s.users}"),
+    ("offered/s", lambda s: f"{s.offered_per_second:.0f}"),
     ("grabs/s", lambda s: f"{s.grabs_per_second:.0f}"),
     ("won/s", lambda s: f"{s.won / s.seconds:.0f}" if s.seconds else "-"),
     ("grab P50 ms", lambda s: f"{s.grab_p50_ms:.0f}"),

@@ -136,6 +136,9 @@ class StageFigures:
     failures: int = 0
     grabs: int = 0
     won: int = 0
+    # Grabs the load asked for: packets the members saw (each one a grab a person would make). What the
+    # system served is judged against this, not against the users alone.
+    offered: int = 0
     grab_p50_ms: float = 0.0
     grab_p99_ms: float = 0.0
     connect_p99_ms: float = 0.0
@@ -150,6 +153,10 @@ class StageFigures:
     def grabs_per_second(self) -> float:
         return self.grabs / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def offered_per_second(self) -> float:
+        return self.offered / self.seconds if self.seconds > 0 else 0.0
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StageFigures:
         """The figures ``as_dict`` wrote (the report JSON)."""
@@ -160,6 +167,7 @@ class StageFigures:
             failures=int(d["failures"]),
             grabs=int(d["grabs"]),
             won=int(d["won"]),
+            offered=int(d.get("offered", 0)),
             grab_p50_ms=float(d["grab_p50_ms"]),
             grab_p99_ms=float(d["grab_p99_ms"]),
             connect_p99_ms=float(d["connect_p99_ms"]),
@@ -176,6 +184,8 @@ class StageFigures:
             "error_rate": round(self.error_rate, 5),
             "grabs": self.grabs,
             "won": self.won,
+            "offered": self.offered,
+            "offered_per_second": round(self.offered_per_second, 1),
             "grabs_per_second": round(self.grabs_per_second, 1),
             "grab_p50_ms": self.grab_p50_ms,
             "grab_p99_ms": self.grab_p99_ms,
@@ -186,10 +196,13 @@ class StageFigures:
 
 
 def knee(stages: list[StageFigures]) -> tuple[int | None, str]:
-    """The first stage past the knee (its index) and why; (None, reason) when every stage held."""
+    """The first stage past the knee (its index) and why; (None, reason) when every stage held. Throughput
+    that stopped growing is the system's knee only if the load offered more: when the grabs offered (the
+    packets the members saw) did not grow either, the load was the limit, and the verdict says so."""
     if not stages:
         return None, "no stage ran"
     base = stages[0].grab_p99_ms
+    load_bound = ""
     for i, s in enumerate(stages):
         if s.error_rate > ERROR_RATE_LIMIT:
             return i, f"error rate {s.error_rate:.1%} over {ERROR_RATE_LIMIT:.0%} at {s.users} users"
@@ -200,10 +213,24 @@ def knee(stages: list[StageFigures]) -> tuple[int | None, str]:
                 f"at {s.users} users",
             )
         if i and s.users >= THROUGHPUT_GAIN * stages[i - 1].users:
-            before = stages[i - 1].grabs_per_second
-            if before and s.grabs_per_second < before * min(THROUGHPUT_GAIN, s.users / stages[i - 1].users):
+            prev = stages[i - 1]
+            gain = min(THROUGHPUT_GAIN, s.users / prev.users)
+            before = prev.grabs_per_second
+            if before and s.grabs_per_second < before * gain:
+                offered = prev.offered_per_second
+                if offered and s.offered_per_second < offered * gain:
+                    load_bound = load_bound or (
+                        f"; the load was the limit from {s.users} users: it offered "
+                        f"{offered:.0f} → {s.offered_per_second:.0f} grabs/s (more packets: --send-every,"
+                        " or more members per group)"
+                    )
+                    continue
                 return i, (
                     f"grabs/s {s.grabs_per_second:.0f} did not grow with the users "
-                    f"({stages[i - 1].users} → {s.users}; was {before:.0f})"
+                    f"({prev.users} → {s.users}; was {before:.0f}) while the grabs offered did "
+                    f"({offered:.0f} → {s.offered_per_second:.0f}/s)"
+                    if offered
+                    else f"grabs/s {s.grabs_per_second:.0f} did not grow with the users "
+                    f"({prev.users} → {s.users}; was {before:.0f})"
                 )
-    return None, f"no knee up to {stages[-1].users} users"
+    return None, f"no knee up to {stages[-1].users} users{load_bound}"

@@ -50,6 +50,8 @@ WANTED_REPLY, WANTED_EVENT = b"\xa5reply", b"\xa6packet"
 GRAB_OUTCOMES = {"won", "already", "packet_empty", "packet_expired"}
 NAMES = {"packet_empty": "empty", "packet_expired": "expired"}
 STAGES_ENV = "REDPACKET_LOAD_STAGES"  # set by `redpacket load` when the run is a step-up
+# The "request type" under which the members count the packets they saw: the grabs the load offered.
+OFFERED = "offered"
 
 
 def _options(parser: Any) -> None:
@@ -266,6 +268,10 @@ class Member(Connected):
             data = message["data"]
             if data.get("target") not in (None, self.identity["user_id"]):
                 return
+            # A grab offered: counted apart from requests (the knee compares served with offered).
+            events.request.fire(
+                request_type=OFFERED, name="packet", response_time=0, response_length=0, exception=None
+            )
             grabbing = gevent.spawn(self.grab, int(message["group"]), int(data["packet_id"]))
             self.reacting.add(grabbing)
             grabbing.link(self.reacting.discard)
@@ -561,6 +567,10 @@ class Recorder:
             s.requests += n - n0
             s.failures += failed - f0
             gained = subtract(times, t0)
+            if key[0] == OFFERED:  # not a request: a packet a member saw
+                s.requests -= n - n0
+                s.offered += n - n0
+                continue
             if key[0] == "grab":
                 s.grabs += n - n0
                 if key[1] in ("won", "already"):
