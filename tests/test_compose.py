@@ -209,8 +209,8 @@ def test_no_secret_is_written_in_the_file_and_internal_tools_are_not_published()
     assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_AUTH_ANONYMOUS_ORG_ROLE" not in grafana
     for name, service in services.items():
         for published in service.get("ports", []):
-            if name == "hub":
-                assert published == "8000:8000"  # the one port for strangers
+            if name == "lb":
+                assert published == "8000:8000"  # the one port for strangers: the balancer's
             else:
                 assert published.startswith("127.0.0.1:"), (name, published)
     # The hub's metrics are on a port of their own, not published, where Prometheus reads them.
@@ -252,3 +252,16 @@ def test_a_tool_command_without_the_tools_asks_for_them_in_one_line(
     assert ended.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs the tools (locust missing)" in err[0] and ".[tools]" in err[0], err
+
+
+def test_hub_and_worker_replicas_publish_no_port_and_sit_behind_the_balancer() -> None:
+    """Before: the hub published 8000:8000 and the worker 9108:9108, so the `--scale hub=3 --scale
+    worker=2` that prometheus.yml suggests collided on the host's ports."""
+    services = _compose()["services"]
+    assert "ports" not in services["hub"] and "ports" not in services["worker"]
+    lb = services["lb"]
+    assert lb["image"].startswith("haproxy:") and "./deploy/haproxy.cfg:" in lb["volumes"][0]
+    config = (ROOT / "deploy" / "haproxy.cfg").read_text()
+    assert "server-template hub" in config and "hub:8000" in config  # every replica, by the service's name
+    assert "option httpchk GET /healthz" in config and "option forwardfor" in config
+    assert services["hub"]["environment"]["FORWARDED_ALLOW_IPS"] == "*"  # the hubs read who the client is

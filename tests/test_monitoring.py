@@ -56,7 +56,7 @@ def test_compose_runs_prometheus_on_every_hub_and_worker_and_grafana_on_its_dash
     assert any("--config.file=/etc/prometheus/prometheus.yml" == a for a in prom["command"])
     jobs = {j["job_name"]: j["dns_sd_configs"][0] for j in config["scrape_configs"]}
     hub_port = int(services["hub"]["environment"]["REDPACKET_METRICS_PORT"])
-    worker_port = int(services["worker"]["ports"][0].split(":")[1])
+    worker_port = int(services["worker"]["environment"].get("REDPACKET_WORKER_METRICS_PORT", "9108"))
     assert jobs["hub"]["names"] == ["hub"] and jobs["hub"]["port"] == hub_port
     assert jobs["worker"]["names"] == ["worker"] and jobs["worker"]["port"] == worker_port
     assert {"hub", "worker"} <= set(prom["depends_on"])
