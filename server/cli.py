@@ -256,11 +256,16 @@ def _banner(settings: Settings, port: int, workers: int = 1, up: bool = False) -
             flush=True,
         )
     elif up:
-        why = "a chat backend is configured" if settings.backend else "it listens beyond this machine"
+        if settings.backend:
+            why = "a chat backend is configured. Users connect with tokens your chat backend mints"
+        else:
+            why = (
+                "it listens beyond this machine. Users connect with tokens signed with this hub's"
+                f" REDPACKET_SECRET (kept in {settings.data_dir / 'secret'} unless set)"
+            )
         print(
-            f"  dev login and demo money are off: {why}. Users connect with tokens your chat backend mints"
-            " and money comes through its service API (docs/integration.md); the demo page's name login"
-            " answers that it is switched off",
+            f"  dev login and demo money are off: {why}, and money comes through the service API"
+            " (docs/integration.md); the demo page's name login answers that it is switched off",
             flush=True,
         )
     if settings.dev_login:
@@ -575,10 +580,11 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         )
     if command == "serve" and not 1 <= args.workers <= 64:
         raise OperatorError("--workers is 1 to 64 (hub processes on this machine, one core each)", 2)
-    if command in READERS and not settings.database_url and not settings.sqlite_path.exists():
+    sqlite = settings.effective_database_url.removeprefix("sqlite:///")
+    if command in READERS and sqlite != settings.effective_database_url and not Path(sqlite).exists():
         # A command that reads never creates: a fresh SQLite file would be reconciled "no difference".
         raise OperatorError(
-            f"no database at {settings.sqlite_path.resolve()}: `redpacket {command}` reads the one"
+            f"no database at {Path(sqlite).resolve()}: `redpacket {command}` reads the one"
             " `redpacket up` or `serve` made — run it in the same directory, or set REDPACKET_DATA_DIR or"
             " REDPACKET_DATABASE_URL"
         )
@@ -618,6 +624,9 @@ def main(argv: list[str] | None = None) -> None:
     # uvicorn drains on SIGTERM, then raises the signal again; end with a clean exit instead, so the
     # cleanup below (the embedded Valkey's shutdown) still runs.
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # The terminal closed (SIGHUP): stop as on Ctrl-C, so the embedded Valkey — in a session of its own,
+    # out of the terminal's reach — is still stopped on the way out, last.
+    signal.signal(signal.SIGHUP, lambda _s, _f: os.kill(os.getpid(), signal.SIGINT))
     faulthandler.enable()  # a crash in C code (or SIGABRT) still says where
     try:
         try:

@@ -6,6 +6,7 @@ Nothing else in the project reads ``os.environ``.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -72,6 +73,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# The number settings for which 0 is a choice (a free port, off, none, at once); every other number must
+# be more than 0 (a pool of no connections, a burst of no messages, a lifetime of no seconds).
+ZERO_MEANS_SOMETHING = frozenset(
+    {
+        "port",
+        "embedded_redis_port",
+        "worker_metrics_port",
+        "metrics_port",
+        "jwt_leeway_seconds",
+        "grab_coalesce_ms",
+        "shutdown_seconds",
+        "presence_event_limit",
+        "big_room_grabs_listed",
+    }
+)
+
+
 def url_problem(url: str) -> str:
     """What is wrong with the shape of a Redis or database URL (a port that is not a number, a broken
     IPv6 address, a Redis database that is not a number, no host), or "" when nothing is (or it is
@@ -90,10 +108,11 @@ def url_problem(url: str) -> str:
             return f"has a host that cannot be read ({host!r}: {e})"
         if not parsed.hostname:
             return f"names no host ({host!r})"
-    if scheme in ("redis", "rediss") and path and not path.split("?", 1)[0].isdigit():
-        return f"ends in a Redis database that is not a number ({path!r})"
-    if scheme == "mysql" and not path.split("?", 1)[0]:
-        return "names no database: mysql://user:password@host:port/DATABASE"
+    database = path.split("?", 1)[0]
+    if scheme in ("redis", "rediss") and database and not database.isdigit():
+        return f"ends in a Redis database that is not a number ({database!r})"
+    if scheme in ("mysql", "mariadb") and not database:
+        return f"names no database: {scheme}://user:password@host:port/DATABASE"
     return ""
 
 
@@ -404,8 +423,11 @@ class Settings:
                 raise ValueError(f"{PREFIX}{name} {problem} (got {redact(url)!r})")
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
-                raise ValueError(f"{PREFIX}{f.name.upper()} cannot be negative (got {value})")
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            if not math.isfinite(value) or value < 0 or (value == 0 and f.name not in ZERO_MEANS_SOMETHING):
+                least = "0 or more" if f.name in ZERO_MEANS_SOMETHING else "more than 0"
+                raise ValueError(f"{PREFIX}{f.name.upper()} must be a number {least} (got {value})")
         if self.redis_url.startswith("redis+cluster://") and not self.queue_redis_url:
             raise ValueError(
                 f"{PREFIX}QUEUE_REDIS_URL is required with a Redis Cluster: arq's queue needs one server"

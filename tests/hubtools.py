@@ -151,11 +151,13 @@ def worker_env(settings: Settings, metrics_port: int = 0) -> dict[str, str]:
 
 
 @asynccontextmanager
-async def hub_process(settings: Settings, *args: str) -> AsyncIterator[HubUnderTest]:
-    """``redpacket serve`` (with ``args``) as its own process."""
+async def hub_process(
+    settings: Settings, *args: str, env: dict[str, str] | None = None
+) -> AsyncIterator[HubUnderTest]:
+    """``redpacket serve`` (with ``args``, and ``env`` over ``hub_env``) as its own process."""
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once per test, not on a hot path
         [sys.executable, "-m", "server", "serve", "--port", "0", *args],
-        env=hub_env(settings),
+        env={**hub_env(settings), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -88,15 +88,17 @@ async def _balancer(tmp_path: Path, hubs: list[HubUnderTest]) -> AsyncIterator[s
 async def test_a_client_moves_to_the_other_hub_when_its_hub_stops(
     tmp_path: Path, hub_settings: Settings
 ) -> None:
-    # Hubs as deployed: no dev login (a demo hub answers this machine only, never a proxy's requests).
+    # Hubs as deployed: no dev login (a demo hub answers this machine only, never a proxy's requests),
+    # and a small allowance of HTTP requests per client address.
     settings = hub_settings.with_(dev_login=False, demo_topup=False)
+    limits = {"REDPACKET_HTTP_PER_ADDRESS_PER_SECOND": "0.001", "REDPACKET_HTTP_PER_ADDRESS_BURST": "5"}
     db = await connect(settings.database_url)
     try:
         user = await ledger.create_user(db, "li")
     finally:
         await db.close()
     token = make_token(settings.secret.encode(), user, int(time.time()), 600)
-    async with hub_process(settings) as first, hub_process(settings) as second:
+    async with hub_process(settings, env=limits) as first, hub_process(settings, env=limits) as second:
         hubs = {first.http: first, second.http: second}
         ids = {}
         for h in hubs.values():  # each hub's id, as its welcome says it
@@ -117,3 +119,14 @@ async def test_a_client_moves_to_the_other_hub_when_its_hub_stops(
             assert ids[again.welcome["hub"]] is not served_by
             assert (await again.request("ping"))["ts"] > 0
             await again.close()
+            # A client cannot pass for another address: the balancer drops the X-Forwarded-For it wrote,
+            # so the hub's per-address allowance (5) runs out whatever it claims to be.
+            auth = {"authorization": f"Bearer {token}"}
+            async with httpx.AsyncClient(base_url=lb, timeout=10) as http:
+                codes = [
+                    (
+                        await http.get("/api/me", headers={**auth, "x-forwarded-for": f"203.0.113.{i}"})
+                    ).status_code
+                    for i in range(8)
+                ]
+            assert codes.count(429) >= 3, codes

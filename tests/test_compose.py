@@ -264,4 +264,6 @@ def test_hub_and_worker_replicas_publish_no_port_and_sit_behind_the_balancer() -
     config = (ROOT / "deploy" / "haproxy.cfg").read_text()
     assert "server-template hub" in config and "hub:8000" in config  # every replica, by the service's name
     assert "option httpchk GET /healthz" in config and "option forwardfor" in config
+    # The hubs trust X-Forwarded-For from anyone in the network: the balancer drops a client's own.
+    assert "http-request del-header X-Forwarded-For" in config
     assert services["hub"]["environment"]["FORWARDED_ALLOW_IPS"] == "*"  # the hubs read who the client is

@@ -69,10 +69,45 @@ def test_malformed_urls_and_settings_are_one_line_at_start(
         ({"REDPACKET_REDIS_URL": "redis://127.0.0.1:abc", **db}, "REDIS_URL has a host that cannot be read"),
         ({"REDPACKET_REDIS_URL": "redis+cluster://127.0.0.1:abc", **queue, **db}, "cannot be read"),
         ({"REDPACKET_REDIS_URL": "redis://127.0.0.1:6379/abc", **db}, "Redis database that is not a number"),
-        ({"REDPACKET_JWT_LEEWAY_SECONDS": "-5", **db}, "REDPACKET_JWT_LEEWAY_SECONDS cannot be negative"),
+        (
+            {"REDPACKET_JWT_LEEWAY_SECONDS": "-5", **db},
+            "REDPACKET_JWT_LEEWAY_SECONDS must be a number 0 or more",
+        ),
+        ({"REDPACKET_MSGS_BURST": "0", **db}, "REDPACKET_MSGS_BURST must be a number more than 0"),
+        (
+            {"REDPACKET_MSGS_PER_SECOND": "nan", **db},
+            "REDPACKET_MSGS_PER_SECOND must be a number more than 0",
+        ),
+        ({"REDPACKET_DATABASE_URL": "mariadb://root@127.0.0.1:3306"}, "DATABASE_URL names no database"),
     ]
     for env, words in cases:
         assert_one_line_error(redpacket("reconcile", REDPACKET_DATA_DIR=str(tmp_path), **env), 2, words)
+    # What redis-py reads is read: a database or TLS option as a query, no path.
+    for url in ("redis://127.0.0.1:6379/?db=2", "rediss://127.0.0.1/?ssl_cert_reqs=none", "redis://h:1/3"):
+        Settings(redis_url=url, database_url=mysql_url, secret="s" * 32).check()
+
+
+def test_rediss_and_unix_urls_get_packed_connections_of_their_kind() -> None:
+    """Before: the packed class replaced whatever redis-py chose, so rediss:// went without TLS."""
+    from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
+
+    from server.store.redisnodes import PackedSSLConnection, PackedUnixConnection, RedisNodes, packed_pool
+
+    for url, kind in (
+        ("redis://127.0.0.1:6379/0", None),
+        ("rediss://127.0.0.1:6380/0", SSLConnection),
+        ("unix:///tmp/r.sock", UnixDomainSocketConnection),
+    ):
+        pooled = packed_pool(url).connection_class
+        dedicated = RedisNodes.connect_dedicated(RedisNodes(url, 1).dedicated("x"))
+        for got in (pooled, type(dedicated)):
+            if kind is None:
+                assert not issubclass(got, SSLConnection | UnixDomainSocketConnection), (url, got)
+            else:
+                assert issubclass(got, kind) and got in (PackedSSLConnection, PackedUnixConnection), (
+                    url,
+                    got,
+                )
 
 
 def test_what_is_wrong_with_a_service_is_said_as_it_is(
@@ -117,6 +152,10 @@ def test_a_command_that_reads_never_makes_an_empty_ledger(tmp_path: Path) -> Non
         line = assert_one_line_error(redpacket(*args, REDPACKET_DATA_DIR=str(tmp_path / "data")), 1)
         assert "no database at" in line and command in line, line
     assert not (tmp_path / "data").exists()  # nothing made: no SQLite, no Valkey
+    named = tmp_path / "elsewhere" / "ledger.sqlite3"  # a SQLite URL of its own: the same
+    env = {"REDPACKET_DATABASE_URL": f"sqlite:///{named}", "REDPACKET_DATA_DIR": str(tmp_path / "data")}
+    assert "no database at" in assert_one_line_error(redpacket("reconcile", **env), 1)
+    assert not named.exists() and not (tmp_path / "data").exists()
 
 
 async def test_throttles_are_listed_lifted_and_never_scored_twice(core: Core) -> None:
@@ -138,7 +177,7 @@ async def test_throttles_are_listed_lifted_and_never_scored_twice(core: Core) ->
     await fast_grabs(7, range(1, 3), now + 15_000)  # three fast grabs in the minute now: a block
     escalated = await run_detector(core, now=now + 20_000)
     assert {u: d.action for u, d in escalated.items()} == {7: "block"}
-    assert {b.action for b in await list_blocks(core)} == {"block", "throttle"}
+    assert [(b.user, b.action) for b in await list_blocks(core)] == [(7, "block")]  # listed once
     assert await lift(core, 7)
     assert await list_blocks(core) == []
     assert await run_detector(core, now=now + 30_000) == {}  # its attempts were forgiven with the lift

@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 from arq import Worker
 from arq.cron import cron
@@ -144,6 +144,9 @@ async def sample(core: Core, metrics: WorkerMetrics, said: dict[str, str] | None
             pipe.xlen(keys.credit_outbox(n))
         depths = await pipe.execute()
     metrics.queue_depth.set(sum(int(d) for d in depths))
+    last = await cast(Awaitable[dict[bytes, bytes]], core.redis.hgetall(keys.reconciled()))
+    if b"at" in last:  # the last reconciliation, whichever worker ran it
+        metrics.reconciled.record(int(last[b"differences"]), float(last[b"at"]))
     level = core.settings.durability
     usage = await core.nodes.usage()
     degraded: dict[str, str] = {}

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, TypedDict
+from collections.abc import Awaitable
+from typing import Any, TypedDict, cast
 
 from server.core import Core
 from server.errors import Unavailable
@@ -17,6 +18,7 @@ from server.hub import announce
 from server.hub.bots import run_detector
 from server.money import settlement
 from server.money.reconcile import reconcile
+from server.store import keys
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -85,8 +87,12 @@ async def score_bots_job(ctx: Ctx) -> int:
 async def reconcile_job(ctx: Ctx) -> int:
     """Log every difference in the books; returns how many there were."""
     report = await reconcile(ctx["core"])
+    at = time.time()
+    # For every worker's metrics (each reads it in its heartbeat), not only this one's.
+    outcome = {"differences": len(report.differences), "at": at}
+    await cast(Awaitable[int], ctx["core"].redis.hset(keys.reconciled(), mapping=outcome))
     if "metrics" in ctx:
-        ctx["metrics"].reconciled.record(len(report.differences), time.time())
+        ctx["metrics"].reconciled.record(len(report.differences), at)
     for d in report.differences:
         log.error("reconciliation: %s", d)
     return len(report.differences)

@@ -140,9 +140,13 @@ async def apply(core: Core, decisions: dict[int, Decision], rules: Rules, now: i
                 else:
                     slower = f"{rules.throttled_grabs_per_second}:{until}"
                     pipe.hset(keys.shard_gate(n), f"t:{d.user}", slower)
-            if d.action == "block":
+            if d.action == "block":  # it outranks the user's throttle, which goes (listed once)
                 pipe.zadd(keys.blocks(), {str(d.user): until})
                 pipe.hset(keys.block_reasons(), str(d.user), "; ".join(d.reasons))
+                pipe.zrem(keys.throttles(), str(d.user))
+                pipe.hdel(keys.block_reasons(), f"t:{d.user}")
+                for n in range(keys.SHARDS):
+                    pipe.hdel(keys.shard_gate(n), f"t:{d.user}")
             else:
                 pipe.zadd(keys.throttles(), {str(d.user): until})
                 pipe.hset(keys.block_reasons(), f"t:{d.user}", "; ".join(d.reasons))

@@ -23,7 +23,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from server.store.redisnodes import PackedConnection, PackedUnixConnection, RedisNodes, packed_class
+from server.store.redisnodes import Packed, RedisNodes
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class _Link:
         # Unsubscribes sent and not yet confirmed, per channel: their replies are ours, not a moved slot
         # (a channel left and wanted again at once gets the old reply while it is wanted again).
         self.leaving: dict[bytes, int] = {}
-        self.conn: PackedConnection | PackedUnixConnection | None = None
+        self.conn: Packed | None = None
         self.lock = asyncio.Lock()
         self.up = asyncio.Event()
         self.served = False  # it was up (connected and subscribed) since it was last started
@@ -57,7 +57,7 @@ class _Link:
 
     async def run(self) -> None:
         """Connect, subscribe every channel, read until the connection fails; the owner then re-routes."""
-        conn = packed_class(self.kwargs)(**self.kwargs)
+        conn = RedisNodes.connect_dedicated(self.kwargs)
         try:
             await conn.connect()  # type: ignore[no-untyped-call]
             async with self.lock:

@@ -245,6 +245,12 @@ def block_reasons() -> str:
     return _root() + "{ctl}:block-reasons"
 
 
+def reconciled() -> str:
+    """Hash ``differences``, ``at`` (unix s): the last reconciliation's outcome, whichever worker ran it —
+    every worker's metrics report it (one worker runs each of the cron's ticks)."""
+    return _root() + "{ctl}:reconciled"
+
+
 def throttles() -> str:
     """Sorted set user id → when their throttle ends (unix ms): listed for operators beside the blocks."""
     return _root() + "{ctl}:throttles"

@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import Connection, UnixDomainSocketConnection
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
@@ -208,23 +208,32 @@ class PackedUnixConnection(_Packing, UnixDomainSocketConnection):
         return str(self.path)
 
 
+class PackedSSLConnection(_Packing, SSLConnection):
+    """``_Packing`` over TLS (``rediss://`` URLs)."""
+
+    def _where(self) -> str:
+        return address_of(self.host, self.port)
+
+
+Packed = PackedConnection | PackedUnixConnection | PackedSSLConnection
+
+
 def packed_pool(url: str, **kwargs: Any) -> BlockingConnectionPool:
-    """A blocking pool of packed connections to one server's URL (``redis://``, ``rediss://``, ``unix://``).
-    The class is set after the URL is read: redis-py's ``from_url`` puts its own class for ``unix://``
-    over the one it is given."""
+    """A blocking pool of packed connections to one server's URL (``redis://``, ``rediss://``, ``unix://``):
+    the class ``from_url`` chose for the URL (plain, TLS or Unix socket; it puts its own over the one it
+    is given), packed."""
     pool = BlockingConnectionPool.from_url(url, **kwargs)
-    pool.connection_class = packed_class(url)
+    pool.connection_class = packed_class(pool.connection_class)
     return pool
 
 
-def packed_class(url_or_kwargs: str | dict[str, Any]) -> type[PackedConnection | PackedUnixConnection]:
-    """The connection class for a URL or a connection's keyword arguments: over TCP or a Unix socket."""
-    unix = (
-        url_or_kwargs.startswith("unix://")
-        if isinstance(url_or_kwargs, str)
-        else bool(url_or_kwargs.get("path"))
-    )
-    return PackedUnixConnection if unix else PackedConnection
+def packed_class(base: type) -> type[Packed]:
+    """The packed connection class for redis-py's ``base`` class: over TCP, TLS or a Unix socket."""
+    if issubclass(base, SSLConnection):  # (before Connection, of which it is one)
+        return PackedSSLConnection
+    if issubclass(base, UnixDomainSocketConnection):
+        return PackedUnixConnection
+    return PackedConnection
 
 
 class _Snapshots(dict[str, ClusterNode]):
@@ -445,17 +454,27 @@ class RedisNodes:
 
     def dedicated(self, key: str | bytes) -> dict[str, Any]:
         """What a connection of its own to the master owning ``key``'s slot is made from (a sharded pub/sub
-        subscriber): ``PackedConnection(**dedicated(key))``."""
+        subscriber): ``connect_dedicated(dedicated(key))``."""
         if not self.cluster:
-            kwargs = dict(cast(BlockingConnectionPool, self.client.connection_pool).connection_kwargs)
+            pool = cast(BlockingConnectionPool, self.client.connection_pool)
+            kwargs = {**pool.connection_kwargs, "connection_class": pool.connection_class}
         else:
             cluster = cast(RedisCluster, self.client)
             node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(key))
             kwargs = {**cluster.nodes_manager.connection_kwargs, "host": node.host, "port": node.port}
-        for k in ("connection_class", "max_connections", "response_callbacks"):
+        for k in ("max_connections", "response_callbacks"):
             kwargs.pop(k, None)
+        # The class its pool makes (plain, TLS or Unix socket), packed: ``connect_dedicated`` uses it.
+        kwargs["connection_class"] = packed_class(kwargs.get("connection_class", PackedConnection))
         kwargs["identities"] = self.identities
         return kwargs
+
+    @staticmethod
+    def connect_dedicated(kwargs: dict[str, Any]) -> Packed:
+        """A connection (not yet connected) from what ``dedicated`` returned."""
+        options = dict(kwargs)
+        cls: type[Packed] = options.pop("connection_class")
+        return cls(**options)
 
     @staticmethod
     def address(kwargs: dict[str, Any]) -> str:

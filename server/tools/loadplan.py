@@ -139,6 +139,9 @@ class StageFigures:
     # Grabs the load asked for: packets the members saw (each one a grab a person would make). What the
     # system served is judged against this, not against the users alone.
     offered: int = 0
+    # Packets the admins sent: offered grabs that stop growing while these do point at the system (it
+    # delivers fewer packet events), not at the load.
+    sends: int = 0
     grab_p50_ms: float = 0.0
     grab_p99_ms: float = 0.0
     connect_p99_ms: float = 0.0
@@ -168,6 +171,7 @@ class StageFigures:
             grabs=int(d["grabs"]),
             won=int(d["won"]),
             offered=int(d.get("offered", 0)),
+            sends=int(d.get("sends", 0)),
             grab_p50_ms=float(d["grab_p50_ms"]),
             grab_p99_ms=float(d["grab_p99_ms"]),
             connect_p99_ms=float(d["connect_p99_ms"]),
@@ -185,6 +189,7 @@ class StageFigures:
             "grabs": self.grabs,
             "won": self.won,
             "offered": self.offered,
+            "sends": self.sends,
             "offered_per_second": round(self.offered_per_second, 1),
             "grabs_per_second": round(self.grabs_per_second, 1),
             "grab_p50_ms": self.grab_p50_ms,
@@ -218,7 +223,8 @@ def knee(stages: list[StageFigures]) -> tuple[int | None, str]:
             before = prev.grabs_per_second
             if before and s.grabs_per_second < before * gain:
                 offered = prev.offered_per_second
-                if offered and s.offered_per_second < offered * gain:
+                sent_more = prev.sends and s.sends / s.seconds >= prev.sends / prev.seconds * gain
+                if offered and s.offered_per_second < offered * gain and not sent_more:
                     load_bound = load_bound or (
                         f"; the load was the limit from {s.users} users: it offered "
                         f"{offered:.0f} → {s.offered_per_second:.0f} grabs/s (more packets: --send-every,"

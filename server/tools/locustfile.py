@@ -396,6 +396,11 @@ def _init(environment: Environment, **_: Any) -> None:
 # --- the report: per stage, what the clients saw and what the servers said -----------------------------
 
 
+# What each worker reports about the same shared thing (each Redis master, the outboxes, the last
+# reconciliation): taken once across workers (the largest), never summed.
+SHARED = ("redpacket_redis_", "redpacket_queue_depth", "redpacket_reconcile", "redpacket_durability")
+
+
 def scrape(urls: list[tuple[str, str]]) -> dict[str, Any]:
     """Sum the metrics the report reads over every (role, URL): counters and gauges by name (and label
     set), histograms as cumulative buckets; the process's own (``process_cpu_seconds_total``) by role.
@@ -423,7 +428,10 @@ def scrape(urls: list[tuple[str, str]]) -> dict[str, Any]:
                     labels["role"] = role
                 label = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
                 key = f"{sample.name}{{{label}}}" if label else sample.name
-                values[key] = values.get(key, 0.0) + sample.value
+                if sample.name.startswith(SHARED):  # every worker reads the same: once, not summed
+                    values[key] = max(values.get(key, sample.value), sample.value)
+                else:
+                    values[key] = values.get(key, 0.0) + sample.value
     return {"values": values, "buckets": buckets, "complete": complete}
 
 
@@ -464,7 +472,8 @@ def server_figures(before: dict[str, Any], after: dict[str, Any], seconds: float
         "connections": _sum(a, "redpacket_hub_connections"),
         "send_queue_drops": _sum(a, "redpacket_send_queue_drops_total"),
         "refunds": _sum(a, "redpacket_refunds_total"),
-        "reconcile_differences": _sum(a, "redpacket_reconcile_differences"),
+        # (None until a worker has reconciled: the gauge is absent, not 0)
+        "reconcile_differences": a.get("redpacket_reconcile_differences"),
         "redis_cpu_percent": round(100 * redis_cpu / seconds, 1) if seconds > 0 and redis_cpu >= 0 else None,
         "hub_cpu_percent": cpu("process_cpu_seconds_total{role=hub}"),
         "worker_cpu_percent": cpu("process_cpu_seconds_total{role=worker}"),
@@ -571,6 +580,8 @@ class Recorder:
                 s.requests -= n - n0
                 s.offered += n - n0
                 continue
+            if key[0] == "send":
+                s.sends += n - n0
             if key[0] == "grab":
                 s.grabs += n - n0
                 if key[1] in ("won", "already"):
