@@ -537,13 +537,16 @@ def _parser() -> argparse.ArgumentParser:
 
 # What the commands around the system need beyond it (the `tools` extra of pyproject.toml).
 TOOLS = {
-    "bench": ("rich", "matplotlib", "picows"),
-    "load": ("locust", "websocket", "matplotlib", "rich"),
+    "bench": ("rich",),  # progress bars
+    "bench hot": ("rich", "picows"),  # its client processes
+    "load": ("locust", "websocket", "rich"),
+    "--plot": ("matplotlib",),
 }
 
 
-def _need_tools(command: str) -> None:
-    missing = [m for m in TOOLS.get(command, ()) if importlib.util.find_spec(m) is None]
+def _need_tools(command: str, plot: bool = False) -> None:
+    wanted = TOOLS.get(command, ()) + (TOOLS["--plot"] if plot else ())
+    missing = [m for m in wanted if importlib.util.find_spec(m) is None]
     if missing:
         raise OperatorError(
             f"`redpacket {command}` needs the tools ({', '.join(missing)} missing): pip install -e '.[tools]'"
@@ -564,7 +567,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         uvloop.run(_migrate(settings))
         return 0
     if command == "bench":
-        _need_tools(command)
+        _need_tools("bench hot" if args.what == "hot" else "bench", plot=bool(args.plot))
     if command == "bench" and args.what == "tokens":  # pure CPU: no Redis, no database
         from server.tools.tokenbench import bench_tokens
 
@@ -658,7 +661,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 def _load(argv: list[str]) -> None:
     """``redpacket load``: its own flags, every other one Locust's (so not through ``_parser``)."""
     try:
-        _need_tools("load")
+        if not {"-h", "--help"} & set(argv):  # (its help reads without them)
+            _need_tools("load", plot="--plot" in argv)
     except OperatorError as e:
         print(f"redpacket: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

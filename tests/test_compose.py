@@ -248,7 +248,7 @@ def test_a_tool_command_without_the_tools_asks_for_them_in_one_line(
         importlib.util, "find_spec", lambda name, *a: None if name == "locust" else real(name, *a)
     )
     with pytest.raises(SystemExit) as ended:
-        cli.main(["load", "--help"])
+        cli.main(["load", "--headless"])
     assert ended.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs the tools (locust missing)" in err[0] and ".[tools]" in err[0], err
