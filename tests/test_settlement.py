@@ -47,6 +47,11 @@ async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -
         assert await ledger.balance(core.db, g.grab.user_id) == g.grab.amount
     assert await ledger.balance(core.db, w.admin) == 10_000 - taken
     assert await core.redis.exists(*keys.packet_keys(w.group, p.packet_id)) == 0
+    # Its view (from the database now): ended by the refund, not emptied — no best luck, no time to
+    # empty (they were given: the page then said nothing of the expiry), the shares left still said.
+    view = await grabs.open_packet(core, p.packet_id, w.group, w.members[0])
+    assert view.finished_ms is not None and view.remaining == 3
+    assert view.best_luck is None and view.duration_ms is None
     # Nothing more to grab, and a second refund pays nothing.
     try:
         await grabs.grab(core, p.packet_id, w.group, w.members[3])

@@ -200,8 +200,11 @@ class PacketView:
 
     @property
     def duration_ms(self) -> int | None:
-        """How long the packet took to empty."""
-        return None if self.finished_ms is None else self.finished_ms - self.created_ms
+        """How long the packet took to empty; None until every share is grabbed (a refunded packet has a
+        ``finished_ms``, the refund's time, and never emptied)."""
+        if self.finished_ms is None or len(self.grabs) < self.count:
+            return None
+        return self.finished_ms - self.created_ms
 
 
 def view_packet(
@@ -214,8 +217,9 @@ def view_packet(
     finished_ms = int(finished) if finished else None
     if finished_ms is None and len(grabs) == count:
         finished_ms = grabs[-1].grabbed_ms
-    # Best luck is only named once every share is out; ties go to whoever grabbed first.
-    best = max(grabs, key=lambda g: (g.amount, -g.grabbed_ms, -g.seq)) if finished_ms and grabs else None
+    # Best luck is only named once every share is out (not when a refund ended the packet); ties go to
+    # whoever grabbed first.
+    best = max(grabs, key=lambda g: (g.amount, -g.grabbed_ms, -g.seq)) if len(grabs) == count else None
     return PacketView(
         packet_id=packet_id,
         group_id=int(meta["group"]),

@@ -398,7 +398,17 @@ def _init(environment: Environment, **_: Any) -> None:
 
 # What each worker reports about the same shared thing (each Redis master, the outboxes, the last
 # reconciliation): taken once across workers (the largest), never summed.
-SHARED = ("redpacket_redis_", "redpacket_queue_depth", "redpacket_reconcile", "redpacket_durability")
+SHARED = frozenset(
+    {
+        "redpacket_redis_cpu_seconds_total",
+        "redpacket_redis_memory_bytes",
+        "redpacket_redis_replicas",
+        "redpacket_durability_degraded",
+        "redpacket_queue_depth",
+        "redpacket_reconcile_differences",
+        "redpacket_reconciled_at_seconds",
+    }
+)
 
 
 def scrape(urls: list[tuple[str, str]]) -> dict[str, Any]:
@@ -428,7 +438,7 @@ def scrape(urls: list[tuple[str, str]]) -> dict[str, Any]:
                     labels["role"] = role
                 label = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
                 key = f"{sample.name}{{{label}}}" if label else sample.name
-                if sample.name.startswith(SHARED):  # every worker reads the same: once, not summed
+                if sample.name in SHARED:  # every worker reads the same: once, not summed
                     values[key] = max(values.get(key, sample.value), sample.value)
                 else:
                     values[key] = values.get(key, 0.0) + sample.value
