@@ -688,7 +688,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         if args.command == "up" and is_loopback(settings.host) and not settings.backend:
             # The demo: log in by name, play money — on this machine alone, with no chat backend.
             settings = settings.with_(dev_login=True, demo_topup=True)
-        if args.command == "up" and not os.environ.get("REDPACKET_ALLOWED_ORIGINS"):
+        if args.command == "up" and not settings.allowed_origins:
             settings = settings.with_(allowed_origins="self")  # the demo page's websockets, no other site's
         settings.check()
     except ValueError as e:  # a setting that cannot be read as written

@@ -516,6 +516,22 @@ async def _two_deployments(tmp_path: Path, env: list[dict[str, str]], guard_off:
 # -- a removal this hub did not hear ------------------------------------------------------------------------
 
 
+async def _removed_unheard(demo: HubUnderTest, monkeypatch: pytest.MonkeyPatch) -> tuple[int, HubClient]:
+    """A member in a group, synced on a socket, then removed with the note sent where this hub does not
+    listen (the removal commits and drops the member cache): the group, and the member's socket."""
+    admin_id, _ = await demo.login("boss")
+    member_id, member_token = await demo.login("leaving")
+    group = await groups.create_group(demo.core.db, admin_id, "family")
+    await groups.add_members(demo.core.db, demo.core.membership, group, [member_id])
+    c = await HubClient.connect(demo.ws, member_token)
+    assert group in c.groups
+    await c.sync()
+    with monkeypatch.context() as m:
+        m.setattr(keys, "membership_channel", lambda: keys._root() + "{ctl}:nowhere")
+        assert await groups.remove_member(demo.core.db, demo.core.membership, group, member_id)
+    return group, c
+
+
 @pytest.mark.parametrize("kind", ["chat", "presence", "open", "sync"])
 async def test_a_removed_member_is_refused_when_the_hub_missed_the_note(
     demo: HubUnderTest, monkeypatch: pytest.MonkeyPatch, kind: str
@@ -524,18 +540,8 @@ async def test_a_removed_member_is_refused_when_the_hub_missed_the_note(
     removed member chat, sync and see presence (only grabs were checked again, in Redis). Each request
     that reads or writes a group checks the versioned member cache, refuses, and takes the socket out
     of the group as the note would have."""
-    admin_id, _ = await demo.login("boss")
-    member_id, member_token = await demo.login("leaving")
-    group = await groups.create_group(demo.core.db, admin_id, "family")
-    await groups.add_members(demo.core.db, demo.core.membership, group, [member_id])
-    c = await HubClient.connect(demo.ws, member_token)
+    group, c = await _removed_unheard(demo, monkeypatch)
     try:
-        assert group in c.groups
-        await c.sync()
-        # The removal commits and drops the cache; its note is sent where this hub does not listen.
-        with monkeypatch.context() as m:
-            m.setattr(keys, "membership_channel", lambda: keys._root() + "{ctl}:nowhere")
-            assert await groups.remove_member(demo.core.db, demo.core.membership, group, member_id)
         if kind == "sync":
             synced = await c.request("sync", groups={str(group): None})
             assert synced["groups"][str(group)] == {"error": "not_member"}
@@ -563,16 +569,8 @@ async def test_a_hub_that_was_not_listening_checks_its_members_again(
     without sending anything."""
     import redis.asyncio as aredis
 
-    admin_id, _ = await demo.login("boss")
-    member_id, member_token = await demo.login("leaving")
-    group = await groups.create_group(demo.core.db, admin_id, "family")
-    await groups.add_members(demo.core.db, demo.core.membership, group, [member_id])
-    c = await HubClient.connect(demo.ws, member_token)
+    group, c = await _removed_unheard(demo, monkeypatch)
     try:
-        await c.sync()
-        with monkeypatch.context() as m:
-            m.setattr(keys, "membership_channel", lambda: keys._root() + "{ctl}:nowhere")
-            assert await groups.remove_member(demo.core.db, demo.core.membership, group, member_id)
         r = aredis.Redis.from_url(redis_url)
         try:
             assert await r.client_kill_filter(_type="pubsub") >= 1  # the hub's subscriber reconnects

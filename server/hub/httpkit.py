@@ -21,6 +21,7 @@ from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPack
 from server.hub.ratelimit import KeyedBuckets
 from server.hub.tokens import TokenError, Tokens
 from server.ids import MAX_ID
+from server.money import ledger
 from server.settings import is_loopback
 
 _STATUS = {
@@ -74,7 +75,7 @@ def limit(request: Request, name: str, buckets: KeyedBuckets, key: object) -> No
 async def known_user(core: Core, user: int) -> int:
     """``user`` if the database has it; a valid token for a user never made (a backend that has not
     provisioned it yet) is ``user_not_found``, on every route as on the websocket (close 4004)."""
-    if await core.db.fetchone("SELECT 1 FROM users WHERE id = %s", (user,)) is None:
+    if not await ledger.user_exists(core.db, user):
         raise NotFound(
             errors.USER_NOT_FOUND, f"no user {user}: the token names a user this hub does not have"
         )

@@ -300,17 +300,20 @@ class Hub:
         subscriber reconnect or a failover): act as the note would have."""
         await self._membership_changed(group, [user], "removed")
 
+    async def recheck_members(self, pairs: list[tuple[int, int]]) -> None:
+        """Check these (group, user) pairs against the member cache at once (one pipeline): each the cache
+        says left, and this hub did not hear of, is acted on as its note would have been."""
+        still = await asyncio.gather(*(self.core.membership.is_member(g, u) for g, u in pairs))
+        for (g, u), member in zip(pairs, still, strict=True):
+            if not member:
+                await self.no_longer_member(g, u)
+
     async def _recheck_members(self) -> None:
-        """After this hub was not listening, check every (group, user) it serves against the member
-        cache: a removal whose note it missed takes its sockets out of the group now, not at their next
-        request."""
+        """After this hub was not listening, check every (group, user) it serves: a removal whose note it
+        missed takes its sockets out of the group now, not at their next request."""
         pairs = list(self.local)
         for start in range(0, len(pairs), 1_000):
-            chunk = pairs[start : start + 1_000]
-            still = await asyncio.gather(*(self.core.membership.is_member(g, u) for g, u in chunk))
-            for (g, u), member in zip(chunk, still, strict=True):
-                if not member:
-                    await self.no_longer_member(g, u)
+            await self.recheck_members(pairs[start : start + 1_000])
 
     async def _membership_changed(self, group: int, users: list[int], change: str) -> None:
         self.member_counts.forget(group)

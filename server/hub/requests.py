@@ -79,11 +79,8 @@ async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     asked = [(raw, _group_key(raw), since) for raw, since in plan]
     # Each group this socket is in, checked again in the member cache at once (one pipeline): a hub that
     # missed a removal's note does not replay the group to its removed member (``Session.member_now``).
-    mine = [g for _, g, _ in asked if isinstance(g, int) and g in s.conn.groups]
-    still = await asyncio.gather(*(s.core.membership.is_member(g, s.conn.user_id) for g in mine))
-    for g, member in zip(mine, still, strict=True):
-        if not member:
-            await s.hub.no_longer_member(g, s.conn.user_id)
+    user = s.conn.user_id
+    await s.hub.recheck_members([(g, user) for _, g, _ in asked if isinstance(g, int) and g in s.conn.groups])
     for raw_group, group, since in asked:
         if not isinstance(group, int) or group not in s.conn.groups:
             out[str(raw_group)] = {"error": errors.NOT_MEMBER}

@@ -30,7 +30,7 @@ from server.hub.ratelimit import TokenBucket
 from server.hub.requests import HANDLERS, Answer, Later
 from server.hub.tokens import TokenError
 from server.hub.wire import EXTENSION, HubWebSocket
-from server.money import groups
+from server.money import groups, ledger
 
 log = logging.getLogger(__name__)
 
@@ -269,10 +269,7 @@ async def _welcome(ws: WebSocket, hub: Hub, conn: Connection) -> bool:
         # Bounded: a stalled database or Redis must not hold the socket open unanswered.
         async with asyncio.timeout(hub.core.settings.handshake_seconds):
             mine = await groups.groups_of(hub.core.db, conn.user_id, hub.member_counts)
-            if (
-                not mine
-                and await hub.core.db.fetchone("SELECT 1 FROM users WHERE id = %s", (conn.user_id,)) is None
-            ):
+            if not mine and not await ledger.user_exists(hub.core.db, conn.user_id):
                 await ws.close(protocol.CLOSE_USER_UNKNOWN, errors.USER_NOT_FOUND)
                 return False
             await hub.join(conn, [int(g["group_id"]) for g in mine])  # type: ignore[call-overload]

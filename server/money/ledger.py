@@ -220,6 +220,11 @@ async def user_by_name(db: Database, name: str, with_origin: bool = False) -> in
     return (int(row[0]), str(row[1])) if with_origin else int(row[0])
 
 
+async def user_exists(db: Database, user_id: int) -> bool:
+    """Whether the hub has user ``user_id`` (a valid token may name one it was never given)."""
+    return await db.fetchone("SELECT 1 FROM users WHERE id = %s", (user_id,)) is not None
+
+
 async def balance(db: Database, user_id: int) -> int:
     row = await db.fetchone("SELECT balance FROM accounts WHERE user_id = %s", (user_id,))
     if row is None:
