@@ -73,7 +73,7 @@ def _redis_url(settings: Settings, command: str) -> Iterator[Settings]:
             owner=command,
             fsync=fsync,
         ) as url:
-            yield settings.with_(redis_url=url, grab_durability=durability)
+            yield settings.replace(redis_url=url, grab_durability=durability)
     except EmbeddedError as e:
         raise OperatorError(str(e)) from None
 
@@ -191,7 +191,7 @@ def _demo_secret(settings: Settings) -> Settings:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(secrets.token_hex(32))
         path.chmod(0o600)
-    return settings.with_(secret=path.read_text().strip())
+    return settings.replace(secret=path.read_text().strip())
 
 
 def _listen(settings: Settings) -> socket.socket:
@@ -682,14 +682,14 @@ def _settings(args: argparse.Namespace) -> Settings:
         settings = Settings.from_env()
         if args.command in ("up", "serve"):
             if args.host:
-                settings = settings.with_(host=args.host)
+                settings = settings.replace(host=args.host)
             if args.port is not None:
-                settings = settings.with_(port=args.port)
+                settings = settings.replace(port=args.port)
         if args.command == "up" and is_loopback(settings.host) and not settings.backend:
             # The demo: log in by name, play money — on this machine alone, with no chat backend.
-            settings = settings.with_(dev_login=True, demo_topup=True)
+            settings = settings.replace(dev_login=True, demo_topup=True)
         if args.command == "up" and not settings.allowed_origins:
-            settings = settings.with_(allowed_origins="self")  # the demo page's websockets, no other site's
+            settings = settings.replace(allowed_origins="self")  # the demo page's websockets, no other site's
         settings.check()
     except ValueError as e:  # a setting that cannot be read as written
         raise OperatorError(str(e), 2) from None

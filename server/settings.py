@@ -476,7 +476,7 @@ class Settings:
             if not 0 <= port <= 65535:
                 raise ValueError(f"{PREFIX}{name} must be a port number, 0 to 65535 (got {port})")
 
-    def with_(self, **changes: object) -> Settings:
+    def replace(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]
 
     @property

@@ -248,4 +248,4 @@ async def any_hub_settings(
 
     assert isinstance(cluster, LocalCluster)
     cluster.flush()
-    return hub_settings.with_(redis_url=cluster.url, queue_redis_url=redis_url)
+    return hub_settings.replace(redis_url=cluster.url, queue_redis_url=redis_url)

@@ -143,5 +143,5 @@ async def mysql_proxy(database_url: str) -> AsyncIterator[MySQLProxy]:
 async def core_behind_proxy(core: Core) -> AsyncIterator[tuple[Core, MySQLProxy]]:
     """A Core like ``core`` whose database connections go through a ``MySQLProxy``."""
     async with mysql_proxy(core.settings.database_url) as proxy:
-        async with open_core(core.settings.with_(database_url=proxy.url(core.settings.database_url))) as c:
+        async with open_core(core.settings.replace(database_url=proxy.url(core.settings.database_url))) as c:
             yield c, proxy

@@ -194,7 +194,7 @@ async def test_a_master_killed_mid_storm_loses_no_won_grab_with_replica_durabili
     twice, nothing past the total."""
     async with local_cluster(tmp_path) as cl:
         await cl.wait_ok(replicated=True)
-        s = core.settings.with_(redis_url=cl.url, queue_redis_url=redis_url, grab_durability="replica")
+        s = core.settings.replace(redis_url=cl.url, queue_redis_url=redis_url, grab_durability="replica")
         async with open_core(s) as c:
             w = await make_world(c, members=130, admin_cents=100_000)
             p = await packets.send_packet(c, w.admin, w.group, "lucky", 10_000, 100)
@@ -312,7 +312,7 @@ async def test_a_hub_keeps_its_room_live_through_a_master_failover(
     on the new master, and sent the grab where the slot lives now)."""
     async with local_cluster(tmp_path) as cl:
         await cl.wait_ok(replicated=True)
-        s = hub_settings.with_(redis_url=cl.url, queue_redis_url=redis_url)
+        s = hub_settings.replace(redis_url=cl.url, queue_redis_url=redis_url)
         async with hub_process(s) as h:
             _, admin_token = await h.login("fadmin")
             await h.api("POST", "/api/topup", admin_token, amount=100_000, request_id="seed")
@@ -356,7 +356,7 @@ async def test_a_master_killed_mid_storm_answers_won_again_within_five_seconds(
     durable = ("--appendfsync", "always", "--repl-diskless-sync-delay", "0")
     async with local_cluster(tmp_path, 3, valkey_server(), *durable) as cl:
         await cl.wait_ok(replicated=True)
-        s = hub_settings.with_(redis_url=cl.url, queue_redis_url=redis_url, grab_durability="aof+replica")
+        s = hub_settings.replace(redis_url=cl.url, queue_redis_url=redis_url, grab_durability="aof+replica")
         workers = [
             subprocess.Popen(  # noqa: ASYNC220 - the two workers under test
                 [sys.executable, "-m", "server", "worker"], env=worker_env(s), stdout=subprocess.DEVNULL
@@ -445,7 +445,7 @@ async def test_a_master_that_crashes_and_is_back_before_its_failover_keeps_every
     options = ("--cluster-node-timeout", "10000", "--repl-diskless-sync-delay", "0", "--appendfsync", fsync)
     async with local_cluster(tmp_path, 3, valkey_server(), *options, fsyncs=True) as cl:
         await cl.wait_ok(replicated=True)
-        s = core.settings.with_(redis_url=cl.url, queue_redis_url=redis_url, grab_durability=durability)
+        s = core.settings.replace(redis_url=cl.url, queue_redis_url=redis_url, grab_durability=durability)
         async with open_core(s) as c:
             w = await make_world(c, members=40, admin_cents=100_000)
             p = await packets.send_packet(c, w.admin, w.group, "lucky", 4_000, 40)
@@ -501,7 +501,7 @@ async def test_aof_replica_waits_for_a_lost_replica_until_the_cluster_agrees_it_
         monkeypatch.setattr(redisnodes, "replicas_to_wait_for", _online_only)
     async with local_cluster(tmp_path, 3, valkey_server(), "--appendfsync", "always") as cl:
         await cl.wait_ok(replicated=True)
-        s = core.settings.with_(
+        s = core.settings.replace(
             redis_url=cl.url,
             queue_redis_url=redis_url,
             grab_durability="aof+replica",

@@ -122,8 +122,8 @@ def test_the_dockerfile_install_step_gives_a_working_redpacket(tmp_path: Path) -
     deps = [p for p in sys.path if p.endswith("site-packages")]
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "PYTHONPATH": ":".join(deps)}
     probe = (
-        "import server, sys; from server.store.shipped import shipped_dir;"
-        "print(server.__file__); print(shipped_dir('lua')); print(shipped_dir('web'))"
+        "import server, sys; from server.store.assets import asset_dir;"
+        "print(server.__file__); print(asset_dir('lua')); print(asset_dir('web'))"
     )
     out = subprocess.run(
         [str(venv / "bin" / "python"), "-c", probe],

@@ -158,7 +158,7 @@ async def test_lost_writes_never_hand_out_a_share_the_database_holds(core: Core,
     database, so nobody is handed those shares again."""
     no_fsync = ("--appendfsync", "no")
     async with redis_process(tmp_path, *no_fsync, fsyncs=tmp_path / "fsyncs") as r:
-        s = core.settings.with_(redis_url=r.url, grab_durability="none")
+        s = core.settings.replace(redis_url=r.url, grab_durability="none")
         async with open_core(s) as c:
             w = await make_world(c, members=60, admin_cents=100_000)
             p = await packets.send_packet(c, w.admin, w.group, "lucky", 4_000, 40)
@@ -198,7 +198,7 @@ async def test_with_aof_durability_every_won_survives_an_os_crash(core: Core, tm
     async with redis_process(
         tmp_path, "--appendfsync", "always", binary=valkey_server(), fsyncs=tmp_path / "fsyncs"
     ) as r:
-        s = core.settings.with_(redis_url=r.url, grab_durability="aof")
+        s = core.settings.replace(redis_url=r.url, grab_durability="aof")
         async with open_core(s) as c:
             assert await durability_problem(c.redis, "aof") is None
             w = await make_world(c, members=90, admin_cents=100_000)
@@ -269,7 +269,7 @@ async def test_grabs_are_not_answered_won_when_durability_cannot_be_had(core: Co
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 200, 2)
     for durability in ("aof", "replica"):
-        strict = dataclasses.replace(core, settings=core.settings.with_(grab_durability=durability))
+        strict = dataclasses.replace(core, settings=core.settings.replace(grab_durability=durability))
         strict.batcher.durability = durability  # type: ignore[assignment]
         try:
             with pytest.raises(RedPacketError) as e:
@@ -316,7 +316,7 @@ async def test_aof_replica_waits_for_any_replica_that_could_take_over_and_goes_o
         tmp_path / "primary", *always, "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "60",
         binary=valkey_server(),
     ) as primary:  # fmt: skip
-        s = core.settings.with_(
+        s = core.settings.replace(
             redis_url=primary.url, grab_durability="aof+replica", durability_timeout_ms=300
         )
         async with open_core(s) as c:
@@ -372,7 +372,7 @@ async def test_replica_durability_answers_once_a_replica_has_the_grab(core: Core
     async with redis_process(tmp_path / "primary") as primary:
         async with redis_process(tmp_path / "replica", "--replicaof", "127.0.0.1", str(primary.port)):
             await eventually(lambda: _replica_online(primary), timeout=30)
-            s = core.settings.with_(redis_url=primary.url, grab_durability="replica")
+            s = core.settings.replace(redis_url=primary.url, grab_durability="replica")
             async with open_core(s) as c:
                 w = await make_world(c, members=20, admin_cents=10_000)
                 p = await packets.send_packet(c, w.admin, w.group, "lucky", 2_000, 20)
@@ -436,7 +436,7 @@ async def test_a_failover_back_to_a_server_already_known_is_noticed(
         monkeypatch.setattr(redisnodes, "data_id", lambda info: "")
     fast = ("--repl-diskless-sync-delay", "0")
     async with redis_process(tmp_path / "a", *fast) as a, redis_process(tmp_path / "b", *fast) as b:
-        async with open_core(core.settings.with_(redis_url=a.url, grab_durability="none")) as c:
+        async with open_core(core.settings.replace(redis_url=a.url, grab_durability="none")) as c:
             w = await make_world(c, members=4, admin_cents=10_000)
             p = await packets.send_packet(c, w.admin, w.group, "lucky", 1_000, 3)
             await _follow(b, a)  # b holds the packet, not yet grabbed
@@ -479,7 +479,7 @@ async def test_with_replica_durability_every_won_survives_a_failover_to_a_laggin
             tmp_path / "replica", "--replicaof", "127.0.0.1", str(primary.port)
         ) as replica:
             await eventually(lambda: _replica_online(primary), timeout=30)
-            s = core.settings.with_(
+            s = core.settings.replace(
                 redis_url=primary.url, grab_durability="replica", durability_timeout_ms=300
             )
             told: dict[int, tuple[int, int]] = {}
@@ -508,7 +508,7 @@ async def test_with_replica_durability_every_won_survives_a_failover_to_a_laggin
                 finally:
                     await primary.kill()
             _detach(replica)  # the failover: the lagging replica is the master now
-            async with open_core(s.with_(redis_url=replica.url, grab_durability="none")) as c:
+            async with open_core(s.replace(redis_url=replica.url, grab_durability="none")) as c:
                 held = await grab_the_rest_and_pay(c, p.packet_id, w.group, w.members[20:], told)
                 assert not set(unanswered) & set(held)  # lost with the master: told nothing, paid nothing
                 assert len(told) == 30 and sum(a for _, a in held.values()) == 3_000

@@ -59,14 +59,14 @@ async def _closed_with(url: str) -> tuple[int, str]:
 def test_dev_login_and_demo_money_are_for_loopback_without_a_backend(
     changes: dict[str, Any], refused: str | None
 ) -> None:
-    s = Settings(secret="s" * 32, dev_login=True, demo_topup=True).with_(**changes)
+    s = Settings(secret="s" * 32, dev_login=True, demo_topup=True).replace(**changes)
     if refused is None:
         s.check()
         return
     with pytest.raises(ValueError, match=refused):
         s.check()
     with pytest.raises(ValueError, match=refused):  # either one alone
-        s.with_(dev_login=False).check()
+        s.replace(dev_login=False).check()
 
 
 def test_serve_with_dev_login_on_every_interface_is_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -184,7 +184,7 @@ async def test_a_token_for_a_user_never_made_is_refused_everywhere(demo: HubUnde
 @pytest.fixture
 async def backed(hub_settings: Settings) -> AsyncIterator[HubUnderTest]:
     """A hub beside a chat backend, with user group management explicitly on (REDPACKET_USER_GROUPS=1)."""
-    s = hub_settings.with_(service_key=KEY, dev_login=False, demo_topup=False, user_groups="1")
+    s = hub_settings.replace(service_key=KEY, dev_login=False, demo_topup=False, user_groups="1")
     async with hub_in_process(s) as h:
         yield h
 
@@ -242,8 +242,8 @@ async def test_a_group_a_user_made_is_not_the_backends_to_take(backed: HubUnderT
 
 
 async def test_beside_a_backend_users_make_no_groups_unless_told(hub_settings: Settings) -> None:
-    s = hub_settings.with_(service_key=KEY, dev_login=False, demo_topup=False)
-    assert not s.users_manage_groups and s.with_(user_groups="1").users_manage_groups
+    s = hub_settings.replace(service_key=KEY, dev_login=False, demo_topup=False)
+    assert not s.users_manage_groups and s.replace(user_groups="1").users_manage_groups
     async with hub_in_process(s) as h:
         assert (await _call(h, "PUT", "/api/service/users/9501", KEY, name="solo"))[0] == 200
         token = make_token(h.settings.secret.encode(), 9_501, int(time.time()), 600)
@@ -266,7 +266,7 @@ async def test_wrong_service_keys_are_counted_and_an_address_past_its_allowance_
     """2,000 wrong keys took 0.6 s, all 401. Now every wrong key is counted, and past five in a minute an
     address's wrong keys are answered 429 until the allowance refills; the right key is still taken (a
     stranger behind the backend's own address must not lock it out)."""
-    s = hub_settings.with_(
+    s = hub_settings.replace(
         service_key=KEY, dev_login=False, demo_topup=False, service_key_failures_per_minute=5
     )
     async with hub_in_process(s) as h:
@@ -279,7 +279,7 @@ async def test_wrong_service_keys_are_counted_and_an_address_past_its_allowance_
 
 
 async def test_http_requests_are_limited_per_address_and_per_user(hub_settings: Settings) -> None:
-    s = hub_settings.with_(
+    s = hub_settings.replace(
         http_per_address_per_second=0.001, http_per_address_burst=6,
         http_per_user_per_second=0.001, http_per_user_burst=3,
     )  # fmt: skip
@@ -300,7 +300,7 @@ async def test_a_user_has_a_bounded_number_of_sockets_and_one_message_allowance(
     hub_settings: Settings,
 ) -> None:
     """One user opened 300 sockets, all welcomed, and 10 sockets x 35 requests were all served."""
-    s = hub_settings.with_(max_sockets_per_user=3, user_msgs_per_second=0.001, user_msgs_burst=10)
+    s = hub_settings.replace(max_sockets_per_user=3, user_msgs_per_second=0.001, user_msgs_burst=10)
     async with hub_in_process(s) as h:
         _, token = await h.login("many")
         open_ = [await h.client(token, sync=False) for _ in range(3)]
@@ -323,7 +323,7 @@ async def test_a_user_has_a_bounded_number_of_sockets_and_one_message_allowance(
 async def test_sockets_opened_at_once_do_not_pass_the_limit_together(hub_settings: Settings) -> None:
     """The count was read, then the database awaited before the socket counted: twelve sockets opened
     at once all passed a limit of three."""
-    async with hub_in_process(hub_settings.with_(max_sockets_per_user=3)) as h:
+    async with hub_in_process(hub_settings.replace(max_sockets_per_user=3)) as h:
         _, token = await h.login("rush")
         already = await h.client(token, sync=False)  # one open already
 
@@ -345,7 +345,7 @@ async def test_sockets_opened_at_once_do_not_pass_the_limit_together(hub_setting
 
 async def test_a_user_makes_a_bounded_number_of_groups_a_minute(hub_settings: Settings) -> None:
     """1,500 groups were made in 10 s by one user; now the fourth in a minute is refused."""
-    async with hub_in_process(hub_settings.with_(groups_per_user_per_minute=3)) as h:
+    async with hub_in_process(hub_settings.replace(groups_per_user_per_minute=3)) as h:
         _, token = await h.login("founder")
         codes = [(await _call(h, "POST", "/api/groups", token, name=f"g{i}"))[0] for i in range(4)]
         assert codes == [200, 200, 200, 429]
@@ -356,7 +356,7 @@ async def test_adding_members_by_name_is_bounded_and_one_query_per_batch(
 ) -> None:
     """20,000 names took 1.7 s, one query each: now at most REDPACKET_MAX_USERS_PER_REQUEST, found in one
     query per 500."""
-    async with hub_in_process(hub_settings.with_(max_users_per_request=300)) as h:
+    async with hub_in_process(hub_settings.replace(max_users_per_request=300)) as h:
         _, token = await h.login("host")
         names = [f"guest{i}" for i in range(300)]
         await ledger.create_users(h.core.db, names)
@@ -590,7 +590,7 @@ async def test_an_origin_allow_list_keeps_other_sites_pages_out(hub_settings: Se
     """Before: any page on any site could open a socket to the hub. With REDPACKET_ALLOWED_ORIGINS, an
     upgrade from another site's page is answered 403 before it is a websocket; a listed origin, the
     hub's own pages ("self") and programs that send no Origin are welcomed."""
-    settings = hub_settings.with_(allowed_origins="https://chat.example.com, self")
+    settings = hub_settings.replace(allowed_origins="https://chat.example.com, self")
     settings.check()
     async with hub_in_process(settings) as h:
         _, token = await h.login("li")
@@ -609,7 +609,7 @@ async def test_an_origin_allow_list_keeps_other_sites_pages_out(hub_settings: Se
             metrics = (await http.get(f"{h.http}/metrics")).text
         assert 'redpacket_hub_limited_total{limit="origin"} 3.0' in metrics
     with pytest.raises(ValueError, match="ALLOWED_ORIGINS"):
-        hub_settings.with_(allowed_origins="https://chat.example.com/app").check()
+        hub_settings.replace(allowed_origins="https://chat.example.com/app").check()
 
 
 async def test_up_lets_only_its_own_page_connect(tmp_path: Path) -> None:
@@ -682,7 +682,7 @@ async def test_metrics_can_be_kept_off_the_public_port(hub_settings: Settings) -
     """Before: /metrics answered anyone on the hub's port. With REDPACKET_METRICS_PORT they are served on
     that port (on REDPACKET_METRICS_HOST, loopback by default) and the hub's port answers 404."""
     port = free_port()
-    async with hub_in_process(hub_settings.with_(metrics_port=port)) as h:
+    async with hub_in_process(hub_settings.replace(metrics_port=port)) as h:
         async with httpx.AsyncClient(timeout=10) as http:
             public = await http.get(f"{h.http}/metrics")
             assert (public.status_code, public.json()["error"]["code"]) == (404, "not_found")

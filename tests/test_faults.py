@@ -257,7 +257,7 @@ async def test_redis_restarted_with_aof_in_a_grab_storm(core: Core, tmp_path: Pa
     not answered yet: what Redis wrote to the OS survives a kill of the process, so every grab answered
     "won" is paid as told, and a grab made but not answered is answered the same share on its retry."""
     async with redis_process(tmp_path) as r:
-        s = core.settings.with_(redis_url=r.url)
+        s = core.settings.replace(redis_url=r.url)
         async with open_core(s) as c:
             w = await make_world(c, members=60, admin_cents=100_000)
             p = await packets.send_packet(c, w.admin, w.group, "lucky", 6_000, 60)
@@ -343,7 +343,7 @@ async def test_redis_killed_and_restarted_under_two_workers_that_ride_it_out(
     """kill -9 of Redis while two ``redpacket worker`` processes run: neither exits, both resume on their
     own, and every grab made before and after is credited once. No process is restarted by the test."""
     async with redis_process(tmp_path) as r:
-        s = core.settings.with_(redis_url=r.url)
+        s = core.settings.replace(redis_url=r.url)
         env = worker_env(s)
         logs = [tmp_path / f"worker{i}.log" for i in range(2)]
         outputs = [log.open("w") for log in logs]

@@ -91,7 +91,7 @@ async def test_refusals_have_stable_codes(core: Core) -> None:
     assert await _grab_code(core, p.packet_id, w.group, w.members[0]) == "won"
     assert await _grab_code(core, p.packet_id, w.group, w.members[1]) == errors.PACKET_EMPTY
 
-    expired_core = dataclasses.replace(core, settings=core.settings.with_(packet_ttl_seconds=0))
+    expired_core = dataclasses.replace(core, settings=core.settings.replace(packet_ttl_seconds=0))
     q = await packets.send_packet(expired_core, w.admin, w.group, "lucky", 100, 2)
     books = await _books(core)
     assert await _grab_code(core, q.packet_id, w.group, w.members[0]) == errors.PACKET_EXPIRED
@@ -106,7 +106,9 @@ async def test_refusals_have_stable_codes(core: Core) -> None:
 async def test_the_gate_charges_one_attempt_once_and_refuses_before_any_share_is_taken(core: Core) -> None:
     """The hub's block and rate limit run inside the grab script: a cold member cache or a packet
     recovered from the database (each a second call) never takes two tokens for one attempt."""
-    one_token = dataclasses.replace(core, settings=core.settings.with_(grabs_per_second=0.001, grabs_burst=1))
+    one_token = dataclasses.replace(
+        core, settings=core.settings.replace(grabs_per_second=0.001, grabs_burst=1)
+    )
     w = await make_world(core, members=4, admin_cents=10_000)
     p = await packets.send_packet(core, w.admin, w.group, "lucky", 400, 4)
     a, b, c, d = w.members
@@ -127,7 +129,7 @@ async def test_the_gate_charges_one_attempt_once_and_refuses_before_any_share_is
     ]
     assert len(await outbox(core, w.group)) == 2
     # No limit to speak of (a rate of a million a second, an interval under a millisecond): it passes.
-    unlimited = dataclasses.replace(core, settings=core.settings.with_(grabs_per_second=1_000_000.0))
+    unlimited = dataclasses.replace(core, settings=core.settings.replace(grabs_per_second=1_000_000.0))
     assert await _grab_code(unlimited, p.packet_id, w.group, d, gate=True) == "won"
     assert await _grab_code(unlimited, p.packet_id, w.group, d, gate=True) == "already"
     # Without the gate (not the hub) neither applies.

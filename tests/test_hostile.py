@@ -155,7 +155,7 @@ async def h_any(
     """A hub on each database: SQLite's integers stop at 2**63 - 1 and it refuses bigger ones loudly."""
     s = hub_settings
     if request.param == "sqlite":
-        s = s.with_(database_url=f"sqlite:///{tmp_path_factory.mktemp('db') / 'hub.sqlite3'}")
+        s = s.replace(database_url=f"sqlite:///{tmp_path_factory.mktemp('db') / 'hub.sqlite3'}")
     async with hub_in_process(s) as hub:
         yield hub  # type: ignore[misc]
 
@@ -232,7 +232,7 @@ async def test_every_http_error_is_the_documented_json(
 @pytest.fixture
 async def h_quick(hub_settings: Settings) -> HubUnderTest:
     """A hub that gives a connection one second to send its request whole."""
-    async with hub_in_process(hub_settings.with_(handshake_seconds=1.0)) as hub:
+    async with hub_in_process(hub_settings.replace(handshake_seconds=1.0)) as hub:
         yield hub  # type: ignore[misc]
 
 
@@ -418,7 +418,7 @@ async def test_the_chat_backends_routes_take_larger_bodies(hub_settings: Setting
     under its own."""
     key = "k" * 32
     async with (
-        hub_in_process(hub_settings.with_(service_key=key)) as h,
+        hub_in_process(hub_settings.replace(service_key=key)) as h,
         httpx.AsyncClient(base_url=h.http, timeout=60, headers={"authorization": f"Bearer {key}"}) as http,
     ):
         for u in (1, 2):

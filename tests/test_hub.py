@@ -15,9 +15,9 @@ import websockets
 from websockets.exceptions import ConnectionClosed
 
 from server.core import open_core
-from server.hub import bots, known, protocol
+from server.hub import bots, packetcache, protocol
 from server.hub.botscore import Attempt
-from server.hub.known import Closed, local_refusal
+from server.hub.packetcache import Closed, local_refusal
 from server.hub.tokens import make_token
 from server.money.ledger import now_ms
 from server.settings import Settings
@@ -282,7 +282,7 @@ async def test_bad_frames_get_errors_and_the_hub_keeps_serving(h: HubUnderTest) 
 async def test_a_client_that_never_reads_is_dropped_and_the_room_gets_everything(
     hub_settings: Settings,
 ) -> None:
-    s = hub_settings.with_(
+    s = hub_settings.replace(
         msgs_per_second=1e6,
         msgs_burst=10**6,
         user_msgs_per_second=1e6,
@@ -319,13 +319,13 @@ async def _never_reads(h: HubUnderTest) -> None:
 
 
 async def test_rate_limits_and_blocks(hub_settings: Settings) -> None:
-    s = hub_settings.with_(grabs_per_second=0.001, grabs_burst=2, msgs_per_second=0.001, msgs_burst=5)
+    s = hub_settings.replace(grabs_per_second=0.001, grabs_burst=2, msgs_per_second=0.001, msgs_burst=5)
     async with hub_in_process(s) as h:
         room = await make_room(h, 1)
         admin = await h.client(room.admin_token)
         member = await h.client(room.members[0][1])
         # Two shares: the second is still there when the blocked admin tries (a grab of a packet the hub
-        # knows is empty is answered packet_empty before any block: server.hub.known).
+        # knows is empty is answered packet_empty before any block: server.hub.packetcache).
         sent = await admin.request("send", group=room.group, total=300, count=2)
         codes = []
         for _ in range(3):
@@ -372,7 +372,7 @@ async def test_presence_across_connections(h: HubUnderTest) -> None:
 
 
 async def test_dead_connections_are_found_by_heartbeat(hub_settings: Settings) -> None:
-    s = hub_settings.with_(ws_ping_interval=0.2, ws_ping_timeout=0.2)
+    s = hub_settings.replace(ws_ping_interval=0.2, ws_ping_timeout=0.2)
     async with hub_in_process(s) as h:
         uid, token = await h.login("ghost")
         # A client that completes the handshake and then never answers a ping.
@@ -423,7 +423,7 @@ async def test_grab_storm_is_announced_in_coalesced_events(h: HubUnderTest) -> N
 async def test_a_bot_that_grabs_faster_than_a_human_is_blocked_and_can_be_lifted(
     hub_settings: Settings,
 ) -> None:
-    s = hub_settings.with_(grabs_per_second=1000, grabs_burst=1000)
+    s = hub_settings.replace(grabs_per_second=1000, grabs_burst=1000)
     async with hub_in_process(s) as h:
         room = await make_room(h, 2)
         admin = await h.client(room.admin_token)
@@ -584,7 +584,7 @@ async def test_grab_attempts_a_redis_away_could_not_take_are_written_once_it_is_
     """Redis dies under a hub: the attempts are kept (those the detector still reads), the write is
     tried again after a growing pause, not every interval, and once Redis is back they go out by
     themselves, none dropped, no task dead."""
-    async with redis_process(tmp_path) as r, open_core(h.core.settings.with_(redis_url=r.url)) as c:
+    async with redis_process(tmp_path) as r, open_core(h.core.settings.replace(redis_url=r.url)) as c:
         log = bots.AttemptLog(c, interval=0.05)
         now = now_ms()
         await r.kill()
@@ -620,7 +620,7 @@ def test_big_room_announcements_list_the_latest_grabs_and_what_is_left() -> None
 
 
 async def test_a_big_room_storm_sends_each_member_a_bounded_list(hub_settings: Settings) -> None:
-    s = hub_settings.with_(big_room_online=3, big_room_grabs_listed=2, grab_coalesce_ms=200)
+    s = hub_settings.replace(big_room_online=3, big_room_grabs_listed=2, grab_coalesce_ms=200)
     async with hub_in_process(s) as h:
         room = await make_room(h, 12)
         admin = await h.client(room.admin_token)
@@ -674,7 +674,7 @@ async def test_grabs_of_a_closed_or_unknown_packet_are_answered_by_the_hub(h: Hu
     won = await winner.request("grab", group=room.group, packet=sent["packet_id"])
     assert (won["outcome"], won["remaining"]) == ("won", 0)
     # The last share went: the hub reads the packet's final state once, then answers from memory.
-    await eventually(lambda: sent["packet_id"] in h.hub.known.closed)
+    await eventually(lambda: sent["packet_id"] in h.hub.packet_cache.closed)
     before = _answered_locally(h)
     with pytest.raises(HubError) as e:
         await late.request("grab", group=room.group, packet=sent["packet_id"])
@@ -724,8 +724,8 @@ def test_a_local_answer_is_the_one_the_grab_script_gives() -> None:
 async def test_a_storm_sends_redis_about_as_many_grabs_as_shares(
     h: HubUnderTest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(known, "FIRST_FLIGHT", 2)
-    monkeypatch.setattr(known, "MIN_FLIGHT", 1)
+    monkeypatch.setattr(packetcache, "FIRST_FLIGHT", 2)
+    monkeypatch.setattr(packetcache, "MIN_FLIGHT", 1)
     room = await make_room(h, 30, "storm")
     admin = await h.client(room.admin_token)
     members = [await h.client(t) for _, t in room.members]
@@ -745,7 +745,7 @@ async def test_a_storm_sends_redis_about_as_many_grabs_as_shares(
     assert sum(a for _, a in got) == 300
     # Most of the 27 waited for a slot and were answered from the packet's final state.
     assert _answered_locally(h) - before >= 20
-    assert h.hub.known.flights == {}
+    assert h.hub.packet_cache.flights == {}
     for c in [admin, *members]:
         await c.close()
 
@@ -782,22 +782,22 @@ async def test_the_hot_packet_gauges_read_the_storm_admission() -> None:
     from typing import cast
 
     from server.core import Core
-    from server.hub.known import Known
+    from server.hub.packetcache import PacketCache
 
-    k = Known(cast(Core, None))
+    k = PacketCache(cast(Core, None))
     assert k.hottest() == (0, 0, 0)
-    monkey_first = known.FIRST_FLIGHT
+    monkey_first = packetcache.FIRST_FLIGHT
     try:
-        known.FIRST_FLIGHT = 2
+        packetcache.FIRST_FLIGHT = 2
         assert k.admit(7) is True and k.admit(7) is True
         waiting = [k.admit(7), k.admit(7), k.admit(7)]
         assert k.admit(8) is True
         assert k.hottest() == (2, 3, 0)  # nothing has landed yet: shares left unknown
-        k.landed(7, 40)  # 40 left: every waiting grab goes
+        k.answered(7, 40)  # 40 left: every waiting grab goes
         assert all(isinstance(w, asyncio.Future) and w.result() is True for w in waiting)
         assert k.hottest() == (2, 0, 40)
     finally:
-        known.FIRST_FLIGHT = monkey_first
+        packetcache.FIRST_FLIGHT = monkey_first
 
 
 async def test_a_channel_left_and_wanted_again_at_once_is_not_a_moved_slot(

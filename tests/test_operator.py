@@ -29,7 +29,7 @@ async def test_redis_over_a_unix_socket(tmp_path: Path, hub_settings: Settings) 
     connection (TypeError: … unexpected keyword argument 'identities')."""
     sock = tmp_path / "r.sock"
     async with redis_process(tmp_path / "redis", "--unixsocket", str(sock), "--unixsocketperm", "700"):
-        settings = hub_settings.with_(redis_url=f"unix://{sock}", queue_redis_url="")
+        settings = hub_settings.replace(redis_url=f"unix://{sock}", queue_redis_url="")
         async with hub_in_process(settings, run_worker=True) as h:
             admin, admin_token = await h.login("wang")
             member, member_token = await h.login("li")

@@ -29,7 +29,7 @@ async def _code(c: HubClient, kind: str, **fields: object) -> str:
 async def test_while_redis_is_down_requests_answer_redis_unavailable_and_move_nothing(
     hub_settings: Settings, tmp_path: Path
 ) -> None:
-    async with redis_process(tmp_path) as r, hub_in_process(hub_settings.with_(redis_url=r.url)) as h:
+    async with redis_process(tmp_path) as r, hub_in_process(hub_settings.replace(redis_url=r.url)) as h:
         room = await make_room(h, 1)
         admin = await h.client(room.admin_token)
         member = await h.client(room.members[0][1])

@@ -91,7 +91,7 @@ async def test_the_rate_limit_answers_then_closes_after_the_burst_plus_one(hub_s
     request gets exactly one reply."""
     says("the connection is closed with 4029 right after the answer to the (`REDPACKET_MSGS_BURST` + 1)th")
     says("Every request gets **exactly one reply** with the same `id` (requests sent after the hub closed")
-    async with hub_in_process(hub_settings.with_(msgs_per_second=0.001, msgs_burst=3)) as hub:
+    async with hub_in_process(hub_settings.replace(msgs_per_second=0.001, msgs_burst=3)) as hub:
         _, token = await hub.login("flood")
         c = await hub.client(token, sync=False)
         for i in range(10):

@@ -93,13 +93,13 @@ async def test_a_backends_scripted_clients_can_be_exempted(core: Core) -> None:
     now = now_ms()
     fast = [[7, 1, packet, 5, "", now] for packet in range(3)]  # three grabs 5 ms after the packet showed
     await core.redis.xadd(keys.grab_attempts(), {"a": msgpack.packb(fast)})
-    exempt = core.settings.with_(bot_exempt_users="7, 8")
+    exempt = core.settings.replace(bot_exempt_users="7, 8")
     exempt.check()
     assert await run_detector(dataclasses.replace(core, settings=exempt), now=now) == {}
     assert (await run_detector(core, now=now))[7].action == "block"
     assert score([Attempt(7, 1, 1, 5, "", now)] * 3, Rules(exempt=exempt.bot_exempt_user_ids), now) == {}
     with pytest.raises(ValueError, match="BOT_EXEMPT_USERS"):
-        core.settings.with_(bot_exempt_users="seven").check()
+        core.settings.replace(bot_exempt_users="seven").check()
 
 
 def test_the_layout_table_names_every_module() -> None:

@@ -204,7 +204,7 @@ async def test_a_credit_in_flight_when_redis_lost_its_grab_keeps_its_share(
     if guard == "off":
         monkeypatch.setattr(packets, "_locked", _unlocked)
     async with redis_process(tmp_path, "--appendfsync", "no", fsyncs=tmp_path / "fsyncs") as r:
-        async with open_core(core.settings.with_(redis_url=r.url, grab_durability="none")) as c:
+        async with open_core(core.settings.replace(redis_url=r.url, grab_durability="none")) as c:
             w = await make_world(c, members=4, admin_cents=10_000)
             p = await packets.send_packet(c, w.admin, w.group, "lucky", 1_000, 4)
             a, x = w.members[:2]

@@ -26,7 +26,7 @@ KEY = "service-key-of-the-chat-backend-0123456789"
 
 @pytest.fixture
 async def hub(hub_settings: Settings) -> AsyncIterator[HubUnderTest]:
-    async with hub_in_process(hub_settings.with_(service_key=KEY, demo_topup=False), run_worker=True) as h:
+    async with hub_in_process(hub_settings.replace(service_key=KEY, demo_topup=False), run_worker=True) as h:
         yield h
 
 

@@ -165,7 +165,7 @@ async def test_the_periodic_jobs(core: Core) -> None:
         f"{core.namespace}:score_bots_job",
     } <= names
     w = await make_world(core, members=1, admin_cents=10_000)
-    expired = dataclasses.replace(core, settings=core.settings.with_(packet_ttl_seconds=0))
+    expired = dataclasses.replace(core, settings=core.settings.replace(packet_ttl_seconds=0))
     await packets.send_packet(expired, w.admin, w.group, "lucky", 400, 1)
     ctx: Ctx = {"core": core}
     assert (await refund_expired_job(ctx)).get("refunded") == 1
@@ -216,7 +216,7 @@ async def test_a_refund_waits_while_redis_is_unreachable(
         monkeypatch.setattr(settlement, "read_grabs", _blind(settlement.read_grabs, settlement.Seen([], [])))
         monkeypatch.setattr(settlement, "recover_packet", _blind(settlement.recover_packet, None))
     async with redis_process(tmp_path) as r:
-        async with open_core(core.settings.with_(redis_url=r.url)) as c:
+        async with open_core(core.settings.replace(redis_url=r.url)) as c:
             w = await make_world(c, members=3, admin_cents=10_000)
             p = await packets.send_packet(c, w.admin, w.group, "lucky", 900, 3)
             told = (await grabs.grab(c, p.packet_id, w.group, w.members[0])).grab

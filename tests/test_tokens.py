@@ -246,7 +246,7 @@ async def test_a_jwks_with_a_rotating_kid_is_fetched_again_for_a_new_key_within_
 async def test_a_hub_taking_rs256_tokens_opens_sockets_and_the_api_for_them_and_no_others(
     hub_settings: Settings,
 ) -> None:
-    s = hub_settings.with_(jwt_public_key=RSA_PUBLIC, jwt_audience="redpacket", dev_login=True)
+    s = hub_settings.replace(jwt_public_key=RSA_PUBLIC, jwt_audience="redpacket", dev_login=True)
     async with hub_in_process(s) as hub:
         assert (await hub.api("POST", "/api/login", name="li"))["error"]["code"] == "disabled"
         ours = signed(RSA, "RS256", sub="9001", aud="redpacket")

@@ -622,7 +622,7 @@ async def test_an_expired_packet_says_so_by_itself_and_opens_to_its_result(
     browser: Browser, hub_settings: Settings
 ) -> None:
     # Packets that expire two seconds after they are sent.
-    async with hub_in_process(hub_settings.with_(packet_ttl_seconds=2), run_worker=True) as hub:
+    async with hub_in_process(hub_settings.replace(packet_ttl_seconds=2), run_worker=True) as hub:
         _, bob, group, sender, page = await bob_on_his_phone_in_club(browser, hub)
         sent = await sender.request("send", group=group, total=500, count=2, greeting="too slow")
         bubble = page.locator(f".packet[data-packet='{sent['packet_id']}']")
@@ -654,7 +654,7 @@ async def test_refusals_are_shown_in_words_and_removal_takes_effect_on_the_page(
 ) -> None:
     # One grab attempt per user, then a long wait.
     async with hub_in_process(
-        hub_settings.with_(grabs_per_second=0.001, grabs_burst=1), run_worker=True
+        hub_settings.replace(grabs_per_second=0.001, grabs_burst=1), run_worker=True
     ) as hub:
         alice_token, bob, group, sender, page = await bob_on_his_phone_in_club(browser, hub)
 
@@ -696,7 +696,7 @@ async def open_by_its_coin_refused(page: Page, packet_id: int) -> None:
 async def test_a_hub_without_name_login_says_how_to_get_in(browser: Browser, hub_settings: Settings) -> None:
     """Before: beside a chat backend the page's login answered "That is switched off on this server." and
     nothing more."""
-    async with hub_in_process(hub_settings.with_(dev_login=False, demo_topup=False)) as hub:
+    async with hub_in_process(hub_settings.replace(dev_login=False, demo_topup=False)) as hub:
         page = await open_page(browser, hub.http, PHONE)
         await page.fill("#login-name", "li")
         await page.click("#login-form button[type=submit]")

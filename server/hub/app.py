@@ -37,12 +37,12 @@ from server.hub.session import websocket_endpoint
 from server.hub.tokens import make_token
 from server.money import grabs, groups, ledger
 from server.settings import Settings
-from server.store.shipped import shipped_dir
+from server.store.assets import asset_dir
 
 log = logging.getLogger(__name__)
 
 
-WEB_DIR = shipped_dir("web")
+WEB_DIR = asset_dir("web")
 
 
 def _demo(core: Core, what: str, on: bool) -> None:
@@ -279,7 +279,7 @@ def create_app(
         async with open_core(settings) as core, Hub(core, hub_metrics) as hub:
             app.state.core, app.state.hub = core, hub
             hub_metrics.read_pools(core.nodes.connections_in_use, core.db.connections_in_use)
-            hub_metrics.read_hot(hub.known.hottest)
+            hub_metrics.read_hot(hub.packet_cache.hottest)
             frames = hub_metrics.frames_in
             background = [asyncio.create_task(hub_metrics.watch_loop())]
             apart = None

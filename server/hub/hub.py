@@ -22,8 +22,8 @@ from server.core import Core, transient
 from server.hub import events, protocol
 from server.hub.announce import Announcer
 from server.hub.bots import AttemptLog
-from server.hub.known import Known
 from server.hub.metrics import HubMetrics
+from server.hub.packetcache import PacketCache
 from server.hub.protocol import Format, offset_key
 from server.hub.ratelimit import KeyedBuckets
 from server.hub.subscriber import Subscriber
@@ -183,7 +183,7 @@ class Hub:
         self.local: dict[tuple[int, int], int] = {}
         self.delivered: dict[int, str] = {}
         self.announcer = Announcer(self)
-        self.known = Known(core)
+        self.packet_cache = PacketCache(core)
         self.member_counts = MemberCounts()
         self._presence_pending: list[tuple[int, int, str]] = []
         self._fanouts: deque[_FanOut] = deque()
@@ -438,11 +438,11 @@ class Hub:
         if not conns:
             return
         if kind == "finished":
-            self.known.saw_closed(g, int(data["packet_id"]))
+            self.packet_cache.mark_closed(g, int(data["packet_id"]))
         packet = None
         if kind == "packet":
             packet = int(data["packet_id"])
-            self.known.saw_packet(g, packet)
+            self.packet_cache.mark_announced(g, packet)
         job = _FanOut(g, offset_key(offset), protocol.event(g, offset, kind, data), list(conns), packet)
         self._fanouts.append(job)
         if len(self._fanouts) == 1:

@@ -132,7 +132,7 @@ class HubMetrics:
         self.db_in_use.set_function(db)
 
     def read_hot(self, hottest: Callable[[], tuple[int, int, int]]) -> None:
-        """The storm admission's state (``Known.hottest``), read when scraped."""
+        """The storm admission's state (``PacketCache.hottest``), read when scraped."""
         self.hot_packets.set_function(lambda: hottest()[0])
         self.grabs_waiting.set_function(lambda: hottest()[1])
         self.hot_packet_shares_left.set_function(lambda: hottest()[2])

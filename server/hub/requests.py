@@ -30,10 +30,10 @@ Answer = dict[str, Any] | Awaitable[dict[str, Any]]
 
 @dataclass(frozen=True)
 class Later:
-    """An answer that waits for ``turn`` without a task of its own; then ``then(turn's result)``."""
+    """An answer that waits for ``turn`` without a task of its own; then ``answer(turn's result)``."""
 
     turn: asyncio.Future[bool]
-    then: Callable[[bool], Answer]
+    answer: Callable[[bool], Answer]
 
 
 # A handler answers at once (a dict), returns what to await for the answer, or a ``Later``; errors are
@@ -147,7 +147,7 @@ async def on_send(s: Session, body: dict[str, Any]) -> dict[str, Any]:
         request_id,
     )
     # Paid for and saved: announced now, or (offset null) by a retry or a worker once Redis is back.
-    s.hub.known.saw_packet(group, p.packet_id)
+    s.hub.packet_cache.mark_announced(group, p.packet_id)
     offset = await announce.announce_packet(s.core, p)
     if offset is not None and not p.replay:
         s.hub.metrics.events_published.inc()
@@ -157,7 +157,7 @@ async def on_send(s: Session, body: dict[str, Any]) -> dict[str, Any]:
 def on_grab(s: Session, body: dict[str, Any]) -> Answer | Later:
     started = time.perf_counter()
     metrics = s.hub.metrics
-    kp = s.hub.known
+    kp = s.hub.packet_cache
     try:
         group = s.member_of(body)
         packet_id = field_id(body, "packet", errors.PACKET_NOT_FOUND)
@@ -173,18 +173,20 @@ def on_grab(s: Session, body: dict[str, Any]) -> Answer | Later:
     if turn is True:
         return _grab(s, group, packet_id, started)
 
-    def then(admitted: bool) -> Answer:
+    def answer(admitted: bool) -> Answer:
         if not admitted:
             _refuse_if_known(s, group, packet_id, started)
-            kp.go(packet_id)  # a winner (only Redis answers their share), or the state could not be read
+            kp.admit_anyway(
+                packet_id
+            )  # a winner (only Redis answers their share), or the state could not be read
         return _grab(s, group, packet_id, started)
 
     assert not isinstance(turn, bool)
-    return Later(turn, then)
+    return Later(turn, answer)
 
 
 def _refuse_if_known(s: Session, group: int, packet_id: int, started: float | None = None) -> None:
-    refusal = s.hub.known.refusal(group, packet_id, s.conn.user_id)
+    refusal = s.hub.packet_cache.refusal(group, packet_id, s.conn.user_id)
     if refusal is None:
         return
     metrics = s.hub.metrics
@@ -199,25 +201,25 @@ _OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
 
 
 async def _grab(s: Session, group: int, packet_id: int, started: float) -> dict[str, Any]:
-    """The grab in Redis, with a slot of the packet's flight (``Known.admit``) already taken."""
+    """The grab in Redis, with a slot of the packet's flight (``PacketCache.admit``) already taken."""
     metrics = s.hub.metrics
-    kp = s.hub.known
+    kp = s.hub.packet_cache
     remaining: int | None = None
     try:
         r = await grabs.grab(s.core, packet_id, group, s.conn.user_id, gate=True)
         remaining = r.remaining
         if remaining == 0:
-            kp.saw_closed(group, packet_id)
+            kp.mark_closed(group, packet_id)
     except RedPacketError as e:
         metrics.grab_outcomes.labels(_OUTCOMES.get(e.code, e.code)).inc()
         if e.code in _OUTCOMES:
             remaining = 0
-            kp.saw_closed(group, packet_id)
+            kp.mark_closed(group, packet_id)
         elif e.code == errors.PACKET_NOT_FOUND:
-            kp.saw_unknown(group, packet_id)
+            kp.mark_unknown(group, packet_id)
         raise
     finally:
-        kp.landed(packet_id, remaining)
+        kp.answered(packet_id, remaining)
         metrics.grab_seconds.observe(time.perf_counter() - started)
     metrics.grab_outcomes.labels(r.outcome).inc()
     if r.outcome == "won":

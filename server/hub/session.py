@@ -136,7 +136,7 @@ class Session:
 
     def _after(self, rid: int | str, kind: str, later: Later, turn: asyncio.Future[bool]) -> None:
         try:
-            result = later.then(not turn.cancelled() and turn.result())
+            result = later.answer(not turn.cancelled() and turn.result())
         except Exception as e:
             self._answer(kind, self._error(rid, kind, e))
             self._next()

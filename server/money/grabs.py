@@ -44,7 +44,7 @@ class GrabResult:
 
 def refusal_error(code: str) -> RedPacketError:
     """The error a grab answers with for ``code`` (``packet_empty``, ``packet_expired``, ``not_target``;
-    anything else: ``packet_not_found``), whether Redis or the hub (``server.hub.known``) decided it."""
+    anything else: ``packet_not_found``), whether Redis or the hub (``server.hub.packetcache``) decided it."""
     if code == errors.PACKET_EMPTY:
         return Conflict(code, "every share has been grabbed")
     if code == errors.PACKET_EXPIRED:

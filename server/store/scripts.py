@@ -11,9 +11,9 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from server.store.shipped import shipped_dir
+from server.store.assets import asset_dir
 
-LUA_DIR = shipped_dir("lua")
+LUA_DIR = asset_dir("lua")
 
 
 def read_sources(directory: Path = LUA_DIR) -> dict[str, str]:

@@ -215,7 +215,7 @@ async def run_grab_bench(
     settings: Settings, grabs: int, groups_n: int = 12, plot: Path | None = None
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
-    s = settings.with_(
+    s = settings.replace(
         database_url=f"sqlite:///{tmp / 'bench.sqlite3'}",
         max_count=grabs,
         max_total_cents=grabs * 10,
@@ -276,7 +276,7 @@ async def run_grab_bench(
                     continue
                 durable = dataclasses.replace(
                     core,
-                    settings=core.settings.with_(grab_durability=level),
+                    settings=core.settings.replace(grab_durability=level),
                     batcher=Batcher(core.nodes, level, core.settings.durability_timeout_ms),
                 )
                 with phase(f"durability {level}: {grabs:,} grabs over {len(spread)} groups"):

@@ -89,7 +89,7 @@ async def _raw(core: Core, credits: list[Credit], batch: int) -> None:
 
 
 def _bench_settings(settings: Settings, tmp: Path, queue: str) -> Settings:
-    return settings.with_(
+    return settings.replace(
         database_url=settings.database_url or f"sqlite:///{tmp / 'bench.sqlite3'}",
         max_count=1000,
         max_total_cents=10**9,

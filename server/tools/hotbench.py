@@ -249,7 +249,7 @@ async def bench_hot(
     figures["ratio_p99"] = round(figures["hub_reply_p99_ms"] / max(figures["echo_p99_ms"], 0.1), 2)
     client_cpu = figures["hub_client_cpu_s"] / client_procs
     figures["limit"] = "client" if client_cpu > figures["hub_server_cpu_s"] / workers else "hub"
-    async with open_core(settings.with_(database_url=db_url)) as core:
+    async with open_core(settings.replace(database_url=db_url)) as core:
         view = await grabs.open_packet(core, packet_id, group, admin)
         figures["time_to_empty_ms"] = view.duration_ms
         paid = sum(g.amount for g in view.grabs)

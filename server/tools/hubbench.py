@@ -148,7 +148,7 @@ def bare_process(mode: str) -> Any:
 
 async def make_world(settings: Settings, db_url: str, users: int, topup: int) -> tuple[int, int, list[int]]:
     """Users (the first is the admin), one group with all of them, money for the admin."""
-    s = settings.with_(database_url=db_url, max_count=1000, max_total_cents=10**9)
+    s = settings.replace(database_url=db_url, max_count=1000, max_total_cents=10**9)
     async with open_core(s) as core:
         await fresh_ids(core)
         ids: list[int] = []
@@ -169,7 +169,7 @@ async def send_packets(
 ) -> list[int]:
     """``n`` equal packets of ``count`` shares; ``announced``: put up and shown to the room as a hub's
     send does (else only saved)."""
-    s = settings.with_(database_url=db_url, max_count=max(1000, count), max_total_cents=10**9)
+    s = settings.replace(database_url=db_url, max_count=max(1000, count), max_total_cents=10**9)
     ids = []
     async with open_core(s) as core:
         for _ in range(n):
@@ -274,7 +274,7 @@ async def bench_fanout(
             await ws.recv()  # welcome
             await ws.send(sync)
             await ws.recv()  # the sync reply
-        s = settings.with_(database_url=db_url)
+        s = settings.replace(database_url=db_url)
         async with open_core(s) as core:
             start = time.perf_counter()
             for i in range(events_n):

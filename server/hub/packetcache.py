@@ -12,7 +12,7 @@ That answer is right as long as Redis has not lost writes: what was read belongs
 failover may have put shares back).
 
 While a packet is being grabbed, a hub sends Redis at most about as many grabs of it at once as it has
-shares left (``admit``, ``landed``): the rest wait in order. When it empties, the waiting grabs are
+shares left (``admit``, ``answered``): the rest wait in order. When it empties, the waiting grabs are
 answered from its final state as above, instead of 9,000 script calls that can only say "empty". A
 waiting grab goes on to Redis as soon as a slot frees, or if the final state cannot be read.
 
@@ -75,7 +75,7 @@ def local_refusal(c: Closed, group: int, user: int, now_ms: int) -> str | None:
     return None
 
 
-class Known:
+class PacketCache:
     def __init__(self, core: Core, remember: int = 10_000) -> None:
         self.core = core
         self.remember = remember
@@ -88,8 +88,8 @@ class Known:
 
     def admit(self, packet_id: int) -> bool | asyncio.Future[bool]:
         """A slot to send a grab of this packet to Redis: True now, or a future that says when. True:
-        go (and call ``landed`` after); False: the packet closed meanwhile, ask ``refusal`` first (a
-        winner still goes, with ``go``)."""
+        go (and call ``answered`` after); False: the packet closed meanwhile, ask ``refusal`` first (a
+        winner still goes, with ``admit_anyway``)."""
         flight = self._flight(packet_id)
         if flight.inflight < flight.limit and not flight.waiting:
             flight.inflight += 1
@@ -98,7 +98,7 @@ class Known:
         flight.waiting.append(turn)
         return turn
 
-    def go(self, packet_id: int) -> None:
+    def admit_anyway(self, packet_id: int) -> None:
         """A grab sent to Redis without waiting its turn (after ``admit`` answered False)."""
         self._flight(packet_id).inflight += 1
 
@@ -108,7 +108,7 @@ class Known:
             flight = self.flights[packet_id] = Flight()
         return flight
 
-    def landed(self, packet_id: int, remaining: int | None) -> None:
+    def answered(self, packet_id: int, remaining: int | None) -> None:
         """A grab sent to Redis was answered: ``remaining`` shares are left (0 when it answered empty or
         expired; None when it did not say). Lets waiting grabs go while shares are left."""
         flight = self.flights.get(packet_id)
@@ -179,19 +179,19 @@ class Known:
             code = errors.PACKET_NOT_FOUND
         return code
 
-    def saw_closed(self, group: int, packet_id: int) -> None:
+    def mark_closed(self, group: int, packet_id: int) -> None:
         """The packet can no longer be won: read its final state once, in the background."""
         if packet_id in self.closed or packet_id in self._loading:
             return
         self._loading[packet_id] = asyncio.get_running_loop().create_task(self._load(group, packet_id))
 
-    def saw_unknown(self, group: int, packet_id: int) -> None:
+    def mark_unknown(self, group: int, packet_id: int) -> None:
         self.unknown[(group, packet_id)] = time.monotonic() + UNKNOWN_SECONDS
         self.unknown.move_to_end((group, packet_id))
         while len(self.unknown) > self.remember:
             self.unknown.popitem(last=False)
 
-    def saw_packet(self, group: int, packet_id: int) -> None:
+    def mark_announced(self, group: int, packet_id: int) -> None:
         """A packet was announced (or sent here): its id is no longer unknown."""
         self.unknown.pop((group, packet_id), None)
 

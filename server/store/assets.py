@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 
-def shipped_dir(name: str) -> Path:
+def asset_dir(name: str) -> Path:
     """The source tree's folder (also under an editable install), else where a wheel installs it:
     ``<prefix>/share/redpacket/<name>`` (pyproject's data-files)."""
     here = Path(__file__).resolve().parents[2] / name
