@@ -1,8 +1,9 @@
 """The database behind the ledger: MySQL/MariaDB through aiomysql, or SQLite through aiosqlite.
 
-SQL is written once with ``%s`` placeholders. Every dialect difference lives in ``Dialect`` below:
-placeholders, shared row locks, DDL tokens, and how a write transaction begins. Errors from either driver
-come out as the two classes here, so callers never import a driver.
+SQL is written once with ``%s`` placeholders. Every dialect difference lives in ``Dialect``
+(``server.store.dialect``): placeholders, row locks, DDL tokens; how a write transaction begins is each
+driver's class below. Errors from either driver come out as the classes here, so callers never import a
+driver.
 
 **An unknown outcome.** A connection lost while COMMIT is in flight (the server may have committed and its
 answer was lost) raises ``CommitUnknown``. ``Database.run`` runs the work again only when the caller says
@@ -24,7 +25,6 @@ import secrets
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
@@ -32,6 +32,8 @@ from urllib.parse import unquote, urlparse
 import aiomysql
 import aiosqlite
 import pymysql
+
+from server.store.dialect import MYSQL, SQLITE, Dialect
 
 log = logging.getLogger(__name__)
 
@@ -79,49 +81,6 @@ _MYSQL_RETRYABLE = {1205, 1213, 2006, 2013, 2014}
 _MYSQL_UNREACHABLE = {1040, 2003}
 # The connection went away (server gone, lost during the query): a COMMIT sent on it has no answer.
 _COMMIT_LOST = {2006, 2013}
-
-
-@dataclass(frozen=True)
-class Dialect:
-    name: str
-    # Appended to a SELECT that must hold a shared row lock until commit (SQLite has one writer anyway).
-    share_lock: str
-    # Appended to a SELECT that must hold an exclusive row lock until commit.
-    for_update: str
-    # Counts the tables named %s in the current database.
-    table_exists: str
-    # An INSERT that skips a row whose key is already there.
-    insert_ignore: str
-    ddl: dict[str, str]
-
-    def sql(self, statement: str) -> str:
-        return statement if self.name == "mysql" else statement.replace("%s", "?")
-
-    def concat(self, *parts: str) -> str:
-        """SQL that joins ``parts`` (expressions) into one string."""
-        return f"CONCAT({', '.join(parts)})" if self.name == "mysql" else "(" + " || ".join(parts) + ")"
-
-
-MYSQL = Dialect(
-    name="mysql",
-    share_lock=" LOCK IN SHARE MODE",
-    for_update=" FOR UPDATE",
-    table_exists="SELECT COUNT(*) FROM information_schema.tables"
-    " WHERE table_schema = DATABASE() AND table_name = %s",
-    insert_ignore="INSERT IGNORE",
-    ddl={
-        "id": "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
-        "table_options": " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
-    },
-)
-SQLITE = Dialect(
-    name="sqlite",
-    share_lock="",
-    for_update="",
-    table_exists="SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = %s",
-    insert_ignore="INSERT OR IGNORE",
-    ddl={"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "table_options": ""},
-)
 
 
 class Tx:
