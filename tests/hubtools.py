@@ -21,10 +21,10 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
-from server.cli import uvicorn_config
 from server.core import Core
 from server.hub.app import create_app
 from server.hub.hub import Hub
+from server.hub.wire import uvicorn_config
 from server.settings import Settings, child_env
 from server.tools.client import HubClient
 

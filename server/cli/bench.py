@@ -1,0 +1,36 @@
+"""``redpacket bench``: which benchmark of ``server.tools`` each name runs, once the services answer
+(docs/benchmarks.md; ``bench tokens``, pure CPU, needs neither and is run from ``server.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from server.cli.services import check_services
+from server.settings import Settings
+
+
+async def bench(settings: Settings, args: argparse.Namespace) -> None:
+    from server.tools import hotbench, hubbench
+    from server.tools.bench import run_db_read_bench, run_grab_bench
+    from server.tools.creditbench import bench_credit, bench_storm
+
+    await check_services(settings)
+    what = args.what
+    plot = Path(args.plot) if args.plot else None
+    if what == "grab":
+        await run_grab_bench(settings, args.grabs, plot=plot)
+    elif what == "db-read":
+        await run_db_read_bench(settings, plot=plot)
+    elif what == "hub-grab":
+        await hubbench.bench_hub_grab(settings, workers=args.workers, plot=plot)
+    elif what == "credit":
+        await bench_credit(settings, plot=plot)
+    elif what == "storm":
+        await bench_storm(settings, args.rate, args.seconds, plot=plot)
+    elif what == "fanout":
+        await hubbench.bench_fanout(settings, plot=plot)
+    else:
+        await hotbench.bench_hot(
+            settings, args.clients, workers=args.workers, client_procs=args.client_procs, plot=plot
+        )

@@ -1,0 +1,84 @@
+"""The ``redpacket`` command line: every command and its flags (``redpacket load`` parses its own)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="redpacket",
+        description="Live red packets in group chat: the hub, the worker, and the operator's tools.",
+        epilog="Settings come from REDPACKET_* environment variables (README: Configuration). Without"
+        " REDPACKET_REDIS_URL and REDPACKET_DATABASE_URL everything runs on an embedded Valkey and a"
+        " SQLite file under REDPACKET_DATA_DIR (.redpacket).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _system(sub)
+    sub.add_parser("migrate", help="apply database migrations (every start does this too)")
+    sub.add_parser("reconcile", help="check every cent; print a report; exit 1 on any difference")
+    blocks = sub.add_parser("blocks", help="list the users the bot detector blocked, and why and until when")
+    blocks.add_argument(
+        "--lift", type=int, metavar="USER", help="lift the block (and throttle) of this user id"
+    )
+    rec = sub.add_parser(
+        "recover", help="rebuild packets' Redis state from the database (safe while grabs go on)"
+    )
+    rec.add_argument(
+        "packet_ids", type=int, nargs="+", metavar="PACKET_ID", help="a packet whose Redis state to rebuild"
+    )
+    # Parsed by server.tools.load (every flag it does not know goes to Locust): listed here for --help only.
+    sub.add_parser(
+        "load",
+        add_help=False,
+        help="Locust step-up load against a hub (redpacket load --help; docs/load.md)",
+    )
+    _bench(sub)
+    return parser
+
+
+def _listen_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="address to listen on (default: REDPACKET_HOST or 127.0.0.1)")
+    p.add_argument(
+        "--port", type=int, help="port to listen on, 0 for any free one (default: REDPACKET_PORT or 8000)"
+    )
+
+
+def _system(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The commands that run the system: ``up``, ``serve`` and ``worker``."""
+    _listen_options(
+        sub.add_parser("up", help="the hub and a worker in one process, dev login and demo money on (a demo)")
+    )
+    serve = sub.add_parser(
+        "serve", help="the hub only (production; needs REDPACKET_SECRET; run workers apart)"
+    )
+    _listen_options(serve)
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="hub processes sharing the listening socket, one core each (default 1)",
+    )
+    wk = sub.add_parser(
+        "worker", help="the worker: credits, refunds, announcements, sweeper, reconciliation, bots"
+    )
+    wk.add_argument(
+        "--check", action="store_true", help="exit 0 if this host's worker is healthy (its metrics port)"
+    )
+
+
+def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser("bench", help="print benchmark figures and a JSON line (docs/benchmarks.md)")
+    bench.add_argument(
+        "what", choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm", "db-read", "tokens"]
+    )
+    bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
+    bench.add_argument("--clients", type=int, default=10_000, help="connected clients (hot)")
+    bench.add_argument(
+        "--workers", type=int, default=1, help="hub processes: serve --workers (hub-grab, hot)"
+    )
+    bench.add_argument("--client-procs", type=int, default=1, help="load client processes (hot)")
+    bench.add_argument("--rate", type=int, default=2_000, help="grabs per second (storm)")
+    bench.add_argument("--seconds", type=int, default=30, help="how long the grabs go on (storm)")
+    bench.add_argument("--plot", metavar="DIR", help="write PNG plots of the run into DIR")

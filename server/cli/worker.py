@@ -1,0 +1,73 @@
+"""``redpacket worker``: the worker process, and ``worker --check``, its health as a container asks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import time
+import urllib.request
+
+from server.cli.errors import OperatorError
+from server.cli.services import check_services
+from server.core import open_core
+from server.settings import Settings
+
+log = logging.getLogger("redpacket")
+
+
+async def run_worker(settings: Settings) -> None:
+    from prometheus_client import start_http_server
+
+    from worker.main import running_worker
+    from worker.metrics import WorkerMetrics
+
+    await check_services(settings)
+    async with open_core(settings) as core:
+        metrics = WorkerMetrics()
+        if settings.worker_metrics_port:
+            try:
+                start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
+            except OSError as e:
+                raise OperatorError(
+                    f"cannot serve worker metrics on {settings.host}:{settings.worker_metrics_port}:"
+                    f" {e.strerror} (set REDPACKET_WORKER_METRICS_PORT, 0 for none)"
+                ) from None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        # SIGINT/SIGTERM: the drain gives back the claims of a batch not yet paid (or they lapse), arq's
+        # running jobs are cancelled (each is idempotent and runs again later); then the process exits.
+        async with running_worker(core, metrics):
+            log.info("worker running; metrics on port %s", settings.worker_metrics_port or "(off)")
+            await stop.wait()
+
+
+def worker_healthy(settings: Settings) -> bool:
+    """The health of the worker whose metrics this host serves on ``REDPACKET_WORKER_METRICS_PORT``
+    (in compose: the worker of this container): healthy if its last heartbeat reached Redis and the
+    database within ``HEALTHY_WITHIN`` seconds."""
+    from worker.main import HEALTHY_WITHIN
+
+    if not settings.worker_metrics_port:
+        raise OperatorError(
+            "worker --check reads the worker's metrics: REDPACKET_WORKER_METRICS_PORT is 0", 2
+        )
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "", "::") else settings.host
+    url = f"http://{host}:{settings.worker_metrics_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+    except OSError as e:
+        print(f"unhealthy: no worker answers on {url} ({e})")
+        return False
+    beat = re.search(r"^redpacket_worker_healthy_at_seconds (\S+)$", text, re.MULTILINE)
+    at = float(beat[1]) if beat else 0.0
+    if not at:
+        print("unhealthy: the worker has not reached Redis and the database yet")
+        return False
+    age = time.time() - at
+    print(f"{'healthy' if age < HEALTHY_WITHIN else 'unhealthy'}: last heartbeat {age:.0f} s ago")
+    return age < HEALTHY_WITHIN
