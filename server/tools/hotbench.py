@@ -2,10 +2,9 @@
 of the same client in the same run.
 
 The client must be faster than what it measures, so it is not ``HubClient``: each client process
-(``--client-procs``) runs picows (a websocket client in Cython) with a callback per frame, tells replies
-from events by their first bytes and decodes only its own reply. The driver (this process) tells the
-client processes what to do over their stdin/stdout and gathers what they measured; times are
-``time.monotonic`` (one clock for every process on the machine).
+(``--client-procs``) is ``server.tools.hotclient`` (picows, a websocket client in Cython). The driver
+(this process) tells the client processes what to do over their stdin/stdout and gathers what they
+measured; times are ``time.monotonic`` (one clock for every process on the machine).
 
 In one run, with the same clients:
 
@@ -29,10 +28,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 
@@ -44,9 +42,6 @@ from server.tools import hubbench, plots
 from server.tools.progress import phase
 from server.tools.report import report
 
-WINDOW = 500  # handshakes in flight per client process
-
-
 # -- the driver ------------------------------------------------------------------------------------------
 
 
@@ -56,7 +51,7 @@ class ClientProcs:
     def __init__(self, n: int) -> None:
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "server.tools.hotbench"],
+                [sys.executable, "-m", "server.tools.hotclient"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -179,69 +174,16 @@ async def bench_hot(
     shares = min(shares, clients_n)  # a packet has at most as many shares as the group has members
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
-    admin, group, ids = await hubbench.make_world(settings, db_url, clients_n + 1, 10**8)
+    world = await hubbench.make_world(settings, db_url, clients_n + 1, 10**8)
+    admin, group, _ = world
     figures: dict[str, Any] = {"clients": clients_n, "shares": shares, "workers": workers}
     figures["client_procs"] = client_procs
     clients = ClientProcs(client_procs)
     try:
-        # 1. The bare echo: connecting, then one frame from every client at once.
-        async with hubbench.bare_process("echo") as (ws_url, bare_pid):
-            with phase(f"echo: connecting {clients_n:,} clients"):
-                connect = await _connect(clients, ws_url, clients_n, bare_pid)
-            figures["echo_connect_s"] = connect["s"]
-            figures["echo_connect_server_cpu_s"] = connect["server_cpu_s"]
-            figures["echo_connect_client_cpu_s"] = connect["client_cpu_s"]
-            with phase(f"echo: a frame from each of {clients_n:,} clients"):
-                echo = await _burst(clients, msgpack.packb({"id": 1, "type": "ping"}), bare_pid, None, False)
-            await clients.ask([{"cmd": "close"}] * client_procs)
-        figures["echo_all_replies_s"] = echo["all_replies_s"]
-        figures["echo_p50_ms"], figures["echo_p99_ms"] = echo["reply_p50_ms"], echo["reply_p99_ms"]
-        figures["echo_server_cpu_s"], figures["echo_client_cpu_s"] = (
-            echo["server_cpu_s"],
-            echo["client_cpu_s"],
+        echo = await _echo(clients, clients_n, figures)
+        hub, packet_id = await _hub(
+            settings, db_url, world, clients, clients_n=clients_n, shares=shares, figures=figures
         )
-
-        # 2. The hub: the same clients, synced to the group, grab one packet at once.
-        redis = await RedisNodes(settings.redis_url, 4).open()
-        extra = {"REDPACKET_WS_PING_INTERVAL": "120"}
-        async with hubbench.hub_process(settings, db_url, workers, **extra) as (ws_url, hub_pid):
-            http_url = ws_url.replace("ws://", "http://").removesuffix("/ws")
-            await asyncio.sleep(0.5 if workers > 1 else 0)  # every worker is listening (each says so)
-            rss_empty = hubbench.memory_kb(hub_pid, "VmRSS")
-            tokens = [hubbench.token(u) for u in ids[1:]]
-            with phase(f"hub: connecting {clients_n:,} clients"):
-                connect = await _connect(clients, ws_url, tokens, hub_pid)
-            figures["hub_connect_s"] = connect["s"]
-            figures["hub_connect_server_cpu_s"] = connect["server_cpu_s"]
-            figures["hub_connect_client_cpu_s"] = connect["client_cpu_s"]
-            # Then every client syncs the group (the hub sends it the room's events from then on).
-            sync = await _phase(clients, [{"cmd": "sync", "group": group}] * client_procs, hub_pid)
-            figures["hub_sync_s"] = sync["s"]
-            figures["hub_sync_server_cpu_s"] = sync["server_cpu_s"]
-            rss_idle = hubbench.memory_kb(hub_pid, "VmRSS")
-            figures["rss_per_connection_kb"] = round((rss_idle - rss_empty) / clients_n, 1)
-            (packet_id,) = await hubbench.send_packets(
-                settings, db_url, admin, group, 1, shares, announced=True
-            )
-            # Every client has been shown the packet before the burst (as a person would be).
-            await clients.ask([{"cmd": "await_packet"}] * client_procs)
-            gc_before = _gc_pauses(http_url) if workers == 1 else None
-            frame = msgpack.packb({"id": 1, "type": "grab", "group": group, "packet": packet_id})
-            with phase(f"hub: {clients_n:,} grabs of one {shares:,}-share packet"):
-                hub = await _burst(clients, frame, hub_pid, redis, True)
-            figures.update({f"hub_{k}": v for k, v in hub.items() if k not in ("outcomes", "points")})
-            figures["outcomes"] = hub["outcomes"]
-            if gc_before is not None:  # one process answers /metrics: the figures are its own
-                gc_after = _gc_pauses(http_url)
-                figures["hub_gc_pauses_in_burst"] = int(gc_after["n"] - gc_before["n"])
-                figures["hub_gc_ms_in_burst"] = round((gc_after["s"] - gc_before["s"]) * 1000, 1)
-                figures["hub_gc_pauses_over_10ms_in_burst"] = int(
-                    gc_after["over_10ms"] - gc_before["over_10ms"]
-                )
-                figures["hub_gc_longest_pause_ever_ms"] = round(gc_after["max"] * 1000, 1)
-            figures["hub_rss_peak_mb"] = round(hubbench.memory_kb(hub_pid, "VmHWM") / 1024, 1)
-            await clients.ask([{"cmd": "close"}] * client_procs)
-        await redis.aclose()
     finally:
         await clients.close()
     figures["ratio_connect"] = round(figures["hub_connect_s"] / figures["echo_connect_s"], 2)
@@ -249,15 +191,7 @@ async def bench_hot(
     figures["ratio_p99"] = round(figures["hub_reply_p99_ms"] / max(figures["echo_p99_ms"], 0.1), 2)
     client_cpu = figures["hub_client_cpu_s"] / client_procs
     figures["limit"] = "client" if client_cpu > figures["hub_server_cpu_s"] / workers else "hub"
-    async with open_core(settings.replace(database_url=db_url)) as core:
-        view = await grabs.open_packet(core, packet_id, group, admin)
-        figures["time_to_empty_ms"] = view.duration_ms
-        paid = sum(g.amount for g in view.grabs)
-        row = await core.db.fetchone(
-            "SELECT SUM(amount), COUNT(*) FROM red_packet_shares WHERE packet_id = %s", (packet_id,)
-        )
-        figures["over_issue_cents"] = paid - (int(row[0]) if row and row[0] is not None else 0)
-        figures["distinct_winners"] = len({g.user_id for g in view.grabs})
+    figures.update(await _paid(settings, db_url, packet_id, group, admin))
     report("hot", figures)
     if plot is not None:
         title = f"{clients_n:,} clients grab one {shares:,}-share packet"
@@ -276,178 +210,94 @@ async def bench_hot(
     return figures
 
 
-# -- a client process ------------------------------------------------------------------------------------
+async def _echo(clients: ClientProcs, clients_n: int, figures: dict[str, Any]) -> dict[str, Any]:
+    """1. The bare echo: connecting, then one frame from every client at once."""
+    async with hubbench.bare_process("echo") as (ws_url, bare_pid):
+        with phase(f"echo: connecting {clients_n:,} clients"):
+            connect = await _connect(clients, ws_url, clients_n, bare_pid)
+        figures["echo_connect_s"] = connect["s"]
+        figures["echo_connect_server_cpu_s"] = connect["server_cpu_s"]
+        figures["echo_connect_client_cpu_s"] = connect["client_cpu_s"]
+        with phase(f"echo: a frame from each of {clients_n:,} clients"):
+            echo = await _burst(clients, msgpack.packb({"id": 1, "type": "ping"}), bare_pid, None, False)
+        await clients.ask([{"cmd": "close"}] * len(clients.procs))
+    figures["echo_all_replies_s"] = echo["all_replies_s"]
+    figures["echo_p50_ms"], figures["echo_p99_ms"] = echo["reply_p50_ms"], echo["reply_p99_ms"]
+    figures["echo_server_cpu_s"], figures["echo_client_cpu_s"] = (
+        echo["server_cpu_s"],
+        echo["client_cpu_s"],
+    )
+    return echo
 
 
-def _client_main() -> None:
-    import gc
-    import os
-
-    import uvloop
-    from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
-
-    class Shared:
-        def __init__(self) -> None:
-            self.replies = 0
-            self.expected = 0
-            self.all_replied = asyncio.Event()
-            self.finished = 0
-            self.wait_finished = 0
-            self.all_finished = asyncio.Event()
-            self.shown = 0
-            self.all_shown = asyncio.Event()
-            self.frames = 0
-            self.synced = 0
-            self.all_synced = asyncio.Event()
-
-    class Client(WSListener):
-        def __init__(self, shared: Shared, echo: bool) -> None:
-            self.shared = shared
-            self.echo = echo
-            self.transport: WSTransport | None = None
-            self.ready = asyncio.get_running_loop().create_future()
-            self.sync_pending = False
-            self.sent_at = 0.0
-            self.replied_at = 0.0
-            self.outcome = ""
-            self.seen_finished = False
-            self.seen_packet = False
-
-        def on_ws_connected(self, transport: WSTransport) -> None:
-            self.transport = transport
-            if self.echo:
-                self.ready.set_result(None)
-
-        def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
-            if frame.msg_type != WSMsgType.BINARY:
-                return
-            data = frame.get_payload_as_bytes()
-            shared = self.shared
-            shared.frames += 1
-            if self.echo or data[6:12] == b"\xa5reply":
-                if self.sync_pending:  # the sync's reply: this client is live in the room
-                    self.sync_pending = False
-                    shared.synced += 1
-                    if shared.synced == len(CLIENTS):
-                        shared.all_synced.set()
-                    return
-                self.replied_at = time.monotonic()
-                reply: Any = (
-                    msgpack.unpackb(data) if not self.echo else {"ok": True, "data": {"outcome": "echo"}}
-                )
-                self.outcome = reply["data"]["outcome"] if reply["ok"] else reply["error"]["code"]
-                shared.replies += 1
-                if shared.replies == shared.expected:
-                    shared.all_replied.set()
-            elif data[6:14] == b"\xa7welcome":
-                if not self.ready.done():
-                    self.ready.set_result(None)
-            elif b"\xa6packet\xa4data" in data and not self.seen_packet:
-                self.seen_packet = True
-                shared.shown += 1
-                if shared.shown == len(CLIENTS):
-                    shared.all_shown.set()
-            elif b"\xa8finished" in data and not self.seen_finished:
-                self.seen_finished = True
-                shared.finished += 1
-                if shared.finished == shared.wait_finished:
-                    shared.all_finished.set()
-
-    CLIENTS: list[Client] = []
-
-    async def connect(shared: Shared, url: str, echo: bool, window: asyncio.Semaphore) -> Client:
-        async with window:
-            _, listener = await ws_connect(lambda: Client(shared, echo), url, websocket_handshake_timeout=120)
-            client = cast(Client, listener)
-            await asyncio.wait_for(client.ready, 120)
-            return client
-
-    async def run() -> None:
-        shared = Shared()
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=2**28)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-
-        def say(answer: dict[str, Any]) -> None:
-            sys.stdout.write(json.dumps(answer) + "\n")
-            sys.stdout.flush()
-
-        while line := await reader.readline():
-            command = json.loads(line)
-            cmd = command["cmd"]
-            if cmd == "connect":
-                CLIENTS.clear()
-                echo = isinstance(command["tokens"], int)
-                targets = (
-                    [command["url"]] * command["tokens"]
-                    if echo
-                    else [f"{command['url']}?token={t}" for t in command["tokens"]]
-                )
-                cpu, began = time.process_time(), time.monotonic()
-                window = asyncio.Semaphore(WINDOW)
-                CLIENTS.extend(await asyncio.gather(*(connect(shared, u, echo, window) for u in targets)))
-                gc.collect()
-                gc.freeze()
-                say({"began": began, "done": time.monotonic(), "cpu": time.process_time() - cpu})
-            elif cmd == "sync":
-                frame = msgpack.packb({"id": 0, "type": "sync", "groups": {str(command["group"]): None}})
-                shared.synced = 0
-                cpu, began = time.process_time(), time.monotonic()
-                for c in CLIENTS:
-                    c.sync_pending = True
-                    assert c.transport is not None
-                    c.transport.send(WSMsgType.BINARY, frame)
-                await asyncio.wait_for(shared.all_synced.wait(), 300)
-                say({"began": began, "done": time.monotonic(), "cpu": time.process_time() - cpu})
-            elif cmd == "await_packet":
-                await asyncio.wait_for(shared.all_shown.wait(), 120)
-                say({"shown": shared.shown})
-            elif cmd == "burst":
-                frame = bytes.fromhex(command["frame"])
-                shared.replies, shared.expected, shared.frames = 0, len(CLIENTS), 0
-                shared.all_replied.clear()
-                shared.wait_finished = len(CLIENTS) if command["wait_finished"] else 0
-                gc.disable()
-                cpu, went = time.process_time(), time.monotonic()
-                for c in CLIENTS:
-                    c.sent_at = time.monotonic()
-                    assert c.transport is not None
-                    c.transport.send(WSMsgType.BINARY, frame)
-                await asyncio.wait_for(shared.all_replied.wait(), 300)
-                if command["wait_finished"]:
-                    await asyncio.wait_for(shared.all_finished.wait(), 300)
-                used = time.process_time() - cpu
-                gc.enable()
-                outcomes: dict[str, int] = {}
-                for c in CLIENTS:
-                    outcomes[c.outcome] = outcomes.get(c.outcome, 0) + 1
-                say(
-                    {
-                        "went": went,
-                        "last_reply": max(c.replied_at for c in CLIENTS),
-                        "latencies_ms": [round((c.replied_at - c.sent_at) * 1000, 2) for c in CLIENTS],
-                        "replied_at": [c.replied_at for c in CLIENTS],
-                        "outcomes": outcomes,
-                        "cpu": used,
-                        "frames": shared.frames,
-                        "finished": shared.finished,
-                    }
-                )
-            elif cmd == "close":
-                for c in CLIENTS:
-                    if c.transport is not None:
-                        c.transport.disconnect()
-                CLIENTS.clear()
-                shared.finished = shared.shown = shared.synced = 0
-                shared.all_finished.clear()
-                shared.all_synced.clear()
-                shared.all_shown.clear()
-                gc.unfreeze()
-                say({"closed": True})
-        os._exit(0)
-
-    uvloop.run(run())
+async def _hub(
+    settings: Settings,
+    db_url: str,
+    world: tuple[int, int, list[int]],
+    clients: ClientProcs,
+    *,
+    clients_n: int,
+    shares: int,
+    figures: dict[str, Any],
+) -> tuple[dict[str, Any], int]:
+    """2. The hub: the same clients, synced to the group, grab one packet at once. The burst's figures
+    and the packet."""
+    admin, group, ids = world
+    workers, procs = figures["workers"], len(clients.procs)
+    redis = await RedisNodes(settings.redis_url, 4).open()
+    extra = {"REDPACKET_WS_PING_INTERVAL": "120"}
+    async with hubbench.hub_process(settings, db_url, workers, **extra) as (ws_url, hub_pid):
+        http_url = ws_url.replace("ws://", "http://").removesuffix("/ws")
+        await asyncio.sleep(0.5 if workers > 1 else 0)  # every worker is listening (each says so)
+        rss_empty = hubbench.memory_kb(hub_pid, "VmRSS")
+        tokens = [hubbench.token(u) for u in ids[1:]]
+        with phase(f"hub: connecting {clients_n:,} clients"):
+            connect = await _connect(clients, ws_url, tokens, hub_pid)
+        figures["hub_connect_s"] = connect["s"]
+        figures["hub_connect_server_cpu_s"] = connect["server_cpu_s"]
+        figures["hub_connect_client_cpu_s"] = connect["client_cpu_s"]
+        # Then every client syncs the group (the hub sends it the room's events from then on).
+        sync = await _phase(clients, [{"cmd": "sync", "group": group}] * procs, hub_pid)
+        figures["hub_sync_s"] = sync["s"]
+        figures["hub_sync_server_cpu_s"] = sync["server_cpu_s"]
+        rss_idle = hubbench.memory_kb(hub_pid, "VmRSS")
+        figures["rss_per_connection_kb"] = round((rss_idle - rss_empty) / clients_n, 1)
+        (packet_id,) = await hubbench.send_packets(settings, db_url, admin, group, 1, shares, announced=True)
+        # Every client has been shown the packet before the burst (as a person would be).
+        await clients.ask([{"cmd": "await_packet"}] * procs)
+        gc_before = _gc_pauses(http_url) if workers == 1 else None
+        frame = msgpack.packb({"id": 1, "type": "grab", "group": group, "packet": packet_id})
+        with phase(f"hub: {clients_n:,} grabs of one {shares:,}-share packet"):
+            hub = await _burst(clients, frame, hub_pid, redis, True)
+        figures.update({f"hub_{k}": v for k, v in hub.items() if k not in ("outcomes", "points")})
+        figures["outcomes"] = hub["outcomes"]
+        if gc_before is not None:  # one process answers /metrics: the figures are its own
+            figures.update(_gc_in_burst(gc_before, _gc_pauses(http_url)))
+        figures["hub_rss_peak_mb"] = round(hubbench.memory_kb(hub_pid, "VmHWM") / 1024, 1)
+        await clients.ask([{"cmd": "close"}] * procs)
+    await redis.aclose()
+    return hub, packet_id
 
 
-if __name__ == "__main__":
-    _client_main()
+def _gc_in_burst(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    return {
+        "hub_gc_pauses_in_burst": int(after["n"] - before["n"]),
+        "hub_gc_ms_in_burst": round((after["s"] - before["s"]) * 1000, 1),
+        "hub_gc_pauses_over_10ms_in_burst": int(after["over_10ms"] - before["over_10ms"]),
+        "hub_gc_longest_pause_ever_ms": round(after["max"] * 1000, 1),
+    }
+
+
+async def _paid(settings: Settings, db_url: str, packet_id: int, group: int, admin: int) -> dict[str, Any]:
+    """What the ledger says of the packet: how fast it emptied, over-issue, distinct winners."""
+    async with open_core(settings.replace(database_url=db_url)) as core:
+        view = await grabs.open_packet(core, packet_id, group, admin)
+        paid = sum(g.amount for g in view.grabs)
+        row = await core.db.fetchone(
+            "SELECT SUM(amount), COUNT(*) FROM red_packet_shares WHERE packet_id = %s", (packet_id,)
+        )
+        return {
+            "time_to_empty_ms": view.duration_ms,
+            "over_issue_cents": paid - (int(row[0]) if row and row[0] is not None else 0),
+            "distinct_winners": len({g.user_id for g in view.grabs}),
+        }
