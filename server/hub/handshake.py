@@ -16,8 +16,10 @@
 Every answer carries the HTTP API's JSON error (``request_timeout``, ``request_too_large``).
 
 What happens after the upgrade (the token check, the welcome) is bounded by the app itself
-(``server.hub.session``). These classes subclass uvicorn's own (``uvicorn.protocols``); the tests in
-``tests/test_hostile.py`` pin the behaviour, so an upgrade of uvicorn that moves it fails there.
+(``server.hub.session``). These classes subclass uvicorn's own (``uvicorn.protocols``), which are not its
+public API: ``RELIED_ON`` names what they take from them, ``server.hub.wire.check_uvicorn`` refuses to
+start on a uvicorn without it or outside the tested versions (pyproject.toml pins the same range), and
+the tests in ``tests/test_hostile.py`` pin the behaviour.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from http import HTTPStatus
 from typing import Any, ClassVar
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import SecurityError
+from websockets.server import ServerProtocol
 
 from server import errors
 from server.settings import Settings
@@ -243,6 +246,37 @@ class BoundedWebSocket(WebSocketsSansIOProtocol):
             answer = _answer(400, errors.BAD_REQUEST, "not a valid websocket upgrade request")
         self.transport.write(answer)
         self.transport.close()
+
+
+# What the classes above read, call or override of uvicorn's protocols (and of the websockets connection
+# uvicorn's websocket protocol holds as ``conn``): checked at start-up by ``server.hub.wire.check_uvicorn``.
+RELIED_ON: dict[type, tuple[str, ...]] = {
+    HttpToolsProtocol: (
+        "parser",
+        "transport",
+        "loop",
+        "cycle",
+        "url",
+        "headers",
+        "_unset_keepalive_if_required",
+        "_should_upgrade",
+        "_unsupported_upgrade_warning",
+        "handle_websocket_upgrade",
+        "data_received",
+        "connection_made",
+        "connection_lost",
+        "on_message_begin",
+        "on_url",
+        "on_header",
+        "on_headers_complete",
+        "on_body",
+        "on_message_complete",
+        "on_response_complete",
+    ),
+    RequestResponseCycle: ("response_complete", "more_body"),
+    WebSocketsSansIOProtocol: ("data_received", "handshake_initiated", "conn", "transport"),
+    ServerProtocol: ("handshake_exc", "data_to_send"),
+}
 
 
 def bounded_protocols(

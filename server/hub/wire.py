@@ -13,21 +13,45 @@ protocol class ``redpacket serve`` gives uvicorn) hands each complete message to
 The handshake, pings, the close handshake and parsing stay uvicorn's and websockets'. The end of the
 socket (closed by the client, lost, timed out, or the server shutting down) is told to the listener
 too (``on_gone``), so the endpoint waits on one future, not on a task reading ASGI messages.
+
+**Why uvicorn is pinned.** ``HubWebSocket`` subclasses uvicorn's websockets-sansio protocol and reads its
+private state (``queue``, ``frames``, ``curr_msg_data_type``, ``read_paused``…), which any uvicorn release
+may change. The direct path is what makes the hub fast — measured in docs/benchmarks.md: hub CPU per ping
+42 → 25–31 µs when frames left ASGI, and 32.2 → 27.2 KB per idle connection once uvicorn's receive queue
+and the handshake's request and response are let go. So pyproject.toml pins the uvicorn versions this was
+tested with (``UVICORN_TESTED``), and ``check_uvicorn`` — run where the hub builds its uvicorn
+configuration — refuses, in one line, any other version or one whose classes lack what ``RELIED_ON`` here
+and in ``server.hub.handshake`` names (read from the installed uvicorn and websockets, not from the
+version string alone). websockets' public Sans-I/O ``ServerProtocol`` under an asyncio protocol of our own
+could replace uvicorn's class and the pin; that was not measured here.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import re
 import struct
+import textwrap
+from importlib import metadata
+from types import CodeType, FunctionType
 from typing import Any, Protocol, cast
 
 import uvicorn
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import Opcode
+from websockets.server import ServerProtocol
 
+from server.hub import handshake
 from server.hub.handshake import BoundedWebSocket, HttpLimits, bounded_protocols
 from server.settings import Settings
 
 # The scope extension under which the endpoint finds its socket's protocol object.
 EXTENSION = "redpacket.wire"
+
+# The uvicorn versions the hub's protocol classes were tested with: from the first, up to (not
+# including) the second. pyproject.toml pins the same range.
+UVICORN_TESTED = ((0, 54), (0, 55))
 
 
 class Listener(Protocol):
@@ -191,9 +215,105 @@ class HubWebSocket(BoundedWebSocket):
         self._gone()
 
 
+# What ``HubWebSocket`` reads, calls or overrides of uvicorn's websockets-sansio protocol, and of the
+# websockets connection it holds as ``conn`` (``server.hub.handshake.RELIED_ON`` has the handshake's).
+RELIED_ON: dict[type, tuple[str, ...]] = {
+    WebSocketsSansIOProtocol: (
+        "queue",
+        "frames",
+        "curr_msg_data_type",
+        "read_paused",
+        "close_sent",
+        "disconnected",
+        "writable",
+        "transport",
+        "conn",
+        "scope",
+        "request",
+        "response",
+        "handle_connect",
+        "send_receive_event_to_app",
+        "resume_writing",
+        "connection_lost",
+        "handle_close",
+        "handle_parser_exception",
+        "keepalive_timeout",
+        "shutdown",
+    ),
+    ServerProtocol: ("extensions", "send_text", "send_binary", "send_close", "data_to_send"),
+}
+
+
+class UnsupportedUvicorn(RuntimeError):
+    """The installed uvicorn is not one the hub's protocol classes were tested with, or lacks something
+    they use: the hub does not start. The message is one line."""
+
+
+def check_uvicorn() -> None:
+    """Raise ``UnsupportedUvicorn`` unless the installed uvicorn is in ``UVICORN_TESTED`` and its classes
+    (and websockets') have every name ``RELIED_ON`` lists, here and in ``server.hub.handshake``: an
+    attribute of the class or of a base, or one a method of theirs assigns to ``self`` (read from their
+    source as installed)."""
+    (low, high), version = UVICORN_TESTED, uvicorn.__version__
+    tested = f"uvicorn>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or not low <= (int(found[1]), int(found[2])) < high:
+        raise UnsupportedUvicorn(
+            f"uvicorn {version} is installed, but the hub's websockets were tested with {tested}"
+            " only (server/hub/wire.py): install that range"
+        )
+    for relied_on, where in ((handshake.RELIED_ON, "handshake.py"), (RELIED_ON, "wire.py")):
+        for cls, names in relied_on.items():
+            missing = _missing(cls, names)
+            if missing:
+                installed = f"uvicorn {version}, websockets {metadata.version('websockets')}"
+                raise UnsupportedUvicorn(
+                    f"{cls.__module__}.{cls.__qualname__} has no {', '.join(missing)}, which"
+                    f" server/hub/{where} uses ({installed}; tested with {tested})"
+                )
+
+
+def _missing(cls: type, names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` that ``cls`` and its bases neither define nor assign to ``self`` in a method."""
+    wanted = set(names) - {name for klass in cls.__mro__ for name in vars(klass)}
+    for klass in cls.__mro__:
+        for method in vars(klass).values():
+            # Only the methods whose code names one still wanted are parsed (the check runs at every start).
+            if wanted and inspect.isfunction(method) and wanted & _names_in(method.__code__):
+                wanted -= _assigned_to_self(method)
+    return sorted(wanted)
+
+
+def _names_in(code: CodeType) -> set[str]:
+    """The attribute and global names a function's code (and the code nested in it) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            names |= _names_in(const)
+    return names
+
+
+def _assigned_to_self(method: FunctionType) -> set[str]:
+    """The attributes a method assigns to ``self``, read from its source as installed."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+    except (OSError, TypeError, SyntaxError):
+        return set()  # no source to read (a compiled or generated method): not found there
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    }
+
+
 def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
     """How the hub runs under uvicorn: websockets-sansio with bounded handshakes (``server.hub.handshake``),
-    no compression unless asked, frame cap, pings."""
+    no compression unless asked, frame cap, pings. Raises ``UnsupportedUvicorn`` first if the installed
+    uvicorn is not one they were tested with (``check_uvicorn``)."""
+    check_uvicorn()
     http, _ = bounded_protocols(settings.handshake_seconds, HttpLimits.of(settings))
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
