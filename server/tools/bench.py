@@ -211,6 +211,25 @@ async def _spread_storm(
 SWEEP = (1, 4, 16, 64, 256)
 
 
+@dataclasses.dataclass
+class _Leftovers:
+    """What the bench leaves in Redis, taken out at its end: its packets' keys and credit records."""
+
+    keys: list[str] = dataclasses.field(default_factory=list)
+    packets: set[int] = dataclasses.field(default_factory=set)
+
+    def add(self, groups: list[int], packet_id: int) -> None:
+        self.packets.add(packet_id)
+        self.keys += [k for g in groups for k in keys.packet_keys(g, packet_id)]
+
+    async def drop(self, core: Core, groups: list[int]) -> None:
+        for key in self.keys:
+            await core.redis.unlink(key)
+        await drop_bench_credits(core, self.packets)
+        for g in groups:
+            await core.redis.delete(*[keys.group_members(g), keys.group_members_version(g)])
+
+
 async def run_grab_bench(
     settings: Settings, grabs: int, groups_n: int = 12, plot: Path | None = None
 ) -> dict[str, Any]:
@@ -230,96 +249,15 @@ async def run_grab_bench(
         "grabs_per_mode": grabs,
         "redis": "cluster" if s.redis_url.startswith("redis+cluster") else "one server",
     }
-    cleanup: list[str] = []
-    bench_packets: set[int] = set()
     try:
         async with open_core(s) as core:
             figures["masters"] = len(core.nodes.masters())
-            await fresh_ids(core)
-            users = await ledger.create_users(core.db, [f"bench{i}" for i in range(grabs)])
-            admin = users[0]
-            sweep_n = min(grabs, 5_000)
-            await ledger.topup(core.db, admin, 10 * grabs * 10 + len(SWEEP) * sweep_n * 10, "bench")
-            group = await groups.create_group(core.db, admin, "bench")
-            spread = [group]
-            for i in range(groups_n - 1):
-                spread.append(await groups.create_group(core.db, admin, f"bench{i}"))
-            for g in spread:
-                await groups.add_members(core.db, core.membership, g, users)
-                await core.membership.is_member(g, admin)  # warm the member cache
+            admin, spread, users = await _grab_world(core, grabs, groups_n)
             figures["groups"] = len(spread)
             figures["shards"] = len({keys.shard(g) for g in spread})
-            one_by_one = Batcher(core.nodes, core.batcher.durability, core.settings.durability_timeout_ms, 1)
-            unbatched = dataclasses.replace(
-                core,
-                batcher=one_by_one,
-                membership=Membership(core.db, core.redis, core.scripts, 300, one_by_one),
-            )
-            modes = [
-                ("core_sequential", unbatched, 1),
-                ("core_200_concurrent", unbatched, 200),
-                ("core_200_concurrent_batched", core, 200),
-            ]
-            for name, c, concurrency in modes:
-                p = await packets.send_packet(c, admin, group, "equal", grabs * 10, grabs)
-                cleanup += keys.packet_keys(group, p.packet_id)
-                bench_packets.add(p.packet_id)
-                with phase(f"{name}: {grabs:,} grabs"):
-                    figures[name] = round(await _grab_all(c, p.packet_id, group, users, concurrency))
-            # The hub's grab (block and rate limit included) spread over the groups' shards, under each
-            # durability level the server allows as configured, in this run.
-            levels = cast(tuple[Durability, ...], DURABILITY)
-            for level in levels:
-                why_not = await _durability_ready(core, level)
-                if why_not is not None:
-                    figures[f"durability_{level}"] = f"n/a ({why_not})"
-                    continue
-                durable = dataclasses.replace(
-                    core,
-                    settings=core.settings.replace(grab_durability=level),
-                    batcher=Batcher(core.nodes, level, core.settings.durability_timeout_ms),
-                )
-                with phase(f"durability {level}: {grabs:,} grabs over {len(spread)} groups"):
-                    got = await _spread_storm(durable, admin, spread, users, 200, gate=True)
-                for pid in got.pop("packets"):
-                    bench_packets.add(pid)
-                    cleanup += [k for g in spread for k in keys.packet_keys(g, pid)]
-                figures[f"durability_{level}"] = got
-            raw = await _raw_packet(core, group, 1_200_000)
-            cleanup += keys.packet_keys(group, raw)
-            bench_packets.add(raw)
-            figures["script_only_sequential"] = round(await _script_only(unbatched, raw, group, grabs, 1))
-            figures["script_only_200_concurrent_batched"] = round(
-                await _script_only(core, raw, group, grabs, 200)
-            )
-            # Throughput against concurrency: the hub's grab (batched) beside the bare script, same client.
-            sweep: list[dict[str, int]] = []
-            raw_sweep = await _raw_packet(core, group, len(SWEEP) * sweep_n)  # its own grabbers' ids
-            cleanup += keys.packet_keys(group, raw_sweep)
-            bench_packets.add(raw_sweep)
-            with phase("concurrency sweep", total=len(SWEEP)) as step:
-                for concurrency in SWEEP:
-                    p = await packets.send_packet(core, admin, group, "equal", sweep_n * 10, sweep_n)
-                    cleanup += keys.packet_keys(group, p.packet_id)
-                    bench_packets.add(p.packet_id)
-                    hub_rate = await _grab_all(core, p.packet_id, group, users[:sweep_n], concurrency)
-                    script_rate = await _script_only(core, raw_sweep, group, sweep_n, concurrency)
-                    sweep.append(
-                        {
-                            "concurrency": concurrency,
-                            "grabs_per_s": round(hub_rate),
-                            "script_per_s": round(script_rate),
-                        }
-                    )
-                    step.advance()
-            figures["concurrency_sweep"] = sweep
-            figures["redis_benchmark_evalsha_c50"] = await _redis_benchmark(core, group, raw, 1)
-            figures["redis_benchmark_evalsha_c50_p16"] = await _redis_benchmark(core, group, raw, 16)
-            for key in cleanup:
-                await core.redis.unlink(key)
-            await drop_bench_credits(core, bench_packets)
-            for g in spread:
-                await core.redis.delete(*[keys.group_members(g), keys.group_members_version(g)])
+            left = _Leftovers()
+            await _measure_grabs(core, admin, spread, users, left, figures)
+            await left.drop(core, spread)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     raw_c50 = figures["redis_benchmark_evalsha_c50"]
@@ -328,7 +266,10 @@ async def run_grab_bench(
         figures["script_batched_vs_raw_c50"] = round(
             figures["script_only_200_concurrent_batched"] / raw_c50, 3
         )
-    rows = [(r["concurrency"], float(r["grabs_per_s"]), float(r["script_per_s"])) for r in sweep]
+    rows = [
+        (r["concurrency"], float(r["grabs_per_s"]), float(r["script_per_s"]))
+        for r in figures["concurrency_sweep"]
+    ]
     return report(
         "grab",
         figures,
@@ -341,6 +282,102 @@ async def run_grab_bench(
         heading=f"grab benchmark: {grabs} grabs per mode, Redis {settings.redis_url}",
         missing="n/a (redis-benchmark not found)",
     )
+
+
+async def _grab_world(core: Core, n: int, groups_n: int) -> tuple[int, list[int], list[int]]:
+    """``n`` users, the first of them the admin with money enough for every mode; ``groups_n`` groups
+    of them all, their member caches warm: (admin, groups, users)."""
+    await fresh_ids(core)
+    users = await ledger.create_users(core.db, [f"bench{i}" for i in range(n)])
+    admin = users[0]
+    sweep_n = min(n, 5_000)
+    await ledger.topup(core.db, admin, 10 * n * 10 + len(SWEEP) * sweep_n * 10, "bench")
+    spread = [await groups.create_group(core.db, admin, "bench")]
+    for i in range(groups_n - 1):
+        spread.append(await groups.create_group(core.db, admin, f"bench{i}"))
+    for g in spread:
+        await groups.add_members(core.db, core.membership, g, users)
+        await core.membership.is_member(g, admin)  # warm the member cache
+    return admin, spread, users
+
+
+async def _measure_grabs(
+    core: Core, admin: int, spread: list[int], users: list[int], left: _Leftovers, figures: dict[str, Any]
+) -> None:
+    """Every mode of the grab bench, in turn, into ``figures``."""
+    n, group = len(users), spread[0]
+    one_by_one = Batcher(core.nodes, core.batcher.durability, core.settings.durability_timeout_ms, 1)
+    unbatched = dataclasses.replace(
+        core,
+        batcher=one_by_one,
+        membership=Membership(core.db, core.redis, core.scripts, 300, one_by_one),
+    )
+    modes = [
+        ("core_sequential", unbatched, 1),
+        ("core_200_concurrent", unbatched, 200),
+        ("core_200_concurrent_batched", core, 200),
+    ]
+    for name, c, concurrency in modes:
+        p = await packets.send_packet(c, admin, group, "equal", n * 10, n)
+        left.add([group], p.packet_id)
+        with phase(f"{name}: {n:,} grabs"):
+            figures[name] = round(await _grab_all(c, p.packet_id, group, users, concurrency))
+    await _durability_levels(core, admin, spread, users, left, figures)
+    raw = await _raw_packet(core, group, 1_200_000)
+    left.add([group], raw)
+    figures["script_only_sequential"] = round(await _script_only(unbatched, raw, group, n, 1))
+    figures["script_only_200_concurrent_batched"] = round(await _script_only(core, raw, group, n, 200))
+    figures["concurrency_sweep"] = await _sweep(core, admin, group, users[: min(n, 5_000)], left)
+    figures["redis_benchmark_evalsha_c50"] = await _redis_benchmark(core, group, raw, 1)
+    figures["redis_benchmark_evalsha_c50_p16"] = await _redis_benchmark(core, group, raw, 16)
+
+
+async def _durability_levels(
+    core: Core, admin: int, spread: list[int], users: list[int], left: _Leftovers, figures: dict[str, Any]
+) -> None:
+    """The hub's grab (block and rate limit included) spread over the groups' shards, under each
+    durability level the server allows as configured, in this run."""
+    levels = cast(tuple[Durability, ...], DURABILITY)
+    for level in levels:
+        why_not = await _durability_ready(core, level)
+        if why_not is not None:
+            figures[f"durability_{level}"] = f"n/a ({why_not})"
+            continue
+        durable = dataclasses.replace(
+            core,
+            settings=core.settings.replace(grab_durability=level),
+            batcher=Batcher(core.nodes, level, core.settings.durability_timeout_ms),
+        )
+        with phase(f"durability {level}: {len(users):,} grabs over {len(spread)} groups"):
+            got = await _spread_storm(durable, admin, spread, users, 200, gate=True)
+        for pid in got.pop("packets"):
+            left.add(spread, pid)
+        figures[f"durability_{level}"] = got
+
+
+async def _sweep(
+    core: Core, admin: int, group: int, users: list[int], left: _Leftovers
+) -> list[dict[str, int]]:
+    """Throughput against concurrency: the hub's grab (batched) beside the bare script, same client."""
+    sweep: list[dict[str, int]] = []
+    n = len(users)
+    raw_sweep = await _raw_packet(core, group, len(SWEEP) * n)  # its own grabbers' ids
+    left.add([group], raw_sweep)
+    with phase("concurrency sweep", total=len(SWEEP)) as step:
+        for concurrency in SWEEP:
+            p = await packets.send_packet(core, admin, group, "equal", n * 10, n)
+            left.add([group], p.packet_id)
+            hub_rate = await _grab_all(core, p.packet_id, group, users, concurrency)
+            script_rate = await _script_only(core, raw_sweep, group, n, concurrency)
+            sweep.append(
+                {
+                    "concurrency": concurrency,
+                    "grabs_per_s": round(hub_rate),
+                    "script_per_s": round(script_rate),
+                }
+            )
+            step.advance()
+    return sweep
 
 
 # -- bench db-read ---------------------------------------------------------------------------------------

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -177,11 +180,6 @@ async def bench_storm(
 ) -> dict[str, Any]:
     """Grabs at ``rate``/s for ``seconds`` through the core while a ``redpacket worker`` process
     credits them: grab → credited latency, and the queue backlog sampled every second."""
-    import asyncio
-    import statistics
-    import subprocess
-    import sys
-
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     s = _bench_settings(settings, tmp, "redpacket:bench:storm")
     total = rate * seconds
@@ -191,84 +189,22 @@ async def bench_storm(
         "grabs": total,
         "database": s.database_url[:5],
     }
-    env = child_env(
-        REDPACKET_REDIS_URL=s.redis_url,
-        REDPACKET_DATABASE_URL=s.database_url,
-        REDPACKET_QUEUE_NAME=s.queue_name,
-        REDPACKET_QUEUE_REDIS_URL=s.queue_redis_url,
-        REDPACKET_GRAB_DURABILITY=s.grab_durability,
-        REDPACKET_WORKER_METRICS_PORT="0",
-    )
     try:
         async with open_core(s) as core:
             _, group, grabbers, pids = await _bench_world(core, 1000, total * 10)
-            worker = subprocess.Popen(  # noqa: ASYNC220 - the worker under test, started once
-                [sys.executable, "-m", "server", "worker"],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            worker = _start_worker(s)
             backlog: list[int] = []
             try:
-                jobs = [(p, u) for p in pids for u in grabbers]
-                tasks: list[asyncio.Task[Any]] = []
                 start = time.perf_counter()
-                tick = 0.01
-                per_tick = max(1, int(rate * tick))
-                with phase(f"grabbing at {rate:,}/s for {seconds} s", total=total) as grabbing:
-                    for i in range(0, len(jobs), per_tick):
-                        due = start + (i // per_tick) * tick
-                        delay = due - time.perf_counter()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-                        tasks += [
-                            asyncio.create_task(grabs.grab(core, p, group, u))
-                            for p, u in jobs[i : i + per_tick]
-                        ]
-                        if i % rate < per_tick:
-                            backlog.append(int(await core.redis.xlen(keys.outbox_for(group))))
-                            grabbing.update(i)
-                    await asyncio.gather(*tasks)
-                    grabbing.update(total)
+                jobs = [(p, u) for p in pids for u in grabbers]
+                await _grab_at(core, group, jobs, rate=rate, seconds=seconds, backlog=backlog)
                 figures["achieved_grabs_per_s"] = round(total / (time.perf_counter() - start))
-                deadline = time.perf_counter() + 300
-                with phase("crediting", total=total) as crediting:
-                    while time.perf_counter() < deadline:
-                        row = await core.db.fetchone(
-                            "SELECT COUNT(*) FROM grab_records WHERE status = 'credited'"
-                            f" AND packet_id IN ({', '.join(['%s'] * len(pids))})",
-                            pids,
-                        )
-                        depth = int(await core.redis.xlen(keys.outbox_for(group)))
-                        backlog.append(depth)
-                        crediting.update(int(row[0]) if row else 0)
-                        if row and int(row[0]) >= total:
-                            break
-                        await asyncio.sleep(1)
+                await _until_credited(core, group, pids, total, backlog)
                 figures["drained_after_s"] = round(time.perf_counter() - start, 1)
             finally:
                 worker.terminate()
                 await asyncio.to_thread(worker.wait, 60)
-            marks = ", ".join(["%s"] * len(pids))
-            rows = await core.db.fetchall(
-                f"SELECT credited_ms - grabbed_ms, grabbed_ms FROM grab_records WHERE packet_id IN ({marks})",
-                pids,
-            )
-            lags = sorted(int(r[0]) for r in rows)
-            # The P99 credit lag of the grabs of each second, beside the backlog sampled that second.
-            per_second: dict[int, list[int]] = {}
-            first = min((int(r[1]) for r in rows), default=0)
-            for lag, grabbed in rows:
-                per_second.setdefault((int(grabbed) - first) // 1000, []).append(int(lag))
-            samples = [
-                {"t": float(t), "lag_ms": _p99(per_second.get(t, [])), "backlog": float(depth)}
-                for t, depth in enumerate(backlog)
-            ]
-            figures["credited"] = len(lags)
-            if lags:
-                figures["lag_p50_ms"] = int(statistics.median(lags))
-                figures["lag_p99_ms"] = int(_p99(lags))
-            figures["backlog_per_s"] = backlog
+            samples = await _lags(core, pids, backlog, figures)
             await _forget(core, group, pids)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -279,3 +215,90 @@ async def bench_storm(
         plot,
         charts=lambda d: [plots.lag_and_backlog(samples, d / "storm-lag-backlog.png", title)],
     )
+
+
+def _start_worker(s: Settings) -> subprocess.Popen[bytes]:
+    """The ``redpacket worker`` under test, on the bench's Redis, database and queue."""
+    env = child_env(
+        REDPACKET_REDIS_URL=s.redis_url,
+        REDPACKET_DATABASE_URL=s.database_url,
+        REDPACKET_QUEUE_NAME=s.queue_name,
+        REDPACKET_QUEUE_REDIS_URL=s.queue_redis_url,
+        REDPACKET_GRAB_DURABILITY=s.grab_durability,
+        REDPACKET_WORKER_METRICS_PORT="0",
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "server", "worker"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+async def _grab_at(
+    core: Core, group: int, jobs: list[tuple[int, int]], *, rate: int, seconds: int, backlog: list[int]
+) -> None:
+    """Each (packet, user) grabs, ``rate`` a second in ticks of 10 ms; the outbox's length sampled into
+    ``backlog`` once a second."""
+    total = rate * seconds
+    tasks: list[asyncio.Task[Any]] = []
+    start = time.perf_counter()
+    tick = 0.01
+    per_tick = max(1, int(rate * tick))
+    with phase(f"grabbing at {rate:,}/s for {seconds} s", total=total) as grabbing:
+        for i in range(0, len(jobs), per_tick):
+            due = start + (i // per_tick) * tick
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks += [asyncio.create_task(grabs.grab(core, p, group, u)) for p, u in jobs[i : i + per_tick]]
+            if i % rate < per_tick:
+                backlog.append(int(await core.redis.xlen(keys.outbox_for(group))))
+                grabbing.update(i)
+        await asyncio.gather(*tasks)
+        grabbing.update(total)
+
+
+async def _until_credited(core: Core, group: int, pids: list[int], total: int, backlog: list[int]) -> None:
+    """Wait (up to 300 s) for the worker to credit all ``total`` grabs; the backlog sampled each second."""
+    deadline = time.perf_counter() + 300
+    with phase("crediting", total=total) as crediting:
+        while time.perf_counter() < deadline:
+            row = await core.db.fetchone(
+                "SELECT COUNT(*) FROM grab_records WHERE status = 'credited'"
+                f" AND packet_id IN ({', '.join(['%s'] * len(pids))})",
+                pids,
+            )
+            depth = int(await core.redis.xlen(keys.outbox_for(group)))
+            backlog.append(depth)
+            crediting.update(int(row[0]) if row else 0)
+            if row and int(row[0]) >= total:
+                break
+            await asyncio.sleep(1)
+
+
+async def _lags(
+    core: Core, pids: list[int], backlog: list[int], figures: dict[str, Any]
+) -> list[dict[str, float]]:
+    """The credit lags into ``figures``; the P99 lag of the grabs of each second, beside the backlog
+    sampled that second (for the plot)."""
+    marks = ", ".join(["%s"] * len(pids))
+    rows = await core.db.fetchall(
+        f"SELECT credited_ms - grabbed_ms, grabbed_ms FROM grab_records WHERE packet_id IN ({marks})",
+        pids,
+    )
+    lags = sorted(int(r[0]) for r in rows)
+    per_second: dict[int, list[int]] = {}
+    first = min((int(r[1]) for r in rows), default=0)
+    for lag, grabbed in rows:
+        per_second.setdefault((int(grabbed) - first) // 1000, []).append(int(lag))
+    samples = [
+        {"t": float(t), "lag_ms": _p99(per_second.get(t, [])), "backlog": float(depth)}
+        for t, depth in enumerate(backlog)
+    ]
+    figures["credited"] = len(lags)
+    if lags:
+        figures["lag_p50_ms"] = int(statistics.median(lags))
+        figures["lag_p99_ms"] = int(_p99(lags))
+    figures["backlog_per_s"] = backlog
+    return samples
