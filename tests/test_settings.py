@@ -1,0 +1,113 @@
+"""The settings as declared: every one read from its environment variable, held to its bounds, and the
+README's configuration table the declarations rendered. In-process, no services."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.settingfields import env_name, settings_table
+from server.settings import Durability, Settings
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+NUMBERS = [f for f in dataclasses.fields(Settings) if type(f.default) in (int, float)]
+
+
+def readme_table() -> str:
+    text = README.read_text()
+    start = text.index("| variable | default | meaning |")
+    return text[start : text.index("\n\n", start) + 1]
+
+
+def test_the_readme_table_is_the_declarations() -> None:
+    assert readme_table() == settings_table(), (
+        "README.md's configuration table differs from the declarations in server/settingfields.py: paste in"
+        ' the output of `python -c "from server.settingfields import settings_table as t; print(t())"`'
+    )
+
+
+def _other(f: dataclasses.Field[Any]) -> tuple[str, object]:
+    """A value unlike the default, as the environment writes it and as the settings hold it."""
+    default = f.default
+    if isinstance(default, bool):
+        return ("0", False) if default else ("1", True)
+    if isinstance(default, int | float):
+        return str(default + 3), default + 3
+    if isinstance(default, Path):
+        return "/elsewhere", Path("/elsewhere")
+    return default + "x", default + "x"
+
+
+@pytest.mark.parametrize("f", dataclasses.fields(Settings), ids=lambda f: f.name)
+def test_every_setting_is_read_from_its_variable(f: dataclasses.Field[Any]) -> None:
+    text, value = _other(f)
+    got = Settings.from_env({env_name(f.name): text})
+    assert getattr(got, f.name) == value
+    assert got == Settings().replace(**{f.name: value})  # and nothing else
+
+
+def test_the_stream_ttl_has_its_variable() -> None:
+    assert Settings.from_env({"REDPACKET_STREAM_TTL_SECONDS": "60"}).stream_ttl_seconds == 60
+
+
+def test_empty_numbers_are_their_defaults_and_text_is_taken_as_written() -> None:
+    env = {env_name(f.name): "" for f in dataclasses.fields(Settings)}
+    got = Settings.from_env(env)
+    for f in dataclasses.fields(Settings):
+        if type(f.default) in (bool, int, float):
+            assert getattr(got, f.name) == f.default, f.name
+    assert got.host == "" and got.queue_name == "" and got.data_dir == Path("")
+    assert Settings.from_env({"REDPACKET_DEV_LOGIN": "2"}).dev_login is True
+    with pytest.raises(ValueError, match="REDPACKET_PORT must be an integer, got 'eighty'"):
+        Settings.from_env({"REDPACKET_PORT": "eighty"})
+    with pytest.raises(ValueError, match="REDPACKET_MSGS_PER_SECOND must be a number, got 'fast'"):
+        Settings.from_env({"REDPACKET_MSGS_PER_SECOND": "fast"})
+    with pytest.raises(ValueError, match="REDPACKET_BATCH_REDIS must be an integer"):
+        Settings.from_env({"REDPACKET_BATCH_REDIS": "yes"})
+
+
+@pytest.mark.parametrize("f", NUMBERS, ids=lambda f: f.name)
+def test_every_number_is_held_to_its_declared_bounds(f: dataclasses.Field[Any]) -> None:
+    Settings().replace(**{f.name: f.default}).check()
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"{env_name(f.name)} must be a"):
+            Settings().replace(**{f.name: bad}).check()
+    least, most = f.metadata["least"], f.metadata["most"]
+    if least == 0:
+        Settings().replace(**{f.name: 0}).check()
+    else:
+        with pytest.raises(ValueError, match=f"{env_name(f.name)} must be a number more than 0"):
+            Settings().replace(**{f.name: 0}).check()
+    if most is not None:
+        Settings().replace(**{f.name: most}).check()
+        with pytest.raises(ValueError, match=f"{env_name(f.name)} must be a port number, 0 to {most}"):
+            Settings().replace(**{f.name: most + 1}).check()
+
+
+def test_durability_is_resolved_once_in_the_settings() -> None:
+    # The embedded Valkey (no Redis URL) keeps grabs on its disk unless told otherwise; any other, none.
+    assert Settings().durability is Durability.AOF
+    assert Settings.from_env({"REDPACKET_GRAB_DURABILITY": ""}).durability is Durability.AOF
+    assert Settings(redis_url="redis://h:1/0").durability is Durability.NONE
+    embedded = Settings()
+    started = embedded.replace(redis_url="redis://127.0.0.1:1/0", grab_durability=embedded.durability)
+    assert started.durability is Durability.AOF
+    for level in Durability:
+        env = {"REDPACKET_GRAB_DURABILITY": level.value, "REDPACKET_REDIS_URL": "redis://h:1/0"}
+        assert Settings.from_env(env).durability is level
+        assert Settings(grab_durability=level).durability is level
+    with pytest.raises(ValueError, match="REDPACKET_GRAB_DURABILITY must be one of none, aof, replica"):
+        Settings(grab_durability="disk").check()
+
+
+def test_what_each_durability_waits_for() -> None:
+    waits = {d: (d.waits, d.fsyncs, d.wants_replica, d.degrades) for d in Durability}
+    assert waits == {
+        Durability.NONE: (False, False, False, False),
+        Durability.AOF: (True, True, False, False),
+        Durability.REPLICA: (True, False, True, False),
+        Durability.AOF_REPLICA: (True, True, True, True),
+    }
