@@ -6,7 +6,6 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import cast
 
 from arq.connections import ArqRedis
 from redis.asyncio import Redis
@@ -24,7 +23,7 @@ from server import errors
 from server.errors import Unavailable
 from server.money.membership import Membership
 from server.money.split import Limits
-from server.settings import Durability, Settings
+from server.settings import Settings
 from server.store import keys, schema
 from server.store.batch import Batcher
 from server.store.db import Database, DatabaseError, OutcomeUnknown, RetryableError, connect
@@ -124,9 +123,11 @@ async def open_core(
         queue = make_queue(settings, queue_name(settings, namespace))
         await nodes.open()
         scripts = Scripts(nodes.client)
-        durability = cast(Durability, settings.durability)
         batcher = Batcher(
-            nodes, durability, settings.durability_timeout_ms, max_batch=512 if settings.batch_redis else 1
+            nodes,
+            settings.durability,
+            settings.durability_timeout_ms,
+            max_batch=512 if settings.batch_redis else 1,
         )
         yield Core(
             settings=settings,

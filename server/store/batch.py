@@ -35,7 +35,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from server import errors
 from server.errors import Unavailable
-from server.settings import Durability, degrades, fsyncs
+from server.settings import Durability
 from server.store.redisnodes import RedisNodes, ServerChanged, moved
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class Batcher:
     def __init__(
         self,
         nodes: RedisNodes,
-        durability: Durability = "none",
+        durability: Durability = Durability.NONE,
         timeout_ms: int = 1000,
         max_batch: int = 512,
     ) -> None:
@@ -89,7 +89,7 @@ class Batcher:
     @property
     def _counts(self) -> bool:
         """Whether its waits depend on the replicas the last look counted."""
-        return degrades(self.durability)
+        return self.durability.degrades
 
     async def call(
         self, queue: Queue, key: str, durable: Durable = False, script: AsyncScript | None = None
@@ -153,7 +153,7 @@ class Batcher:
         # checks the packet against the database first. A restart is seen the same way, by the new
         # connection; a replica's or a moved slot's answer makes the next pipeline look first.
         watch = any(c.durable for c in batch)
-        wait = self.durability != "none" and watch
+        wait = self.durability.waits and watch
         look = self._nodes.look_first(node) or (self._counts and self._nodes.replicas(node) is None)
         if watch and look and not await self._looked(node, batch):
             return
@@ -250,10 +250,11 @@ Wait = tuple[str | int, ...]
 
 
 async def durability_problem(client: Redis, level: str, replica: bool = False) -> str | None:
-    """Why grabs cannot be made ``level``-durable on this master as it is configured (with ``replica``:
-    on this replica once promoted), or None if they can (``none`` always can). Start-up refuses a problem
-    (``redpacket serve``, ``worker``); the grab bench skips the level."""
-    if fsyncs(level):
+    """Why grabs cannot be made ``level``-durable (a ``Durability``, or its text) on this master as it is
+    configured (with ``replica``: on this replica once promoted), or None if they can (``none`` always
+    can). Start-up refuses a problem (``redpacket serve``, ``worker``); the grab bench skips the level."""
+    durability = Durability(level)
+    if durability.fsyncs:
         if not replica:  # (a replica refuses WAITAOF)
             try:
                 await client.execute_command("WAITAOF", 1, 0, 100)  # type: ignore[no-untyped-call]
@@ -269,10 +270,11 @@ async def durability_problem(client: Redis, level: str, replica: bool = False) -
             pass  # CONFIG renamed or refused (a managed server): WAITAOF's answer is all there is
         if replica and config.get("appendonly", "yes") != "yes":
             return "appendonly is no: promoted, it could not fsync grabs"
-        problem = fsync_problem(level, config.get("appendfsync", ""))
+        problem = fsync_problem(durability, config.get("appendfsync", ""))
         if problem is not None:
             return problem
-    elif level == "replica" and not replica:  # (aof+replica goes on without one: on disk alone meanwhile)
+    elif durability is Durability.REPLICA and not replica:
+        # (aof+replica goes on without one: on disk alone meanwhile)
         info = await client.info("replication")
         if int(info.get("connected_slaves", 0)) < 1:
             return "it has no replica"
@@ -282,7 +284,7 @@ async def durability_problem(client: Redis, level: str, replica: bool = False) -
 def fsync_problem(level: str, appendfsync: str) -> str | None:
     """Why a server with this ``appendfsync`` cannot keep ``level``-durable grabs ("": not known, as when
     CONFIG is refused — WAITAOF's answer is all there is then), or None."""
-    if fsyncs(level) and appendfsync not in ("always", ""):
+    if Durability(level).fsyncs and appendfsync not in ("always", ""):
         # Measured on Valkey 9.1 (an fsync recorder under the server): with everysec, WAITAOF 1 0
         # answers at once while nothing was fsynced (the bug of redis/redis#13793), so a grab
         # answered "won" could be lost by a crash after all.
@@ -307,11 +309,11 @@ def _waits(durability: Durability, replicas: int | None) -> list[Wait]:
     (``replicas_to_wait_for``; None: not counted), for a replica to have received the writes too
     (``WAIT``, not ``WAITAOF 1 1``: a replica that has just synced acknowledges its own fsyncs only once
     its AOF rewrite is done — measured: waits of the full timeout)."""
-    if durability == "aof":
+    if durability is Durability.AOF:
         return [("WAITAOF", 1, 0)]
-    if durability == "replica":
+    if durability is Durability.REPLICA:
         return [("WAIT", 1)]
-    if degrades(durability):
+    if durability.degrades:
         return [("WAITAOF", 1, 0)] if replicas == 0 else [("WAITAOF", 1, 0), ("WAIT", 1)]
     return []
 
