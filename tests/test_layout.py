@@ -7,6 +7,8 @@ reaching into another's private names. (docs/architecture.md draws the same pict
 - ``worker``: imports money, the store and the hub's announcements; never the tools.
 - ``server.tools``: imported by nothing of the system; only the ``redpacket`` command (``server.cli``)
   starts them.
+- ``server.cli``: the ``redpacket`` command, a package of one module per command; it composes
+  everything, and nothing of the system imports it.
 - Shared by all: ``server.settings``, ``server.errors``, ``server.text``, ``server.ids`` and
   ``server.core`` (the context every layer is handed).
 """
@@ -27,6 +29,7 @@ MAY_IMPORT = {
     "worker": {"server.money", "server.store", "server.hub"},
     "server.tools": {"server.money", "server.store", "server.hub", "worker", "server.cli"},
 }
+MAY_IMPORT["server.cli"] = set(MAY_IMPORT)  # the command composes every layer
 
 
 def modules() -> Iterator[tuple[str, Path]]:
@@ -94,7 +97,7 @@ def test_each_layer_imports_only_what_it_may() -> None:
     for module, path in KNOWN.items():
         mine = layer(module)
         if mine not in MAY_IMPORT:
-            continue  # the shared modules and the command
+            continue  # the shared modules
         for imported, _, line in imports(path):
             theirs = layer(imported)
             if theirs == mine or imported in SHARED or theirs in MAY_IMPORT[mine]:
@@ -107,7 +110,7 @@ def test_nothing_but_the_command_imports_the_tools() -> None:
     wrong = [
         f"{path.relative_to(ROOT)}:{line}: {imported}"
         for module, path in KNOWN.items()
-        if layer(module) != "server.tools" and module != "server.cli"
+        if layer(module) not in ("server.tools", "server.cli")
         for imported, _, line in imports(path)
         if layer(imported) == "server.tools"
     ]
@@ -165,3 +168,49 @@ def test_no_module_takes_another_ones_private_names() -> None:
         if name.startswith("_") and imported != module
     ]
     assert wrong == []
+
+
+# Rooms of a size a person can hold (issue 25): a module read in one sitting, a function on one screen.
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 100
+
+
+def test_no_module_is_longer_than_one_sitting() -> None:
+    long = sorted(
+        (n, str(path.relative_to(ROOT)))
+        for path in KNOWN.values()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    )
+    said = "".join(f"\n  {where}: {n} lines" for n, where in reversed(long))
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concept):{said}"
+
+
+def function_lengths(source: str) -> Iterator[tuple[str, int, int]]:
+    """(qualified name, first line, lines from ``def`` to its last) of every function and method in
+    ``source``, nested ones too: each counted in its own right and within its parent."""
+
+    def walk(node: ast.AST, prefix: str) -> Iterator[tuple[str, int, int]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{prefix}{child.name}"
+                yield name, child.lineno, (child.end_lineno or child.lineno) - child.lineno + 1
+                yield from walk(child, f"{name}.")
+            elif isinstance(child, ast.ClassDef):
+                yield from walk(child, f"{prefix}{child.name}.")
+            else:
+                yield from walk(child, prefix)
+
+    yield from walk(ast.parse(source), "")
+
+
+def test_no_function_is_longer_than_a_screen() -> None:
+    source = "class A:\n    async def f(self):\n        def g():\n            pass\n\n        return g\n"
+    assert list(function_lengths(source)) == [("A.f", 2, 5), ("A.f.g", 3, 2)]  # it reads them
+    long = sorted(
+        (n, f"{path.relative_to(ROOT)}:{line} {name}")
+        for path in KNOWN.values()
+        for name, line, n in function_lengths(path.read_text())
+        if n > MAX_FUNCTION_LINES
+    )
+    said = "".join(f"\n  {where}: {n} lines" for n, where in reversed(long))
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):{said}"
