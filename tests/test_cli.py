@@ -248,6 +248,7 @@ def test_a_valkey_orphaned_by_a_killed_up_is_shut_down_before_another_opens_its_
     assert not (data / "valkey.json").exists()  # the command's own Valkey stopped with it
 
 
+@pytest.mark.unit
 def test_settings_check_names_the_setting() -> None:
     with pytest.raises(ValueError, match="REDPACKET_REDIS_URL"):
         Settings(redis_url="localhost:6379").check()

@@ -37,6 +37,7 @@ def _instructions() -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.unit
 def test_the_app_services_run_one_built_image_in_exec_form_and_stop_gracefully() -> None:
     compose = _compose()
     services = compose["services"]
@@ -67,6 +68,7 @@ def test_the_app_services_run_one_built_image_in_exec_form_and_stop_gracefully()
             assert volume in compose["volumes"], volume
 
 
+@pytest.mark.unit
 def test_the_dockerfile_installs_once_and_runs_redpacket_in_exec_form() -> None:
     steps = _instructions()
     runs = [rest for word, rest in steps if word == "RUN"]
@@ -149,6 +151,7 @@ def test_the_dockerfile_install_step_gives_a_working_redpacket(tmp_path: Path) -
     assert helped.returncode == 0 and "serve" in helped.stdout, helped.stderr
 
 
+@pytest.mark.unit
 def test_the_default_stack_makes_grabs_durable_on_disk() -> None:
     services = _compose()["services"]
     env = services["hub"]["environment"]
@@ -162,6 +165,7 @@ def test_the_default_stack_makes_grabs_durable_on_disk() -> None:
     assert services["redis"]["image"].split(":")[1] >= "7.2"  # WAITAOF
 
 
+@pytest.mark.unit
 def test_the_cluster_variant_is_six_nodes_formed_once_and_named_as_the_readme_says() -> None:
     compose = _compose()
     services = compose["services"]
@@ -192,6 +196,7 @@ def test_the_cluster_variant_is_six_nodes_formed_once_and_named_as_the_readme_sa
     assert "REDPACKET_REDIS_URL=redis+cluster://redis-1:6379" in (ROOT / "docker-compose.yml").read_text()
 
 
+@pytest.mark.unit
 def test_no_secret_is_written_in_the_file_and_internal_tools_are_not_published() -> None:
     """Before: the MariaDB password `redpacket` in the file, Grafana's admin `admin` with anonymous
     viewers, and 3000, 9090 and 9108 published on every interface."""
@@ -218,6 +223,7 @@ def test_no_secret_is_written_in_the_file_and_internal_tools_are_not_published()
     assert not any("9100" in p for s in services.values() for p in s.get("ports", []))
 
 
+@pytest.mark.unit
 def test_the_system_installs_without_the_tools_and_the_image_listens_on_its_network() -> None:
     """Before: `pip install -e .` pulled Locust (and gevent), matplotlib, picows, websocket-client and rich
     (a newcomer's clone-to-serving went from 18.5 s to 86 s), the image carried them, and a `docker run`
@@ -236,6 +242,7 @@ def test_the_system_installs_without_the_tools_and_the_image_listens_on_its_netw
     assert ("ENV", "REDPACKET_HOST=0.0.0.0") in _instructions()
 
 
+@pytest.mark.unit
 def test_a_tool_command_without_the_tools_asks_for_them_in_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -254,6 +261,7 @@ def test_a_tool_command_without_the_tools_asks_for_them_in_one_line(
     assert len(err) == 1 and "needs the tools (locust missing)" in err[0] and ".[tools]" in err[0], err
 
 
+@pytest.mark.unit
 def test_hub_and_worker_replicas_publish_no_port_and_sit_behind_the_balancer() -> None:
     """Before: the hub published 8000:8000 and the worker 9108:9108, so the `--scale hub=3 --scale
     worker=2` that prometheus.yml suggests collided on the host's ports."""

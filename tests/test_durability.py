@@ -55,6 +55,7 @@ INFO_SYNCING = (
 )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("info", "nodes", "count"),
     [
@@ -90,6 +91,7 @@ def test_the_replicas_that_could_take_a_masters_place(
     assert redisnodes.replicas_to_wait_for(info, nodes) == count
 
 
+@pytest.mark.unit
 def test_what_a_durable_pipeline_waits_for_and_when_it_falls_short() -> None:
     assert _waits(Durability.NONE, None) == []
     assert _waits(Durability.AOF, 0) == [("WAITAOF", 1, 0)]

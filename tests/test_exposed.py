@@ -45,6 +45,7 @@ async def _closed_with(url: str) -> tuple[int, str]:
 # -- the demo's conveniences: loopback only, never beside a backend -----------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("changes", "refused"),
     [
@@ -254,6 +255,7 @@ async def test_beside_a_backend_users_make_no_groups_unless_told(hub_settings: S
 # -- limits per user and per address ------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_service_key_shorter_than_32_characters_is_refused() -> None:
     with pytest.raises(ValueError, match="SERVICE_KEY is too short"):
         Settings(secret="s" * 32, service_key="x").check()

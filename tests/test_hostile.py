@@ -128,6 +128,7 @@ async def test_control_characters_are_refused_in_names_greetings_and_chat(h: Hub
     assert (await h.api("GET", "/api/me", room.admin_token))["balance"] == 1_000_000
 
 
+@pytest.mark.unit
 @given(st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cf", "Cs", "Zl", "Zp")), max_size=20))
 def test_text_policy_takes_printable_text_and_refuses_any_control(s: str) -> None:
     assert text.name_ok(s) and text.greeting_ok(s) and text.chat_ok(s)
@@ -137,6 +138,7 @@ def test_text_policy_takes_printable_text_and_refuses_any_control(s: str) -> Non
     assert not text.name_ok(s + "\u200b") and text.chat_ok(s + "\n\t")
 
 
+@pytest.mark.unit
 def test_device_ids_are_kept_when_plain_and_hashed_when_not() -> None:
     assert text.device_id("") == ""
     assert text.device_id("iphone-15:A1B2") == "iphone-15:A1B2"

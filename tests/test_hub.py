@@ -604,6 +604,7 @@ async def test_grab_attempts_a_redis_away_could_not_take_are_written_once_it_is_
         assert log.timer is None  # closed: nothing is written any more
 
 
+@pytest.mark.unit
 def test_big_room_announcements_list_the_latest_grabs_and_what_is_left() -> None:
     items = [
         {"packet_id": 1 + i % 2, "user": i, "amount": 5, "seq": i, "ms": i, "remaining": 20 - i}
@@ -701,6 +702,7 @@ async def test_grabs_of_a_closed_or_unknown_packet_are_answered_by_the_hub(h: Hu
         await c.close()
 
 
+@pytest.mark.unit
 def test_a_local_answer_is_the_one_the_grab_script_gives() -> None:
     c = Closed(
         group=1,
@@ -750,6 +752,7 @@ async def test_a_storm_sends_redis_about_as_many_grabs_as_shares(
         await c.close()
 
 
+@pytest.mark.unit
 def test_the_packet_view_is_sent_with_every_field_of_the_dataclass() -> None:
     from dataclasses import asdict
 
@@ -778,6 +781,7 @@ def test_the_packet_view_is_sent_with_every_field_of_the_dataclass() -> None:
     assert view_dict(open_one) == {**asdict(open_one), "duration_ms": None}
 
 
+@pytest.mark.unit
 async def test_the_hot_packet_gauges_read_the_storm_admission() -> None:
     from typing import cast
 

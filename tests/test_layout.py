@@ -19,6 +19,11 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+# Pure: no service, no subprocess (the fast tier, `pytest -m unit`).
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = {"server.settings", "server.errors", "server.text", "server.ids", "server.core", "server"}
 # What each layer may import besides itself and the shared modules.

@@ -28,6 +28,7 @@ from server.tools.loadplan import (
 from tests.hubtools import redpacket_up
 
 
+@pytest.mark.unit
 def test_stages_parse_to_end_times_and_refuse_nonsense() -> None:
     stages = parse_stages("10:5, 20:2.5,40:10")
     assert [(s.users, s.ends_at) for s in stages] == [(10, 5.0), (20, 7.5), (40, 17.5)]
@@ -37,6 +38,7 @@ def test_stages_parse_to_end_times_and_refuse_nonsense() -> None:
             parse_stages(bad)
 
 
+@pytest.mark.unit
 def test_percentiles_of_counts_and_of_prometheus_buckets() -> None:
     counts = {5: 50, 10: 40, 200: 10}
     assert percentile(counts, 0.5) == 5
@@ -66,6 +68,7 @@ def _stage(
     )
 
 
+@pytest.mark.unit
 def test_the_knee_is_where_p99_errors_or_throughput_turn() -> None:
     assert knee([_stage(100, 1000, 20), _stage(200, 2000, 25), _stage(400, 4000, 30)])[0] is None
     assert knee([_stage(100, 1000, 60), _stage(200, 2000, 130)])[0] == 1  # P99 over 2× and over 100 ms
@@ -75,6 +78,7 @@ def test_the_knee_is_where_p99_errors_or_throughput_turn() -> None:
     assert knee([])[0] is None
 
 
+@pytest.mark.unit
 def test_flat_throughput_is_the_loads_limit_when_the_load_offered_no_more() -> None:
     """Before: "grabs/s 28 did not grow with the users (200 → 300)" at 14 % hub CPU, when three admins
     sending every 10 s offered no more grabs."""
@@ -195,6 +199,7 @@ def test_a_step_up_run_against_a_hub_and_worker(tmp_path: Path) -> None:
         assert "no difference" in reconciled.stdout
 
 
+@pytest.mark.unit
 def test_server_frames_are_parsed_whole_and_partial_ones_left_for_later() -> None:
     from server.tools.loadplan import server_frames
 

@@ -48,6 +48,7 @@ def _exported(text: str) -> set[str]:
     return {n for n in names if n.startswith(("redpacket_", "process_")) and not n.endswith("_created")}
 
 
+@pytest.mark.unit
 def test_compose_runs_prometheus_on_every_hub_and_worker_and_grafana_on_its_dashboard() -> None:
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     prom, grafana = services["prometheus"], services["grafana"]
@@ -75,6 +76,7 @@ def test_compose_runs_prometheus_on_every_hub_and_worker_and_grafana_on_its_dash
         assert panel["targets"] and all(t["datasource"]["uid"] == source["uid"] for t in panel["targets"])
 
 
+@pytest.mark.unit
 def test_the_dashboard_shows_what_the_issue_asks_for() -> None:
     text = " ".join(p["title"].lower() for p in _panels())
     for wanted in (
@@ -199,6 +201,7 @@ async def test_every_query_fits_its_metric_and_alarming_panels_have_thresholds(
             assert panel["fieldConfig"]["defaults"].get("noValue"), panel["title"]  # absent is said
 
 
+@pytest.mark.unit
 def test_reconciliation_gauges_are_absent_until_a_worker_has_reconciled() -> None:
     """Before: 0 differences (and a time of 0: "56 years ago") before any reconciliation ran."""
     from prometheus_client import generate_latest

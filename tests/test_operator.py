@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import msgpack
+import pytest
 import redis
 
 from server.core import Core
@@ -87,6 +88,7 @@ def test_malformed_urls_and_settings_are_one_line_at_start(
         Settings(redis_url=url, database_url=mysql_url, secret="s" * 32).check()
 
 
+@pytest.mark.unit
 def test_rediss_and_unix_urls_get_packed_connections_of_their_kind() -> None:
     """Before: the packed class replaced whatever redis-py chose, so rediss:// went without TLS."""
     from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection

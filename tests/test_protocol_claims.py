@@ -107,6 +107,7 @@ async def test_the_rate_limit_answers_then_closes_after_the_burst_plus_one(hub_s
         await c.close()
 
 
+@pytest.mark.unit
 def test_token_claims_are_read_as_the_document_says() -> None:
     """Before: a digit string as exp was taken (RFC 7519 says a number); the rest was not written down."""
     says(

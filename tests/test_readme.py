@@ -32,6 +32,7 @@ def block(marker: str) -> str:
     return m[1]
 
 
+@pytest.mark.unit
 def test_two_commands_for_a_newcomer() -> None:
     text = README.read_text()
     section = text.split("## Two commands", 1)[1].split("\n## ", 1)[0]
@@ -102,6 +103,7 @@ async def test_a_backends_scripted_clients_can_be_exempted(core: Core) -> None:
         core.settings.replace(bot_exempt_users="seven").check()
 
 
+@pytest.mark.unit
 def test_the_layout_table_names_every_module() -> None:
     """Before: the README's layout omitted server/hub/requests.py."""
     root = README.parent

@@ -46,12 +46,14 @@ def _books(**changes: object) -> Books:
     return dataclasses.replace(books, **{k: v for k, v in changes.items() if not k.startswith("p_")})  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_books_in_order_have_no_difference() -> None:
     report = check(_books())
     assert report.ok, report.differences
     assert (report.money_in, report.in_balances, report.held_in_packets) == (100, 60, 40)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("spoiled", "found"),
     [
@@ -79,6 +81,7 @@ def test_each_way_the_money_can_go_wrong_is_a_difference(spoiled: dict[str, obje
     assert found in check(_books(**spoiled)).checks()
 
 
+@pytest.mark.unit
 def test_a_young_unpaid_grab_and_a_packet_expired_just_now_are_not_differences() -> None:
     """Crediting takes seconds and the refund job runs every minute: only LATE_MS later is it late."""
     young = {7: [GrabRow(7, 2, 1, 60), GrabRow(7, 3, 2, 40, NOW - LATE_MS + 1)]}

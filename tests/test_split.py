@@ -12,6 +12,9 @@ from server import errors
 from server.errors import InvalidRequest
 from server.money.split import Limits, double_average, split, validate_request
 
+# Pure: no service, no subprocess (the fast tier, `pytest -m unit`).
+pytestmark = pytest.mark.unit
+
 LIMITS = Limits(max_count=100, max_total_cents=20_000, max_greeting_chars=64)
 
 

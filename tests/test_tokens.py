@@ -64,12 +64,14 @@ def refused(rules: Rules, token: object, key: Any) -> str:
     return e.value.code
 
 
+@pytest.mark.unit
 def test_a_valid_hs256_token_names_its_user_with_sub_as_digits_or_an_integer() -> None:
     assert verify(HS, signed(SECRET), SECRET) == 42
     assert verify(HS, signed(SECRET, sub=42), SECRET) == 42
     assert verify(HS, make_token(SECRET, 7, now(), 60), SECRET) == 7
 
 
+@pytest.mark.unit
 def test_expired_and_not_yet_valid_tokens_are_refused_beyond_the_leeway() -> None:
     assert refused(HS, signed(SECRET, exp=now() - 60), SECRET) == "token_expired"
     assert verify(HS, signed(SECRET, exp=now() - 10), SECRET) == 42  # within 30 s of leeway
@@ -78,6 +80,7 @@ def test_expired_and_not_yet_valid_tokens_are_refused_beyond_the_leeway() -> Non
     assert refused(replace(HS, leeway_seconds=0), signed(SECRET, exp=now() - 10), SECRET) == "token_expired"
 
 
+@pytest.mark.unit
 def test_a_wrong_signature_a_missing_claim_and_bad_subjects_are_refused() -> None:
     assert refused(HS, signed(b"another secret entirely, just as long"), SECRET) == "token_invalid"
     assert refused(HS, signed(SECRET, exp=None), SECRET) == "token_invalid"
@@ -90,12 +93,14 @@ def test_a_wrong_signature_a_missing_claim_and_bad_subjects_are_refused() -> Non
         assert refused(HS, bad, SECRET) == "token_invalid", bad
 
 
+@pytest.mark.unit
 def test_alg_none_is_never_taken() -> None:
     unsigned = jwt.encode({"sub": "42", "exp": now() + 600}, None, algorithm="none")  # type: ignore[arg-type]
     assert refused(HS, unsigned, SECRET) == "token_invalid"
     assert refused(RS, unsigned, RSA_PUBLIC) == "token_invalid"
 
 
+@pytest.mark.unit
 def test_no_algorithm_confusion_between_hmac_and_public_keys() -> None:
     # An HS256 token presented to an RS256 hub, even one "signed" with the hub's public key as its secret.
     assert refused(RS, signed(SECRET), RSA_PUBLIC) == "token_invalid"
@@ -116,6 +121,7 @@ def hs256_by_hand(claims: dict[str, Any], key: bytes) -> str:
     return f"{head}.{body}.{b64(hmac.new(key, f'{head}.{body}'.encode(), hashlib.sha256).digest())}"
 
 
+@pytest.mark.unit
 def test_rs256_and_es256_with_keys_made_here() -> None:
     assert verify(RS, signed(RSA, "RS256"), RSA_PUBLIC) == 42
     ec_key = ec.generate_private_key(ec.SECP256R1())
@@ -127,6 +133,7 @@ def test_rs256_and_es256_with_keys_made_here() -> None:
     assert refused(RS, signed(other, "RS256"), RSA_PUBLIC) == "token_invalid"  # someone else's key
 
 
+@pytest.mark.unit
 def test_audience_and_issuer_are_checked_when_configured() -> None:
     rules = replace(RS, audience="redpacket", issuer="https://chat.example")
     ok = signed(RSA, "RS256", aud="redpacket", iss="https://chat.example")
@@ -200,6 +207,7 @@ class KeyServer:
             self.server.server_close()
 
 
+@pytest.mark.unit
 async def test_a_jwks_with_a_rotating_kid_is_fetched_again_for_a_new_key_within_a_bound() -> None:
     first, second = rsa_key()[0], rsa_key()[0]
     with KeyServer().running() as keys:
@@ -278,6 +286,7 @@ async def test_a_hub_taking_rs256_tokens_opens_sockets_and_the_api_for_them_and_
         await client.close()
 
 
+@pytest.mark.unit
 async def test_a_token_checked_once_is_remembered_but_never_past_its_exp(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -310,6 +319,7 @@ async def test_a_token_checked_once_is_remembered_but_never_past_its_exp(
     assert len(tokens._seen) <= SEEN_TOKENS
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("url", "ok"),
     [
@@ -329,6 +339,7 @@ def test_a_jwks_is_fetched_over_https_or_from_this_machine_only(url: str, ok: bo
             s.check()
 
 
+@pytest.mark.unit
 async def test_a_jwks_behind_a_redirect_is_not_used() -> None:
     """A plain-http JWKS behind a 302 was used. A redirect is now a failed fetch."""
     key = rsa_key()[0]
@@ -342,6 +353,7 @@ async def test_a_jwks_behind_a_redirect_is_not_used() -> None:
         assert real.fetches == 0
 
 
+@pytest.mark.unit
 async def test_a_jwks_down_answers_every_waiting_token_with_one_fetch_and_remembers_it() -> None:
     """With the JWKS down, four concurrent connections were answered after 5.1 / 10.0 / 15.0 / 19.9 s:
     each waited for the one before it to try its own fetch. Now one fetch is shared by all four, its

@@ -14,6 +14,9 @@ from server.hub.hub import Connection, Hub
 from server.hub.metrics import HubMetrics
 from server.hub.wire import HubWebSocket, data_frame
 
+# Pure: no service, no subprocess (the fast tier, `pytest -m unit`).
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("size", [0, 1, 125, 126, 65535, 65536, 70000])
 def test_a_frame_framed_once_is_what_websockets_would_send(size: int) -> None:

@@ -101,6 +101,7 @@ async def _balance_is(core: Core, user: int, cents: int) -> bool:
     return await balance(core.db, user) == cents
 
 
+@pytest.mark.unit
 async def test_a_cron_job_failing_on_a_service_away_is_one_line_not_a_traceback(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
