@@ -4,17 +4,18 @@
 -- while the credit was in flight, after Redis lost its grab, may have put the share back in the list
 -- (it waits for the packet's row lock, so the credit commits after it): the share must not be handed
 -- out again.
--- KEYS[1] the shard's credit outbox; then, per packet with paid credits, its meta hash, its shares list
--- and its grabs hash
--- ARGV[1] the consumer group, ARGV[2] n entry ids, ARGV[3..2+n] the ids, then per packet in KEYS order:
--- how many paid credits m, then m times: user, 'seq:amount', grabbed_ms
+-- Its caller builds KEYS and ARGV by name: server/store/scriptcalls.py, AckCreditsCall.
+local outbox_key = KEYS[1]     -- the shard's credit outbox; then, per packet with paid credits, its meta
+                               -- hash, its shares list and its grabs hash (KEYS[2..])
+local consumer_group = ARGV[1]
+local n = tonumber(ARGV[2])    -- entry ids, ARGV[3..2+n]; then per packet in KEYS order: how many paid
+                               -- credits m, then m times: user, 'seq:amount', grabbed_ms
 -- Returns how many entries were acknowledged.
-local n = tonumber(ARGV[2])
 local acked = 0
 if n > 0 then
   local ids = {unpack(ARGV, 3, 2 + n)}
-  acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ids))
-  redis.call('XDEL', KEYS[1], unpack(ids))
+  acked = redis.call('XACK', outbox_key, consumer_group, unpack(ids))
+  redis.call('XDEL', outbox_key, unpack(ids))
 end
 local i = 3 + n
 for k = 2, #KEYS, 3 do

@@ -1,22 +1,27 @@
 -- Append one event to a group's capped stream and publish it, atomically: the pub/sub order is the
 -- stream order, and the offset every hub sends is the stream id. The channel is a sharded one in the
 -- group's slot (SPUBLISH), so this runs on a Redis Cluster as on one server.
--- KEYS[1] the group's event stream
--- KEYS[2] (optional, same slot) the event's once-key: if it exists the event was published before, and
---         its offset is returned without publishing again; else it is set to the new offset
--- ARGV[1] the group's channel, ARGV[2] approximate max length, ARGV[3] payload, ARGV[4] stream TTL (s)
--- ARGV[5] the once-key's TTL (s), with KEYS[2]
+-- Its caller builds KEYS and ARGV by name: server/store/scriptcalls.py, PublishEventCall.
+local stream_key = KEYS[1]  -- the group's event stream
+local once_key = KEYS[2]    -- (optional, same slot) the event's once-key: if it exists the event was
+                            -- published before, and its offset is returned without publishing again;
+                            -- else it is set to the new offset
+local channel = ARGV[1]     -- the group's channel
+local max_length = ARGV[2]  -- approximate
+local payload = ARGV[3]
+local stream_ttl = ARGV[4]  -- seconds
+local once_ttl = ARGV[5]    -- seconds, with once_key
 -- Returns the event's offset.
-if KEYS[2] then
-  local before = redis.call('GET', KEYS[2])
+if once_key then
+  local before = redis.call('GET', once_key)
   if before then
     return before
   end
 end
-local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'e', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('SPUBLISH', ARGV[1], id .. '\n' .. ARGV[3])
-if KEYS[2] then
-  redis.call('SET', KEYS[2], id, 'EX', ARGV[5])
+local id = redis.call('XADD', stream_key, 'MAXLEN', '~', max_length, '*', 'e', payload)
+redis.call('EXPIRE', stream_key, stream_ttl)
+redis.call('SPUBLISH', channel, id .. '\n' .. payload)
+if once_key then
+  redis.call('SET', once_key, id, 'EX', once_ttl)
 end
 return id

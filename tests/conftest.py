@@ -6,6 +6,7 @@ MariaDB-backed tests skip with a reason when no MariaDB answers, unless REDPACKE
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from collections.abc import AsyncIterator, Iterator
@@ -185,8 +186,8 @@ async def hub_settings(redis_url: str, mysql_url: str) -> AsyncIterator[Settings
 
 async def block(core: Core, user: int, seconds: int = 60, action: str = "block") -> None:
     """What the bot detector does to a user (a block, or a throttle), through its own code."""
-    from server.hub import bots
-    from server.hub.botscore import Decision, Rules
+    from server.live import bots
+    from server.live.botscore import Decision, Rules
 
     await bots.apply(core, {user: Decision(user, action, seconds, ["a test"])}, Rules(), ledger.now_ms())
 
@@ -194,9 +195,10 @@ async def block(core: Core, user: int, seconds: int = 60, action: str = "block")
 async def outbox(core: Core, group: int) -> list[tuple[int, int, int, int, int, int]]:
     """The credit records waiting in a group's shard outbox, as parsed entries, in order."""
     from server.store import keys
+    from server.store.records import CreditEntry
 
     rows = await core.redis.xrange(keys.outbox_for(group))
-    return [keys.parse_credit_entry(fields[b"c"]) for _, fields in rows]
+    return [dataclasses.astuple(CreditEntry.parse(fields[b"c"])) for _, fields in rows]
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ from server.hub.hub import Hub
 from server.hub.wire import uvicorn_config
 from server.settings import Settings, child_env
 from server.tools.client import HubClient
+from worker.main import beside_hub
 
 
 class _Server(uvicorn.Server):
@@ -97,7 +98,7 @@ def _bound_socket() -> socket.socket:
 @asynccontextmanager
 async def hub_in_process(settings: Settings, run_worker: bool = False) -> AsyncIterator[HubUnderTest]:
     """A hub in this process; with ``run_worker``, a credit worker beside it as under ``redpacket up``."""
-    app = create_app(settings, run_worker=run_worker)
+    app = create_app(settings, beside=beside_hub if run_worker else None)
     sock = _bound_socket()
     server = _Server(uvicorn_config(app, settings))
     task = asyncio.create_task(server.serve(sockets=[sock]))

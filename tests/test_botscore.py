@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.hub.botscore import Attempt, Rules, score
+from server.live.botscore import Attempt, Rules, score
 
 # Pure: no service, no subprocess (the fast tier, `pytest -m unit`).
 pytestmark = pytest.mark.unit

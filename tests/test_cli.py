@@ -139,7 +139,7 @@ def test_help_lists_every_command_with_help_and_no_markup() -> None:
 
 
 def _blocked(r: redis.Redis, user: int, until: int, why: str, namespace: str = TEST_NAMESPACE) -> None:
-    """What the bot detector writes for a block (``server.hub.bots.apply``), written from outside."""
+    """What the bot detector writes for a block (``server.live.bots.apply``), written from outside."""
     keys.claim(namespace)
     try:
         for n in range(keys.SHARDS):

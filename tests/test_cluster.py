@@ -21,12 +21,13 @@ from websockets.exceptions import ConnectionClosed
 from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError
-from server.hub import bots, events
-from server.hub.botscore import Decision, Rules
+from server.live import bots, events
+from server.live.botscore import Decision, Rules
 from server.money import grabs, ledger, packets, settlement
 from server.money.reconcile import reconcile
 from server.settings import Settings
 from server.store import keys, redisnodes
+from server.store.scriptcalls import Once
 from server.tools.client import HubClient, HubError
 from tests.conftest import make_world
 from tests.hubtools import eventually, hub_process, worker_env
@@ -82,21 +83,22 @@ async def test_every_operation_of_the_core_runs_on_the_cluster(cluster_core: Cor
     assert len({keys.shard(g) for g in [w.group, *more]}) == 6
     told: dict[tuple[int, int], int] = {}
     for g in [w.group, *more]:
-        p = await packets.send_packet(core, w.admin, g, "lucky", 3_000, 30)
-        results = await asyncio.gather(*(grabs.grab(core, p.packet_id, g, u, gate=True) for u in w.members))
+        p = await packets.send_packet(
+            core, sender_id=w.admin, group_id=g, kind="lucky", total=3_000, count=30
+        )
+        results = await asyncio.gather(
+            *(grabs.grab(core, packet_id=p.packet_id, group_id=g, user_id=u, gate=True) for u in w.members)
+        )
         for r in results:
             told[(p.packet_id, r.grab.user_id)] = r.grab.amount
-        again = await grabs.grab(core, p.packet_id, g, w.members[0], gate=True)
+        again = await grabs.grab(core, packet_id=p.packet_id, group_id=g, user_id=w.members[0], gate=True)
         assert again.outcome == "already"
-        view = await grabs.open_packet(core, p.packet_id, g, w.members[0])
+        view = await grabs.open_packet(core, packet_id=p.packet_id, group_id=g, user_id=w.members[0])
         assert (
             view.remaining == 0 and sum(x.amount for x in view.grabs) == 3_000 and view.best_luck is not None
         )
-        offset = await events.publish(core, g, "chat", {"user": w.admin, "text": "hi"}, events.Once("t", 60))
-        assert (
-            await events.publish(core, g, "chat", {"user": w.admin, "text": "hi"}, events.Once("t", 60))
-            == offset
-        )
+        offset = await events.publish(core, g, "chat", {"user": w.admin, "text": "hi"}, Once("t", 60))
+        assert await events.publish(core, g, "chat", {"user": w.admin, "text": "hi"}, Once("t", 60)) == offset
         missed = await events.since(core, g, "0-0", 100)
         assert [e[0] for e in missed.events] == [offset]
         await packets.recover_packet(core, p.packet_id)
@@ -107,15 +109,15 @@ async def test_every_operation_of_the_core_runs_on_the_cluster(cluster_core: Cor
     )
     assert {(int(p), int(u)): int(a) for p, u, a in rows} == told
     # Membership changes, blocks and lifts, refunds: all on the cluster.
-    await groups.remove_member(core.db, core.membership, more[0], w.members[0])
-    assert not await core.membership.is_member(more[0], w.members[0])
+    await groups.remove_member(core.db, core.membership, group_id=more[0], user_id=w.members[0])
+    assert not await core.membership.is_member(group_id=more[0], user_id=w.members[0])
     await bots.apply(
         core, {w.members[1]: Decision(w.members[1], "block", 60, ["test"])}, Rules(), ledger.now_ms()
     )
     assert [b.user for b in await bots.list_blocks(core)] == [w.members[1]]
     assert await bots.lift(core, w.members[1])
-    q = await packets.send_packet(core, w.admin, more[1], "lucky", 500, 5)
-    await grabs.grab(core, q.packet_id, more[1], w.members[2])
+    q = await packets.send_packet(core, sender_id=w.admin, group_id=more[1], kind="lucky", total=500, count=5)
+    await grabs.grab(core, packet_id=q.packet_id, group_id=more[1], user_id=w.members[2])
     row = await core.db.fetchone("SELECT expires_ms FROM red_packets WHERE id = %s", (q.packet_id,))
     assert row is not None
     refund = await settlement.refund_packet(core, q.packet_id, now=int(row[0]) + 1)
@@ -155,9 +157,18 @@ async def test_a_storm_on_the_cluster_is_paid_by_two_worker_processes(
     ]
     try:
         told: dict[tuple[int, int], int] = {}
-        sent = [await packets.send_packet(core, w.admin, g, "lucky", 10_000, 100) for g in gids]
+        sent = [
+            await packets.send_packet(
+                core, sender_id=w.admin, group_id=g, kind="lucky", total=10_000, count=100
+            )
+            for g in gids
+        ]
         results = await asyncio.gather(
-            *(grabs.grab(core, p.packet_id, g, u) for p, g in zip(sent, gids, strict=True) for u in w.members)
+            *(
+                grabs.grab(core, packet_id=p.packet_id, group_id=g, user_id=u)
+                for p, g in zip(sent, gids, strict=True)
+                for u in w.members
+            )
         )
         for r in results:
             told[(r.packet_id, r.grab.user_id)] = r.grab.amount
@@ -197,7 +208,9 @@ async def test_a_master_killed_mid_storm_loses_no_won_grab_with_replica_durabili
         s = core.settings.replace(redis_url=cl.url, queue_redis_url=redis_url, grab_durability="replica")
         async with open_core(s) as c:
             w = await make_world(c, members=130, admin_cents=100_000)
-            p = await packets.send_packet(c, w.admin, w.group, "lucky", 10_000, 100)
+            p = await packets.send_packet(
+                c, sender_id=w.admin, group_id=w.group, kind="lucky", total=10_000, count=100
+            )
             told: dict[int, tuple[int, int]] = {}
             refused: list[str] = []
 
@@ -205,7 +218,7 @@ async def test_a_master_killed_mid_storm_loses_no_won_grab_with_replica_durabili
                 # A client: retried while Redis is unavailable, as the protocol says.
                 for _ in range(1200):
                     try:
-                        g = (await grabs.grab(c, p.packet_id, w.group, u)).grab
+                        g = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
                         told[u] = (g.seq, g.amount)
                         return
                     except RedPacketError as e:
@@ -215,7 +228,7 @@ async def test_a_master_killed_mid_storm_loses_no_won_grab_with_replica_durabili
                     await asyncio.sleep(0.05)
 
             await asyncio.gather(*(grabber(u) for u in w.members[:30]))
-            grabs_key = keys.packet_grabs(w.group, p.packet_id)
+            grabs_key = keys.packet_grabs(group_id=w.group, packet_id=p.packet_id)
             doomed = cl.master_of(grabs_key)
             its_replica = _replica_of(cl, doomed)
             # The rest of the storm, in ten lanes of ten grabbers one after another: the grabs of one
@@ -448,20 +461,24 @@ async def test_a_master_that_crashes_and_is_back_before_its_failover_keeps_every
         s = core.settings.replace(redis_url=cl.url, queue_redis_url=redis_url, grab_durability=durability)
         async with open_core(s) as c:
             w = await make_world(c, members=40, admin_cents=100_000)
-            p = await packets.send_packet(c, w.admin, w.group, "lucky", 4_000, 40)
-            doomed = cl.master_of(keys.packet_shares(w.group, p.packet_id))
+            p = await packets.send_packet(
+                c, sender_id=w.admin, group_id=w.group, kind="lucky", total=4_000, count=40
+            )
+            doomed = cl.master_of(keys.packet_shares(group_id=w.group, packet_id=p.packet_id))
             told: dict[int, tuple[int, int]] = {}
             for u in w.members[:20]:
-                g = (await grabs.grab(c, p.packet_id, w.group, u)).grab
+                g = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
                 told[u] = (g.seq, g.amount)
             await doomed.os_crash()
             await doomed.start()
             await cl.wait_ok(replicated=True)  # its replica resynced from it
-            assert cl.master_of(keys.packet_shares(w.group, p.packet_id)) is doomed  # no failover happened
+            assert (
+                cl.master_of(keys.packet_shares(group_id=w.group, packet_id=p.packet_id)) is doomed
+            )  # no failover happened
             for u in w.members[20:]:
                 for _ in range(600):  # a client retries while Redis is unavailable
                     try:
-                        g = (await grabs.grab(c, p.packet_id, w.group, u)).grab
+                        g = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
                         told[u] = (g.seq, g.amount)
                         break
                     except RedPacketError as e:
@@ -527,10 +544,14 @@ async def test_aof_replica_waits_for_a_lost_replica_until_the_cluster_agrees_it_
                 await c.nodes.look(client, replicas=True)
                 assert c.nodes.replicas(client) == 1
             w = await make_world(c, members=40, admin_cents=10_000)
-            p = await packets.send_packet(c, w.admin, w.group, "lucky", 4_000, 40)
-            shares = keys.packet_shares(w.group, p.packet_id)
+            p = await packets.send_packet(
+                c, sender_id=w.admin, group_id=w.group, kind="lucky", total=4_000, count=40
+            )
+            shares = keys.packet_shares(group_id=w.group, packet_id=p.packet_id)
             master = cl.master_of(shares)
-            assert (await grabs.grab(c, p.packet_id, w.group, w.members[0])).outcome == "won"
+            assert (
+                await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
+            ).outcome == "won"
             lost = _replica_of(cl, master)
             await lost.kill()
             killed = time.monotonic()
@@ -578,7 +599,7 @@ async def _grab_retrying(c: Core, packet: int, group: int, user: int) -> tuple[g
     while True:
         tries += 1
         try:
-            got = await grabs.grab(c, packet, group, user)
+            got = await grabs.grab(c, packet_id=packet, group_id=group, user_id=user)
         except RedPacketError as e:
             assert e.code == errors.REDIS_UNAVAILABLE, e
             assert time.monotonic() - started < 60, "refused for a minute"

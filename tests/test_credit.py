@@ -12,6 +12,8 @@ from server.errors import Conflict
 from server.money import grabs, ledger, packets
 from server.money.ledger import Credit
 from server.store import keys
+from server.store.records import CreditEntry, GrabRecord
+from server.store.scriptcalls import run_alone
 from tests.conftest import make_world, outbox
 from worker.drain import CreditDrain
 
@@ -35,9 +37,12 @@ async def assert_books_balance(core: Core) -> None:
 
 async def test_full_packet_is_credited_exactly(core: Core) -> None:
     w = await make_world(core, members=12, admin_cents=50_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 12_345, 10)
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=12_345, count=10
+    )
     results = await asyncio.gather(
-        *(grabs.grab(core, p.packet_id, w.group, u) for u in w.members), return_exceptions=True
+        *(grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u) for u in w.members),
+        return_exceptions=True,
     )
     won = {r.grab.user_id: r.grab.amount for r in results if isinstance(r, grabs.GrabResult)}
     assert len(won) == 10
@@ -59,42 +64,53 @@ async def test_full_packet_is_credited_exactly(core: Core) -> None:
 
 
 async def test_the_grab_records_its_credit_in_the_same_call(core: Core) -> None:
-    """lua/grab.lua writes the credit record keys.credit_entry names to the shard's outbox."""
+    """lua/grab.lua writes the credit record ``records.CreditEntry`` defines to the shard's outbox, byte
+    for byte what ``CreditEntry.encode`` makes of it (the format is written in Python once, and Lua's
+    copy of it is held to it here), and its grab record likewise."""
     w = await make_world(core, members=1, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 777, 1)
-    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=777, count=1)
+    g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     mine = (p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
     assert await outbox(core, w.group) == [mine]
     # Ids and amounts past 32 bits, on a packet that lives only in Redis.
     big, user = 2**40 + 3, 2**33 + 5
-    meta, shares, _, _ = keys.packet_keys(w.group, big)
+    meta, shares, _, _ = keys.packet_keys(group_id=w.group, packet_id=big)
     await core.redis.hset(meta, mapping={"group": w.group, "expires_ms": ledger.now_ms() + 60_000})
     await core.redis.rpush(shares, f"70000:{2**31 + 7}")
-    k, args = grabs.grab_call(core, big, w.group, user, False, False)
-    res = await core.scripts.grab(keys=k, args=args)
-    assert res[0] == b"won"
-    g2 = grabs.parse_record(user, res[1])
+    call = grabs.grab_call(
+        core, packet_id=big, group_id=w.group, user_id=user, check_members=False, gate=False
+    )
+    reply = await run_alone(core.scripts, call)
+    assert reply.status == "won" and reply.record is not None
+    assert reply.record.seq == 70_000 and reply.record.amount == 2**31 + 7
+    g2 = reply.record
     assert await outbox(core, w.group) == [mine, (big, user, 70_000, 2**31 + 7, g2.grabbed_ms, w.group)]
-    await core.redis.delete(*keys.packet_keys(w.group, big))
+    raw = [fields[b"c"] for _, fields in await core.redis.xrange(keys.outbox_for(w.group))]
+    assert raw[-1] == CreditEntry(big, user, g2.seq, g2.amount, g2.grabbed_ms, w.group).encode().encode()
+    held = await core.redis.hget(keys.packet_grabs(group_id=w.group, packet_id=big), str(user))
+    assert held == g2.encode().encode() and GrabRecord.parse(held) == g2
+    await core.redis.delete(*keys.packet_keys(group_id=w.group, packet_id=big))
 
 
 async def test_a_repeat_grab_answers_the_same_share_and_records_no_second_credit(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 600, 1)
-    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
-    again = await grabs.grab(core, p.packet_id, w.group, w.members[0])
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=600, count=1)
+    g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
+    again = await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
     assert again.outcome == "already" and again.grab == g
     assert len(await outbox(core, w.group)) == 1
     assert await run_worker(core) == 1
-    assert (await grabs.grab(core, p.packet_id, w.group, w.members[0])).outcome == "already"
+    assert (
+        await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
+    ).outcome == "already"
     assert await outbox(core, w.group) == []  # paid: off the outbox
     assert await ledger.balance(core.db, w.members[0]) == 600
 
 
 async def test_a_credit_run_twice_pays_once(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 1)
-    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=1)
+    g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     c = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
     assert await ledger.credit_grab(core.db, c) == "credited"
     assert await ledger.credit_grab(core.db, c) == "already"
@@ -107,8 +123,8 @@ async def test_a_credit_run_twice_pays_once(core: Core) -> None:
 
 async def test_concurrent_duplicate_credits_pay_once(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "equal", 700, 1)
-    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="equal", total=700, count=1)
+    g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     c = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
     outcomes = await asyncio.gather(*(ledger.credit_grab(core.db, c) for _ in range(8)))
     assert sorted(outcomes) == ["already"] * 7 + ["credited"]
@@ -118,9 +134,11 @@ async def test_concurrent_duplicate_credits_pay_once(core: Core) -> None:
 @pytest.mark.parametrize("lie", ["amount", "seq_of_other", "user_of_other"])
 async def test_the_database_refuses_what_redis_cannot_prove(core: Core, lie: str) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 1_000, 2)
-    a = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
-    b = (await grabs.grab(core, p.packet_id, w.group, w.members[1])).grab
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=1_000, count=2
+    )
+    a = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
+    b = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[1])).grab
     await ledger.credit_grab(core.db, Credit(p.packet_id, a.user_id, a.seq, a.amount, a.grabbed_ms))
     bad = {
         "amount": Credit(p.packet_id, b.user_id, b.seq, b.amount + 1, b.grabbed_ms),
@@ -137,8 +155,8 @@ async def test_the_database_refuses_what_redis_cannot_prove(core: Core, lie: str
 
 async def test_no_credit_lands_on_a_refunded_packet(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 300, 1)
-    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=300, count=1)
+    g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     await core.db.run(
         lambda tx: tx.execute("UPDATE red_packets SET status = 'refunded' WHERE id = %s", (p.packet_id,)),
         idempotent=True,
@@ -160,8 +178,13 @@ async def test_a_packet_is_finished_by_the_transaction_that_credits_its_last_sha
 
     w = await make_world(core, members=3, admin_cents=10_000)
     for last_alone in (True, False):
-        p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 3)
-        gs = [(await grabs.grab(core, p.packet_id, w.group, u)).grab for u in w.members]
+        p = await packets.send_packet(
+            core, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=3
+        )
+        gs = [
+            (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
+            for u in w.members
+        ]
         credits = [Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms) for g in gs]
         assert await credit_many(core.db, credits[:2]) == ["credited", "credited"]
         assert await _status(core, p.packet_id) == ("active", None)

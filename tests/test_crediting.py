@@ -22,10 +22,12 @@ from worker.drain import CreditDrain
 
 async def _grabs(core: Core, members: int, total: int) -> tuple[int, list[Credit], list[int]]:
     w = await make_world(core, members=members, admin_cents=100_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", total, members)
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=total, count=members
+    )
     credits = []
     for u in w.members:
-        g = (await grabs.grab(core, p.packet_id, w.group, u)).grab
+        g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
         credits.append(Credit(p.packet_id, u, g.seq, g.amount, g.grabbed_ms))
     return p.packet_id, credits, w.members
 
@@ -173,7 +175,12 @@ async def test_a_batch_refuses_a_second_share_for_a_user_and_any_share_of_a_refu
     first, second, third, fourth = credits
     await credit_many(core.db, [first])
     refunded = await packets.send_packet(
-        core, await _admin(core), await _group_of(core, pid), "lucky", 100, 1
+        core,
+        sender_id=await _admin(core),
+        group_id=await _group_of(core, pid),
+        kind="lucky",
+        total=100,
+        count=1,
     )
 
     async def refund(tx: Tx) -> int:

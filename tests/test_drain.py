@@ -24,8 +24,12 @@ from worker.drain import CreditDrain
 
 async def _storm(core: Core, members: int) -> tuple[int, dict[int, int]]:
     w = await make_world(core, members=members, admin_cents=100_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", members * 100, members)
-    results = await asyncio.gather(*(grabs.grab(core, p.packet_id, w.group, u) for u in w.members))
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=members * 100, count=members
+    )
+    results = await asyncio.gather(
+        *(grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u) for u in w.members)
+    )
     return w.group, {r.grab.user_id: r.grab.amount for r in results}
 
 
@@ -189,8 +193,11 @@ async def test_a_read_that_fails_on_one_shard_gives_back_what_the_others_gave(
     if keys.shard(group) == keys.SHARDS - 1:  # the failing shard must come after the packet's
         group = await groups.create_group(core.db, w.admin, "next")
         await groups.add_members(core.db, core.membership, group, w.members)
-    p = await packets.send_packet(core, w.admin, group, "lucky", 500, 5)
-    told = {u: (await grabs.grab(core, p.packet_id, group, u)).grab.amount for u in w.members}
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=group, kind="lucky", total=500, count=5)
+    told = {
+        u: (await grabs.grab(core, packet_id=p.packet_id, group_id=group, user_id=u)).grab.amount
+        for u in w.members
+    }
     drain = CreditDrain(core, consumer="partial")
     await drain._make_groups()
     real = drain._each_shard

@@ -132,7 +132,7 @@ async def paid(core: Core) -> dict[int, tuple[int, int]]:
 
 async def grab_or_none(core: Core, packet_id: int, group: int, user: int) -> grabs.GrabResult | None:
     try:
-        return await grabs.grab(core, packet_id, group, user)
+        return await grabs.grab(core, packet_id=packet_id, group_id=group, user_id=user)
     except RedPacketError as e:
         assert e.code == errors.PACKET_EMPTY, e
         return None
@@ -165,15 +165,20 @@ async def test_lost_writes_never_hand_out_a_share_the_database_holds(core: Core,
         s = core.settings.replace(redis_url=r.url, grab_durability="none")
         async with open_core(s) as c:
             w = await make_world(c, members=60, admin_cents=100_000)
-            p = await packets.send_packet(c, w.admin, w.group, "lucky", 4_000, 40)
+            p = await packets.send_packet(
+                c, sender_id=w.admin, group_id=w.group, kind="lucky", total=4_000, count=40
+            )
             await on_disk(r)  # the packet survives the crash...
-            before = {u: await grabs.grab(c, p.packet_id, w.group, u) for u in w.members[:20]}
+            before = {
+                u: await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)
+                for u in w.members[:20]
+            }
             await CreditDrain(c).until_empty()
             assert len(await paid(c)) == 20
             assert await r.os_crash() > 0  # ...its 20 grabs and their credits, never fsynced, do not
             await r.start()
             plain = redis.Redis(port=r.port)
-            assert not plain.hlen(keys.packet_grabs(w.group, p.packet_id))  # all gone
+            assert not plain.hlen(keys.packet_grabs(group_id=w.group, packet_id=p.packet_id))  # all gone
             plain.close()
 
             after = [await grab_or_none(c, p.packet_id, w.group, u) for u in w.members[20:]]
@@ -185,7 +190,7 @@ async def test_lost_writes_never_hand_out_a_share_the_database_holds(core: Core,
             held = await paid(c)
             for u, g in before.items():  # paid before the crash: still theirs, answered again as theirs
                 assert held[u] == (g.grab.seq, g.grab.amount)
-                again = await grabs.grab(c, p.packet_id, w.group, u)
+                again = await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)
                 assert again.outcome == "already" and again.grab.seq == g.grab.seq
             for u, share in winners.items():  # told after the crash: paid exactly that
                 assert held[u] == share
@@ -206,11 +211,13 @@ async def test_with_aof_durability_every_won_survives_an_os_crash(core: Core, tm
         async with open_core(s) as c:
             assert await durability_problem(c.redis, "aof") is None
             w = await make_world(c, members=90, admin_cents=100_000)
-            p = await packets.send_packet(c, w.admin, w.group, "lucky", 6_000, 60)
+            p = await packets.send_packet(
+                c, sender_id=w.admin, group_id=w.group, kind="lucky", total=6_000, count=60
+            )
             told: dict[int, tuple[int, int]] = {}
 
             async def grab(u: int) -> None:
-                g = (await grabs.grab(c, p.packet_id, w.group, u)).grab
+                g = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
                 told[u] = (g.seq, g.amount)
 
             for u in w.members[:20]:
@@ -271,17 +278,17 @@ async def test_grabs_are_not_answered_won_when_durability_cannot_be_had(core: Co
     """aof on a server without WAITAOF (Redis 7.0) or without its AOF, replica with no replica: the grab
     is made but answered redis_unavailable, never "won"; the retry answers the same share."""
     w = await make_world(core, members=2, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 200, 2)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=200, count=2)
     for durability in (Durability.AOF, Durability.REPLICA):
         strict = dataclasses.replace(core, settings=core.settings.replace(grab_durability=durability))
         strict.batcher.durability = durability
         try:
             with pytest.raises(RedPacketError) as e:
-                await grabs.grab(strict, p.packet_id, w.group, w.members[0])
+                await grabs.grab(strict, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
             assert e.value.code == errors.REDIS_UNAVAILABLE, e.value
         finally:
             strict.batcher.durability = Durability.NONE
-    got = await grabs.grab(core, p.packet_id, w.group, w.members[0])
+    got = await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
     assert got.outcome == "already"  # taken the first time; said now
     assert await ledger.balance(core.db, w.members[0]) == 0
 
@@ -331,8 +338,12 @@ async def test_aof_replica_waits_for_any_replica_that_could_take_over_and_goes_o
                 return metrics.durability_degraded.labels(address)._value.get()
 
             w = await make_world(c, members=6, admin_cents=10_000)
-            p = await packets.send_packet(c, w.admin, w.group, "lucky", 600, 6)
-            assert (await grabs.grab(c, p.packet_id, w.group, w.members[0])).outcome == "won"
+            p = await packets.send_packet(
+                c, sender_id=w.admin, group_id=w.group, kind="lucky", total=600, count=6
+            )
+            assert (
+                await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
+            ).outcome == "won"
             await sample(c, metrics)
             assert degraded() == 1  # on its disk alone
             async with redis_process(
@@ -343,23 +354,31 @@ async def test_aof_replica_waits_for_any_replica_that_could_take_over_and_goes_o
                 await eventually(lambda: c.nodes.look_first(c.nodes.client), timeout=5)
                 if guard == "on":
                     with pytest.raises(RedPacketError) as e:
-                        await grabs.grab(c, p.packet_id, w.group, w.members[1])
+                        await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[1])
                     assert e.value.code == errors.REDIS_UNAVAILABLE
                     await sample(c, metrics)
                     assert degraded() == 0
                 else:
-                    assert (await grabs.grab(c, p.packet_id, w.group, w.members[1])).outcome == "won"
+                    assert (
+                        await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[1])
+                    ).outcome == "won"
                     return
                 redis.Redis(port=primary.port).config_set("repl-diskless-sync-delay", 0)
                 await eventually(lambda: _replica_state(primary) == "online", timeout=60)
-                assert (await grabs.grab(c, p.packet_id, w.group, w.members[1])).outcome == "already"
-                assert (await grabs.grab(c, p.packet_id, w.group, w.members[2])).outcome == "won"
+                assert (
+                    await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[1])
+                ).outcome == "already"
+                assert (
+                    await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[2])
+                ).outcome == "won"
                 await replica.kill()
                 await eventually(lambda: _replica_state(primary) is None, timeout=30)
             # (the batcher's count is at most LOOK_FIRST_AFTER old: a grab sooner waits for the replica gone,
             # is refused, and its retry is answered)
             await eventually(lambda: c.nodes.look_first(c.nodes.client), timeout=5)
-            assert (await grabs.grab(c, p.packet_id, w.group, w.members[3])).outcome == "won"
+            assert (
+                await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[3])
+            ).outcome == "won"
             await sample(c, metrics)
             assert degraded() == 1
 
@@ -379,8 +398,12 @@ async def test_replica_durability_answers_once_a_replica_has_the_grab(core: Core
             s = core.settings.replace(redis_url=primary.url, grab_durability="replica")
             async with open_core(s) as c:
                 w = await make_world(c, members=20, admin_cents=10_000)
-                p = await packets.send_packet(c, w.admin, w.group, "lucky", 2_000, 20)
-                got = await asyncio.gather(*(grabs.grab(c, p.packet_id, w.group, u) for u in w.members))
+                p = await packets.send_packet(
+                    c, sender_id=w.admin, group_id=w.group, kind="lucky", total=2_000, count=20
+                )
+                got = await asyncio.gather(
+                    *(grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u) for u in w.members)
+                )
                 assert all(g.outcome == "won" for g in got)
                 assert sum(g.grab.amount for g in got) == 2_000
 
@@ -442,16 +465,18 @@ async def test_a_failover_back_to_a_server_already_known_is_noticed(
     async with redis_process(tmp_path / "a", *fast) as a, redis_process(tmp_path / "b", *fast) as b:
         async with open_core(core.settings.replace(redis_url=a.url, grab_durability="none")) as c:
             w = await make_world(c, members=4, admin_cents=10_000)
-            p = await packets.send_packet(c, w.admin, w.group, "lucky", 1_000, 3)
+            p = await packets.send_packet(
+                c, sender_id=w.admin, group_id=w.group, kind="lucky", total=1_000, count=3
+            )
             await _follow(b, a)  # b holds the packet, not yet grabbed
             _detach(b)
-            first = (await grabs.grab(c, p.packet_id, w.group, w.members[0])).grab
+            first = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
             await CreditDrain(c).until_empty()
             assert (await paid(c))[first.user_id] == (first.seq, first.amount)
             generation = c.repairs.generation
             await _follow(a, b)  # a takes b's data: the grab gone, its share back in the list
             _detach(a)
-            second = (await grabs.grab(c, p.packet_id, w.group, w.members[1])).grab
+            second = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[1])).grab
             await CreditDrain(c).until_empty()
             report = await reconcile(c)
             if guard == "off":
@@ -462,7 +487,7 @@ async def test_a_failover_back_to_a_server_already_known_is_noticed(
                 return
             assert c.repairs.generation > generation
             assert second.seq != first.seq
-            again = await grabs.grab(c, p.packet_id, w.group, first.user_id)
+            again = await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=first.user_id)
             assert again.outcome == "already" and again.grab == first
             assert await ledger.balance(c.db, second.user_id) == second.amount
             assert report.ok, report.differences
@@ -490,9 +515,11 @@ async def test_with_replica_durability_every_won_survives_a_failover_to_a_laggin
             unanswered: list[int] = []
             async with open_core(s) as c:
                 w = await make_world(c, members=40, admin_cents=10_000)
-                p = await packets.send_packet(c, w.admin, w.group, "lucky", 3_000, 30)
+                p = await packets.send_packet(
+                    c, sender_id=w.admin, group_id=w.group, kind="lucky", total=3_000, count=30
+                )
                 for u in w.members[:10]:
-                    g = (await grabs.grab(c, p.packet_id, w.group, u)).grab
+                    g = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
                     told[u] = (g.seq, g.amount)
                 await _follow_done(replica, primary)
                 partitioned = redis.Redis(port=replica.port)
@@ -502,7 +529,7 @@ async def test_with_replica_durability_every_won_survives_a_failover_to_a_laggin
                 try:
                     for u in w.members[10:20]:  # executed on the master, never confirmed by a replica
                         with pytest.raises(RedPacketError) as e:
-                            await grabs.grab(c, p.packet_id, w.group, u)
+                            await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)
                         assert e.value.code == errors.REDIS_UNAVAILABLE
                         unanswered.append(u)
                     # A worker pays only what is durable: its read of the credits waits like a grab.

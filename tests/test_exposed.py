@@ -530,7 +530,9 @@ async def _removed_unheard(demo: HubUnderTest, monkeypatch: pytest.MonkeyPatch) 
     await c.sync()
     with monkeypatch.context() as m:
         m.setattr(keys, "membership_channel", lambda: keys._root() + "{ctl}:nowhere")
-        assert await groups.remove_member(demo.core.db, demo.core.membership, group, member_id)
+        assert await groups.remove_member(
+            demo.core.db, demo.core.membership, group_id=group, user_id=member_id
+        )
     return group, c
 
 

@@ -47,8 +47,12 @@ async def _storm(core: Core, members: int) -> tuple[int, list[int], list[Credit]
     w = await make_world(core, members=members, admin_cents=1_000_000)
     credits: list[Credit] = []
     for _ in range(10):
-        p = await packets.send_packet(core, w.admin, w.group, "lucky", 10_000, members)
-        results = await asyncio.gather(*(grabs.grab(core, p.packet_id, w.group, u) for u in w.members))
+        p = await packets.send_packet(
+            core, sender_id=w.admin, group_id=w.group, kind="lucky", total=10_000, count=members
+        )
+        results = await asyncio.gather(
+            *(grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u) for u in w.members)
+        )
         credits += [
             Credit(p.packet_id, r.grab.user_id, r.grab.seq, r.grab.amount, r.grab.grabbed_ms) for r in results
         ]
@@ -260,15 +264,17 @@ async def test_redis_restarted_with_aof_in_a_grab_storm(core: Core, tmp_path: Pa
         s = core.settings.replace(redis_url=r.url)
         async with open_core(s) as c:
             w = await make_world(c, members=60, admin_cents=100_000)
-            p = await packets.send_packet(c, w.admin, w.group, "lucky", 6_000, 60)
-            grabs_key = keys.packet_grabs(w.group, p.packet_id)
+            p = await packets.send_packet(
+                c, sender_id=w.admin, group_id=w.group, kind="lucky", total=6_000, count=60
+            )
+            grabs_key = keys.packet_grabs(group_id=w.group, packet_id=p.packet_id)
             told: dict[int, tuple[int, int]] = {}  # user → (seq, amount) answered: won, or already
 
             async def grab(u: int) -> None:
                 # A client: retried while Redis is away (until it is back, or 30 s).
                 for _ in range(600):
                     try:
-                        g = (await grabs.grab(c, p.packet_id, w.group, u)).grab
+                        g = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
                         told[u] = (g.seq, g.amount)
                         return
                     except Exception:
@@ -308,7 +314,7 @@ async def test_redis_restarted_with_aof_in_a_grab_storm(core: Core, tmp_path: Pa
             assert len(told) == 60 and in_redis.items() <= told.items()
             # Repeats after the restart answer the same share.
             for u in w.members:
-                again = (await grabs.grab(c, p.packet_id, w.group, u)).grab
+                again = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
                 assert (again.seq, again.amount) == told[u]
             await run_worker(c)
             rows = await c.db.fetchall(
@@ -359,10 +365,12 @@ async def test_redis_killed_and_restarted_under_two_workers_that_ride_it_out(
             async with open_core(s) as c:
                 w = await make_world(c, members=40, admin_cents=100_000)
                 told: dict[tuple[int, int], int] = {}
-                before = await packets.send_packet(c, w.admin, w.group, "lucky", 4_000, 40)
+                before = await packets.send_packet(
+                    c, sender_id=w.admin, group_id=w.group, kind="lucky", total=4_000, count=40
+                )
                 for u in w.members:
                     told[(before.packet_id, u)] = (
-                        await grabs.grab(c, before.packet_id, w.group, u)
+                        await grabs.grab(c, packet_id=before.packet_id, group_id=w.group, user_id=u)
                     ).grab.amount
                 await r.kill()
                 # Both workers notice (their loops fail) and keep running.
@@ -374,7 +382,7 @@ async def test_redis_killed_and_restarted_under_two_workers_that_ride_it_out(
                 after = await _retrying_send(c, w.admin, w.group)
                 for u in w.members:
                     told[(after.packet_id, u)] = (
-                        await grabs.grab(c, after.packet_id, w.group, u)
+                        await grabs.grab(c, packet_id=after.packet_id, group_id=w.group, user_id=u)
                     ).grab.amount
                 await eventually(lambda: _credited(c, len(told)), timeout=120)
                 rows = await c.db.fetchall(
@@ -398,7 +406,9 @@ async def _retrying_send(c: Core, admin: int, group: int) -> packets.Packet:
 
     for _ in range(100):
         try:
-            return await packets.send_packet(c, admin, group, "lucky", 4_000, 40)
+            return await packets.send_packet(
+                c, sender_id=admin, group_id=group, kind="lucky", total=4_000, count=40
+            )
         except Unavailable:
             await asyncio.sleep(0.1)
     raise AssertionError("Redis did not come back for sends")

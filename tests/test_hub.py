@@ -15,10 +15,12 @@ import websockets
 from websockets.exceptions import ConnectionClosed
 
 from server.core import open_core
-from server.hub import bots, packetcache, protocol
-from server.hub.botscore import Attempt
+from server.hub import packetcache, protocol
 from server.hub.packetcache import Closed, local_refusal
 from server.hub.tokens import make_token
+from server.live import bots
+from server.live.botscore import Attempt
+from server.live.events import offset_key
 from server.money.ledger import now_ms
 from server.settings import Settings
 from server.store import keys
@@ -216,9 +218,7 @@ async def test_reconnect_replays_exactly_what_was_missed(h: HubUnderTest) -> Non
     assert reply["groups"][str(room.group)]["replayed"] == 7
     replayed = await events_of(back, 5, "chat")
     assert [e["data"]["text"] for e in replayed] == [f"missed {i}" for i in range(5)]  # type: ignore[index]
-    assert all(
-        protocol.offset_key(str(e["offset"])) > protocol.offset_key(str(seen[-1]["offset"])) for e in replayed
-    )
+    assert all(offset_key(str(e["offset"])) > offset_key(str(seen[-1]["offset"])) for e in replayed)
     # Live events continue after the replay, in order.
     await talker.request("chat", group=room.group, text="live")
     assert (await events_of(back, 1, "chat"))[0]["data"]["text"] == "live"  # type: ignore[index]
@@ -713,14 +713,14 @@ def test_a_local_answer_is_the_one_the_grab_script_gives() -> None:
         empty=True,
         generation=1,
     )
-    assert local_refusal(c, 1, 8, 5_000) == "packet_empty"
-    assert local_refusal(c, 1, 7, 5_000) is None  # a winner: only Redis answers their share
-    assert local_refusal(c, 2, 8, 5_000) is None  # another group: Redis answers "no such packet"
-    assert local_refusal(c, 1, 8, 10_000) == "packet_expired"
-    assert local_refusal(dataclasses.replace(c, closed=True), 1, 8, 5_000) == "packet_expired"
+    assert local_refusal(c, 5_000, group=1, user=8) == "packet_empty"
+    assert local_refusal(c, 5_000, group=1, user=7) is None  # a winner: only Redis answers their share
+    assert local_refusal(c, 5_000, group=2, user=8) is None  # another group: Redis answers "no such packet"
+    assert local_refusal(c, 10_000, group=1, user=8) == "packet_expired"
+    assert local_refusal(dataclasses.replace(c, closed=True), 5_000, group=1, user=8) == "packet_expired"
     exclusive = dataclasses.replace(c, target=9)
-    assert local_refusal(exclusive, 1, 8, 5_000) == "not_target"
-    assert local_refusal(dataclasses.replace(c, empty=False), 1, 8, 5_000) is None
+    assert local_refusal(exclusive, 5_000, group=1, user=8) == "not_target"
+    assert local_refusal(dataclasses.replace(c, empty=False), 5_000, group=1, user=8) is None
 
 
 async def test_a_storm_sends_redis_about_as_many_grabs_as_shares(

@@ -12,8 +12,10 @@ import redis
 from websockets.exceptions import ConnectionClosed
 
 from server.hub import protocol
+from server.live.events import offset_key
 from server.settings import Settings
 from server.store import keys
+from server.store.records import CreditEntry
 from server.tools.client import HubClient
 from tests.hubtools import eventually, hub_process
 
@@ -59,7 +61,7 @@ async def test_two_hubs_200_members_see_the_same_events_in_the_same_order(any_hu
         assert all(t == tails[0] for t in tails)
         offsets = [o for o, _ in tails[0]]
         assert len(offsets) == len(set(offsets))
-        assert sorted(offsets, key=protocol.offset_key) == offsets
+        assert sorted(offsets, key=offset_key) == offsets
         kinds = [k for _, k in tails[0]]
         assert kinds[0] == "packet" and kinds[-1] == "finished" and "grabs" in kinds
         for c in [admin, *clients]:
@@ -102,7 +104,7 @@ async def a_redis_grabs(settings: Settings, group: int, packet_id: int) -> list[
 
     r = Redis.from_url(settings.redis_url)
     try:
-        raw = await r.hgetall(keys.packet_grabs(group, packet_id))
+        raw = await r.hgetall(keys.packet_grabs(group_id=group, packet_id=packet_id))
     finally:
         await r.aclose()
     return [int(v.split(b":")[0]) for v in raw.values()]
@@ -117,18 +119,18 @@ async def queued_seqs(settings: Settings, group: int, packet_id: int) -> list[in
         rows = await r.xrange(keys.outbox_for(group))
     finally:
         await r.aclose()
-    parsed = [keys.parse_credit_entry(fields[b"c"]) for _, fields in rows]
-    return sorted(entry[2] for entry in parsed if entry[0] == packet_id)
+    parsed = [CreditEntry.parse(fields[b"c"]) for _, fields in rows]
+    return sorted(c.seq for c in parsed if c.packet_id == packet_id)
 
 
 async def _unpaid_in_redis(r: Any, group: int, packet_id: int) -> dict[int, tuple[int, int]]:
     """The packet's grabs Redis holds (user → (seq, amount)) whose credit still waits in the shard's
     outbox, unacknowledged: both read in one MULTI."""
     async with r.pipeline(transaction=True) as pipe:
-        pipe.hgetall(keys.packet_grabs(group, packet_id))
+        pipe.hgetall(keys.packet_grabs(group_id=group, packet_id=packet_id))
         pipe.xrange(keys.outbox_for(group))
         held, rows = await pipe.execute()
-    queued = {keys.parse_credit_entry(fields[b"c"])[1:4] for _, fields in rows}
+    queued = {(c.user_id, c.seq, c.amount) for c in (CreditEntry.parse(f[b"c"]) for _, f in rows)}
     unpaid = {}
     for user, record in held.items():
         seq, amount, _ = (int(x) for x in record.split(b":"))
@@ -186,7 +188,9 @@ async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> N
         look = redis.Redis.from_url(hub_settings.redis_url)
         try:
             deadline = time.monotonic() + 30
-            while (in_redis_at_kill := look.hlen(keys.packet_grabs(group, pid))) <= len(first):
+            while (in_redis_at_kill := look.hlen(keys.packet_grabs(group_id=group, packet_id=pid))) <= len(
+                first
+            ):
                 assert time.monotonic() < deadline, "hub b did not take the second wave"
             told_at_kill, answered_at_kill = _won(answered), len(answered)
             assert b.process is not None

@@ -3,14 +3,16 @@ reaching into another's private names. (docs/architecture.md draws the same pict
 
 - ``server.store``: plumbing; imports no other layer.
 - ``server.money``: the money core; imports the store, never the hub, the worker or the tools.
-- ``server.hub``: imports money and the store, never the tools.
-- ``worker``: imports money, the store and the hub's announcements; never the tools.
+- ``server.live``: what hubs and workers both do to a group's live state (events, announcing packets, the
+  bot detector); imports money and the store, never the hub, the worker or the tools.
+- ``server.hub``: imports live, money and the store; never the worker or the tools.
+- ``worker``: imports live, money and the store; never the hub or the tools.
 - ``server.tools``: imported by nothing of the system; only the ``redpacket`` command (``server.cli``)
   starts them.
 - ``server.cli``: the ``redpacket`` command, a package of one module per command; it composes
   everything, and nothing of the system imports it.
-- Shared by all: ``server.settings``, ``server.errors``, ``server.text``, ``server.ids`` and
-  ``server.core`` (the context every layer is handed).
+- Shared by all: ``server.settings`` (with ``server.settingfields``), ``server.errors``, ``server.text``,
+  ``server.ids`` and ``server.core`` (the context every layer is handed).
 """
 
 from __future__ import annotations
@@ -25,14 +27,23 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = {"server.settings", "server.errors", "server.text", "server.ids", "server.core", "server"}
+SHARED = {
+    "server.settings",
+    "server.settingfields",
+    "server.errors",
+    "server.text",
+    "server.ids",
+    "server.core",
+    "server",
+}
 # What each layer may import besides itself and the shared modules.
 MAY_IMPORT = {
     "server.store": set(),
     "server.money": {"server.store"},
-    "server.hub": {"server.money", "server.store", "worker"},
-    "worker": {"server.money", "server.store", "server.hub"},
-    "server.tools": {"server.money", "server.store", "server.hub", "worker", "server.cli"},
+    "server.live": {"server.money", "server.store"},
+    "server.hub": {"server.live", "server.money", "server.store"},
+    "worker": {"server.live", "server.money", "server.store"},
+    "server.tools": {"server.live", "server.money", "server.store", "server.hub", "worker", "server.cli"},
 }
 MAY_IMPORT["server.cli"] = set(MAY_IMPORT)  # the command composes every layer
 
@@ -219,3 +230,33 @@ def test_no_function_is_longer_than_a_screen() -> None:
     )
     said = "".join(f"\n  {where}: {n} lines" for n, where in reversed(long))
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps):{said}"
+
+
+# The tables whose rows are money, or say who may receive it.
+MONEY_TABLES = ("accounts", "journal", "red_packets", "red_packet_shares", "grab_records", "credit_refusals",
+                "users", "chat_groups", "group_members")  # fmt: skip
+SQL_VERBS = ("SELECT", "INSERT", "UPDATE", "DELETE")
+
+
+def sql_on_money_tables(source: str) -> Iterator[tuple[int, str]]:
+    """(line, statement start) of every string literal in ``source`` that reads or writes a money table."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            words = node.value.upper().replace("(", " ").replace(",", " ").split()
+            if any(v in words for v in SQL_VERBS) and any(t.upper() in words for t in MONEY_TABLES):
+                yield node.lineno, node.value[:60]
+
+
+def test_sql_on_money_tables_lives_in_money_and_the_store() -> None:
+    """The hub, the workers and the live layer call money functions; they write no SQL of their own on the
+    money tables (issue 25, item 6)."""
+    assert list(sql_on_money_tables('x = 1\nq = "SELECT id FROM red_packets WHERE id = %s"\n')) == [
+        (2, "SELECT id FROM red_packets WHERE id = %s")
+    ]  # it finds them
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: {text}"
+        for module, path in KNOWN.items()
+        if module.split(".")[:2] in (["server", "hub"], ["server", "live"]) or module.startswith("worker")
+        for line, text in sql_on_money_tables(path.read_text())
+    ]
+    assert found == []

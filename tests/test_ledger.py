@@ -86,7 +86,9 @@ async def test_keys_that_differ_only_by_trailing_spaces_are_different_keys(core:
     assert await core.db.run(posts, idempotent=True) == [True, True, True]
     assert await ledger.balance(core.db, u) == 15
     w = await make_world(core, members=1)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 100, 1, request_id="x")
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=100, count=1, request_id="x"
+    )
 
     async def same_sender_spaced_key(tx: Tx) -> int:
         return await tx.execute(
@@ -109,7 +111,9 @@ async def test_request_ids_that_differ_from_another_only_invisibly_are_refused(c
             await ledger.topup(core.db, w.admin, 100, bad)
         assert e.value.code == errors.BAD_REQUEST
         with pytest.raises(RedPacketError) as e:
-            await packets.send_packet(core, w.admin, w.group, "lucky", 100, 1, request_id=bad)  # type: ignore[arg-type]
+            await packets.send_packet(
+                core, sender_id=w.admin, group_id=w.group, kind="lucky", total=100, count=1, request_id=bad
+            )  # type: ignore[arg-type]
         assert e.value.code == errors.BAD_REQUEST
     assert await ledger.balance(core.db, w.admin) == 10_000
     row = await core.db.fetchone("SELECT COUNT(*) FROM red_packets")

@@ -48,7 +48,7 @@ async def test_a_send_without_request_id_whose_commit_answer_is_lost_debits_once
         monkeypatch.setattr(packets, "new_request_id", lambda: None)
     w = await make_world(c, members=3, admin_cents=10_000)
     proxy.lose_commit_answers(1)
-    p = await packets.send_packet(c, w.admin, w.group, "lucky", 500, 2)
+    p = await packets.send_packet(c, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=2)
     assert proxy.lost == 1  # the dangerous state existed: committed, and the client did not hear it
     sent = await _count(c, "SELECT COUNT(*) FROM red_packets WHERE sender_id = %s", w.admin)
     report = await reconcile(c)
@@ -59,7 +59,7 @@ async def test_a_send_without_request_id_whose_commit_answer_is_lost_debits_once
     assert sent == 1 and not p.replay
     assert await ledger.balance(c.db, w.admin) == 9_500
     # The first run's packet was put up in Redis and announced as any new packet: it can be grabbed.
-    got = await grabs.grab(c, p.packet_id, w.group, w.members[0])
+    got = await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
     assert got.outcome == "won"
     assert report.ok, report.differences
 
@@ -68,9 +68,13 @@ async def test_a_client_retry_of_that_send_is_still_a_replay(lossy: tuple[Core, 
     c, proxy = lossy
     w = await make_world(c, members=3, admin_cents=10_000)
     proxy.lose_commit_answers(1)
-    first = await packets.send_packet(c, w.admin, w.group, "lucky", 500, 2, request_id="tap-1")
+    first = await packets.send_packet(
+        c, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=2, request_id="tap-1"
+    )
     assert proxy.lost == 1 and not first.replay  # this call's own packet, though its answer was lost
-    again = await packets.send_packet(c, w.admin, w.group, "lucky", 500, 2, request_id="tap-1")
+    again = await packets.send_packet(
+        c, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=2, request_id="tap-1"
+    )
     assert again.replay and again.packet_id == first.packet_id
     assert await ledger.balance(c.db, w.admin) == 9_500
 
@@ -93,10 +97,10 @@ async def test_a_credit_batch_whose_commit_answer_is_lost_pays_once_and_counts_a
 ) -> None:
     c, proxy = lossy
     w = await make_world(c, members=5, admin_cents=10_000)
-    p = await packets.send_packet(c, w.admin, w.group, "lucky", 1_000, 5)
+    p = await packets.send_packet(c, sender_id=w.admin, group_id=w.group, kind="lucky", total=1_000, count=5)
     credits = []
     for u in w.members:
-        g = (await grabs.grab(c, p.packet_id, w.group, u)).grab
+        g = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
         credits.append(Credit(p.packet_id, u, g.seq, g.amount, g.grabbed_ms, w.group))
     await credit_many(c.db, credits[:1])  # another worker's credit: "already" stays "already"
     proxy.lose_commit_answers(1)
@@ -115,15 +119,15 @@ async def test_a_refund_whose_commit_answer_is_lost_says_refunded_and_cleans_red
 ) -> None:
     c, proxy = lossy
     w = await make_world(c, members=3, admin_cents=10_000)
-    p = await packets.send_packet(c, w.admin, w.group, "lucky", 900, 3)
-    won = (await grabs.grab(c, p.packet_id, w.group, w.members[0])).grab
+    p = await packets.send_packet(c, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=3)
+    won = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     proxy.lose_commit_answers(1, after=f"refund:{p.packet_id}".encode())  # the pay-back's COMMIT
     r = await settlement.refund_packet(c, p.packet_id, now=p.expires_ms + 1)
     assert proxy.lost == 1
     assert r.outcome == "refunded" and r.amount == 900 - won.amount, r
     assert await ledger.balance(c.db, w.admin) == 10_000 - won.amount
     assert await ledger.balance(c.db, w.members[0]) == won.amount
-    assert await c.redis.exists(*keys.packet_keys(w.group, p.packet_id)) == 0
+    assert await c.redis.exists(*keys.packet_keys(group_id=w.group, packet_id=p.packet_id)) == 0
     assert (await reconcile(c)).ok
 
 
@@ -145,8 +149,8 @@ async def test_a_single_credit_whose_commit_answer_is_lost_counts_as_credited(
 ) -> None:
     c, proxy = lossy
     w = await make_world(c, members=2, admin_cents=10_000)
-    p = await packets.send_packet(c, w.admin, w.group, "lucky", 500, 2)
-    g = (await grabs.grab(c, p.packet_id, w.group, w.members[0])).grab
+    p = await packets.send_packet(c, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=2)
+    g = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     credit = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
     proxy.lose_commit_answers(1)
     assert await ledger.credit_grab(c.db, credit) == "credited"  # this call paid it
@@ -164,9 +168,9 @@ async def test_a_role_set_whose_commit_answer_is_lost_is_set_not_refused(
     w = await make_world(c, members=1, admin_cents=100)
     member = w.members[0]
     proxy.lose_commit_answers(1)
-    await groups.set_role(c.db, c.membership, w.group, member, "admin")
+    await groups.set_role(c.db, c.membership, "admin", group_id=w.group, user_id=member)
     assert proxy.lost == 1
-    await groups.set_role(c.db, c.membership, w.group, member, "admin")
+    await groups.set_role(c.db, c.membership, "admin", group_id=w.group, user_id=member)
     row = await c.db.fetchone(
         "SELECT role FROM group_members WHERE group_id = %s AND user_id = %s", (w.group, member)
     )

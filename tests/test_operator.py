@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from server.core import Core
-from server.hub.bots import lift, list_blocks, now_ms, run_detector
+from server.live.bots import lift, list_blocks, now_ms, run_detector
 from server.money import groups, ledger
 from server.settings import Settings, child_env
 from server.store import keys

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.hub import announce
+from server.live import announce
 from server.money.ledger import now_ms
 from server.settings import Settings
 from server.store import keys
@@ -86,7 +86,7 @@ async def _event(c: HubClient, kind: str) -> dict[str, object]:
 
 async def _packet_events(h: HubUnderTest, group: int, packet_id: int) -> list[str]:
     """The offsets of the group stream's ``packet`` events for this packet."""
-    from server.hub import events
+    from server.live import events
 
     missed = await events.since(h.core, group, "0-0", 10_000)
     return [o for o, kind, data in missed.events if kind == "packet" and data["packet_id"] == packet_id]
@@ -167,7 +167,7 @@ async def test_grab_announcements_survive_failed_publishes_and_come_once_in_orde
         )
         assert ev["data"]["best_luck"]["amount"] == max(int(r["amount"]) for r in got)  # type: ignore[index]
         # Exactly once in the group's stream: one finished, each grab in one grabs event.
-        from server.hub import events
+        from server.live import events
 
         kept = (await events.since(h.core, g, "0-0", 1_000)).events
         assert [k for _, k, _ in kept].count("finished") == 1

@@ -15,8 +15,8 @@ import msgpack
 import pytest
 
 from server.core import Core
-from server.hub.bots import list_blocks, now_ms, run_detector
-from server.hub.botscore import Attempt, Rules, score
+from server.live.bots import list_blocks, now_ms, run_detector
+from server.live.botscore import Attempt, Rules, score
 from server.money import groups, ledger
 from server.settings import Settings
 from server.store import keys

@@ -90,9 +90,9 @@ def test_a_young_unpaid_grab_and_a_packet_expired_just_now_are_not_differences()
 
 async def test_a_posting_to_someone_elses_account_is_found(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 2)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=2)
     for u in w.members:
-        await grabs.grab(core, p.packet_id, w.group, u)
+        await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)
     await run_worker(core)
     assert (await reconcile(core)).ok
     a, b = w.members
@@ -109,7 +109,7 @@ async def test_a_posting_to_someone_elses_account_is_found(core: Core) -> None:
 
 async def test_shares_that_do_not_add_up_are_found(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 2)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=2)
 
     async def shave(tx: object) -> int:
         return await tx.execute(  # type: ignore[attr-defined,no-any-return]
@@ -123,7 +123,7 @@ async def test_shares_that_do_not_add_up_are_found(core: Core) -> None:
 
 async def test_an_expired_packet_nobody_settled_is_found(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 2)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=2)
     assert (await reconcile(core, now=p.expires_ms + LATE_MS - 1)).ok
     late = await reconcile(core, now=p.expires_ms + LATE_MS + 1)
     assert "packet_stuck" in late.checks()
@@ -133,17 +133,17 @@ async def test_an_expired_packet_nobody_settled_is_found(core: Core) -> None:
 
 async def test_what_redis_told_is_checked_against_the_ledger(core: Core) -> None:
     w = await make_world(core, members=3, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 3)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=3)
     a, b, c = w.members
-    mine = (await grabs.grab(core, p.packet_id, w.group, a)).grab
-    theirs = (await grabs.grab(core, p.packet_id, w.group, b)).grab
+    mine = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=a)).grab
+    theirs = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=b)).grab
     # Not yet paid: no difference while young, one once late.
     assert (await reconcile(core)).ok
     assert "redis_grab_unpaid" in (await reconcile(core, now=ledger.now_ms() + LATE_MS + 1)).checks()
     await run_worker(core)
     assert (await reconcile(core, now=ledger.now_ms() + LATE_MS + 1)).ok
     # Redis tells c it holds a's share (as a lost write handed out again would): found at once.
-    grabs_key = keys.packet_grabs(w.group, p.packet_id)
+    grabs_key = keys.packet_grabs(group_id=w.group, packet_id=p.packet_id)
     await core.redis.hset(grabs_key, str(c), f"{mine.seq}:{mine.amount}:{ledger.now_ms()}")
     report = await reconcile(core)
     assert [d.check for d in report.differences] == ["redis_grab"], report.differences

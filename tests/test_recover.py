@@ -14,6 +14,7 @@ from server.money import grabs, ledger, packets
 from server.money.reconcile import reconcile
 from server.store import keys
 from server.store.db import Tx
+from server.store.records import GrabRecord
 from server.store.redisnodes import ServerChanged
 from tests.conftest import make_world, outbox
 from tests.hubtools import eventually
@@ -34,21 +35,25 @@ async def _paid(core: Core, packet_id: int) -> tuple[int, int, int]:
 
 async def test_keys_lost_half_way_then_recovered_and_grabbing_goes_on(core: Core) -> None:
     w = await make_world(core, members=10, admin_cents=50_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 5_000, 10)
-    first = [await grabs.grab(core, p.packet_id, w.group, u) for u in w.members[:5]]
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=5_000, count=10
+    )
+    first = [
+        await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u) for u in w.members[:5]
+    ]
     assert await run_worker(core) == 5
-    await core.redis.delete(*keys.packet_keys(w.group, p.packet_id))
+    await core.redis.delete(*keys.packet_keys(group_id=w.group, packet_id=p.packet_id))
 
     # The next grab finds the packet gone from Redis and brings it back from the database.
-    nxt = await grabs.grab(core, p.packet_id, w.group, w.members[5])
+    nxt = await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[5])
     assert nxt.outcome == "won" and nxt.remaining == 4
     # Recovering again, any number of times, changes nothing.
     again = await packets.recover_packet(core, p.packet_id)
     assert (again.shares_left, again.grabs_known) == (4, 6)
-    rest = [await grabs.grab(core, p.packet_id, w.group, u) for u in w.members[6:]]
+    rest = [await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u) for u in w.members[6:]]
     # Earlier grabbers still get their own share back, not a new one.
     for r in first:
-        back = await grabs.grab(core, p.packet_id, w.group, r.grab.user_id)
+        back = await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=r.grab.user_id)
         assert back.outcome == "already" and back.grab.seq == r.grab.seq and back.grab.amount == r.grab.amount
     seqs = [r.grab.seq for r in [*first, nxt, *rest]]
     assert sorted(seqs) == list(range(1, 11))
@@ -59,8 +64,10 @@ async def test_keys_lost_half_way_then_recovered_and_grabbing_goes_on(core: Core
 
 async def test_recover_racing_a_grab_storm(core: Core) -> None:
     w = await make_world(core, members=60, admin_cents=50_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 10_000, 50)
-    takes = [grabs.grab(core, p.packet_id, w.group, u) for u in w.members]
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=10_000, count=50
+    )
+    takes = [grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u) for u in w.members]
     recovers = [packets.recover_packet(core, p.packet_id) for _ in range(20)]
     mixed = [x for pair in zip(takes[:20], recovers, strict=True) for x in pair] + takes[20:]
     results = await asyncio.gather(*mixed, return_exceptions=True)
@@ -75,14 +82,16 @@ async def test_grabs_still_queued_for_credit_keep_their_share_through_recovery(c
     """Only the packet's keys are lost; the credit queue survived. The grabbers who were told they won
     keep their share and are paid; nobody else is handed it."""
     w = await make_world(core, members=8, admin_cents=50_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 4_000, 4)
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=4_000, count=4
+    )
     told = {}
     for u in w.members[:2]:
-        told[u] = (await grabs.grab(core, p.packet_id, w.group, u)).grab.amount
-    await core.redis.delete(*keys.packet_keys(w.group, p.packet_id))
+        told[u] = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab.amount
+    await core.redis.delete(*keys.packet_keys(group_id=w.group, packet_id=p.packet_id))
     for u in w.members[2:]:
         try:
-            told[u] = (await grabs.grab(core, p.packet_id, w.group, u)).grab.amount
+            told[u] = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab.amount
         except RedPacketError as e:
             assert e.code == errors.PACKET_EMPTY, e  # the two queued shares were not handed out again
     assert len(told) == 4 and sum(told.values()) == 4_000
@@ -98,14 +107,16 @@ async def test_grabs_lost_with_the_whole_redis_never_overpay(core: Core) -> None
     (no AOF, or the last second before a crash). Their shares come back and are grabbed again; the
     database's unique keys still pay each share once and never past the total."""
     w = await make_world(core, members=8, admin_cents=50_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 4_000, 4)
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=4_000, count=4
+    )
     for u in w.members[:2]:
-        await grabs.grab(core, p.packet_id, w.group, u)
+        await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)
     await core.redis.flushdb()
     refused = []
     for u in w.members[2:]:
         try:
-            await grabs.grab(core, p.packet_id, w.group, u)
+            await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)
         except RedPacketError as e:
             refused.append(e.code)
     assert refused == [errors.PACKET_EMPTY] * 2  # four shares, six grabbers: two too many, said as such
@@ -130,16 +141,18 @@ async def test_a_repair_racing_the_drain_never_hands_a_paid_share_out_again(
     if guard == "off" and core.db.dialect.name == "sqlite":
         pytest.skip("SQLite has one writer: a drain cannot commit inside the repair's transaction")
     w = await make_world(core, members=4, admin_cents=50_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 4_000, 4)
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=4_000, count=4
+    )
     a, b = w.members[:2]
-    mine = (await grabs.grab(core, p.packet_id, w.group, a)).grab
-    await core.redis.delete(*keys.packet_keys(w.group, p.packet_id)[:3])
+    mine = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=a)).grab
+    await core.redis.delete(*keys.packet_keys(group_id=w.group, packet_id=p.packet_id)[:3])
     assert len(await outbox(core, w.group)) == 1
     drain = CreditDrain(core)
     draining: list[asyncio.Task[int]] = []
     real_taken = packets._taken
 
-    async def taken_while_draining(c: Core, tx: Tx, q: packets.Packet) -> list[tuple[int, int, int, int]]:
+    async def taken_while_draining(c: Core, tx: Tx, q: packets.Packet) -> dict[int, GrabRecord]:
         # The drain starts right here, inside the repair's transaction: on the fixed path it then waits
         # for the packet's lock until the repair is done (seen waiting on MariaDB; on SQLite it waits
         # for the one writer's lock, which is not to be seen from here).
@@ -148,14 +161,17 @@ async def test_a_repair_racing_the_drain_never_hands_a_paid_share_out_again(
             await eventually(lambda: _paid_or_waiting(c, q.packet_id), timeout=30)
         return await real_taken(c, tx, q)
 
-    async def taken_old_order(c: Core, tx: Tx, q: packets.Packet) -> list[tuple[int, int, int, int]]:
+    async def taken_old_order(c: Core, tx: Tx, q: packets.Packet) -> dict[int, GrabRecord]:
         # The hole: the database read first, then a drain commits and acknowledges, then the outbox.
         rows = await tx.fetchall(
             "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (q.packet_id,)
         )
         async with open_core(c.settings) as other:  # the worker: another process, its own connections
             assert await CreditDrain(other).until_empty() == 1
-        return [(int(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in rows] + await packets._queued(c, q)
+        known = {int(r[0]): GrabRecord(int(r[1]), int(r[2]), int(r[3])) for r in rows}
+        for queued in await packets._queued(c, q):
+            known.setdefault(queued.user_id, queued.record)
+        return known
 
     async def unlocked(tx: Tx, packet_id: int) -> packets.Packet:
         row = await tx.fetchone(
@@ -173,7 +189,7 @@ async def test_a_repair_racing_the_drain_never_hands_a_paid_share_out_again(
     for t in draining:
         await t
     assert await ledger.balance(core.db, a) == mine.amount  # paid, whichever way
-    theirs = (await grabs.grab(core, p.packet_id, w.group, b)).grab
+    theirs = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=b)).grab
     await run_worker(core)
     report = await reconcile(core)
     if guard == "off":
@@ -206,9 +222,11 @@ async def test_a_credit_in_flight_when_redis_lost_its_grab_keeps_its_share(
     async with redis_process(tmp_path, "--appendfsync", "no", fsyncs=tmp_path / "fsyncs") as r:
         async with open_core(core.settings.replace(redis_url=r.url, grab_durability="none")) as c:
             w = await make_world(c, members=4, admin_cents=10_000)
-            p = await packets.send_packet(c, w.admin, w.group, "lucky", 1_000, 4)
+            p = await packets.send_packet(
+                c, sender_id=w.admin, group_id=w.group, kind="lucky", total=1_000, count=4
+            )
             a, x = w.members[:2]
-            mine = (await grabs.grab(c, p.packet_id, w.group, a)).grab
+            mine = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=a)).grab
             drain = CreditDrain(c, consumer="paying")
             await drain._make_groups()
             taken = await drain._read()
@@ -218,7 +236,7 @@ async def test_a_credit_in_flight_when_redis_lost_its_grab_keeps_its_share(
             paying: list[asyncio.Task[None]] = []
             real_taken = packets._taken
 
-            async def taken_then_pay(cc: Core, tx: Tx, q: packets.Packet) -> list[tuple[int, int, int, int]]:
+            async def taken_then_pay(cc: Core, tx: Tx, q: packets.Packet) -> dict[int, GrabRecord]:
                 held = await real_taken(cc, tx, q)
                 assert a not in {g[0] for g in held}  # the repair's read: A's credit not in it yet
                 paying.append(asyncio.create_task(_pay(drain, taken)))
@@ -230,7 +248,7 @@ async def test_a_credit_in_flight_when_redis_lost_its_grab_keeps_its_share(
             monkeypatch.setattr(packets, "_taken", real_taken)
             await paying[0]
             assert await ledger.balance(c.db, a) == mine.amount  # A is paid as told, either way
-            theirs = (await grabs.grab(c, p.packet_id, w.group, x)).grab
+            theirs = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=x)).grab
             await CreditDrain(c).until_empty()
             report = await reconcile(c)
             if guard == "off":
@@ -238,7 +256,7 @@ async def test_a_credit_in_flight_when_redis_lost_its_grab_keeps_its_share(
                 assert "credit_refused" in report.checks(), report.differences
                 return
             assert theirs.seq != mine.seq
-            again = await grabs.grab(c, p.packet_id, w.group, a)
+            again = await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=a)
             assert again.outcome == "already" and again.grab.seq == mine.seq
             assert await ledger.balance(c.db, x) == theirs.amount
             assert report.ok, report.differences

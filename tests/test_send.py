@@ -27,7 +27,9 @@ async def _snapshot(core: Core) -> tuple[list[tuple[object, ...]], list[tuple[ob
 
 async def test_send_debits_and_writes_shares_that_add_up(core: Core) -> None:
     w = await make_world(core, members=3, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 1_000, 3, "恭喜发财")
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=1_000, count=3, greeting="恭喜发财"
+    )
     assert p.published and not p.replay
     assert await ledger.balance(core.db, w.admin) == 9_000
     assert await ledger.journal_sum(core.db, w.admin) == 9_000
@@ -37,18 +39,24 @@ async def test_send_debits_and_writes_shares_that_add_up(core: Core) -> None:
     assert sorted(int(r[0]) for r in rows) == [1, 2, 3]
     assert sum(int(r[1]) for r in rows) == 1_000
     # The same shares, in seq order, wait in Redis.
-    in_redis = await core.redis.lrange(keys.packet_shares(w.group, p.packet_id), 0, -1)
+    in_redis = await core.redis.lrange(keys.packet_shares(group_id=w.group, packet_id=p.packet_id), 0, -1)
     assert [x.decode() for x in in_redis] == [f"{int(r[0])}:{int(r[1])}" for r in sorted(rows)]
 
 
 async def test_request_id_makes_a_retried_send_pay_once(core: Core) -> None:
     w = await make_world(core, admin_cents=10_000)
-    a = await packets.send_packet(core, w.admin, w.group, "equal", 600, 3, request_id="tap-1")
-    b = await packets.send_packet(core, w.admin, w.group, "equal", 600, 3, request_id="tap-1")
+    a = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="equal", total=600, count=3, request_id="tap-1"
+    )
+    b = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="equal", total=600, count=3, request_id="tap-1"
+    )
     assert b.replay and b.packet_id == a.packet_id
     assert await ledger.balance(core.db, w.admin) == 9_400
     with pytest.raises(RedPacketError) as e:
-        await packets.send_packet(core, w.admin, w.group, "equal", 900, 3, request_id="tap-1")
+        await packets.send_packet(
+            core, sender_id=w.admin, group_id=w.group, kind="equal", total=900, count=3, request_id="tap-1"
+        )
     assert e.value.code == errors.IDEMPOTENCY_KEY_REUSED
     assert await ledger.balance(core.db, w.admin) == 9_400
 
@@ -87,13 +95,13 @@ async def test_bad_sends_have_a_code_and_move_no_money(
     with pytest.raises(RedPacketError) as e:
         await packets.send_packet(
             core,
-            who[str(change.get("sender", "admin"))],
-            int(change.get("group", w.group)),  # type: ignore[call-overload]
-            change.get("kind", "lucky"),
-            change.get("total", 1_000),
-            change.get("count", 3),
-            "",
-            who[str(target)] if target else None,
+            sender_id=who[str(change.get("sender", "admin"))],
+            group_id=int(change.get("group", w.group)),  # type: ignore[call-overload]
+            kind=change.get("kind", "lucky"),
+            total=change.get("total", 1_000),
+            count=change.get("count", 3),
+            greeting="",
+            target_user_id=who[str(target)] if target else None,
         )
     assert e.value.code == code
     assert await _snapshot(core) == before
@@ -104,7 +112,9 @@ async def test_members_may_send_where_the_group_allows_it(core: Core) -> None:
     open_group = await groups.create_group(core.db, w.admin, "open", members_can_send=True)
     await groups.add_members(core.db, core.membership, open_group, w.members)
     await ledger.topup(core.db, w.members[0], 1_000, "seed")
-    p = await packets.send_packet(core, w.members[0], open_group, "lucky", 1_000, 2)
+    p = await packets.send_packet(
+        core, sender_id=w.members[0], group_id=open_group, kind="lucky", total=1_000, count=2
+    )
     assert await ledger.balance(core.db, w.members[0]) == 0
     assert p.total == 1_000
 
@@ -119,13 +129,15 @@ async def test_redis_failing_after_the_commit_keeps_the_packet_and_recover_publi
 
     with monkeypatch.context() as m:
         m.setattr(core.scripts, "load_packet", redis_gone)
-        p = await packets.send_packet(core, w.admin, w.group, "lucky", 800, 2)
+        p = await packets.send_packet(
+            core, sender_id=w.admin, group_id=w.group, kind="lucky", total=800, count=2
+        )
     assert not p.published
     assert await ledger.balance(core.db, w.admin) == 9_200
-    assert await core.redis.exists(keys.packet_meta(w.group, p.packet_id)) == 0
+    assert await core.redis.exists(keys.packet_meta(group_id=w.group, packet_id=p.packet_id)) == 0
     r = await packets.recover_packet(core, p.packet_id)
     assert (r.shares_left, r.grabs_known) == (2, 0)
-    got = await grabs.grab(core, p.packet_id, w.group, w.members[0])
+    got = await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
     assert got.outcome == "won"
 
 
@@ -162,7 +174,15 @@ async def test_ten_concurrent_sends_with_one_request_id_pay_once(
         monkeypatch.setattr(Tx, "execute", execute)
     sent = await asyncio.gather(
         *(
-            packets.send_packet(core, w.admin, w.group, "lucky", 600, 3, request_id="double-tap")
+            packets.send_packet(
+                core,
+                sender_id=w.admin,
+                group_id=w.group,
+                kind="lucky",
+                total=600,
+                count=3,
+                request_id="double-tap",
+            )
             for _ in range(10)
         )
     )
@@ -176,6 +196,14 @@ async def test_ten_concurrent_sends_with_one_request_id_pay_once(
     assert row is not None and int(row[0]) == 1
     # Another packet under the same id is a mistake, said as such; nothing moves.
     with pytest.raises(RedPacketError) as e:
-        await packets.send_packet(core, w.admin, w.group, "lucky", 601, 3, request_id="double-tap")
+        await packets.send_packet(
+            core,
+            sender_id=w.admin,
+            group_id=w.group,
+            kind="lucky",
+            total=601,
+            count=3,
+            request_id="double-tap",
+        )
     assert e.value.code == errors.IDEMPOTENCY_KEY_REUSED
     assert await ledger.balance(core.db, w.admin) == 9_400

@@ -37,8 +37,10 @@ async def _expire(core: Core, packet_id: int) -> int:
 
 async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -> None:
     w = await make_world(core, members=5, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 1_000, 5)
-    won = [await grabs.grab(core, p.packet_id, w.group, u) for u in w.members[:2]]
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=1_000, count=5
+    )
+    won = [await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u) for u in w.members[:2]]
     taken = sum(g.grab.amount for g in won)
     # The credit jobs never ran: the refund itself settles the grabs first, so they are paid, not refunded.
     r = await settlement.refund_packet(core, p.packet_id, now=await _expire(core, p.packet_id))
@@ -46,15 +48,15 @@ async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -
     for g in won:
         assert await ledger.balance(core.db, g.grab.user_id) == g.grab.amount
     assert await ledger.balance(core.db, w.admin) == 10_000 - taken
-    assert await core.redis.exists(*keys.packet_keys(w.group, p.packet_id)) == 0
+    assert await core.redis.exists(*keys.packet_keys(group_id=w.group, packet_id=p.packet_id)) == 0
     # Its view (from the database now): ended by the refund, not emptied — no best luck, no time to
     # empty (they were given: the page then said nothing of the expiry), the shares left still said.
-    view = await grabs.open_packet(core, p.packet_id, w.group, w.members[0])
+    view = await grabs.open_packet(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
     assert view.finished_ms is not None and view.remaining == 3
     assert view.best_luck is None and view.duration_ms is None
     # Nothing more to grab, and a second refund pays nothing.
     try:
-        await grabs.grab(core, p.packet_id, w.group, w.members[3])
+        await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[3])
         raise AssertionError("grab after refund")
     except RedPacketError as e:
         assert e.code in ("packet_expired", "packet_not_found")
@@ -68,8 +70,8 @@ async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -
 
 async def test_two_refunders_refund_once(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 2)
-    await grabs.grab(core, p.packet_id, w.group, w.members[0])
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=2)
+    await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
     now = await _expire(core, p.packet_id)
     results = await asyncio.gather(*(settlement.refund_packet(core, p.packet_id, now=now) for _ in range(4)))
     assert [r.outcome for r in results].count("refunded") == 1
@@ -80,18 +82,20 @@ async def test_two_refunders_refund_once(core: Core) -> None:
 
 async def test_a_packet_not_yet_due_is_left_alone(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 500, 1)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=1)
     r = await settlement.refund_packet(core, p.packet_id)
     assert r.outcome == "not_due"
     assert await settlement.due_for_refund(core) == []
-    assert (await grabs.grab(core, p.packet_id, w.group, w.members[0])).outcome == "won"
+    assert (
+        await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
+    ).outcome == "won"
 
 
 async def test_an_emptied_packet_is_finished_not_refunded(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "equal", 600, 2)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="equal", total=600, count=2)
     for u in w.members:
-        await grabs.grab(core, p.packet_id, w.group, u)
+        await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)
     await run_worker(core)
     # Finished by the credit of its last share; the periodic catch-up finds nothing left to do.
     row = await core.db.fetchone("SELECT status FROM red_packets WHERE id = %s", (p.packet_id,))
@@ -105,8 +109,8 @@ async def test_an_emptied_packet_is_finished_not_refunded(core: Core) -> None:
 
 async def test_sweeper_pays_a_grab_whose_enqueue_was_lost(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 800, 2)
-    g = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=800, count=2)
+    g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     # As if the credit job were lost (it expired unrun after a day, or Redis lost it): none exists.
     await core.redis.delete(keys.outbox_for(w.group))
     assert await run_worker(core) == 0
@@ -122,8 +126,8 @@ async def test_sweeper_pays_a_grab_whose_enqueue_was_lost(core: Core) -> None:
 
 async def test_reconciliation_finds_a_cent_out_of_place(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 700, 2)
-    await grabs.grab(core, p.packet_id, w.group, w.members[0])
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=700, count=2)
+    await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
     await run_worker(core)
     clean = await reconcile(core)
     assert clean.ok and clean.money_in == 10_000 and clean.held_in_packets > 0
@@ -166,7 +170,7 @@ async def test_the_periodic_jobs(core: Core) -> None:
     } <= names
     w = await make_world(core, members=1, admin_cents=10_000)
     expired = dataclasses.replace(core, settings=core.settings.replace(packet_ttl_seconds=0))
-    await packets.send_packet(expired, w.admin, w.group, "lucky", 400, 1)
+    await packets.send_packet(expired, sender_id=w.admin, group_id=w.group, kind="lucky", total=400, count=1)
     ctx: Ctx = {"core": core}
     assert (await refund_expired_job(ctx)).get("refunded") == 1
     assert await ledger.balance(core.db, w.admin) == 10_000
@@ -179,9 +183,11 @@ async def test_reconciliation_while_money_moves_reports_no_false_difference(core
     reconciliation reads are either all in its figures or all out (under load they made it report
     differences that were not there)."""
     w = await make_world(core, members=40, admin_cents=1_000_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 4_000, 40)
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=4_000, count=40
+    )
     for m in w.members:
-        await grabs.grab(core, p.packet_id, w.group, m)
+        await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=m)
     moving = True
 
     async def move_money() -> None:
@@ -218,8 +224,10 @@ async def test_a_refund_waits_while_redis_is_unreachable(
     async with redis_process(tmp_path) as r:
         async with open_core(core.settings.replace(redis_url=r.url)) as c:
             w = await make_world(c, members=3, admin_cents=10_000)
-            p = await packets.send_packet(c, w.admin, w.group, "lucky", 900, 3)
-            told = (await grabs.grab(c, p.packet_id, w.group, w.members[0])).grab
+            p = await packets.send_packet(
+                c, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=3
+            )
+            told = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
             assert [e[1] for e in await outbox(c, w.group)] == [told.user_id]  # waiting to be paid
             await r.stop()  # a clean stop: its append-only file keeps the grab and its credit
             now = p.expires_ms + 1
@@ -278,8 +286,8 @@ async def test_a_refund_closes_the_packet_even_when_the_workers_clock_is_ahead(
     as expired: the refund closed the packet in Redis before it read them, so it is never told "won" for
     money the refund then gives back."""
     w = await make_world(core, members=3, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 3)
-    before = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=3)
+    before = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     late: list[object] = []
     real_settle = settlement.settle
 
@@ -287,7 +295,7 @@ async def test_a_refund_closes_the_packet_even_when_the_workers_clock_is_ahead(
         c: Core, q: packets.Packet, seen: settlement.Seen
     ) -> settlement.Settled:
         try:
-            late.append(await grabs.grab(c, q.packet_id, w.group, w.members[1]))
+            late.append(await grabs.grab(c, packet_id=q.packet_id, group_id=w.group, user_id=w.members[1]))
         except RedPacketError as e:
             late.append(e.code)
         return await real_settle(c, q, seen)
@@ -311,10 +319,14 @@ async def test_refunds_and_two_drains_at_once_pay_every_told_share_once(core: Co
     told: dict[tuple[int, int], int] = {}
     sent = []
     for _ in range(5):
-        p = await packets.send_packet(core, w.admin, w.group, "lucky", 3_000, 30)
+        p = await packets.send_packet(
+            core, sender_id=w.admin, group_id=w.group, kind="lucky", total=3_000, count=30
+        )
         sent.append(p)
         for u in w.members[:20]:
-            told[(p.packet_id, u)] = (await grabs.grab(core, p.packet_id, w.group, u)).grab.amount
+            told[(p.packet_id, u)] = (
+                await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)
+            ).grab.amount
     now = max(p.expires_ms for p in sent) + 1
     a, b = CreditDrain(core, batch=7), CreditDrain(core, batch=11)
     results = await asyncio.gather(
@@ -344,10 +356,14 @@ async def test_a_refund_and_a_drain_holding_the_same_credits_pay_each_once(core:
     told: dict[tuple[int, int], int] = {}
     sent = []
     for _ in range(5):
-        p = await packets.send_packet(core, w.admin, w.group, "lucky", 3_000, 30)
+        p = await packets.send_packet(
+            core, sender_id=w.admin, group_id=w.group, kind="lucky", total=3_000, count=30
+        )
         sent.append(p)
         for u in w.members[:20]:
-            told[(p.packet_id, u)] = (await grabs.grab(core, p.packet_id, w.group, u)).grab.amount
+            told[(p.packet_id, u)] = (
+                await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)
+            ).grab.amount
     drain = CreditDrain(core, batch=1_000, consumer="holding")
     await drain._make_groups()
     held = await drain._read()
@@ -378,15 +394,15 @@ async def test_a_refund_whose_packet_vanishes_from_redis_after_its_repair_rebuil
     finds no packet there, not "no grabs". The refund rebuilds it again, with the credit still in the
     outbox, and pays that grab before it gives anything back."""
     w = await make_world(core, members=3, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 900, 3)
-    told = (await grabs.grab(core, p.packet_id, w.group, w.members[0])).grab
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=3)
+    told = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     real_recover = settlement.recover_packet
     vanished: list[int] = []
 
     async def recover_then_vanish(c: Core, packet_id: int) -> packets.Recovered:
         done = await real_recover(c, packet_id)
         if not vanished:
-            vanished.append(await c.redis.delete(*keys.packet_keys(w.group, packet_id)))
+            vanished.append(await c.redis.delete(*keys.packet_keys(group_id=w.group, packet_id=packet_id)))
         return done
 
     monkeypatch.setattr(settlement, "recover_packet", recover_then_vanish)

@@ -10,7 +10,8 @@ import pytest
 from websockets.frames import Frame, Opcode
 
 from server.hub import protocol
-from server.hub.hub import Connection, Hub
+from server.hub.connection import Connection
+from server.hub.hub import Hub
 from server.hub.metrics import HubMetrics
 from server.hub.wire import HubWebSocket, data_frame
 

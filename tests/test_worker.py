@@ -87,8 +87,8 @@ async def test_arq_can_run_the_worker_settings_and_they_pay_credits(core: Core) 
     ns = core.namespace
     assert {f"{ns}:refund_expired_job", f"{ns}:announce_job", f"{ns}:sweep_job"} <= names
     w = await make_world(core, members=1, admin_cents=10_000)
-    p = await packets.send_packet(core, w.admin, w.group, "lucky", 321, 1)
-    await grabs.grab(core, p.packet_id, w.group, w.members[0])
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=321, count=1)
+    await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
     ctx: dict[str, object] = {}
     await ws.on_startup(ctx)  # what arq calls first: it starts the credit drain
     try:

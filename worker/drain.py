@@ -36,9 +36,11 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from server.core import Core
+from server.ids import GroupId, PacketId
 from server.money.crediting import credit_many
 from server.money.ledger import Credit, now_ms
 from server.store import keys
+from server.store.scriptcalls import AckCreditsCall, run
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -257,8 +259,7 @@ class CreditDrain:
             if not fields:
                 batch.deleted.setdefault(n, []).append(entry_id)
                 continue
-            packet, user, seq, amount, ms, group = keys.parse_credit_entry(fields[b"c"])
-            batch.items.append((n, entry_id, Credit(packet, user, seq, amount, ms, group)))
+            batch.items.append((n, entry_id, Credit.parse(fields[b"c"])))
             self.holding[n].add(entry_id)
 
     async def _pay(self, taken: Batch) -> list[str]:
@@ -306,7 +307,7 @@ class CreditDrain:
         self.metrics.batch_size.observe(len(taken.items))
         acks: dict[int, list[bytes]] = {n: list(ids) for n, ids in taken.deleted.items()}
         # Per shard, per packet (group, packet): the paid credits, for Redis to agree with the ledger.
-        paid: dict[int, dict[tuple[int, int], list[Credit]]] = defaultdict(lambda: defaultdict(list))
+        paid: dict[int, dict[tuple[GroupId, PacketId], list[Credit]]] = defaultdict(lambda: defaultdict(list))
         for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):
             acks.setdefault(n, []).append(entry_id)
             self.metrics.credits.labels(outcome if outcome in ("credited", "already") else "refused").inc()
@@ -319,20 +320,10 @@ class CreditDrain:
                 log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
                 continue
             paid[n][(c.group_id, c.packet_id)].append(c)
-        calls = []
-        for n, ids in acks.items():
-            packet_keys: list[str] = []
-            args: list[Any] = [keys.CREDIT_GROUP, len(ids), *ids]
-            for (group, packet), credits in paid.get(n, {}).items():
-                packet_keys += keys.packet_keys(group, packet)[:3]  # meta, shares, grabs
-                args.append(len(credits))
-                for c in credits:
-                    args += [c.user_id, keys.share_entry(c.seq, c.amount), c.grabbed_ms]
-            calls.append(
-                self.core.batcher.script(
-                    self.core.scripts.ack_credits, [keys.credit_outbox(n), *packet_keys], args
-                )
-            )
+        calls = [
+            run(self.core.batcher, self.core.scripts, AckCreditsCall(n, ids, dict(paid.get(n, {}))))
+            for n, ids in acks.items()
+        ]
         await asyncio.gather(*calls)  # one pipeline per master
         for n, ids in acks.items():
             self.holding[n].difference_update(ids)

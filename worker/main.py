@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from arq import Worker
 from arq.cron import cron
+from prometheus_client import CollectorRegistry
 
 from server.core import Core, transient
 from server.settings import degrades, wants_replica
@@ -186,6 +187,15 @@ def durability_degraded(level: str, master: MasterUsage) -> str | None:
             return "no replica could take its place: its grabs answered won are on its disk alone"
         return "no replica: its grabs fail until one is back"
     return None
+
+
+@contextlib.asynccontextmanager
+async def beside_hub(core: Core) -> AsyncIterator[CollectorRegistry]:
+    """The whole worker in a hub's process (``redpacket up``: ``server.hub.app.create_app``'s ``beside``);
+    its metrics are shown after the hub's."""
+    metrics = WorkerMetrics(own_process=False)
+    async with running_worker(core, metrics):
+        yield metrics.registry
 
 
 @contextlib.asynccontextmanager

@@ -14,8 +14,8 @@ from typing import Any, TypedDict, cast
 
 from server.core import Core
 from server.errors import Unavailable
-from server.hub import announce
-from server.hub.bots import run_detector
+from server.live import announce
+from server.live.bots import run_detector
 from server.money import settlement
 from server.money.reconcile import reconcile
 from server.store import keys

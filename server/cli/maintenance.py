@@ -34,7 +34,7 @@ def _when(ms: int) -> str:
 
 
 async def blocks(settings: Settings, lift: int | None) -> None:
-    from server.hub import bots
+    from server.live import bots
 
     await check_services(settings)
     async with open_core(settings) as core:
@@ -62,7 +62,7 @@ async def reconcile(settings: Settings) -> bool:
 
 async def recover(settings: Settings, packet_ids: list[int]) -> None:
     from server.errors import RedPacketError
-    from server.ids import MAX_ID
+    from server.ids import MAX_ID, PacketId
     from server.money.packets import recover_packet
 
     if bad := [p for p in packet_ids if not 1 <= p <= MAX_ID]:
@@ -71,7 +71,7 @@ async def recover(settings: Settings, packet_ids: list[int]) -> None:
     async with open_core(settings) as core:
         for pid in packet_ids:
             try:
-                r = await recover_packet(core, pid)
+                r = await recover_packet(core, PacketId(pid))
             except RedPacketError as e:
                 print(f"packet {pid}: {e.message}")
                 continue

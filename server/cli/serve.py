@@ -158,7 +158,10 @@ async def serve(
 
     if not supervised:
         await check_services(settings)
-    app = create_app(settings, run_worker=with_worker, manage_gc=True, metrics_sock=metrics_sock)
+    from worker.main import beside_hub
+
+    beside = beside_hub if with_worker else None
+    app = create_app(settings, beside=beside, manage_gc=True, metrics_sock=metrics_sock)
     server = _Server(uvicorn_config(app, settings))
     # With 10k sockets open a full collection pauses the loop for a quarter of a second: start-up objects
     # stay out of it, full collections wait for a quiet moment (server.hub.gcpolicy), and the young

@@ -1,31 +1,14 @@
-"""Announcements: a sent packet to its group exactly once, whatever fails in between; its grabs and its
-result as they happen, retried until Redis takes them.
-
-**Packets.**
-A send commits the debit and the packet before anything is published (``packets.send_packet``). Then the
-packet's ``packet`` event is published with a once-key in the group's slot (``events.Once``), and
-``red_packets.announced_ms`` is set. If Redis fails between the commit and the publish, the packet stays
-unannounced in the database; it is announced
-
-- at once by the sender's retry with the same ``request_id`` (a replay), or
-- by a worker (``announce_pending``, every few seconds) once Redis answers again.
-
-The once-key makes every one of these a no-op after the first success, so two of them racing (a hub that
-was merely slow, and the worker) still publish one event. It lives as long as the packet can be grabbed
-and settled; a packet the database marks announced is never published again.
-
-**Grabs and results** (``Announcer``, one per hub): a hub announces the grabs it made, coalesced in busy
-rooms, and the result of the packets its grabs emptied. A publish that fails (Redis restarting) is
-retried with back-off until it goes through, in order per group, each with its own once-key so that a
-retry after a lost reply never shows a grab twice. Only a hub that dies (or stops with Redis still
-down past its shutdown budget) loses the announcements it still held; the grabs themselves are safe in
-Redis and shown by ``open``.
+"""Announcing grabs and results (``Announcer``, one per hub): a hub announces the grabs it made,
+coalesced in busy rooms, and the result of the packets its grabs emptied. A publish that fails (Redis
+restarting) is retried with back-off until it goes through, in order per group, each with its own
+once-key so that a retry after a lost reply never shows a grab twice. Only a hub that dies (or stops with
+Redis still down past its shutdown budget) loses the announcements it still held; the grabs themselves
+are safe in Redis and shown by ``open``. Packets are announced by ``server.live.announce``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
@@ -34,14 +17,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from redis.exceptions import RedisError
 
-from server.core import Core
-from server.errors import RedPacketError
-from server.hub import events, protocol
-from server.money import grabs, packets
+from server.hub import protocol
+from server.ids import GroupId, PacketId, UserId
+from server.live.announce import packet_lifetime
+from server.money import grabs
 from server.money.grabs import Grab
-from server.money.ledger import now_ms
-from server.money.packets import Packet
-from server.store.db import Tx
+from server.store.scriptcalls import Once
 
 if TYPE_CHECKING:
     from server.hub.hub import Hub
@@ -49,86 +30,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-
-# Packets younger than this are left to the hub that sent them; older unannounced ones are the worker's.
-WORKER_AFTER_MS = 3_000
-
-
-def packet_event(p: Packet) -> dict[str, Any]:
-    """The ``packet`` event's data (also the send reply, with ``offset`` and ``replay``)."""
-    return {
-        "packet_id": p.packet_id,
-        "sender": p.sender_id,
-        "kind": p.kind,
-        "total": p.total,
-        "count": p.count,
-        "greeting": p.greeting,
-        "target": p.target_user_id,
-        "created_ms": p.created_ms,
-        "expires_ms": p.expires_ms,
-    }
-
-
-def _packet_lifetime(core: Core) -> int:
-    s = core.settings
-    return s.packet_ttl_seconds + s.redis_grace_seconds
-
-
-def _once(core: Core, p: Packet) -> events.Once:
-    return events.Once(f"packet:{p.packet_id}", _packet_lifetime(core))
-
-
-async def announce_packet(core: Core, p: Packet) -> str | None:
-    """Put the packet up in Redis if it is not, publish its event once, and record that in the database.
-    Returns the event's offset, or None if Redis could not be reached (the packet is then announced by
-    a retry or by the worker). Safe to call any number of times, concurrently too."""
-    if p.announced_ms is not None:
-        # Announced before: never again, even if Redis forgot the once-key. The offset, if it knows it.
-        try:
-            return await events.published(core, p.group_id, _once(core, p).name)
-        except RedisError:
-            return None
-    try:
-        if not p.published or p.replay:
-            await packets.recover_packet(core, p.packet_id)  # idempotent: keeps every grab Redis holds
-        offset = await events.publish(core, p.group_id, "packet", packet_event(p), _once(core, p))
-    except (RedisError, RedPacketError) as e:
-        log.warning("packet %d saved but not announced yet (%s): a retry or the worker will", p.packet_id, e)
-        return None
-
-    async def mark(tx: Tx) -> int:
-        return await tx.execute(
-            "UPDATE red_packets SET announced_ms = %s WHERE id = %s AND announced_ms IS NULL",
-            (now_ms(), p.packet_id),
-        )
-
-    await core.db.run(mark, idempotent=True)
-    return offset
-
-
-async def announce_pending(core: Core, now: int | None = None, limit: int = 500) -> int:
-    """Announce the live packets that were saved but never announced (the worker's sweep); returns how
-    many were announced now."""
-    now = now_ms() if now is None else now
-    rows = await core.db.fetchall(
-        "SELECT id FROM red_packets WHERE announced_ms IS NULL AND created_ms <= %s"
-        " AND status = 'active' AND expires_ms > %s ORDER BY id LIMIT %s",
-        (now - WORKER_AFTER_MS, now, limit),
-    )
-    done = 0
-    for (pid,) in rows:
-        p = await packets.load_packet(core, int(pid))
-        if p is not None and await announce_packet(core, _unpublished(p)) is not None:
-            done += 1
-    if done:
-        log.warning("announced %d packet(s) that were saved while Redis was unavailable", done)
-    return done
-
-
-def _unpublished(p: Packet) -> Packet:
-    """A packet read back from the database: whether Redis holds it is unknown, so it is put up again."""
-    return dataclasses.replace(p, published=False)
-
 
 # A retried grab announcement is recognised by its once-key for this long (its retries come within it).
 GRABS_ONCE_SECONDS = 3600
@@ -147,25 +48,25 @@ class Announcer:
         self.hub = hub
         s = hub.core.settings
         self.base = s.grab_coalesce_ms / 1000
-        self.pending: dict[int, list[dict[str, Any]]] = {}
-        self.last_sent: dict[int, float] = {}
-        self.timers: dict[int, asyncio.TimerHandle] = {}
+        self.pending: dict[GroupId, list[dict[str, Any]]] = {}
+        self.last_sent: dict[GroupId, float] = {}
+        self.timers: dict[GroupId, asyncio.TimerHandle] = {}
         # Members online in the room across hubs (presence), read at most every ONLINE_TTL seconds.
-        self.online: dict[int, tuple[int, float]] = {}
+        self.online: dict[GroupId, tuple[int, float]] = {}
         # One lock per group with publishes under way: they go out in the order they were made.
-        self.locks: dict[int, tuple[asyncio.Lock, int]] = {}
+        self.locks: dict[GroupId, tuple[asyncio.Lock, int]] = {}
         self.serial = itertools.count(1)
         # Set when the hub stops: retries give up at this monotonic time.
         self.give_up_at: float | None = None
 
-    def _online(self, group: int) -> int:
+    def _online(self, group: GroupId) -> int:
         local = len(self.hub.by_group.get(group, ()))
         return max(local, self.online.get(group, (0, 0.0))[0])
 
-    def _big(self, group: int) -> bool:
+    def _big(self, group: GroupId) -> bool:
         return self._online(group) > self.hub.core.settings.big_room_online
 
-    def grabbed(self, group: int, packet_id: int, g: Grab, remaining: int) -> None:
+    def grabbed(self, g: Grab, remaining: int, *, group: GroupId, packet_id: PacketId) -> None:
         item = {
             "packet_id": packet_id,
             "user": g.user_id,
@@ -188,7 +89,7 @@ class Announcer:
             loop = asyncio.get_running_loop()
             self.timers[group] = loop.call_later(wait, lambda: self.hub.spawn(self.flush(group)))
 
-    async def flush(self, group: int) -> None:
+    async def flush(self, group: GroupId) -> None:
         timer = self.timers.pop(group, None)
         if timer is not None:
             timer.cancel()
@@ -198,7 +99,7 @@ class Announcer:
         self.last_sent[group] = time.monotonic()
         listed = self.hub.core.settings.big_room_grabs_listed if self._big(group) else None
         data = protocol.grabs_announcement(items, listed)
-        once = events.Once(f"grabs:{self.hub.id}:{next(self.serial)}", GRABS_ONCE_SECONDS)
+        once = Once(f"grabs:{self.hub.id}:{next(self.serial)}", GRABS_ONCE_SECONDS)
         await self._deliver(group, "grabs", data, once, len(items))
         _, read_at = self.online.get(group, (0, 0.0))
         if time.monotonic() - read_at > self.ONLINE_TTL:
@@ -207,17 +108,18 @@ class Announcer:
             except RedisError:
                 pass  # the last count stands until the next announcement
 
-    async def finished(self, group: int, packet_id: int, viewer: int) -> None:
+    async def finished(self, *, group: GroupId, packet_id: PacketId, viewer: UserId) -> None:
         """The packet's last share went (grabbed by ``viewer``): its grabs first, then the result."""
         await self.flush(group)
         data = await self._retrying(
-            f"the result of packet {packet_id}", lambda: _result(self, group, packet_id, viewer)
+            f"the result of packet {packet_id}",
+            lambda: _result(self, group=group, packet_id=packet_id, viewer=viewer),
         )
         if data is not None:
-            once = events.Once(f"finished:{packet_id}", _packet_lifetime(self.hub.core))
+            once = Once(f"finished:{packet_id}", packet_lifetime(self.hub.core))
             await self._deliver(group, "finished", data, once, 1)
 
-    async def _deliver(self, group: int, kind: str, data: dict[str, Any], once: events.Once, n: int) -> None:
+    async def _deliver(self, group: GroupId, kind: str, data: dict[str, Any], once: Once, n: int) -> None:
         lock, users = self.locks.get(group) or (asyncio.Lock(), 0)
         self.locks[group] = (lock, users + 1)
         try:
@@ -256,8 +158,8 @@ class Announcer:
             await self.flush(group)
 
 
-async def _result(a: Announcer, group: int, packet_id: int, viewer: int) -> dict[str, Any]:
-    v = await grabs.open_packet(a.hub.core, packet_id, group, viewer)
+async def _result(a: Announcer, *, group: GroupId, packet_id: PacketId, viewer: UserId) -> dict[str, Any]:
+    v = await grabs.open_packet(a.hub.core, packet_id=packet_id, group_id=group, user_id=viewer)
     best = v.best_luck
     return {
         "packet_id": packet_id,

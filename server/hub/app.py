@@ -12,10 +12,10 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -35,7 +35,8 @@ from server.hub.metrics import HubMetrics, serve_metrics
 from server.hub.requests import view_dict
 from server.hub.session import websocket_endpoint
 from server.hub.tokens import make_token
-from server.money import grabs, groups, ledger
+from server.ids import GroupId, PacketId, UserId
+from server.money import grabs, groups, ledger, queries
 from server.settings import Settings
 from server.store.assets import asset_dir
 
@@ -54,7 +55,7 @@ def _demo(core: Core, what: str, on: bool) -> None:
         raise Forbidden(errors.DISABLED, f"{what} is off beside a chat backend")
 
 
-async def login(request: Request, core: Core, _: int) -> dict[str, Any]:
+async def login(request: Request, core: Core, _: UserId) -> dict[str, Any]:
     """Dev login by name (creates the user on first use). Off unless REDPACKET_DEV_LOGIN=1 or `up`, on a
     hub listening on loopback only, and never for a user the chat backend made."""
     _demo(core, "dev login", core.settings.dev_login)
@@ -81,26 +82,26 @@ async def login(request: Request, core: Core, _: int) -> dict[str, Any]:
     return {"user_id": user_id, "name": name.strip(), "token": token}
 
 
-async def me(request: Request, core: Core, user: int) -> dict[str, Any]:
-    row = await core.db.fetchone("SELECT name FROM users WHERE id = %s", (user,))
-    if row is None:
+async def me(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+    name = await ledger.user_name(core.db, user)
+    if name is None:
         raise NotFound(errors.USER_NOT_FOUND, "no such user")
     return {
         "user_id": user,
-        "name": row[0],
+        "name": name,
         "balance": await ledger.balance(core.db, user),
         "groups": await groups.groups_of(core.db, user),
     }
 
 
-async def topup(request: Request, core: Core, user: int) -> dict[str, Any]:
+async def topup(request: Request, core: Core, user: UserId) -> dict[str, Any]:
     _demo(core, "demo top-up", core.settings.demo_topup)
     body = await json_body(request)
     await ledger.topup(core.db, user, body.get("amount"), body.get("request_id"))
     return {"user_id": user, "balance": await ledger.balance(core.db, user)}
 
 
-async def _users_may_change(core: Core, group: int | None = None) -> None:
+async def _users_may_change(core: Core, group: GroupId | None = None) -> None:
     """Group management by users: off when the chat backend manages groups (REDPACKET_USER_GROUPS), and
     never on a group the backend made."""
     if not core.settings.users_manage_groups:
@@ -109,7 +110,7 @@ async def _users_may_change(core: Core, group: int | None = None) -> None:
         await groups.require_maker(core.db, group, backend=False)
 
 
-async def create_group(request: Request, core: Core, user: int) -> dict[str, Any]:
+async def create_group(request: Request, core: Core, user: UserId) -> dict[str, Any]:
     await _users_may_change(core)
     body = await json_body(request)
     gid = await groups.create_group(
@@ -123,22 +124,22 @@ async def create_group(request: Request, core: Core, user: int) -> dict[str, Any
     return {"group_id": gid}
 
 
-async def list_members(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = path_id(request, "group_id")
-    await core.membership.require(gid, user)
+async def list_members(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+    gid = GroupId(path_id(request, "group_id"))
+    await core.membership.require(group_id=gid, user_id=user)
     return {"group_id": gid, "members": await groups.members_of(core.db, gid)}
 
 
-async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = path_id(request, "group_id")
+async def add_members(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+    gid = GroupId(path_id(request, "group_id"))
     await _users_may_change(core, gid)
-    await groups.require_admin(core.db, gid, user)
+    await groups.require_admin(core.db, group_id=gid, user_id=user)
     body = await json_body(request)
     user_ids, names = body.get("user_ids", []), body.get("names", [])
     most = core.settings.max_users_per_request
     if not isinstance(user_ids, list) or not isinstance(names, list) or len(user_ids) + len(names) > most:
         raise InvalidRequest(errors.BAD_REQUEST, f"user_ids and names are lists of at most {most} together")
-    ids = [id_of(u, errors.USER_NOT_FOUND, "user") for u in user_ids]
+    ids = [UserId(id_of(u, errors.USER_NOT_FOUND, "user")) for u in user_ids]
     by_name = await ledger.users_by_name(core.db, names)
     unknown = [n for n in names if n not in by_name]
     ids += [by_name[n] for n in names if n in by_name]
@@ -153,62 +154,44 @@ async def add_members(request: Request, core: Core, user: int) -> dict[str, Any]
     return {"group_id": gid, "added": added}
 
 
-async def remove_member(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = path_id(request, "group_id")
-    target = path_id(request, "user_id")
+async def remove_member(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+    gid = GroupId(path_id(request, "group_id"))
+    target = UserId(path_id(request, "user_id"))
     await _users_may_change(core, gid)
     if target != user:  # anyone may leave; only admins remove others
-        await groups.require_admin(core.db, gid, user)
-    removed = await groups.remove_member(core.db, core.membership, gid, target)
+        await groups.require_admin(core.db, group_id=gid, user_id=user)
+    removed = await groups.remove_member(core.db, core.membership, group_id=gid, user_id=target)
     if removed:
         await request.app.state.hub.publish(gid, "member_removed", {"user": target, "by": user})
     return {"group_id": gid, "removed": removed}
 
 
-async def make_admin(request: Request, core: Core, user: int) -> dict[str, Any]:
-    gid = path_id(request, "group_id")
-    target = path_id(request, "user_id")
+async def make_admin(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+    gid = GroupId(path_id(request, "group_id"))
+    target = UserId(path_id(request, "user_id"))
     await _users_may_change(core, gid)
-    await groups.require_admin(core.db, gid, user)
-    await groups.set_role(core.db, core.membership, gid, target, "admin")
+    await groups.require_admin(core.db, group_id=gid, user_id=user)
+    await groups.set_role(core.db, core.membership, "admin", group_id=gid, user_id=target)
     await request.app.state.hub.publish(gid, "member_role", {"user": target, "role": "admin", "by": user})
     return {"group_id": gid, "user_id": target, "role": "admin"}
 
 
-async def packet_detail(request: Request, core: Core, user: int) -> dict[str, Any]:
-    pid = path_id(request, "packet_id")
-    row = await core.db.fetchone("SELECT group_id, status FROM red_packets WHERE id = %s", (pid,))
-    if row is None:
+async def packet_detail(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+    pid = PacketId(path_id(request, "packet_id"))
+    found = await queries.packet_status(core.db, pid)
+    if found is None:
         raise NotFound(errors.PACKET_NOT_FOUND, "no such packet")
-    view = await grabs.open_packet(core, pid, int(row[0]), user)
-    states = await core.db.fetchall("SELECT user_id, status FROM grab_records WHERE packet_id = %s", (pid,))
-    credited = {int(r[0]): r[1] for r in states}
+    group, status = found
+    view = await grabs.open_packet(core, packet_id=pid, group_id=group, user_id=user)
+    credited = await queries.grab_states(core.db, pid)
     data = view_dict(view)
     for g in data["grabs"]:
         g["status"] = credited.get(g["user_id"], "grabbed")
-    return {**data, "status": row[1]}
+    return {**data, "status": status}
 
 
-async def my_packets(request: Request, core: Core, user: int) -> dict[str, Any]:
-    sent = await core.db.fetchall(
-        "SELECT p.id, p.group_id, p.kind, p.total, p.share_count, p.greeting, p.status, p.created_ms,"
-        " (SELECT COUNT(*) FROM grab_records g WHERE g.packet_id = p.id)"
-        " FROM red_packets p WHERE p.sender_id = %s ORDER BY p.id DESC LIMIT 100",
-        (user,),
-    )
-    got = await core.db.fetchall(
-        "SELECT g.packet_id, p.group_id, g.amount, g.status, g.grabbed_ms, p.sender_id, u.name, p.kind,"
-        " p.greeting FROM grab_records g JOIN red_packets p ON p.id = g.packet_id"
-        " JOIN users u ON u.id = p.sender_id"
-        " WHERE g.user_id = %s ORDER BY g.grabbed_ms DESC LIMIT 100",
-        (user,),
-    )
-    sent_keys = "packet_id group_id kind total count greeting status created_ms paid_out".split()
-    got_keys = "packet_id group_id amount status grabbed_ms sender_id sender_name kind greeting".split()
-    return {
-        "sent": [dict(zip(sent_keys, r, strict=True)) for r in sent],
-        "received": [dict(zip(got_keys, r, strict=True)) for r in got],
-    }
+async def my_packets(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+    return await queries.sent_and_received(core.db, user)
 
 
 async def healthz(request: Request) -> Response:
@@ -247,10 +230,15 @@ async def server_error(request: Request, exc: Exception) -> Response:
 def metrics_page(app: Starlette) -> bytes:
     """This hub process's metrics, and under ``redpacket up`` the in-process worker's after them."""
     body: bytes = generate_latest(app.state.metrics.registry)
-    worker = getattr(app.state, "worker_metrics", None)
-    if worker is not None:
-        body += generate_latest(worker.registry)
+    beside = getattr(app.state, "beside_metrics", None)
+    if beside is not None:
+        body += generate_latest(beside)
     return body
+
+
+# What runs in the hub's process beside it for as long as the hub runs (``redpacket up``: the worker,
+# ``worker.main.beside_hub``), given the hub's Core; it yields its metrics, shown after the hub's.
+Beside = Callable[[Core], contextlib.AbstractAsyncContextManager[CollectorRegistry]]
 
 
 async def metrics(request: Request) -> Response:
@@ -262,7 +250,7 @@ async def metrics(request: Request) -> Response:
 
 def create_app(
     settings: Settings,
-    run_worker: bool = False,
+    beside: Beside | None = None,
     manage_gc: bool = False,
     metrics_sock: socket.socket | None = None,
 ) -> Starlette:
@@ -280,7 +268,6 @@ def create_app(
             app.state.core, app.state.hub = core, hub
             hub_metrics.read_pools(core.nodes.connections_in_use, core.db.connections_in_use)
             hub_metrics.read_hot(hub.packet_cache.hottest)
-            frames = hub_metrics.frames_in
             background = [asyncio.create_task(hub_metrics.watch_loop())]
             apart = None
             if settings.metrics_port:  # (bound here unless the command line bound it, to say a busy port)
@@ -288,15 +275,11 @@ def create_app(
                 apart = await serve_metrics(sock, lambda: metrics_page(app))
             if manage_gc:
                 background.append(
-                    asyncio.create_task(keep_collections_out_of_bursts(lambda: float(frames._value.get())))
+                    asyncio.create_task(keep_collections_out_of_bursts(hub_metrics.frames_in_so_far))
                 )
             try:
-                if run_worker:
-                    from worker.main import running_worker
-                    from worker.metrics import WorkerMetrics
-
-                    app.state.worker_metrics = WorkerMetrics(own_process=False)
-                    async with running_worker(core, app.state.worker_metrics):
+                if beside is not None:
+                    async with beside(core) as app.state.beside_metrics:
                         yield
                 else:
                     yield

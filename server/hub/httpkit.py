@@ -20,7 +20,7 @@ from server.core import Core, unavailable
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, TooMany, Unavailable
 from server.hub.ratelimit import KeyedBuckets
 from server.hub.tokens import TokenError, Tokens
-from server.ids import MAX_ID
+from server.ids import MAX_ID, UserId
 from server.money import ledger
 from server.settings import is_loopback
 
@@ -34,7 +34,8 @@ _STATUS = {
     TokenError: 401,
 }
 
-Handler = Callable[[Request, Core, int], Awaitable[Any]]
+Handler = Callable[[Request, Core, UserId], Awaitable[Any]]
+NO_USER = UserId(0)
 
 
 def error_response(
@@ -48,7 +49,7 @@ def bearer(request: Request) -> str | None:
     return auth[7:] if auth.lower().startswith("bearer ") else None
 
 
-async def user_of(request: Request) -> int:
+async def user_of(request: Request) -> UserId:
     """The user the request's bearer token names (the hub's token check)."""
     tokens: Tokens = request.app.state.hub.tokens
     return await tokens.user(bearer(request))
@@ -72,7 +73,7 @@ def limit(request: Request, name: str, buckets: KeyedBuckets, key: object) -> No
         raise TooMany(errors.RATE_LIMITED, f"too many requests from this {name}: slow down")
 
 
-async def known_user(core: Core, user: int) -> int:
+async def known_user(core: Core, user: UserId) -> UserId:
     """``user`` if the database has it; a valid token for a user never made (a backend that has not
     provisioned it yet) is ``user_not_found``, on every route as on the websocket (close 4004)."""
     if not await ledger.user_exists(core.db, user):
@@ -94,7 +95,8 @@ def endpoint(
         try:
             if not service:  # (the chat backend's routes are limited by their key: ``server.hub.service``)
                 limit(request, "address", request.app.state.hub.http_by_address, client_address(request))
-            user = 0 if public else await known_user(core, await user_of(request))
+            # A public route names no user: its handler is given NO_USER.
+            user = NO_USER if public else await known_user(core, await user_of(request))
             if not public:
                 limit(request, "user", request.app.state.hub.http_by_user, user)
             return JSONResponse(await handler(request, core, user))

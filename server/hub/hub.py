@@ -19,151 +19,30 @@ from collections.abc import Awaitable
 from typing import Any
 
 from server.core import Core, transient
-from server.hub import events, protocol
+from server.hub import protocol
 from server.hub.announce import Announcer
-from server.hub.bots import AttemptLog
+from server.hub.connection import Connection, OffsetKey
 from server.hub.metrics import HubMetrics
 from server.hub.packetcache import PacketCache
-from server.hub.protocol import Format, offset_key
 from server.hub.ratelimit import KeyedBuckets
 from server.hub.subscriber import Subscriber
 from server.hub.tokens import Rules, Tokens
-from server.hub.wire import HubWebSocket, data_frame
+from server.hub.wire import data_frame
+from server.ids import GroupId, PacketId, UserId
+from server.live import events
+from server.live.bots import AttemptLog
+from server.live.events import offset_key
 from server.money.groups import MemberCounts
 from server.money.membership import parse_change
-from server.money.packets import call_script
 from server.store import keys
+from server.store.scriptcalls import Once, PresenceAction, PresenceCall, run
 
 log = logging.getLogger(__name__)
 
-OffsetKey = tuple[int, int]
 # Users per presence script call (their keys all in the group's slot).
 PRESENCE_BATCH = 500
 # Sockets an event is written to per loop iteration before other work gets a turn.
 FANOUT_CHUNK = 1000
-
-
-class Connection:
-    """One client socket as the hub sees it. A frame goes straight to the socket's transport while it
-    takes more; otherwise it waits in a bounded queue, replies ahead of events, until the transport
-    drains (``server.hub.wire``). A client whose queue overflows is too slow and is cut, never waited on.
-    ``ended`` resolves when the client has gone or the hub decided to close it (``closing``)."""
-
-    # Ten thousand of these live in a hub: no per-instance dict, queues made only when needed.
-    __slots__ = (
-        "_events", "_replies", "announced", "close_code", "close_reason", "closing", "device", "ended",
-        "fmt", "groups", "held", "hub", "id", "last", "user_id", "wire",
-    )  # fmt: skip
-
-    def __init__(self, hub: Hub, wire: HubWebSocket, user_id: int, fmt: Format, device: str = "") -> None:
-        self.hub = hub
-        self.wire = wire
-        self.user_id = user_id
-        self.fmt: Format = fmt
-        self.id = f"{hub.id[:6]}{next(hub.serial) & 0xFFFFFF:06x}"
-        # Framed bytes waiting for the transport: replies go out before events (a grab's reply does not
-        # wait behind the room's announcements); each kind keeps its own order.
-        self._replies: deque[bytes] | None = None
-        self._events: deque[bytes] | None = None
-        self.groups: set[int] = set()
-        # Per group: the newest offset delivered; events of a group are held until the client syncs it.
-        self.last: dict[int, OffsetKey] = {}
-        self.held: dict[int, list[tuple[OffsetKey, bytes | str]]] = {}
-        # When each packet was shown on this socket (unix ms): the bot detector's reaction time.
-        self.announced: dict[int, int] = {}
-        self.device = device or self.id
-        self.closing = False
-        self.close_code = protocol.CLOSE_NORMAL
-        self.close_reason = ""
-        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    @property
-    def replies(self) -> deque[bytes]:
-        if self._replies is None:
-            self._replies = deque()
-        return self._replies
-
-    @property
-    def events(self) -> deque[bytes]:
-        if self._events is None:
-            self._events = deque()
-        return self._events
-
-    def waiting(self) -> int:
-        return (len(self._replies) if self._replies else 0) + (len(self._events) if self._events else 0)
-
-    def _write(self, raw: bytes, reply: bool) -> bool:
-        """Write now if nothing it must follow waits and the transport takes it, else queue; False if it
-        was dropped. A reply follows only replies; an event follows everything queued."""
-        if self.closing:
-            return False
-        if not self._replies and (reply or not self._events) and self.wire.writable_now:
-            self.wire.write(raw)  # the common case: the queues are not even made
-            return True
-        (self.replies if reply else self.events).append(raw)
-        if self.waiting() > self.hub.core.settings.send_queue_frames:
-            self.hub.metrics.send_queue_drops.inc()
-            self.close(protocol.CLOSE_SLOW_CONSUMER, "send queue overflow: read faster")
-            return False
-        return True
-
-    def push(self, payload: bytes | str, raw: bytes | None = None) -> bool:
-        """Send an event frame (``raw``: the same payload already framed for a plain socket)."""
-        return self._write(raw if raw is not None and self.wire.plain else self.wire.frame(payload), False)
-
-    def reply(self, message: dict[str, Any]) -> None:
-        """Send a reply: ahead of any events still waiting for the transport."""
-        if self._write(self.wire.frame(protocol.encode(self.fmt, message)), True):
-            self.hub.metrics.frames_out.inc()
-
-    def send(self, message: dict[str, Any]) -> None:
-        """Send a frame in order with the events (a sync's reply after the events it replayed)."""
-        if self.push(protocol.encode(self.fmt, message)):
-            self.hub.metrics.frames_out.inc()
-
-    def on_writable(self) -> None:
-        """The transport drained: write what waits, replies first, until it is full again."""
-        wire = self.wire
-        for queue in (self._replies, self._events):
-            while queue and wire.writable_now:
-                wire.write(queue.popleft())
-
-    def gone(self) -> None:
-        """The client went away (or the hub is shutting its socket)."""
-        if not self.ended.done():
-            self.ended.set_result(None)
-
-    def deliver(self, group: int, key: OffsetKey, frame: bytes | str, raw: bytes | None = None) -> bool:
-        """An event of ``group``: sent if this socket is live in the group and has not had it."""
-        if group not in self.groups:
-            return False
-        held = self.held.get(group)
-        if held is not None:
-            held.append((key, frame))
-            if len(held) > self.hub.core.settings.send_queue_frames:
-                self.close(protocol.CLOSE_SLOW_CONSUMER, "too many events held before sync")
-            return False
-        if key <= self.last.get(group, (0, 0)):
-            return False
-        self.last[group] = key
-        return self.push(frame, raw)
-
-    def release(self, group: int, floor: OffsetKey) -> None:
-        """End holding a group after a sync up to ``floor``: send the held events newer than it."""
-        self.last[group] = max(floor, self.last.get(group, (0, 0)))
-        sent = 0
-        for key, frame in self.held.pop(group, []):
-            if key > self.last[group]:
-                self.last[group] = key
-                sent += self.push(frame)
-        self.hub.metrics.frames_out.inc(sent)
-
-    def close(self, code: int, reason: str) -> None:
-        """The hub closes this socket with ``code`` (after what is queued, if the client reads)."""
-        if not self.closing:
-            self.close_code, self.close_reason = code, reason
-            self.closing = True
-            self.gone()
 
 
 class Hub:
@@ -174,18 +53,18 @@ class Hub:
         self.tokens = Tokens(Rules.from_settings(core.settings))
         self.id = uuid.uuid4().hex[:12]
         self.serial = itertools.count(1)
-        self.by_group: dict[int, set[Connection]] = {}
-        self.by_user: dict[int, set[Connection]] = {}
+        self.by_group: dict[GroupId, set[Connection]] = {}
+        self.by_user: dict[UserId, set[Connection]] = {}
         # Sockets being welcomed, per user: counted with the open ones against max_sockets_per_user, so
         # that sockets opened at once cannot all pass the check while the first waits on the database.
-        self.arriving: dict[int, int] = {}
+        self.arriving: dict[UserId, int] = {}
         # (group, user) → that user's local connections in the group: presence changes at 0 ↔ 1.
-        self.local: dict[tuple[int, int], int] = {}
-        self.delivered: dict[int, str] = {}
+        self.local: dict[tuple[GroupId, UserId], int] = {}
+        self.delivered: dict[GroupId, str] = {}
         self.announcer = Announcer(self)
         self.packet_cache = PacketCache(core)
         self.member_counts = MemberCounts()
-        self._presence_pending: list[tuple[int, int, str]] = []
+        self._presence_pending: list[tuple[GroupId, UserId, PresenceAction]] = []
         self._fanouts: deque[_FanOut] = deque()
         self.attempts = AttemptLog(core)
         st = core.settings
@@ -239,16 +118,14 @@ class Hub:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def publish(
-        self, group: int, kind: str, data: dict[str, Any], once: events.Once | None = None
-    ) -> str:
+    async def publish(self, group: GroupId, kind: str, data: dict[str, Any], once: Once | None = None) -> str:
         offset = await events.publish(self.core, group, kind, data, once)
         self.metrics.events_published.inc()
         return offset
 
     # -- membership of local connections -------------------------------------------------------------
 
-    async def join(self, conn: Connection, groups: list[int]) -> None:
+    async def join(self, conn: Connection, groups: list[GroupId]) -> None:
         self.by_user.setdefault(conn.user_id, set()).add(conn)
         self.metrics.connections.inc()
         for g in groups:
@@ -266,7 +143,7 @@ class Hub:
                 del self.by_user[conn.user_id]
             self.metrics.connections.dec()
 
-    async def _attach(self, conn: Connection, g: int) -> None:
+    async def _attach(self, conn: Connection, g: GroupId) -> None:
         conn.groups.add(g)
         members = self.by_group.setdefault(g, set())
         members.add(conn)
@@ -277,7 +154,7 @@ class Hub:
         if self.local[pair] == 1:
             self._presence_soon(g, conn.user_id, "join")
 
-    async def _detach(self, conn: Connection, g: int) -> None:
+    async def _detach(self, conn: Connection, g: GroupId) -> None:
         conn.groups.discard(g)
         conn.held.pop(g, None)
         members = self.by_group.get(g)
@@ -295,18 +172,20 @@ class Hub:
             del self.by_group[g]
             await self.subscriber.remove(keys.group_channel(g))
 
-    async def no_longer_member(self, group: int, user: int) -> None:
+    async def no_longer_member(self, *, group: GroupId, user: UserId) -> None:
         """The member cache says ``user`` left ``group`` and this hub did not hear it (a note lost to a
         subscriber reconnect or a failover): act as the note would have."""
         await self._membership_changed(group, [user], "removed")
 
-    async def recheck_members(self, pairs: list[tuple[int, int]]) -> None:
+    async def recheck_members(self, pairs: list[tuple[GroupId, UserId]]) -> None:
         """Check these (group, user) pairs against the member cache at once (one pipeline): each the cache
         says left, and this hub did not hear of, is acted on as its note would have been."""
-        still = await asyncio.gather(*(self.core.membership.is_member(g, u) for g, u in pairs))
+        still = await asyncio.gather(
+            *(self.core.membership.is_member(group_id=g, user_id=u) for g, u in pairs)
+        )
         for (g, u), member in zip(pairs, still, strict=True):
             if not member:
-                await self.no_longer_member(g, u)
+                await self.no_longer_member(group=g, user=u)
 
     async def _recheck_members(self) -> None:
         """After this hub was not listening, check every (group, user) it serves: a removal whose note it
@@ -315,7 +194,7 @@ class Hub:
         for start in range(0, len(pairs), 1_000):
             await self.recheck_members(pairs[start : start + 1_000])
 
-    async def _membership_changed(self, group: int, users: list[int], change: str) -> None:
+    async def _membership_changed(self, group: GroupId, users: list[UserId], change: str) -> None:
         self.member_counts.forget(group)
         if change == "exactly":  # the whole membership: this hub's sockets follow it both ways
             members = set(users)
@@ -335,7 +214,7 @@ class Hub:
 
     # -- presence --------------------------------------------------------------------------------------
 
-    def _presence_soon(self, group: int, user: int, action: str) -> None:
+    def _presence_soon(self, group: GroupId, user: UserId, action: PresenceAction) -> None:
         """Queue a join or leave; those of one loop tick go out together, in order, as one script call
         per run of one action in one group (a reconnect storm is not one call per socket)."""
         self._presence_pending.append((group, user, action))
@@ -344,7 +223,7 @@ class Hub:
 
     async def _presence_flush(self) -> None:
         pending, self._presence_pending = self._presence_pending, []
-        runs: list[tuple[int, str, list[int]]] = []
+        runs: list[tuple[GroupId, PresenceAction, list[UserId]]] = []
         for g, user, action in pending:
             if runs and runs[-1][:2] == (g, action) and len(runs[-1][2]) < PRESENCE_BATCH:
                 runs[-1][2].append(user)
@@ -353,15 +232,10 @@ class Hub:
         # Each call is queued before the next starts: they reach Redis in this order.
         await asyncio.gather(*(self._presence(g, users, action) for g, action, users in runs))
 
-    async def _presence(self, group: int, users: list[int], action: str) -> None:
+    async def _presence(self, group: GroupId, users: list[UserId], action: PresenceAction) -> None:
         lapse = int(time.time() * 1000) + self.core.settings.presence_lapse_seconds * 1000
-        changed = await call_script(
-            self.core,
-            self.core.scripts.presence,
-            [keys.presence_online(group), *(keys.presence_hubs(group, u) for u in users)],
-            [action, self.id, lapse, *users],
-        )
-        came_or_went = [u for u, c in zip(users, changed, strict=True) if c]
+        call = PresenceCall(group_id=group, hub_id=self.id, action=action, lapse_ms=lapse, users=users)
+        came_or_went = await run(self.core.batcher, self.core.scripts, call)
         if not came_or_went or action == "refresh":
             return
         limit = self.core.settings.presence_event_limit
@@ -372,23 +246,23 @@ class Hub:
             for u in came_or_went:
                 await self.publish(group, "presence", {"user": u, "online": action == "join"})
 
-    async def online_count(self, group: int) -> int:
+    async def online_count(self, group: GroupId) -> int:
         """Members of the group online on any hub (entries of a dead hub count until they lapse)."""
         key = keys.presence_online(group)
         return int(await self.core.batcher.call(lambda pipe: pipe.zcard(key), key))
 
-    async def online(self, group: int) -> list[int]:
+    async def online(self, group: GroupId) -> list[UserId]:
         now = int(time.time() * 1000)
         key = keys.presence_online(group)
         users = await self.core.batcher.call(lambda pipe: pipe.zrangebyscore(key, f"({now}", "+inf"), key)
-        return sorted(int(u) for u in users)
+        return sorted(UserId(int(u)) for u in users)
 
     async def _refresh_presence(self) -> None:
         """Keep this hub's users online while connected; a crashed hub's entries lapse on their own."""
         every = max(1.0, self.core.settings.presence_lapse_seconds / 3)
         while True:
             await asyncio.sleep(every)
-            users: dict[int, list[int]] = {}
+            users: dict[GroupId, list[UserId]] = {}
             for g, user in list(self.local):
                 users.setdefault(g, []).append(user)
             for g, members in users.items():
@@ -429,7 +303,7 @@ class Hub:
         kind, body = events.unpack(payload)
         self._fan_out(g, offset.decode(), kind, body)
 
-    def _fan_out(self, g: int, offset: str, kind: str, data: dict[str, Any]) -> None:
+    def _fan_out(self, g: GroupId, offset: str, kind: str, data: dict[str, Any]) -> None:
         """Send a group event to every local member. A big room is served ``FANOUT_CHUNK`` sockets per
         loop iteration, so replies (and other rooms) are not held up for a whole fan-out; events are
         served strictly one after another, so each socket still gets them in order."""
@@ -438,11 +312,11 @@ class Hub:
         if not conns:
             return
         if kind == "finished":
-            self.packet_cache.mark_closed(g, int(data["packet_id"]))
+            self.packet_cache.mark_closed(group=g, packet_id=PacketId(int(data["packet_id"])))
         packet = None
         if kind == "packet":
-            packet = int(data["packet_id"])
-            self.packet_cache.mark_announced(g, packet)
+            packet = PacketId(int(data["packet_id"]))
+            self.packet_cache.mark_announced(group=g, packet_id=packet)
         job = _FanOut(g, offset_key(offset), protocol.event(g, offset, kind, data), list(conns), packet)
         self._fanouts.append(job)
         if len(self._fanouts) == 1:
@@ -481,7 +355,12 @@ class _FanOut:
     __slots__ = ("conns", "done", "frames", "group", "key", "message", "packet")
 
     def __init__(
-        self, group: int, key: OffsetKey, message: dict[str, Any], conns: list[Connection], packet: int | None
+        self,
+        group: GroupId,
+        key: OffsetKey,
+        message: dict[str, Any],
+        conns: list[Connection],
+        packet: PacketId | None,
     ) -> None:
         self.group = group
         self.key = key

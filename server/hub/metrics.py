@@ -137,6 +137,15 @@ class HubMetrics:
         self.grabs_waiting.set_function(lambda: hottest()[1])
         self.hot_packet_shares_left.set_function(lambda: hottest()[2])
 
+    def frames_in_so_far(self) -> float:
+        """Frames received so far (the gc policy's measure of a burst), read through the counter's public
+        ``collect()``."""
+        for metric in self.frames_in.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    return float(sample.value)
+        return 0.0
+
     async def watch_loop(self, every: float = 0.5) -> None:
         """Observe how late each timer of ``every`` seconds fires, until cancelled."""
         loop = asyncio.get_running_loop()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from server import errors
 from server.core import Core
+from server.ids import GroupId, PacketId, UserId
 from server.store import keys
 
 UNKNOWN_SECONDS = 30.0
@@ -52,16 +53,16 @@ class Flight:
 class Closed:
     """A packet's final state, read once it could no longer be won."""
 
-    group: int
-    winners: frozenset[int]
+    group: GroupId
+    winners: frozenset[UserId]
     expires_ms: int
-    target: int | None
+    target: UserId | None
     closed: bool  # settled or refunded before its expiry
     empty: bool
     generation: int
 
 
-def local_refusal(c: Closed, group: int, user: int, now_ms: int) -> str | None:
+def local_refusal(c: Closed, now_ms: int, *, group: GroupId, user: UserId) -> str | None:
     """The error code the grab script would answer ``user`` for this closed packet, or None when only
     Redis can answer (a winner's own share, or a packet of another group)."""
     if c.group != group or user in c.winners:
@@ -79,14 +80,14 @@ class PacketCache:
     def __init__(self, core: Core, remember: int = 10_000) -> None:
         self.core = core
         self.remember = remember
-        self.closed: OrderedDict[int, Closed] = OrderedDict()
-        self.unknown: OrderedDict[tuple[int, int], float] = OrderedDict()
-        self._loading: dict[int, asyncio.Task[None]] = {}
-        self.flights: dict[int, Flight] = {}
+        self.closed: OrderedDict[PacketId, Closed] = OrderedDict()
+        self.unknown: OrderedDict[tuple[GroupId, PacketId], float] = OrderedDict()
+        self._loading: dict[PacketId, asyncio.Task[None]] = {}
+        self.flights: dict[PacketId, Flight] = {}
 
     # -- how many grabs of a packet go to Redis at once ------------------------------------------------
 
-    def admit(self, packet_id: int) -> bool | asyncio.Future[bool]:
+    def admit(self, packet_id: PacketId) -> bool | asyncio.Future[bool]:
         """A slot to send a grab of this packet to Redis: True now, or a future that says when. True:
         go (and call ``answered`` after); False: the packet closed meanwhile, ask ``refusal`` first (a
         winner still goes, with ``admit_anyway``)."""
@@ -98,17 +99,17 @@ class PacketCache:
         flight.waiting.append(turn)
         return turn
 
-    def admit_anyway(self, packet_id: int) -> None:
+    def admit_anyway(self, packet_id: PacketId) -> None:
         """A grab sent to Redis without waiting its turn (after ``admit`` answered False)."""
         self._flight(packet_id).inflight += 1
 
-    def _flight(self, packet_id: int) -> Flight:
+    def _flight(self, packet_id: PacketId) -> Flight:
         flight = self.flights.get(packet_id)
         if flight is None:
             flight = self.flights[packet_id] = Flight()
         return flight
 
-    def answered(self, packet_id: int, remaining: int | None) -> None:
+    def answered(self, packet_id: PacketId, remaining: int | None) -> None:
         """A grab sent to Redis was answered: ``remaining`` shares are left (0 when it answered empty or
         expired; None when it did not say). Lets waiting grabs go while shares are left."""
         flight = self.flights.get(packet_id)
@@ -133,7 +134,7 @@ class PacketCache:
         if not flight.waiting and flight.inflight == 0:
             del self.flights[packet_id]
 
-    def _release(self, packet_id: int, closed: bool) -> None:
+    def _release(self, packet_id: PacketId, closed: bool) -> None:
         """The final state was read (``closed``) or could not be: every waiting grab goes on."""
         flight = self.flights.get(packet_id)
         if flight is None:
@@ -161,14 +162,14 @@ class PacketCache:
         waiting = sum(len(f.waiting) for f in self.flights.values())
         return len(self.flights), waiting, hot.remaining or 0
 
-    def refusal(self, group: int, packet_id: int, user: int) -> str | None:
+    def refusal(self, *, group: GroupId, packet_id: PacketId, user: UserId) -> str | None:
         """The grab's answer if this hub can give it without Redis, else None."""
         c = self.closed.get(packet_id)
         if c is not None:
             if c.generation != self.core.repairs.generation:
                 del self.closed[packet_id]
                 return None
-            code = local_refusal(c, group, user, int(time.time() * 1000))
+            code = local_refusal(c, int(time.time() * 1000), group=group, user=user)
         else:
             until = self.unknown.get((group, packet_id))
             if until is None:
@@ -179,33 +180,35 @@ class PacketCache:
             code = errors.PACKET_NOT_FOUND
         return code
 
-    def mark_closed(self, group: int, packet_id: int) -> None:
+    def mark_closed(self, *, group: GroupId, packet_id: PacketId) -> None:
         """The packet can no longer be won: read its final state once, in the background."""
         if packet_id in self.closed or packet_id in self._loading:
             return
-        self._loading[packet_id] = asyncio.get_running_loop().create_task(self._load(group, packet_id))
+        self._loading[packet_id] = asyncio.get_running_loop().create_task(
+            self._load(group=group, packet_id=packet_id)
+        )
 
-    def mark_unknown(self, group: int, packet_id: int) -> None:
+    def mark_unknown(self, *, group: GroupId, packet_id: PacketId) -> None:
         self.unknown[(group, packet_id)] = time.monotonic() + UNKNOWN_SECONDS
         self.unknown.move_to_end((group, packet_id))
         while len(self.unknown) > self.remember:
             self.unknown.popitem(last=False)
 
-    def mark_announced(self, group: int, packet_id: int) -> None:
+    def mark_announced(self, *, group: GroupId, packet_id: PacketId) -> None:
         """A packet was announced (or sent here): its id is no longer unknown."""
         self.unknown.pop((group, packet_id), None)
 
-    async def _load(self, group: int, packet_id: int) -> None:
+    async def _load(self, *, group: GroupId, packet_id: PacketId) -> None:
         closed = False
         try:
-            closed = await self._read(group, packet_id)
+            closed = await self._read(group=group, packet_id=packet_id)
         finally:
             self._loading.pop(packet_id, None)
             self._release(packet_id, closed)
 
-    async def _read(self, group: int, packet_id: int) -> bool:
+    async def _read(self, *, group: GroupId, packet_id: PacketId) -> bool:
         generation = self.core.repairs.generation
-        meta_key, shares_key, grabs_key, _ = keys.packet_keys(group, packet_id)
+        meta_key, shares_key, grabs_key, _ = keys.packet_keys(group_id=group, packet_id=packet_id)
         call = self.core.batcher.call
         try:
             meta, left, winners = await asyncio.gather(
@@ -220,9 +223,9 @@ class PacketCache:
         expires_ms = int(meta[1])
         c = Closed(
             group=group,
-            winners=frozenset(int(u) for u in winners),
+            winners=frozenset(UserId(int(u)) for u in winners),
             expires_ms=expires_ms,
-            target=int(meta[2]) if meta[2] else None,
+            target=UserId(int(meta[2])) if meta[2] else None,
             closed=meta[3] == b"1",
             empty=int(left) == 0,
             generation=generation,

@@ -184,13 +184,6 @@ def parse_offset(value: object) -> str | None:
     return f"{int(m[1])}-{int(m[2] or 0)}"
 
 
-def offset_key(offset: str | bytes) -> tuple[int, int]:
-    """Offsets are Redis stream ids ``<ms>-<seq>``; this orders them."""
-    text = offset.decode() if isinstance(offset, bytes) else offset
-    ms, _, seq = text.partition("-")
-    return int(ms), int(seq or 0)
-
-
 def grabs_announcement(items: list[dict[str, Any]], listed: int | None) -> dict[str, Any]:
     """The data of a ``grabs`` event for the grabs of one interval, in grab order. ``listed`` (big
     rooms): only the latest that many grabs, how many more there were, and every packet's shares left

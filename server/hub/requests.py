@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from server import errors, text
 from server.errors import InvalidRequest, RedPacketError
-from server.hub import announce, events, protocol
-from server.hub.botscore import Attempt
-from server.hub.protocol import field_id, offset_key
-from server.money import grabs, packets
+from server.hub import protocol
+from server.hub.protocol import field_id
+from server.ids import GroupId, PacketId
+from server.live import announce, events
+from server.live.botscore import Attempt
+from server.live.events import offset_key
+from server.money import grabs, packets, queries
 
 if TYPE_CHECKING:
     from server.hub.session import Session
@@ -45,26 +48,24 @@ def on_ping(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     return {"ts": int(time.time() * 1000)}
 
 
-async def _open_packets(s: Session, group: int) -> list[dict[str, Any]]:
+async def _open_packets(s: Session, group: GroupId) -> list[dict[str, Any]]:
     """The group's newest 20 packets that can still be grabbed (before expiry, with shares left)."""
     now = int(time.time() * 1000)
-    rows = await s.core.db.fetchall(
-        "SELECT id FROM red_packets WHERE group_id = %s AND status = 'active' AND expires_ms > %s"
-        " ORDER BY id DESC LIMIT 20",
-        (group, now),
-    )
     views = []
-    for (pid,) in rows:
+    for pid in await queries.open_in_group(s.core.db, group, now):
         with contextlib.suppress(RedPacketError):
-            view = await grabs.open_packet(s.core, int(pid), group, s.conn.user_id)
+            view = await grabs.open_packet(s.core, packet_id=pid, group_id=group, user_id=s.conn.user_id)
             if view.remaining > 0 and view.expires_ms > now:
                 views.append(view_dict(view))
     return views
 
 
-def _group_key(raw: Any) -> Any:
-    """A sync's group key: an int for a string of digits, else as sent (refused as not_member)."""
-    return int(raw) if isinstance(raw, str) and raw.isascii() and raw.isdigit() else raw
+def _group_key(raw: object) -> GroupId | None:
+    """A sync's group key: the group an integer or a string of digits names, else None (refused as
+    not_member)."""
+    if isinstance(raw, str) and raw.isascii() and raw.isdigit():
+        return GroupId(int(raw))
+    return GroupId(raw) if isinstance(raw, int) and not isinstance(raw, bool) else None
 
 
 async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
@@ -80,9 +81,9 @@ async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     # Each group this socket is in, checked again in the member cache at once (one pipeline): a hub that
     # missed a removal's note does not replay the group to its removed member (``Session.member_now``).
     user = s.conn.user_id
-    await s.hub.recheck_members([(g, user) for _, g, _ in asked if isinstance(g, int) and g in s.conn.groups])
+    await s.hub.recheck_members([(g, user) for _, g, _ in asked if g is not None and g in s.conn.groups])
     for raw_group, group, since in asked:
-        if not isinstance(group, int) or group not in s.conn.groups:
+        if group is None or group not in s.conn.groups:
             out[str(raw_group)] = {"error": errors.NOT_MEMBER}
             continue
         holding = group not in s.conn.held
@@ -137,17 +138,17 @@ async def on_send(s: Session, body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest(errors.BAD_REQUEST, "request_id must be a string")
     p = await packets.send_packet(
         s.core,
-        s.conn.user_id,
-        group,
-        body.get("kind", "lucky"),
-        body.get("total"),
-        body.get("count"),
-        body.get("greeting", ""),
-        body.get("target"),
-        request_id,
+        sender_id=s.conn.user_id,
+        group_id=group,
+        kind=body.get("kind", "lucky"),
+        total=body.get("total"),
+        count=body.get("count"),
+        greeting=body.get("greeting", ""),
+        target_user_id=body.get("target"),
+        request_id=request_id,
     )
     # Paid for and saved: announced now, or (offset null) by a retry or a worker once Redis is back.
-    s.hub.packet_cache.mark_announced(group, p.packet_id)
+    s.hub.packet_cache.mark_announced(group=group, packet_id=p.packet_id)
     offset = await announce.announce_packet(s.core, p)
     if offset is not None and not p.replay:
         s.hub.metrics.events_published.inc()
@@ -160,33 +161,34 @@ def on_grab(s: Session, body: dict[str, Any]) -> Answer | Later:
     kp = s.hub.packet_cache
     try:
         group = s.member_of(body)
-        packet_id = field_id(body, "packet", errors.PACKET_NOT_FOUND)
-        _record_attempt(s, group, packet_id)
+        packet_id = PacketId(field_id(body, "packet", errors.PACKET_NOT_FOUND))
+        _record_attempt(s, group=group, packet_id=packet_id)
     except RedPacketError as e:
         metrics.grab_outcomes.labels(e.code).inc()
         raise
     # A packet this hub knows to be closed (or no packet at all) is answered from memory.
-    _refuse_if_known(s, group, packet_id)
+    _refuse_if_known(s, group=group, packet_id=packet_id)
     # In a storm, grabs beyond the shares left wait their turn (no task each); most are then answered
     # from memory when the packet empties.
     turn = kp.admit(packet_id)
     if turn is True:
-        return _grab(s, group, packet_id, started)
+        return _grab(s, started, group=group, packet_id=packet_id)
 
     def answer(admitted: bool) -> Answer:
         if not admitted:
-            _refuse_if_known(s, group, packet_id, started)
-            kp.admit_anyway(
-                packet_id
-            )  # a winner (only Redis answers their share), or the state could not be read
-        return _grab(s, group, packet_id, started)
+            _refuse_if_known(s, started, group=group, packet_id=packet_id)
+            # A winner (only Redis answers their share), or the state could not be read.
+            kp.admit_anyway(packet_id)
+        return _grab(s, started, group=group, packet_id=packet_id)
 
     assert not isinstance(turn, bool)
     return Later(turn, answer)
 
 
-def _refuse_if_known(s: Session, group: int, packet_id: int, started: float | None = None) -> None:
-    refusal = s.hub.packet_cache.refusal(group, packet_id, s.conn.user_id)
+def _refuse_if_known(
+    s: Session, started: float | None = None, *, group: GroupId, packet_id: PacketId
+) -> None:
+    refusal = s.hub.packet_cache.refusal(group=group, packet_id=packet_id, user=s.conn.user_id)
     if refusal is None:
         return
     metrics = s.hub.metrics
@@ -200,33 +202,33 @@ def _refuse_if_known(s: Session, group: int, packet_id: int, started: float | No
 _OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
 
 
-async def _grab(s: Session, group: int, packet_id: int, started: float) -> dict[str, Any]:
+async def _grab(s: Session, started: float, *, group: GroupId, packet_id: PacketId) -> dict[str, Any]:
     """The grab in Redis, with a slot of the packet's flight (``PacketCache.admit``) already taken."""
     metrics = s.hub.metrics
     kp = s.hub.packet_cache
     remaining: int | None = None
     try:
-        r = await grabs.grab(s.core, packet_id, group, s.conn.user_id, gate=True)
+        r = await grabs.grab(s.core, packet_id=packet_id, group_id=group, user_id=s.conn.user_id, gate=True)
         remaining = r.remaining
         if remaining == 0:
-            kp.mark_closed(group, packet_id)
+            kp.mark_closed(group=group, packet_id=packet_id)
     except RedPacketError as e:
         metrics.grab_outcomes.labels(_OUTCOMES.get(e.code, e.code)).inc()
         if e.code in _OUTCOMES:
             remaining = 0
-            kp.mark_closed(group, packet_id)
+            kp.mark_closed(group=group, packet_id=packet_id)
         elif e.code == errors.PACKET_NOT_FOUND:
-            kp.mark_unknown(group, packet_id)
+            kp.mark_unknown(group=group, packet_id=packet_id)
         raise
     finally:
         kp.answered(packet_id, remaining)
         metrics.grab_seconds.observe(time.perf_counter() - started)
     metrics.grab_outcomes.labels(r.outcome).inc()
     if r.outcome == "won":
-        s.hub.announcer.grabbed(group, packet_id, r.grab, r.remaining)
+        s.hub.announcer.grabbed(r.grab, r.remaining, group=group, packet_id=packet_id)
         if r.remaining == 0:
             # Exactly one grab empties a packet: it announces the result, after the grabs.
-            s.hub.spawn(s.hub.announcer.finished(group, packet_id, s.conn.user_id))
+            s.hub.spawn(s.hub.announcer.finished(group=group, packet_id=packet_id, viewer=s.conn.user_id))
     g = r.grab
     return {
         "packet": packet_id,
@@ -239,7 +241,7 @@ async def _grab(s: Session, group: int, packet_id: int, started: float) -> dict[
     }
 
 
-def _record_attempt(s: Session, group: int, packet_id: int) -> None:
+def _record_attempt(s: Session, *, group: GroupId, packet_id: PacketId) -> None:
     """For the bot detector: who grabbed what, how long after this socket was shown it."""
     shown = s.conn.announced.get(packet_id)
     now = int(time.time() * 1000)
@@ -277,10 +279,9 @@ def view_dict(v: grabs.PacketView) -> dict[str, Any]:
 
 async def on_open(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     group = await s.member_now(body)
+    packet_id = PacketId(field_id(body, "packet", errors.PACKET_NOT_FOUND))
     return view_dict(
-        await grabs.open_packet(
-            s.core, field_id(body, "packet", errors.PACKET_NOT_FOUND), group, s.conn.user_id
-        )
+        await grabs.open_packet(s.core, packet_id=packet_id, group_id=group, user_id=s.conn.user_id)
     )
 
 

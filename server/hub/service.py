@@ -26,9 +26,9 @@ from server.errors import Forbidden, InvalidRequest, TooMany
 from server.hub.httpkit import Handler, bearer, client_address, endpoint, id_of, json_body, path_id
 from server.hub.hub import Hub
 from server.hub.tokens import TokenError
+from server.ids import GroupId, UserId
 from server.money import groups, ledger
 from server.money.groups import Role
-from server.store.db import as_text
 
 BY_BACKEND = 0  # the `by` of an event caused through this API
 MAX_MEMBERS = 100_000
@@ -56,12 +56,12 @@ def _require_key(request: Request, core: Core) -> None:
     raise TokenError(errors.TOKEN_INVALID, "the service API takes REDPACKET_SERVICE_KEY as its bearer token")
 
 
-def _user_ids(value: object, field: str) -> list[int]:
+def _user_ids(value: object, field: str) -> list[UserId]:
     if not isinstance(value, list) or len(value) > MAX_MEMBERS:
         raise InvalidRequest(
             errors.BAD_REQUEST, f"{field} must be a list of user ids (at most {MAX_MEMBERS})"
         )
-    return [id_of(u, errors.USER_NOT_FOUND, "user") for u in value]
+    return [UserId(id_of(u, errors.USER_NOT_FOUND, "user")) for u in value]
 
 
 def _role(value: object) -> Role:
@@ -70,14 +70,14 @@ def _role(value: object) -> Role:
     return "admin" if value == "admin" else "member"
 
 
-async def put_user(request: Request, core: Core, _: int) -> dict[str, Any]:
-    user_id = path_id(request, "user_id")
+async def put_user(request: Request, core: Core, _: UserId) -> dict[str, Any]:
+    user_id = UserId(path_id(request, "user_id"))
     name = ledger.check_name((await json_body(request)).get("name"))
     return {"user_id": user_id, "name": name, "result": await ledger.put_user(core.db, user_id, name)}
 
 
-async def put_group(request: Request, core: Core, _: int) -> dict[str, Any]:
-    group_id = path_id(request, "group_id")
+async def put_group(request: Request, core: Core, _: UserId) -> dict[str, Any]:
+    group_id = GroupId(path_id(request, "group_id"))
     body = await json_body(request)
     version = body.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 2**63:
@@ -85,7 +85,7 @@ async def put_group(request: Request, core: Core, _: int) -> dict[str, Any]:
     can_send = body.get("members_can_send", False)
     if not isinstance(can_send, bool):
         raise InvalidRequest(errors.BAD_REQUEST, "members_can_send must be true or false")
-    wanted: dict[int, Role] = dict.fromkeys(_user_ids(body.get("members", []), "members"), "member")
+    wanted: dict[UserId, Role] = dict.fromkeys(_user_ids(body.get("members", []), "members"), "member")
     wanted.update(dict.fromkeys(_user_ids(body.get("admins", []), "admins"), "admin"))
     if len(wanted) > MAX_MEMBERS:
         raise InvalidRequest(errors.BAD_REQUEST, f"a group has at most {MAX_MEMBERS} members and admins")
@@ -110,22 +110,22 @@ async def put_group(request: Request, core: Core, _: int) -> dict[str, Any]:
     }
 
 
-async def add_member(request: Request, core: Core, _: int) -> dict[str, Any]:
+async def add_member(request: Request, core: Core, _: UserId) -> dict[str, Any]:
     """One member in (or their role changed): idempotent."""
-    group_id = path_id(request, "group_id")
+    group_id = GroupId(path_id(request, "group_id"))
     await groups.require_maker(core.db, group_id, backend=True)
     body = await json_body(request)
-    user_id = id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id")
+    user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
     role = _role(body.get("role", "member"))
     hub: Hub = request.app.state.hub
     async with core.db.transaction() as tx:
-        current, _ = await groups.role_of(tx, group_id, user_id)
+        current, _members_can_send = await groups.role_of(tx, group_id=group_id, user_id=user_id)
     if current is None:
         added = await groups.add_members(core.db, core.membership, group_id, [user_id], role)
         if added:
             await hub.publish(group_id, "member_added", {"user": user_id, "role": role, "by": BY_BACKEND})
     elif current != role:
-        await groups.set_role(core.db, core.membership, group_id, user_id, role)
+        await groups.set_role(core.db, core.membership, role, group_id=group_id, user_id=user_id)
         await hub.publish(group_id, "member_role", {"user": user_id, "role": role, "by": BY_BACKEND})
     else:
         # Already so: perhaps a retry of a call that died before telling the hubs. Tell them again (the
@@ -134,20 +134,20 @@ async def add_member(request: Request, core: Core, _: int) -> dict[str, Any]:
     return {"group_id": group_id, "user_id": user_id, "role": role}
 
 
-async def remove_member(request: Request, core: Core, _: int) -> dict[str, Any]:
-    group_id = path_id(request, "group_id")
-    user_id = path_id(request, "user_id")
+async def remove_member(request: Request, core: Core, _: UserId) -> dict[str, Any]:
+    group_id = GroupId(path_id(request, "group_id"))
+    user_id = UserId(path_id(request, "user_id"))
     await groups.require_maker(core.db, group_id, backend=True)
-    removed = await groups.remove_member(core.db, core.membership, group_id, user_id)
+    removed = await groups.remove_member(core.db, core.membership, group_id=group_id, user_id=user_id)
     if removed:
         await request.app.state.hub.publish(group_id, "member_removed", {"user": user_id, "by": BY_BACKEND})
     return {"group_id": group_id, "user_id": user_id, "removed": removed}
 
 
-async def topup(request: Request, core: Core, _: int) -> dict[str, Any]:
+async def topup(request: Request, core: Core, _: UserId) -> dict[str, Any]:
     """Fund an account from the app's wallet: paid once per ``request_id``, whoever asks how often."""
     body = await json_body(request)
-    user_id = id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id")
+    user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
     amount, request_id = body.get("amount"), body.get("request_id")
     paid = await ledger.topup(core.db, user_id, amount, request_id, service=True)
     return {
@@ -159,9 +159,9 @@ async def topup(request: Request, core: Core, _: int) -> dict[str, Any]:
     }
 
 
-async def account(request: Request, core: Core, _: int) -> dict[str, Any]:
+async def account(request: Request, core: Core, _: UserId) -> dict[str, Any]:
     """An account's balance and the sum of its journal (equal, or reconciliation reports it)."""
-    user_id = path_id(request, "user_id")
+    user_id = UserId(path_id(request, "user_id"))
     return {
         "user_id": user_id,
         "balance": await ledger.balance(core.db, user_id),
@@ -169,9 +169,9 @@ async def account(request: Request, core: Core, _: int) -> dict[str, Any]:
     }
 
 
-async def journal(request: Request, core: Core, _: int) -> dict[str, Any]:
+async def journal(request: Request, core: Core, _: UserId) -> dict[str, Any]:
     """An account's journal, oldest first, in pages: ``?after=<id>&limit=<n>`` (n up to 500)."""
-    user_id = path_id(request, "user_id")
+    user_id = UserId(path_id(request, "user_id"))
     try:
         after = int(request.query_params.get("after", "0"))
         limit = int(request.query_params.get("limit", str(JOURNAL_PAGE)))
@@ -180,22 +180,7 @@ async def journal(request: Request, core: Core, _: int) -> dict[str, Any]:
     if after < 0 or not 1 <= limit <= JOURNAL_PAGE:
         raise InvalidRequest(errors.BAD_REQUEST, f"after >= 0, limit 1 to {JOURNAL_PAGE}")
     await ledger.balance(core.db, user_id)  # user_not_found for an unknown account
-    rows = await core.db.fetchall(
-        "SELECT id, amount, kind, idem_key, packet_id, created_ms FROM journal"
-        " WHERE account_id = %s AND id > %s ORDER BY id LIMIT %s",
-        (user_id, after, limit),
-    )
-    entries = [
-        {
-            "id": int(r[0]),
-            "amount": int(r[1]),
-            "kind": r[2],
-            "key": as_text(r[3]),
-            "packet_id": r[4],
-            "created_ms": int(r[5]),
-        }
-        for r in rows
-    ]
+    entries = await ledger.journal_page(core.db, user_id, after=after, limit=limit)
     return {
         "user_id": user_id,
         "entries": entries,
@@ -207,7 +192,7 @@ def routes() -> list[Route]:
     def public(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         """The route for ``handler``, behind the service key (no user's token: ``public`` to endpoint)."""
 
-        async def keyed(request: Request, core: Core, user: int) -> Any:
+        async def keyed(request: Request, core: Core, user: UserId) -> Any:
             _require_key(request, core)
             return await handler(request, core, user)
 

@@ -24,12 +24,14 @@ from server import errors, text
 from server.core import unavailable
 from server.errors import Forbidden, RedPacketError, Unavailable
 from server.hub import protocol
-from server.hub.hub import Connection, Hub
+from server.hub.connection import Connection
+from server.hub.hub import Hub
 from server.hub.protocol import ProtocolError, field_int
 from server.hub.ratelimit import TokenBucket
 from server.hub.requests import HANDLERS, Answer, Later
 from server.hub.tokens import TokenError
 from server.hub.wire import EXTENSION, HubWebSocket
+from server.ids import GroupId
 from server.money import groups, ledger
 
 log = logging.getLogger(__name__)
@@ -55,21 +57,21 @@ class Session:
         self.waiting: deque[bytes | str] | None = None  # made when a frame has to wait
         self.stopped = False
 
-    def member_of(self, body: dict[str, Any]) -> int:
+    def member_of(self, body: dict[str, Any]) -> GroupId:
         """The request's group, if this socket is in it (a grab is checked again in Redis, a send in the
         database)."""
-        group = field_int(body, "group")
+        group = GroupId(field_int(body, "group"))
         if group not in self.conn.groups:
             raise Forbidden(errors.NOT_MEMBER, f"you are not a member of group {group}")
         return group
 
-    async def member_now(self, body: dict[str, Any]) -> int:
+    async def member_now(self, body: dict[str, Any]) -> GroupId:
         """``member_of``, then the group's versioned member cache (``server.money.membership``): a hub that
         missed the note of a removal (its subscriber reconnecting, a failover) still refuses the removed
         member, and takes its sockets out of the group as the note would have."""
         group = self.member_of(body)
-        if not await self.core.membership.is_member(group, self.conn.user_id):
-            await self.hub.no_longer_member(group, self.conn.user_id)
+        if not await self.core.membership.is_member(group_id=group, user_id=self.conn.user_id):
+            await self.hub.no_longer_member(group=group, user=self.conn.user_id)
             raise Forbidden(errors.NOT_MEMBER, f"you are not a member of group {group}")
         return group
 
@@ -272,7 +274,7 @@ async def _welcome(ws: WebSocket, hub: Hub, conn: Connection) -> bool:
             if not mine and not await ledger.user_exists(hub.core.db, conn.user_id):
                 await ws.close(protocol.CLOSE_USER_UNKNOWN, errors.USER_NOT_FOUND)
                 return False
-            await hub.join(conn, [int(g["group_id"]) for g in mine])  # type: ignore[call-overload]
+            await hub.join(conn, [g["group_id"] for g in mine])
     except Exception as e:
         down = unavailable(e)
         if down is None and not isinstance(e, TimeoutError):

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
 from server import errors
 from server.errors import RedPacketError, Unavailable
-from server.ids import MAX_ID
+from server.ids import MAX_ID, UserId
 from server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -86,13 +86,13 @@ def make_token(secret: bytes, user_id: int, now: int, ttl_seconds: int, **claims
     return jwt.encode(body, secret, algorithm="HS256")
 
 
-def user_of(sub: object) -> int:
+def user_of(sub: object) -> UserId:
     """The user id a ``sub`` claim names: ASCII digits or an integer, 1 to 2⁶³−1."""
     if isinstance(sub, str):
         sub = int(sub) if sub.isascii() and sub.isdigit() and len(sub) <= 19 and sub[0] != "0" else None
     if not isinstance(sub, int) or isinstance(sub, bool) or not 1 <= sub <= MAX_ID:
         raise TokenError(errors.TOKEN_INVALID, "sub must be a user id: 1 to 2^63-1, as digits or an integer")
-    return sub
+    return UserId(sub)
 
 
 def _text(token: object) -> str:
@@ -110,12 +110,12 @@ def header_of(token: object) -> dict[str, Any]:
         raise TokenError(errors.TOKEN_INVALID, f"not a JWT: {e}") from None
 
 
-def verify(rules: Rules, token: object, key: Any) -> int:
+def verify(rules: Rules, token: object, key: Any) -> UserId:
     """The user id of a token signed with ``key``, under ``rules``; ``TokenError`` otherwise."""
     return checked(rules, token, key)[0]
 
 
-def checked(rules: Rules, token: object, key: Any) -> tuple[int, int]:
+def checked(rules: Rules, token: object, key: Any) -> tuple[UserId, int]:
     """(the user id, the ``exp``) of a token signed with ``key``, under ``rules``; ``TokenError``
     otherwise."""
     try:
@@ -248,14 +248,14 @@ class Tokens:
     again, and PyJWT's check costs a hundred microseconds of CPU (``redpacket bench tokens``)."""
 
     def __init__(self, rules: Rules) -> None:
-        self._seen: dict[str, tuple[int, float]] = {}  # token → (user id, good until, unix seconds)
+        self._seen: dict[str, tuple[UserId, float]] = {}  # token → (user id, good until, unix seconds)
         self.clock = time.time
         self.rules = rules
         self.jwks = Jwks(rules.jwks_url) if rules.jwks_url else None
         # Parsed once: PyJWT would parse the PEM on every check (a third of an RS256 check's CPU).
         self.public_key = load_pem_public_key(rules.public_key.encode()) if rules.public_key else None
 
-    async def user(self, token: object) -> int:
+    async def user(self, token: object) -> UserId:
         now = self.clock()
         seen = self._seen.get(token) if isinstance(token, str) else None
         if seen is not None and now < seen[1]:
@@ -267,7 +267,7 @@ class Tokens:
         self._seen[token] = (user, min(exp + self.rules.leeway_seconds, now + SEEN_SECONDS))  # type: ignore[index]
         return user
 
-    async def _check(self, token: object) -> tuple[int, int]:
+    async def _check(self, token: object) -> tuple[UserId, int]:
         if self.rules.hmac:
             return checked(self.rules, token, self.rules.secret)
         if self.jwks is None:

@@ -18,26 +18,33 @@ from redis.exceptions import RedisError
 from server import errors
 from server.core import Core, unavailable
 from server.errors import Conflict, Forbidden, NotFound, RedPacketError, Unavailable
+from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money.membership import not_member
 from server.money.packets import PACKET_COLUMNS, packet_from_row, recover_packet
 from server.store import keys
+from server.store.records import GrabRecord
 from server.store.redisnodes import ServerChanged
+from server.store.scriptcalls import GrabCall, GrabRate, GrabReply, GrabStatus, run
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Grab:
-    user_id: int
-    seq: int
+    user_id: UserId
+    seq: ShareSeq
     amount: int
     grabbed_ms: int
+
+    @classmethod
+    def of(cls, user_id: UserId, record: GrabRecord) -> Grab:
+        return cls(user_id, record.seq, record.amount, record.grabbed_ms)
 
 
 @dataclass(frozen=True)
 class GrabResult:
     outcome: Literal["won", "already"]
-    packet_id: int
+    packet_id: PacketId
     grab: Grab
     remaining: int
 
@@ -63,13 +70,9 @@ def _refusal(status: str) -> RedPacketError:
     return refusal_error(_REFUSALS.get(status, errors.PACKET_NOT_FOUND))
 
 
-def parse_record(user_id: int, record: bytes | str) -> Grab:
-    """``"seq:amount:ms"`` as stored in a packet's grabs hash."""
-    seq, amount, ms = keys.parse_grab_record(record)
-    return Grab(user_id, seq, amount, ms)
-
-
-async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bool = False) -> GrabResult:
+async def grab(
+    core: Core, *, packet_id: PacketId, group_id: GroupId, user_id: UserId, gate: bool = False
+) -> GrabResult:
     """Take one share of a packet for ``user_id``, or the share they took before.
 
     One Lua call, one round trip, on the group's shard: the member check (Redis cache of the database),
@@ -81,35 +84,44 @@ async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bo
     first grab of a packet after Redis restarted or failed over (``server.store.repair``).
     """
 
-    async def attempt(check_members: bool, gate: bool) -> tuple[str, Any]:
-        keys_, args = grab_call(core, packet_id, group_id, user_id, check_members, gate)
-        res = await core.batcher.script(core.scripts.grab, keys_, args, durable=_took_or_holds_a_share)
-        return res[0].decode(), res
+    async def attempt(check_members: bool, gate: bool) -> GrabReply:
+        call = grab_call(
+            core,
+            packet_id=packet_id,
+            group_id=group_id,
+            user_id=user_id,
+            check_members=check_members,
+            gate=gate,
+        )
+        return await run(core.batcher, core.scripts, call)
 
     try:
-        first: Any = None
+        first: GrabReply | None = None
         for _ in range(3):
             generation = core.repairs.generation
             try:
                 await core.repairs.ensure(packet_id, lambda: _check(core, packet_id))
-                status, res = await attempt(True, gate)
-                if status == "members":
+                reply = await attempt(True, gate)
+                if reply.status == "members":
                     # The cache was cold and the script stopped before the gate: it still applies.
-                    await core.membership.require(group_id, user_id)
-                    status, res = await attempt(False, gate)
-                if status == "unknown" and await _recover_if_live(core, packet_id, group_id):
+                    await core.membership.require(group_id=group_id, user_id=user_id)
+                    reply = await attempt(False, gate)
+                if reply.status == "unknown" and await _recover_if_live(
+                    core, packet_id=packet_id, group_id=group_id
+                ):
                     # This attempt passed the member check and the gate already: not charged twice.
-                    status, res = await attempt(False, False)
+                    reply = await attempt(False, False)
             except ServerChanged:
                 continue  # seen before the grab was sent: check the packet in the new generation first
-            if status == "already" and first is not None and first[0] == "won" and first[1][1] == res[1]:
-                status, res = first  # it was this grab that won that share: say so (it is announced)
+            if reply.status == "already" and first is not None and first.status == "won":
+                if first.record == reply.record:
+                    reply = first  # it was this grab that won that share: say so (it is announced)
             if core.repairs.generation == generation:
                 break
             # A Redis server restarted or failed over while this grab was in flight: check the packet
             # against the database, then ask again before answering (the same user gets the same share,
             # unless the database showed it to be someone else's).
-            first = first or (status, res)
+            first = first or reply
         else:
             raise Unavailable(errors.REDIS_UNAVAILABLE, "Redis keeps changing under this grab: retry")
     except RedisError as e:
@@ -117,24 +129,24 @@ async def grab(core: Core, packet_id: int, group_id: int, user_id: int, gate: bo
         if down is None:
             raise  # not Redis being away: a bug, answered internal and logged by the caller
         raise down from e
+    return _answer(reply, packet_id=packet_id, group_id=group_id, user_id=user_id)
+
+
+def _answer(reply: GrabReply, *, packet_id: PacketId, group_id: GroupId, user_id: UserId) -> GrabResult:
+    """The grab's result for the script's reply, or its error."""
+    status: GrabStatus = reply.status
     if status == "not_member":
-        raise not_member(group_id, user_id)
+        raise not_member(group_id=group_id, user_id=user_id)
     if status == "blocked":
         raise Forbidden(errors.BLOCKED, "grabbing is blocked for this account for now")
     if status == "limited":
-        raise Conflict(errors.RATE_LIMITED, f"too many grabs: try again in {int(res[1])} ms")
-    if status in ("won", "already"):
-        outcome: Literal["won", "already"] = "won" if status == "won" else "already"
-        return GrabResult(outcome, packet_id, parse_record(user_id, res[1]), int(res[2]))
+        raise Conflict(errors.RATE_LIMITED, f"too many grabs: try again in {reply.wait_ms} ms")
+    if (status == "won" or status == "already") and reply.record is not None and reply.remaining is not None:
+        return GrabResult(status, packet_id, Grab.of(user_id, reply.record), reply.remaining)
     raise _refusal(status)
 
 
-def _took_or_holds_a_share(answer: Any) -> bool:
-    """A grab answer that says a share is this user's ("won", "already") waits for durability."""
-    return bool(answer) and answer[0] in (b"won", b"already")
-
-
-async def _check(core: Core, packet_id: int) -> None:
+async def _check(core: Core, packet_id: PacketId) -> None:
     """The check of a packet after Redis may have lost writes: ``recover_packet``, for a packet the
     database has and still pays out (one it refunded, or never had, is answered by the grab itself)."""
     try:
@@ -144,34 +156,21 @@ async def _check(core: Core, packet_id: int) -> None:
 
 
 def grab_call(
-    core: Core, packet_id: int, group_id: int, user_id: int, check_members: bool, gate: bool
-) -> tuple[list[str], list[Any]]:
-    """The keys and arguments of one call of ``lua/grab.lua`` (its header says what each one is)."""
+    core: Core, *, packet_id: PacketId, group_id: GroupId, user_id: UserId, check_members: bool, gate: bool
+) -> GrabCall:
+    """One call of ``lua/grab.lua`` with this core's settings (``gate``: the hub's block list and rate)."""
     s = core.settings
-    meta, shares, grabs, _ = keys.packet_keys(group_id, packet_id)
-    keys_ = [
-        meta,
-        shares,
-        grabs,
-        keys.group_members(group_id),
-        keys.gate_for(group_id),
-        keys.grab_bucket(group_id, user_id),
-        keys.outbox_for(group_id),
-    ]
-    args = [
-        user_id,
-        group_id,
-        packet_id,
-        "1" if check_members else "0",
-        s.grabs_per_second if gate else "",
-        s.grabs_burst,
-        keys.LOADED,
-        "0" if s.durability == "none" else "1",
-    ]
-    return keys_, args
+    return GrabCall(
+        user_id=user_id,
+        group_id=group_id,
+        packet_id=packet_id,
+        check_members=check_members,
+        rate=GrabRate(s.grabs_per_second, s.grabs_burst) if gate else None,
+        rewrite_repeat=s.durability.waits,
+    )
 
 
-async def _recover_if_live(core: Core, packet_id: int, group_id: int) -> bool:
+async def _recover_if_live(core: Core, *, packet_id: PacketId, group_id: GroupId) -> bool:
     row = await core.db.fetchone("SELECT group_id, status FROM red_packets WHERE id = %s", (packet_id,))
     if row is None or int(row[0]) != group_id or row[1] == "refunded":
         return False
@@ -183,9 +182,9 @@ async def _recover_if_live(core: Core, packet_id: int, group_id: int) -> bool:
 class PacketView:
     """What ``open`` shows: the packet, this user's share and the grab list in grab order."""
 
-    packet_id: int
-    group_id: int
-    sender_id: int
+    packet_id: PacketId
+    group_id: GroupId
+    sender_id: UserId
     kind: str
     total: int
     count: int
@@ -208,7 +207,7 @@ class PacketView:
 
 
 def view_packet(
-    packet_id: int, meta: dict[str, str], records: dict[int, Grab], remaining: int, user_id: int
+    meta: dict[str, str], records: dict[UserId, Grab], remaining: int, *, packet_id: PacketId, user_id: UserId
 ) -> PacketView:
     """Build the view from a packet's meta fields and grabs. Pure."""
     grabs = sorted(records.values(), key=lambda g: (g.grabbed_ms, g.seq))
@@ -222,8 +221,8 @@ def view_packet(
     best = max(grabs, key=lambda g: (g.amount, -g.grabbed_ms, -g.seq)) if len(grabs) == count else None
     return PacketView(
         packet_id=packet_id,
-        group_id=int(meta["group"]),
-        sender_id=int(meta["sender"]),
+        group_id=GroupId(int(meta["group"])),
+        sender_id=UserId(int(meta["sender"])),
         kind=meta["kind"],
         total=int(meta["total"]),
         count=count,
@@ -245,13 +244,13 @@ def _text(d: dict[Any, Any]) -> dict[str, str]:
     }
 
 
-async def open_packet(core: Core, packet_id: int, group_id: int, user_id: int) -> PacketView:
+async def open_packet(core: Core, *, packet_id: PacketId, group_id: GroupId, user_id: UserId) -> PacketView:
     """This user's result and the packet's grab list: one Redis round trip when the cache is warm.
 
     A read: calling it any number of times changes nothing. A packet whose Redis keys are gone (after its
     refund, or a Redis loss) is read from the database instead.
     """
-    meta_key, shares_key, grabs_key, _ = keys.packet_keys(group_id, packet_id)
+    meta_key, shares_key, grabs_key, _ = keys.packet_keys(group_id=group_id, packet_id=packet_id)
     members_key = keys.group_members(group_id)
     b = core.batcher
     try:
@@ -263,21 +262,25 @@ async def open_packet(core: Core, packet_id: int, group_id: int, user_id: int) -
             b.call(lambda pipe: pipe.smismember(members_key, [keys.LOADED, str(user_id)]), members_key),
         )
         if not loaded:
-            member = await core.membership.is_member(group_id, user_id)
+            member = await core.membership.is_member(group_id=group_id, user_id=user_id)
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
     if not member:
-        raise not_member(group_id, user_id)
+        raise not_member(group_id=group_id, user_id=user_id)
     meta = _text(meta_raw)
     if meta and meta.get("group") == str(group_id):
-        records = {int(u): parse_record(int(u), r) for u, r in _text(grabs_raw).items()}
-        return view_packet(packet_id, meta, records, int(left), user_id)
+        records = {}
+        for u, r in _text(grabs_raw).items():
+            records[UserId(int(u))] = Grab.of(UserId(int(u)), GrabRecord.parse(r))
+        return view_packet(meta, records, int(left), packet_id=packet_id, user_id=user_id)
     if meta:
         raise _refusal("unknown")
-    return await _open_from_database(core, packet_id, group_id, user_id)
+    return await _open_from_database(core, packet_id=packet_id, group_id=group_id, user_id=user_id)
 
 
-async def _open_from_database(core: Core, packet_id: int, group_id: int, user_id: int) -> PacketView:
+async def _open_from_database(
+    core: Core, *, packet_id: PacketId, group_id: GroupId, user_id: UserId
+) -> PacketView:
     row = await core.db.fetchone(f"SELECT {PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
     if row is None or int(row[2]) != group_id:
         raise NotFound(errors.PACKET_NOT_FOUND, "no such packet in this group")
@@ -285,7 +288,10 @@ async def _open_from_database(core: Core, packet_id: int, group_id: int, user_id
     rows = await core.db.fetchall(
         "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (packet_id,)
     )
-    records = {int(r[0]): Grab(int(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in rows}
+    records = {}
+    for r in rows:
+        user = UserId(int(r[0]))
+        records[user] = Grab(user, ShareSeq(int(r[1])), int(r[2]), int(r[3]))
     meta = {
         "group": str(p.group_id),
         "sender": str(p.sender_id),
@@ -297,4 +303,4 @@ async def _open_from_database(core: Core, packet_id: int, group_id: int, user_id
         "expires_ms": str(p.expires_ms),
         "finished_ms": "" if row[12] is None else str(row[12]),
     }
-    return view_packet(packet_id, meta, records, p.count - len(records), user_id)
+    return view_packet(meta, records, p.count - len(records), packet_id=packet_id, user_id=user_id)

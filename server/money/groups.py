@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypedDict
 
 from server import errors
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, TooMany
+from server.ids import GroupId, UserId
 from server.money.ledger import check_name, now_ms
 from server.money.membership import Membership
 from server.store.db import Database, IntegrityError, Tx
@@ -17,14 +18,14 @@ Role = Literal["admin", "member"]
 
 
 async def create_group(
-    db: Database, owner_id: int, name: str, members_can_send: bool = False, per_minute: int | None = None
-) -> int:
+    db: Database, owner_id: UserId, name: str, members_can_send: bool = False, per_minute: int | None = None
+) -> GroupId:
     """A new group whose owner is its first admin. ``per_minute``: refused (``rate_limited``) if the owner
     made that many in the last minute — counted under a lock on the owner's row, so concurrent calls on
     any hub count each other."""
     name = check_name(name)
 
-    async def work(tx: Tx) -> int:
+    async def work(tx: Tx) -> GroupId:
         lock = tx.dialect.for_update
         if await tx.fetchone("SELECT 1 FROM users WHERE id = %s" + lock, (owner_id,)) is None:
             raise NotFound(errors.USER_NOT_FOUND, f"user {owner_id} does not exist")
@@ -42,9 +43,9 @@ async def create_group(
             "INSERT INTO chat_groups (name, owner_id, members_can_send, created_ms) VALUES (%s, %s, %s, %s)",
             (name, owner_id, int(members_can_send), ts),
         )
-        group_id = tx.lastrowid
-        if group_id is None:
+        if tx.lastrowid is None:
             raise RuntimeError("the database returned no id for the new group")
+        group_id = GroupId(tx.lastrowid)
         await tx.execute(
             "INSERT INTO group_members (group_id, user_id, role, joined_ms) VALUES (%s, %s, 'admin', %s)",
             (group_id, owner_id, ts),
@@ -55,7 +56,7 @@ async def create_group(
 
 
 async def add_members(
-    db: Database, membership: Membership, group_id: int, user_ids: list[int], role: Role = "member"
+    db: Database, membership: Membership, group_id: GroupId, user_ids: list[UserId], role: Role = "member"
 ) -> int:
     """Add users to a group (already-members keep their role); return how many were new."""
     if role not in ("admin", "member"):
@@ -100,17 +101,17 @@ class Replaced:
     applied: bool
     version: int
     created: bool = False
-    added: dict[int, Role] = field(default_factory=dict)
-    removed: list[int] = field(default_factory=list)
-    roles: dict[int, Role] = field(default_factory=dict)
+    added: dict[UserId, Role] = field(default_factory=dict)
+    removed: list[UserId] = field(default_factory=list)
+    roles: dict[UserId, Role] = field(default_factory=dict)
 
 
 async def put_group(
     db: Database,
     membership: Membership,
-    group_id: int,
+    group_id: GroupId,
     name: object,
-    members: dict[int, Role],
+    members: dict[UserId, Role],
     members_can_send: bool,
     version: int,
 ) -> Replaced:
@@ -122,13 +123,12 @@ async def put_group(
 
     async def work(tx: Tx) -> Replaced:
         wanted = sorted(members)
-        known: set[int] = set()
+        known: set[UserId] = set()
         for i in range(0, len(wanted), 500):  # a statement holds at most 65,535 placeholders
             chunk = wanted[i : i + 500]
             marks = ", ".join(["%s"] * len(chunk))
-            known |= {
-                int(r[0]) for r in await tx.fetchall(f"SELECT id FROM users WHERE id IN ({marks})", chunk)
-            }
+            rows = await tx.fetchall(f"SELECT id FROM users WHERE id IN ({marks})", chunk)
+            known |= {UserId(int(r[0])) for r in rows}
         missing = sorted(set(wanted) - known)
         if missing:
             raise NotFound(errors.USER_NOT_FOUND, f"no user {missing[0]}", user_ids=missing)
@@ -148,7 +148,7 @@ async def put_group(
                 " VALUES (%s, %s, %s, %s, %s, %s)",
                 (group_id, clean, owner, int(members_can_send), ts, version),
             )
-            before: dict[int, Role] = {}
+            before: dict[UserId, Role] = {}
         else:
             stored = None if row[0] is None else int(row[0])
             if stored is not None and version < stored:
@@ -160,7 +160,7 @@ async def put_group(
             rows = await tx.fetchall(
                 "SELECT user_id, role FROM group_members WHERE group_id = %s", (group_id,)
             )
-            before = {int(r[0]): ("admin" if r[1] == "admin" else "member") for r in rows}
+            before = {UserId(int(r[0])): ("admin" if r[1] == "admin" else "member") for r in rows}
         added = {u: r for u, r in members.items() if u not in before}
         removed = sorted(u for u in before if u not in members)
         roles = {u: r for u, r in members.items() if u in before and before[u] != r}
@@ -194,7 +194,7 @@ async def put_group(
     return done
 
 
-async def remove_member(db: Database, membership: Membership, group_id: int, user_id: int) -> bool:
+async def remove_member(db: Database, membership: Membership, *, group_id: GroupId, user_id: UserId) -> bool:
     async def work(tx: Tx) -> int:
         return await tx.execute(
             "DELETE FROM group_members WHERE group_id = %s AND user_id = %s", (group_id, user_id)
@@ -205,7 +205,9 @@ async def remove_member(db: Database, membership: Membership, group_id: int, use
     return removed > 0
 
 
-async def set_role(db: Database, membership: Membership, group_id: int, user_id: int, role: Role) -> None:
+async def set_role(
+    db: Database, membership: Membership, role: Role, *, group_id: GroupId, user_id: UserId
+) -> None:
     if role not in ("admin", "member"):
         raise InvalidRequest(errors.ROLE_INVALID, "role is admin or member")
 
@@ -227,7 +229,7 @@ async def set_role(db: Database, membership: Membership, group_id: int, user_id:
     await membership.changed(group_id, [user_id], "role")
 
 
-async def require_maker(db: Database, group_id: int, backend: bool) -> None:
+async def require_maker(db: Database, group_id: GroupId, backend: bool) -> None:
     """Refuse a change of a group by the side that did not make it: a group the chat backend made
     (``service_version`` set) is changed through its API only (``managed_by_backend``), and one a user
     made on the hub never through that API (``id_taken``)."""
@@ -241,7 +243,7 @@ async def require_maker(db: Database, group_id: int, backend: bool) -> None:
         raise Conflict(errors.ID_TAKEN, f"group {group_id} was made on the hub by a user, not by the backend")
 
 
-async def role_of(tx: Tx, group_id: int, user_id: int) -> tuple[Role | None, bool]:
+async def role_of(tx: Tx, *, group_id: GroupId, user_id: UserId) -> tuple[Role | None, bool]:
     """(the user's role or None, whether every member may send) — raises if the group does not exist."""
     group = await tx.fetchone("SELECT members_can_send FROM chat_groups WHERE id = %s", (group_id,))
     if group is None:
@@ -253,9 +255,9 @@ async def role_of(tx: Tx, group_id: int, user_id: int) -> tuple[Role | None, boo
     return role, bool(group[0])
 
 
-async def require_admin(db: Database, group_id: int, user_id: int) -> None:
+async def require_admin(db: Database, *, group_id: GroupId, user_id: UserId) -> None:
     async with db.transaction() as tx:
-        role, _ = await role_of(tx, group_id, user_id)
+        role, _ = await role_of(tx, group_id=group_id, user_id=user_id)
     if role is None:
         raise Forbidden(errors.NOT_MEMBER, f"user {user_id} is not a member of group {group_id}")
     if role != "admin":
@@ -287,9 +289,17 @@ class MemberCounts:
         self._counts.pop(group_id, None)
 
 
-async def groups_of(
-    db: Database, user_id: int, counts: MemberCounts | None = None
-) -> list[dict[str, object]]:
+class UserGroup(TypedDict):
+    """One of a user's groups, as the welcome and ``GET /api/groups`` list it."""
+
+    group_id: GroupId
+    name: str
+    role: Role
+    members_can_send: bool
+    members: int
+
+
+async def groups_of(db: Database, user_id: UserId, counts: MemberCounts | None = None) -> list[UserGroup]:
     """The groups a user is in, with their role and each group's settings and member count (from
     ``counts`` when it holds them)."""
     rows = await db.fetchall(
@@ -310,13 +320,13 @@ async def groups_of(
             if counts is not None:
                 counts.put(int(g), int(n))
     return [
-        {
-            "group_id": int(r[0]),
-            "name": r[1],
-            "role": r[2],
-            "members_can_send": bool(r[3]),
-            "members": members.get(int(r[0])) or 0,
-        }
+        UserGroup(
+            group_id=GroupId(int(r[0])),
+            name=str(r[1]),
+            role="admin" if r[2] == "admin" else "member",
+            members_can_send=bool(r[3]),
+            members=members.get(int(r[0])) or 0,
+        )
         for r in rows
     ]
 

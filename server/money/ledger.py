@@ -7,12 +7,13 @@ matching balance update, in the caller's transaction. For every account the jour
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Literal, overload
+from typing import Literal, TypedDict, overload
 
 from server import errors, text
 from server.errors import Conflict, InvalidRequest, NotFound
-from server.store.db import Database, IntegrityError, Tx
+from server.ids import PacketId, ShareSeq, UserId
+from server.store.db import Database, IntegrityError, Tx, as_text
+from server.store.records import CreditEntry
 
 JournalKind = Literal["topup", "send", "grab", "refund"]
 
@@ -97,11 +98,11 @@ def check_name(name: object) -> str:
     return name.strip()
 
 
-async def create_user(db: Database, name: str) -> int:
+async def create_user(db: Database, name: str) -> UserId:
     """A new user with an empty account."""
     name = check_name(name)
 
-    async def work(tx: Tx) -> int:
+    async def work(tx: Tx) -> UserId:
         ts = now_ms()
         try:
             await tx.execute(
@@ -109,9 +110,9 @@ async def create_user(db: Database, name: str) -> int:
             )
         except IntegrityError:
             raise Conflict(errors.NAME_TAKEN, f"{name} is taken") from None
-        user_id = tx.lastrowid
-        if user_id is None:
+        if tx.lastrowid is None:
             raise RuntimeError("the database returned no id for the new user")
+        user_id = UserId(tx.lastrowid)
         await tx.execute(
             "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", (user_id, ts)
         )
@@ -163,11 +164,11 @@ async def put_user(db: Database, user_id: int, name: object) -> Literal["created
         return await db.run(work, idempotent=True)
 
 
-async def create_users(db: Database, names: list[str]) -> list[int]:
+async def create_users(db: Database, names: list[str]) -> list[UserId]:
     """Many new users with empty accounts in one transaction (imports, benchmarks, tests)."""
     clean = [check_name(n) for n in names]
 
-    async def work(tx: Tx) -> list[int]:
+    async def work(tx: Tx) -> list[UserId]:
         ts = now_ms()
         try:
             await tx.executemany(
@@ -176,12 +177,12 @@ async def create_users(db: Database, names: list[str]) -> list[int]:
             )
         except IntegrityError:
             raise Conflict(errors.NAME_TAKEN, "one of the names is taken") from None
-        ids: list[int] = []
+        ids: list[UserId] = []
         for i in range(0, len(clean), 500):
             chunk = clean[i : i + 500]
             marks = ", ".join(["%s"] * len(chunk))
             rows = await tx.fetchall(f"SELECT name, id FROM users WHERE name IN ({marks})", chunk)
-            by_name = {str(r[0]): int(r[1]) for r in rows}
+            by_name = {str(r[0]): UserId(int(r[1])) for r in rows}
             ids += [by_name[n] for n in chunk]
         await tx.executemany(
             "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", [(u, ts) for u in ids]
@@ -191,33 +192,35 @@ async def create_users(db: Database, names: list[str]) -> list[int]:
     return await db.run(work, idempotent=False)
 
 
-async def users_by_name(db: Database, names: list[object]) -> dict[str, int]:
+async def users_by_name(db: Database, names: list[object]) -> dict[str, UserId]:
     """The ids of the users so named, one query per 500 names (each name checked as a name first)."""
     clean = [check_name(n) for n in names]
-    out: dict[str, int] = {}
+    out: dict[str, UserId] = {}
     for i in range(0, len(clean), 500):
         chunk = clean[i : i + 500]
         marks = ", ".join(["%s"] * len(chunk))
         rows = await db.fetchall(f"SELECT name, id FROM users WHERE name IN ({marks})", chunk)
-        out.update({str(r[0]): int(r[1]) for r in rows})
+        out.update({str(r[0]): UserId(int(r[1])) for r in rows})
     return {n: out[c] for n, c in zip(names, clean, strict=True) if c in out and isinstance(n, str)}
 
 
 @overload
-async def user_by_name(db: Database, name: str) -> int | None: ...
+async def user_by_name(db: Database, name: str) -> UserId | None: ...
 
 
 @overload
-async def user_by_name(db: Database, name: str, with_origin: Literal[True]) -> tuple[int, str] | None: ...
+async def user_by_name(db: Database, name: str, with_origin: Literal[True]) -> tuple[UserId, str] | None: ...
 
 
-async def user_by_name(db: Database, name: str, with_origin: bool = False) -> int | tuple[int, str] | None:
+async def user_by_name(
+    db: Database, name: str, with_origin: bool = False
+) -> UserId | tuple[UserId, str] | None:
     """The id of the user called ``name`` (with ``with_origin``: and who made it, ``hub`` or
     ``backend``), or None."""
     row = await db.fetchone("SELECT id, origin FROM users WHERE name = %s", (check_name(name),))
     if row is None:
         return None
-    return (int(row[0]), str(row[1])) if with_origin else int(row[0])
+    return (UserId(int(row[0])), str(row[1])) if with_origin else UserId(int(row[0]))
 
 
 async def user_exists(db: Database, user_id: int) -> bool:
@@ -230,6 +233,40 @@ async def balance(db: Database, user_id: int) -> int:
     if row is None:
         raise NotFound(errors.USER_NOT_FOUND, f"no account for user {user_id}")
     return int(row[0])
+
+
+class JournalEntry(TypedDict):
+    id: int
+    amount: int
+    kind: str
+    key: str
+    packet_id: int | None
+    created_ms: int
+
+
+async def journal_page(db: Database, user_id: UserId, *, after: int, limit: int) -> list[JournalEntry]:
+    """An account's journal rows after row ``after``, oldest first, at most ``limit``."""
+    rows = await db.fetchall(
+        "SELECT id, amount, kind, idem_key, packet_id, created_ms FROM journal"
+        " WHERE account_id = %s AND id > %s ORDER BY id LIMIT %s",
+        (user_id, after, limit),
+    )
+    return [
+        JournalEntry(
+            id=int(r[0]),
+            amount=int(r[1]),
+            kind=str(r[2]),
+            key=as_text(r[3]),
+            packet_id=None if r[4] is None else int(r[4]),
+            created_ms=int(r[5]),
+        )
+        for r in rows
+    ]
+
+
+async def user_name(db: Database, user_id: UserId) -> str | None:
+    row = await db.fetchone("SELECT name FROM users WHERE id = %s", (user_id,))
+    return None if row is None else str(row[0])
 
 
 async def journal_sum(db: Database, user_id: int) -> int:
@@ -254,20 +291,14 @@ async def topup(
     return await db.run(work, idempotent=True)
 
 
-@dataclass(frozen=True)
-class Credit:
-    packet_id: int
-    user_id: int
-    seq: int
-    amount: int
-    grabbed_ms: int
-    group_id: int = 0  # where the packet's Redis keys are (``server.store.keys``); the database needs none
+# A grab's credit: what the grab script wrote to the outbox is what the ledger pays (one type, one format).
+Credit = CreditEntry
 
 
 CreditOutcome = Literal["credited", "already"]
 
 
-def grab_key(packet_id: int, seq: int) -> str:
+def grab_key(packet_id: PacketId, seq: ShareSeq) -> str:
     """The journal's idempotency key of a grab's credit: one share of one packet is paid once.
     (``server.money.reconcile`` builds the same in SQL to join postings with grab records.)"""
     return f"grab:{packet_id}:{seq}"

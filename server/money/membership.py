@@ -10,28 +10,30 @@ one group share a single reload.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Literal
 
 import msgpack
 from redis.asyncio import Redis
 
 from server import errors
 from server.errors import Forbidden
+from server.ids import GroupId, UserId
 from server.store import keys
 from server.store.batch import Batcher
 from server.store.db import Database
+from server.store.scriptcalls import FillMembersCall, run_alone
 from server.store.scripts import Scripts
 
 # "exactly": the users are the group's whole membership (hubs drop or add their sockets to match).
 Change = Literal["added", "removed", "role", "exactly"]
 
 
-def parse_change(note: bytes) -> tuple[int, list[int], Change]:
+def parse_change(note: bytes) -> tuple[GroupId, list[UserId], Change]:
     body = msgpack.unpackb(note, raw=False)
-    return int(body["group"]), [int(u) for u in body["users"]], body["change"]
+    return GroupId(int(body["group"])), [UserId(int(u)) for u in body["users"]], body["change"]
 
 
-def not_member(group_id: int, user_id: int) -> Forbidden:
+def not_member(*, group_id: GroupId, user_id: UserId) -> Forbidden:
     return Forbidden(errors.NOT_MEMBER, f"user {user_id} is not a member of group {group_id}")
 
 
@@ -44,9 +46,9 @@ class Membership:
         self._scripts = scripts
         self._cache_seconds = cache_seconds
         self._batcher = batcher
-        self._loading: dict[int, asyncio.Task[frozenset[int]]] = {}
+        self._loading: dict[GroupId, asyncio.Task[frozenset[UserId]]] = {}
 
-    async def is_member(self, group_id: int, user_id: int) -> bool:
+    async def is_member(self, *, group_id: GroupId, user_id: UserId) -> bool:
         """One Redis round trip when the cache is warm; a database read when it is not."""
         key = keys.group_members(group_id)
         wanted = [keys.LOADED, str(user_id)]
@@ -55,11 +57,11 @@ class Membership:
             return bool(member)
         return user_id in await self._load(group_id)
 
-    async def require(self, group_id: int, user_id: int) -> None:
-        if not await self.is_member(group_id, user_id):
-            raise not_member(group_id, user_id)
+    async def require(self, *, group_id: GroupId, user_id: UserId) -> None:
+        if not await self.is_member(group_id=group_id, user_id=user_id):
+            raise not_member(group_id=group_id, user_id=user_id)
 
-    async def changed(self, group_id: int, user_ids: list[int], change: Change) -> None:
+    async def changed(self, group_id: GroupId, user_ids: list[UserId], change: Change) -> None:
         """Call after a membership change has committed: drops the cache, and tells every hub, so that a
         removed member's live connections stop receiving the group at once."""
         note = msgpack.packb({"group": group_id, "users": user_ids, "change": change})
@@ -72,7 +74,7 @@ class Membership:
         # (The cluster client has no spublish(); the command is routed by its channel's slot.)
         await self._redis.execute_command("SPUBLISH", keys.membership_channel(), note)  # type: ignore[no-untyped-call]
 
-    async def _load(self, group_id: int) -> frozenset[int]:
+    async def _load(self, group_id: GroupId) -> frozenset[UserId]:
         # The load runs as its own task: a cancelled caller does not cancel it for the others waiting.
         task = self._loading.get(group_id)
         if task is None:
@@ -81,13 +83,12 @@ class Membership:
             task.add_done_callback(lambda _: self._loading.pop(group_id, None))
         return await asyncio.shield(task)
 
-    async def _read_and_fill(self, group_id: int) -> frozenset[int]:
-        version_key = keys.group_members_version(group_id)
-        version: Any = await self._redis.get(version_key)
+    async def _read_and_fill(self, group_id: GroupId) -> frozenset[UserId]:
+        version: bytes | None = await self._redis.get(keys.group_members_version(group_id))
         rows = await self._db.fetchall("SELECT user_id FROM group_members WHERE group_id = %s", (group_id,))
-        members = frozenset(int(r[0]) for r in rows)
-        await self._scripts.fill_members(
-            keys=[keys.group_members(group_id), version_key],
-            args=[version or b"", self._cache_seconds, keys.LOADED, *members],
+        members = frozenset(UserId(int(r[0])) for r in rows)
+        fill = FillMembersCall(
+            group_id=group_id, version=version or b"", ttl_seconds=self._cache_seconds, members=members
         )
+        await run_alone(self._scripts, fill)
         return members

@@ -13,21 +13,23 @@ import logging
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
-from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from server import errors
 from server.core import Core
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unavailable
+from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import groups
 from server.money.crediting import record_refusals
 from server.money.ledger import Credit, check_request_id, now_ms, post
 from server.money.split import Kind, PacketRequest, split, validate_request
 from server.store import keys
 from server.store.db import IntegrityError, Row, Tx
+from server.store.records import CreditEntry, DroppedEntry, GrabRecord, ShareEntry
 from server.store.redisnodes import ServerChanged
+from server.store.scriptcalls import LoadPacketCall, run_alone
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +41,14 @@ PACKET_COLUMNS = (
 
 @dataclass(frozen=True)
 class Packet:
-    packet_id: int
-    sender_id: int
-    group_id: int
+    packet_id: PacketId
+    sender_id: UserId
+    group_id: GroupId
     kind: Kind
     total: int
     count: int
     greeting: str
-    target_user_id: int | None
+    target_user_id: UserId | None
     status: str
     created_ms: int
     expires_ms: int
@@ -61,14 +63,14 @@ class Packet:
 
 def packet_from_row(row: Row) -> Packet:
     return Packet(
-        packet_id=int(row[0]),
-        sender_id=int(row[1]),
-        group_id=int(row[2]),
+        packet_id=PacketId(int(row[0])),
+        sender_id=UserId(int(row[1])),
+        group_id=GroupId(int(row[2])),
         kind=row[3],
         total=int(row[4]),
         count=int(row[5]),
         greeting=str(row[6]),
-        target_user_id=None if row[7] is None else int(row[7]),
+        target_user_id=None if row[7] is None else UserId(int(row[7])),
         status=str(row[8]),
         created_ms=int(row[10]),
         expires_ms=int(row[11]),
@@ -86,7 +88,9 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-async def _earlier_send(tx: Tx, sender_id: int, request_id: str, req: PacketRequest, group_id: int) -> Packet:
+async def _earlier_send(
+    tx: Tx, req: PacketRequest, request_id: str, *, sender_id: UserId, group_id: GroupId
+) -> Packet:
     row = await tx.fetchone(
         f"SELECT {PACKET_COLUMNS} FROM red_packets WHERE sender_id = %s AND request_id = %s",
         (sender_id, request_id),
@@ -114,8 +118,9 @@ async def _earlier_send(tx: Tx, sender_id: int, request_id: str, req: PacketRequ
 
 async def send_packet(
     core: Core,
-    sender_id: int,
-    group_id: int,
+    *,
+    sender_id: UserId,
+    group_id: GroupId,
     kind: object,
     total: object,
     count: object,
@@ -140,80 +145,26 @@ async def send_packet(
     await _require_redis(core, group_id)
 
     async def work(tx: Tx) -> Packet:
-        role, members_can_send = await groups.role_of(tx, group_id, sender_id)
-        if role is None:
-            raise Forbidden(errors.NOT_MEMBER, f"user {sender_id} is not a member of group {group_id}")
-        if role != "admin" and not members_can_send:
-            raise Forbidden(errors.NOT_ADMIN, "only group admins send packets here")
-        size = await tx.fetchone("SELECT COUNT(*) FROM group_members WHERE group_id = %s", (group_id,))
-        if size is not None and req.count > int(size[0]):
-            raise InvalidRequest(
-                errors.COUNT_TOO_LARGE, f"more shares than the group's {size[0]} members", limit=int(size[0])
-            )
-        if req.target_user_id is not None:
-            target_role, _ = await groups.role_of(tx, group_id, req.target_user_id)
-            if target_role is None or req.target_user_id == sender_id:
-                raise InvalidRequest(errors.TARGET_INVALID, "the target must be another member of the group")
+        await _may_send(tx, req, sender_id=sender_id, group_id=group_id)
         exists = await tx.fetchone(
             "SELECT 1 FROM red_packets WHERE sender_id = %s AND request_id = %s", (sender_id, key)
         )
         if exists:
-            return await _earlier_send(tx, sender_id, key, req, group_id)
-        created = now_ms()
-        expires = created + core.settings.packet_ttl_seconds * 1000
-        try:
-            await tx.execute(
-                "INSERT INTO red_packets (sender_id, group_id, kind, total, share_count, greeting,"
-                " target_user_id, status, request_id, created_ms, expires_ms)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, 'active', %s, %s, %s)",
-                (
-                    sender_id,
-                    group_id,
-                    req.kind,
-                    req.total,
-                    req.count,
-                    req.greeting,
-                    req.target_user_id,
-                    key,
-                    created,
-                    expires,
-                ),
-            )
-        except IntegrityError:
-            raise _Replay from None  # the same request id committed meanwhile
-        packet_id = tx.lastrowid
-        if packet_id is None:
-            raise RuntimeError("the database returned no id for the new packet")
-        await tx.executemany(
-            "INSERT INTO red_packet_shares (packet_id, seq, amount) VALUES (%s, %s, %s)",
-            [(packet_id, seq, amount) for seq, amount in enumerate(shares, start=1)],
-        )
-        await post(tx, sender_id, -req.total, "send", f"send:{packet_id}", packet_id)
-        return Packet(
-            packet_id,
-            sender_id,
-            group_id,
-            req.kind,
-            req.total,
-            req.count,
-            req.greeting,
-            req.target_user_id,
-            "active",
-            created,
-            expires,
-        )
+            return await _earlier_send(tx, req, key, sender_id=sender_id, group_id=group_id)
+        return await _insert_packet(core, tx, req, key, shares, sender_id=sender_id, group_id=group_id)
 
     try:
         packet = await core.db.run(work, idempotent=True)
     except _Replay:
         packet = await core.db.run(
-            lambda tx: _earlier_send(tx, sender_id, key, req, group_id), idempotent=True
+            lambda tx: _earlier_send(tx, req, key, sender_id=sender_id, group_id=group_id), idempotent=True
         )
     if packet.replay:
         return packet
     try:
         generation = core.repairs.generation
-        await _load(core, packet, list(enumerate(shares, start=1)), [])
+        all_shares = [ShareEntry(ShareSeq(seq), amount) for seq, amount in enumerate(shares, start=1)]
+        await _load(core, packet, all_shares, {})
         core.repairs.mark(packet.packet_id, generation)
     except RedisError as e:
         log.warning(
@@ -225,27 +176,91 @@ async def send_packet(
     return packet
 
 
-async def _require_redis(core: Core, group_id: int) -> None:
+async def _may_send(tx: Tx, req: PacketRequest, *, sender_id: UserId, group_id: GroupId) -> None:
+    """Refuse the send unless the sender may send here, the group has enough members for the shares and
+    the target (if any) is another member."""
+    role, members_can_send = await groups.role_of(tx, group_id=group_id, user_id=sender_id)
+    if role is None:
+        raise Forbidden(errors.NOT_MEMBER, f"user {sender_id} is not a member of group {group_id}")
+    if role != "admin" and not members_can_send:
+        raise Forbidden(errors.NOT_ADMIN, "only group admins send packets here")
+    size = await tx.fetchone("SELECT COUNT(*) FROM group_members WHERE group_id = %s", (group_id,))
+    if size is not None and req.count > int(size[0]):
+        raise InvalidRequest(
+            errors.COUNT_TOO_LARGE, f"more shares than the group's {size[0]} members", limit=int(size[0])
+        )
+    if req.target_user_id is not None:
+        target = UserId(req.target_user_id)
+        target_role, _ = await groups.role_of(tx, group_id=group_id, user_id=target)
+        if target_role is None or target == sender_id:
+            raise InvalidRequest(errors.TARGET_INVALID, "the target must be another member of the group")
+
+
+async def _insert_packet(
+    core: Core,
+    tx: Tx,
+    req: PacketRequest,
+    key: str,
+    shares: list[int],
+    *,
+    sender_id: UserId,
+    group_id: GroupId,
+) -> Packet:
+    """The packet's row, its shares and the sender's debit, in the caller's transaction."""
+    created = now_ms()
+    expires = created + core.settings.packet_ttl_seconds * 1000
+    try:
+        await tx.execute(
+            "INSERT INTO red_packets (sender_id, group_id, kind, total, share_count, greeting,"
+            " target_user_id, status, request_id, created_ms, expires_ms)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s, 'active', %s, %s, %s)",
+            (
+                *(sender_id, group_id, req.kind, req.total, req.count, req.greeting, req.target_user_id),
+                *(key, created, expires),
+            ),
+        )
+    except IntegrityError:
+        raise _Replay from None  # the same request id committed meanwhile
+    if tx.lastrowid is None:
+        raise RuntimeError("the database returned no id for the new packet")
+    packet_id = PacketId(tx.lastrowid)
+    await tx.executemany(
+        "INSERT INTO red_packet_shares (packet_id, seq, amount) VALUES (%s, %s, %s)",
+        [(packet_id, seq, amount) for seq, amount in enumerate(shares, start=1)],
+    )
+    await post(tx, sender_id, -req.total, "send", f"send:{packet_id}", packet_id)
+    target = None if req.target_user_id is None else UserId(req.target_user_id)
+    return Packet(
+        packet_id=packet_id,
+        sender_id=sender_id,
+        group_id=group_id,
+        kind=req.kind,
+        total=req.total,
+        count=req.count,
+        greeting=req.greeting,
+        target_user_id=target,
+        status="active",
+        created_ms=created,
+        expires_ms=expires,
+    )
+
+
+async def _require_redis(core: Core, group_id: GroupId) -> None:
     try:
         await core.batcher.call(lambda pipe: pipe.ping(), keys.group_members(group_id))
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, f"Redis is unavailable, nothing was sent: {e}") from e
 
 
-async def call_script(core: Core, script: AsyncScript, keys_: list[str], args: list[Any]) -> Any:
-    """EVALSHA in the core's next batch (one pipeline per master per loop tick)."""
-    return await core.batcher.script(script, keys_, args)
-
-
 async def _load(
     core: Core,
     p: Packet,
-    shares: list[tuple[int, int]],
-    grabs: list[tuple[int, int, int, int]],
+    shares: list[ShareEntry],
+    grabs: dict[UserId, GrabRecord],
     finished_ms: int | None = None,
 ) -> tuple[int, int, list[Credit]]:
-    """Run load_packet.lua: all shares (seq, amount) and the grabs (user, seq, amount, ms) the DB holds.
-    Returns (shares left, grabs known, every grab a repair of this packet ever dropped)."""
+    """Run load_packet.lua: all shares and the grabs the database holds. Returns (shares left, grabs known,
+    every grab a repair of this packet ever dropped)."""
     meta: dict[str, str | int] = {
         "group": p.group_id,
         "sender": p.sender_id,
@@ -261,23 +276,22 @@ async def _load(
         meta["finished_ms"] = finished_ms
     if p.status == "refunding":
         meta["closed"] = 1  # its refund has begun: no grab may start again, whatever Redis lost
-    args: list[str | int] = [p.expires_ms + core.settings.redis_grace_seconds * 1000, p.packet_id, len(meta)]
-    for k, v in meta.items():
-        args += [k, v]
-    args.append(len(shares))
-    args += [keys.share_entry(seq, amount) for seq, amount in shares]
-    args.append(len(grabs))
-    for user, seq, amount, ms in grabs:
-        args += [user, keys.grab_record(seq, amount, ms)]
-    keys_ = [*keys.packet_keys(p.group_id, p.packet_id), keys.outbox_for(p.group_id)]
-    left, known, dropped = await core.scripts.load_packet(keys=keys_, args=args)
-    return int(left), int(known), [dropped_credit(p, entry) for entry in dropped]
+    call = LoadPacketCall(
+        group_id=p.group_id,
+        packet_id=p.packet_id,
+        expire_at_ms=p.expires_ms + core.settings.redis_grace_seconds * 1000,
+        meta=dict(meta),
+        shares=shares,
+        grabs=grabs,
+    )
+    loaded = await run_alone(core.scripts, call)
+    return loaded.shares_left, loaded.grabs_known, [dropped_credit(p, d) for d in loaded.dropped]
 
 
-def dropped_credit(p: Packet, entry: bytes | str) -> Credit:
+def dropped_credit(p: Packet, d: DroppedEntry) -> Credit:
     """The credit of a grab a repair dropped (a ``keys.packet_dropped`` entry)."""
-    user, seq, amount, ms = keys.parse_dropped(entry)
-    return Credit(p.packet_id, user, seq, amount, ms, p.group_id)
+    r = d.record
+    return Credit(p.packet_id, d.user_id, r.seq, r.amount, r.grabbed_ms, p.group_id)
 
 
 @dataclass(frozen=True)
@@ -287,13 +301,13 @@ class Recovered:
     grabs_known: int
 
 
-async def load_packet(core: Core, packet_id: int) -> Packet | None:
+async def load_packet(core: Core, packet_id: PacketId) -> Packet | None:
     """A packet as the database has it, or None."""
     row = await core.db.fetchone(f"SELECT {PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
     return None if row is None else packet_from_row(row)
 
 
-async def recover_packet(core: Core, packet_id: int) -> Recovered:
+async def recover_packet(core: Core, packet_id: PacketId) -> Recovered:
     """Rebuild a packet's Redis state from the database: shares not yet taken, grabs already made.
 
     Safe while grabs continue and safe to repeat: the script runs alone, keeps every grab Redis already
@@ -313,14 +327,13 @@ async def recover_packet(core: Core, packet_id: int) -> Recovered:
         if p.status == "refunded":
             raise Conflict(errors.PACKET_EXPIRED, f"packet {packet_id} was refunded")
         generation = core.repairs.generation
-        shares = await tx.fetchall(
+        rows = await tx.fetchall(
             "SELECT seq, amount FROM red_packet_shares WHERE packet_id = %s ORDER BY seq", (packet_id,)
         )
+        shares = [ShareEntry(ShareSeq(int(x[0])), int(x[1])) for x in rows]
         taken = await _taken(core, tx, p)
-        finished = max(g[3] for g in taken) if len(taken) == p.count else None
-        left, n, dropped = await _bounded(
-            _load(core, p, [(int(x[0]), int(x[1])) for x in shares], taken, finished)
-        )
+        finished = max(g.grabbed_ms for g in taken.values()) if len(taken) == p.count else None
+        left, n, dropped = await _bounded(_load(core, p, shares, taken, finished))
         core.repairs.mark(packet_id, generation)
         return p, left, n, dropped
 
@@ -361,7 +374,7 @@ async def _bounded(aw: Awaitable[T]) -> T:
         raise Unavailable(errors.REDIS_UNAVAILABLE, "Redis did not answer the repair in time") from None
 
 
-async def _locked(tx: Tx, packet_id: int) -> Packet:
+async def _locked(tx: Tx, packet_id: PacketId) -> Packet:
     """The packet's row, locked until ``tx`` ends: every credit of it takes this lock first."""
     row = await tx.fetchone(
         f"SELECT {PACKET_COLUMNS} FROM red_packets WHERE id = %s" + tx.dialect.for_update, (packet_id,)
@@ -371,35 +384,37 @@ async def _locked(tx: Tx, packet_id: int) -> Packet:
     return packet_from_row(row)
 
 
-async def _taken(core: Core, tx: Tx, p: Packet) -> list[tuple[int, int, int, int]]:
-    """The grabs a repair must keep, as (user, seq, amount, grabbed_ms): the database's, and — when the
+async def _taken(core: Core, tx: Tx, p: Packet) -> dict[UserId, GrabRecord]:
+    """The grabs a repair must keep, by grabber: the database's, and — when the
     packet's keys are gone — those whose credit still waits in the outbox. The outbox is read first: a
     credit acknowledged since was committed before, so the database read after it has it."""
     # A meta hash that names its group is the packet's keys being there (a close alone makes one without).
-    present = await _bounded(
-        cast(Awaitable[bool], core.redis.hexists(keys.packet_meta(p.group_id, p.packet_id), "group"))
-    )
+    meta = keys.packet_meta(group_id=p.group_id, packet_id=p.packet_id)
+    present = await _bounded(cast(Awaitable[bool], core.redis.hexists(meta, "group")))
     queued = [] if present else await _bounded(_queued(core, p))
     rows = await tx.fetchall(
         "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (p.packet_id,)
     )
-    known = [(int(g[0]), int(g[1]), int(g[2]), int(g[3])) for g in rows]
-    users, seqs = {g[0] for g in known}, {g[1] for g in known}
-    return known + [g for g in queued if g[0] not in users and g[1] not in seqs]
+    known = {UserId(int(g[0])): GrabRecord(ShareSeq(int(g[1])), int(g[2]), int(g[3])) for g in rows}
+    seqs = {g.seq for g in known.values()}
+    for c in queued:
+        if c.user_id not in known and c.seq not in seqs:
+            known[c.user_id] = c.record
+    return known
 
 
-async def _queued(core: Core, p: Packet) -> list[tuple[int, int, int, int]]:
-    """Grabs of this packet whose credit waits in the shard's outbox (or is being paid), as (user, seq,
-    amount, grabbed_ms), one per share: told to their grabber, perhaps not yet in the database.
+async def _queued(core: Core, p: Packet) -> list[CreditEntry]:
+    """Credits of this packet waiting in the shard's outbox (or being paid), one per share: told to their
+    grabber, perhaps not yet in the database.
 
     When only the packet's keys were lost (not the whole Redis), these keep their share instead of it
     being handed out a second time. A read of the outbox: recovery is rare and the outbox short.
     """
     prefix = f"{p.packet_id}:".encode()
-    found: dict[int, tuple[int, int, int, int]] = {}
+    found: dict[ShareSeq, CreditEntry] = {}
     for _, fields in await core.redis.xrange(keys.outbox_for(p.group_id)):
         entry = fields.get(b"c", b"")
         if entry.startswith(prefix):
-            _, user, seq, amount, ms, _ = keys.parse_credit_entry(entry)
-            found.setdefault(seq, (user, seq, amount, ms))
+            c = CreditEntry.parse(entry)
+            found.setdefault(c.seq, c)
     return list(found.values())

@@ -29,9 +29,12 @@ from dataclasses import dataclass, field, replace
 from redis.exceptions import RedisError
 
 from server.core import Core
+from server.ids import GroupId, PacketId
 from server.money.ledger import now_ms
 from server.store import keys
-from server.store.db import Database
+from server.store.db import Database, Row
+from server.store.dialect import Dialect
+from server.store.records import GrabRecord
 
 # A grab not paid, or an expired packet not settled, this long after is a difference: credits land in
 # seconds and the refund job runs every minute (a worker that stays away longer is worth an alert).
@@ -239,79 +242,108 @@ async def _redis_grabs(core: Core, packets: dict[int, int]) -> dict[int, list[Gr
         chunk = items[i : i + 500]
         async with core.redis.pipeline(transaction=False) as pipe:
             for pid, gid in chunk:
-                pipe.hgetall(keys.packet_grabs(gid, pid))
+                pipe.hgetall(keys.packet_grabs(group_id=GroupId(gid), packet_id=PacketId(pid)))
             answers = await pipe.execute()
         for (pid, _), held in zip(chunk, answers, strict=True):
             rows = []
             for user, record in held.items():
-                seq, amount, ms = keys.parse_grab_record(record)
-                rows.append(GrabRow(pid, int(user), seq, amount, ms))
+                r = GrabRecord.parse(record)
+                rows.append(GrabRow(pid, int(user), r.seq, r.amount, r.grabbed_ms))
             if rows:
                 out[pid] = rows
     return out
 
 
-async def _gather_db(db: Database, now: int) -> tuple[Books, dict[int, int]]:
-    """The database's figures, and the packets (id → group) whose grabs are compared with Redis's."""
-    d = db.dialect
-    grab_key = d.concat("'grab:'", "g.packet_id", "':'", "g.seq")  # ledger.grab_key, in SQL
-    async with db.snapshot() as tx:
-        packets = await tx.fetchall(
-            "SELECT id, status, total, share_count, expires_ms, group_id, finished_ms FROM red_packets"
-        )
-        sums = await tx.fetchall(
+def _queries(dialect: Dialect, now: int) -> dict[str, tuple[str, tuple[object, ...]]]:
+    """Every read of the database's side, by name: run in one snapshot."""
+    grab_key = dialect.concat("'grab:'", "g.packet_id", "':'", "g.seq")  # ledger.grab_key, in SQL
+    return {
+        "packets": (
+            "SELECT id, status, total, share_count, expires_ms, group_id, finished_ms FROM red_packets",
+            (),
+        ),
+        "sums": (
             "SELECT packet_id, kind, SUM(amount) FROM journal"
-            " WHERE packet_id IS NOT NULL GROUP BY packet_id, kind"
-        )
-        records = await tx.fetchall(
-            "SELECT packet_id, SUM(amount) FROM grab_records WHERE status = 'credited' GROUP BY packet_id"
-        )
-        shares = await tx.fetchall(
-            "SELECT packet_id, SUM(amount), COUNT(*) FROM red_packet_shares GROUP BY packet_id"
-        )
-        accounts = await tx.fetchall(
+            " WHERE packet_id IS NOT NULL GROUP BY packet_id, kind",
+            (),
+        ),
+        "records": (
+            "SELECT packet_id, SUM(amount) FROM grab_records WHERE status = 'credited' GROUP BY packet_id",
+            (),
+        ),
+        "shares": (
+            "SELECT packet_id, SUM(amount), COUNT(*) FROM red_packet_shares GROUP BY packet_id",
+            (),
+        ),
+        "accounts": (
             "SELECT a.user_id, a.balance, COALESCE(SUM(j.amount), 0) FROM accounts a"
-            " LEFT JOIN journal j ON j.account_id = a.user_id GROUP BY a.user_id, a.balance"
-        )
-        topups = await tx.fetchone("SELECT COALESCE(SUM(amount), 0) FROM journal WHERE kind = 'topup'")
-        wrong = await tx.fetchall(
+            " LEFT JOIN journal j ON j.account_id = a.user_id GROUP BY a.user_id, a.balance",
+            (),
+        ),
+        "topups": (
+            "SELECT COALESCE(SUM(amount), 0) FROM journal WHERE kind = 'topup'",
+            (),
+        ),
+        "wrong": (
             "SELECT j.packet_id, j.kind, j.account_id, j.amount, p.sender_id FROM journal j"
             " JOIN red_packets p ON p.id = j.packet_id"
-            " WHERE j.kind IN ('send', 'refund') AND j.account_id <> p.sender_id"
-        )
-        unmatched = await tx.fetchall(
+            " WHERE j.kind IN ('send', 'refund') AND j.account_id <> p.sender_id",
+            (),
+        ),
+        "unmatched": (
             "SELECT j.packet_id, j.account_id, j.amount FROM journal j"
             " LEFT JOIN grab_records g ON g.packet_id = j.packet_id AND g.user_id = j.account_id"
             f" AND g.amount = j.amount AND g.status = 'credited' AND j.idem_key = {grab_key}"
-            " WHERE j.kind = 'grab' AND g.id IS NULL"
-        )
-        unposted = await tx.fetchall(
+            " WHERE j.kind = 'grab' AND g.id IS NULL",
+            (),
+        ),
+        "unposted": (
             "SELECT g.packet_id, g.user_id, g.seq, g.amount FROM grab_records g"
             f" LEFT JOIN journal j ON j.idem_key = {grab_key} AND j.account_id = g.user_id"
             " AND j.amount = g.amount"
-            " WHERE g.status = 'credited' AND j.id IS NULL"
-        )
-        off_share = await tx.fetchall(
+            " WHERE g.status = 'credited' AND j.id IS NULL",
+            (),
+        ),
+        "off_share": (
             "SELECT g.packet_id, g.user_id, g.seq, g.amount, COALESCE(s.amount, 0) FROM grab_records g"
             " LEFT JOIN red_packet_shares s ON s.packet_id = g.packet_id AND s.seq = g.seq"
-            " WHERE s.amount IS NULL OR s.amount <> g.amount"
-        )
-        refused = await tx.fetchall(
+            " WHERE s.amount IS NULL OR s.amount <> g.amount",
+            (),
+        ),
+        "refused": (
             "SELECT r.packet_id, r.user_id, r.seq, r.amount, r.code, r.refused_by FROM credit_refusals r"
             " LEFT JOIN grab_records g ON g.packet_id = r.packet_id AND g.user_id = r.user_id"
             " AND g.seq = r.seq AND g.status = 'credited'"
-            " WHERE g.id IS NULL"
-        )
-        repeated = await tx.fetchall(
+            " WHERE g.id IS NULL",
+            (),
+        ),
+        "repeated": (
             "SELECT tx, COUNT(*) FROM journal WHERE kind IN ('send', 'topup', 'refund') AND tx IS NOT NULL"
-            " GROUP BY tx HAVING COUNT(*) > 1"
-        )
-        compared = await tx.fetchall(
+            " GROUP BY tx HAVING COUNT(*) > 1",
+            (),
+        ),
+        "compared": (
             "SELECT g.packet_id, g.user_id, g.seq, g.amount FROM grab_records g"
             " JOIN red_packets p ON p.id = g.packet_id"
             " WHERE p.status IN ('active', 'refunding') OR (p.status = 'finished' AND p.finished_ms >= %s)",
             (now - RECENT_MS,),
-        )
+        ),
+    }
+
+
+async def _gather_db(db: Database, now: int) -> tuple[Books, dict[int, int]]:
+    """The database's figures, and the packets (id → group) whose grabs are compared with Redis's."""
+    async with db.snapshot() as tx:
+        rows = {name: await tx.fetchall(sql, args) for name, (sql, args) in _queries(db.dialect, now).items()}
+    return _books(rows, now)
+
+
+def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]:
+    """The figures read (``_queries``) put together. Pure."""
+    packets, sums, records, shares = rows["packets"], rows["sums"], rows["records"], rows["shares"]
+    accounts, topups, wrong, unmatched = rows["accounts"], rows["topups"], rows["wrong"], rows["unmatched"]
+    unposted, off_share, refused = rows["unposted"], rows["off_share"], rows["refused"]
+    repeated, compared = rows["repeated"], rows["compared"]
     by_kind: dict[tuple[int, str], int] = {(int(r[0]), str(r[1])): int(r[2]) for r in sums}
     credited_records = {int(r[0]): int(r[1]) for r in records}
     share_sums = {int(r[0]): (int(r[1]), int(r[2])) for r in shares}
@@ -343,7 +375,7 @@ async def _gather_db(db: Database, now: int) -> tuple[Books, dict[int, int]]:
     result = Books(
         books,
         [(int(u), int(b), int(j)) for u, b, j in accounts],
-        int(topups[0]) if topups else 0,
+        int(topups[0][0]) if topups else 0,
         wrong_account=[Posting(int(p), str(k), int(a), int(m), int(s)) for p, k, a, m, s in wrong],
         grab_postings_unmatched=[GrabRow(int(p), int(a), 0, int(m)) for p, a, m in unmatched],
         records_unposted=[GrabRow(int(p), int(u), int(s), int(m)) for p, u, s, m in unposted],

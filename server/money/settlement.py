@@ -20,8 +20,8 @@ from redis.exceptions import RedisError
 from server import errors
 from server.core import Core, unavailable
 from server.errors import RedPacketError, Unavailable
+from server.ids import PacketId
 from server.money.crediting import credit_or_record, record_refusals
-from server.money.grabs import parse_record
 from server.money.ledger import Credit, finish_paid, now_ms, post
 from server.money.packets import (
     PACKET_COLUMNS,
@@ -33,6 +33,7 @@ from server.money.packets import (
 )
 from server.store import keys
 from server.store.db import Tx
+from server.store.scriptcalls import ClosePacketCall, run
 
 log = logging.getLogger(__name__)
 
@@ -60,22 +61,21 @@ async def read_grabs(core: Core, p: Packet, close: bool) -> Seen:
     """Close the packet to grabs (``close``) or only mark it read, and read its grabs: one call in its
     slot, answered once what it read is as durable as a grab ("won" is never answered for less). Raises
     ``Unavailable`` when Redis cannot do it."""
-    meta, _, grabs, dropped = keys.packet_keys(p.group_id, p.packet_id)
-    expire_at = p.expires_ms + core.settings.redis_grace_seconds * 1000
+    call = ClosePacketCall(
+        group_id=p.group_id,
+        packet_id=p.packet_id,
+        close=close,
+        expire_at_ms=p.expires_ms + core.settings.redis_grace_seconds * 1000,
+    )
     try:
-        present, held, gone = await core.batcher.script(
-            core.scripts.close_packet,
-            [meta, grabs, dropped],
-            ["1" if close else "0", expire_at],
-            durable=True,
-        )
+        closed = await run(core.batcher, core.scripts, call)
     except RedisError as e:
         raise unavailable(e) or Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
-    out = []
-    for i in range(0, len(held), 2):
-        g = parse_record(int(held[i]), held[i + 1])
-        out.append(Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, p.group_id))
-    return Seen(out, [dropped_credit(p, entry) for entry in gone], bool(present))
+    out = [
+        Credit(p.packet_id, user, r.seq, r.amount, r.grabbed_ms, p.group_id)
+        for user, r in closed.grabs.items()
+    ]
+    return Seen(out, [dropped_credit(p, d) for d in closed.dropped], closed.present)
 
 
 async def settle(core: Core, p: Packet, seen: Seen, older_than_ms: int | None = None) -> Settled:
@@ -115,7 +115,7 @@ class Refund:
     amount: int = 0
 
 
-async def refund_packet(core: Core, packet_id: int, now: int | None = None) -> Refund:
+async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None) -> Refund:
     """Close an expired packet: pay every grab it had, give the sender back what nobody took, clean Redis.
 
     Two workers at once: the compare-and-set on the status lets one through. A worker that died after
@@ -185,7 +185,7 @@ async def refund_packet(core: Core, packet_id: int, now: int | None = None) -> R
     result = await core.db.run(pay_back, idempotent=True)
     # Settled, by this worker or another: the keys go (a grab of it is then answered from the database).
     try:
-        await core.redis.delete(*keys.packet_keys(p.group_id, packet_id))
+        await core.redis.delete(*keys.packet_keys(group_id=p.group_id, packet_id=packet_id))
     except RedisError as e:
         log.warning("packet %d settled; its Redis keys stay until they expire (%s)", packet_id, e)
     if result.outcome != "taken":
@@ -193,7 +193,7 @@ async def refund_packet(core: Core, packet_id: int, now: int | None = None) -> R
     return result
 
 
-async def _settled_before(tx: Tx, packet_id: int, status: str) -> Refund:
+async def _settled_before(tx: Tx, packet_id: PacketId, status: str) -> Refund:
     """The pay-back found the packet settled: by this very call, in a run whose COMMIT answer was lost
     (its refund row carries the call's token; only a refund finishes a ``refunding`` packet), or by
     another worker."""
@@ -208,7 +208,7 @@ async def _settled_before(tx: Tx, packet_id: int, status: str) -> Refund:
     return Refund(packet_id, "taken")
 
 
-async def due_for_refund(core: Core, now: int | None = None, limit: int = 500) -> list[int]:
+async def due_for_refund(core: Core, now: int | None = None, limit: int = 500) -> list[PacketId]:
     """Packets past their expiry not yet settled, and refunds a dead worker left half-way."""
     now = now_ms() if now is None else now
     rows = await core.db.fetchall(
@@ -217,7 +217,7 @@ async def due_for_refund(core: Core, now: int | None = None, limit: int = 500) -
         " ORDER BY status = 'refunding', expires_ms LIMIT %s",
         (now, limit),
     )
-    return [int(r[0]) for r in rows]
+    return [PacketId(int(r[0])) for r in rows]
 
 
 async def mark_finished(core: Core) -> int:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import re
 
+from server.ids import GroupId, PacketId, UserId
+
 SHARDS = 64
 NAMESPACE = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 _namespace = ""
@@ -57,82 +59,63 @@ def _root() -> str:
     return f"rp:{_namespace}:" if _namespace else "rp:"
 
 
-def shard(group_id: int) -> int:
+def shard(group_id: GroupId) -> int:
     """The shard of a group and of everything in it."""
     return group_id % SHARDS
 
 
-def _g(group_id: int) -> str:
+def _g(group_id: GroupId) -> str:
     return f"{_root()}{{s{shard(group_id)}}}:g{group_id}"
 
 
-def _p(group_id: int, packet_id: int) -> str:
+def _p(group_id: GroupId, packet_id: PacketId) -> str:
     return f"{_root()}{{s{shard(group_id)}}}:p{packet_id}"
 
 
 # -- packets --------------------------------------------------------------------------------------------
 
 
-def packet_meta(group_id: int, packet_id: int) -> str:
+def packet_meta(*, group_id: GroupId, packet_id: PacketId) -> str:
     """Hash: group, sender, kind, total, count, target, created_ms, expires_ms, finished_ms, closed."""
     return _p(group_id, packet_id) + ":meta"
 
 
-def packet_shares(group_id: int, packet_id: int) -> str:
-    """List of shares not yet taken, ``"<seq>:<amount>"``, popped from the head."""
+def packet_shares(*, group_id: GroupId, packet_id: PacketId) -> str:
+    """List of shares not yet taken (``records.ShareEntry``), popped from the head."""
     return _p(group_id, packet_id) + ":shares"
 
 
-def packet_grabs(group_id: int, packet_id: int) -> str:
-    """Hash user id → ``"<seq>:<amount>:<grabbed_ms>"`` (a ``grab_record``): who took which share, and
-    when."""
+def packet_grabs(*, group_id: GroupId, packet_id: PacketId) -> str:
+    """Hash user id → ``records.GrabRecord``: who took which share, and when."""
     return _p(group_id, packet_id) + ":grabs"
 
 
-def share_entry(seq: int, amount: int) -> str:
-    """A share as the shares list holds it: ``"<seq>:<amount>"`` (``lua/grab.lua`` pops it as is)."""
-    return f"{seq}:{amount}"
-
-
-def grab_record(seq: int, amount: int, grabbed_ms: int) -> str:
-    """A grab as the grabs hash holds it: ``"<seq>:<amount>:<grabbed_ms>"`` (``lua/grab.lua`` builds the
-    same from the share it pops)."""
-    return f"{seq}:{amount}:{grabbed_ms}"
-
-
-def parse_grab_record(record: bytes | str) -> tuple[int, int, int]:
-    """(seq, amount, grabbed_ms) of a ``grab_record``."""
-    text = record.decode() if isinstance(record, bytes) else record
-    seq, amount, ms = (int(x) for x in text.split(":"))
-    return seq, amount, ms
-
-
-def packet_dropped(group_id: int, packet_id: int) -> str:
+def packet_dropped(*, group_id: GroupId, packet_id: PacketId) -> str:
     """List of grabs a repair took out of the packet because the database holds their share (or their
-    user) otherwise, ``"<user>:<seq>:<amount>:<grabbed_ms>"``: evidence kept beside the packet until the
+    user) otherwise (``records.DroppedEntry``): evidence kept beside the packet until the
     ledger has it (``credit_refusals``), whatever happens to the repair's own transaction."""
     return _p(group_id, packet_id) + ":dropped"
 
 
-def packet_keys(group_id: int, packet_id: int) -> list[str]:
+def packet_keys(*, group_id: GroupId, packet_id: PacketId) -> list[str]:
     """The keys of one packet, in the order every packet script takes them."""
     return [
-        packet_meta(group_id, packet_id),
-        packet_shares(group_id, packet_id),
-        packet_grabs(group_id, packet_id),
-        packet_dropped(group_id, packet_id),
+        packet_meta(group_id=group_id, packet_id=packet_id),
+        packet_shares(group_id=group_id, packet_id=packet_id),
+        packet_grabs(group_id=group_id, packet_id=packet_id),
+        packet_dropped(group_id=group_id, packet_id=packet_id),
     ]
 
 
 # -- groups ---------------------------------------------------------------------------------------------
 
 
-def group_members(group_id: int) -> str:
+def group_members(group_id: GroupId) -> str:
     """Set of member user ids, a cache of the database; holds ``LOADED`` once it is complete."""
     return _g(group_id) + ":members"
 
 
-def group_members_version(group_id: int) -> str:
+def group_members_version(group_id: GroupId) -> str:
     """Counter bumped on every membership change; a cache reload that raced a change is discarded."""
     return _g(group_id) + ":mver"
 
@@ -141,43 +124,43 @@ def group_members_version(group_id: int) -> str:
 LOADED = b"*"
 
 
-def group_events(group_id: int) -> str:
+def group_events(group_id: GroupId) -> str:
     """Stream of the group's recent events, capped; an event's offset is its stream id."""
     return _g(group_id) + ":events"
 
 
-def group_channel(group_id: int) -> str:
+def group_channel(group_id: GroupId) -> str:
     """Sharded pub/sub channel where each of the group's events is published once, as
     ``<offset>\\n<payload>`` (``SPUBLISH``, from the script that appends it to the stream)."""
     return _g(group_id) + ":ch"
 
 
-def channel_group(channel: bytes | str) -> int | None:
+def channel_group(channel: bytes | str) -> GroupId | None:
     """The group id of a ``group_channel`` name, or None for any other channel."""
     text = channel.decode() if isinstance(channel, bytes) else channel
     head, _, rest = text.rpartition(":g")
     if head.startswith(_root() + "{s") and rest.endswith(":ch") and rest[:-3].isdigit():
-        return int(rest[:-3])
+        return GroupId(int(rest[:-3]))
     return None
 
 
-def group_once(group_id: int, event: str) -> str:
+def group_once(group_id: GroupId, event: str) -> str:
     """Present once an event that must be published at most once (a packet's announcement, its result,
     a retried grab announcement) has been: holds its offset. ``event`` names it, e.g. ``packet:17``."""
     return _g(group_id) + f":once:{event}"
 
 
-def presence_online(group_id: int) -> str:
+def presence_online(group_id: GroupId) -> str:
     """Sorted set user id → when their presence lapses (unix ms) unless a hub refreshes it."""
     return _g(group_id) + ":online"
 
 
-def presence_hubs(group_id: int, user_id: int) -> str:
+def presence_hubs(*, group_id: GroupId, user_id: UserId) -> str:
     """Hash hub id → lapse time: which hubs hold a connection of this user in this group."""
     return _g(group_id) + f":on:{user_id}"
 
 
-def grab_bucket(group_id: int, user_id: int) -> str:
+def grab_bucket(*, group_id: GroupId, user_id: UserId) -> str:
     """Rate limit of one user's grab attempts in one group, every hub's: when the next is due (GCRA)."""
     return _g(group_id) + f":u{user_id}:rate"
 
@@ -191,40 +174,22 @@ def shard_gate(n: int) -> str:
     return f"{_root()}{{s{n}}}:gate"
 
 
-def gate_for(group_id: int) -> str:
+def gate_for(group_id: GroupId) -> str:
     return shard_gate(shard(group_id))
 
 
 def credit_outbox(n: int) -> str:
     """Stream of the credits of the shard's grabs, written by the grab script next to the share, read by
-    the workers' consumer group ``CREDIT_GROUP``, deleted once paid. Field ``c``: a ``credit_entry``."""
+    the workers' consumer group ``CREDIT_GROUP``, deleted once paid. Field ``c``: a
+    ``records.CreditEntry``."""
     return f"{_root()}{{s{n}}}:credits"
 
 
-def outbox_for(group_id: int) -> str:
+def outbox_for(group_id: GroupId) -> str:
     return credit_outbox(shard(group_id))
 
 
 CREDIT_GROUP = "pay"
-
-
-def credit_entry(packet_id: int, user_id: int, seq: int, amount: int, grabbed_ms: int, group_id: int) -> str:
-    """``"<packet>:<user>:<seq>:<amount>:<grabbed_ms>:<group>"`` (``lua/grab.lua`` builds the same)."""
-    return f"{packet_id}:{user_id}:{seq}:{amount}:{grabbed_ms}:{group_id}"
-
-
-def parse_credit_entry(entry: bytes | str) -> tuple[int, int, int, int, int, int]:
-    """(packet, user, seq, amount, grabbed_ms, group) of a ``credit_entry``."""
-    text = entry.decode() if isinstance(entry, bytes) else entry
-    packet, user, seq, amount, ms, group = (int(x) for x in text.split(":"))
-    return packet, user, seq, amount, ms, group
-
-
-def parse_dropped(entry: bytes | str) -> tuple[int, int, int, int]:
-    """(user, seq, amount, grabbed_ms) of a ``packet_dropped`` entry."""
-    text = entry.decode() if isinstance(entry, bytes) else entry
-    user, seq, amount, ms = (int(x) for x in text.split(":"))
-    return user, seq, amount, ms
 
 
 # -- control, and keys that stand alone -----------------------------------------------------------------

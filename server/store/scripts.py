@@ -42,5 +42,11 @@ class Scripts:
         for name, script in self._scripts.items():
             setattr(self, name, script)
 
+    def get(self, name: str) -> AsyncScript:
+        """The script of ``lua/<name>.lua`` (``server.store.scriptcalls`` names it by its call). Read from
+        the attribute, so that a test that replaces one (a Redis failing mid-call) replaces it for all."""
+        script: AsyncScript = getattr(self, name)
+        return script
+
     def sha(self, name: str) -> str:
         return str(self._scripts[name].sha)

@@ -24,7 +24,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.typing import Subprotocol
 
 from server.errors import RedPacketError
-from server.hub.protocol import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, TOKEN_SUBPROTOCOL, Format, offset_key
+from server.hub.protocol import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, TOKEN_SUBPROTOCOL, Format
+from server.live.events import offset_key
 
 
 class HubError(RedPacketError):

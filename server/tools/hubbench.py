@@ -29,9 +29,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
 from server.core import open_core
-from server.hub import announce, events
 from server.hub.protocol import SUBPROTOCOL_MSGPACK
 from server.hub.tokens import make_token
+from server.live import announce, events
 from server.money import groups, ledger, packets
 from server.settings import Settings, child_env
 from server.store.redisnodes import RedisNodes

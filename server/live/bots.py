@@ -13,7 +13,7 @@ from typing import cast
 import msgpack
 
 from server.core import Core
-from server.hub.botscore import WINDOW_MS, Attempt, Decision, Rules, score
+from server.live.botscore import WINDOW_MS, Attempt, Decision, Rules, score
 from server.money.ledger import now_ms
 from server.store import keys
 

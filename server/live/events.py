@@ -13,9 +13,16 @@ import msgpack
 from redis.exceptions import ResponseError
 
 from server.core import Core
-from server.hub.protocol import offset_key
-from server.money.packets import call_script
+from server.ids import GroupId
 from server.store import keys
+from server.store.scriptcalls import Once, PublishEventCall, ReadEventsCall, run
+
+
+def offset_key(offset: str | bytes) -> tuple[int, int]:
+    """Offsets are Redis stream ids ``<ms>-<seq>``; this orders them."""
+    text = offset.decode() if isinstance(offset, bytes) else offset
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def pack(kind: str, data: dict[str, Any]) -> bytes:
@@ -27,31 +34,23 @@ def unpack(payload: bytes) -> tuple[str, dict[str, Any]]:
     return str(body["event"]), dict(body["data"])
 
 
-@dataclass(frozen=True)
-class Once:
-    """Publish an event at most once: ``name`` identifies it within its group (``packet:17``); a second
-    publish within ``ttl_seconds`` returns the first one's offset and publishes nothing."""
-
-    name: str
-    ttl_seconds: int
-
-
 async def publish(
-    core: Core, group_id: int, kind: str, data: dict[str, Any], once: Once | None = None
+    core: Core, group_id: GroupId, kind: str, data: dict[str, Any], once: Once | None = None
 ) -> str:
     """Publish one event to a group; returns its offset. With ``once``, safe to retry after a failure
     whose outcome is unknown (a lost reply): it is published once."""
     s = core.settings
-    keys_ = [keys.group_events(group_id)]
-    args: list[Any] = [keys.group_channel(group_id), s.stream_maxlen, pack(kind, data), s.stream_ttl_seconds]
-    if once is not None:
-        keys_.append(keys.group_once(group_id, once.name))
-        args.append(once.ttl_seconds)
-    offset = await call_script(core, core.scripts.publish_event, keys_, args)
-    return _text(offset)
+    call = PublishEventCall(
+        group_id=group_id,
+        payload=pack(kind, data),
+        max_length=s.stream_maxlen,
+        ttl_seconds=s.stream_ttl_seconds,
+        once=once,
+    )
+    return await run(core.batcher, core.scripts, call)
 
 
-async def published(core: Core, group_id: int, name: str) -> str | None:
+async def published(core: Core, group_id: GroupId, name: str) -> str | None:
     """The offset of a once-published event, or None if it was not published (or is forgotten)."""
     key = keys.group_once(group_id, name)
     offset = await core.batcher.call(lambda pipe: pipe.get(key), key)
@@ -70,37 +69,37 @@ class Missed:
     too_old: bool
 
 
-async def since(core: Core, group_id: int, offset: str, limit: int) -> Missed:
+async def since(core: Core, group_id: GroupId, offset: str, limit: int) -> Missed:
     """Events of a group after ``offset`` (exclusive), or too_old if the stream no longer holds them all.
     One script call reads the stream's figures and the events at one moment (``lua/read_events.lua``)."""
     try:
-        got = await call_script(
-            core, core.scripts.read_events, [keys.group_events(group_id)], [offset, limit + 1]
+        stream = await run(
+            core.batcher, core.scripts, ReadEventsCall(group_id=group_id, after=offset, limit=limit + 1)
         )
     except ResponseError:
         return Missed([], too_old=True)  # not a stream (or an offset Redis cannot read): start over
-    if not got or int(got[0]) == 0:
+    if stream is None:
         return Missed([], too_old=True)
-    _, length, added, first, last, rows = got
     # Events leave the stream only by trimming at its head. If the client's offset is older than the
     # first event kept and anything was ever trimmed, some of what it missed may be gone.
     # (An emptied stream keeps only its last id: anything before it is gone.)
-    ever_trimmed = int(added) > int(length)
-    kept_from = first if int(length) else last
-    if (ever_trimmed and offset_key(offset) < offset_key(kept_from or b"0-0")) or len(rows) > limit:
+    ever_trimmed = stream.added > stream.length
+    kept_from = stream.first if stream.length else stream.last
+    rows = stream.rows
+    if (ever_trimmed and offset_key(offset) < offset_key(kept_from or "0-0")) or len(rows) > limit:
         return Missed([], too_old=True)
-    if offset_key(offset) > offset_key(last or b"0-0"):
+    if offset_key(offset) > offset_key(stream.last or "0-0"):
         # Past the newest event: an offset from before Redis lost the group's events (or from
         # elsewhere). What the client holds cannot be trusted: start over, as for a group with none.
         return Missed([], too_old=True)
     out = []
-    for rid, fields in rows:
-        kind, data = unpack(dict(zip(fields[::2], fields[1::2], strict=True))[b"e"])
-        out.append((rid.decode() if isinstance(rid, bytes) else rid, kind, data))
+    for rid, payload in rows:
+        kind, data = unpack(payload)
+        out.append((rid, kind, data))
     return Missed(out, too_old=False)
 
 
-async def latest_offset(core: Core, group_id: int) -> str:
+async def latest_offset(core: Core, group_id: GroupId) -> str:
     """The offset of the group's newest event ("0-0" when it has none): where a fresh client starts."""
     stream = keys.group_events(group_id)
     rows = await core.batcher.call(lambda pipe: pipe.xrevrange(stream, count=1), stream)

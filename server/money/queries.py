@@ -1,0 +1,83 @@
+"""Reads of the packet tables the hub and the workers make beyond sending, grabbing and settling: a
+packet's status and where each of its grabs stands in the ledger, a user's packets sent and received, the
+open packets of a group, and the packets whose ``packet`` event is still to be published (with the mark
+that it was)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.ids import GroupId, PacketId, UserId
+from server.money.ledger import now_ms
+from server.store.db import Database, Tx
+
+# Rows per list: a person's recent history, not an export.
+HISTORY_ROWS = 100
+_SENT = "packet_id group_id kind total count greeting status created_ms paid_out".split()
+_RECEIVED = "packet_id group_id amount status grabbed_ms sender_id sender_name kind greeting".split()
+
+
+async def packet_status(db: Database, packet_id: PacketId) -> tuple[GroupId, str] | None:
+    """(its group, its status: active, refunding, finished, refunded), or None for no such packet."""
+    row = await db.fetchone("SELECT group_id, status FROM red_packets WHERE id = %s", (packet_id,))
+    return None if row is None else (GroupId(int(row[0])), str(row[1]))
+
+
+async def grab_states(db: Database, packet_id: PacketId) -> dict[UserId, str]:
+    """Each grabber's ledger state of their share (``crediting``, ``credited``); absent: not in the
+    ledger yet (Redis holds it, the workers credit it)."""
+    rows = await db.fetchall("SELECT user_id, status FROM grab_records WHERE packet_id = %s", (packet_id,))
+    return {UserId(int(r[0])): str(r[1]) for r in rows}
+
+
+async def sent_and_received(db: Database, user_id: UserId) -> dict[str, list[dict[str, Any]]]:
+    """The user's newest packets sent (with what has been paid out of each) and shares received."""
+    sent = await db.fetchall(
+        "SELECT p.id, p.group_id, p.kind, p.total, p.share_count, p.greeting, p.status, p.created_ms,"
+        " (SELECT COUNT(*) FROM grab_records g WHERE g.packet_id = p.id)"
+        " FROM red_packets p WHERE p.sender_id = %s ORDER BY p.id DESC LIMIT %s",
+        (user_id, HISTORY_ROWS),
+    )
+    got = await db.fetchall(
+        "SELECT g.packet_id, p.group_id, g.amount, g.status, g.grabbed_ms, p.sender_id, u.name, p.kind,"
+        " p.greeting FROM grab_records g JOIN red_packets p ON p.id = g.packet_id"
+        " JOIN users u ON u.id = p.sender_id"
+        " WHERE g.user_id = %s ORDER BY g.grabbed_ms DESC LIMIT %s",
+        (user_id, HISTORY_ROWS),
+    )
+    return {
+        "sent": [dict(zip(_SENT, r, strict=True)) for r in sent],
+        "received": [dict(zip(_RECEIVED, r, strict=True)) for r in got],
+    }
+
+
+async def mark_announced(db: Database, packet_id: PacketId) -> None:
+    """Record that the packet's ``packet`` event was published (``server.live.announce``)."""
+
+    async def mark(tx: Tx) -> int:
+        return await tx.execute(
+            "UPDATE red_packets SET announced_ms = %s WHERE id = %s AND announced_ms IS NULL",
+            (now_ms(), packet_id),
+        )
+
+    await db.run(mark, idempotent=True)
+
+
+async def unannounced(db: Database, now: int, *, created_before: int, limit: int) -> list[PacketId]:
+    """Live packets saved before ``created_before`` whose event was never published, oldest first."""
+    rows = await db.fetchall(
+        "SELECT id FROM red_packets WHERE announced_ms IS NULL AND created_ms <= %s"
+        " AND status = 'active' AND expires_ms > %s ORDER BY id LIMIT %s",
+        (created_before, now, limit),
+    )
+    return [PacketId(int(r[0])) for r in rows]
+
+
+async def open_in_group(db: Database, group_id: GroupId, now: int, limit: int = 20) -> list[PacketId]:
+    """The group's newest packets that are active and not expired, newest first."""
+    rows = await db.fetchall(
+        "SELECT id FROM red_packets WHERE group_id = %s AND status = 'active' AND expires_ms > %s"
+        " ORDER BY id DESC LIMIT %s",
+        (group_id, now, limit),
+    )
+    return [PacketId(int(r[0])) for r in rows]

@@ -1,0 +1,105 @@
+"""The values Redis holds about shares and grabs, each format written here once.
+
+A share in a packet's list is ``"<seq>:<amount>"``; a grab in its grabs hash is the share it popped and
+when, ``"<seq>:<amount>:<grabbed_ms>"``; a credit in the shard's outbox names the packet, the grabber and
+the group around that, ``"<packet>:<user>:<seq>:<amount>:<grabbed_ms>:<group>"``; a grab a repair took
+out is kept as ``"<user>:<seq>:<amount>:<grabbed_ms>"``. Each is built from the one before, so the
+formats cannot drift apart here.
+
+The Lua scripts build and read the same strings (``lua/grab.lua`` writes the grab and its credit,
+``lua/load_packet.lua`` the dropped grabs, ``lua/ack_credits.lua`` a grab from a paid credit): the tests
+in ``tests/unit/test_records.py`` and ``tests/test_credit.py`` parse what the real scripts wrote with the
+classes below and encode it back to the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.ids import GroupId, PacketId, ShareSeq, UserId
+
+# A credit's group when only the ledger will read it.
+NO_GROUP = GroupId(0)
+
+
+def _fields(raw: bytes | str, n: int, what: str) -> list[int]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    parts = text.split(":")
+    if len(parts) != n or not all(p.isdigit() for p in parts):
+        raise ValueError(f"not a {what}: {text!r}")
+    return [int(p) for p in parts]
+
+
+@dataclass(frozen=True)
+class ShareEntry:
+    """A share not yet taken, as its packet's list holds it."""
+
+    seq: ShareSeq
+    amount: int
+
+    def encode(self) -> str:
+        return f"{self.seq}:{self.amount}"
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> ShareEntry:
+        seq, amount = _fields(raw, 2, "share entry")
+        return cls(ShareSeq(seq), amount)
+
+
+@dataclass(frozen=True)
+class GrabRecord:
+    """Who took which share, as the packet's grabs hash holds it (the user is the hash's field)."""
+
+    seq: ShareSeq
+    amount: int
+    grabbed_ms: int
+
+    def encode(self) -> str:
+        return f"{ShareEntry(self.seq, self.amount).encode()}:{self.grabbed_ms}"
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> GrabRecord:
+        seq, amount, ms = _fields(raw, 3, "grab record")
+        return cls(ShareSeq(seq), amount, ms)
+
+
+@dataclass(frozen=True)
+class CreditEntry:
+    """A credit waiting in the shard's outbox (field ``c`` of a stream entry)."""
+
+    packet_id: PacketId
+    user_id: UserId
+    seq: ShareSeq
+    amount: int
+    grabbed_ms: int
+    # Where the packet's Redis keys are (``server.store.keys``); the ledger needs none (a credit built for
+    # the database alone may leave it 0).
+    group_id: GroupId = NO_GROUP
+
+    @property
+    def record(self) -> GrabRecord:
+        return GrabRecord(self.seq, self.amount, self.grabbed_ms)
+
+    def encode(self) -> str:
+        return f"{self.packet_id}:{self.user_id}:{self.record.encode()}:{self.group_id}"
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> CreditEntry:
+        packet, user, seq, amount, ms, group = _fields(raw, 6, "credit entry")
+        return cls(PacketId(packet), UserId(user), ShareSeq(seq), amount, ms, GroupId(group))
+
+
+@dataclass(frozen=True)
+class DroppedEntry:
+    """A grab a repair took out of its packet (the database holds its share, or its user, otherwise)."""
+
+    user_id: UserId
+    record: GrabRecord
+
+    def encode(self) -> str:
+        return f"{self.user_id}:{self.record.encode()}"
+
+    @classmethod
+    def parse(cls, raw: bytes | str) -> DroppedEntry:
+        user, seq, amount, ms = _fields(raw, 4, "dropped grab")
+        return cls(UserId(user), GrabRecord(ShareSeq(seq), amount, ms))

@@ -1,0 +1,392 @@
+"""One typed call per Lua script: its KEYS and ARGV built by name, its reply parsed into a typed result.
+
+A script's inputs are positional (``KEYS[3]``, ``ARGV[8]``) and its reply a Lua table; here each script
+has one dataclass whose fields name what it takes, whose ``keys()`` and ``argv()`` put them in the order
+the script's header names them (each script opens by naming its KEYS and ARGV as locals), and whose
+``parse`` turns the reply into a dataclass. Nothing else builds a script's arguments or reads its reply
+by position. ``run`` sends a call in the batcher's next pipeline; ``run_alone`` sends it by itself (a
+repair, a cache fill).
+
+The flags a script takes are ``"1"``/``"0"`` on the wire (Lua compares strings) and ``bool`` here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Literal, TypeVar, get_args
+
+from server.ids import GroupId, PacketId, UserId
+from server.store import keys
+from server.store.batch import Batcher
+from server.store.records import CreditEntry, DroppedEntry, GrabRecord, ShareEntry
+from server.store.scripts import Scripts
+
+R = TypeVar("R")
+# What redis-py sends as one argument.
+Arg = str | int | float | bytes
+
+
+def _flag(on: bool) -> str:
+    return "1" if on else "0"
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class Call(ABC, Generic[R]):
+    """One call of ``lua/<SCRIPT>.lua``."""
+
+    SCRIPT: ClassVar[str]
+
+    @abstractmethod
+    def keys(self) -> list[str]: ...
+
+    @abstractmethod
+    def argv(self) -> list[Arg]: ...
+
+    @abstractmethod
+    def parse(self, reply: Any) -> R: ...
+
+    def durable(self, reply: Any) -> bool:
+        """Whether this reply is answered only once the call is durable (``server.store.batch``)."""
+        return False
+
+
+async def run(batcher: Batcher, scripts: Scripts, call: Call[R]) -> R:
+    """The call in the batcher's next pipeline to its slot's master; its parsed reply."""
+    reply = await batcher.script(scripts.get(call.SCRIPT), call.keys(), call.argv(), durable=call.durable)
+    return call.parse(reply)
+
+
+async def run_alone(scripts: Scripts, call: Call[R]) -> R:
+    """The call on its own round trip (EVALSHA through the client, reloaded after a ``SCRIPT FLUSH``)."""
+    reply = await scripts.get(call.SCRIPT)(keys=call.keys(), args=call.argv())
+    return call.parse(reply)
+
+
+# -- grab.lua --------------------------------------------------------------------------------------------
+
+GrabStatus = Literal[
+    "won",
+    "already",
+    "members",
+    "not_member",
+    "blocked",
+    "limited",
+    "empty",
+    "expired",
+    "not_target",
+    "unknown",
+]
+_STATUSES: dict[str, GrabStatus] = {s: s for s in get_args(GrabStatus)}
+
+
+@dataclass(frozen=True)
+class GrabRate:
+    """The hub's gate on a grab: the block list and a rate limit of ``per_second`` with ``burst``."""
+
+    per_second: float
+    burst: int
+
+
+@dataclass(frozen=True)
+class GrabReply:
+    status: GrabStatus
+    record: GrabRecord | None = None  # won, already: the user's share
+    remaining: int | None = None  # won, already: shares left
+    wait_ms: int | None = None  # blocked: until the block ends; limited: until a grab is allowed
+
+
+@dataclass(frozen=True)
+class GrabCall(Call[GrabReply]):
+    """Take one share of a packet for a user (``lua/grab.lua``)."""
+
+    SCRIPT = "grab"
+    user_id: UserId
+    group_id: GroupId
+    packet_id: PacketId
+    check_members: bool  # False when the caller has just read the membership from the database
+    rate: GrabRate | None  # None: no block list, no rate limit
+    rewrite_repeat: bool  # a repeat grab writes its record again, for the durability wait to cover it
+
+    def keys(self) -> list[str]:
+        g, p = self.group_id, self.packet_id
+        return [
+            keys.packet_meta(group_id=g, packet_id=p),
+            keys.packet_shares(group_id=g, packet_id=p),
+            keys.packet_grabs(group_id=g, packet_id=p),
+            keys.group_members(g),
+            keys.gate_for(g),
+            keys.grab_bucket(group_id=g, user_id=self.user_id),
+            keys.outbox_for(g),
+        ]
+
+    def argv(self) -> list[Arg]:
+        rate = self.rate
+        return [
+            self.user_id,
+            self.group_id,
+            self.packet_id,
+            _flag(self.check_members),
+            "" if rate is None else rate.per_second,
+            "" if rate is None else rate.burst,
+            keys.LOADED,
+            _flag(self.rewrite_repeat),
+        ]
+
+    def parse(self, reply: Any) -> GrabReply:
+        status = _STATUSES.get(_text(reply[0]))
+        if status is None:
+            raise ValueError(f"grab.lua answered {reply[0]!r}")
+        if status in ("won", "already"):
+            return GrabReply(status, GrabRecord.parse(reply[1]), int(reply[2]))
+        if status in ("blocked", "limited"):
+            return GrabReply(status, wait_ms=int(reply[1]))
+        return GrabReply(status)
+
+    def durable(self, reply: Any) -> bool:
+        # An answer that says a share is this user's waits for durability; a refusal does not.
+        return bool(reply) and reply[0] in (b"won", b"already")
+
+
+# -- load_packet.lua -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Loaded:
+    shares_left: int
+    grabs_known: int
+    dropped: list[DroppedEntry]  # every grab a repair of this packet ever took out
+
+
+@dataclass(frozen=True)
+class LoadPacketCall(Call[Loaded]):
+    """Bring a packet's state into Redis from the database (``lua/load_packet.lua``)."""
+
+    SCRIPT = "load_packet"
+    group_id: GroupId
+    packet_id: PacketId
+    expire_at_ms: int
+    meta: dict[str, Arg]
+    shares: list[ShareEntry]  # every share of the packet, in hand-out order
+    grabs: dict[UserId, GrabRecord]  # the grabs the database holds
+
+    def keys(self) -> list[str]:
+        return [
+            *keys.packet_keys(group_id=self.group_id, packet_id=self.packet_id),
+            keys.outbox_for(self.group_id),
+        ]
+
+    def argv(self) -> list[Arg]:
+        args: list[Arg] = [self.expire_at_ms, self.packet_id, len(self.meta)]
+        for k, v in self.meta.items():
+            args += [k, v]
+        args.append(len(self.shares))
+        args += [s.encode() for s in self.shares]
+        args.append(len(self.grabs))
+        for user, record in self.grabs.items():
+            args += [user, record.encode()]
+        return args
+
+    def parse(self, reply: Any) -> Loaded:
+        left, known, dropped = reply
+        return Loaded(int(left), int(known), [DroppedEntry.parse(e) for e in dropped])
+
+
+# -- close_packet.lua ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Closed:
+    present: bool  # the packet's keys were in Redis: if not, its grabs may be only in the outbox
+    grabs: dict[UserId, GrabRecord]
+    dropped: list[DroppedEntry]
+
+
+@dataclass(frozen=True)
+class ClosePacketCall(Call[Closed]):
+    """Close a packet to grabs (or only mark it read) and read its grabs (``lua/close_packet.lua``)."""
+
+    SCRIPT = "close_packet"
+    group_id: GroupId
+    packet_id: PacketId
+    close: bool
+    expire_at_ms: int  # of a meta hash the close itself makes
+
+    def keys(self) -> list[str]:
+        meta, _, grabs, dropped = keys.packet_keys(group_id=self.group_id, packet_id=self.packet_id)
+        return [meta, grabs, dropped]
+
+    def argv(self) -> list[Arg]:
+        return [_flag(self.close), self.expire_at_ms]
+
+    def parse(self, reply: Any) -> Closed:
+        present, held, gone = reply
+        grabs = {UserId(int(held[i])): GrabRecord.parse(held[i + 1]) for i in range(0, len(held), 2)}
+        return Closed(bool(present), grabs, [DroppedEntry.parse(e) for e in gone])
+
+    def durable(self, reply: Any) -> bool:
+        return True  # "won" is never answered for less: what the refund reads is as durable as a grab
+
+
+# -- ack_credits.lua -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AckCreditsCall(Call[int]):
+    """Take paid (or refused) credits off a shard's outbox, and make Redis hold every paid share as its
+    grabber's (``lua/ack_credits.lua``)."""
+
+    SCRIPT = "ack_credits"
+    shard: int
+    entry_ids: list[bytes]
+    paid: dict[tuple[GroupId, PacketId], list[CreditEntry]]
+
+    def keys(self) -> list[str]:
+        out = [keys.credit_outbox(self.shard)]
+        for group, packet in self.paid:
+            out += keys.packet_keys(group_id=group, packet_id=packet)[:3]  # meta, shares, grabs
+        return out
+
+    def argv(self) -> list[Arg]:
+        args: list[Arg] = [keys.CREDIT_GROUP, len(self.entry_ids), *self.entry_ids]
+        for credits in self.paid.values():
+            args.append(len(credits))
+            for c in credits:
+                args += [c.user_id, ShareEntry(c.seq, c.amount).encode(), c.grabbed_ms]
+        return args
+
+    def parse(self, reply: Any) -> int:
+        return int(reply)
+
+
+# -- fill_members.lua ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FillMembersCall(Call[bool]):
+    """Fill a group's member cache, unless a membership change raced the read (``lua/fill_members.lua``)."""
+
+    SCRIPT = "fill_members"
+    group_id: GroupId
+    version: bytes  # the version counter read before the database was read (b"" if none)
+    ttl_seconds: int
+    members: frozenset[UserId]
+
+    def keys(self) -> list[str]:
+        return [keys.group_members(self.group_id), keys.group_members_version(self.group_id)]
+
+    def argv(self) -> list[Arg]:
+        return [self.version, self.ttl_seconds, keys.LOADED, *self.members]
+
+    def parse(self, reply: Any) -> bool:
+        return bool(int(reply))  # False: a membership change raced the read, and nothing was cached
+
+
+# -- publish_event.lua -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Once:
+    """Publish an event at most once: ``name`` identifies it within its group (``packet:17``); a second
+    publish within ``ttl_seconds`` returns the first one's offset and publishes nothing."""
+
+    name: str
+    ttl_seconds: int
+
+
+@dataclass(frozen=True)
+class PublishEventCall(Call[str]):
+    """Append an event to a group's stream and publish it; its offset (``lua/publish_event.lua``)."""
+
+    SCRIPT = "publish_event"
+    group_id: GroupId
+    payload: bytes
+    max_length: int
+    ttl_seconds: int
+    once: Once | None
+
+    def keys(self) -> list[str]:
+        out = [keys.group_events(self.group_id)]
+        if self.once is not None:
+            out.append(keys.group_once(self.group_id, self.once.name))
+        return out
+
+    def argv(self) -> list[Arg]:
+        args: list[Arg] = [keys.group_channel(self.group_id), self.max_length, self.payload, self.ttl_seconds]
+        if self.once is not None:
+            args.append(self.once.ttl_seconds)
+        return args
+
+    def parse(self, reply: Any) -> str:
+        return _text(reply)
+
+
+# -- read_events.lua -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A group's stream at one moment: its figures and the entries after an offset."""
+
+    length: int
+    added: int  # entries ever added
+    first: str  # "" when empty
+    last: str
+    rows: list[tuple[str, bytes]]  # (offset, payload)
+
+
+@dataclass(frozen=True)
+class ReadEventsCall(Call[Stream | None]):
+    """What a group's stream holds after an offset, or None when there is no stream
+    (``lua/read_events.lua``)."""
+
+    SCRIPT = "read_events"
+    group_id: GroupId
+    after: str
+    limit: int
+
+    def keys(self) -> list[str]:
+        return [keys.group_events(self.group_id)]
+
+    def argv(self) -> list[Arg]:
+        return [self.after, self.limit]
+
+    def parse(self, reply: Any) -> Stream | None:
+        if not reply or int(reply[0]) == 0:
+            return None
+        _, length, added, first, last, rows = reply
+        out = []
+        for rid, fields in rows:
+            out.append((_text(rid), dict(zip(fields[::2], fields[1::2], strict=True))[b"e"]))
+        return Stream(int(length), int(added), _text(first or b""), _text(last or b""), out)
+
+
+# -- presence.lua ----------------------------------------------------------------------------------------
+
+PresenceAction = Literal["join", "refresh", "leave"]
+
+
+@dataclass(frozen=True)
+class PresenceCall(Call[list[UserId]]):
+    """This hub's connections of ``users`` joined, refreshed or left a group; who came online or went
+    offline because of it (``lua/presence.lua``)."""
+
+    SCRIPT = "presence"
+    group_id: GroupId
+    hub_id: str
+    action: PresenceAction
+    lapse_ms: int
+    users: list[UserId]
+
+    def keys(self) -> list[str]:
+        g = self.group_id
+        return [keys.presence_online(g), *(keys.presence_hubs(group_id=g, user_id=u) for u in self.users)]
+
+    def argv(self) -> list[Arg]:
+        return [self.action, self.hub_id, self.lapse_ms, *self.users]
+
+    def parse(self, reply: Any) -> list[UserId]:
+        return [u for u, changed in zip(self.users, reply, strict=True) if changed]
