@@ -57,20 +57,7 @@ class Durability(StrEnum):
 
 
 # Typed as text while server/tools/bench.py casts it to the levels (the cast would be redundant otherwise).
-DURABILITY: tuple[str, ...] = tuple(Durability)
-
-
-# For callers that hold a level as text; a Durability's own properties say the same.
-def fsyncs(level: str) -> bool:
-    return Durability(level).fsyncs
-
-
-def wants_replica(level: str) -> bool:
-    return Durability(level).wants_replica
-
-
-def degrades(level: str) -> bool:
-    return Durability(level).degrades
+DURABILITY: tuple[Durability, ...] = tuple(Durability)
 
 
 def _number(name: str, raw: str, kind: type[int] | type[float]) -> int | float:

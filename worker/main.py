@@ -21,7 +21,7 @@ from arq.cron import cron
 from prometheus_client import CollectorRegistry
 
 from server.core import Core, transient
-from server.settings import degrades, wants_replica
+from server.settings import Durability
 from server.store import keys
 from server.store.batch import fsync_problem
 from server.store.queue import job_deserializer, job_serializer
@@ -175,15 +175,15 @@ async def sample(core: Core, metrics: WorkerMetrics, said: dict[str, str] | None
     return degraded
 
 
-def durability_degraded(level: str, master: MasterUsage) -> str | None:
+def durability_degraded(level: Durability, master: MasterUsage) -> str | None:
     """How this master keeps grabs less durable than ``level`` says, or None."""
     problem = fsync_problem(level, master.appendfsync)
     if problem is not None:
         return (
             f"{problem} (REDPACKET_GRAB_DURABILITY={level}: a replica promoted must fsync as its master did)"
         )
-    if wants_replica(level) and master.replicas == 0:
-        if degrades(level):
+    if level.wants_replica and master.replicas == 0:
+        if level.degrades:
             return "no replica could take its place: its grabs answered won are on its disk alone"
         return "no replica: its grabs fail until one is back"
     return None

@@ -30,6 +30,7 @@ from server.cli.parser import parser
 from server.cli.serve import demo_secret, listen, listen_metrics, on_sigterm, serve, serve_processes
 from server.cli.services import with_redis_url
 from server.cli.worker import run_worker, worker_healthy
+from server.hub.wire import UnsupportedUvicorn, check_uvicorn
 from server.settings import Settings, is_loopback
 
 # What the commands around the system need beyond it (the `tools` extra of pyproject.toml).
@@ -95,6 +96,10 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     sock = None
     _refuse(args, settings)
     if command in ("up", "serve"):
+        try:
+            check_uvicorn()  # the hub's protocol classes build on uvicorn's: only a tested one will do
+        except UnsupportedUvicorn as e:
+            raise OperatorError(str(e)) from None
         # Bound first, before anything starts: a busy port is said at once, port 0 works, and the address
         # printed is the one listening.
         sock = listen(settings)

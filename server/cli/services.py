@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisClusterException, RedisError
 
 from server.cli.errors import OperatorError
-from server.settings import Settings, fsyncs, redact
+from server.settings import Settings, redact
 from server.store.batch import durability_problem
 from server.store.db import DatabaseError
 from server.store.embedded import EmbeddedError, embedded_valkey
@@ -34,8 +34,8 @@ def with_redis_url(settings: Settings, command: str) -> Iterator[Settings]:
         return
     # The embedded Valkey makes grabs durable on its disk unless told otherwise: appendfsync always
     # (the event loop fsyncs all of one iteration's writes at once), and every grab waits for it.
-    durability = settings.grab_durability or "aof"
-    fsync = "always" if fsyncs(durability) else "everysec"
+    durability = settings.durability  # (Settings resolves the embedded default: aof)
+    fsync = "always" if durability.fsyncs else "everysec"
     try:
         with embedded_valkey(
             settings.data_dir,
@@ -44,7 +44,7 @@ def with_redis_url(settings: Settings, command: str) -> Iterator[Settings]:
             owner=command,
             fsync=fsync,
         ) as url:
-            yield settings.replace(redis_url=url, grab_durability=durability)
+            yield settings.replace(redis_url=url, grab_durability=durability.value)
     except EmbeddedError as e:
         raise OperatorError(str(e)) from None
 
@@ -75,7 +75,7 @@ async def check_services(settings: Settings, redis_too: bool = True, durability:
                 await asyncio.wait_for(_check_durability(settings, name, client), STARTUP_CHECK_SECONDS)
             except (RedisError, OSError, TimeoutError) as e:
                 raise OperatorError(f"Redis at {name} does not answer: {e or 'timed out'}") from None
-        if durability and fsyncs(settings.durability):
+        if durability and settings.durability.fsyncs:
             await _check_replicas(settings, nodes)
     finally:
         await nodes.aclose()

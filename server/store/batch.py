@@ -281,10 +281,10 @@ async def durability_problem(client: Redis, level: str, replica: bool = False) -
     return None
 
 
-def fsync_problem(level: str, appendfsync: str) -> str | None:
+def fsync_problem(level: Durability, appendfsync: str) -> str | None:
     """Why a server with this ``appendfsync`` cannot keep ``level``-durable grabs ("": not known, as when
     CONFIG is refused — WAITAOF's answer is all there is then), or None."""
-    if Durability(level).fsyncs and appendfsync not in ("always", ""):
+    if level.fsyncs and appendfsync not in ("always", ""):
         # Measured on Valkey 9.1 (an fsync recorder under the server): with everysec, WAITAOF 1 0
         # answers at once while nothing was fsynced (the bug of redis/redis#13793), so a grab
         # answered "won" could be lost by a crash after all.
