@@ -27,7 +27,9 @@ def table_codes(document: str) -> set[str]:
 
 
 def test_the_reader_finds_codes_in_the_first_column_only() -> None:
-    doc = "## Error codes\n\n| code | meaning |\n|---|---|\n| `a_b`, `c` | not `d` |\n\n## Next\n| `e` | x |\n"
+    doc = (
+        "## Error codes\n\n| code | meaning |\n|---|---|\n| `a_b`, `c` | not `d` |\n\n## Next\n| `e` | x |\n"
+    )
     assert table_codes(doc) == {"a_b", "c"}
 
 
