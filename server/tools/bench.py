@@ -25,15 +25,18 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from server.core import Core, open_core
 from server.errors import RedPacketError
+from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import grabs, groups, ledger, packets
 from server.money.membership import Membership
-from server.settings import DURABILITY, Durability, Settings
+from server.settings import DURABILITY, Settings
 from server.store import keys
 from server.store.batch import Batcher, durability_problem
+from server.store.records import CreditEntry, ShareEntry
+from server.store.scriptcalls import run
 from server.tools import plots
 from server.tools.progress import phase
 from server.tools.report import report
@@ -41,14 +44,16 @@ from server.tools.report import report
 BENCH_QUEUE = "redpacket:bench:queue"
 
 
-async def _grab_all(core: Core, packet_id: int, group_id: int, users: list[int], concurrency: int) -> float:
+async def _grab_all(
+    core: Core, *, packet_id: PacketId, group_id: GroupId, users: list[UserId], concurrency: int
+) -> float:
     outcomes: dict[str, int] = {}
 
-    async def lane(mine: list[int]) -> None:
+    async def lane(mine: list[UserId]) -> None:
         for u in mine:
             outcome: str
             try:
-                outcome = (await grabs.grab(core, packet_id, group_id, u)).outcome
+                outcome = (await grabs.grab(core, packet_id=packet_id, group_id=group_id, user_id=u)).outcome
             except RedPacketError as e:
                 outcome = f"{e.code}: {e.message}"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
@@ -61,29 +66,39 @@ async def _grab_all(core: Core, packet_id: int, group_id: int, users: list[int],
     return len(users) / elapsed
 
 
-async def _script_only(core: Core, packet_id: int, group_id: int, n: int, concurrency: int) -> float:
+async def _script_only(
+    core: Core, *, packet_id: PacketId, group_id: GroupId, n: int, concurrency: int
+) -> float:
     """The grab script alone (its credit enqueue included, no member check): what the client side costs."""
     base = 10**9 + concurrency * 10**7
 
     async def lane(lane_no: int) -> None:
         for i in range(lane_no, n, concurrency):
-            k, args = grabs.grab_call(core, packet_id, group_id, base + i, False, False)
-            res = await packets.call_script(core, core.scripts.grab, k, args)
-            if res[0] != b"won":
-                raise RuntimeError(f"bench grab answered {res[0]!r}")
+            user = UserId(base + i)
+            call = grabs.grab_call(
+                core, packet_id=packet_id, group_id=group_id, user_id=user, check_members=False, gate=False
+            )
+            reply = await run(core.batcher, core.scripts, call)
+            if reply.status != "won":
+                raise RuntimeError(f"bench grab answered {reply.status!r}")
 
     start = time.perf_counter()
     await asyncio.gather(*(lane(i) for i in range(concurrency)))
     return n / (time.perf_counter() - start)
 
 
-async def _redis_benchmark(core: Core, group_id: int, packet_id: int, pipeline: int) -> float | None:
+async def _redis_benchmark(
+    core: Core, *, group_id: GroupId, packet_id: PacketId, pipeline: int
+) -> float | None:
     """``redis-benchmark`` EVALSHA of the grab script (no member check, no gate), 50 clients, on the
     master that owns the packet (the script is loaded there first)."""
     exe = shutil.which("redis-benchmark") or shutil.which("valkey-benchmark")
     if exe is None:
         return None
-    k, args = grabs.grab_call(core, packet_id, group_id, 0, False, False)
+    call = grabs.grab_call(
+        core, packet_id=packet_id, group_id=group_id, user_id=UserId(0), check_members=False, gate=False
+    )
+    k, args = call.keys(), call.argv()
     node = core.nodes.node_client(k[0])
     await node.script_load(core.scripts.sources["grab"])
     kwargs = node.connection_pool.connection_kwargs
@@ -100,23 +115,24 @@ async def _redis_benchmark(core: Core, group_id: int, packet_id: int, pipeline: 
     return float(m[-1]) if m else None
 
 
-async def _raw_packet(core: Core, group_id: int, shares: int) -> int:
+async def _raw_packet(core: Core, group_id: GroupId, shares: int) -> PacketId:
     """A packet that lives only in Redis, big enough that redis-benchmark's grabs keep winning."""
-    packet_id = 10**15 + int(time.time())
-    meta, pile, _, _ = keys.packet_keys(group_id, packet_id)
+    packet_id = PacketId(10**15 + int(time.time()))
+    meta, pile, _, _ = keys.packet_keys(group_id=group_id, packet_id=packet_id)
     far = ledger.now_ms() + 3600_000
     fields = {"group": group_id, "expires_ms": far, "target": "", "count": shares}
     async with core.redis.pipeline(transaction=False) as pipe:
         pipe.hset(meta, mapping=fields)
         for start in range(1, shares + 1, 10_000):
-            pipe.rpush(pile, *[f"{i}:1" for i in range(start, min(start + 10_000, shares + 1))])
+            batch = range(start, min(start + 10_000, shares + 1))
+            pipe.rpush(pile, *[ShareEntry(ShareSeq(i), 1).encode() for i in batch])
         await pipe.execute()
-    for key in keys.packet_keys(group_id, packet_id):
+    for key in keys.packet_keys(group_id=group_id, packet_id=packet_id):
         await core.redis.pexpire(key, 3600_000)
     return packet_id
 
 
-async def drop_bench_credits(core: Core, packet_ids: set[int]) -> None:
+async def drop_bench_credits(core: Core, packet_ids: set[PacketId]) -> None:
     """Take the bench's credit records out of the shard outboxes (they name packets of the bench's
     throw-away database; a worker of a system sharing this Redis would refuse them)."""
     for n in range(keys.SHARDS):
@@ -124,7 +140,7 @@ async def drop_bench_credits(core: Core, packet_ids: set[int]) -> None:
         ids = [
             entry_id
             for entry_id, fields in await core.redis.xrange(outbox)
-            if keys.parse_credit_entry(fields[b"c"])[0] in packet_ids
+            if CreditEntry.parse(fields[b"c"]).packet_id in packet_ids
         ]
         for i in range(0, len(ids), 1000):
             await core.redis.xdel(outbox, *ids[i : i + 1000])
@@ -153,13 +169,15 @@ async def _durability_ready(core: Core, level: str) -> str | None:
 
 
 async def _spread_storm(
-    core: Core, admin: int, targets: list[int], users: list[int], concurrency: int, gate: bool
+    core: Core, admin: UserId, targets: list[GroupId], users: list[UserId], concurrency: int, gate: bool
 ) -> dict[str, Any]:
     """Every user grabs once, in the group ``targets[user index % len(targets)]`` (each its own packet),
     ``concurrency`` at a time: grabs/s, grab latency, and Redis CPU per grab, in all and per master."""
     per_group = [users[i :: len(targets)] for i in range(len(targets))]
     sent = [
-        await packets.send_packet(core, admin, g, "equal", len(members) * 10, len(members))
+        await packets.send_packet(
+            core, sender_id=admin, group_id=g, kind="equal", total=len(members) * 10, count=len(members)
+        )
         for g, members in zip(targets, per_group, strict=True)
     ]
     jobs = [
@@ -170,12 +188,13 @@ async def _spread_storm(
     latencies: list[float] = []
     outcomes: dict[str, int] = {}
 
-    async def lane(mine: list[tuple[int, int, int]]) -> None:
+    async def lane(mine: list[tuple[PacketId, GroupId, UserId]]) -> None:
         for packet_id, group_id, u in mine:
             t = time.perf_counter()
             outcome: str
             try:
-                outcome = (await grabs.grab(core, packet_id, group_id, u, gate=gate)).outcome
+                grabbed = await grabs.grab(core, packet_id=packet_id, group_id=group_id, user_id=u, gate=gate)
+                outcome = grabbed.outcome
             except RedPacketError as e:
                 outcome = f"{e.code}: {e.message}"
             latencies.append(time.perf_counter() - t)
@@ -192,7 +211,7 @@ async def _spread_storm(
     n = len(jobs)
     handled: dict[str, int] = dict.fromkeys(used, 0)
     for packet_id, group_id, _ in jobs:
-        client = core.nodes.node_client(keys.packet_shares(group_id, packet_id))
+        client = core.nodes.node_client(keys.packet_shares(group_id=group_id, packet_id=packet_id))
         handled[core.nodes.address(client.connection_pool.connection_kwargs)] += 1
     return {
         "grabs_per_s": round(n / elapsed),
@@ -216,13 +235,13 @@ class _Leftovers:
     """What the bench leaves in Redis, taken out at its end: its packets' keys and credit records."""
 
     keys: list[str] = dataclasses.field(default_factory=list)
-    packets: set[int] = dataclasses.field(default_factory=set)
+    packets: set[PacketId] = dataclasses.field(default_factory=set)
 
-    def add(self, groups: list[int], packet_id: int) -> None:
+    def add(self, groups: list[GroupId], packet_id: PacketId) -> None:
         self.packets.add(packet_id)
-        self.keys += [k for g in groups for k in keys.packet_keys(g, packet_id)]
+        self.keys += [k for g in groups for k in keys.packet_keys(group_id=g, packet_id=packet_id)]
 
-    async def drop(self, core: Core, groups: list[int]) -> None:
+    async def drop(self, core: Core, groups: list[GroupId]) -> None:
         for key in self.keys:
             await core.redis.unlink(key)
         await drop_bench_credits(core, self.packets)
@@ -284,7 +303,7 @@ async def run_grab_bench(
     )
 
 
-async def _grab_world(core: Core, n: int, groups_n: int) -> tuple[int, list[int], list[int]]:
+async def _grab_world(core: Core, n: int, groups_n: int) -> tuple[UserId, list[GroupId], list[UserId]]:
     """``n`` users, the first of them the admin with money enough for every mode; ``groups_n`` groups
     of them all, their member caches warm: (admin, groups, users)."""
     await fresh_ids(core)
@@ -297,12 +316,17 @@ async def _grab_world(core: Core, n: int, groups_n: int) -> tuple[int, list[int]
         spread.append(await groups.create_group(core.db, admin, f"bench{i}"))
     for g in spread:
         await groups.add_members(core.db, core.membership, g, users)
-        await core.membership.is_member(g, admin)  # warm the member cache
+        await core.membership.is_member(group_id=g, user_id=admin)  # warm the member cache
     return admin, spread, users
 
 
 async def _measure_grabs(
-    core: Core, admin: int, spread: list[int], users: list[int], left: _Leftovers, figures: dict[str, Any]
+    core: Core,
+    admin: UserId,
+    spread: list[GroupId],
+    users: list[UserId],
+    left: _Leftovers,
+    figures: dict[str, Any],
 ) -> None:
     """Every mode of the grab bench, in turn, into ``figures``."""
     n, group = len(users), spread[0]
@@ -318,27 +342,36 @@ async def _measure_grabs(
         ("core_200_concurrent_batched", core, 200),
     ]
     for name, c, concurrency in modes:
-        p = await packets.send_packet(c, admin, group, "equal", n * 10, n)
+        p = await packets.send_packet(c, sender_id=admin, group_id=group, kind="equal", total=n * 10, count=n)
         left.add([group], p.packet_id)
         with phase(f"{name}: {n:,} grabs"):
-            figures[name] = round(await _grab_all(c, p.packet_id, group, users, concurrency))
+            rate = await _grab_all(
+                c, packet_id=p.packet_id, group_id=group, users=users, concurrency=concurrency
+            )
+            figures[name] = round(rate)
     await _durability_levels(core, admin, spread, users, left, figures)
     raw = await _raw_packet(core, group, 1_200_000)
     left.add([group], raw)
-    figures["script_only_sequential"] = round(await _script_only(unbatched, raw, group, n, 1))
-    figures["script_only_200_concurrent_batched"] = round(await _script_only(core, raw, group, n, 200))
+    rate = await _script_only(unbatched, packet_id=raw, group_id=group, n=n, concurrency=1)
+    figures["script_only_sequential"] = round(rate)
+    rate = await _script_only(core, packet_id=raw, group_id=group, n=n, concurrency=200)
+    figures["script_only_200_concurrent_batched"] = round(rate)
     figures["concurrency_sweep"] = await _sweep(core, admin, group, users[: min(n, 5_000)], left)
-    figures["redis_benchmark_evalsha_c50"] = await _redis_benchmark(core, group, raw, 1)
-    figures["redis_benchmark_evalsha_c50_p16"] = await _redis_benchmark(core, group, raw, 16)
+    for pipeline, name in ((1, "redis_benchmark_evalsha_c50"), (16, "redis_benchmark_evalsha_c50_p16")):
+        figures[name] = await _redis_benchmark(core, group_id=group, packet_id=raw, pipeline=pipeline)
 
 
 async def _durability_levels(
-    core: Core, admin: int, spread: list[int], users: list[int], left: _Leftovers, figures: dict[str, Any]
+    core: Core,
+    admin: UserId,
+    spread: list[GroupId],
+    users: list[UserId],
+    left: _Leftovers,
+    figures: dict[str, Any],
 ) -> None:
     """The hub's grab (block and rate limit included) spread over the groups' shards, under each
     durability level the server allows as configured, in this run."""
-    levels = cast(tuple[Durability, ...], DURABILITY)
-    for level in levels:
+    for level in DURABILITY:
         why_not = await _durability_ready(core, level)
         if why_not is not None:
             figures[f"durability_{level}"] = f"n/a ({why_not})"
@@ -356,7 +389,7 @@ async def _durability_levels(
 
 
 async def _sweep(
-    core: Core, admin: int, group: int, users: list[int], left: _Leftovers
+    core: Core, admin: UserId, group: GroupId, users: list[UserId], left: _Leftovers
 ) -> list[dict[str, int]]:
     """Throughput against concurrency: the hub's grab (batched) beside the bare script, same client."""
     sweep: list[dict[str, int]] = []
@@ -365,10 +398,16 @@ async def _sweep(
     left.add([group], raw_sweep)
     with phase("concurrency sweep", total=len(SWEEP)) as step:
         for concurrency in SWEEP:
-            p = await packets.send_packet(core, admin, group, "equal", n * 10, n)
+            p = await packets.send_packet(
+                core, sender_id=admin, group_id=group, kind="equal", total=n * 10, count=n
+            )
             left.add([group], p.packet_id)
-            hub_rate = await _grab_all(core, p.packet_id, group, users, concurrency)
-            script_rate = await _script_only(core, raw_sweep, group, n, concurrency)
+            hub_rate = await _grab_all(
+                core, packet_id=p.packet_id, group_id=group, users=users, concurrency=concurrency
+            )
+            script_rate = await _script_only(
+                core, packet_id=raw_sweep, group_id=group, n=n, concurrency=concurrency
+            )
             sweep.append(
                 {
                     "concurrency": concurrency,

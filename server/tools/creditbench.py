@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from server.core import Core, open_core
+from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import grabs, groups, ledger, packets
 from server.money.crediting import add_to_balances, credit_many
 from server.money.ledger import Credit, credit_grab
@@ -40,24 +41,20 @@ async def _enqueue(core: Core, credits: list[Credit]) -> None:
     for i in range(0, len(credits), 1000):
         async with core.redis.pipeline(transaction=False) as pipe:
             for c in credits[i : i + 1000]:
-                entry = keys.credit_entry(c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, c.group_id)
-                pipe.hset(
-                    keys.packet_grabs(c.group_id, c.packet_id),
-                    str(c.user_id),
-                    keys.grab_record(c.seq, c.amount, c.grabbed_ms),
-                )
-                pipe.xadd(keys.outbox_for(c.group_id), {"c": entry})
+                grabs_key = keys.packet_grabs(group_id=c.group_id, packet_id=c.packet_id)
+                pipe.hset(grabs_key, str(c.user_id), c.record.encode())
+                pipe.xadd(keys.outbox_for(c.group_id), {"c": c.encode()})
             await pipe.execute()
 
 
-async def _forget(core: Core, group: int, pids: list[int]) -> None:
+async def _forget(core: Core, group: GroupId, pids: list[PacketId]) -> None:
     """The bench's Redis leftovers: its packets' keys and any credit records still in the outboxes."""
     for pid in pids:
-        await core.redis.delete(*keys.packet_keys(group, pid))
+        await core.redis.delete(*keys.packet_keys(group_id=group, packet_id=pid))
     await drop_bench_credits(core, set(pids))
 
 
-async def _reset(core: Core, users: list[int]) -> None:
+async def _reset(core: Core, users: list[UserId]) -> None:
     async with core.db.transaction() as tx:
         await tx.execute("DELETE FROM grab_records")
         await tx.execute("DELETE FROM journal WHERE kind = 'grab'")
@@ -101,7 +98,9 @@ def _bench_settings(settings: Settings, tmp: Path, queue: str) -> Settings:
     )
 
 
-async def _bench_world(core: Core, members: int, money: int) -> tuple[int, int, list[int], list[int]]:
+async def _bench_world(
+    core: Core, members: int, money: int
+) -> tuple[UserId, GroupId, list[UserId], list[PacketId]]:
     """An admin with ``money``, ``members`` others in one group, and packets of 1,000 equal 10-cent
     shares spending it: (admin, group, members, packet ids)."""
     if core.settings.database_url.startswith("sqlite"):
@@ -112,9 +111,13 @@ async def _bench_world(core: Core, members: int, money: int) -> tuple[int, int, 
     await ledger.topup(core.db, admin, money, f"bench{stamp}")
     group = await groups.create_group(core.db, admin, "bench")
     await groups.add_members(core.db, core.membership, group, others)
-    await core.membership.is_member(group, admin)  # warm the member cache
+    await core.membership.is_member(group_id=group, user_id=admin)  # warm the member cache
     pids = [
-        (await packets.send_packet(core, admin, group, "equal", 10 * 1000, 1000)).packet_id
+        (
+            await packets.send_packet(
+                core, sender_id=admin, group_id=group, kind="equal", total=10 * 1000, count=1000
+            )
+        ).packet_id
         for _ in range(money // 10_000)
     ]
     return admin, group, others, pids
@@ -130,7 +133,9 @@ async def bench_credit(
         async with open_core(s) as core:
             _, group, members, pids = await _bench_world(core, 1000, credits_n * 10)
             stamp = ledger.now_ms()
-            credits = [Credit(p, members[i], i + 1, 10, stamp, group) for p in pids for i in range(1000)]
+            credits = [
+                Credit(p, members[i], ShareSeq(i + 1), 10, stamp, group) for p in pids for i in range(1000)
+            ]
 
             await _reset(core, members)
             start = time.perf_counter()
@@ -236,7 +241,13 @@ def _start_worker(s: Settings) -> subprocess.Popen[bytes]:
 
 
 async def _grab_at(
-    core: Core, group: int, jobs: list[tuple[int, int]], *, rate: int, seconds: int, backlog: list[int]
+    core: Core,
+    group: GroupId,
+    jobs: list[tuple[PacketId, UserId]],
+    *,
+    rate: int,
+    seconds: int,
+    backlog: list[int],
 ) -> None:
     """Each (packet, user) grabs, ``rate`` a second in ticks of 10 ms; the outbox's length sampled into
     ``backlog`` once a second."""
@@ -251,7 +262,10 @@ async def _grab_at(
             delay = due - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks += [asyncio.create_task(grabs.grab(core, p, group, u)) for p, u in jobs[i : i + per_tick]]
+            tasks += [
+                asyncio.create_task(grabs.grab(core, packet_id=p, group_id=group, user_id=u))
+                for p, u in jobs[i : i + per_tick]
+            ]
             if i % rate < per_tick:
                 backlog.append(int(await core.redis.xlen(keys.outbox_for(group))))
                 grabbing.update(i)
@@ -259,7 +273,9 @@ async def _grab_at(
         grabbing.update(total)
 
 
-async def _until_credited(core: Core, group: int, pids: list[int], total: int, backlog: list[int]) -> None:
+async def _until_credited(
+    core: Core, group: GroupId, pids: list[PacketId], total: int, backlog: list[int]
+) -> None:
     """Wait (up to 300 s) for the worker to credit all ``total`` grabs; the backlog sampled each second."""
     deadline = time.perf_counter() + 300
     with phase("crediting", total=total) as crediting:
@@ -278,7 +294,7 @@ async def _until_credited(core: Core, group: int, pids: list[int], total: int, b
 
 
 async def _lags(
-    core: Core, pids: list[int], backlog: list[int], figures: dict[str, Any]
+    core: Core, pids: list[PacketId], backlog: list[int], figures: dict[str, Any]
 ) -> list[dict[str, float]]:
     """The credit lags into ``figures``; the P99 lag of the grabs of each second, beside the backlog
     sampled that second (for the plot)."""

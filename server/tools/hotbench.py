@@ -35,6 +35,7 @@ from typing import Any
 import msgpack
 
 from server.core import open_core
+from server.ids import GroupId, PacketId, UserId
 from server.money import grabs
 from server.settings import Settings
 from server.store.redisnodes import RedisNodes
@@ -191,7 +192,7 @@ async def bench_hot(
     figures["ratio_p99"] = round(figures["hub_reply_p99_ms"] / max(figures["echo_p99_ms"], 0.1), 2)
     client_cpu = figures["hub_client_cpu_s"] / client_procs
     figures["limit"] = "client" if client_cpu > figures["hub_server_cpu_s"] / workers else "hub"
-    figures.update(await _paid(settings, db_url, packet_id, group, admin))
+    figures.update(await _paid(settings, db_url, packet_id=packet_id, group=group, admin=admin))
     report("hot", figures)
     if plot is not None:
         title = f"{clients_n:,} clients grab one {shares:,}-share packet"
@@ -233,13 +234,13 @@ async def _echo(clients: ClientProcs, clients_n: int, figures: dict[str, Any]) -
 async def _hub(
     settings: Settings,
     db_url: str,
-    world: tuple[int, int, list[int]],
+    world: tuple[UserId, GroupId, list[UserId]],
     clients: ClientProcs,
     *,
     clients_n: int,
     shares: int,
     figures: dict[str, Any],
-) -> tuple[dict[str, Any], int]:
+) -> tuple[dict[str, Any], PacketId]:
     """2. The hub: the same clients, synced to the group, grab one packet at once. The burst's figures
     and the packet."""
     admin, group, ids = world
@@ -262,7 +263,9 @@ async def _hub(
         figures["hub_sync_server_cpu_s"] = sync["server_cpu_s"]
         rss_idle = hubbench.memory_kb(hub_pid, "VmRSS")
         figures["rss_per_connection_kb"] = round((rss_idle - rss_empty) / clients_n, 1)
-        (packet_id,) = await hubbench.send_packets(settings, db_url, admin, group, 1, shares, announced=True)
+        (packet_id,) = await hubbench.send_packets(
+            settings, db_url, admin=admin, group=group, n=1, count=shares, announced=True
+        )
         # Every client has been shown the packet before the burst (as a person would be).
         await clients.ask([{"cmd": "await_packet"}] * procs)
         gc_before = _gc_pauses(http_url) if workers == 1 else None
@@ -288,10 +291,12 @@ def _gc_in_burst(before: dict[str, float], after: dict[str, float]) -> dict[str,
     }
 
 
-async def _paid(settings: Settings, db_url: str, packet_id: int, group: int, admin: int) -> dict[str, Any]:
+async def _paid(
+    settings: Settings, db_url: str, *, packet_id: PacketId, group: GroupId, admin: UserId
+) -> dict[str, Any]:
     """What the ledger says of the packet: how fast it emptied, over-issue, distinct winners."""
     async with open_core(settings.replace(database_url=db_url)) as core:
-        view = await grabs.open_packet(core, packet_id, group, admin)
+        view = await grabs.open_packet(core, packet_id=packet_id, group_id=group, user_id=admin)
         paid = sum(g.amount for g in view.grabs)
         row = await core.db.fetchone(
             "SELECT SUM(amount), COUNT(*) FROM red_packet_shares WHERE packet_id = %s", (packet_id,)

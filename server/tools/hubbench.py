@@ -31,6 +31,7 @@ from websockets.typing import Subprotocol
 from server.core import open_core
 from server.hub.protocol import SUBPROTOCOL_MSGPACK
 from server.hub.tokens import make_token
+from server.ids import GroupId, PacketId, UserId
 from server.live import announce, events
 from server.money import groups, ledger, packets
 from server.settings import Settings, child_env
@@ -146,12 +147,14 @@ def bare_process(mode: str) -> Any:
     )
 
 
-async def make_world(settings: Settings, db_url: str, users: int, topup: int) -> tuple[int, int, list[int]]:
+async def make_world(
+    settings: Settings, db_url: str, users: int, topup: int
+) -> tuple[UserId, GroupId, list[UserId]]:
     """Users (the first is the admin), one group with all of them, money for the admin."""
     s = settings.replace(database_url=db_url, max_count=1000, max_total_cents=10**9)
     async with open_core(s) as core:
         await fresh_ids(core)
-        ids: list[int] = []
+        ids: list[UserId] = []
         for i in range(0, users, 5000):
             ids += await ledger.create_users(core.db, [f"b{n}" for n in range(i, min(i + 5000, users))])
         await ledger.topup(core.db, ids[0], topup, "bench")
@@ -165,15 +168,24 @@ def token(user: int) -> str:
 
 
 async def send_packets(
-    settings: Settings, db_url: str, admin: int, group: int, n: int, count: int, announced: bool = False
-) -> list[int]:
+    settings: Settings,
+    db_url: str,
+    *,
+    admin: UserId,
+    group: GroupId,
+    n: int,
+    count: int,
+    announced: bool = False,
+) -> list[PacketId]:
     """``n`` equal packets of ``count`` shares; ``announced``: put up and shown to the room as a hub's
     send does (else only saved)."""
     s = settings.replace(database_url=db_url, max_count=max(1000, count), max_total_cents=10**9)
     ids = []
     async with open_core(s) as core:
         for _ in range(n):
-            p = await packets.send_packet(core, admin, group, "equal", count * 10, count)
+            p = await packets.send_packet(
+                core, sender_id=admin, group_id=group, kind="equal", total=count * 10, count=count
+            )
             if announced and await announce.announce_packet(core, p) is None:
                 raise RuntimeError("the bench packet could not be announced")
             ids.append(p.packet_id)
@@ -193,7 +205,7 @@ async def bench_hub_grab(
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
     admin, group, ids = await make_world(settings, db_url, connections + 1, 10**8)
-    pids = await send_packets(settings, db_url, admin, group, packets_n, connections)
+    pids = await send_packets(settings, db_url, admin=admin, group=group, n=packets_n, count=connections)
     figures: dict[str, Any] = {"connections": connections, "round_trips": connections * packets_n}
     figures["workers"] = workers
     # The same raw client on both sides: send one msgpack frame, read one frame back and decode it.
