@@ -12,8 +12,9 @@ from server.settings import Settings
 
 async def bench(settings: Settings, args: argparse.Namespace) -> None:
     from server.tools import hotbench, hubbench
-    from server.tools.bench import run_db_read_bench, run_grab_bench
+    from server.tools.bench import run_grab_bench
     from server.tools.creditbench import bench_credit, bench_storm
+    from server.tools.dbreadbench import run_db_read_bench
 
     await check_services(settings)
     what = args.what
