@@ -297,25 +297,47 @@ def run(argv: list[str]) -> int:
             f"wrote {args.prepare}: {len(data['users'])} users, {len(data['groups'])} groups on {args.host}"
         )
         return 0
+    fixture = _fixture(args, most, worker)
+    fd, report_path = tempfile.mkstemp(prefix="redpacket-load-report-", suffix=".json")
+    os.close(fd)
+    step_up = (stages_text or "") if stages and not worker else None
+    code = _locust(args, rest, fixture=fixture, report_path=report_path, step_up=step_up, worker=worker)
+    if worker:
+        return code
+    return _report(args, rest, report_path, code)
+
+
+def _fixture(args: argparse.Namespace, most: int, worker: bool) -> str:
+    """The users and groups of the run: ``--fixture``'s (checked), or a file made now for this run."""
     if args.fixture:
         try:
             data = json.loads(Path(args.fixture).read_text())
         except (OSError, ValueError) as e:
             raise LoadError(f"cannot read --fixture {args.fixture}: {e}") from None
         check_fixture(data, args.fixture)
-        fixture = args.fixture
-    elif worker:
+        return str(args.fixture)
+    if worker:
         raise LoadError("a Locust worker (--worker) needs --fixture FILE: the file the master's run uses")
-    else:
-        members = max(1, most - math.ceil(most / args.group_size))  # admins count among the users
-        print(f"preparing {members} members in groups of {args.group_size} on {args.host} ...", flush=True)
-        data = prepare(args.host, members, args.group_size, args.prefix)
-        fd, fixture = tempfile.mkstemp(prefix="redpacket-load-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
+    members = max(1, most - math.ceil(most / args.group_size))  # admins count among the users
+    print(f"preparing {members} members in groups of {args.group_size} on {args.host} ...", flush=True)
+    data = prepare(args.host, members, args.group_size, args.prefix)
+    fd, fixture = tempfile.mkstemp(prefix="redpacket-load-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    return fixture
 
-    fd, report_path = tempfile.mkstemp(prefix="redpacket-load-report-", suffix=".json")
-    os.close(fd)
+
+def _locust(
+    args: argparse.Namespace,
+    rest: list[str],
+    *,
+    fixture: str,
+    report_path: str,
+    step_up: str | None,
+    worker: bool,
+) -> int:
+    """Locust on the locustfile, every flag it does not know passed on; its exit code. A fixture made for
+    this run is removed after it."""
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--redpacket-fixture", fixture]
     if not worker:
         command += ["--host", args.host, "--redpacket-report", report_path]
@@ -325,17 +347,19 @@ def run(argv: list[str]) -> int:
             command += [flag, value]
     env = dict(os.environ)
     env.pop(STAGES_ENV, None)
-    if stages and not worker:
-        env[STAGES_ENV] = stages_text or ""
+    if step_up is not None:
+        env[STAGES_ENV] = step_up
     try:
-        code = subprocess.call([*command, *rest], env=env)
+        return subprocess.call([*command, *rest], env=env)
     except KeyboardInterrupt:
-        code = 130
+        return 130
     finally:
         if fixture != args.fixture:  # the one made for this run
             Path(fixture).unlink(missing_ok=True)
-    if worker:
-        return code
+
+
+def _report(args: argparse.Namespace, rest: list[str], report_path: str, code: int) -> int:
+    """The master's stage report: the table, the knee, plots, the HTML section and the JSON line."""
     try:
         report = json.loads(Path(report_path).read_text() or "{}")
     except ValueError:
