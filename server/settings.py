@@ -328,6 +328,7 @@ class Settings(SettingFields):
             raise ValueError(f"{PREFIX}USER_GROUPS is 0 or 1, or empty (got {self.user_groups!r})")
 
     def replace(self, **changes: object) -> Settings:
+        # (dataclasses.replace types its keyword values by field; these are checked by check().)
         return replace(self, **changes)  # type: ignore[arg-type]
 
     @property

@@ -192,6 +192,7 @@ class CreditDrain:
             if held:
                 # A lapsed lease only costs a second payment attempt: failures here are not worth more.
                 await self._each_shard(
+                    # (a default argument binds held per shard; mypy cannot type a lambda's defaults.)
                     lambda n, pipe, held=held: pipe.xclaim(  # type: ignore[misc]
                         keys.credit_outbox(n), keys.CREDIT_GROUP, self.consumer, 0, held[n], justid=True
                     ),

@@ -13,7 +13,6 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
@@ -32,7 +31,7 @@ from server.hub.gcpolicy import keep_collections_out_of_bursts
 from server.hub.httpkit import LocalOnly, SecurityHeaders, endpoint, error_response, id_of, json_body, path_id
 from server.hub.hub import Hub
 from server.hub.metrics import HubMetrics, serve_metrics
-from server.hub.requests import view_dict
+from server.hub.requests import grab_dict, view_dict
 from server.hub.session import websocket_endpoint
 from server.hub.tokens import make_token
 from server.ids import GroupId, PacketId, UserId
@@ -55,7 +54,7 @@ def _demo(core: Core, what: str, on: bool) -> None:
         raise Forbidden(errors.DISABLED, f"{what} is off beside a chat backend")
 
 
-async def login(request: Request, core: Core, _: UserId) -> dict[str, Any]:
+async def login(request: Request, core: Core, _: UserId) -> dict[str, object]:
     """Dev login by name (creates the user on first use). Off unless REDPACKET_DEV_LOGIN=1 or `up`, on a
     hub listening on loopback only, and never for a user the chat backend made."""
     _demo(core, "dev login", core.settings.dev_login)
@@ -82,7 +81,7 @@ async def login(request: Request, core: Core, _: UserId) -> dict[str, Any]:
     return {"user_id": user_id, "name": name.strip(), "token": token}
 
 
-async def me(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+async def me(request: Request, core: Core, user: UserId) -> dict[str, object]:
     name = await ledger.user_name(core.db, user)
     if name is None:
         raise NotFound(errors.USER_NOT_FOUND, "no such user")
@@ -94,7 +93,7 @@ async def me(request: Request, core: Core, user: UserId) -> dict[str, Any]:
     }
 
 
-async def topup(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+async def topup(request: Request, core: Core, user: UserId) -> dict[str, object]:
     _demo(core, "demo top-up", core.settings.demo_topup)
     body = await json_body(request)
     await ledger.topup(core.db, user, body.get("amount"), body.get("request_id"))
@@ -110,7 +109,7 @@ async def _users_may_change(core: Core, group: GroupId | None = None) -> None:
         await groups.require_maker(core.db, group, backend=False)
 
 
-async def create_group(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+async def create_group(request: Request, core: Core, user: UserId) -> dict[str, object]:
     await _users_may_change(core)
     body = await json_body(request)
     gid = await groups.create_group(
@@ -124,13 +123,13 @@ async def create_group(request: Request, core: Core, user: UserId) -> dict[str, 
     return {"group_id": gid}
 
 
-async def list_members(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+async def list_members(request: Request, core: Core, user: UserId) -> dict[str, object]:
     gid = GroupId(path_id(request, "group_id"))
     await core.membership.require(group_id=gid, user_id=user)
     return {"group_id": gid, "members": await groups.members_of(core.db, gid)}
 
 
-async def add_members(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+async def add_members(request: Request, core: Core, user: UserId) -> dict[str, object]:
     gid = GroupId(path_id(request, "group_id"))
     await _users_may_change(core, gid)
     await groups.require_admin(core.db, group_id=gid, user_id=user)
@@ -154,7 +153,7 @@ async def add_members(request: Request, core: Core, user: UserId) -> dict[str, A
     return {"group_id": gid, "added": added}
 
 
-async def remove_member(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+async def remove_member(request: Request, core: Core, user: UserId) -> dict[str, object]:
     gid = GroupId(path_id(request, "group_id"))
     target = UserId(path_id(request, "user_id"))
     await _users_may_change(core, gid)
@@ -166,7 +165,7 @@ async def remove_member(request: Request, core: Core, user: UserId) -> dict[str,
     return {"group_id": gid, "removed": removed}
 
 
-async def make_admin(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+async def make_admin(request: Request, core: Core, user: UserId) -> dict[str, object]:
     gid = GroupId(path_id(request, "group_id"))
     target = UserId(path_id(request, "user_id"))
     await _users_may_change(core, gid)
@@ -176,7 +175,7 @@ async def make_admin(request: Request, core: Core, user: UserId) -> dict[str, An
     return {"group_id": gid, "user_id": target, "role": "admin"}
 
 
-async def packet_detail(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+async def packet_detail(request: Request, core: Core, user: UserId) -> dict[str, object]:
     pid = PacketId(path_id(request, "packet_id"))
     found = await queries.packet_status(core.db, pid)
     if found is None:
@@ -184,13 +183,11 @@ async def packet_detail(request: Request, core: Core, user: UserId) -> dict[str,
     group, status = found
     view = await grabs.open_packet(core, packet_id=pid, group_id=group, user_id=user)
     credited = await queries.grab_states(core.db, pid)
-    data = view_dict(view)
-    for g in data["grabs"]:
-        g["status"] = credited.get(g["user_id"], "grabbed")
-    return {**data, "status": status}
+    listed = [{**grab_dict(g), "status": credited.get(g.user_id, "grabbed")} for g in view.grabs]
+    return {**view_dict(view), "grabs": listed, "status": status}
 
 
-async def my_packets(request: Request, core: Core, user: UserId) -> dict[str, Any]:
+async def my_packets(request: Request, core: Core, user: UserId) -> dict[str, object]:
     return await queries.sent_and_received(core.db, user)
 
 

@@ -183,6 +183,7 @@ class BoundedHttp(HttpToolsProtocol):
             self._stop(413, f"the body is over {self._body_limit} bytes")
         super().on_body(body)
 
+    # (uvicorn's own signature names the base asyncio.BaseTransport; it is always a Transport here.)
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()

@@ -40,6 +40,13 @@ REQUEST_TYPES = ("ping", "sync", "chat", "send", "grab", "open", "presence")
 MAX_TEXT_CHARS = 2000
 
 
+# A request's body as decoded from the wire: each field is checked where it is read (``field_int``,
+# ``field_id``, the handlers), so its values are only ``object`` here.
+Body = dict[str, object]
+# A reply or an event as sent: JSON-shaped values.
+Message = dict[str, object]
+
+
 class ProtocolError(RedPacketError):
     pass
 
@@ -48,7 +55,7 @@ class ProtocolError(RedPacketError):
 class Request:
     id: int | str
     type: str
-    body: dict[str, Any]
+    body: Body
 
 
 def choose_format(offered: list[str]) -> tuple[Format, str | None]:
@@ -90,7 +97,7 @@ def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...
     return False
 
 
-def decode(frame: bytes | str) -> Any:
+def decode(frame: bytes | str) -> object:
     """A frame's message: msgpack from bytes, JSON from text."""
     try:
         if isinstance(frame, bytes):
@@ -100,13 +107,13 @@ def decode(frame: bytes | str) -> Any:
         raise ProtocolError(errors.BAD_FRAME, "the frame is not valid msgpack or JSON") from e
 
 
-def encode(fmt: Format, message: dict[str, Any]) -> bytes | str:
+def encode(fmt: Format, message: Message) -> bytes | str:
     if fmt == "msgpack":
-        return msgpack.packb(message, use_bin_type=True)  # type: ignore[no-any-return]
+        return msgpack.packb(message, use_bin_type=True)
     return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
 
 
-def parse_request(message: Any, max_depth: int) -> Request:
+def parse_request(message: object, max_depth: int) -> Request:
     """Validate the envelope of a request; the fields of each type are checked by its handler. A message
     nested deeper than ``max_depth``, or with a lone surrogate in a string, is a bad request."""
     if not isinstance(message, dict):
@@ -125,7 +132,7 @@ def parse_request(message: Any, max_depth: int) -> Request:
     return Request(rid, str(kind), message)
 
 
-def request_id_of(message: Any) -> int | str | None:
+def request_id_of(message: object) -> int | str | None:
     """The id to answer a request with, if it is a valid one: a 64-bit integer, or a string of at most
     64 characters that is text (any other is answered with null)."""
     if isinstance(message, dict):
@@ -137,14 +144,14 @@ def request_id_of(message: Any) -> int | str | None:
     return None
 
 
-def field_int(body: dict[str, Any], name: str) -> int:
+def field_int(body: Body, name: str) -> int:
     v = body.get(name)
     if isinstance(v, bool) or not isinstance(v, int):
         raise ProtocolError(errors.BAD_REQUEST, f"{name} must be an integer")
     return v
 
 
-def field_id(body: dict[str, Any], name: str, unknown: str) -> int:
+def field_id(body: Body, name: str, unknown: str) -> int:
     """An id field: an integer (else ``bad_request``); ``NotFound(unknown)`` when no id can be that
     number (a database would fail on it, not find nothing)."""
     v = field_int(body, name)
@@ -153,18 +160,18 @@ def field_id(body: dict[str, Any], name: str, unknown: str) -> int:
     return v
 
 
-def reply_ok(rid: int | str, data: dict[str, Any]) -> dict[str, Any]:
+def reply_ok(rid: int | str, data: Message) -> Message:
     return {"type": "reply", "id": rid, "ok": True, "data": data}
 
 
 def reply_error(
-    rid: int | str | None, code: str, message: str, details: dict[str, Any] | None = None
-) -> dict[str, Any]:
+    rid: int | str | None, code: str, message: str, details: dict[str, object] | None = None
+) -> Message:
     error = {**details, "code": code, "message": message} if details else {"code": code, "message": message}
     return {"type": "reply", "id": rid, "ok": False, "error": error}
 
 
-def event(group: int, offset: str, kind: str, data: dict[str, Any]) -> dict[str, Any]:
+def event(group: int, offset: str, kind: str, data: Message) -> Message:
     return {"type": "event", "group": group, "offset": offset, "event": kind, "data": data}
 
 

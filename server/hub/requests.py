@@ -11,12 +11,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from server import errors, text
 from server.errors import InvalidRequest, RedPacketError
 from server.hub import protocol
-from server.hub.protocol import field_id
+from server.hub.protocol import Body, Message, field_id
 from server.ids import GroupId, PacketId
 from server.live import announce, events
 from server.live.botscore import Attempt
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Answer = dict[str, Any] | Awaitable[dict[str, Any]]
+Answer = Message | Awaitable[Message]
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,14 @@ class Later:
 
 # A handler answers at once (a dict), returns what to await for the answer, or a ``Later``; errors are
 # RedPacketErrors.
-Handler = Callable[["Session", dict[str, Any]], "Answer | Later"]
+Handler = Callable[["Session", Message], "Answer | Later"]
 
 
-def on_ping(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+def on_ping(s: Session, body: Body) -> Message:
     return {"ts": int(time.time() * 1000)}
 
 
-async def _open_packets(s: Session, group: GroupId) -> list[dict[str, Any]]:
+async def _open_packets(s: Session, group: GroupId) -> list[Message]:
     """The group's newest 20 packets that can still be grabbed (before expiry, with shares left)."""
     now = int(time.time() * 1000)
     views = []
@@ -68,7 +68,7 @@ def _group_key(raw: object) -> GroupId | None:
     return GroupId(raw) if isinstance(raw, int) and not isinstance(raw, bool) else None
 
 
-async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+async def on_sync(s: Session, body: Body) -> Message:
     """Per group: replay what the client missed since its offset, or the current state when it has none
     or the stream no longer holds the gap. Replayed events are sent before this reply."""
     wanted = body.get("groups")
@@ -76,7 +76,7 @@ async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest(errors.BAD_REQUEST, "groups must map group id to the last offset seen (or null)")
     # Every offset is checked before anything is held or sent: a malformed one refuses the whole sync.
     plan = [(raw, protocol.parse_offset(since)) for raw, since in wanted.items()]
-    out: dict[str, Any] = {}
+    out: Message = {}
     asked = [(raw, _group_key(raw), since) for raw, since in plan]
     # Each group this socket is in, checked again in the member cache at once (one pipeline): a hub that
     # missed a removal's note does not replay the group to its removed member (``Session.member_now``).
@@ -118,7 +118,7 @@ async def on_sync(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     return {"groups": out}
 
 
-async def on_chat(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+async def on_chat(s: Session, body: Body) -> Message:
     group = await s.member_now(body)
     said = body.get("text")
     if not isinstance(said, str) or not said.strip() or len(said) > protocol.MAX_TEXT_CHARS:
@@ -131,7 +131,7 @@ async def on_chat(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     return {"offset": offset}
 
 
-async def on_send(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+async def on_send(s: Session, body: Body) -> Message:
     group = s.member_of(body)
     request_id = body.get("request_id")
     if request_id is not None and not isinstance(request_id, str):
@@ -155,7 +155,7 @@ async def on_send(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     return {**announce.packet_event(p), "offset": offset, "replay": p.replay}
 
 
-def on_grab(s: Session, body: dict[str, Any]) -> Answer | Later:
+def on_grab(s: Session, body: Body) -> Answer | Later:
     started = time.perf_counter()
     metrics = s.hub.metrics
     kp = s.hub.packet_cache
@@ -202,7 +202,7 @@ def _refuse_if_known(
 _OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
 
 
-async def _grab(s: Session, started: float, *, group: GroupId, packet_id: PacketId) -> dict[str, Any]:
+async def _grab(s: Session, started: float, *, group: GroupId, packet_id: PacketId) -> Message:
     """The grab in Redis, with a slot of the packet's flight (``PacketCache.admit``) already taken."""
     metrics = s.hub.metrics
     kp = s.hub.packet_cache
@@ -249,13 +249,16 @@ def _record_attempt(s: Session, *, group: GroupId, packet_id: PacketId) -> None:
     s.hub.attempts.record(Attempt(s.conn.user_id, group, packet_id, reaction, s.conn.device, now))
 
 
-def _grab_dict(g: grabs.Grab | None) -> dict[str, int] | None:
-    if g is None:
-        return None
+def grab_dict(g: grabs.Grab) -> dict[str, object]:
+    """A grab as the protocol sends it."""
     return {"user_id": g.user_id, "seq": g.seq, "amount": g.amount, "grabbed_ms": g.grabbed_ms}
 
 
-def view_dict(v: grabs.PacketView) -> dict[str, Any]:
+def _grab_dict(g: grabs.Grab | None) -> dict[str, object] | None:
+    return None if g is None else grab_dict(g)
+
+
+def view_dict(v: grabs.PacketView) -> Message:
     """The packet view as the protocol sends it. Written out field by field: ``dataclasses.asdict``
     (recursive, copying) cost a loaded hub an eighth of its CPU, every member opening a 100-grab packet."""
     return {
@@ -269,7 +272,7 @@ def view_dict(v: grabs.PacketView) -> dict[str, Any]:
         "created_ms": v.created_ms,
         "expires_ms": v.expires_ms,
         "remaining": v.remaining,
-        "grabs": [_grab_dict(g) for g in v.grabs],
+        "grabs": [grab_dict(g) for g in v.grabs],
         "mine": _grab_dict(v.mine),
         "finished_ms": v.finished_ms,
         "best_luck": _grab_dict(v.best_luck),
@@ -277,7 +280,7 @@ def view_dict(v: grabs.PacketView) -> dict[str, Any]:
     }
 
 
-async def on_open(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+async def on_open(s: Session, body: Body) -> Message:
     group = await s.member_now(body)
     packet_id = PacketId(field_id(body, "packet", errors.PACKET_NOT_FOUND))
     return view_dict(
@@ -285,7 +288,7 @@ async def on_open(s: Session, body: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-async def on_presence(s: Session, body: dict[str, Any]) -> dict[str, Any]:
+async def on_presence(s: Session, body: Body) -> Message:
     group = await s.member_now(body)
     return {"group": group, "online": await s.hub.online(group)}
 

@@ -70,13 +70,13 @@ def _role(value: object) -> Role:
     return "admin" if value == "admin" else "member"
 
 
-async def put_user(request: Request, core: Core, _: UserId) -> dict[str, Any]:
+async def put_user(request: Request, core: Core, _: UserId) -> dict[str, object]:
     user_id = UserId(path_id(request, "user_id"))
     name = ledger.check_name((await json_body(request)).get("name"))
     return {"user_id": user_id, "name": name, "result": await ledger.put_user(core.db, user_id, name)}
 
 
-async def put_group(request: Request, core: Core, _: UserId) -> dict[str, Any]:
+async def put_group(request: Request, core: Core, _: UserId) -> dict[str, object]:
     group_id = GroupId(path_id(request, "group_id"))
     body = await json_body(request)
     version = body.get("version")
@@ -110,7 +110,7 @@ async def put_group(request: Request, core: Core, _: UserId) -> dict[str, Any]:
     }
 
 
-async def add_member(request: Request, core: Core, _: UserId) -> dict[str, Any]:
+async def add_member(request: Request, core: Core, _: UserId) -> dict[str, object]:
     """One member in (or their role changed): idempotent."""
     group_id = GroupId(path_id(request, "group_id"))
     await groups.require_maker(core.db, group_id, backend=True)
@@ -134,7 +134,7 @@ async def add_member(request: Request, core: Core, _: UserId) -> dict[str, Any]:
     return {"group_id": group_id, "user_id": user_id, "role": role}
 
 
-async def remove_member(request: Request, core: Core, _: UserId) -> dict[str, Any]:
+async def remove_member(request: Request, core: Core, _: UserId) -> dict[str, object]:
     group_id = GroupId(path_id(request, "group_id"))
     user_id = UserId(path_id(request, "user_id"))
     await groups.require_maker(core.db, group_id, backend=True)
@@ -144,7 +144,7 @@ async def remove_member(request: Request, core: Core, _: UserId) -> dict[str, An
     return {"group_id": group_id, "user_id": user_id, "removed": removed}
 
 
-async def topup(request: Request, core: Core, _: UserId) -> dict[str, Any]:
+async def topup(request: Request, core: Core, _: UserId) -> dict[str, object]:
     """Fund an account from the app's wallet: paid once per ``request_id``, whoever asks how often."""
     body = await json_body(request)
     user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
@@ -159,7 +159,7 @@ async def topup(request: Request, core: Core, _: UserId) -> dict[str, Any]:
     }
 
 
-async def account(request: Request, core: Core, _: UserId) -> dict[str, Any]:
+async def account(request: Request, core: Core, _: UserId) -> dict[str, object]:
     """An account's balance and the sum of its journal (equal, or reconciliation reports it)."""
     user_id = UserId(path_id(request, "user_id"))
     return {
@@ -169,7 +169,7 @@ async def account(request: Request, core: Core, _: UserId) -> dict[str, Any]:
     }
 
 
-async def journal(request: Request, core: Core, _: UserId) -> dict[str, Any]:
+async def journal(request: Request, core: Core, _: UserId) -> dict[str, object]:
     """An account's journal, oldest first, in pages: ``?after=<id>&limit=<n>`` (n up to 500)."""
     user_id = UserId(path_id(request, "user_id"))
     try:

@@ -26,7 +26,7 @@ from server.errors import Forbidden, RedPacketError, Unavailable
 from server.hub import protocol
 from server.hub.connection import Connection
 from server.hub.hub import Hub
-from server.hub.protocol import ProtocolError, field_int
+from server.hub.protocol import Body, Message, ProtocolError, field_int
 from server.hub.ratelimit import TokenBucket
 from server.hub.requests import HANDLERS, Answer, Later
 from server.hub.tokens import TokenError
@@ -57,7 +57,7 @@ class Session:
         self.waiting: deque[bytes | str] | None = None  # made when a frame has to wait
         self.stopped = False
 
-    def member_of(self, body: dict[str, Any]) -> GroupId:
+    def member_of(self, body: Body) -> GroupId:
         """The request's group, if this socket is in it (a grab is checked again in Redis, a send in the
         database)."""
         group = GroupId(field_int(body, "group"))
@@ -65,7 +65,7 @@ class Session:
             raise Forbidden(errors.NOT_MEMBER, f"you are not a member of group {group}")
         return group
 
-    async def member_now(self, body: dict[str, Any]) -> GroupId:
+    async def member_now(self, body: Body) -> GroupId:
         """``member_of``, then the group's versioned member cache (``server.money.membership``): a hub that
         missed the note of a removal (its subscriber reconnecting, a failover) still refuses the removed
         member, and takes its sockets out of the group as the note would have."""
@@ -115,7 +115,7 @@ class Session:
         else:
             self.conn.wire.resume_reading()
 
-    async def _finish(self, rid: int | str, work: Awaitable[dict[str, Any]], kind: str) -> None:
+    async def _finish(self, rid: int | str, work: Awaitable[Message], kind: str) -> None:
         try:
             reply = protocol.reply_ok(rid, await work)
         except Exception as e:
@@ -171,7 +171,7 @@ class Session:
             return False
         return self._settle(req.id, req.type, result)
 
-    def _answer(self, kind: str, reply: dict[str, Any]) -> None:
+    def _answer(self, kind: str, reply: Message) -> None:
         # A sync's reply comes after the events it replayed; every other reply may pass queued events.
         if kind == "sync":
             self.conn.send(reply)
@@ -179,7 +179,7 @@ class Session:
             self.conn.reply(reply)
 
     @staticmethod
-    def _error(rid: int | str, kind: str, e: Exception) -> dict[str, Any]:
+    def _error(rid: int | str, kind: str, e: Exception) -> Message:
         if isinstance(e, RedPacketError):
             return protocol.reply_error(rid, e.code, e.message, e.details)
         down = unavailable(e)

@@ -59,6 +59,7 @@ class _Link:
         """Connect, subscribe every channel, read until the connection fails; the owner then re-routes."""
         conn = RedisNodes.connect_dedicated(self.kwargs)
         try:
+            # (redis-py's Connection.connect is not annotated.)
             await conn.connect()  # type: ignore[no-untyped-call]
             async with self.lock:
                 self.conn = conn

@@ -264,6 +264,7 @@ class Tokens:
         if len(self._seen) >= SEEN_TOKENS:
             for old in list(self._seen)[: SEEN_TOKENS // 10]:  # the oldest tenth
                 del self._seen[old]
+        # (token is a str here: a non-str never reaches _check's success.)
         self._seen[token] = (user, min(exp + self.rules.leeway_seconds, now + SEEN_SECONDS))  # type: ignore[index]
         return user
 

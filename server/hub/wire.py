@@ -109,6 +109,7 @@ class HubWebSocket(BoundedWebSocket):
         waiting = self.queue
         # From here the ASGI side hears nothing more (the end comes through ``on_gone``): uvicorn's
         # queue and the handshake's request and response are let go (a few KB a socket).
+        # (uvicorn's private attributes, typed for what uvicorn puts there: check_uvicorn pins them.)
         self.queue = _Unread()  # type: ignore[assignment]
         self.request = self.response = None  # type: ignore[assignment]
         while not waiting.empty():
@@ -316,6 +317,7 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
     check_uvicorn()
     http, _ = bounded_protocols(settings.handshake_seconds, HttpLimits.of(settings))
     return uvicorn.Config(
+        # (uvicorn.Config types app as its ASGI protocol; Starlette's app is one, typed otherwise.)
         app,  # type: ignore[arg-type]
         http=http,
         ws=HubWebSocket,  # bounded handshakes, and the hub's frames below ASGI

@@ -26,7 +26,7 @@ def offset_key(offset: str | bytes) -> tuple[int, int]:
 
 
 def pack(kind: str, data: dict[str, Any]) -> bytes:
-    return msgpack.packb({"event": kind, "data": data}, use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb({"event": kind, "data": data}, use_bin_type=True)
 
 
 def unpack(payload: bytes) -> tuple[str, dict[str, Any]]:

@@ -72,6 +72,7 @@ class Membership:
             pipe.delete(keys.group_members(group_id))
             await pipe.execute()
         # (The cluster client has no spublish(); the command is routed by its channel's slot.)
+        # (redis-py's execute_command is not annotated.)
         await self._redis.execute_command("SPUBLISH", keys.membership_channel(), note)  # type: ignore[no-untyped-call]
 
     async def _load(self, group_id: GroupId) -> frozenset[UserId]:

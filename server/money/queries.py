@@ -5,8 +5,6 @@ that it was)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from server.ids import GroupId, PacketId, UserId
 from server.money.ledger import now_ms
 from server.store.db import Database, Tx
@@ -30,7 +28,7 @@ async def grab_states(db: Database, packet_id: PacketId) -> dict[UserId, str]:
     return {UserId(int(r[0])): str(r[1]) for r in rows}
 
 
-async def sent_and_received(db: Database, user_id: UserId) -> dict[str, list[dict[str, Any]]]:
+async def sent_and_received(db: Database, user_id: UserId) -> dict[str, object]:
     """The user's newest packets sent (with what has been paid out of each) and shares received."""
     sent = await db.fetchall(
         "SELECT p.id, p.group_id, p.kind, p.total, p.share_count, p.greeting, p.status, p.created_ms,"

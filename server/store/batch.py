@@ -49,7 +49,7 @@ class NotDurable(Unavailable):
 
 # Whether a call's answer needs the durability wait: True for every answer, or a test of the answer (a
 # grab that only read, say a cold member cache, needs none).
-Durable = bool | Callable[[Any], bool]
+Durable = bool | Callable[[object], bool]
 
 
 @dataclass
@@ -257,6 +257,7 @@ async def durability_problem(client: Redis, level: str, replica: bool = False) -
     if durability.fsyncs:
         if not replica:  # (a replica refuses WAITAOF)
             try:
+                # (redis-py's execute_command is not annotated.)
                 await client.execute_command("WAITAOF", 1, 0, 100)  # type: ignore[no-untyped-call]
             except RedisError as e:
                 return f"WAITAOF fails ({e}): it needs Redis 7.2 or later, or Valkey, with appendonly yes"
@@ -326,6 +327,7 @@ def _shortfall(wait: Wait, answer: object) -> str | None:
         local = int(answer[0]) if isinstance(answer, list | tuple) and answer else 0
         if local < 1:
             return "the grab is not yet on disk: retry"
+    # (a WAIT/WAITAOF answer: an int or a list of ints, redis-py types it as its ResponseT.)
     elif int(answer) < 1:  # type: ignore[call-overload]
         return "no replica has the grab yet: retry"
     return None

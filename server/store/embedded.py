@@ -65,6 +65,7 @@ class EmbeddedError(Exception):
 
 def _state(data_dir: Path) -> dict[str, object] | None:
     try:
+        # (json.loads is typed Any; the state file is ours, a JSON object.)
         return json.loads((data_dir / STATE).read_text())  # type: ignore[no-any-return]
     except (OSError, ValueError):
         return None
@@ -90,6 +91,7 @@ def _shut_down_orphan(data_dir: Path) -> None:
     if client is None:
         return
     try:
+        # (redis-py types INFO's answer as its ResponseT; it is a dict.)
         info: dict[str, object] = client.info("server")  # type: ignore[assignment]
         if info.get("process_id") == state.get("valkey_pid"):
             log.warning("shutting down the embedded Valkey left running at %s", state["url"])
@@ -192,6 +194,7 @@ class _Supervisor(threading.Thread):
         """Write where the server listens and its process id to ``valkey.json``."""
         url = self.server.connection_url
         client = _answers(url)
+        # (redis-py types INFO's answer as its ResponseT; it is a dict, its process_id an int.)
         info: dict[str, object] = client.info("server") if client else {}  # type: ignore[assignment]
         if client is not None:
             client.close()

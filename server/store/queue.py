@@ -14,10 +14,11 @@ from server.store.redisnodes import packed_pool
 
 
 def job_serializer(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb(obj, use_bin_type=True)
 
 
 def job_deserializer(data: bytes) -> dict[str, Any]:
+    # (arq's jobs are maps: msgpack decodes whatever was packed, typed Any.)
     return msgpack.unpackb(data, raw=False)  # type: ignore[no-any-return]
 
 

@@ -88,6 +88,7 @@ class _Packing:
         return [hiredis.pack_command(args)]
 
     async def on_connect(self) -> None:
+        # (redis-py's connection classes are partly annotated: these methods are its own, untyped.)
         await super().on_connect()  # type: ignore[misc]
         if self._identities is not None:
             await self.send_command("INFO", "server", "replication")  # type: ignore[attr-defined]
@@ -148,6 +149,7 @@ class _Snapshots(dict[str, ClusterNode]):
     any lock (redis/redis-py#3565): "dictionary changed size during iteration", seen at a master's kill
     failing the reading and, through it, the hub's writes of grab attempts."""
 
+    # (a narrower return than the dict's own values(): the cluster client reads it as a list.)
     def values(self) -> list[ClusterNode]:  # type: ignore[override]
         return list(super().values())
 
@@ -312,6 +314,7 @@ class RedisNodes:
             return {}
         client = next(iter(self.masters().values()))
         out = {}
+        # (redis-py's execute_command is not annotated.)
         for row in cluster_rows(await client.execute_command("CLUSTER", "NODES")):  # type: ignore[no-untyped-call]
             flags = set(row[2].split(","))
             if "slave" in flags and not flags & (NOT_A_NODE | {"fail"}):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Literal, TypeVar, get_args
+from typing import ClassVar, Generic, Literal, TypeVar, get_args
 
 from server.ids import GroupId, PacketId, UserId
 from server.store import keys
@@ -31,8 +31,31 @@ def _flag(on: bool) -> str:
     return "1" if on else "0"
 
 
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+def _text(v: object) -> str:
+    if isinstance(v, bytes):
+        return v.decode()
+    if isinstance(v, str | int):
+        return str(v)
+    raise ValueError(f"a script answered {v!r} where text was due")
+
+
+def _int(v: object) -> int:
+    if isinstance(v, int | bytes | str) and not isinstance(v, bool):
+        return int(v)
+    raise ValueError(f"a script answered {v!r} where a number was due")
+
+
+def _raw(v: object) -> bytes | str:
+    if isinstance(v, bytes | str):
+        return v
+    raise ValueError(f"a script answered {v!r} where a string was due")
+
+
+def _list(v: object, n: int | None = None) -> list[object]:
+    """A script's array reply (of ``n`` items, when given)."""
+    if isinstance(v, list) and (n is None or len(v) == n):
+        return v
+    raise ValueError(f"a script answered {v!r} where {n or 'a list of'} items were due")
 
 
 class Call(ABC, Generic[R]):
@@ -47,9 +70,11 @@ class Call(ABC, Generic[R]):
     def argv(self) -> list[Arg]: ...
 
     @abstractmethod
-    def parse(self, reply: Any) -> R: ...
+    def parse(self, reply: object) -> R:
+        """The script's reply (as redis-py hands it over: bytes, ints, lists) as a typed result; a reply of
+        another shape raises ``ValueError``."""
 
-    def durable(self, reply: Any) -> bool:
+    def durable(self, reply: object) -> bool:
         """Whether this reply is answered only once the call is durable (``server.store.batch``)."""
         return False
 
@@ -136,19 +161,21 @@ class GrabCall(Call[GrabReply]):
             _flag(self.rewrite_repeat),
         ]
 
-    def parse(self, reply: Any) -> GrabReply:
-        status = _STATUSES.get(_text(reply[0]))
+    def parse(self, reply: object) -> GrabReply:
+        items = _list(reply)
+        status = _STATUSES.get(_text(items[0])) if items else None
         if status is None:
-            raise ValueError(f"grab.lua answered {reply[0]!r}")
+            raise ValueError(f"grab.lua answered {reply!r}")
         if status in ("won", "already"):
-            return GrabReply(status, GrabRecord.parse(reply[1]), int(reply[2]))
+            _, record, left = _list(reply, 3)
+            return GrabReply(status, GrabRecord.parse(_raw(record)), _int(left))
         if status in ("blocked", "limited"):
-            return GrabReply(status, wait_ms=int(reply[1]))
+            return GrabReply(status, wait_ms=_int(_list(reply, 2)[1]))
         return GrabReply(status)
 
-    def durable(self, reply: Any) -> bool:
+    def durable(self, reply: object) -> bool:
         # An answer that says a share is this user's waits for durability; a refusal does not.
-        return bool(reply) and reply[0] in (b"won", b"already")
+        return isinstance(reply, list) and bool(reply) and reply[0] in (b"won", b"already")
 
 
 # -- load_packet.lua -------------------------------------------------------------------------------------
@@ -190,9 +217,9 @@ class LoadPacketCall(Call[Loaded]):
             args += [user, record.encode()]
         return args
 
-    def parse(self, reply: Any) -> Loaded:
-        left, known, dropped = reply
-        return Loaded(int(left), int(known), [DroppedEntry.parse(e) for e in dropped])
+    def parse(self, reply: object) -> Loaded:
+        left, known, dropped = _list(reply, 3)
+        return Loaded(_int(left), _int(known), [DroppedEntry.parse(_raw(e)) for e in _list(dropped)])
 
 
 # -- close_packet.lua ------------------------------------------------------------------------------------
@@ -222,12 +249,15 @@ class ClosePacketCall(Call[Closed]):
     def argv(self) -> list[Arg]:
         return [_flag(self.close), self.expire_at_ms]
 
-    def parse(self, reply: Any) -> Closed:
-        present, held, gone = reply
-        grabs = {UserId(int(held[i])): GrabRecord.parse(held[i + 1]) for i in range(0, len(held), 2)}
-        return Closed(bool(present), grabs, [DroppedEntry.parse(e) for e in gone])
+    def parse(self, reply: object) -> Closed:
+        present, held, gone = _list(reply, 3)
+        pairs = _list(held)
+        grabs = {
+            UserId(_int(pairs[i])): GrabRecord.parse(_raw(pairs[i + 1])) for i in range(0, len(pairs), 2)
+        }
+        return Closed(_int(present) == 1, grabs, [DroppedEntry.parse(_raw(e)) for e in _list(gone)])
 
-    def durable(self, reply: Any) -> bool:
+    def durable(self, reply: object) -> bool:
         return True  # "won" is never answered for less: what the refund reads is as durable as a grab
 
 
@@ -258,8 +288,8 @@ class AckCreditsCall(Call[int]):
                 args += [c.user_id, ShareEntry(c.seq, c.amount).encode(), c.grabbed_ms]
         return args
 
-    def parse(self, reply: Any) -> int:
-        return int(reply)
+    def parse(self, reply: object) -> int:
+        return _int(reply)
 
 
 # -- fill_members.lua ------------------------------------------------------------------------------------
@@ -281,8 +311,8 @@ class FillMembersCall(Call[bool]):
     def argv(self) -> list[Arg]:
         return [self.version, self.ttl_seconds, keys.LOADED, *self.members]
 
-    def parse(self, reply: Any) -> bool:
-        return bool(int(reply))  # False: a membership change raced the read, and nothing was cached
+    def parse(self, reply: object) -> bool:
+        return _int(reply) == 1  # False: a membership change raced the read, and nothing was cached
 
 
 # -- publish_event.lua -----------------------------------------------------------------------------------
@@ -320,7 +350,7 @@ class PublishEventCall(Call[str]):
             args.append(self.once.ttl_seconds)
         return args
 
-    def parse(self, reply: Any) -> str:
+    def parse(self, reply: object) -> str:
         return _text(reply)
 
 
@@ -354,14 +384,20 @@ class ReadEventsCall(Call[Stream | None]):
     def argv(self) -> list[Arg]:
         return [self.after, self.limit]
 
-    def parse(self, reply: Any) -> Stream | None:
-        if not reply or int(reply[0]) == 0:
+    def parse(self, reply: object) -> Stream | None:
+        items = _list(reply)
+        if not items or _int(items[0]) == 0:
             return None
-        _, length, added, first, last, rows = reply
+        _, length, added, first, last, rows = _list(reply, 6)
         out = []
-        for rid, fields in rows:
-            out.append((_text(rid), dict(zip(fields[::2], fields[1::2], strict=True))[b"e"]))
-        return Stream(int(length), int(added), _text(first or b""), _text(last or b""), out)
+        for row in _list(rows):
+            rid, fields = _list(row, 2)
+            flat = _list(fields)
+            payload = dict(zip(flat[::2], flat[1::2], strict=True))[b"e"]
+            if not isinstance(payload, bytes):
+                raise ValueError(f"read_events.lua answered an event of {payload!r}")
+            out.append((_text(rid), payload))
+        return Stream(_int(length), _int(added), _text(first or b""), _text(last or b""), out)
 
 
 # -- presence.lua ----------------------------------------------------------------------------------------
@@ -388,5 +424,5 @@ class PresenceCall(Call[list[UserId]]):
     def argv(self) -> list[Arg]:
         return [self.action, self.hub_id, self.lapse_ms, *self.users]
 
-    def parse(self, reply: Any) -> list[UserId]:
-        return [u for u, changed in zip(self.users, reply, strict=True) if changed]
+    def parse(self, reply: object) -> list[UserId]:
+        return [u for u, changed in zip(self.users, _list(reply, len(self.users)), strict=True) if changed]

@@ -99,7 +99,7 @@ class HubClient:
 
     def encode(self, message: dict[str, Any]) -> bytes | str:
         if self.fmt == "msgpack":
-            return msgpack.packb(message, use_bin_type=True)  # type: ignore[no-any-return]
+            return msgpack.packb(message, use_bin_type=True)
         return json.dumps(message)
 
     async def send_raw(self, frame: bytes | str) -> None:

@@ -72,6 +72,7 @@ class ClientProcs:
             line = proc.stdout.readline()
             if not line:
                 raise RuntimeError("a bench client process died (its error is above)")
+            # (json.loads is typed Any; a client process's line is a JSON object.)
             return json.loads(line)  # type: ignore[no-any-return]
 
         return list(await asyncio.gather(*(asyncio.to_thread(answer, p) for p in self.procs)))

@@ -215,7 +215,8 @@ async def bench_hub_grab(
         """``hub``: what every reply must be ("grab": a win, "ping": ok); None for the echo."""
         for frame in frames:
             await ws.send(frame)
-            reply = msgpack.unpackb(await ws.recv())
+            raw = await ws.recv()  # binary frames: the msgpack subprotocol
+            reply = msgpack.unpackb(raw if isinstance(raw, bytes) else raw.encode())
             if hub and not (reply.get("ok") and (hub == "ping" or reply["data"]["outcome"] == "won")):
                 raise RuntimeError(f"bench {hub} answered {reply}")
 

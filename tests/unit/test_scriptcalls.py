@@ -1,0 +1,115 @@
+"""The typed calls of the Lua scripts (server/store/scriptcalls.py), without Redis: each builds its KEYS
+in the slot of its group and its ARGV in the order its script names them, and parses a reply of the
+script's shape into a typed result, refusing any other shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.ids import GroupId, PacketId, ShareSeq, UserId
+from server.store import keys
+from server.store.records import CreditEntry, GrabRecord, ShareEntry
+from server.store.scriptcalls import (
+    AckCreditsCall,
+    ClosePacketCall,
+    GrabCall,
+    GrabRate,
+    PresenceCall,
+    ReadEventsCall,
+)
+
+pytestmark = pytest.mark.unit
+
+G, P, U = GroupId(70), PacketId(9), UserId(5)
+
+
+def slot_tags(names: list[str]) -> set[str]:
+    return {name[name.index("{") : name.index("}") + 1] for name in names}
+
+
+def grab(**changes: object) -> GrabCall:
+    fields: dict[str, object] = {
+        "user_id": U, "group_id": G, "packet_id": P, "check_members": True, "rate": GrabRate(5, 10),
+        "rewrite_repeat": False,
+    }  # fmt: skip
+    fields.update(changes)
+    return GrabCall(**fields)  # type: ignore[arg-type]
+
+
+def test_the_grab_call_names_its_inputs_in_the_scripts_order() -> None:
+    call = grab()
+    assert call.keys()[:3] == keys.packet_keys(group_id=G, packet_id=P)[:3]
+    assert call.keys()[5] == keys.grab_bucket(group_id=G, user_id=U)
+    assert len(slot_tags(call.keys())) == 1  # one slot: it runs on a cluster
+    assert call.argv() == [U, G, P, "1", 5, 10, keys.LOADED, "0"]
+    assert grab(rate=None, check_members=False, rewrite_repeat=True).argv()[3:] == [
+        "0",
+        "",
+        "",
+        keys.LOADED,
+        "1",
+    ]
+
+
+def test_the_grab_reply_is_parsed_by_status() -> None:
+    call = grab()
+    won = call.parse([b"won", b"3:250:1700", 7])
+    assert (won.status, won.record, won.remaining) == ("won", GrabRecord(ShareSeq(3), 250, 1700), 7)
+    assert call.parse([b"limited", 120]).wait_ms == 120
+    assert call.parse([b"empty"]).status == "empty"
+    assert call.durable([b"already", b"3:250:1700", 0]) and not call.durable([b"empty"])
+
+
+@pytest.mark.parametrize(
+    "reply", [[b"won", b"3:250:1700"], [b"lost"], b"won", [], [b"limited"], [b"won", 5, 1]]
+)
+def test_a_grab_reply_of_another_shape_is_refused(reply: object) -> None:
+    with pytest.raises(ValueError):
+        grab().parse(reply)
+
+
+def test_the_close_reply_is_the_grabs_by_user() -> None:
+    call = ClosePacketCall(group_id=G, packet_id=P, close=True, expire_at_ms=99)
+    assert call.argv() == ["1", 99] and call.durable([1, [], []])
+    closed = call.parse([1, [b"5", b"3:250:1700"], [b"6:4:100:1800"]])
+    assert closed.present and closed.grabs == {U: GrabRecord(ShareSeq(3), 250, 1700)}
+    assert closed.dropped[0].user_id == 6
+    with pytest.raises(ValueError):
+        call.parse([1, [b"5", b"3:250:1700"]])
+
+
+def test_acknowledging_names_each_paid_packet_once_in_its_shard() -> None:
+    paid = CreditEntry(P, U, ShareSeq(3), 250, 1700, G)
+    call = AckCreditsCall(keys.shard(G), [b"1-0", b"2-0"], {(G, P): [paid]})
+    assert call.keys() == [keys.credit_outbox(keys.shard(G)), *keys.packet_keys(group_id=G, packet_id=P)[:3]]
+    assert call.argv() == [
+        keys.CREDIT_GROUP,
+        2,
+        b"1-0",
+        b"2-0",
+        1,
+        U,
+        ShareEntry(ShareSeq(3), 250).encode(),
+        1700,
+    ]
+    assert len(slot_tags(call.keys())) == 1
+
+
+def test_presence_answers_who_came_or_went_and_nothing_else() -> None:
+    call = PresenceCall(group_id=G, hub_id="h1", action="join", lapse_ms=5, users=[UserId(1), UserId(2)])
+    assert call.parse([0, 1]) == [UserId(2)]
+    with pytest.raises(ValueError):
+        call.parse([1])  # one answer per user, or the reply is not this script's
+
+
+def test_reading_events_parses_the_stream_at_one_moment() -> None:
+    call = ReadEventsCall(group_id=G, after="0-0", limit=10)
+    assert call.parse([0]) is None
+    stream = call.parse([1, 2, 5, b"3-0", b"4-0", [[b"4-0", [b"e", b"payload"]]]])
+    assert stream is not None and (stream.length, stream.added, stream.first, stream.last) == (
+        2,
+        5,
+        "3-0",
+        "4-0",
+    )
+    assert stream.rows == [("4-0", b"payload")]
