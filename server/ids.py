@@ -3,9 +3,10 @@ in every layer alike.
 
 Each kind of id is its own type to the type checker (``NewType``: at run time a plain ``int``, at no
 cost), so passing a packet id where a group id is wanted fails ``mypy``. A value becomes one where it
-enters the system — the wire (``server.hub.protocol.field_id``), a database row, a Redis reply — and keeps
-its type from there. Functions that take two ids also take them by keyword, so a swap cannot hide behind
-two ids that happen to share a type.
+enters the system — a field of a request (``PacketId(field_id(...))``), a token's subject, a database row,
+a Redis reply — and keeps its type from there. Functions that take two ids also take them by keyword
+(``group_id=``, ``packet_id=``, ``user_id=`` everywhere), so a swap cannot hide behind two ids that happen
+to share a type.
 """
 
 from __future__ import annotations

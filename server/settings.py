@@ -56,7 +56,7 @@ class Durability(StrEnum):
         return self is Durability.AOF_REPLICA
 
 
-# Typed as text while server/tools/bench.py casts it to the levels (the cast would be redundant otherwise).
+# Every level, in the order the README lists them.
 DURABILITY: tuple[Durability, ...] = tuple(Durability)
 
 

@@ -713,14 +713,18 @@ def test_a_local_answer_is_the_one_the_grab_script_gives() -> None:
         empty=True,
         generation=1,
     )
-    assert local_refusal(c, 5_000, group=1, user=8) == "packet_empty"
-    assert local_refusal(c, 5_000, group=1, user=7) is None  # a winner: only Redis answers their share
-    assert local_refusal(c, 5_000, group=2, user=8) is None  # another group: Redis answers "no such packet"
-    assert local_refusal(c, 10_000, group=1, user=8) == "packet_expired"
-    assert local_refusal(dataclasses.replace(c, closed=True), 5_000, group=1, user=8) == "packet_expired"
+    assert local_refusal(c, 5_000, group_id=1, user_id=8) == "packet_empty"
+    assert local_refusal(c, 5_000, group_id=1, user_id=7) is None  # a winner: only Redis answers their share
+    assert (
+        local_refusal(c, 5_000, group_id=2, user_id=8) is None
+    )  # another group: Redis answers "no such packet"
+    assert local_refusal(c, 10_000, group_id=1, user_id=8) == "packet_expired"
+    assert (
+        local_refusal(dataclasses.replace(c, closed=True), 5_000, group_id=1, user_id=8) == "packet_expired"
+    )
     exclusive = dataclasses.replace(c, target=9)
-    assert local_refusal(exclusive, 5_000, group=1, user=8) == "not_target"
-    assert local_refusal(dataclasses.replace(c, empty=False), 5_000, group=1, user=8) is None
+    assert local_refusal(exclusive, 5_000, group_id=1, user_id=8) == "not_target"
+    assert local_refusal(dataclasses.replace(c, empty=False), 5_000, group_id=1, user_id=8) is None
 
 
 async def test_a_storm_sends_redis_about_as_many_grabs_as_shares(

@@ -66,7 +66,7 @@ class Announcer:
     def _big(self, group: GroupId) -> bool:
         return self._online(group) > self.hub.core.settings.big_room_online
 
-    def grabbed(self, g: Grab, remaining: int, *, group: GroupId, packet_id: PacketId) -> None:
+    def grabbed(self, g: Grab, remaining: int, *, group_id: GroupId, packet_id: PacketId) -> None:
         item = {
             "packet_id": packet_id,
             "user": g.user_id,
@@ -75,19 +75,19 @@ class Announcer:
             "ms": g.grabbed_ms,
             "remaining": remaining,
         }
-        self.pending.setdefault(group, []).append(item)
-        if group in self.timers:
+        self.pending.setdefault(group_id, []).append(item)
+        if group_id in self.timers:
             return
         s = self.hub.core.settings
         interval = protocol.announce_interval(
-            self.base, self._online(group), s.big_room_online, s.big_room_frames_per_second
+            self.base, self._online(group_id), s.big_room_online, s.big_room_frames_per_second
         )
-        wait = self.last_sent.get(group, 0.0) + interval - time.monotonic()
+        wait = self.last_sent.get(group_id, 0.0) + interval - time.monotonic()
         if wait <= 0:
-            self.hub.spawn(self.flush(group))
+            self.hub.spawn(self.flush(group_id))
         else:
             loop = asyncio.get_running_loop()
-            self.timers[group] = loop.call_later(wait, lambda: self.hub.spawn(self.flush(group)))
+            self.timers[group_id] = loop.call_later(wait, lambda: self.hub.spawn(self.flush(group_id)))
 
     async def flush(self, group: GroupId) -> None:
         timer = self.timers.pop(group, None)
@@ -108,16 +108,16 @@ class Announcer:
             except RedisError:
                 pass  # the last count stands until the next announcement
 
-    async def finished(self, *, group: GroupId, packet_id: PacketId, viewer: UserId) -> None:
-        """The packet's last share went (grabbed by ``viewer``): its grabs first, then the result."""
-        await self.flush(group)
+    async def finished(self, *, group_id: GroupId, packet_id: PacketId, viewer_id: UserId) -> None:
+        """The packet's last share went (grabbed by ``viewer_id``): its grabs first, then the result."""
+        await self.flush(group_id)
         data = await self._retrying(
             f"the result of packet {packet_id}",
-            lambda: _result(self, group=group, packet_id=packet_id, viewer=viewer),
+            lambda: _result(self, group_id=group_id, packet_id=packet_id, viewer_id=viewer_id),
         )
         if data is not None:
             once = Once(f"finished:{packet_id}", packet_lifetime(self.hub.core))
-            await self._deliver(group, "finished", data, once, 1)
+            await self._deliver(group_id, "finished", data, once, 1)
 
     async def _deliver(self, group: GroupId, kind: str, data: dict[str, Any], once: Once, n: int) -> None:
         lock, users = self.locks.get(group) or (asyncio.Lock(), 0)
@@ -158,8 +158,10 @@ class Announcer:
             await self.flush(group)
 
 
-async def _result(a: Announcer, *, group: GroupId, packet_id: PacketId, viewer: UserId) -> dict[str, Any]:
-    v = await grabs.open_packet(a.hub.core, packet_id=packet_id, group_id=group, user_id=viewer)
+async def _result(
+    a: Announcer, *, group_id: GroupId, packet_id: PacketId, viewer_id: UserId
+) -> dict[str, Any]:
+    v = await grabs.open_packet(a.hub.core, packet_id=packet_id, group_id=group_id, user_id=viewer_id)
     best = v.best_luck
     return {
         "packet_id": packet_id,

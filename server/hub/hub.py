@@ -172,10 +172,10 @@ class Hub:
             del self.by_group[g]
             await self.subscriber.remove(keys.group_channel(g))
 
-    async def no_longer_member(self, *, group: GroupId, user: UserId) -> None:
-        """The member cache says ``user`` left ``group`` and this hub did not hear it (a note lost to a
+    async def no_longer_member(self, *, group_id: GroupId, user_id: UserId) -> None:
+        """The member cache says ``user_id`` left ``group_id`` and this hub did not hear it (a note lost to a
         subscriber reconnect or a failover): act as the note would have."""
-        await self._membership_changed(group, [user], "removed")
+        await self._membership_changed(group_id, [user_id], "removed")
 
     async def recheck_members(self, pairs: list[tuple[GroupId, UserId]]) -> None:
         """Check these (group, user) pairs against the member cache at once (one pipeline): each the cache
@@ -185,7 +185,7 @@ class Hub:
         )
         for (g, u), member in zip(pairs, still, strict=True):
             if not member:
-                await self.no_longer_member(group=g, user=u)
+                await self.no_longer_member(group_id=g, user_id=u)
 
     async def _recheck_members(self) -> None:
         """After this hub was not listening, check every (group, user) it serves: a removal whose note it
@@ -312,11 +312,11 @@ class Hub:
         if not conns:
             return
         if kind == "finished":
-            self.packet_cache.mark_closed(group=g, packet_id=PacketId(int(data["packet_id"])))
+            self.packet_cache.mark_closed(group_id=g, packet_id=PacketId(int(data["packet_id"])))
         packet = None
         if kind == "packet":
             packet = PacketId(int(data["packet_id"]))
-            self.packet_cache.mark_announced(group=g, packet_id=packet)
+            self.packet_cache.mark_known(group_id=g, packet_id=packet)
         job = _FanOut(g, offset_key(offset), protocol.event(g, offset, kind, data), list(conns), packet)
         self._fanouts.append(job)
         if len(self._fanouts) == 1:

@@ -62,14 +62,14 @@ class Closed:
     generation: int
 
 
-def local_refusal(c: Closed, now_ms: int, *, group: GroupId, user: UserId) -> str | None:
-    """The error code the grab script would answer ``user`` for this closed packet, or None when only
+def local_refusal(c: Closed, now_ms: int, *, group_id: GroupId, user_id: UserId) -> str | None:
+    """The error code the grab script would answer ``user_id`` for this closed packet, or None when only
     Redis can answer (a winner's own share, or a packet of another group)."""
-    if c.group != group or user in c.winners:
+    if c.group != group_id or user_id in c.winners:
         return None
     if c.closed or now_ms >= c.expires_ms:
         return errors.PACKET_EXPIRED
-    if c.target is not None and c.target != user:
+    if c.target is not None and c.target != user_id:
         return errors.NOT_TARGET
     if c.empty:
         return errors.PACKET_EMPTY
@@ -162,53 +162,53 @@ class PacketCache:
         waiting = sum(len(f.waiting) for f in self.flights.values())
         return len(self.flights), waiting, hot.remaining or 0
 
-    def refusal(self, *, group: GroupId, packet_id: PacketId, user: UserId) -> str | None:
+    def refusal(self, *, group_id: GroupId, packet_id: PacketId, user_id: UserId) -> str | None:
         """The grab's answer if this hub can give it without Redis, else None."""
         c = self.closed.get(packet_id)
         if c is not None:
             if c.generation != self.core.repairs.generation:
                 del self.closed[packet_id]
                 return None
-            code = local_refusal(c, int(time.time() * 1000), group=group, user=user)
+            code = local_refusal(c, int(time.time() * 1000), group_id=group_id, user_id=user_id)
         else:
-            until = self.unknown.get((group, packet_id))
+            until = self.unknown.get((group_id, packet_id))
             if until is None:
                 return None
             if until < time.monotonic():
-                del self.unknown[(group, packet_id)]
+                del self.unknown[(group_id, packet_id)]
                 return None
             code = errors.PACKET_NOT_FOUND
         return code
 
-    def mark_closed(self, *, group: GroupId, packet_id: PacketId) -> None:
+    def mark_closed(self, *, group_id: GroupId, packet_id: PacketId) -> None:
         """The packet can no longer be won: read its final state once, in the background."""
         if packet_id in self.closed or packet_id in self._loading:
             return
         self._loading[packet_id] = asyncio.get_running_loop().create_task(
-            self._load(group=group, packet_id=packet_id)
+            self._load(group_id=group_id, packet_id=packet_id)
         )
 
-    def mark_unknown(self, *, group: GroupId, packet_id: PacketId) -> None:
-        self.unknown[(group, packet_id)] = time.monotonic() + UNKNOWN_SECONDS
-        self.unknown.move_to_end((group, packet_id))
+    def mark_unknown(self, *, group_id: GroupId, packet_id: PacketId) -> None:
+        self.unknown[(group_id, packet_id)] = time.monotonic() + UNKNOWN_SECONDS
+        self.unknown.move_to_end((group_id, packet_id))
         while len(self.unknown) > self.remember:
             self.unknown.popitem(last=False)
 
-    def mark_announced(self, *, group: GroupId, packet_id: PacketId) -> None:
+    def mark_known(self, *, group_id: GroupId, packet_id: PacketId) -> None:
         """A packet was announced (or sent here): its id is no longer unknown."""
-        self.unknown.pop((group, packet_id), None)
+        self.unknown.pop((group_id, packet_id), None)
 
-    async def _load(self, *, group: GroupId, packet_id: PacketId) -> None:
+    async def _load(self, *, group_id: GroupId, packet_id: PacketId) -> None:
         closed = False
         try:
-            closed = await self._read(group=group, packet_id=packet_id)
+            closed = await self._read(group_id=group_id, packet_id=packet_id)
         finally:
             self._loading.pop(packet_id, None)
             self._release(packet_id, closed)
 
-    async def _read(self, *, group: GroupId, packet_id: PacketId) -> bool:
+    async def _read(self, *, group_id: GroupId, packet_id: PacketId) -> bool:
         generation = self.core.repairs.generation
-        meta_key, shares_key, grabs_key, _ = keys.packet_keys(group_id=group, packet_id=packet_id)
+        meta_key, shares_key, grabs_key, _ = keys.packet_keys(group_id=group_id, packet_id=packet_id)
         call = self.core.batcher.call
         try:
             meta, left, winners = await asyncio.gather(
@@ -218,11 +218,11 @@ class PacketCache:
             )
         except Exception:
             return False  # Redis is away: grabs go to Redis, which answers them when it is back
-        if meta[0] is None or int(meta[0]) != group or generation != self.core.repairs.generation:
+        if meta[0] is None or int(meta[0]) != group_id or generation != self.core.repairs.generation:
             return False
         expires_ms = int(meta[1])
         c = Closed(
-            group=group,
+            group=group_id,
             winners=frozenset(UserId(int(u)) for u in winners),
             expires_ms=expires_ms,
             target=UserId(int(meta[2])) if meta[2] else None,

@@ -148,7 +148,7 @@ async def on_send(s: Session, body: Body) -> Message:
         request_id=request_id,
     )
     # Paid for and saved: announced now, or (offset null) by a retry or a worker once Redis is back.
-    s.hub.packet_cache.mark_announced(group=group, packet_id=p.packet_id)
+    s.hub.packet_cache.mark_known(group_id=group, packet_id=p.packet_id)
     offset = await announce.announce_packet(s.core, p)
     if offset is not None and not p.replay:
         s.hub.metrics.events_published.inc()
@@ -162,33 +162,33 @@ def on_grab(s: Session, body: Body) -> Answer | Later:
     try:
         group = s.member_of(body)
         packet_id = PacketId(field_id(body, "packet", errors.PACKET_NOT_FOUND))
-        _record_attempt(s, group=group, packet_id=packet_id)
+        _record_attempt(s, group_id=group, packet_id=packet_id)
     except RedPacketError as e:
         metrics.grab_outcomes.labels(e.code).inc()
         raise
     # A packet this hub knows to be closed (or no packet at all) is answered from memory.
-    _refuse_if_known(s, group=group, packet_id=packet_id)
+    _refuse_if_known(s, group_id=group, packet_id=packet_id)
     # In a storm, grabs beyond the shares left wait their turn (no task each); most are then answered
     # from memory when the packet empties.
     turn = kp.admit(packet_id)
     if turn is True:
-        return _grab(s, started, group=group, packet_id=packet_id)
+        return _grab(s, started, group_id=group, packet_id=packet_id)
 
     def answer(admitted: bool) -> Answer:
         if not admitted:
-            _refuse_if_known(s, started, group=group, packet_id=packet_id)
+            _refuse_if_known(s, started, group_id=group, packet_id=packet_id)
             # A winner (only Redis answers their share), or the state could not be read.
             kp.admit_anyway(packet_id)
-        return _grab(s, started, group=group, packet_id=packet_id)
+        return _grab(s, started, group_id=group, packet_id=packet_id)
 
     assert not isinstance(turn, bool)
     return Later(turn, answer)
 
 
 def _refuse_if_known(
-    s: Session, started: float | None = None, *, group: GroupId, packet_id: PacketId
+    s: Session, started: float | None = None, *, group_id: GroupId, packet_id: PacketId
 ) -> None:
-    refusal = s.hub.packet_cache.refusal(group=group, packet_id=packet_id, user=s.conn.user_id)
+    refusal = s.hub.packet_cache.refusal(group_id=group_id, packet_id=packet_id, user_id=s.conn.user_id)
     if refusal is None:
         return
     metrics = s.hub.metrics
@@ -202,33 +202,37 @@ def _refuse_if_known(
 _OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
 
 
-async def _grab(s: Session, started: float, *, group: GroupId, packet_id: PacketId) -> Message:
+async def _grab(s: Session, started: float, *, group_id: GroupId, packet_id: PacketId) -> Message:
     """The grab in Redis, with a slot of the packet's flight (``PacketCache.admit``) already taken."""
     metrics = s.hub.metrics
     kp = s.hub.packet_cache
     remaining: int | None = None
     try:
-        r = await grabs.grab(s.core, packet_id=packet_id, group_id=group, user_id=s.conn.user_id, gate=True)
+        r = await grabs.grab(
+            s.core, packet_id=packet_id, group_id=group_id, user_id=s.conn.user_id, gate=True
+        )
         remaining = r.remaining
         if remaining == 0:
-            kp.mark_closed(group=group, packet_id=packet_id)
+            kp.mark_closed(group_id=group_id, packet_id=packet_id)
     except RedPacketError as e:
         metrics.grab_outcomes.labels(_OUTCOMES.get(e.code, e.code)).inc()
         if e.code in _OUTCOMES:
             remaining = 0
-            kp.mark_closed(group=group, packet_id=packet_id)
+            kp.mark_closed(group_id=group_id, packet_id=packet_id)
         elif e.code == errors.PACKET_NOT_FOUND:
-            kp.mark_unknown(group=group, packet_id=packet_id)
+            kp.mark_unknown(group_id=group_id, packet_id=packet_id)
         raise
     finally:
         kp.answered(packet_id, remaining)
         metrics.grab_seconds.observe(time.perf_counter() - started)
     metrics.grab_outcomes.labels(r.outcome).inc()
     if r.outcome == "won":
-        s.hub.announcer.grabbed(r.grab, r.remaining, group=group, packet_id=packet_id)
+        s.hub.announcer.grabbed(r.grab, r.remaining, group_id=group_id, packet_id=packet_id)
         if r.remaining == 0:
             # Exactly one grab empties a packet: it announces the result, after the grabs.
-            s.hub.spawn(s.hub.announcer.finished(group=group, packet_id=packet_id, viewer=s.conn.user_id))
+            s.hub.spawn(
+                s.hub.announcer.finished(group_id=group_id, packet_id=packet_id, viewer_id=s.conn.user_id)
+            )
     g = r.grab
     return {
         "packet": packet_id,
@@ -241,12 +245,12 @@ async def _grab(s: Session, started: float, *, group: GroupId, packet_id: Packet
     }
 
 
-def _record_attempt(s: Session, *, group: GroupId, packet_id: PacketId) -> None:
+def _record_attempt(s: Session, *, group_id: GroupId, packet_id: PacketId) -> None:
     """For the bot detector: who grabbed what, how long after this socket was shown it."""
     shown = s.conn.announced.get(packet_id)
     now = int(time.time() * 1000)
     reaction = None if shown is None else now - shown
-    s.hub.attempts.record(Attempt(s.conn.user_id, group, packet_id, reaction, s.conn.device, now))
+    s.hub.attempts.record(Attempt(s.conn.user_id, group_id, packet_id, reaction, s.conn.device, now))
 
 
 def grab_dict(g: grabs.Grab) -> dict[str, object]:

@@ -71,7 +71,7 @@ class Session:
         member, and takes its sockets out of the group as the note would have."""
         group = self.member_of(body)
         if not await self.core.membership.is_member(group_id=group, user_id=self.conn.user_id):
-            await self.hub.no_longer_member(group=group, user=self.conn.user_id)
+            await self.hub.no_longer_member(group_id=group, user_id=self.conn.user_id)
             raise Forbidden(errors.NOT_MEMBER, f"you are not a member of group {group}")
         return group
 

@@ -1,7 +1,7 @@
 """Announcing packets: a sent packet to its group exactly once, whatever fails in between.
 
 A send commits the debit and the packet before anything is published (``packets.send_packet``). Then the
-packet's ``packet`` event is published with a once-key in the group's slot (``events.Once``), and
+packet's ``packet`` event is published with a once-key in the group's slot (``scriptcalls.Once``), and
 ``red_packets.announced_ms`` is set. If Redis fails between the commit and the publish, the packet stays
 unannounced in the database; it is announced
 

@@ -57,7 +57,7 @@ class Packet:
     published: bool = True
     # True when ``request_id`` matched an earlier send: nothing new was debited.
     replay: bool = False
-    # When its event was published to the group (``server.hub.announce``); None until then.
+    # When its event was published to the group (``server.live.announce``); None until then.
     announced_ms: int | None = None
 
 
@@ -136,7 +136,7 @@ async def send_packet(
     one made here (``new_request_id``), so the database's own run again after a lost COMMIT answer pays
     once too. Redis must answer first (``redis_unavailable`` otherwise, and nothing is debited): a packet
     is sent only when it can be put up at once. Cancelled before the commit: nothing is written; after
-    it: the packet exists, ``published`` or not, and ``server.hub.announce`` (the sender's retry, or a
+    it: the packet exists, ``published`` or not, and ``server.live.announce`` (the sender's retry, or a
     worker) puts it up and announces it.
     """
     req = validate_request(kind, total, count, greeting, target_user_id, core.limits)

@@ -120,8 +120,8 @@ class Rig:
         assert all(isinstance(t, asyncio.Future) and not t.done() for t in turns)
         return cast(list[asyncio.Future[bool]], turns)
 
-    def refusal(self, user: int, *, group: int = GROUP, packet_id: int = PACKET) -> str | None:
-        return self.cache.refusal(group=group, packet_id=packet_id, user=user)
+    def refusal(self, user: int, *, group_id: int = GROUP, packet_id: int = PACKET) -> str | None:
+        return self.cache.refusal(group_id=group_id, packet_id=packet_id, user_id=user)
 
 
 def make_rig(clock: Clock, remember: int = 10_000) -> Rig:
@@ -211,7 +211,7 @@ async def test_waiting_grabs_of_an_emptied_packet_are_answered_from_its_final_st
     rig.batcher.gate.clear()  # the final state is on its way
     rig.fill()
     waiting = rig.wait(3)
-    rig.cache.mark_closed(group=GROUP, packet_id=PACKET)
+    rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)
     rig.cache.answered(packet_id=PACKET, remaining=0)
     assert not any(t.done() for t in waiting)  # they wait for the final state, not for Redis
     rig.batcher.gate.set()
@@ -223,13 +223,13 @@ async def test_waiting_grabs_of_an_emptied_packet_are_answered_from_its_final_st
         rig.cache.answered(packet_id=PACKET, remaining=0)
     assert rig.cache.flights == {}
     reads = rig.batcher.reads
-    rig.cache.mark_closed(group=GROUP, packet_id=PACKET)  # seen closed again: not read again
+    rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)  # seen closed again: not read again
     assert rig.batcher.reads == reads == 3
 
 
 async def test_once_the_final_state_is_known_an_empty_answer_refuses_the_waiting_at_once(rig: Rig) -> None:
     rig.packet(left=0)
-    rig.cache.mark_closed(group=GROUP, packet_id=PACKET)
+    rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)
     await until(lambda: rig.refusal(LATE) is not None)
     rig.fill()
     waiting = rig.wait(2)
@@ -242,7 +242,7 @@ async def test_waiting_grabs_go_to_redis_when_the_final_state_cannot_be_read(rig
     rig.batcher.down = True
     rig.fill()
     waiting = rig.wait(2)
-    rig.cache.mark_closed(group=GROUP, packet_id=PACKET)
+    rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)
     rig.cache.answered(packet_id=PACKET, remaining=0)
     assert await settled(waiting) == [True, True]
     assert rig.refusal(LATE) is None
@@ -264,11 +264,13 @@ async def test_a_closed_packet_is_refused_locally_as_the_grab_script_would(
     rig: Rig, packet: dict[str, Any], later_s: float, user: int, code: str | None
 ) -> None:
     rig.packet(**packet)
-    rig.cache.mark_closed(group=GROUP, packet_id=PACKET)
+    rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)
     await until(lambda: PACKET in rig.cache.closed)
     rig.clock.advance(later_s)
     assert rig.refusal(user) == code
-    assert rig.refusal(user, group=GROUP + 1) is None  # asked in another group: Redis says "no such packet"
+    assert (
+        rig.refusal(user, group_id=GROUP + 1) is None
+    )  # asked in another group: Redis says "no such packet"
 
 
 async def test_a_packet_still_open_or_of_another_group_is_not_kept(rig: Rig) -> None:
@@ -276,7 +278,7 @@ async def test_a_packet_still_open_or_of_another_group_is_not_kept(rig: Rig) -> 
         rig.packet(**what)
         rig.fill()
         waiting = rig.wait(1)
-        rig.cache.mark_closed(group=GROUP, packet_id=PACKET)
+        rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)
         rig.cache.answered(packet_id=PACKET, remaining=0)
         assert await settled(waiting) == [True], what  # nothing to answer from: on to Redis
         assert rig.refusal(LATE) is None, what
@@ -295,7 +297,7 @@ def test_every_code_a_closed_packet_can_be_answered_with() -> None:
     )
 
     def answer(closed: Closed, *, group: int = GROUP, user: int = LATE, now_ms: int = 5_000) -> str | None:
-        return local_refusal(closed, group=group, user=user, now_ms=now_ms)
+        return local_refusal(closed, group_id=group, user_id=user, now_ms=now_ms)
 
     assert answer(c) == errors.PACKET_EMPTY
     assert answer(c, now_ms=9_999) == errors.PACKET_EMPTY
@@ -315,14 +317,14 @@ def test_every_code_a_closed_packet_can_be_answered_with() -> None:
 
 async def test_a_new_generation_forgets_what_was_read_and_the_packet_is_read_again(rig: Rig) -> None:
     rig.packet(left=0)
-    rig.cache.mark_closed(group=GROUP, packet_id=PACKET)
+    rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)
     await until(lambda: rig.refusal(LATE) is not None)
     rig.repairs.generation += 1  # Redis restarted or failed over: shares may be back
     assert rig.refusal(LATE) is None
     rig.repairs.generation -= 1  # forgotten, not merely hidden
     assert rig.refusal(LATE) is None and PACKET not in rig.cache.closed
     rig.repairs.generation += 1
-    rig.cache.mark_closed(group=GROUP, packet_id=PACKET)
+    rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)
     await until(lambda: rig.refusal(LATE) is not None)
     assert rig.refusal(LATE) == errors.PACKET_EMPTY and rig.batcher.reads == 6
 
@@ -336,7 +338,7 @@ async def test_a_read_the_generation_moved_under_is_not_kept(rig: Rig) -> None:
     rig.batcher.on_read = failover
     rig.fill()
     waiting = rig.wait(1)
-    rig.cache.mark_closed(group=GROUP, packet_id=PACKET)
+    rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)
     rig.cache.answered(packet_id=PACKET, remaining=0)
     assert await settled(waiting) == [True]
     assert rig.refusal(LATE) is None and rig.cache.closed == {}
@@ -346,7 +348,7 @@ async def test_the_closed_packets_kept_are_bounded_oldest_first(clock: Clock) ->
     rig = make_rig(clock, remember=2)
     for packet_id in (1, 2, 3):
         rig.packet(packet_id=packet_id, left=0)
-        rig.cache.mark_closed(group=GROUP, packet_id=packet_id)
+        rig.cache.mark_closed(group_id=GROUP, packet_id=packet_id)
         await until(lambda p=packet_id: p in rig.cache.closed)
     assert [rig.refusal(LATE, packet_id=p) for p in (1, 2, 3)] == [
         None,
@@ -361,9 +363,9 @@ async def test_the_closed_packets_kept_are_bounded_oldest_first(clock: Clock) ->
 
 def test_an_unknown_id_is_refused_for_unknown_seconds_in_its_group_only(rig: Rig) -> None:
     assert rig.refusal(LATE) is None  # never looked up: the database is asked
-    rig.cache.mark_unknown(group=GROUP, packet_id=PACKET)
+    rig.cache.mark_unknown(group_id=GROUP, packet_id=PACKET)
     assert rig.refusal(LATE) == errors.PACKET_NOT_FOUND
-    assert rig.refusal(LATE, group=GROUP + 1) is None  # the same id in another group is another question
+    assert rig.refusal(LATE, group_id=GROUP + 1) is None  # the same id in another group is another question
     rig.clock.advance(UNKNOWN_SECONDS)
     assert rig.refusal(LATE) == errors.PACKET_NOT_FOUND
     rig.clock.advance(0.001)
@@ -374,22 +376,22 @@ def test_an_unknown_id_is_refused_for_unknown_seconds_in_its_group_only(rig: Rig
 def test_unknown_ids_are_bounded_and_the_least_recent_is_forgotten_first(clock: Clock) -> None:
     rig = make_rig(clock, remember=3)
     for packet_id in range(1, 1_000):
-        rig.cache.mark_unknown(group=GROUP, packet_id=packet_id)
+        rig.cache.mark_unknown(group_id=GROUP, packet_id=packet_id)
         assert len(rig.cache.unknown) <= 3
     found = {p for p in range(1, 1_000) if rig.refusal(LATE, packet_id=p) == errors.PACKET_NOT_FOUND}
     assert found == {997, 998, 999}
     rig = make_rig(clock, remember=3)
     for packet_id in (1, 2, 3):
-        rig.cache.mark_unknown(group=GROUP, packet_id=packet_id)
-    rig.cache.mark_unknown(group=GROUP, packet_id=1)  # seen again: the most recent now
-    rig.cache.mark_unknown(group=GROUP, packet_id=4)
+        rig.cache.mark_unknown(group_id=GROUP, packet_id=packet_id)
+    rig.cache.mark_unknown(group_id=GROUP, packet_id=1)  # seen again: the most recent now
+    rig.cache.mark_unknown(group_id=GROUP, packet_id=4)
     assert [rig.refusal(LATE, packet_id=p) is not None for p in (1, 2, 3, 4)] == [True, False, True, True]
 
 
 def test_an_announced_packet_is_no_longer_unknown(rig: Rig) -> None:
-    rig.cache.mark_unknown(group=GROUP, packet_id=PACKET)
-    rig.cache.mark_unknown(group=GROUP + 1, packet_id=PACKET)
-    rig.cache.mark_announced(group=GROUP, packet_id=PACKET)
+    rig.cache.mark_unknown(group_id=GROUP, packet_id=PACKET)
+    rig.cache.mark_unknown(group_id=GROUP + 1, packet_id=PACKET)
+    rig.cache.mark_known(group_id=GROUP, packet_id=PACKET)
     assert rig.refusal(LATE) is None
-    assert rig.refusal(LATE, group=GROUP + 1) == errors.PACKET_NOT_FOUND
-    rig.cache.mark_announced(group=GROUP, packet_id=PACKET + 1)  # never unknown: nothing to forget
+    assert rig.refusal(LATE, group_id=GROUP + 1) == errors.PACKET_NOT_FOUND
+    rig.cache.mark_known(group_id=GROUP, packet_id=PACKET + 1)  # never unknown: nothing to forget
