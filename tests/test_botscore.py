@@ -14,7 +14,7 @@ RULES = Rules()
 
 
 def a(user: int, reaction: int | None = 900, device: str = "", ms: int = NOW, group: int = 1) -> Attempt:
-    return Attempt(user, group, 1, reaction, device or f"d{user}", ms)
+    return Attempt(user=user, group=group, packet=1, reaction_ms=reaction, device=device or f"d{user}", ms=ms)
 
 
 def test_humans_are_left_alone() -> None:

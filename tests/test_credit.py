@@ -10,7 +10,6 @@ from server import errors
 from server.core import Core
 from server.errors import Conflict
 from server.money import grabs, ledger, packets
-from server.money.ledger import Credit
 from server.store import keys
 from server.store.records import CreditEntry, GrabRecord
 from server.store.scriptcalls import run_alone
@@ -111,7 +110,7 @@ async def test_a_credit_run_twice_pays_once(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=1)
     g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
-    c = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
+    c = CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
     assert await ledger.credit_grab(core.db, c) == "credited"
     assert await ledger.credit_grab(core.db, c) == "already"
     assert await run_worker(core) == 1  # the recorded credit is handled too, and pays nothing more
@@ -125,7 +124,7 @@ async def test_concurrent_duplicate_credits_pay_once(core: Core) -> None:
     w = await make_world(core, members=1, admin_cents=10_000)
     p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="equal", total=700, count=1)
     g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
-    c = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
+    c = CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
     outcomes = await asyncio.gather(*(ledger.credit_grab(core.db, c) for _ in range(8)))
     assert sorted(outcomes) == ["already"] * 7 + ["credited"]
     assert await ledger.balance(core.db, w.members[0]) == 700
@@ -139,11 +138,11 @@ async def test_the_database_refuses_what_redis_cannot_prove(core: Core, lie: str
     )
     a = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     b = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[1])).grab
-    await ledger.credit_grab(core.db, Credit(p.packet_id, a.user_id, a.seq, a.amount, a.grabbed_ms))
+    await ledger.credit_grab(core.db, CreditEntry(p.packet_id, a.user_id, a.seq, a.amount, a.grabbed_ms))
     bad = {
-        "amount": Credit(p.packet_id, b.user_id, b.seq, b.amount + 1, b.grabbed_ms),
-        "seq_of_other": Credit(p.packet_id, b.user_id, a.seq, a.amount, b.grabbed_ms),
-        "user_of_other": Credit(p.packet_id, a.user_id, b.seq, b.amount, b.grabbed_ms),
+        "amount": CreditEntry(p.packet_id, b.user_id, b.seq, b.amount + 1, b.grabbed_ms),
+        "seq_of_other": CreditEntry(p.packet_id, b.user_id, a.seq, a.amount, b.grabbed_ms),
+        "user_of_other": CreditEntry(p.packet_id, a.user_id, b.seq, b.amount, b.grabbed_ms),
     }[lie]
     with pytest.raises(Conflict) as e:
         await ledger.credit_grab(core.db, bad)
@@ -162,7 +161,7 @@ async def test_no_credit_lands_on_a_refunded_packet(core: Core) -> None:
         idempotent=True,
     )
     with pytest.raises(Conflict) as e:
-        await ledger.credit_grab(core.db, Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms))
+        await ledger.credit_grab(core.db, CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms))
     assert e.value.code == errors.PACKET_EXPIRED
     assert await ledger.balance(core.db, w.members[0]) == 0
 
@@ -185,7 +184,7 @@ async def test_a_packet_is_finished_by_the_transaction_that_credits_its_last_sha
             (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
             for u in w.members
         ]
-        credits = [Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms) for g in gs]
+        credits = [CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms) for g in gs]
         assert await credit_many(core.db, credits[:2]) == ["credited", "credited"]
         assert await _status(core, p.packet_id) == ("active", None)
         if last_alone:

@@ -12,15 +12,15 @@ from server import errors
 from server.core import Core
 from server.money import grabs, ledger, packets
 from server.money.crediting import credit_many
-from server.money.ledger import Credit
 from server.money.reconcile import reconcile
 from server.store.db import Tx
+from server.store.records import CreditEntry
 from tests.conftest import make_world
 from tests.test_credit import assert_books_balance
 from worker.drain import CreditDrain
 
 
-async def _grabs(core: Core, members: int, total: int) -> tuple[int, list[Credit], list[int]]:
+async def _grabs(core: Core, members: int, total: int) -> tuple[int, list[CreditEntry], list[int]]:
     w = await make_world(core, members=members, admin_cents=100_000)
     p = await packets.send_packet(
         core, sender_id=w.admin, group_id=w.group, kind="lucky", total=total, count=members
@@ -28,7 +28,7 @@ async def _grabs(core: Core, members: int, total: int) -> tuple[int, list[Credit
     credits = []
     for u in w.members:
         g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
-        credits.append(Credit(p.packet_id, u, g.seq, g.amount, g.grabbed_ms))
+        credits.append(CreditEntry(p.packet_id, u, g.seq, g.amount, g.grabbed_ms))
     return p.packet_id, credits, w.members
 
 
@@ -40,8 +40,10 @@ async def test_a_mixed_batch_pays_each_share_once(core: Core) -> None:
         first,  # already
         second,
         second,  # the same grab twice in one batch
-        Credit(pid, third.user_id, third.seq, third.amount + 1, third.grabbed_ms),  # not the pre-split amount
-        Credit(pid, third.user_id, second.seq, second.amount, third.grabbed_ms),  # someone else's share
+        CreditEntry(
+            pid, third.user_id, third.seq, third.amount + 1, third.grabbed_ms
+        ),  # not the pre-split amount
+        CreditEntry(pid, third.user_id, second.seq, second.amount, third.grabbed_ms),  # someone else's share
         *rest,
     ]
     outcomes = await credit_many(core.db, batch)
@@ -139,7 +141,7 @@ async def test_a_clash_on_the_unique_keys_inside_a_batch_pays_each_share_once(
     await assert_books_balance(core)
 
 
-def _pay_behind_the_lock(database_url: str, c: Credit) -> int:
+def _pay_behind_the_lock(database_url: str, c: CreditEntry) -> int:
     """Pay ``c`` on a connection of its own, as a payer that skips the packet's row lock would."""
     u = urlparse(database_url)
     conn = pymysql.connect(
@@ -189,10 +191,10 @@ async def test_a_batch_refuses_a_second_share_for_a_user_and_any_share_of_a_refu
         )
 
     await core.db.run(refund, idempotent=False)
-    late = Credit(
+    late = CreditEntry(
         refunded.packet_id, members[1], 1, await _share(core, refunded.packet_id, 1), first.grabbed_ms
     )
-    greedy = Credit(
+    greedy = CreditEntry(
         pid, first.user_id, third.seq, third.amount, first.grabbed_ms
     )  # first holds a share already
     outcomes = await credit_many(core.db, [greedy, second, late, fourth])

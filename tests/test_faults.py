@@ -23,9 +23,9 @@ import redis
 from server.core import Core, open_core
 from server.money import grabs, ledger, packets
 from server.money.crediting import credit_many
-from server.money.ledger import Credit
 from server.money.reconcile import reconcile
 from server.store import keys
+from server.store.records import CreditEntry
 from tests.conftest import make_world
 from tests.hubtools import eventually, worker_env
 from tests.redisproc import needs_redis_server, redis_process
@@ -42,10 +42,10 @@ async def _paid(core: Core) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), int(row[2])
 
 
-async def _storm(core: Core, members: int) -> tuple[int, list[int], list[Credit]]:
+async def _storm(core: Core, members: int) -> tuple[int, list[int], list[CreditEntry]]:
     """A world, ten 100-share packets, and every member grabbing every packet (the credits queued)."""
     w = await make_world(core, members=members, admin_cents=1_000_000)
-    credits: list[Credit] = []
+    credits: list[CreditEntry] = []
     for _ in range(10):
         p = await packets.send_packet(
             core, sender_id=w.admin, group_id=w.group, kind="lucky", total=10_000, count=members
@@ -54,7 +54,8 @@ async def _storm(core: Core, members: int) -> tuple[int, list[int], list[Credit]
             *(grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u) for u in w.members)
         )
         credits += [
-            Credit(p.packet_id, r.grab.user_id, r.grab.seq, r.grab.amount, r.grab.grabbed_ms) for r in results
+            CreditEntry(p.packet_id, r.grab.user_id, r.grab.seq, r.grab.amount, r.grab.grabbed_ms)
+            for r in results
         ]
     return w.group, w.members, credits
 
@@ -137,7 +138,7 @@ async def test_a_database_connection_killed_mid_transaction(
     caplog.set_level(logging.WARNING, logger="server.store.db")  # Database.run says when it runs again
     raised: list[Exception] = []
 
-    async def credit(batch: list[Credit], first_try: asyncio.Task[list[str]] | None = None) -> None:
+    async def credit(batch: list[CreditEntry], first_try: asyncio.Task[list[str]] | None = None) -> None:
         """Credit ``batch`` as the worker's caller does: again while it fails (20 tries)."""
         for _ in range(20):
             try:

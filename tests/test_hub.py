@@ -566,9 +566,11 @@ async def test_what_a_client_words_its_messages_with(hub_settings: Settings) -> 
 async def test_grab_attempts_are_written_one_stream_entry_per_interval(h: HubUnderTest) -> None:
     log = bots.AttemptLog(h.core, interval=3600)  # only an explicit flush writes
     now = now_ms()
-    log.record(Attempt(1, 2, 3, None, "d", now - 120_000))  # outside the detector's minute
+    log.record(
+        Attempt(user=1, group=2, packet=3, reaction_ms=None, device="d", ms=now - 120_000)
+    )  # outside the detector's minute
     for i in range(500):
-        log.record(Attempt(10 + i, 2, 3, 50, "phone", now - i))
+        log.record(Attempt(user=10 + i, group=2, packet=3, reaction_ms=50, device="phone", ms=now - i))
     before = int(await h.core.redis.xlen(keys.grab_attempts()))
     await log.close()
     assert int(await h.core.redis.xlen(keys.grab_attempts())) == before + 1
@@ -588,19 +590,21 @@ async def test_grab_attempts_a_redis_away_could_not_take_are_written_once_it_is_
         log = bots.AttemptLog(c, interval=0.05)
         now = now_ms()
         await r.kill()
-        log.record(Attempt(99, 2, 3, 40, "tablet", now - 120_000))  # past the detector's minute
+        log.record(
+            Attempt(user=99, group=2, packet=3, reaction_ms=40, device="tablet", ms=now - 120_000)
+        )  # past the detector's minute
         for i in range(3):
-            log.record(Attempt(100 + i, 2, 3, 40, "tablet", now - i))
+            log.record(Attempt(user=100 + i, group=2, packet=3, reaction_ms=40, device="tablet", ms=now - i))
         await eventually(lambda: log.failures >= 3, timeout=30)
         assert sorted(cast(int, a[0]) for a in log.pending) == [100, 101, 102]
         assert log.pause >= bots.RETRY_AFTER[2] > log.interval  # not tried again every interval
-        log.record(Attempt(103, 2, 3, 40, "tablet", now))
+        log.record(Attempt(user=103, group=2, packet=3, reaction_ms=40, device="tablet", ms=now))
         await r.start()
         await eventually(lambda: log.failures == 0 and not log.pending, timeout=30)  # a write went out
         seen = [a for a in await bots.recent_attempts(c, now) if a.device == "tablet"]
         assert sorted(a.user for a in seen) == [100, 101, 102, 103]
         await log.close()
-        log.record(Attempt(104, 2, 3, 40, "tablet", now))
+        log.record(Attempt(user=104, group=2, packet=3, reaction_ms=40, device="tablet", ms=now))
         assert log.timer is None  # closed: nothing is written any more
 
 

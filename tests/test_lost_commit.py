@@ -12,10 +12,10 @@ import pytest
 from server.core import Core, transient
 from server.money import grabs, groups, ledger, packets, settlement
 from server.money.crediting import credit_many
-from server.money.ledger import Credit
 from server.money.reconcile import reconcile
 from server.store import keys
 from server.store.db import DatabaseError, OutcomeUnknown, RetryableError, Unreachable, connect
+from server.store.records import CreditEntry
 from tests.conftest import make_world
 from tests.dbproxy import MySQLProxy, core_behind_proxy
 from tests.test_credit import assert_books_balance
@@ -101,7 +101,7 @@ async def test_a_credit_batch_whose_commit_answer_is_lost_pays_once_and_counts_a
     credits = []
     for u in w.members:
         g = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
-        credits.append(Credit(p.packet_id, u, g.seq, g.amount, g.grabbed_ms, w.group))
+        credits.append(CreditEntry(p.packet_id, u, g.seq, g.amount, g.grabbed_ms, w.group))
     await credit_many(c.db, credits[:1])  # another worker's credit: "already" stays "already"
     proxy.lose_commit_answers(1)
     outcomes = await credit_many(c.db, credits)
@@ -151,7 +151,7 @@ async def test_a_single_credit_whose_commit_answer_is_lost_counts_as_credited(
     w = await make_world(c, members=2, admin_cents=10_000)
     p = await packets.send_packet(c, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=2)
     g = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
-    credit = Credit(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
+    credit = CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
     proxy.lose_commit_answers(1)
     assert await ledger.credit_grab(c.db, credit) == "credited"  # this call paid it
     assert proxy.lost == 1

@@ -98,7 +98,14 @@ async def test_a_backends_scripted_clients_can_be_exempted(core: Core) -> None:
     exempt.check()
     assert await run_detector(dataclasses.replace(core, settings=exempt), now=now) == {}
     assert (await run_detector(core, now=now))[7].action == "block"
-    assert score([Attempt(7, 1, 1, 5, "", now)] * 3, Rules(exempt=exempt.bot_exempt_user_ids), now) == {}
+    assert (
+        score(
+            [Attempt(user=7, group=1, packet=1, reaction_ms=5, device="", ms=now)] * 3,
+            Rules(exempt=exempt.bot_exempt_user_ids),
+            now,
+        )
+        == {}
+    )
     with pytest.raises(ValueError, match="BOT_EXEMPT_USERS"):
         core.settings.replace(bot_exempt_users="seven").check()
 

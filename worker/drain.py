@@ -38,8 +38,9 @@ from redis.exceptions import ResponseError
 from server.core import Core
 from server.ids import GroupId, PacketId
 from server.money.crediting import credit_many
-from server.money.ledger import Credit, now_ms
+from server.money.ledger import now_ms
 from server.store import keys
+from server.store.records import CreditEntry
 from server.store.scriptcalls import AckCreditsCall, run
 from worker.metrics import WorkerMetrics
 
@@ -54,7 +55,7 @@ PAY_AT_ONCE = 500
 class Batch:
     """Outbox entries read together: per shard their ids, and the credits they name (shard, id, credit)."""
 
-    items: list[tuple[int, bytes, Credit]] = field(default_factory=list)
+    items: list[tuple[int, bytes, CreditEntry]] = field(default_factory=list)
     deleted: dict[int, list[bytes]] = field(default_factory=dict)  # pending ids whose entry is gone
 
     def __len__(self) -> int:
@@ -260,7 +261,7 @@ class CreditDrain:
             if not fields:
                 batch.deleted.setdefault(n, []).append(entry_id)
                 continue
-            batch.items.append((n, entry_id, Credit.parse(fields[b"c"])))
+            batch.items.append((n, entry_id, CreditEntry.parse(fields[b"c"])))
             self.holding[n].add(entry_id)
 
     async def _pay(self, taken: Batch) -> list[str]:
@@ -308,7 +309,9 @@ class CreditDrain:
         self.metrics.batch_size.observe(len(taken.items))
         acks: dict[int, list[bytes]] = {n: list(ids) for n, ids in taken.deleted.items()}
         # Per shard, per packet (group, packet): the paid credits, for Redis to agree with the ledger.
-        paid: dict[int, dict[tuple[GroupId, PacketId], list[Credit]]] = defaultdict(lambda: defaultdict(list))
+        paid: dict[int, dict[tuple[GroupId, PacketId], list[CreditEntry]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
         for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):
             acks.setdefault(n, []).append(entry_id)
             self.metrics.credits.labels(outcome if outcome in ("credited", "already") else "refused").inc()

@@ -250,7 +250,15 @@ def _record_attempt(s: Session, *, group_id: GroupId, packet_id: PacketId) -> No
     shown = s.conn.announced.get(packet_id)
     now = int(time.time() * 1000)
     reaction = None if shown is None else now - shown
-    s.hub.attempts.record(Attempt(s.conn.user_id, group_id, packet_id, reaction, s.conn.device, now))
+    attempt = Attempt(
+        user=s.conn.user_id,
+        group=group_id,
+        packet=packet_id,
+        reaction_ms=reaction,
+        device=s.conn.device,
+        ms=now,
+    )
+    s.hub.attempts.record(attempt)
 
 
 def grab_dict(g: grabs.Grab) -> dict[str, object]:

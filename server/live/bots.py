@@ -13,6 +13,7 @@ from typing import cast
 import msgpack
 
 from server.core import Core
+from server.ids import GroupId, PacketId, UserId
 from server.live.botscore import WINDOW_MS, Attempt, Decision, Rules, score
 from server.money.ledger import now_ms
 from server.store import keys
@@ -119,7 +120,16 @@ async def recent_attempts(core: Core, now: int, window_ms: int = WINDOW_MS) -> l
     for _, f in rows:
         for user, group, packet, reaction_ms, device, ms in msgpack.unpackb(f[b"a"]):
             if ms >= now - window_ms:
-                out.append(Attempt(user, group, packet, reaction_ms, device, ms))
+                out.append(
+                    Attempt(
+                        user=UserId(user),
+                        group=GroupId(group),
+                        packet=PacketId(packet),
+                        reaction_ms=reaction_ms,
+                        device=device,
+                        ms=ms,
+                    )
+                )
     return out
 
 

@@ -12,12 +12,16 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from server.ids import GroupId, PacketId, UserId
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class Attempt:
-    user: int
-    group: int
-    packet: int
+    """One grab attempt (built by name: three ids in a row are a swap waiting to happen)."""
+
+    user: UserId
+    group: GroupId
+    packet: PacketId
     reaction_ms: int | None  # None when the connection never saw the packet announced
     device: str
     ms: int

@@ -20,15 +20,18 @@ from typing import Literal
 
 from server import errors
 from server.errors import RedPacketError
-from server.money.ledger import Credit, credit_grab, finish_paid, grab_key, now_ms
+from server.money.ledger import credit_grab, finish_paid, grab_key, now_ms
 from server.store.db import Database, IntegrityError, Tx, as_text
+from server.store.records import CreditEntry
 
 Outcome = str  # "credited", "already", or the error code that refused it
 # Who refused a grab: the credit drain, a settlement (refund, sweeper), or a repair that dropped it.
 RefusedBy = Literal["drain", "settle", "repair"]
 
 
-async def credit_many(db: Database, credits: list[Credit], refused_by: RefusedBy = "drain") -> list[Outcome]:
+async def credit_many(
+    db: Database, credits: list[CreditEntry], refused_by: RefusedBy = "drain"
+) -> list[Outcome]:
     """Credit every grab in ``credits``; one outcome per credit, in order. A refusal is recorded before
     this returns (in the same transaction as the credits, or in one of its own on the fallback).
 
@@ -48,7 +51,7 @@ async def credit_many(db: Database, credits: list[Credit], refused_by: RefusedBy
         return out
 
 
-async def credit_or_record(db: Database, c: Credit, refused_by: RefusedBy) -> Outcome:
+async def credit_or_record(db: Database, c: CreditEntry, refused_by: RefusedBy) -> Outcome:
     """``ledger.credit_grab``, and a refusal recorded (``record_refusals``) before its code is returned."""
     try:
         return await credit_grab(db, c)
@@ -72,7 +75,7 @@ REFUSALS = frozenset(
 )
 
 
-async def record_refusals(tx: Tx, refused: list[tuple[Credit, str]], refused_by: RefusedBy) -> None:
+async def record_refusals(tx: Tx, refused: list[tuple[CreditEntry, str]], refused_by: RefusedBy) -> None:
     """Keep each (credit, code) in ``credit_refusals``, in the caller's transaction; a grab already
     recorded keeps its first record."""
     ts = now_ms()
@@ -91,7 +94,7 @@ def _marks(n: int) -> str:
     return ", ".join(["%s"] * n)
 
 
-async def _batch(tx: Tx, credits: list[Credit], refused_by: RefusedBy) -> list[Outcome]:
+async def _batch(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy) -> list[Outcome]:
     pids = sorted({c.packet_id for c in credits})
     lock = tx.dialect.share_lock
     # Exclusive, in id order: this batch may finish these packets, and two batches lock them in one order.
@@ -130,8 +133,8 @@ async def _batch(tx: Tx, credits: list[Credit], refused_by: RefusedBy) -> list[O
     mine = await _paid_by_this_call(tx, credits) if tx.resumed else set()
 
     out: list[Outcome] = []
-    inserts: list[Credit] = []
-    updates: list[Credit] = []
+    inserts: list[CreditEntry] = []
+    updates: list[CreditEntry] = []
     for c in credits:
         seq_key, user_key = (c.packet_id, c.seq), (c.packet_id, c.user_id)
         if c.packet_id not in status:
@@ -190,7 +193,7 @@ async def _batch(tx: Tx, credits: list[Credit], refused_by: RefusedBy) -> list[O
     return out
 
 
-async def _paid_by_this_call(tx: Tx, credits: list[Credit]) -> set[tuple[int, int]]:
+async def _paid_by_this_call(tx: Tx, credits: list[CreditEntry]) -> set[tuple[int, int]]:
     """(packet, seq) of the credits whose journal row this ``Database.run`` call wrote in an earlier run."""
     keys = {grab_key(c.packet_id, c.seq): (c.packet_id, c.seq) for c in credits}
     rows = await tx.fetchall(

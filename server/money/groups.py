@@ -272,20 +272,20 @@ class MemberCounts:
     def __init__(self, ttl: float = 2.0, limit: int = 10_000) -> None:
         self.ttl = ttl
         self.limit = limit
-        self._counts: dict[int, tuple[int, float]] = {}
+        self._counts: dict[GroupId, tuple[int, float]] = {}
 
-    def get(self, group_id: int) -> int | None:
+    def get(self, group_id: GroupId) -> int | None:
         hit = self._counts.get(group_id)
         if hit is None or hit[1] < time.monotonic():
             return None
         return hit[0]
 
-    def put(self, group_id: int, count: int) -> None:
+    def put(self, group_id: GroupId, count: int) -> None:
         if len(self._counts) >= self.limit:
             self._counts.clear()
         self._counts[group_id] = (count, time.monotonic() + self.ttl)
 
-    def forget(self, group_id: int) -> None:
+    def forget(self, group_id: GroupId) -> None:
         self._counts.pop(group_id, None)
 
 
@@ -307,7 +307,7 @@ async def groups_of(db: Database, user_id: UserId, counts: MemberCounts | None =
         " FROM group_members m JOIN chat_groups g ON g.id = m.group_id WHERE m.user_id = %s ORDER BY g.id",
         (user_id,),
     )
-    members = {int(r[0]): counts.get(int(r[0])) if counts else None for r in rows}
+    members = {GroupId(int(r[0])): counts.get(GroupId(int(r[0]))) if counts else None for r in rows}
     missing = [g for g, n in members.items() if n is None]
     if missing:
         found = await db.fetchall(
@@ -316,22 +316,22 @@ async def groups_of(db: Database, user_id: UserId, counts: MemberCounts | None =
             tuple(missing),
         )
         for g, n in found:
-            members[int(g)] = int(n)
+            members[GroupId(int(g))] = int(n)
             if counts is not None:
-                counts.put(int(g), int(n))
+                counts.put(GroupId(int(g)), int(n))
     return [
         UserGroup(
             group_id=GroupId(int(r[0])),
             name=str(r[1]),
             role="admin" if r[2] == "admin" else "member",
             members_can_send=bool(r[3]),
-            members=members.get(int(r[0])) or 0,
+            members=members.get(GroupId(int(r[0]))) or 0,
         )
         for r in rows
     ]
 
 
-async def members_of(db: Database, group_id: int) -> list[dict[str, object]]:
+async def members_of(db: Database, group_id: GroupId) -> list[dict[str, object]]:
     """A group's members with their names and roles, admins first."""
     rows = await db.fetchall(
         "SELECT u.id, u.name, m.role FROM group_members m JOIN users u ON u.id = m.user_id"

@@ -121,7 +121,7 @@ async def create_user(db: Database, name: str) -> UserId:
     return await db.run(work, idempotent=False)
 
 
-async def put_user(db: Database, user_id: int, name: object) -> Literal["created", "renamed", "unchanged"]:
+async def put_user(db: Database, user_id: UserId, name: object) -> Literal["created", "renamed", "unchanged"]:
     """Create user ``user_id`` (with an empty account) or rename it: the chat backend's own ids.
     Idempotent; a name another user holds is ``name_taken``, an id the hub gave a user of its own
     (dev login) ``id_taken``."""
@@ -223,12 +223,12 @@ async def user_by_name(
     return (UserId(int(row[0])), str(row[1])) if with_origin else UserId(int(row[0]))
 
 
-async def user_exists(db: Database, user_id: int) -> bool:
+async def user_exists(db: Database, user_id: UserId) -> bool:
     """Whether the hub has user ``user_id`` (a valid token may name one it was never given)."""
     return await db.fetchone("SELECT 1 FROM users WHERE id = %s", (user_id,)) is not None
 
 
-async def balance(db: Database, user_id: int) -> int:
+async def balance(db: Database, user_id: UserId) -> int:
     row = await db.fetchone("SELECT balance FROM accounts WHERE user_id = %s", (user_id,))
     if row is None:
         raise NotFound(errors.USER_NOT_FOUND, f"no account for user {user_id}")
@@ -269,13 +269,13 @@ async def user_name(db: Database, user_id: UserId) -> str | None:
     return None if row is None else str(row[0])
 
 
-async def journal_sum(db: Database, user_id: int) -> int:
+async def journal_sum(db: Database, user_id: UserId) -> int:
     row = await db.fetchone("SELECT COALESCE(SUM(amount), 0) FROM journal WHERE account_id = %s", (user_id,))
     return int(row[0]) if row else 0
 
 
 async def topup(
-    db: Database, user_id: int, amount: object, request_id: object, service: bool = False
+    db: Database, user_id: UserId, amount: object, request_id: object, service: bool = False
 ) -> bool:
     """Add money to an account: play money (a demo top-up, keyed per user) or, with ``service``, the chat
     backend's funding from its wallet (keyed by ``request_id`` alone: paid once, whoever asks). Idempotent
@@ -291,10 +291,6 @@ async def topup(
     return await db.run(work, idempotent=True)
 
 
-# A grab's credit: what the grab script wrote to the outbox is what the ledger pays (one type, one format).
-Credit = CreditEntry
-
-
 CreditOutcome = Literal["credited", "already"]
 
 
@@ -304,7 +300,7 @@ def grab_key(packet_id: PacketId, seq: ShareSeq) -> str:
     return f"grab:{packet_id}:{seq}"
 
 
-async def finish_paid(tx: Tx, packet_ids: list[int]) -> int:
+async def finish_paid(tx: Tx, packet_ids: list[PacketId]) -> int:
     """Among these active packets, those whose every share is now credited become ``finished``, in the
     caller's transaction (the one that credited their last share): ``finished`` means every share is
     paid, from the moment it is. ``finished_ms`` is when the last share was grabbed."""
@@ -330,7 +326,7 @@ async def _posted_by_this_call(tx: Tx, idem_key: str) -> bool:
     return row is not None and row[0] is not None and int(row[0]) == tx.token
 
 
-async def credit_grab(db: Database, c: Credit) -> CreditOutcome:
+async def credit_grab(db: Database, c: CreditEntry) -> CreditOutcome:
     """Pay one grab: its grab record, its journal row and the balance change, in one transaction.
 
     Idempotent: the unique keys on grab_records (packet, user) and (packet, seq) and on the journal key

@@ -23,7 +23,7 @@ from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unavail
 from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import groups
 from server.money.crediting import record_refusals
-from server.money.ledger import Credit, check_request_id, now_ms, post
+from server.money.ledger import check_request_id, now_ms, post
 from server.money.split import Kind, PacketRequest, split, validate_request
 from server.store import keys
 from server.store.db import IntegrityError, Row, Tx
@@ -258,7 +258,7 @@ async def _load(
     shares: list[ShareEntry],
     grabs: dict[UserId, GrabRecord],
     finished_ms: int | None = None,
-) -> tuple[int, int, list[Credit]]:
+) -> tuple[int, int, list[CreditEntry]]:
     """Run load_packet.lua: all shares and the grabs the database holds. Returns (shares left, grabs known,
     every grab a repair of this packet ever dropped)."""
     meta: dict[str, str | int] = {
@@ -288,10 +288,10 @@ async def _load(
     return loaded.shares_left, loaded.grabs_known, [dropped_credit(p, d) for d in loaded.dropped]
 
 
-def dropped_credit(p: Packet, d: DroppedEntry) -> Credit:
+def dropped_credit(p: Packet, d: DroppedEntry) -> CreditEntry:
     """The credit of a grab a repair dropped (a ``keys.packet_dropped`` entry)."""
     r = d.record
-    return Credit(p.packet_id, d.user_id, r.seq, r.amount, r.grabbed_ms, p.group_id)
+    return CreditEntry(p.packet_id, d.user_id, r.seq, r.amount, r.grabbed_ms, p.group_id)
 
 
 @dataclass(frozen=True)
@@ -322,7 +322,7 @@ async def recover_packet(core: Core, packet_id: PacketId) -> Recovered:
     Cancelled half-way: Redis is loaded or not (one script); running it again does the rest.
     """
 
-    async def work(tx: Tx) -> tuple[Packet, int, int, list[Credit]]:
+    async def work(tx: Tx) -> tuple[Packet, int, int, list[CreditEntry]]:
         p = await _locked(tx, packet_id)
         if p.status == "refunded":
             raise Conflict(errors.PACKET_EXPIRED, f"packet {packet_id} was refunded")

@@ -22,7 +22,7 @@ from server.core import Core, unavailable
 from server.errors import RedPacketError, Unavailable
 from server.ids import PacketId
 from server.money.crediting import credit_or_record, record_refusals
-from server.money.ledger import Credit, finish_paid, now_ms, post
+from server.money.ledger import finish_paid, now_ms, post
 from server.money.packets import (
     PACKET_COLUMNS,
     Packet,
@@ -33,6 +33,7 @@ from server.money.packets import (
 )
 from server.store import keys
 from server.store.db import Tx
+from server.store.records import CreditEntry
 from server.store.scriptcalls import ClosePacketCall, run
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,8 @@ class Settled:
 class Seen:
     """What Redis holds of a packet, read in one atomic call: its grabs, and the grabs repairs dropped."""
 
-    grabs: list[Credit]
-    dropped: list[Credit]
+    grabs: list[CreditEntry]
+    dropped: list[CreditEntry]
     # Whether the packet's keys were there: if not, its grabs may be only in the outbox.
     present: bool = True
 
@@ -72,7 +73,7 @@ async def read_grabs(core: Core, p: Packet, close: bool) -> Seen:
     except RedisError as e:
         raise unavailable(e) or Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
     out = [
-        Credit(p.packet_id, user, r.seq, r.amount, r.grabbed_ms, p.group_id)
+        CreditEntry(p.packet_id, user, r.seq, r.amount, r.grabbed_ms, p.group_id)
         for user, r in closed.grabs.items()
     ]
     return Seen(out, [dropped_credit(p, d) for d in closed.dropped], closed.present)
@@ -227,7 +228,7 @@ async def mark_finished(core: Core) -> int:
         "SELECT id FROM red_packets WHERE status = 'active' AND share_count = (SELECT COUNT(*)"
         " FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = 'credited')"
     )
-    ids = [int(r[0]) for r in rows]
+    ids = [PacketId(int(r[0])) for r in rows]
     return await core.db.run(lambda tx: finish_paid(tx, ids), idempotent=True) if ids else 0
 
 

@@ -21,6 +21,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+from server.ids import PacketId
 from server.store.redisnodes import RedisNodes
 
 Repair = Callable[[], Awaitable[object]]
@@ -30,22 +31,22 @@ class Repairs:
     def __init__(self, nodes: RedisNodes, remember: int = 100_000) -> None:
         self._nodes = nodes
         self._remember = remember
-        self._checked: OrderedDict[int, int] = OrderedDict()
-        self._running: dict[tuple[int, int], asyncio.Task[None]] = {}
+        self._checked: OrderedDict[PacketId, int] = OrderedDict()
+        self._running: dict[tuple[PacketId, int], asyncio.Task[None]] = {}
         self.checks = 0
 
     @property
     def generation(self) -> int:
         return self._nodes.generation
 
-    def mark(self, packet_id: int, generation: int) -> None:
+    def mark(self, packet_id: PacketId, generation: int) -> None:
         """The packet's Redis state is known good as of ``generation`` (it was just loaded or checked)."""
         self._checked[packet_id] = generation
         self._checked.move_to_end(packet_id)
         while len(self._checked) > self._remember:
             self._checked.popitem(last=False)
 
-    async def ensure(self, packet_id: int, repair: Repair) -> None:
+    async def ensure(self, packet_id: PacketId, repair: Repair) -> None:
         """Run ``repair`` for this packet unless it ran in the current generation; concurrent callers
         share one run. If it fails (Redis or the database down) the caller gets its error and the packet
         is checked again next time."""
@@ -59,7 +60,7 @@ class Repairs:
             task.add_done_callback(lambda _: self._running.pop((packet_id, generation), None))
         await asyncio.shield(task)
 
-    async def _run(self, packet_id: int, generation: int, repair: Repair) -> None:
+    async def _run(self, packet_id: PacketId, generation: int, repair: Repair) -> None:
         self.checks += 1
         await repair()
         self.mark(packet_id, generation)

@@ -19,9 +19,10 @@ from server.core import Core, open_core
 from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import grabs, groups, ledger, packets
 from server.money.crediting import add_to_balances, credit_many
-from server.money.ledger import Credit, credit_grab
+from server.money.ledger import credit_grab
 from server.settings import Settings, child_env
 from server.store import keys
+from server.store.records import CreditEntry
 from server.tools import plots
 from server.tools.bench import drop_bench_credits, fresh_ids
 from server.tools.progress import phase
@@ -35,7 +36,7 @@ def _p99(values: list[int]) -> float:
     return float(ordered[max(0, int(len(ordered) * 0.99) - 1)]) if ordered else 0.0
 
 
-async def _enqueue(core: Core, credits: list[Credit]) -> None:
+async def _enqueue(core: Core, credits: list[CreditEntry]) -> None:
     """Record each credit as its grab would have: the grab in its packet's grabs hash, an entry in its
     group's shard outbox."""
     for i in range(0, len(credits), 1000):
@@ -63,7 +64,7 @@ async def _reset(core: Core, users: list[UserId]) -> None:
         )
 
 
-async def _raw(core: Core, credits: list[Credit], batch: int) -> None:
+async def _raw(core: Core, credits: list[CreditEntry], batch: int) -> None:
     """The same rows written with no checks at all: the floor the worker is measured against."""
     for i in range(0, len(credits), batch):
         chunk = credits[i : i + batch]
@@ -134,7 +135,9 @@ async def bench_credit(
             _, group, members, pids = await _bench_world(core, 1000, credits_n * 10)
             stamp = ledger.now_ms()
             credits = [
-                Credit(p, members[i], ShareSeq(i + 1), 10, stamp, group) for p in pids for i in range(1000)
+                CreditEntry(p, members[i], ShareSeq(i + 1), 10, stamp, group)
+                for p in pids
+                for i in range(1000)
             ]
 
             await _reset(core, members)
