@@ -43,7 +43,7 @@ MAY_IMPORT = {
     "server.live": {"server.money", "server.store"},
     "server.hub": {"server.live", "server.money", "server.store"},
     "worker": {"server.live", "server.money", "server.store"},
-    "server.tools": {"server.live", "server.money", "server.store", "server.hub", "worker", "server.cli"},
+    "server.tools": {"server.live", "server.money", "server.store", "server.hub", "worker"},
 }
 MAY_IMPORT["server.cli"] = set(MAY_IMPORT)  # the command composes every layer
 
@@ -238,13 +238,26 @@ MONEY_TABLES = ("accounts", "journal", "red_packets", "red_packet_shares", "grab
 SQL_VERBS = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
 
+def _literal_text(node: ast.AST) -> str | None:
+    """A string literal's text; an f-string's with each ``{...}`` read as `` ? ``; else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else " ? " for v in node.values)
+    return None
+
+
 def sql_on_money_tables(source: str) -> Iterator[tuple[int, str]]:
-    """(line, statement start) of every string literal in ``source`` that reads or writes a money table."""
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            words = node.value.upper().replace("(", " ").replace(",", " ").split()
+    """(line, statement start) of every string literal in ``source`` (f-strings too; each piece of one
+    implicitly joined literal with its neighbours) that reads or writes a money table."""
+    tree = ast.parse(source)
+    inside = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+    for node in ast.walk(tree):
+        text = None if id(node) in inside else _literal_text(node)
+        if text is not None:
+            words = text.upper().replace("(", " ").replace(",", " ").split()
             if any(v in words for v in SQL_VERBS) and any(t.upper() in words for t in MONEY_TABLES):
-                yield node.lineno, node.value[:60]
+                yield node.lineno, text[:60]
 
 
 def test_sql_on_money_tables_lives_in_money_and_the_store() -> None:
@@ -253,6 +266,9 @@ def test_sql_on_money_tables_lives_in_money_and_the_store() -> None:
     assert list(sql_on_money_tables('x = 1\nq = "SELECT id FROM red_packets WHERE id = %s"\n')) == [
         (2, "SELECT id FROM red_packets WHERE id = %s")
     ]  # it finds them
+    assert list(sql_on_money_tables('q = f"SELECT {C} FROM red_packets" f" WHERE id = {i}"\n')) == [
+        (1, "SELECT  ?  FROM red_packets WHERE id =  ? ")
+    ]  # f-strings too, joined as Python joins them
     found = [
         f"{path.relative_to(ROOT)}:{line}: {text}"
         for module, path in KNOWN.items()

@@ -12,6 +12,8 @@ import pytest
 from server.settingfields import env_name, settings_table
 from server.settings import Durability, Settings
 
+pytestmark = pytest.mark.unit
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 NUMBERS = [f for f in dataclasses.fields(Settings) if type(f.default) in (int, float)]
 

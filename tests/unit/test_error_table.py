@@ -39,10 +39,13 @@ def test_the_document_lists_every_code_a_client_may_see_and_no_other() -> None:
     assert sorted(set(errors.WIRE_CODES) - listed) == [], "in server/errors.py, not in docs/protocol.md"
 
 
-def test_every_code_is_derived_once() -> None:
-    """ALL_CODES is read from the module: each upper-case code constant, once; the ledger's codes are not
-    sent to clients."""
-    constants = {v for k, v in vars(errors).items() if k.isupper() and isinstance(v, str)}
-    assert set(errors.ALL_CODES) == constants and len(errors.ALL_CODES) == len(constants)
+def test_every_code_is_its_constants_name_and_said_once() -> None:
+    """ALL_CODES is read from the module's upper-case string constants, so each must be a code: spelled
+    as its name (``NOT_LOCAL = "not_local"``), a constant of another kind would fail here rather than
+    become a code. The ledger's codes are not sent to clients."""
+    assert errors.NOT_LOCAL in errors.ALL_CODES  # the one an earlier hand-written list forgot
+    for code in errors.ALL_CODES:
+        assert getattr(errors, code.upper()) == code, code
+    assert len(set(errors.ALL_CODES)) == len(errors.ALL_CODES)
     assert set(errors.WIRE_CODES) | set(errors.LEDGER_CODES) == set(errors.ALL_CODES)
     assert not set(errors.WIRE_CODES) & set(errors.LEDGER_CODES)

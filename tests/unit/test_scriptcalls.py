@@ -12,9 +12,13 @@ from server.store.records import CreditEntry, GrabRecord, ShareEntry
 from server.store.scriptcalls import (
     AckCreditsCall,
     ClosePacketCall,
+    FillMembersCall,
     GrabCall,
     GrabRate,
+    LoadPacketCall,
+    Once,
     PresenceCall,
+    PublishEventCall,
     ReadEventsCall,
 )
 
@@ -38,8 +42,13 @@ def grab(**changes: object) -> GrabCall:
 
 def test_the_grab_call_names_its_inputs_in_the_scripts_order() -> None:
     call = grab()
-    assert call.keys()[:3] == keys.packet_keys(group_id=G, packet_id=P)[:3]
-    assert call.keys()[5] == keys.grab_bucket(group_id=G, user_id=U)
+    assert call.keys() == [
+        *keys.packet_keys(group_id=G, packet_id=P)[:3],
+        keys.group_members(G),
+        keys.gate_for(G),
+        keys.grab_bucket(group_id=G, user_id=U),
+        keys.outbox_for(G),
+    ]
     assert len(slot_tags(call.keys())) == 1  # one slot: it runs on a cluster
     assert call.argv() == [U, G, P, "1", 5, 10, keys.LOADED, "0"]
     assert grab(rate=None, check_members=False, rewrite_repeat=True).argv()[3:] == [
@@ -66,6 +75,36 @@ def test_the_grab_reply_is_parsed_by_status() -> None:
 def test_a_grab_reply_of_another_shape_is_refused(reply: object) -> None:
     with pytest.raises(ValueError):
         grab().parse(reply)
+
+
+def test_loading_a_packet_sends_its_meta_shares_and_grabs_counted() -> None:
+    call = LoadPacketCall(
+        group_id=G,
+        packet_id=P,
+        expire_at_ms=99,
+        meta={"group": G, "kind": "lucky"},
+        shares=[ShareEntry(ShareSeq(1), 300), ShareEntry(ShareSeq(2), 200)],
+        grabs={U: GrabRecord(ShareSeq(2), 200, 1700)},
+    )
+    assert call.keys() == [*keys.packet_keys(group_id=G, packet_id=P), keys.outbox_for(G)]
+    assert call.argv() == [99, P, 2, "group", G, "kind", "lucky", 2, "1:300", "2:200", 1, U, "2:200:1700"]
+    loaded = call.parse([1, 1, [b"6:1:300:1600"]])
+    assert (loaded.shares_left, loaded.grabs_known, loaded.dropped[0].user_id) == (1, 1, 6)
+
+
+def test_filling_members_and_publishing_name_their_inputs() -> None:
+    fill = FillMembersCall(group_id=G, version=b"4", ttl_seconds=60, members=frozenset({U}))
+    assert fill.keys() == [keys.group_members(G), keys.group_members_version(G)]
+    assert fill.argv() == [b"4", 60, keys.LOADED, U]
+    assert fill.parse(1) is True and fill.parse(0) is False
+    once = PublishEventCall(
+        group_id=G, payload=b"p", max_length=100, ttl_seconds=60, once=Once("packet:9", 30)
+    )
+    assert once.keys() == [keys.group_events(G), keys.group_once(G, "packet:9")]
+    assert once.argv() == [keys.group_channel(G), 100, b"p", 60, 30]
+    plain = PublishEventCall(group_id=G, payload=b"p", max_length=100, ttl_seconds=60, once=None)
+    assert plain.keys() == [keys.group_events(G)] and plain.argv() == [keys.group_channel(G), 100, b"p", 60]
+    assert plain.parse(b"5-0") == "5-0"
 
 
 def test_the_close_reply_is_the_grabs_by_user() -> None:
