@@ -149,7 +149,7 @@ class Settings(SettingFields):
     @cached_property
     def durability(self) -> Durability:
         """``grab_durability``; unset, ``aof`` on the embedded Valkey (no Redis URL) and ``none`` on any
-        other Redis. Keep it across a change of ``redis_url``: ``replace(grab_durability=s.durability)``."""
+        other Redis. ``replace`` keeps it across a change of ``redis_url``."""
         if self.grab_durability:
             return Durability(self.grab_durability)
         return Durability.AOF if self.embedded_redis else Durability.NONE
@@ -328,6 +328,11 @@ class Settings(SettingFields):
             raise ValueError(f"{PREFIX}USER_GROUPS is 0 or 1, or empty (got {self.user_groups!r})")
 
     def replace(self, **changes: object) -> Settings:
+        """A copy with ``changes``. A new ``redis_url`` keeps the durability resolved here unless a
+        ``grab_durability`` comes with it: the embedded Valkey's ``aof`` default must not become ``none``
+        because the copy names the embedded server by its URL."""
+        if "redis_url" in changes and "grab_durability" not in changes:
+            changes["grab_durability"] = self.durability.value
         # (dataclasses.replace types its keyword values by field; these are checked by check().)
         return replace(self, **changes)  # type: ignore[arg-type]
 

@@ -48,7 +48,7 @@ def test_every_setting_is_read_from_its_variable(f: dataclasses.Field[Any]) -> N
     text, value = _other(f)
     got = Settings.from_env({env_name(f.name): text})
     assert getattr(got, f.name) == value
-    assert got == Settings().replace(**{f.name: value})  # and nothing else
+    assert got == dataclasses.replace(Settings(), **{f.name: value})  # and nothing else
 
 
 def test_the_stream_ttl_has_its_variable() -> None:
@@ -94,9 +94,13 @@ def test_durability_is_resolved_once_in_the_settings() -> None:
     assert Settings().durability is Durability.AOF
     assert Settings.from_env({"REDPACKET_GRAB_DURABILITY": ""}).durability is Durability.AOF
     assert Settings(redis_url="redis://h:1/0").durability is Durability.NONE
-    embedded = Settings()
-    started = embedded.replace(redis_url="redis://127.0.0.1:1/0", grab_durability=embedded.durability)
-    assert started.durability is Durability.AOF
+    # A copy naming the embedded server by its URL keeps aof; one of an external Redis stays none; a level
+    # given with the URL is that level.
+    assert Settings().replace(redis_url="redis://127.0.0.1:1/0").durability is Durability.AOF
+    assert (
+        Settings(redis_url="redis://h:1/0").replace(redis_url="redis://g:1/0").durability is Durability.NONE
+    )
+    assert Settings().replace(redis_url="redis://g:1/0", grab_durability="none").durability is Durability.NONE
     for level in Durability:
         env = {"REDPACKET_GRAB_DURABILITY": level.value, "REDPACKET_REDIS_URL": "redis://h:1/0"}
         assert Settings.from_env(env).durability is level

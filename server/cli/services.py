@@ -44,7 +44,7 @@ def with_redis_url(settings: Settings, command: str) -> Iterator[Settings]:
             owner=command,
             fsync=fsync,
         ) as url:
-            yield settings.replace(redis_url=url, grab_durability=durability.value)
+            yield settings.replace(redis_url=url)  # (the copy keeps the durability resolved: aof)
     except EmbeddedError as e:
         raise OperatorError(str(e)) from None
 
