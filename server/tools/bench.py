@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -270,12 +271,12 @@ async def run_grab_bench(
     try:
         async with open_core(s) as core:
             figures["masters"] = len(core.nodes.masters())
-            admin, spread, users = await _grab_world(core, grabs, groups_n)
-            figures["groups"] = len(spread)
-            figures["shards"] = len({keys.shard(g) for g in spread})
+            world = await _grab_world(core, grabs, groups_n)
+            figures["groups"] = len(world.spread)
+            figures["shards"] = len({keys.shard(g) for g in world.spread})
             left = _Leftovers()
-            await _measure_grabs(core, admin, spread, users, left, figures)
-            await left.drop(core, spread)
+            await _measure_grabs(core, world, left, figures)
+            await left.drop(core, world.spread)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     raw_c50 = figures["redis_benchmark_evalsha_c50"]
@@ -302,9 +303,18 @@ async def run_grab_bench(
     )
 
 
-async def _grab_world(core: Core, n: int, groups_n: int) -> tuple[UserId, list[GroupId], list[UserId]]:
+@dataclass(frozen=True)
+class _World:
+    """What the grab bench grabs in: the admin who sends, the groups the grabs spread over, the users."""
+
+    admin: UserId
+    spread: list[GroupId]
+    users: list[UserId]
+
+
+async def _grab_world(core: Core, n: int, groups_n: int) -> _World:
     """``n`` users, the first of them the admin with money enough for every mode; ``groups_n`` groups
-    of them all, their member caches warm: (admin, groups, users)."""
+    of them all, their member caches warm."""
     await fresh_ids(core)
     users = await ledger.create_users(core.db, [f"bench{i}" for i in range(n)])
     admin = users[0]
@@ -316,19 +326,13 @@ async def _grab_world(core: Core, n: int, groups_n: int) -> tuple[UserId, list[G
     for g in spread:
         await groups.add_members(core.db, core.membership, g, users)
         await core.membership.is_member(group_id=g, user_id=admin)  # warm the member cache
-    return admin, spread, users
+    return _World(admin, spread, users)
 
 
-async def _measure_grabs(
-    core: Core,
-    admin: UserId,
-    spread: list[GroupId],
-    users: list[UserId],
-    left: _Leftovers,
-    figures: dict[str, Any],
-) -> None:
+async def _measure_grabs(core: Core, world: _World, left: _Leftovers, figures: dict[str, Any]) -> None:
     """Every mode of the grab bench, in turn, into ``figures``."""
-    n, group = len(users), spread[0]
+    admin, users = world.admin, world.users
+    n, group = len(users), world.spread[0]
     one_by_one = Batcher(core.nodes, core.batcher.durability, core.settings.durability_timeout_ms, 1)
     unbatched = dataclasses.replace(
         core,
@@ -348,7 +352,7 @@ async def _measure_grabs(
                 c, packet_id=p.packet_id, group_id=group, users=users, concurrency=concurrency
             )
             figures[name] = round(rate)
-    await _durability_levels(core, admin, spread, users, left, figures)
+    await _durability_levels(core, world, left, figures)
     raw = await _raw_packet(core, group, 1_200_000)
     left.add([group], raw)
     rate = await _script_only(unbatched, packet_id=raw, group_id=group, n=n, concurrency=1)
@@ -360,16 +364,10 @@ async def _measure_grabs(
         figures[name] = await _redis_benchmark(core, group_id=group, packet_id=raw, pipeline=pipeline)
 
 
-async def _durability_levels(
-    core: Core,
-    admin: UserId,
-    spread: list[GroupId],
-    users: list[UserId],
-    left: _Leftovers,
-    figures: dict[str, Any],
-) -> None:
+async def _durability_levels(core: Core, world: _World, left: _Leftovers, figures: dict[str, Any]) -> None:
     """The hub's grab (block and rate limit included) spread over the groups' shards, under each
     durability level the server allows as configured, in this run."""
+    admin, spread, users = world.admin, world.spread, world.users
     for level in DURABILITY:
         why_not = await _durability_ready(core, level)
         if why_not is not None:
