@@ -50,7 +50,7 @@ class RedisProcess:
         for attempt in range(1, 4):
             args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                     "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-                    *self.extra]  # fmt: skip
+                    "--logfile", str(self.dir / "server.log"), *self.extra]  # fmt: skip
             env = None
             if self.fsyncs is not None:
                 env = {**os.environ, "LD_PRELOAD": str(fsync_recorder()), "FSYNC_LOG": str(self.fsyncs)}
@@ -60,12 +60,22 @@ class RedisProcess:
                 if self.proc.poll() is not None and not self.started and attempt < 3:
                     break  # most likely the port: try another
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise AssertionError(f"redis-server on port {self.port} did not come up")
+                    raise AssertionError(
+                        f"redis-server on port {self.port} did not come up (attempt {attempt}, exit"
+                        f" {self.proc.poll()}): {self._log_tail()}"
+                    )
                 await asyncio.sleep(0.02)
             else:
                 self.started = True
                 return
             self.port = free_port()
+
+    def _log_tail(self) -> str:
+        """The server's last log lines: why it did not come up, when a start fails."""
+        try:
+            return " | ".join((self.dir / "server.log").read_text(errors="replace").splitlines()[-5:])
+        except OSError as e:
+            return f"(no log: {e})"
 
     def _answers(self) -> bool:
         try:

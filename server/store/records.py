@@ -23,11 +23,16 @@ NO_GROUP = GroupId(0)
 
 
 def _fields(raw: bytes | str, n: int, what: str) -> list[int]:
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    parts = text.split(":")
-    if len(parts) != n or not all(p.isdigit() for p in parts):
-        raise ValueError(f"not a {what}: {text!r}")
-    return [int(p) for p in parts]
+    """The ``n`` whole numbers of a value; ``ValueError`` naming ``what`` for anything else. (Read on
+    every grab's answer: split and converted as bytes, without decoding first.)"""
+    parts = raw.split(b":") if isinstance(raw, bytes) else raw.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) != n or min(values) < 0:
+        raise ValueError(f"not a {what}: {raw!r}")
+    return values
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,9 @@ GrabStatus = Literal[
 _STATUSES: dict[str, GrabStatus] = {s: s for s in get_args(GrabStatus)}
 
 
-@dataclass(frozen=True)
+# The grab's call and reply are made on every grab: slotted, not frozen (a frozen dataclass sets each field
+# through object.__setattr__, 0.8 us against 0.3 for six fields). Nothing keeps or shares them.
+@dataclass(slots=True)
 class GrabRate:
     """The hub's gate on a grab: the block list and a rate limit of ``per_second`` with ``burst``."""
 
@@ -116,7 +118,7 @@ class GrabRate:
     burst: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GrabReply:
     status: GrabStatus
     record: GrabRecord | None = None  # won, already: the user's share
@@ -124,7 +126,7 @@ class GrabReply:
     wait_ms: int | None = None  # blocked: until the block ends; limited: until a grab is allowed
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GrabCall(Call[GrabReply]):
     """Take one share of a packet for a user (``lua/grab.lua``)."""
 
