@@ -18,7 +18,7 @@ from typing import ClassVar, Generic, Literal, TypeVar, get_args
 
 from server.ids import GroupId, PacketId, UserId
 from server.store import keys
-from server.store.batch import Batcher
+from server.store.batch import Batcher, Durable
 from server.store.records import CreditEntry, DroppedEntry, GrabRecord, ShareEntry
 from server.store.scripts import Scripts
 
@@ -74,14 +74,17 @@ class Call(ABC, Generic[R]):
         """The script's reply (as redis-py hands it over: bytes, ints, lists) as a typed result; a reply of
         another shape raises ``ValueError``."""
 
-    def durable(self, reply: object) -> bool:
-        """Whether this reply is answered only once the call is durable (``server.store.batch``)."""
+    def durability(self) -> Durable:
+        """Whether its reply is answered only once the call is durable (``server.store.batch``): False
+        (the default: a pipeline of such calls neither reads the server's data id nor waits), True, or a
+        test of the reply."""
         return False
 
 
 async def run(batcher: Batcher, scripts: Scripts, call: Call[R]) -> R:
     """The call in the batcher's next pipeline to its slot's master; its parsed reply."""
-    reply = await batcher.script(scripts.get(call.SCRIPT), call.keys(), call.argv(), durable=call.durable)
+    script = scripts.get(call.SCRIPT)
+    reply = await batcher.script(script, call.keys(), call.argv(), durable=call.durability())
     return call.parse(reply)
 
 
@@ -116,6 +119,12 @@ class GrabRate:
 
     per_second: float
     burst: int
+
+
+def holds_a_share(reply: object) -> bool:
+    """A grab's answer that says a share is this user's ("won", "already") waits for durability; a
+    refusal does not."""
+    return isinstance(reply, list) and bool(reply) and reply[0] in (b"won", b"already")
 
 
 @dataclass(slots=True)
@@ -175,9 +184,8 @@ class GrabCall(Call[GrabReply]):
             return GrabReply(status, wait_ms=_int(_list(reply, 2)[1]))
         return GrabReply(status)
 
-    def durable(self, reply: object) -> bool:
-        # An answer that says a share is this user's waits for durability; a refusal does not.
-        return isinstance(reply, list) and bool(reply) and reply[0] in (b"won", b"already")
+    def durability(self) -> Durable:
+        return holds_a_share
 
 
 # -- load_packet.lua -------------------------------------------------------------------------------------
@@ -259,7 +267,7 @@ class ClosePacketCall(Call[Closed]):
         }
         return Closed(_int(present) == 1, grabs, [DroppedEntry.parse(_raw(e)) for e in _list(gone)])
 
-    def durable(self, reply: object) -> bool:
+    def durability(self) -> Durable:
         return True  # "won" is never answered for less: what the refund reads is as durable as a grab
 
 

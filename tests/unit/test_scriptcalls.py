@@ -20,6 +20,7 @@ from server.store.scriptcalls import (
     PresenceCall,
     PublishEventCall,
     ReadEventsCall,
+    run,
 )
 
 pytestmark = pytest.mark.unit
@@ -66,7 +67,8 @@ def test_the_grab_reply_is_parsed_by_status() -> None:
     assert (won.status, won.record, won.remaining) == ("won", GrabRecord(ShareSeq(3), 250, 1700), 7)
     assert call.parse([b"limited", 120]).wait_ms == 120
     assert call.parse([b"empty"]).status == "empty"
-    assert call.durable([b"already", b"3:250:1700", 0]) and not call.durable([b"empty"])
+    wait = call.durability()
+    assert callable(wait) and wait([b"already", b"3:250:1700", 0]) and not wait([b"empty"])
 
 
 @pytest.mark.parametrize(
@@ -109,7 +111,7 @@ def test_filling_members_and_publishing_name_their_inputs() -> None:
 
 def test_the_close_reply_is_the_grabs_by_user() -> None:
     call = ClosePacketCall(group_id=G, packet_id=P, close=True, expire_at_ms=99)
-    assert call.argv() == ["1", 99] and call.durable([1, [], []])
+    assert call.argv() == ["1", 99] and call.durability() is True
     closed = call.parse([1, [b"5", b"3:250:1700"], [b"6:4:100:1800"]])
     assert closed.present and closed.grabs == {U: GrabRecord(ShareSeq(3), 250, 1700)}
     assert closed.dropped[0].user_id == 6
@@ -152,3 +154,42 @@ def test_reading_events_parses_the_stream_at_one_moment() -> None:
         "4-0",
     )
     assert stream.rows == [("4-0", b"payload")]
+
+
+def test_only_a_grab_and_a_refunds_close_wait_for_durability() -> None:
+    """A call whose durability is anything but False makes its whole pipeline read the server's data id
+    and, with durable grabs, wait for WAITAOF/WAIT (server.store.batch): a publish or a presence update
+    must not."""
+    grab_call = grab()
+    assert grab_call.durability() is not False
+    assert ClosePacketCall(group_id=G, packet_id=P, close=True, expire_at_ms=1).durability() is True
+    others = [
+        LoadPacketCall(group_id=G, packet_id=P, expire_at_ms=1, meta={}, shares=[], grabs={}),
+        AckCreditsCall(0, [], {}),
+        FillMembersCall(group_id=G, version=b"", ttl_seconds=1, members=frozenset()),
+        PublishEventCall(group_id=G, payload=b"", max_length=1, ttl_seconds=1, once=None),
+        ReadEventsCall(group_id=G, after="0-0", limit=1),
+        PresenceCall(group_id=G, hub_id="h", action="join", lapse_ms=1, users=[]),
+    ]
+    assert [c.durability() for c in others] == [False] * len(others)
+
+
+async def test_run_hands_the_batcher_each_calls_own_durability() -> None:
+    """run() passes the call's durability as it is: a publish goes out as not durable (once a bound method
+    went instead, truthy for every call, and every pipeline read the data id and waited for WAITAOF)."""
+    sent: list[object] = []
+
+    class Batcher:
+        async def script(
+            self, script: object, keys_: list[str], args: list[object], durable: object = False
+        ) -> object:
+            sent.append(durable)
+            return b"7-0"
+
+    class Scripts:
+        def get(self, name: str) -> object:
+            return name
+
+    publish = PublishEventCall(group_id=G, payload=b"p", max_length=1, ttl_seconds=1, once=None)
+    assert await run(Batcher(), Scripts(), publish) == "7-0"  # type: ignore[arg-type]
+    assert sent == [False]
