@@ -56,3 +56,15 @@ def test_the_token_bench_measures_each_kind_beside_the_old_check(redis_url: str,
     )
     assert all(float(figures[f"{k}_cpu_us_per_check"]) > 0 for k in kinds), figures  # type: ignore[arg-type]
     _png(tmp_path / "tokens-cpu.png")
+
+
+def test_the_hub_grab_bench_runs_each_phase_for_the_seconds_given(redis_url: str) -> None:
+    """--seconds: long enough to profile the hub. Each phase ran, every grab won (the bench checks each
+    reply), and the hub's pid is said for a profiler to attach to."""
+    figures, said = _bench(redis_url, "hub-grab", "--seconds", "2")
+    assert figures["seconds"] == 2.0
+    for count in ("hub_grabs", "hub_pings", "bare_echoes"):
+        assert isinstance(figures[count], int) and figures[count] > 0, figures
+    assert "hub grabs (hub pid " in said
+    for per in ("hub_cpu_us_per_grab", "hub_cpu_us_per_ping", "bare_cpu_us_per_echo"):
+        assert isinstance(figures[per], int) and figures[per] > 0, figures

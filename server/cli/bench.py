@@ -24,11 +24,11 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
     elif what == "db-read":
         await run_db_read_bench(settings, plot=plot)
     elif what == "hub-grab":
-        await hubbench.bench_hub_grab(settings, workers=args.workers, plot=plot)
+        await hubbench.bench_hub_grab(settings, workers=args.workers, plot=plot, seconds=args.seconds)
     elif what == "credit":
         await bench_credit(settings, plot=plot)
     elif what == "storm":
-        await bench_storm(settings, args.rate, args.seconds, plot=plot)
+        await bench_storm(settings, args.rate, int(args.seconds or 30), plot=plot)
     elif what == "fanout":
         await hubbench.bench_fanout(settings, plot=plot)
     else:

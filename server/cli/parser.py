@@ -80,5 +80,10 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     bench.add_argument("--client-procs", type=int, default=1, help="load client processes (hot)")
     bench.add_argument("--rate", type=int, default=2_000, help="grabs per second (storm)")
-    bench.add_argument("--seconds", type=int, default=30, help="how long the grabs go on (storm)")
+    bench.add_argument(
+        "--seconds",
+        type=float,
+        help="how long the grabs go on (storm: 30 unless given); hub-grab: how long each phase runs"
+        " (unless given, 4,000 round trips)",
+    )
     bench.add_argument("--plot", metavar="DIR", help="write PNG plots of the run into DIR")

@@ -9,6 +9,7 @@ configured Redis and a throw-away SQLite file.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -37,6 +38,7 @@ from server.money import groups, ledger, packets
 from server.settings import Settings, child_env
 from server.store.redisnodes import RedisNodes
 from server.tools.bench import fresh_ids
+from server.tools.progress import phase
 from server.tools.report import report
 
 SECRET = "bench-secret-of-at-least-thirty-two-chars"
@@ -127,6 +129,8 @@ def hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:
         REDPACKET_GRABS_BURST="1000000",
         REDPACKET_MSGS_PER_SECOND="1000000",
         REDPACKET_MSGS_BURST="1000000",
+        REDPACKET_USER_MSGS_PER_SECOND="1000000",
+        REDPACKET_USER_MSGS_BURST="1000000",
         REDPACKET_SEND_QUEUE_FRAMES="100000",
         REDPACKET_PRESENCE_EVENT_LIMIT="0",
         **extra,
@@ -195,37 +199,57 @@ async def send_packets(
 # -- bench hub-grab ------------------------------------------------------------------------------------
 
 
+# Packets made per second a --seconds run may grab for: above what one hub process answers here (about
+# 5,000-8,000 grabs a second of 100-share packets), so the packets never run out before the time does.
+PACKETS_PER_SECOND = 120
+
+
 async def bench_hub_grab(
     settings: Settings,
     connections: int = 100,
     packets_n: int = 40,
     workers: int = 1,
     plot: Path | None = None,
+    seconds: float | None = None,
 ) -> dict[str, Any]:
+    """Hub CPU per grab and per ping beside a bare echo's, the same raw client on every side. Without
+    ``seconds``: ``packets_n`` round trips per connection and phase; with it, each phase (grab, ping,
+    echo) runs that long — long enough to profile the hub (its pid and each phase are said on stderr)."""
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
+    if seconds is not None:
+        packets_n = max(packets_n, int(seconds * PACKETS_PER_SECOND))
     admin, group, ids = await make_world(settings, db_url, connections + 1, 10**8)
-    pids = await send_packets(settings, db_url, admin=admin, group=group, n=packets_n, count=connections)
-    figures: dict[str, Any] = {"connections": connections, "round_trips": connections * packets_n}
-    figures["workers"] = workers
+    with phase(f"sending {packets_n:,} packets of {connections} shares", packets_n):
+        pids = await send_packets(settings, db_url, admin=admin, group=group, n=packets_n, count=connections)
+    figures: dict[str, Any] = {"connections": connections, "workers": workers, "seconds": seconds}
     # The same raw client on both sides: send one msgpack frame, read one frame back and decode it.
     sub = [Subprotocol(SUBPROTOCOL_MSGPACK)]
+    done = {"n": 0}
 
-    async def lane(ws: ClientConnection, frames: list[bytes], hub: str | None) -> None:
-        """``hub``: what every reply must be ("grab": a win, "ping": ok); None for the echo."""
-        for frame in frames:
+    async def lane(ws: ClientConnection, frames: list[bytes], hub: str | None, until: float) -> None:
+        """``hub``: what every reply must be ("grab": a win, "ping": ok); None for the echo. Stops at
+        ``until`` (perf_counter) or when its frames run out; with a time to run, pings and echoes go
+        round their frames again (a grab cannot: each packet is grabbed once per user)."""
+        again = until != float("inf") and hub != "grab"
+        for frame in itertools.cycle(frames) if again else frames:
+            if time.perf_counter() >= until:
+                return
             await ws.send(frame)
             raw = await ws.recv()  # binary frames: the msgpack subprotocol
             reply = msgpack.unpackb(raw if isinstance(raw, bytes) else raw.encode())
             if hub and not (reply.get("ok") and (hub == "ping" or reply["data"]["outcome"] == "won")):
                 raise RuntimeError(f"bench {hub} answered {reply}")
+            done["n"] += 1
+
+    def deadline() -> float:
+        return time.perf_counter() + seconds if seconds is not None else float("inf")
 
     grab_frames = [
         msgpack.packb({"id": i, "type": "grab", "group": group, "packet": p}) for i, p in enumerate(pids)
     ]
     # The hub's cheapest request (no Redis, no database) through the same session machinery.
     ping_frames = [msgpack.packb({"id": i, "type": "ping"}) for i in range(packets_n)]
-    n = connections * packets_n
     redis = await RedisNodes(settings.redis_url, 4).open()
     async with hub_process(settings, db_url, workers) as (ws_url, hub_pid):
         conns = [
@@ -235,8 +259,11 @@ async def bench_hub_grab(
             await ws.recv()  # welcome; no sync, so no group events are sent to these sockets
         for kind, frames in (("grab", grab_frames), ("ping", ping_frames)):
             cpu, redis_cpu = cpu_seconds(hub_pid), await redis_cpu_seconds(redis)
-            start = time.perf_counter()
-            await asyncio.gather(*(lane(ws, frames, kind) for ws in conns))
+            done["n"], start, until = 0, time.perf_counter(), deadline()
+            with phase(f"hub {kind}s (hub pid {hub_pid})"):
+                await asyncio.gather(*(lane(ws, frames, kind, until) for ws in conns))
+            n = done["n"]
+            figures[f"hub_{kind}s"] = n
             figures[f"hub_{kind}s_per_s"] = round(n / (time.perf_counter() - start))
             # CPU per round trip: where the time goes on a machine whose two cores all of it shares.
             figures[f"hub_cpu_us_per_{kind}"] = round((cpu_seconds(hub_pid) - cpu) * 1e6 / n)
@@ -248,8 +275,11 @@ async def bench_hub_grab(
     async with bare_process("echo") as (ws_url, bare_pid):
         conns = [await connect(ws_url, compression=None) for _ in range(connections)]
         cpu = cpu_seconds(bare_pid)
-        start = time.perf_counter()
-        await asyncio.gather(*(lane(ws, grab_frames, None) for ws in conns))
+        done["n"], start, until = 0, time.perf_counter(), deadline()
+        with phase(f"bare echo (pid {bare_pid})"):
+            await asyncio.gather(*(lane(ws, grab_frames, None, until) for ws in conns))
+        n = done["n"]
+        figures["bare_echoes"] = n
         figures["bare_echo_per_s"] = round(n / (time.perf_counter() - start))
         figures["bare_cpu_us_per_echo"] = round((cpu_seconds(bare_pid) - cpu) * 1e6 / n)
         for ws in conns:
