@@ -19,6 +19,7 @@ from server import errors
 from server.core import Core, unavailable
 from server.errors import Conflict, Forbidden, NotFound, RedPacketError, Unavailable
 from server.ids import GroupId, PacketId, ShareSeq, UserId
+from server.money import queries
 from server.money.membership import not_member
 from server.money.packets import PACKET_COLUMNS, packet_from_row, recover_packet
 from server.store import keys
@@ -171,8 +172,8 @@ def grab_call(
 
 
 async def _recover_if_live(core: Core, *, packet_id: PacketId, group_id: GroupId) -> bool:
-    row = await core.db.fetchone("SELECT group_id, status FROM red_packets WHERE id = %s", (packet_id,))
-    if row is None or int(row[0]) != group_id or row[1] == "refunded":
+    found = await queries.packet_status(core.db, packet_id)
+    if found is None or found[0] != group_id or found[1] == "refunded":
         return False
     await recover_packet(core, packet_id)
     return True
