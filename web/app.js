@@ -355,6 +355,22 @@ function newer(a, b) {
   return am > bm || (am === bm && as > bs);
 }
 
+// The grabs a grabs event (or a big room's finished event) lists. A big room lists only the latest
+// grabs of an interval: "more" says how many it left out.
+function addGrabs(g, d, ms, added) {
+  if (d.more) added.push({ kind: "system", ms, text: `${d.more} more ${d.more === 1 ? "person" : "people"} opened red packets` });
+  for (const [pid, left] of Object.entries(d.remaining || {})) {
+    const p = g.packets.get(Number(pid));
+    if (p) p.remaining = Math.min(p.remaining, left);
+  }
+  for (const x of d.grabs || []) {
+    const p = g.packets.get(x.packet_id);
+    if (p) p.remaining = Math.min(p.remaining, x.remaining);
+    if (p && x.user === me()) p.mine = p.mine || { amount: x.amount };
+    added.push({ kind: "grab", user: x.user, packet_id: x.packet_id, remaining: x.remaining, ms: x.ms || ms });
+  }
+}
+
 function onEvent(msg) {
   const g = group(msg.group);
   if (!newer(msg.offset, g.offset)) return;
@@ -372,20 +388,10 @@ function onEvent(msg) {
         grabs: [], mine: null });
       break;
     case "grabs":
-      // A big room lists only the latest grabs of an interval: "more" says how many it left out.
-      if (d.more) added.push({ kind: "system", ms, text: `${d.more} more ${d.more === 1 ? "person" : "people"} opened red packets` });
-      for (const [pid, left] of Object.entries(d.remaining || {})) {
-        const p = g.packets.get(Number(pid));
-        if (p) p.remaining = Math.min(p.remaining, left);
-      }
-      for (const x of d.grabs) {
-        const p = g.packets.get(x.packet_id);
-        if (p) p.remaining = Math.min(p.remaining, x.remaining);
-        if (p && x.user === me()) p.mine = p.mine || { amount: x.amount };
-        added.push({ kind: "grab", user: x.user, packet_id: x.packet_id, remaining: x.remaining, ms: x.ms || ms });
-      }
+      addGrabs(g, d, ms, added);
       break;
     case "finished": {
+      addGrabs(g, d, ms, added); // a big room's last grabs of the packet ride on its finished event
       const p = g.packets.get(d.packet_id);
       if (p) {
         p.remaining = 0;

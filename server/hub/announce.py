@@ -82,7 +82,12 @@ class Announcer:
         interval = protocol.announce_interval(
             self.base, self._online(group_id), s.big_room_online, s.big_room_frames_per_second
         )
-        wait = self.last_sent.get(group_id, 0.0) + interval - time.monotonic()
+        now = time.monotonic()
+        wait = self.last_sent.get(group_id, 0.0) + interval - now
+        if self._big(group_id):
+            # A big room's first grab waits an interval too: a hot packet that empties within it is
+            # shown once, by its ``finished`` event, not by a grabs event to every member as well.
+            wait = max(wait, interval)
         if wait <= 0:
             self.hub.spawn(self.flush(group_id))
         else:
@@ -109,15 +114,30 @@ class Announcer:
                 pass  # the last count stands until the next announcement
 
     async def finished(self, *, group_id: GroupId, packet_id: PacketId, viewer_id: UserId) -> None:
-        """The packet's last share went (grabbed by ``viewer_id``): its grabs first, then the result."""
-        await self.flush(group_id)
+        """The packet's last share went (grabbed by ``viewer_id``): its grabs first, then the result. In
+        a big room the packet's grabs not yet announced ride on the result instead (listed as a big
+        room's grabs event lists them): one frame to every member, not two."""
+        listed = self.hub.core.settings.big_room_grabs_listed if self._big(group_id) else None
+        riding = self._take(group_id, packet_id) if listed is not None else []
+        if listed is None:
+            await self.flush(group_id)
         data = await self._retrying(
             f"the result of packet {packet_id}",
             lambda: _result(self, group_id=group_id, packet_id=packet_id, viewer_id=viewer_id),
         )
         if data is not None:
+            if riding:
+                data.update(protocol.grabs_announcement(riding, listed))
             once = Once(f"finished:{packet_id}", packet_lifetime(self.hub.core))
             await self._deliver(group_id, "finished", data, once, 1)
+
+    def _take(self, group: GroupId, packet_id: PacketId) -> list[dict[str, Any]]:
+        """This packet's pending grabs, taken out of the group's next announcement."""
+        items = self.pending.get(group, [])
+        mine = [item for item in items if item["packet_id"] == packet_id]
+        if mine:
+            self.pending[group] = [item for item in items if item["packet_id"] != packet_id]
+        return mine
 
     async def _deliver(self, group: GroupId, kind: str, data: dict[str, Any], once: Once, n: int) -> None:
         lock, users = self.locks.get(group) or (asyncio.Lock(), 0)
