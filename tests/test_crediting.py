@@ -113,8 +113,9 @@ async def test_a_clash_on_the_unique_keys_inside_a_batch_pays_each_share_once(
     core: Core, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another payer that did not take the packet's lock pays one of the batch's shares after the batch
-    read the grab records and before it writes them: the batch's insert meets the unique keys, rolls
-    back, and each credit is decided alone. Only the database's keys stand in the way here."""
+    checked its shares and before it writes its grab records: the batch's insert meets the unique keys,
+    is undone, and each credit is decided from what the database holds. Only the database's keys stand
+    in the way here."""
     pid, credits, _ = await _grabs(core, 6, 6_000)
     victim = credits[2]
     injected = []
@@ -122,7 +123,7 @@ async def test_a_clash_on_the_unique_keys_inside_a_batch_pays_each_share_once(
 
     async def fetchall_then_pay(tx: Tx, statement: str, params: object = ()) -> list[tuple[object, ...]]:
         rows = await real_fetchall(tx, statement, params)  # type: ignore[arg-type]
-        if "FROM grab_records WHERE packet_id IN" in statement and not injected:
+        if "FROM red_packet_shares" in statement and not injected:
             injected.append(await asyncio.to_thread(_pay_behind_the_lock, core.settings.database_url, victim))
         return rows
 
@@ -138,6 +139,95 @@ async def test_a_clash_on_the_unique_keys_inside_a_batch_pays_each_share_once(
     for c in credits:
         assert await ledger.balance(core.db, c.user_id) == c.amount
     assert (await reconcile(core)).ok
+    await assert_books_balance(core)
+
+
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
+async def test_a_clash_after_a_batch_read_the_grab_records_pays_each_share_once(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same clash in a batch decided credit by credit (one of its shares was paid before): the share
+    is paid behind the lock after the batch read the grab records and before it writes them; the batch
+    rolls back on the unique keys and each credit is paid alone."""
+    pid, credits, _ = await _grabs(core, 6, 6_000)
+    paid_before, victim = credits[0], credits[2]
+    assert await credit_many(core.db, [paid_before]) == ["credited"]
+    injected = []
+    real_fetchall = Tx.fetchall
+
+    async def fetchall_then_pay(tx: Tx, statement: str, params: object = ()) -> list[tuple[object, ...]]:
+        rows = await real_fetchall(tx, statement, params)  # type: ignore[arg-type]
+        if "FROM grab_records WHERE packet_id IN" in statement and not injected:
+            injected.append(await asyncio.to_thread(_pay_behind_the_lock, core.settings.database_url, victim))
+        return rows
+
+    monkeypatch.setattr(Tx, "fetchall", fetchall_then_pay)
+    outcomes = await credit_many(core.db, credits)
+    monkeypatch.undo()
+    assert injected == [1]
+    assert outcomes == ["already" if c in (paid_before, victim) else "credited" for c in credits]
+    rows = await core.db.fetchall(
+        "SELECT seq, COUNT(*) FROM grab_records WHERE packet_id = %s GROUP BY seq", (pid,)
+    )
+    assert sorted((int(s), int(n)) for s, n in rows) == sorted((c.seq, 1) for c in credits)
+    for c in credits:
+        assert await ledger.balance(core.db, c.user_id) == c.amount
+    assert (await reconcile(core)).ok
+    await assert_books_balance(core)
+
+
+@pytest.mark.parametrize("odd_one", ["paid_before", "amount", "refunded", "no_packet"])
+async def test_a_batch_clean_but_for_one_credit_decides_that_one_alone(core: Core, odd_one: str) -> None:
+    """A batch with no share or user twice, whose one odd credit only the database can tell: paid
+    before, not the pre-split amount, of a refunded packet, of no packet. That one is decided as alone
+    (paid before: ``already``; the others refused and recorded), and every other credit is paid once,
+    including those written before the odd one in the batch's insert (undone with it, then written again)."""
+    pid, credits, _ = await _grabs(core, 5, 5_000)
+    first, odd, *rest = credits
+    if odd_one == "paid_before":
+        assert await credit_many(core.db, [odd]) == ["credited"]
+        expected = "already"
+    elif odd_one == "amount":
+        odd = CreditEntry(pid, odd.user_id, odd.seq, odd.amount + 1, odd.grabbed_ms)
+        expected = errors.SHARE_CONFLICT
+    elif odd_one == "refunded":
+        other = await packets.send_packet(
+            core,
+            sender_id=await _admin(core),
+            group_id=await _group_of(core, pid),
+            kind="lucky",
+            total=100,
+            count=1,
+        )
+        await core.db.run(
+            lambda tx: tx.execute(
+                "UPDATE red_packets SET status = 'refunded' WHERE id = %s", (other.packet_id,)
+            ),
+            idempotent=False,
+        )
+        odd = CreditEntry(
+            other.packet_id, odd.user_id, 1, await _share(core, other.packet_id, 1), odd.grabbed_ms
+        )
+        expected = errors.PACKET_EXPIRED
+    else:
+        odd = CreditEntry(pid + 1000, odd.user_id, 1, 10, odd.grabbed_ms)
+        expected = errors.PACKET_NOT_FOUND
+    outcomes = await credit_many(core.db, [first, odd, *rest])
+    assert outcomes == ["credited", expected, *["credited"] * len(rest)]
+    for c in [first, *rest]:
+        assert await ledger.balance(core.db, c.user_id) == c.amount
+    paid = await core.db.fetchone(
+        "SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM journal WHERE kind = 'grab'"
+    )
+    assert paid is not None
+    odd_paid = odd.amount if odd_one == "paid_before" else 0
+    assert (int(paid[0]), int(paid[1])) == (
+        len(rest) + 1 + (odd_one == "paid_before"),
+        first.amount + sum(c.amount for c in rest) + odd_paid,
+    )
+    assert await ledger.balance(core.db, odd.user_id) == odd_paid
+    refused = await core.db.fetchall("SELECT code FROM credit_refusals")
+    assert [str(r[0]) for r in refused] == ([] if odd_one == "paid_before" else [expected])
     await assert_books_balance(core)
 
 

@@ -1,12 +1,14 @@
 """Batched crediting: many grabs paid in one transaction, exactly once; and the record of those never paid.
 
 The same rules as ``ledger.credit_grab`` (the share must be the one the database pre-split, one share
-per user, one user per share, nothing on a refunded packet), decided for a whole batch from three reads,
-then written as multi-row inserts and one balance update per account, accounts in a fixed order so two
-batches never deadlock. If another worker credited one of these grabs in the meantime the batch rolls
-back on the unique keys and falls back to crediting one by one; either way each grab is paid once.
-(The packet row lock each credit takes first makes that clash rare: only a payer that skipped the lock
-meets it.)
+per user, one user per share, nothing on a refunded packet), decided for a whole batch, then written as
+multi-row inserts and one balance update per account, accounts in a fixed order so two batches never
+deadlock. The usual batch (every grab new) is decided from the packets' rows and one count of its
+shares, and its grab records are simply inserted: the unique keys refuse a share or a user already held,
+and then that insert is undone and every credit is decided from the grab records read (``_decide``). If
+another worker credited one of these grabs after that read the batch rolls back on the unique keys and
+falls back to crediting one by one; either way each grab is paid once. (The packet row lock each credit
+takes first makes that clash rare: only a payer that skipped the lock meets it.)
 
 A credit refused (its grabber was told "won", or can read it with ``open``, and the ledger will not pay it)
 is never only logged: it is a row of ``credit_refusals``, written in the transaction that decided it, and
@@ -96,7 +98,6 @@ def _marks(n: int) -> str:
 
 async def _batch(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy) -> list[Outcome]:
     pids = sorted({c.packet_id for c in credits})
-    lock = tx.dialect.share_lock
     # Exclusive, in id order: this batch may finish these packets, and two batches lock them in one order.
     status = {
         int(r[0]): str(r[1])
@@ -105,6 +106,76 @@ async def _batch(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy) -> l
             pids,
         )
     }
+    if await _all_new(tx, credits, status):
+        return ["credited"] * len(credits)
+    return await _decide(tx, credits, status, refused_by)
+
+
+async def _all_new(tx: Tx, credits: list[CreditEntry], status: dict[int, str]) -> bool:
+    """The usual batch, paid without reading a grab record: every packet there and not refunded, no share
+    or user twice in the batch, every share the database pre-split (one count), and the grab records
+    written at once. A record already held (the unique keys refuse the insert, which is undone to the
+    savepoint) or any other doubt: False, nothing written, and ``_decide`` reads and decides each one."""
+    if len({(c.packet_id, c.seq) for c in credits}) != len(credits):
+        return False
+    if len({(c.packet_id, c.user_id) for c in credits}) != len(credits):
+        return False
+    if any(status.get(c.packet_id, "refunded") == "refunded" for c in credits):
+        return False
+    # (packet, seq) is the key and no pair repeats, so each triple counts at most one row.
+    [(matching,)] = await tx.fetchall(
+        "SELECT COUNT(*) FROM red_packet_shares WHERE (packet_id, seq, amount) IN"
+        f" ({', '.join(['(%s, %s, %s)'] * len(credits))})",
+        [v for c in credits for v in (c.packet_id, c.seq, c.amount)],
+    )
+    if int(matching) != len(credits):
+        return False
+    ts = now_ms()
+    await tx.execute("SAVEPOINT credit_batch")
+    try:
+        await _insert_records(tx, credits, ts)
+    except IntegrityError:
+        # Another payer holds one of these shares or users (or a run before a lost COMMIT answer paid
+        # them): undo this statement's rows only (SQLite's executemany may have written some).
+        await tx.execute("ROLLBACK TO SAVEPOINT credit_batch")
+        return False
+    await _post(tx, credits, ts)
+    return True
+
+
+async def _insert_records(tx: Tx, credits: list[CreditEntry], ts: int) -> None:
+    await tx.executemany(
+        "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+        [(c.packet_id, c.user_id, c.seq, c.amount, "credited", c.grabbed_ms, ts) for c in credits],
+    )
+
+
+async def _post(tx: Tx, paid: list[CreditEntry], ts: int) -> None:
+    """The journal rows and balances of ``paid`` (their grab records written), and the packets they
+    finish."""
+    await tx.executemany(
+        "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms, tx)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+        [
+            (c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id, ts, tx.token)
+            for c in paid
+        ],
+    )
+    per_account: dict[int, int] = defaultdict(int)
+    for c in paid:
+        per_account[c.user_id] += c.amount
+    await add_to_balances(tx, dict(per_account), ts)
+    await finish_paid(tx, [c.packet_id for c in paid])
+
+
+async def _decide(
+    tx: Tx, credits: list[CreditEntry], status: dict[int, str], refused_by: RefusedBy
+) -> list[Outcome]:
+    """Each credit decided from what the database holds: its share, and the grab records holding its
+    share or its user (read with shared locks); the refused recorded."""
+    pids = sorted({c.packet_id for c in credits})
+    lock = tx.dialect.share_lock
     # Only the rows this batch is about: its shares, and grab records holding its shares or its users.
     # (Plain IN lists, which the engines search fast; pairs are matched exactly below.)
     seq_pairs = {(c.packet_id, c.seq) for c in credits}
@@ -164,30 +235,13 @@ async def _batch(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy) -> l
             out.append("credited")
 
     ts = now_ms()
-    await tx.executemany(
-        "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
-        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-        [(c.packet_id, c.user_id, c.seq, c.amount, "credited", c.grabbed_ms, ts) for c in inserts],
-    )
+    await _insert_records(tx, inserts, ts)
     for c in updates:
         await tx.execute(
             "UPDATE grab_records SET status = 'credited', credited_ms = %s WHERE packet_id = %s AND seq = %s",
             (ts, c.packet_id, c.seq),
         )
-    paid = inserts + updates
-    await tx.executemany(
-        "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms, tx)"
-        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-        [
-            (c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id, ts, tx.token)
-            for c in paid
-        ],
-    )
-    per_account: dict[int, int] = defaultdict(int)
-    for c in paid:
-        per_account[c.user_id] += c.amount
-    await add_to_balances(tx, dict(per_account), ts)
-    await finish_paid(tx, [c.packet_id for c in paid])
+    await _post(tx, inserts + updates, ts)
     refused = [(c, o) for c, o in zip(credits, out, strict=True) if o not in ("credited", "already")]
     await record_refusals(tx, refused, refused_by)
     return out
