@@ -176,12 +176,15 @@ async def test_a_clash_after_a_batch_read_the_grab_records_pays_each_share_once(
     await assert_books_balance(core)
 
 
-@pytest.mark.parametrize("odd_one", ["paid_before", "amount", "refunded", "no_packet"])
+@pytest.mark.parametrize(
+    "odd_one", ["paid_before", "amount", "refunded", "no_packet", "amount_elsewhere", "elsewhere"]
+)
 async def test_a_batch_clean_but_for_one_credit_decides_that_one_alone(core: Core, odd_one: str) -> None:
     """A batch with no share or user twice, whose one odd credit only the database can tell: paid
-    before, not the pre-split amount, of a refunded packet, of no packet. That one is decided as alone
-    (paid before: ``already``; the others refused and recorded), and every other credit is paid once,
-    including those written before the odd one in the batch's insert (undone with it, then written again)."""
+    before, not the pre-split amount (of this packet, or of a second packet in the batch), of a refunded
+    packet, of no packet. That one is decided as alone (paid before: ``already``; the others refused and
+    recorded), and every other credit is paid once, including those written before the odd one in the
+    batch's insert (undone with it, then written again). A true credit of a second packet is paid too."""
     pid, credits, _ = await _grabs(core, 5, 5_000)
     first, odd, *rest = credits
     if odd_one == "paid_before":
@@ -190,7 +193,10 @@ async def test_a_batch_clean_but_for_one_credit_decides_that_one_alone(core: Cor
     elif odd_one == "amount":
         odd = CreditEntry(pid, odd.user_id, odd.seq, odd.amount + 1, odd.grabbed_ms)
         expected = errors.SHARE_CONFLICT
-    elif odd_one == "refunded":
+    elif odd_one == "no_packet":
+        odd = CreditEntry(pid + 1000, odd.user_id, 1, 10, odd.grabbed_ms)
+        expected = errors.PACKET_NOT_FOUND
+    else:
         other = await packets.send_packet(
             core,
             sender_id=await _admin(core),
@@ -199,35 +205,37 @@ async def test_a_batch_clean_but_for_one_credit_decides_that_one_alone(core: Cor
             total=100,
             count=1,
         )
-        await core.db.run(
-            lambda tx: tx.execute(
-                "UPDATE red_packets SET status = 'refunded' WHERE id = %s", (other.packet_id,)
-            ),
-            idempotent=False,
-        )
-        odd = CreditEntry(
-            other.packet_id, odd.user_id, 1, await _share(core, other.packet_id, 1), odd.grabbed_ms
-        )
-        expected = errors.PACKET_EXPIRED
-    else:
-        odd = CreditEntry(pid + 1000, odd.user_id, 1, 10, odd.grabbed_ms)
-        expected = errors.PACKET_NOT_FOUND
+        share = await _share(core, other.packet_id, 1)
+        expected = {
+            "refunded": errors.PACKET_EXPIRED,
+            "amount_elsewhere": errors.SHARE_CONFLICT,
+            "elsewhere": "credited",
+        }[odd_one]
+        if odd_one == "refunded":
+            await core.db.run(
+                lambda tx: tx.execute(
+                    "UPDATE red_packets SET status = 'refunded' WHERE id = %s", (other.packet_id,)
+                ),
+                idempotent=False,
+            )
+        amount = share + 1 if odd_one == "amount_elsewhere" else share
+        odd = CreditEntry(other.packet_id, odd.user_id, 1, amount, odd.grabbed_ms)
     outcomes = await credit_many(core.db, [first, odd, *rest])
     assert outcomes == ["credited", expected, *["credited"] * len(rest)]
     for c in [first, *rest]:
         assert await ledger.balance(core.db, c.user_id) == c.amount
+    odd_paid = odd.amount if expected in ("already", "credited") else 0
     paid = await core.db.fetchone(
         "SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM journal WHERE kind = 'grab'"
     )
     assert paid is not None
-    odd_paid = odd.amount if odd_one == "paid_before" else 0
     assert (int(paid[0]), int(paid[1])) == (
-        len(rest) + 1 + (odd_one == "paid_before"),
+        len(rest) + 1 + (odd_paid > 0),
         first.amount + sum(c.amount for c in rest) + odd_paid,
     )
     assert await ledger.balance(core.db, odd.user_id) == odd_paid
     refused = await core.db.fetchall("SELECT code FROM credit_refusals")
-    assert [str(r[0]) for r in refused] == ([] if odd_one == "paid_before" else [expected])
+    assert [str(r[0]) for r in refused] == ([] if odd_paid else [expected])
     await assert_books_balance(core)
 
 

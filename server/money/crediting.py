@@ -122,11 +122,18 @@ async def _all_new(tx: Tx, credits: list[CreditEntry], status: dict[int, str]) -
         return False
     if any(status.get(c.packet_id, "refunded") == "refunded" for c in credits):
         return False
-    # (packet, seq) is the key and no pair repeats, so each triple counts at most one row.
+    # (packet, seq) is the key and no pair repeats, so each credit counts at most one row. Per packet,
+    # (seq, amount) pairs: a third fewer values to send and to parse than (packet, seq, amount) triples.
+    per_packet: dict[int, list[int]] = defaultdict(list)
+    for c in credits:
+        per_packet[c.packet_id] += (c.seq, c.amount)
     [(matching,)] = await tx.fetchall(
-        "SELECT COUNT(*) FROM red_packet_shares WHERE (packet_id, seq, amount) IN"
-        f" ({', '.join(['(%s, %s, %s)'] * len(credits))})",
-        [v for c in credits for v in (c.packet_id, c.seq, c.amount)],
+        "SELECT COUNT(*) FROM red_packet_shares WHERE "
+        + " OR ".join(
+            f"(packet_id = %s AND (seq, amount) IN ({', '.join(['(%s, %s)'] * (len(v) // 2))}))"
+            for v in per_packet.values()
+        ),
+        [x for pid, v in per_packet.items() for x in (pid, *v)],
     )
     if int(matching) != len(credits):
         return False
