@@ -10,7 +10,9 @@ local dropped_key = KEYS[4]  -- the grabs repairs dropped (a list)
 local outbox_key = KEYS[5]   -- the shard's credit outbox
 local expire_at = ARGV[1]    -- expire-at (unix ms) for the packet's keys
 local packet = ARGV[2]
--- ARGV[3] number of meta field/value pairs n, then 2n meta items
+local stamp_field = ARGV[3]  -- the meta field that names the server the state was loaded on
+local stamp = ARGV[4]        -- that server as the loader saw it ('' not known): written over any before
+-- ARGV[5] number of meta field/value pairs n, then 2n meta items
 -- then: number of shares m, then m items 'seq:amount' (every share of the packet, in hand-out order)
 -- then: number of grabs k, then 2k items user, 'seq:amount:ms' (grabs the database already holds)
 --
@@ -20,7 +22,7 @@ local packet = ARGV[2]
 -- may have been told "won": it is kept in dropped_key until the ledger has recorded it as refused. Grabs
 -- only Redis holds (not yet paid) are kept. A share taken in either is never put back in the list.
 -- Returns {shares left, grabs known, every grab in dropped_key as 'user:seq:amount:ms'}.
-local i = 3
+local i = 5
 local n = tonumber(ARGV[i]); i = i + 1
 local fields = {}
 for j = 1, n do
@@ -72,6 +74,13 @@ end
 -- Meta fields already in Redis (finished_ms, closed) are kept; missing ones are filled in.
 for j = 1, #fields, 2 do
   redis.call('HSETNX', meta_key, fields[j], fields[j + 1])
+end
+-- Loaded (or checked) on this server: a process that meets the packet later trusts this state without
+-- the database while the server is still the one named here (server/store/repair.py).
+if stamp ~= '' then
+  redis.call('HSET', meta_key, stamp_field, stamp)
+else
+  redis.call('HDEL', meta_key, stamp_field)
 end
 
 redis.call('DEL', shares_key)

@@ -199,6 +199,47 @@ async def test_lost_writes_never_hand_out_a_share_the_database_holds(core: Core,
             await assert_books_balance(c)
 
 
+@needs_redis_server
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
+async def test_a_process_meeting_a_packet_trusts_only_the_server_it_was_loaded_on(
+    core: Core, tmp_path: Path
+) -> None:
+    """A packet's state names the server it was loaded on (``server.store.repair``). A process meeting
+    the packet for the first time (a hub started after it was sent, or any hub but the sender's) grabs
+    it without the database's check while that server answers; after an OS crash took the packet's paid
+    grabs, a process started after it — with nothing in its memory of the crash — checks the packet
+    first, and nobody is handed a share the database holds."""
+    async with redis_process(tmp_path, "--appendfsync", "no", fsyncs=tmp_path / "fsyncs") as r:
+        s = core.settings.replace(redis_url=r.url, grab_durability="none")
+        async with open_core(s) as sender:
+            w = await make_world(sender, members=15, admin_cents=100_000)
+            p = await packets.send_packet(
+                sender, sender_id=w.admin, group_id=w.group, kind="lucky", total=1_000, count=10
+            )
+            await on_disk(r)  # the packet (and its stamp) survives the crash...
+        async with open_core(s) as hub:
+            first = {
+                u: (await grabs.grab(hub, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
+                for u in w.members[:5]
+            }
+            assert (hub.repairs.trusted, hub.repairs.checks) == (1, 0)  # one Redis read, no database
+            await CreditDrain(hub).until_empty()
+            assert len(await paid(hub)) == 5
+        assert await r.os_crash() > 0  # ...its 5 grabs, paid by the database, never fsynced, do not
+        await r.start()
+        async with open_core(s) as later:
+            after = [await grab_or_none(later, p.packet_id, w.group, u) for u in w.members[5:]]
+            assert (later.repairs.trusted, later.repairs.checks) == (0, 1)  # another server: checked
+            winners = {g.grab.user_id: (g.grab.seq, g.grab.amount) for g in after if g is not None}
+            assert len(winners) == 5  # the 5 shares the database does not hold, and no more
+            await CreditDrain(later).until_empty()
+            held = await paid(later)
+            for u, g in first.items():
+                assert held[u] == (g.seq, g.amount)
+            assert len({seq for seq, _ in held.values()}) == 10 and sum(a for _, a in held.values()) == 1_000
+            assert (await reconcile(later)).ok
+
+
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)
 async def test_with_aof_durability_every_won_survives_an_os_crash(core: Core, tmp_path: Path) -> None:
     """Durability aof (Valkey, ``appendfsync always``, WAITAOF per batch): every grab answered "won" is on

@@ -96,12 +96,15 @@ async def grab(
         )
         return await run(core.batcher, core.scripts, call)
 
+    meta_key = keys.packet_meta(group_id=group_id, packet_id=packet_id)
     try:
         first: GrabReply | None = None
         for _ in range(3):
             generation = core.repairs.generation
             try:
-                await core.repairs.ensure(packet_id, lambda: _check(core, packet_id))
+                await core.repairs.ensure(
+                    packet_id, lambda: _check(core, packet_id), meta_key, lambda: _stamp(core, meta_key)
+                )
                 reply = await attempt(True, gate)
                 if reply.status == "members":
                     # The cache was cold and the script stopped before the gate: it still applies.
@@ -145,6 +148,12 @@ def _answer(reply: GrabReply, *, packet_id: PacketId, group_id: GroupId, user_id
     if (status == "won" or status == "already") and reply.record is not None and reply.remaining is not None:
         return GrabResult(status, packet_id, Grab.of(user_id, reply.record), reply.remaining)
     raise _refusal(status)
+
+
+async def _stamp(core: Core, meta_key: str) -> str | None:
+    """The packet's stamp (``server.store.repair``), read in this tick's pipeline to its master."""
+    raw = await core.batcher.call(lambda pipe: pipe.hget(meta_key, keys.PACKET_STAMP), meta_key)
+    return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 async def _check(core: Core, packet_id: PacketId) -> None:

@@ -276,6 +276,7 @@ async def _load(
         meta["finished_ms"] = finished_ms
     if p.status == "refunding":
         meta["closed"] = 1  # its refund has begun: no grab may start again, whatever Redis lost
+    meta_key = keys.packet_meta(group_id=p.group_id, packet_id=p.packet_id)
     call = LoadPacketCall(
         group_id=p.group_id,
         packet_id=p.packet_id,
@@ -283,6 +284,7 @@ async def _load(
         meta=dict(meta),
         shares=shares,
         grabs=grabs,
+        stamp=core.repairs.stamp(meta_key),
     )
     loaded = await run_alone(core.scripts, call)
     return loaded.shares_left, loaded.grabs_known, [dropped_credit(p, d) for d in loaded.dropped]

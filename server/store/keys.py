@@ -75,8 +75,14 @@ def _p(group_id: GroupId, packet_id: PacketId) -> str:
 # -- packets --------------------------------------------------------------------------------------------
 
 
+# The field of a packet's meta hash naming the server (run id and data id) its state was last loaded or
+# checked on (``server.store.repair``).
+PACKET_STAMP = "checked"
+
+
 def packet_meta(*, group_id: GroupId, packet_id: PacketId) -> str:
-    """Hash: group, sender, kind, total, count, target, created_ms, expires_ms, finished_ms, closed."""
+    """Hash: group, sender, kind, total, count, target, created_ms, expires_ms, finished_ms, closed, and
+    ``PACKET_STAMP``."""
     return _p(group_id, packet_id) + ":meta"
 
 

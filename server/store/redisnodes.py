@@ -236,6 +236,12 @@ class RedisNodes:
                 self.identities.replicas[address] = count
         self.identities.saw(address, data=data_id(answers[0]))
 
+    def data_stamp(self, key: str) -> str:
+        """The server that owns ``key``'s slot as this process last met it — its run id and data id — or ""
+        before it has (``server.store.repair``)."""
+        seen = self.identities.seen.get(self._address(self.node_client(key)))
+        return f"{seen[0]}/{seen[1]}" if seen is not None and seen[0] and seen[1] else ""
+
     def replicas(self, client: Redis) -> int | None:
         """How many replicas could take this server's place at the last look that counted them (None:
         not counted yet)."""

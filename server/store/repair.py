@@ -13,6 +13,15 @@ in flight while the generation moved is checked and made again before it is answ
 
 Checks are per packet and lazy: the first grab of a packet after a restart pays one database read, and
 concurrent grabs of it share that one check.
+
+A process that meets a packet for the first time — a hub started after the packet was put up, or any
+hub but the sender's — cannot tell from its own memory whether Redis lost writes before it came. So a
+packet's state carries a *stamp* (``keys.PACKET_STAMP`` in its meta hash): the run id and data id of the
+server it was loaded or checked on, as the loading process saw them (``Repairs.stamp``). While the
+server that owns the packet still answers with that identity, nothing was lost since, and the packet is
+trusted with one Redis read instead of the database's check; a restart, a failover or data replaced
+changes the identity, and the stamp no longer matches. A stamp written by a process whose view was
+already stale names the old server: it only costs a check more.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from server.ids import PacketId
 from server.store.redisnodes import RedisNodes
 
 Repair = Callable[[], Awaitable[object]]
+# Reads the packet's stamp from the server that holds it (None: no stamp there).
+ReadStamp = Callable[[], Awaitable[str | None]]
 
 
 class Repairs:
@@ -34,6 +45,7 @@ class Repairs:
         self._checked: OrderedDict[PacketId, int] = OrderedDict()
         self._running: dict[tuple[PacketId, int], asyncio.Task[None]] = {}
         self.checks = 0
+        self.trusted = 0  # packets met here whose stamp named the server they are on: not checked
 
     @property
     def generation(self) -> int:
@@ -46,21 +58,41 @@ class Repairs:
         while len(self._checked) > self._remember:
             self._checked.popitem(last=False)
 
-    async def ensure(self, packet_id: PacketId, repair: Repair) -> None:
-        """Run ``repair`` for this packet unless it ran in the current generation; concurrent callers
-        share one run. If it fails (Redis or the database down) the caller gets its error and the packet
-        is checked again next time."""
+    def stamp(self, key: str) -> str:
+        """The stamp for a packet whose keys include ``key``, loaded or checked now ("": the server is
+        not known yet, so no stamp)."""
+        return self._nodes.data_stamp(key)
+
+    async def ensure(
+        self, packet_id: PacketId, repair: Repair, key: str | None = None, read_stamp: ReadStamp | None = None
+    ) -> None:
+        """Run ``repair`` for this packet unless it ran in the current generation, or its stamp
+        (``read_stamp()``, read from the server that owns ``key``) names that server as this process sees
+        it now; concurrent callers share one run. If it fails (Redis or the database down) the caller
+        gets its error and the packet is checked again next time."""
         generation = self._nodes.generation
         if self._checked.get(packet_id) == generation:
             return
         task = self._running.get((packet_id, generation))
         if task is None:
-            task = asyncio.create_task(self._run(packet_id, generation, repair))
+            trust = None if key is None or read_stamp is None else (key, read_stamp)
+            task = asyncio.create_task(self._run(packet_id, generation, repair, trust))
             self._running[(packet_id, generation)] = task
             task.add_done_callback(lambda _: self._running.pop((packet_id, generation), None))
         await asyncio.shield(task)
 
-    async def _run(self, packet_id: PacketId, generation: int, repair: Repair) -> None:
+    async def _run(
+        self, packet_id: PacketId, generation: int, repair: Repair, trust: tuple[str, ReadStamp] | None
+    ) -> None:
+        if trust is not None:
+            key, read_stamp = trust
+            found = await read_stamp()
+            # Compared with what this process sees after the read; a generation moved meanwhile trusts
+            # nothing.
+            if found and found == self.stamp(key) and self._nodes.generation == generation:
+                self.trusted += 1
+                self.mark(packet_id, generation)
+                return
         self.checks += 1
         await repair()
         self.mark(packet_id, generation)

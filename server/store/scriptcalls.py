@@ -209,6 +209,9 @@ class LoadPacketCall(Call[Loaded]):
     meta: dict[str, Arg]
     shares: list[ShareEntry]  # every share of the packet, in hand-out order
     grabs: dict[UserId, GrabRecord]  # the grabs the database holds
+    # The server this is loaded on, as the caller saw it (``Repairs.stamp``); "": not known, so none (a
+    # process meeting the packet later checks it against the database).
+    stamp: str = ""
 
     def keys(self) -> list[str]:
         return [
@@ -217,7 +220,7 @@ class LoadPacketCall(Call[Loaded]):
         ]
 
     def argv(self) -> list[Arg]:
-        args: list[Arg] = [self.expire_at_ms, self.packet_id, len(self.meta)]
+        args: list[Arg] = [self.expire_at_ms, self.packet_id, keys.PACKET_STAMP, self.stamp, len(self.meta)]
         for k, v in self.meta.items():
             args += [k, v]
         args.append(len(self.shares))

@@ -87,9 +87,15 @@ def test_loading_a_packet_sends_its_meta_shares_and_grabs_counted() -> None:
         meta={"group": G, "kind": "lucky"},
         shares=[ShareEntry(ShareSeq(1), 300), ShareEntry(ShareSeq(2), 200)],
         grabs={U: GrabRecord(ShareSeq(2), 200, 1700)},
+        stamp="run/master:repl",
     )
     assert call.keys() == [*keys.packet_keys(group_id=G, packet_id=P), keys.outbox_for(G)]
-    assert call.argv() == [99, P, 2, "group", G, "kind", "lucky", 2, "1:300", "2:200", 1, U, "2:200:1700"]
+    assert call.argv() == [
+        *(99, P, keys.PACKET_STAMP, "run/master:repl"),
+        *(2, "group", G, "kind", "lucky"),
+        *(2, "1:300", "2:200"),
+        *(1, U, "2:200:1700"),
+    ]
     loaded = call.parse([1, 1, [b"6:1:300:1600"]])
     assert (loaded.shares_left, loaded.grabs_known, loaded.dropped[0].user_id) == (1, 1, 6)
 
