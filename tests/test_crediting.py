@@ -103,6 +103,7 @@ async def test_the_worker_credits_a_storm_in_batches(core: Core) -> None:
     assert metrics.credit_lag._sum.get() > 0
     assert sum(b.get() for b in metrics.credit_lag._buckets) == 100
     assert sum(b.get() for b in metrics.batch_size._buckets) == 4  # 30 + 30 + 30 + 10
+    assert metrics.credits.labels("credited")._value.get() == 100  # counted per batch, every credit
     for c in credits:
         assert await ledger.balance(core.db, c.user_id) == c.amount
     assert (await reconcile(core)).ok

@@ -312,18 +312,27 @@ class CreditDrain:
         paid: dict[int, dict[tuple[GroupId, PacketId], list[CreditEntry]]] = defaultdict(
             lambda: defaultdict(list)
         )
+        # Counted per batch, not per credit: a labelled counter's labels() and inc() cost 1.5 us a call.
+        counts = {"credited": 0, "already": 0, "refused": 0}
+        lag = self.metrics.credit_lag
         for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):
             acks.setdefault(n, []).append(entry_id)
-            self.metrics.credits.labels(outcome if outcome in ("credited", "already") else "refused").inc()
             if outcome == "credited":
-                self.credited += 1
-                self.metrics.credit_lag.observe(max(0, finished - c.grabbed_ms) / 1000)
-            elif outcome != "already":
+                counts["credited"] += 1
+                lag.observe(max(0, finished - c.grabbed_ms) / 1000)
+            elif outcome == "already":
+                counts["already"] += 1
+            else:
                 # Recorded in credit_refusals by the transaction that refused it (reconciliation reports
                 # it); retrying cannot fix it. Never pay on a guess.
+                counts["refused"] += 1
                 log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
                 continue
             paid[n][(c.group_id, c.packet_id)].append(c)
+        self.credited += counts["credited"]
+        for outcome, k in counts.items():
+            if k:
+                self.metrics.credits.labels(outcome).inc(k)
         calls = [
             run(self.core.batcher, self.core.scripts, AckCreditsCall(n, ids, dict(paid.get(n, {}))))
             for n, ids in acks.items()
