@@ -258,8 +258,8 @@ class RedisNodes:
 
     @staticmethod
     def _address(client: Redis) -> str:
-        kwargs = client.connection_pool.connection_kwargs
-        return address_of(kwargs.get("host", "localhost"), kwargs.get("port", 6379))
+        # (Named as its connections name themselves: a unix socket by its path, as ``_where`` does.)
+        return RedisNodes.address(client.connection_pool.connection_kwargs)
 
     async def open(self) -> RedisNodes:
         """Learn the cluster's slot map and meet every master now, so that the servers this process

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from redis.asyncio import Redis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -126,6 +127,11 @@ def test_where_a_connection_goes_is_named_host_port_or_its_socket_path() -> None
     assert RedisNodes.address({"host": "10.0.0.1", "port": 7000}) == "10.0.0.1:7000"
     assert RedisNodes.address({"path": "/tmp/r.sock", "host": "ignored"}) == "/tmp/r.sock"
     assert RedisNodes.address({}) == "127.0.0.1:6379"
+    # A look at a server is recorded under the name its connections give it (a unix socket's path too):
+    # else the identity read on connecting and the one read by a look would be two servers' (a stamp
+    # written on one would never match).
+    assert RedisNodes._address(Redis(unix_socket_path="/tmp/r.sock")) == "/tmp/r.sock"
+    assert RedisNodes._address(Redis(host="10.0.0.1", port=7000)) == "10.0.0.1:7000"
 
 
 def test_a_url_s_kind_of_connection_is_kept_when_packed() -> None:
