@@ -93,6 +93,13 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
 
         bench_tokens(plot=Path(args.plot) if args.plot else None)
         return 0
+    if command == "bench" and args.what == "grab-script":  # a throw-away redis-server of its own
+        from server.tools.scriptbench import bench_grab_script
+        from server.tools.throwaway import Setup
+
+        setup = Setup(args.redis_setup)
+        bench_grab_script(args.script, args.rounds, setup, args.instructions, args.ablations)
+        return 0
     sock = None
     _refuse(args, settings)
     if command in ("up", "serve"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,7 +72,8 @@ def _system(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="print benchmark figures and a JSON line (docs/benchmarks.md)")
     bench.add_argument(
-        "what", choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm", "db-read", "tokens"]
+        "what",
+        choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm", "db-read", "tokens", "grab-script"],
     )
     bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
     bench.add_argument("--clients", type=int, default=10_000, help="connected clients (hot)")
@@ -87,3 +89,18 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         " (unless given, 4,000 round trips)",
     )
     bench.add_argument("--plot", metavar="DIR", help="write PNG plots of the run into DIR")
+    script = bench.add_argument_group("grab-script (a throw-away redis-server of its own)")
+    script.add_argument(
+        "--script", action="append", type=Path, default=[], metavar="LUA",
+        help="a variant of lua/grab.lua to measure (repeat; default lua/grab.lua)",
+    )  # fmt: skip
+    script.add_argument("--rounds", type=int, default=3, help="runs of each variant, alternating")
+    script.add_argument("--ablations", action="store_true", help="and each command stubbed in turn")
+    script.add_argument(
+        "--instructions", action="store_true", help="count instructions under valgrind's callgrind"
+    )
+    script.add_argument(
+        "--redis-setup", default="plain",
+        choices=["plain", "aof", "replica", "cluster", "cluster-aof-replica"],
+        help="what the server carries: plain (no persistence), aof, replica, cluster (mode), or all",
+    )  # fmt: skip
