@@ -33,13 +33,16 @@ def test_every_ablation_still_wins_every_grab() -> None:
 
 
 @needs_redis_server
-def test_a_variant_runs_on_a_cluster_master_with_its_log_and_replica(tmp_path: Path) -> None:
+def test_a_variant_runs_on_a_cluster_master_with_its_log_its_replica_and_options_given(
+    tmp_path: Path,
+) -> None:
     variant = tmp_path / "variant.lua"
     variant.write_text((LUA_DIR / "grab.lua").read_text())
+    config = ["--hash-max-listpack-entries", "16"]
     figures = bench_grab_script(
-        [variant], 1, Setup.CLUSTER_AOF_REPLICA, instructions=False, with_ablations=False, shape=SMALL
+        [variant], 1, Setup.CLUSTER_AOF_REPLICA, False, False, shape=SMALL, config=config
     )
-    assert figures["redis"].endswith("cluster-aof-replica")
+    assert figures["redis"].endswith("cluster-aof-replica --hash-max-listpack-entries 16")
     assert figures["variant.lua"]["cpu_us"] > 0
 
 

@@ -98,7 +98,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         from server.tools.throwaway import Setup
 
         setup = Setup(args.redis_setup)
-        bench_grab_script(args.script, args.rounds, setup, args.instructions, args.ablations)
+        config = [w if i else f"--{w}" for option in args.redis_config for i, w in enumerate(option.split())]
+        bench_grab_script(args.script, args.rounds, setup, args.instructions, args.ablations, config=config)
         return 0
     sock = None
     _refuse(args, settings)

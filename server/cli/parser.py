@@ -104,3 +104,7 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=["plain", "aof", "replica", "cluster", "cluster-aof-replica"],
         help="what the server carries: plain (no persistence), aof, replica, cluster (mode), or all",
     )  # fmt: skip
+    script.add_argument(
+        "--redis-config", action="append", default=[], metavar="'NAME VALUE'",
+        help="a server option, e.g. 'hash-max-listpack-entries 128' (repeat)",
+    )  # fmt: skip

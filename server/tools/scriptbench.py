@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,7 @@ def bench_grab_script(
     instructions: bool,
     with_ablations: bool,
     shape: Shape | None = None,
+    config: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Every variant ``rounds`` times, alternating, on one throw-away server; the medians. ``scripts``:
     variants of lua/grab.lua, taking its KEYS and ARGV (by default lua/grab.lua itself); with
@@ -231,7 +233,7 @@ def bench_grab_script(
     # Under callgrind a call costs ~50 times the CPU: a quarter of the groups (the same packets).
     shape = shape or Shape(GROUPS // 4 if instructions else GROUPS)
     runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
-    with throwaway_server(setup, callgrind=instructions) as server:
+    with throwaway_server(setup, callgrind=instructions, config=config) as server:
         version = command(server.client(), "INFO", "server")["redis_version"]
         with phase(f"{len(variants)} variants x {rounds} rounds", total=rounds * len(variants)) as step:
             for n in range(rounds):
@@ -239,7 +241,7 @@ def bench_grab_script(
                     runs[v.name].append(_run(server, v, sources, shape))
                     step.advance()
     figures: dict[str, Any] = {
-        "redis": f"redis-server {version}, {setup.value}",
+        "redis": " ".join([f"redis-server {version}, {setup.value}", *config]),
         "calls_per_run": shape.groups * shape.members,
         "rounds": rounds,
     }

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -168,11 +168,13 @@ def _cluster_up(master: Server, replica: Server | None) -> None:
 
 
 @contextlib.contextmanager
-def throwaway_server(setup: Setup, callgrind: bool = False) -> Iterator[Server]:
-    """A master as ``setup`` says (under callgrind if asked), with its replica if it has one; both
-    stopped and their directory removed on the way out."""
+def throwaway_server(setup: Setup, callgrind: bool = False, config: Sequence[str] = ()) -> Iterator[Server]:
+    """A master as ``setup`` says (under callgrind if asked), with its replica if it has one, each with
+    the server options ``config`` (``["--hash-max-listpack-entries", "128"]``) too; both stopped and their
+    directory removed on the way out."""
     where = Path(tempfile.mkdtemp(prefix="redpacket-throwaway-"))
     extra = ["--appendonly", "yes", "--appendfsync", "everysec"] if setup.aof else ["--appendonly", "no"]
+    extra += config
     if setup.cluster:  # (the config file lands in each server's own --dir)
         extra += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
     started: list[Server] = []
