@@ -4,6 +4,7 @@ separate ``redpacket serve`` processes; logging in and calling the HTTP API; wai
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import signal
 import socket
@@ -85,6 +86,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# Below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range: 32768-60999 by default),
+# so that no outgoing connection is given one as its local port.
+SERVER_PORTS = range(20_000, 32_768)
+_given: set[int] = set()
+
+
+def server_port() -> int:
+    """A port for a server a test stops and starts again on the same port (a Redis node, its cluster
+    bus): free now, never given before in this process, and outside the ephemeral range — a port from
+    ``free_port`` can be taken meanwhile by any outgoing connection's local end."""
+    while True:
+        port = random.choice(SERVER_PORTS)
+        if port in _given:
+            continue
+        _given.add(port)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def _bound_socket() -> socket.socket:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.hubtools import free_port
+from tests.hubtools import server_port
 
 needs_redis_server = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="needs redis-server to start, kill and restart one"
@@ -31,7 +31,7 @@ class RedisProcess:
     ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.dir = directory
-        self.port = free_port()
+        self.port = server_port()
         self.extra = extra
         self.binary = binary
         # With an fsync recorder (``fsync_recorder``): every fsync of the server is logged here.
@@ -45,7 +45,7 @@ class RedisProcess:
 
     async def start(self) -> None:
         """Start it and wait (bounded) until it answers PING with its data loaded. The first start takes
-        another free port if its own was taken meanwhile (``free_port`` only says it was free when asked);
+        another free port if its own was taken meanwhile (``server_port`` only says it was free when asked);
         a restart keeps its port (its data and cluster identity go with it)."""
         for attempt in range(1, 4):
             args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
@@ -68,7 +68,7 @@ class RedisProcess:
             else:
                 self.started = True
                 return
-            self.port = free_port()
+            self.port = server_port()
 
     def _log_tail(self) -> str:
         """The server's last log lines: why it did not come up, when a start fails."""
@@ -195,7 +195,7 @@ class LocalCluster:
             # What docs/scaling.md asks of a cluster: a fast failover, a replica back in sync without the
             # 5 s wait, the other masters serving while one range fails over.
             p = RedisProcess(node_dir, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
-                             "--cluster-config-file", "nodes.conf", "--cluster-port", str(free_port()),
+                             "--cluster-config-file", "nodes.conf", "--cluster-port", str(server_port()),
                              "--repl-diskless-sync-delay", "0", "--cluster-require-full-coverage", "no",
                              *extra, binary=binary,
                              fsyncs=node_dir / "fsyncs" if fsyncs else None)  # fmt: skip
