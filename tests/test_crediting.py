@@ -119,16 +119,7 @@ async def test_a_clash_on_the_unique_keys_inside_a_batch_pays_each_share_once(
     in the way here."""
     pid, credits, _ = await _grabs(core, 6, 6_000)
     victim = credits[2]
-    injected = []
-    real_fetchall = Tx.fetchall
-
-    async def fetchall_then_pay(tx: Tx, statement: str, params: object = ()) -> list[tuple[object, ...]]:
-        rows = await real_fetchall(tx, statement, params)  # type: ignore[arg-type]
-        if "FROM red_packet_shares" in statement and not injected:
-            injected.append(await asyncio.to_thread(_pay_behind_the_lock, core.settings.database_url, victim))
-        return rows
-
-    monkeypatch.setattr(Tx, "fetchall", fetchall_then_pay)
+    injected = _pay_after_read(monkeypatch, core, "FROM red_packet_shares", victim)
     outcomes = await credit_many(core.db, credits)
     monkeypatch.undo()
     assert injected == [1]  # the clash was made to happen
@@ -153,16 +144,7 @@ async def test_a_clash_after_a_batch_read_the_grab_records_pays_each_share_once(
     pid, credits, _ = await _grabs(core, 6, 6_000)
     paid_before, victim = credits[0], credits[2]
     assert await credit_many(core.db, [paid_before]) == ["credited"]
-    injected = []
-    real_fetchall = Tx.fetchall
-
-    async def fetchall_then_pay(tx: Tx, statement: str, params: object = ()) -> list[tuple[object, ...]]:
-        rows = await real_fetchall(tx, statement, params)  # type: ignore[arg-type]
-        if "FROM grab_records WHERE packet_id IN" in statement and not injected:
-            injected.append(await asyncio.to_thread(_pay_behind_the_lock, core.settings.database_url, victim))
-        return rows
-
-    monkeypatch.setattr(Tx, "fetchall", fetchall_then_pay)
+    injected = _pay_after_read(monkeypatch, core, "FROM grab_records WHERE packet_id IN", victim)
     outcomes = await credit_many(core.db, credits)
     monkeypatch.undo()
     assert injected == [1]
@@ -238,6 +220,24 @@ async def test_a_batch_clean_but_for_one_credit_decides_that_one_alone(core: Cor
     refused = await core.db.fetchall("SELECT code FROM credit_refusals")
     assert [str(r[0]) for r in refused] == ([] if odd_paid else [expected])
     await assert_books_balance(core)
+
+
+def _pay_after_read(
+    monkeypatch: pytest.MonkeyPatch, core: Core, marker: str, victim: CreditEntry
+) -> list[int]:
+    """Make another payer pay ``victim`` behind the packet's lock right after the batch's first read whose
+    statement holds ``marker``; the list says it happened (``[1]``)."""
+    injected: list[int] = []
+    real_fetchall = Tx.fetchall
+
+    async def fetchall_then_pay(tx: Tx, statement: str, params: object = ()) -> list[tuple[object, ...]]:
+        rows = await real_fetchall(tx, statement, params)  # type: ignore[arg-type]
+        if marker in statement and not injected:
+            injected.append(await asyncio.to_thread(_pay_behind_the_lock, core.settings.database_url, victim))
+        return rows
+
+    monkeypatch.setattr(Tx, "fetchall", fetchall_then_pay)
+    return injected
 
 
 def _pay_behind_the_lock(database_url: str, c: CreditEntry) -> int:
