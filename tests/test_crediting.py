@@ -124,14 +124,7 @@ async def test_a_clash_on_the_unique_keys_inside_a_batch_pays_each_share_once(
     monkeypatch.undo()
     assert injected == [1]  # the clash was made to happen
     assert outcomes == ["already" if c is victim else "credited" for c in credits]
-    rows = await core.db.fetchall(
-        "SELECT seq, COUNT(*) FROM grab_records WHERE packet_id = %s GROUP BY seq", (pid,)
-    )
-    assert sorted((int(s), int(n)) for s, n in rows) == sorted((c.seq, 1) for c in credits)
-    for c in credits:
-        assert await ledger.balance(core.db, c.user_id) == c.amount
-    assert (await reconcile(core)).ok
-    await assert_books_balance(core)
+    await _each_share_paid_once(core, pid, credits)
 
 
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)
@@ -149,14 +142,7 @@ async def test_a_clash_after_a_batch_read_the_grab_records_pays_each_share_once(
     monkeypatch.undo()
     assert injected == [1]
     assert outcomes == ["already" if c in (paid_before, victim) else "credited" for c in credits]
-    rows = await core.db.fetchall(
-        "SELECT seq, COUNT(*) FROM grab_records WHERE packet_id = %s GROUP BY seq", (pid,)
-    )
-    assert sorted((int(s), int(n)) for s, n in rows) == sorted((c.seq, 1) for c in credits)
-    for c in credits:
-        assert await ledger.balance(core.db, c.user_id) == c.amount
-    assert (await reconcile(core)).ok
-    await assert_books_balance(core)
+    await _each_share_paid_once(core, pid, credits)
 
 
 @pytest.mark.parametrize(
@@ -219,6 +205,18 @@ async def test_a_batch_clean_but_for_one_credit_decides_that_one_alone(core: Cor
     assert await ledger.balance(core.db, odd.user_id) == odd_paid
     refused = await core.db.fetchall("SELECT code FROM credit_refusals")
     assert [str(r[0]) for r in refused] == ([] if odd_paid else [expected])
+    await assert_books_balance(core)
+
+
+async def _each_share_paid_once(core: Core, pid: int, credits: list[CreditEntry]) -> None:
+    """Every share of ``credits`` has one grab record, each grabber its amount, and the books agree."""
+    rows = await core.db.fetchall(
+        "SELECT seq, COUNT(*) FROM grab_records WHERE packet_id = %s GROUP BY seq", (pid,)
+    )
+    assert sorted((int(s), int(n)) for s, n in rows) == sorted((c.seq, 1) for c in credits)
+    for c in credits:
+        assert await ledger.balance(core.db, c.user_id) == c.amount
+    assert (await reconcile(core)).ok
     await assert_books_balance(core)
 
 

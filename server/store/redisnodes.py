@@ -238,7 +238,11 @@ class RedisNodes:
 
     def data_stamp(self, key: str) -> str:
         """The server that owns ``key``'s slot as this process last met it — its run id and data id — or ""
-        before it has (``server.store.repair``)."""
+        before it has (``server.store.repair``). Always "" on a cluster: a slot moved to another master
+        and back carries a stamp that names its first master again, whatever happened on the other
+        one in between, and no identity changes with it."""
+        if self.cluster:
+            return ""
         seen = self.identities.seen.get(self._address(self.node_client(key)))
         return f"{seen[0]}/{seen[1]}" if seen is not None and seen[0] and seen[1] else ""
 
@@ -258,8 +262,12 @@ class RedisNodes:
 
     @staticmethod
     def _address(client: Redis) -> str:
-        # (Named as its connections name themselves: a unix socket by its path, as ``_where`` does.)
-        return RedisNodes.address(client.connection_pool.connection_kwargs)
+        # Named as its connections name themselves (``_where``): a unix socket by its path, else host:port
+        # with redis-py's own defaults.
+        kwargs = client.connection_pool.connection_kwargs
+        if kwargs.get("path"):
+            return str(kwargs["path"])
+        return address_of(kwargs.get("host", "localhost"), kwargs.get("port", 6379))
 
     async def open(self) -> RedisNodes:
         """Learn the cluster's slot map and meet every master now, so that the servers this process

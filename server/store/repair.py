@@ -15,13 +15,18 @@ Checks are per packet and lazy: the first grab of a packet after a restart pays 
 concurrent grabs of it share that one check.
 
 A process that meets a packet for the first time — a hub started after the packet was put up, or any
-hub but the sender's — cannot tell from its own memory whether Redis lost writes before it came. So a
-packet's state carries a *stamp* (``keys.PACKET_STAMP`` in its meta hash): the run id and data id of the
-server it was loaded or checked on, as the loading process saw them (``Repairs.stamp``). While the
-server that owns the packet still answers with that identity, nothing was lost since, and the packet is
-trusted with one Redis read instead of the database's check; a restart, a failover or data replaced
-changes the identity, and the stamp no longer matches. A stamp written by a process whose view was
-already stale names the old server: it only costs a check more.
+hub but the sender's — cannot tell from its own memory whether Redis lost writes before it came. So on
+one server (not a cluster) a packet's state carries a *stamp* (``keys.PACKET_STAMP`` in its meta hash):
+the run id and data id of the server it was loaded or checked on, as the loading process saw them
+(``Repairs.stamp``). While the server still answers with that identity it has not restarted, failed
+over or been demoted and promoted since, and the packet is trusted with one Redis read instead of the
+database's check; any of those changes the identity, and the stamp no longer matches. The comparison
+uses this process's last view of the server; the grab that follows is sent only after a look at the
+server (``server.store.batch``), which fails it unsent if the view was stale. A stamp written by a
+process whose view was already stale names the old server: it only costs a check more. On a cluster
+there is no stamp (a slot moved away and back brings its stamp back to a server it names again):
+every process checks each packet once, as before. Data replaced by hand without a restart (a
+``FLUSHALL`` and a restore) is not seen by any of this: restart the server after such a restore.
 """
 
 from __future__ import annotations

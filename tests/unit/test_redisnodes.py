@@ -134,6 +134,17 @@ def test_where_a_connection_goes_is_named_host_port_or_its_socket_path() -> None
     assert RedisNodes._address(Redis(host="10.0.0.1", port=7000)) == "10.0.0.1:7000"
 
 
+def test_a_packet_is_stamped_with_its_server_on_one_server_only() -> None:
+    one = RedisNodes("redis://10.0.0.1:7000/0", 1)
+    assert one.data_stamp("k") == ""  # not met yet
+    one.identities.saw("10.0.0.1:7000", "run1", "master:repl1")
+    assert one.data_stamp("k") == "run1/master:repl1"
+    # On a cluster a slot moved away and back would bring a stamp naming its first master again.
+    cluster = RedisNodes("redis+cluster://10.0.0.1:7000", 1)
+    cluster.identities.saw("10.0.0.1:7000", "run1", "master:repl1")
+    assert cluster.data_stamp("k") == ""
+
+
 def test_a_url_s_kind_of_connection_is_kept_when_packed() -> None:
     assert packed_class(SSLConnection) is PackedSSLConnection
     assert packed_class(UnixDomainSocketConnection) is PackedUnixConnection
