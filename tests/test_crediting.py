@@ -166,14 +166,7 @@ async def test_a_batch_clean_but_for_one_credit_decides_that_one_alone(core: Cor
         odd = CreditEntry(pid + 1000, odd.user_id, 1, 10, odd.grabbed_ms)
         expected = errors.PACKET_NOT_FOUND
     else:
-        other = await packets.send_packet(
-            core,
-            sender_id=await _admin(core),
-            group_id=await _group_of(core, pid),
-            kind="lucky",
-            total=100,
-            count=1,
-        )
+        other = await _one_share_packet_beside(core, pid)
         share = await _share(core, other.packet_id, 1)
         expected = {
             "refunded": errors.PACKET_EXPIRED,
@@ -206,6 +199,18 @@ async def test_a_batch_clean_but_for_one_credit_decides_that_one_alone(core: Cor
     refused = await core.db.fetchall("SELECT code FROM credit_refusals")
     assert [str(r[0]) for r in refused] == ([] if odd_paid else [expected])
     await assert_books_balance(core)
+
+
+async def _one_share_packet_beside(core: Core, pid: int) -> packets.Packet:
+    """Another packet of one share (100 cents) in the same group as ``pid``, sent by its admin."""
+    return await packets.send_packet(
+        core,
+        sender_id=await _admin(core),
+        group_id=await _group_of(core, pid),
+        kind="lucky",
+        total=100,
+        count=1,
+    )
 
 
 async def _each_share_paid_once(core: Core, pid: int, credits: list[CreditEntry]) -> None:
@@ -273,14 +278,7 @@ async def test_a_batch_refuses_a_second_share_for_a_user_and_any_share_of_a_refu
     pid, credits, members = await _grabs(core, 4, 4_000)
     first, second, third, fourth = credits
     await credit_many(core.db, [first])
-    refunded = await packets.send_packet(
-        core,
-        sender_id=await _admin(core),
-        group_id=await _group_of(core, pid),
-        kind="lucky",
-        total=100,
-        count=1,
-    )
+    refunded = await _one_share_packet_beside(core, pid)
 
     async def refund(tx: Tx) -> int:
         return await tx.execute(

@@ -103,7 +103,7 @@ async def grab(
             generation = core.repairs.generation
             try:
                 await core.repairs.ensure(
-                    packet_id, lambda: _check(core, packet_id), meta_key, lambda: _stamp(core, meta_key)
+                    packet_id, lambda: _check(core, packet_id), (meta_key, lambda: _stamp(core, meta_key))
                 )
                 reply = await attempt(True, gate)
                 if reply.status == "members":

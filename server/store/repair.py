@@ -41,6 +41,8 @@ from server.store.redisnodes import RedisNodes
 Repair = Callable[[], Awaitable[object]]
 # Reads the packet's stamp from the server that holds it (None: no stamp there).
 ReadStamp = Callable[[], Awaitable[str | None]]
+# A key of the packet (which server it is on) and how to read its stamp there.
+Stamped = tuple[str, ReadStamp]
 
 
 class Repairs:
@@ -68,11 +70,9 @@ class Repairs:
         not known yet, so no stamp)."""
         return self._nodes.data_stamp(key)
 
-    async def ensure(
-        self, packet_id: PacketId, repair: Repair, key: str | None = None, read_stamp: ReadStamp | None = None
-    ) -> None:
+    async def ensure(self, packet_id: PacketId, repair: Repair, stamped: Stamped | None = None) -> None:
         """Run ``repair`` for this packet unless it ran in the current generation, or its stamp
-        (``read_stamp()``, read from the server that owns ``key``) names that server as this process sees
+        (``stamped``: read from the server that owns that key) names that server as this process sees
         it now; concurrent callers share one run. If it fails (Redis or the database down) the caller
         gets its error and the packet is checked again next time."""
         generation = self._nodes.generation
@@ -80,17 +80,16 @@ class Repairs:
             return
         task = self._running.get((packet_id, generation))
         if task is None:
-            trust = None if key is None or read_stamp is None else (key, read_stamp)
-            task = asyncio.create_task(self._run(packet_id, generation, repair, trust))
+            task = asyncio.create_task(self._run(packet_id, generation, repair, stamped))
             self._running[(packet_id, generation)] = task
             task.add_done_callback(lambda _: self._running.pop((packet_id, generation), None))
         await asyncio.shield(task)
 
     async def _run(
-        self, packet_id: PacketId, generation: int, repair: Repair, trust: tuple[str, ReadStamp] | None
+        self, packet_id: PacketId, generation: int, repair: Repair, stamped: Stamped | None
     ) -> None:
-        if trust is not None:
-            key, read_stamp = trust
+        if stamped is not None:
+            key, read_stamp = stamped
             found = await read_stamp()
             # Compared with what this process sees after the read; a generation moved meanwhile trusts
             # nothing.
