@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,11 +29,14 @@ from server.money.split import Limits
 from server.settings import Settings
 from server.store import keys, schema
 from server.store.batch import Batcher
-from server.store.db import Database, DatabaseError, OutcomeUnknown, RetryableError, connect
+from server.store.db import Database, DatabaseError, OutcomeUnknown, RetryableError
+from server.store.engines import connect
 from server.store.queue import make_queue
 from server.store.redisnodes import RedisNodes, moved
 from server.store.repair import Repairs
 from server.store.scripts import Scripts
+
+log = logging.getLogger(__name__)
 
 # Redis is down, restarting, loading its data (BusyLoadingError is a ConnectionError), or failing over
 # (a replica refusing writes, a cluster without a primary, a slot the client knows no master of). Any other
@@ -107,7 +113,9 @@ async def open_core(
 ) -> AsyncIterator[Core]:
     """Connect to the database, Redis (one server or a cluster) and arq's queue server named by
     ``settings``; close them all on exit."""
-    db = await connect(settings.effective_database_url, settings.db_pool_size)
+    db = await connect(
+        settings.effective_database_url, settings.db_pool_size, settings.db_statement_timeout_ms / 1000
+    )
     if not settings.redis_url:
         await db.close()
         raise ValueError("no Redis URL: start the embedded Valkey first (see server.store.embedded)")
@@ -153,3 +161,24 @@ async def open_core(
 def queue_name(settings: Settings, namespace: str) -> str:
     """arq's queue of this deployment: ``REDPACKET_QUEUE_NAME`` within its namespace."""
     return f"{settings.queue_name}:{namespace}" if namespace else settings.queue_name
+
+
+def _said_writer(task: asyncio.Task[str]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        log.warning("told to reset the database writer: now %s", task.result())
+
+
+def reset_writer_on_hangup(core: Core) -> None:
+    """``kill -HUP`` this process: its database goes back to the first node of the URL that can take
+    writes (after a failover the process stays on the node it moved to until told). For a process's own
+    loop (``redpacket serve``, ``worker``): the handler lasts as long as the loop."""
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[str]] = set()
+
+    def hangup() -> None:
+        task = loop.create_task(core.db.reset_writer())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        task.add_done_callback(_said_writer)
+
+    loop.add_signal_handler(signal.SIGHUP, hangup)

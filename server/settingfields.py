@@ -72,7 +72,8 @@ class SettingFields:
     database_url: str = setting(
         "",
         "`mysql://user:pass@host:port/db` or `mariadb://…` (the database named: a URL without one is"
-        " refused) or `sqlite:///path`",
+        " refused; several hosts, `host:port,host:port,…`, are a Galera cluster's nodes: one writer at a"
+        " time, the next live one when it fails) or `sqlite:///path`",
         shown="*(empty: SQLite in the data dir)*",
     )
     data_dir: Path = setting(  # noqa: RUF009 - a Path is immutable, shared safely
@@ -103,6 +104,12 @@ class SettingFields:
         True, "send the grab path's Redis calls of one loop tick as one pipeline per master"
     )
     db_pool_size: int = setting(10, "MySQL connections per process")
+    db_statement_timeout_ms: int = setting(
+        10_000,
+        "how long one MySQL statement may take before its server is looked at again (of a Galera cluster:"
+        " the process moves to the next node if it is gone); a COMMIT that outlives it has an unknown"
+        " outcome, found out by its idempotency key",
+    )
     host: str = setting("127.0.0.1", "the address `up` / `serve` listen on")
     port: int = setting(8000, "the port `up` / `serve` listen on (0: any free one)", **PORT)
 

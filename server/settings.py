@@ -114,7 +114,8 @@ def url_problem(url: str) -> str:
     hosts, _, path = rest.partition("/")
     if "@" in hosts:
         hosts = hosts.rsplit("@", 1)[1]
-    for host in hosts.split(",") if scheme == "redis+cluster" else [hosts]:
+    several = scheme in ("redis+cluster", "mysql", "mariadb")
+    for host in hosts.split(",") if several else [hosts]:
         try:
             parsed = urlparse(f"x://{host}")
             parsed.port  # noqa: B018 - raises on a port that is not a number

@@ -19,7 +19,8 @@ import redis
 from server.core import Core, open_core
 from server.money import ledger
 from server.settings import Settings
-from server.store.db import Database, connect
+from server.store.db import Database
+from server.store.engines import connect
 from server.store.schema import migrate
 
 TABLES = (

@@ -29,6 +29,8 @@ class MySQLProxy:
         self.lost = 0  # COMMIT answers lost so far
         self.cut_on: bytes | None = None  # a statement holding this closes its connection, and the proxy
         self.refusing = False  # ...then refuses every connection until ``restore()``
+        self._flowing = asyncio.Event()  # cleared: answers nothing (connections accepted, statements kept)
+        self._flowing.set()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -45,6 +47,19 @@ class MySQLProxy:
 
     def restore(self) -> None:
         self.cut_on, self.refusing = None, False
+        self._flowing.set()
+
+    def go_down(self) -> None:
+        """The server dies (kill -9): every connection through the proxy is closed, new ones are refused,
+        until ``restore()``."""
+        self.refusing = True
+        for t in list(self._tasks):
+            t.cancel()
+
+    def hang(self) -> None:
+        """The server stops answering (SIGSTOP, a partition): connections open, nothing passes, until
+        ``restore()``."""
+        self._flowing.clear()
 
     def url(self, database_url: str) -> str:
         """``database_url`` pointed at this proxy."""
@@ -70,6 +85,7 @@ class MySQLProxy:
         if self.refusing:
             client_w.close()
             return
+        await self._flowing.wait()  # hung: the handshake never comes (bounded by the client's timeouts)
         try:
             server_r, server_w = await asyncio.open_connection(*self.target)
         except OSError:
@@ -101,6 +117,7 @@ class MySQLProxy:
                 if self.cut_on is not None and self.cut_on in query:
                     self.refusing = True
                     return
+                await self._flowing.wait()  # hung: the statement never reaches the server
                 marked = marked or (self.after is not None and self.after in query)
                 commit = query.strip().upper() == b"COMMIT"
                 if commit and self.armed and (self.after is None or marked):
@@ -124,6 +141,7 @@ class MySQLProxy:
                 if losing.is_set():
                     self.lost += 1  # the server answered the COMMIT: it committed; the client never hears
                     return
+                await self._flowing.wait()  # hung: no answer reaches the client
                 client_w.write(data)
                 await client_w.drain()
 

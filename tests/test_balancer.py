@@ -20,7 +20,7 @@ from server.hub import protocol
 from server.hub.tokens import make_token
 from server.money import ledger
 from server.settings import Settings
-from server.store.db import connect
+from server.store.engines import connect
 from server.tools.client import HubClient
 from tests.hubtools import HubUnderTest, eventually, free_port, hub_process
 

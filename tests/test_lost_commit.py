@@ -14,7 +14,8 @@ from server.money import grabs, groups, ledger, packets, settlement
 from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.store import keys
-from server.store.db import DatabaseError, OutcomeUnknown, RetryableError, Unreachable, connect
+from server.store.db import DatabaseError, OutcomeUnknown, RetryableError, Unreachable
+from server.store.engines import connect
 from server.store.records import CreditEntry
 from tests.conftest import make_world
 from tests.dbproxy import MySQLProxy, core_behind_proxy

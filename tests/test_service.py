@@ -17,7 +17,7 @@ from server.hub.tokens import make_token
 from server.money import ledger
 from server.money.reconcile import reconcile
 from server.settings import Settings
-from server.store.db import connect
+from server.store.engines import connect
 from server.tools.client import HubClient, HubError
 from tests.hubtools import HubUnderTest, hub_in_process
 

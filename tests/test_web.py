@@ -23,7 +23,7 @@ from playwright.async_api import Browser, Page, async_playwright, expect
 
 from server.money import ledger
 from server.settings import Settings
-from server.store.db import connect
+from server.store.engines import connect
 from server.tools.client import HubClient
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
 from tests.webtools import (

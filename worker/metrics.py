@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from server.live.dbmetrics import DatabaseCollector
+
 
 class RedisCpu(Collector):
     """``redpacket_redis_cpu_seconds_total{server}``: the CPU seconds each Redis master has used (INFO cpu,
@@ -59,8 +61,11 @@ class WorkerMetrics:
         """``own_process``: this registry also reports the process (not under ``redpacket up``, where
         the hub's registry does, on the same page)."""
         r = self.registry = CollectorRegistry()
+        # The database's retries and failovers, of its own process (under `redpacket up`: the hub's page).
+        self.database = DatabaseCollector()
         if own_process:
             ProcessCollector(registry=r)
+            r.register(self.database)
         self.credit_lag = Histogram(
             "redpacket_credit_lag_seconds",
             "from the grab (Redis time) to its credit's commit",

@@ -20,7 +20,7 @@ from arq.connections import RedisSettings
 from server.core import open_core
 from server.core import queue_name as deployment_queue
 from server.settings import Settings
-from server.store.db import connect
+from server.store.engines import connect
 from server.store.queue import job_deserializer, job_serializer
 from server.store.schema import deployment_id, migrate
 from worker.drain import CreditDrain

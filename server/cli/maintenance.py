@@ -16,7 +16,7 @@ from server.settings import Settings
 
 async def migrate(settings: Settings) -> None:
     from server.store import schema
-    from server.store.db import connect
+    from server.store.engines import connect
 
     await check_services(settings, redis_too=False)
     db = await connect(settings.effective_database_url)

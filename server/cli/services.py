@@ -84,7 +84,7 @@ async def check_services(settings: Settings, redis_too: bool = True, durability:
 
 
 async def _check_database(settings: Settings) -> None:
-    from server.store.db import connect
+    from server.store.engines import connect
 
     try:
         db = await asyncio.wait_for(connect(settings.effective_database_url, 1), STARTUP_CHECK_SECONDS)

@@ -11,7 +11,7 @@ import urllib.request
 
 from server.cli.errors import OperatorError
 from server.cli.services import check_services
-from server.core import open_core
+from server.core import open_core, reset_writer_on_hangup
 from server.settings import Settings
 
 log = logging.getLogger("redpacket")
@@ -26,6 +26,7 @@ async def run_worker(settings: Settings) -> None:
     await check_services(settings)
     async with open_core(settings) as core:
         metrics = WorkerMetrics()
+        metrics.database.watch(core.db)
         if settings.worker_metrics_port:
             try:
                 start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
@@ -38,6 +39,7 @@ async def run_worker(settings: Settings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        reset_writer_on_hangup(core)
         # SIGINT/SIGTERM: the drain gives back the claims of a batch not yet paid (or they lapse), arq's
         # running jobs are cancelled (each is idempotent and runs again later); then the process exits.
         async with running_worker(core, metrics):

@@ -24,7 +24,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from server import errors
-from server.core import Core, open_core
+from server.core import Core, open_core, reset_writer_on_hangup
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from server.hub import service
 from server.hub.gcpolicy import keep_collections_out_of_bursts
@@ -264,13 +264,15 @@ def create_app(
         async with open_core(settings) as core, Hub(core, hub_metrics) as hub:
             app.state.core, app.state.hub = core, hub
             hub_metrics.read_pools(core.nodes.connections_in_use, core.db.connections_in_use)
+            hub_metrics.database.watch(core.db)
             hub_metrics.read_hot(hub.packet_cache.hottest)
             background = [asyncio.create_task(hub_metrics.watch_loop())]
             apart = None
             if settings.metrics_port:  # (bound here unless the command line bound it, to say a busy port)
                 sock = metrics_sock or socket.create_server((settings.metrics_host, settings.metrics_port))
                 apart = await serve_metrics(sock, lambda: metrics_page(app))
-            if manage_gc:
+            if manage_gc:  # this process is the hub's own: signals are its to take
+                reset_writer_on_hangup(core)
                 background.append(
                     asyncio.create_task(keep_collections_out_of_bursts(hub_metrics.frames_in_so_far))
                 )

@@ -19,6 +19,8 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from server.live.dbmetrics import DatabaseCollector
+
 log = logging.getLogger(__name__)
 
 
@@ -90,6 +92,8 @@ class HubMetrics:
         self.db_in_use = Gauge(
             "redpacket_db_connections_in_use", "database connections this process holds right now", registry=r
         )
+        self.database = DatabaseCollector()  # retries and failovers (``read_pools``' database's)
+        r.register(self.database)
         self.hot_packets = Gauge(
             "redpacket_hot_packets",
             "packets with grabs at Redis or waiting on this hub right now",

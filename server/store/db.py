@@ -1,4 +1,6 @@
-"""The database behind the ledger: MySQL/MariaDB through aiomysql, or SQLite through aiosqlite.
+"""The database behind the ledger, one interface: MySQL/MariaDB through aiomysql (``server.store.mysql``:
+one server or a Galera cluster) or SQLite through aiosqlite (``server.store.sqlite``); ``engines.connect``
+opens one by URL.
 
 SQL is written once with ``%s`` placeholders. Every dialect difference lives in ``Dialect``
 (``server.store.dialect``): placeholders, row locks, DDL tokens; how a write transaction begins is each
@@ -20,22 +22,24 @@ drops the work). A cancel while COMMIT is in flight leaves the outcome unknown, 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import random
 import secrets
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlparse
 
-import aiomysql
-import aiosqlite
 import pymysql
 
-from server.store.dialect import MYSQL, SQLITE, Dialect
+from server.store.dialect import Dialect
 
 log = logging.getLogger(__name__)
+
+# The first wait before a transaction runs again; each next one may be up to twice as long (jittered).
+BACKOFF_S = 0.005
 
 Row = tuple[Any, ...]
 Params = Sequence[Any]
@@ -56,18 +60,29 @@ class IntegrityError(DatabaseError):
 
 
 class RetryableError(DatabaseError):
-    """Deadlock, lock wait timeout or a lost connection: the transaction was rolled back; run it again."""
+    """Deadlock, lock wait timeout, a certification conflict or a lost connection: the transaction was
+    rolled back; run it again. ``reason``: why, as ``DatabaseHealth.retries`` counts it."""
+
+    def __init__(self, message: str, reason: str = "other") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Unreachable(RetryableError):
-    """No connection could be made (the server down, unreachable or full): nothing was sent. Retryable,
-    but not at once — ``Database.run`` does not run it again; its caller answers that the database is
-    unavailable, and the client, cron or drain tries later."""
+    """No connection could be made (the server down, unreachable or full; of a cluster, no node that can
+    take writes): nothing was sent. Retryable, but not at once — ``Database.run`` does not run it again;
+    its caller answers that the database is unavailable, and the client, cron or drain tries later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="unreachable")
 
 
 class CommitUnknown(RetryableError):
     """The connection was lost while COMMIT was in flight: the transaction may or may not have committed.
     Safe to run again only if the work is idempotent (``Database.run(..., idempotent=True)``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="commit_unknown")
 
 
 class OutcomeUnknown(DatabaseError):
@@ -75,12 +90,15 @@ class OutcomeUnknown(DatabaseError):
     caller (or its client) looks before retrying."""
 
 
-# Deadlock, lock wait timeout, a connection lost or out of sync.
-_MYSQL_RETRYABLE = {1205, 1213, 2006, 2013, 2014}
-# No connection made at all: the server down or unreachable (2003), or full (1040).
-_MYSQL_UNREACHABLE = {1040, 2003}
-# The connection went away (server gone, lost during the query): a COMMIT sent on it has no answer.
-_COMMIT_LOST = {2006, 2013}
+@dataclass
+class DatabaseHealth:
+    """What a process's database went through, for its metrics: transactions run again, by reason
+    (``deadlock`` — on Galera also a certification conflict —, ``lock_wait``, ``node_not_ready``,
+    ``connection``, ``timeout``, ``failover``, ``commit_unknown``), moves to another node, the writer."""
+
+    retries: collections.Counter[str] = field(default_factory=collections.Counter)
+    failovers: int = 0
+    writer: str = ""
 
 
 class Tx:
@@ -98,10 +116,14 @@ class Tx:
         self.token: int = secrets.randbits(63)
         self.resumed = False
 
+    async def _run(self, step: Awaitable[T]) -> T:
+        """One call to the driver (bounded in time where the driver has no timeout of its own)."""
+        return await step
+
     async def execute(self, statement: str, params: Params = ()) -> int:
         """Run one statement; return the number of rows it changed."""
         try:
-            await self._cur.execute(self.dialect.sql(statement), tuple(params))
+            await self._run(self._cur.execute(self.dialect.sql(statement), tuple(params)))
         except (pymysql.err.IntegrityError, sqlite3.IntegrityError) as e:
             raise IntegrityError(str(e)) from e
         self.lastrowid = self._cur.lastrowid
@@ -112,18 +134,18 @@ class Tx:
         if not rows:
             return 0
         try:
-            await self._cur.executemany(self.dialect.sql(statement), [tuple(r) for r in rows])
+            await self._run(self._cur.executemany(self.dialect.sql(statement), [tuple(r) for r in rows]))
         except (pymysql.err.IntegrityError, sqlite3.IntegrityError) as e:
             raise IntegrityError(str(e)) from e
         return int(self._cur.rowcount)
 
     async def fetchone(self, statement: str, params: Params = ()) -> Row | None:
-        await self._cur.execute(self.dialect.sql(statement), tuple(params))
+        await self._run(self._cur.execute(self.dialect.sql(statement), tuple(params)))
         row: Any = await self._cur.fetchone()
         return None if row is None else tuple(row)
 
     async def fetchall(self, statement: str, params: Params = ()) -> list[Row]:
-        await self._cur.execute(self.dialect.sql(statement), tuple(params))
+        await self._run(self._cur.execute(self.dialect.sql(statement), tuple(params)))
         rows: Any = await self._cur.fetchall()
         return [tuple(r) for r in rows]
 
@@ -132,6 +154,18 @@ class Database:
     """A pool of connections to one database; use as an async context manager."""
 
     dialect: Dialect
+
+    def __init__(self) -> None:
+        self.health = DatabaseHealth()
+
+    @property
+    def writer(self) -> str:
+        """The server (of a cluster, the node) this process writes to and reads from."""
+        return ""
+
+    async def reset_writer(self) -> str:
+        """Go back to the first node of the URL that can take writes (one server: nothing to do)."""
+        return self.writer
 
     def transaction(self) -> AbstractAsyncContextManager[Tx]:
         """A transaction: committed when the block ends, rolled back if it raises or is cancelled."""
@@ -164,6 +198,7 @@ class Database:
                     tx.token, tx.resumed = token, resumed
                     return await work(tx)
             except CommitUnknown as e:
+                self.health.retries[e.reason] += 1
                 if not idempotent:
                     raise OutcomeUnknown(
                         f"the connection was lost while committing: the change may or may not be made ({e})"
@@ -175,8 +210,10 @@ class Database:
             except RetryableError as e:
                 if attempt == attempts or isinstance(e, Unreachable):
                     raise
-                log.warning("transaction retried after a retryable error (attempt %d)", attempt)
-                await asyncio.sleep(0.01 * attempt)
+                self.health.retries[e.reason] += 1
+                log.warning("transaction retried after %s (attempt %d): %s", e.reason, attempt, e)
+                # Exponential back-off with full jitter: conflicting writers do not meet again in step.
+                await asyncio.sleep(random.uniform(0, BACKOFF_S * 2**attempt))
         raise AssertionError("unreachable")
 
     async def fetchone(self, statement: str, params: Params = ()) -> Row | None:
@@ -197,235 +234,3 @@ class Database:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-def _mysql_error(e: pymysql.err.OperationalError) -> DatabaseError:
-    if e.args and e.args[0] in _MYSQL_UNREACHABLE:
-        return Unreachable(str(e))
-    if e.args and e.args[0] in _MYSQL_RETRYABLE:
-        return RetryableError(str(e))
-    return DatabaseError(str(e))
-
-
-class MySQLDatabase(Database):
-    dialect = MYSQL
-
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
-
-    def connections_in_use(self) -> int:
-        return int(self._pool.size - self._pool.freesize)
-
-    @classmethod
-    async def connect(cls, url: str, pool_size: int) -> MySQLDatabase:
-        u = urlparse(url)
-        host, port, name = u.hostname or "127.0.0.1", u.port or 3306, u.path.lstrip("/") or "redpacket"
-        try:
-            pool = await aiomysql.create_pool(
-                host=host,
-                port=port,
-                user=unquote(u.username or "root"),
-                password=unquote(u.password or ""),
-                db=name,
-                # A transaction is an explicit BEGIN ... COMMIT (``transaction``); a lone read is one
-                # statement and one round trip (``fetchone`` / ``fetchall``).
-                autocommit=True,
-                minsize=1,
-                maxsize=pool_size,
-                charset="utf8mb4",
-                connect_timeout=5,
-                # Every rule that guards money is a unique key or a conditional UPDATE; READ COMMITTED lets
-                # the lookup after a duplicate-key error see the row that won the race.
-                init_command="SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
-            )
-        except (pymysql.err.Error, OSError) as e:
-            code = e.args[0] if isinstance(e, pymysql.err.Error) and e.args else None
-            detail = e.args[1] if isinstance(e, pymysql.err.Error) and len(e.args) > 1 else str(e)
-            if code == 1049:
-                what = f"MySQL on {host}:{port} has no database {name!r} (create it, or name another)"
-            elif code in (1045, 1698):
-                what = f"MySQL on {host}:{port} refused the user and password"
-            elif code == 1044:
-                what = f"MySQL on {host}:{port} does not let this user use {name!r}"
-            elif code in (None, 2003, 2005, 2013):
-                what = f"the MySQL server on {host}:{port} does not answer"
-            else:
-                what = f"cannot connect to MySQL database {name!r} on {host}:{port}"
-            raise DatabaseError(f"{what}: {detail}") from e
-        return cls(pool)
-
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[Tx]:
-        try:
-            async with self._pool.acquire() as conn:
-                await conn.begin()
-                try:
-                    async with conn.cursor() as cur:
-                        yield Tx(self.dialect, cur)
-                except BaseException:
-                    # A broken connection cannot roll back; closing it drops the transaction anyway.
-                    try:
-                        await conn.rollback()
-                    except Exception:
-                        conn.close()
-                    raise
-                try:
-                    await conn.commit()
-                except BaseException as e:
-                    conn.close()
-                    lost = isinstance(e, pymysql.err.InterfaceError) or (
-                        isinstance(e, pymysql.err.OperationalError)
-                        and bool(e.args)
-                        and e.args[0] in _COMMIT_LOST
-                    )
-                    if lost:  # the server may have committed and its answer was lost
-                        raise CommitUnknown(str(e)) from e
-                    raise  # an answer (a deadlock at commit, say): rolled back; cancelled: unknown, as said
-        except pymysql.err.OperationalError as e:
-            raise _mysql_error(e) from e
-        except pymysql.err.InterfaceError as e:
-            raise RetryableError(str(e)) from e
-
-    @asynccontextmanager
-    async def snapshot(self) -> AsyncIterator[Tx]:
-        # The pool's sessions read committed; this one transaction reads InnoDB's snapshot of its start.
-        try:
-            async with self._pool.acquire() as conn, conn.cursor() as cur:
-                await cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                await cur.execute("START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY")
-                try:
-                    yield Tx(self.dialect, cur)
-                finally:
-                    try:
-                        await conn.rollback()  # read only: nothing to keep
-                    except Exception:
-                        conn.close()
-        except pymysql.err.OperationalError as e:
-            raise _mysql_error(e) from e
-        except pymysql.err.InterfaceError as e:
-            raise RetryableError(str(e)) from e
-
-    async def _read(self, statement: str, params: Params) -> list[Row]:
-        """One statement in autocommit: no BEGIN and COMMIT round trips around a lone read."""
-        try:
-            async with self._pool.acquire() as conn, conn.cursor() as cur:
-                await cur.execute(self.dialect.sql(statement), tuple(params))
-                rows: Any = await cur.fetchall()
-        except pymysql.err.OperationalError as e:
-            raise _mysql_error(e) from e
-        except pymysql.err.InterfaceError as e:
-            raise RetryableError(str(e)) from e
-        return [tuple(r) for r in rows]
-
-    async def close(self) -> None:
-        self._pool.close()
-        await self._pool.wait_closed()
-
-
-def _sqlite_error(e: sqlite3.OperationalError) -> DatabaseError:
-    if "locked" in str(e) or "busy" in str(e):
-        return RetryableError(str(e))
-    return DatabaseError(str(e))
-
-
-class SQLiteDatabase(Database):
-    """One connection behind a lock for transactions: SQLite has one writer at a time anyway. A read of
-    one statement outside a transaction (``fetchone`` / ``fetchall``) goes to a second connection
-    instead, without the lock and in one trip to aiosqlite's thread: in WAL mode it sees every committed
-    transaction and never waits for a writer (a reconnect storm is 10,000 of them)."""
-
-    dialect = SQLITE
-
-    def __init__(
-        self, conn: aiosqlite.Connection, reader: aiosqlite.Connection | None = None, path: str = ":memory:"
-    ) -> None:
-        self._conn = conn
-        self._reader = reader
-        self._path = path
-        self._lock = asyncio.Lock()
-
-    def connections_in_use(self) -> int:
-        return int(self._lock.locked())
-
-    @asynccontextmanager
-    async def snapshot(self) -> AsyncIterator[Tx]:
-        if self._path == ":memory:":  # one connection: its transaction is the only consistent view
-            async with self.transaction() as tx:
-                yield tx
-            return
-        # A connection of its own: in WAL mode its read transaction sees the database as of its first
-        # read until it ends, and no writer waits for it.
-        conn = await aiosqlite.connect(self._path, isolation_level=None)
-        try:
-            await conn.execute("PRAGMA query_only=ON")
-            cur = await conn.cursor()
-            await cur.execute("BEGIN")
-            try:
-                yield Tx(self.dialect, cur)
-            finally:
-                await cur.execute("ROLLBACK")
-        except sqlite3.OperationalError as e:
-            raise _sqlite_error(e) from e
-        finally:
-            await conn.close()
-
-    @classmethod
-    async def connect(cls, path: str) -> SQLiteDatabase:
-        try:
-            if path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-            conn = await aiosqlite.connect(path, isolation_level=None)
-            await conn.execute("PRAGMA journal_mode=WAL")
-            await conn.execute("PRAGMA synchronous=FULL")
-            await conn.execute("PRAGMA foreign_keys=ON")
-            reader = None
-            if path != ":memory:":  # a second in-memory connection would be another database
-                reader = await aiosqlite.connect(path, isolation_level=None)
-                await reader.execute("PRAGMA query_only=ON")
-        except (sqlite3.Error, OSError) as e:
-            raise DatabaseError(f"cannot open the SQLite database {path}: {e}") from e
-        return cls(conn, reader, path)
-
-    async def _read(self, statement: str, params: Params) -> list[Row]:
-        if self._reader is None:  # in memory: the one connection, in a transaction
-            return await super()._read(statement, params)
-        try:
-            rows: Any = await self._reader.execute_fetchall(self.dialect.sql(statement), tuple(params))
-        except sqlite3.OperationalError as e:
-            raise _sqlite_error(e) from e
-        return [tuple(r) for r in rows]
-
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[Tx]:
-        async with self._lock:
-            cur = await self._conn.cursor()
-            try:
-                await cur.execute("BEGIN IMMEDIATE")
-                try:
-                    yield Tx(self.dialect, cur)
-                    await cur.execute("COMMIT")
-                except BaseException:
-                    await cur.execute("ROLLBACK")
-                    raise
-            except sqlite3.OperationalError as e:
-                raise _sqlite_error(e) from e
-            finally:
-                await cur.close()
-
-    async def close(self) -> None:
-        # Both, whatever happens to the first: each runs a thread that would keep the process alive.
-        try:
-            if self._reader is not None:
-                await self._reader.close()
-        finally:
-            await self._conn.close()
-
-
-async def connect(url: str, pool_size: int = 10) -> Database:
-    """Open the database named by ``url``: ``mysql://user:pass@host:port/db`` or ``sqlite:///path``."""
-    scheme = url.split(":", 1)[0]
-    if scheme in ("mysql", "mariadb", "mysql+aiomysql"):
-        return await MySQLDatabase.connect(url, pool_size)
-    if scheme == "sqlite":
-        return await SQLiteDatabase.connect(url[len("sqlite:///") :] or ":memory:")
-    raise ValueError(f"unsupported database URL scheme {scheme!r}: use mysql:// or sqlite:///")

@@ -10,9 +10,12 @@ All times are unix milliseconds in BIGINT columns, all money is integer cents in
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from server.store.db import Database, DatabaseError, Tx, as_text
 
@@ -203,6 +206,7 @@ async def _applied(tx: Tx) -> set[int]:
         await tx.execute(
             "CREATE TABLE schema_migrations ("
             " version INT NOT NULL PRIMARY KEY, name VARCHAR(128) NOT NULL, applied_ms BIGINT NOT NULL)"
+            + tx.dialect.ddl["table_options"]
         )
     return {int(r[0]) for r in await tx.fetchall("SELECT version FROM schema_migrations")}
 
@@ -219,29 +223,108 @@ async def deployment_id(db: Database) -> str:
     return as_text(row[0])
 
 
-async def migrate(db: Database) -> list[int]:
-    """Apply every migration the database lacks; return the versions applied now."""
-    applied_now: list[int] = []
-    async with db.transaction() as tx:
-        if db.dialect.name == "mysql":
-            # DDL is not transactional in MySQL: a named lock keeps two processes from racing here.
-            await tx.fetchone("SELECT GET_LOCK('redpacket_migrate', 60)")
+# Tables Galera cannot replicate (or replicates wrongly): not InnoDB, or without a primary key (row events
+# of such a table are applied by full scans, and its rows can differ between nodes).
+UNFIT_FOR_GALERA = """SELECT t.table_name, t.engine,
+    EXISTS(SELECT 1 FROM information_schema.table_constraints c WHERE c.table_schema = t.table_schema
+           AND c.table_name = t.table_name AND c.constraint_type = 'PRIMARY KEY')
+    FROM information_schema.tables t
+    WHERE t.table_schema = DATABASE() AND t.table_type = 'BASE TABLE' AND (t.engine <> 'InnoDB'
+      OR NOT EXISTS(SELECT 1 FROM information_schema.table_constraints c WHERE c.table_schema = t.table_schema
+                    AND c.table_name = t.table_name AND c.constraint_type = 'PRIMARY KEY'))
+    ORDER BY t.table_name"""
+
+# How long one ``migrate`` may hold the migration lease before another may take it over (a process killed
+# mid-migration never releases it), and how often a waiting one looks again.
+LEASE_MS = 120_000
+LEASE_POLL_S = 0.2
+
+
+async def unfit_for_galera(db: Database) -> list[str]:
+    """Every table of the database that a Galera cluster cannot replicate, each with why; [] on SQLite."""
+    if db.dialect.name != "mysql":
+        return []
+    problems = []
+    for name, engine, has_key in await db.fetchall(UNFIT_FOR_GALERA):
+        why = [] if str(engine) == "InnoDB" else [f"engine {engine}, not InnoDB"]
+        why += [] if has_key else ["no primary key"]
+        problems.append(f"{as_text(name)}: {' and '.join(why)}")
+    return problems
+
+
+async def _refuse_unfit(db: Database) -> None:
+    problems = await unfit_for_galera(db)
+    if problems:
+        raise DatabaseError(
+            "the database has tables Galera cannot replicate (every table must be InnoDB with a primary"
+            " key): " + "; ".join(problems)
+        )
+
+
+@asynccontextmanager
+async def _lease(db: Database) -> AsyncIterator[None]:
+    """One ``migrate`` at a time over every process and every node: a row in ``schema_lease``, inserted
+    (a unique key refuses a second) and deleted when done; one older than ``LEASE_MS`` is taken over.
+    Not ``GET_LOCK``: a named lock lives on one server, and Galera refuses it."""
+    if db.dialect.name != "mysql":  # SQLite: one writer at a time anyway
+        yield
+        return
+    exists = await db.fetchone(db.dialect.table_exists, ("schema_lease",))
+    if not exists or not exists[0]:
         try:
-            done = await _applied(tx)
-            for version, name, statements in MIGRATIONS:
-                if version in done:
-                    continue
-                for statement in statements:
-                    sql = statement.get(db.dialect.name) if isinstance(statement, dict) else statement
-                    if sql is not None:
-                        await tx.execute(sql.format(**db.dialect.ddl))
-                await tx.execute(
-                    "INSERT INTO schema_migrations (version, name, applied_ms) VALUES (%s, %s, %s)",
-                    (version, name, _now_ms()),
-                )
-                log.info("applied migration %d: %s", version, name)
-                applied_now.append(version)
-        finally:
-            if db.dialect.name == "mysql":
-                await tx.fetchone("SELECT RELEASE_LOCK('redpacket_migrate')")
+            await db.fetchall(
+                "CREATE TABLE schema_lease (name VARCHAR(16) NOT NULL PRIMARY KEY,"
+                " holder VARCHAR(32) NOT NULL, taken_ms BIGINT NOT NULL)" + db.dialect.ddl["table_options"]
+            )
+        except DatabaseError:  # another process made it meanwhile
+            pass
+    me = secrets.token_hex(8)
+    deadline = time.monotonic() + LEASE_MS / 1000
+    while True:
+
+        async def take(tx: Tx) -> int:
+            stale = _now_ms() - LEASE_MS
+            await tx.execute("DELETE FROM schema_lease WHERE name = 'migrate' AND taken_ms < %s", (stale,))
+            return await tx.execute(
+                "INSERT IGNORE INTO schema_lease (name, holder, taken_ms) VALUES ('migrate', %s, %s)",
+                (me, _now_ms()),
+            )
+
+        if await db.run(take, idempotent=True) or await db.fetchone(
+            "SELECT 1 FROM schema_lease WHERE name = 'migrate' AND holder = %s", (me,)
+        ):
+            break
+        if time.monotonic() > deadline:
+            raise DatabaseError("another `redpacket migrate` holds the migration lease: try again later")
+        await asyncio.sleep(LEASE_POLL_S)  # another process migrates: its lease ends when it is done
+    try:
+        yield
+    finally:
+        await db.fetchall("DELETE FROM schema_lease WHERE name = 'migrate' AND holder = %s", (me,))
+
+
+async def migrate(db: Database) -> list[int]:
+    """Apply every migration the database lacks; return the versions applied now. On MySQL, refuse a
+    database with tables Galera cannot replicate, before and after (``unfit_for_galera``)."""
+    applied_now: list[int] = []
+    await _refuse_unfit(db)
+    async with db.transaction() as tx:
+        if {v for v, _, _ in MIGRATIONS} <= await _applied(tx):
+            return applied_now  # every process starts with this: no lease taken when nothing is due
+    async with _lease(db), db.transaction() as tx:
+        done = await _applied(tx)
+        for version, name, statements in MIGRATIONS:
+            if version in done:
+                continue
+            for statement in statements:
+                sql = statement.get(db.dialect.name) if isinstance(statement, dict) else statement
+                if sql is not None:
+                    await tx.execute(sql.format(**db.dialect.ddl))
+            await tx.execute(
+                "INSERT INTO schema_migrations (version, name, applied_ms) VALUES (%s, %s, %s)",
+                (version, name, _now_ms()),
+            )
+            log.info("applied migration %d: %s", version, name)
+            applied_now.append(version)
+    await _refuse_unfit(db)
     return applied_now

@@ -1,0 +1,194 @@
+"""A database URL of several hosts: one writer at a time, the next live one when it fails, back only when
+told. Here the "nodes" are two proxies (``tests/dbproxy.py``) in front of the one MariaDB, so that each can
+die (every connection closed, new ones refused), hang (nothing answered) or lose one connection while the
+other stays up; ``tests/test_galera.py`` does the same with real Galera nodes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from urllib.parse import urlparse
+
+import pytest
+
+from server.money import ledger
+from server.settings import url_problem
+from server.store.db import Database, Tx, Unreachable
+from server.store.engines import connect
+from server.store.mysql import MySQLDatabase, parse_url
+from tests.conftest import name_deployment
+from tests.dbproxy import MySQLProxy, mysql_proxy
+
+
+def _url(mysql_url: str, *ports: int) -> str:
+    u = urlparse(mysql_url)
+    user = u.netloc.rpartition("@")[0]
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    return f"{u.scheme}://{user}@{hosts}{u.path}"
+
+
+@pytest.fixture
+async def two(mysql_url: str) -> AsyncIterator[tuple[MySQLProxy, MySQLProxy]]:
+    async with mysql_proxy(mysql_url) as a, mysql_proxy(mysql_url) as b:
+        yield a, b
+
+
+@pytest.fixture
+async def migrated(mysql_url: str) -> str:
+    await name_deployment(mysql_url)
+    return mysql_url
+
+
+async def _topups(db: Database, user: int, n: int, prefix: str) -> None:
+    for i in range(n):
+        assert await ledger.topup(db, user, 100, f"{prefix}{i}")
+
+
+async def _journal(db: Database, user: int) -> tuple[int, int]:
+    row = await db.fetchone(
+        "SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM journal WHERE account_id = %s", (user,)
+    )
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+@pytest.mark.unit
+def test_a_url_of_several_hosts_is_read_in_order() -> None:
+    t = parse_url("mysql://app:p%40ss@h1:3307,h2,[::1]:3309/ledger")
+    assert t.hosts == (("h1", 3307), ("h2", 3306), ("::1", 3309))
+    assert (t.user, t.password, t.database) == ("app", "p@ss", "ledger")
+    assert [t.address(i) for i in range(3)] == ["h1:3307", "h2:3306", "[::1]:3309"]
+    assert url_problem("mysql://u@h1:3306,h2:3306/db") == ""
+    assert "cannot be read" in url_problem("mysql://u@h1:3306,h2:x/db")
+    assert "names no host" in url_problem("mysql://u@h1:3306,/db")
+
+
+async def test_the_first_host_that_answers_is_the_writer(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy]
+) -> None:
+    a, b = two
+    a.go_down()
+    db = await connect(_url(migrated, a.port, b.port), 2)
+    try:
+        assert db.writer == f"127.0.0.1:{b.port}" and db.health.writer == db.writer
+        assert await db.fetchone("SELECT 1") == (1,)
+    finally:
+        await db.close()
+
+
+async def test_no_host_answering_is_one_line_naming_each(migrated: str) -> None:
+    with pytest.raises(Exception) as e:
+        await connect(_url(migrated, 1, 2), 2)
+    assert "127.0.0.1:1 does not answer" in str(e.value) and "127.0.0.1:2 does not answer" in str(e.value)
+
+
+async def test_a_writer_killed_mid_work_moves_the_process_to_the_next_and_it_stays(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy]
+) -> None:
+    a, b = two
+    db = await connect(_url(migrated, a.port, b.port), 4)
+    assert isinstance(db, MySQLDatabase)
+    try:
+        user = await ledger.create_user(db, "failover")
+        await _topups(db, user, 5, "before")
+        assert db.writer == f"127.0.0.1:{a.port}"
+        # The node dies under a transaction that holds a connection: it is run again on the next node.
+        started = asyncio.Event()
+        release = asyncio.Event()
+
+        async def held(tx: Tx) -> bool:
+            started.set()
+            await release.wait()
+            return await ledger.post(tx, user, 100, "topup", "held")
+
+        work = asyncio.create_task(db.run(held, idempotent=True))
+        await started.wait()
+        a.go_down()
+        release.set()
+        assert await work is True
+        assert db.writer == f"127.0.0.1:{b.port}" and db.health.failovers == 1
+        assert db.health.retries["failover"] + db.health.retries["connection"] >= 1, db.health.retries
+        await _topups(db, user, 5, "after")
+        assert await _journal(db, user) == (11, 1_100)
+        assert await ledger.balance(db, user) == 1_100
+        # The first node is back: the process stays where it moved until told.
+        a.restore()
+        await _topups(db, user, 2, "back")
+        assert db.writer == f"127.0.0.1:{b.port}"
+        assert await db.reset_writer() == f"127.0.0.1:{a.port}"
+        await _topups(db, user, 2, "told")
+        assert await _journal(db, user) == (15, 1_500)
+    finally:
+        await db.close()
+
+
+async def test_a_writer_that_stops_answering_is_left_after_the_statement_timeout(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy]
+) -> None:
+    a, b = two
+    db = await connect(_url(migrated, a.port, b.port), 4, statement_timeout=1.0)
+    try:
+        user = await ledger.create_user(db, "paused")
+        await _topups(db, user, 2, "before")
+        a.hang()
+        await _topups(db, user, 2, "after")  # each within the timeout and a probe of the hung node
+        assert db.writer == f"127.0.0.1:{b.port}"
+        # The statement outlived its timeout, the node did not answer a fresh connection: moved.
+        assert db.health.failovers == 1 and db.health.retries["failover"] >= 1, db.health.retries
+        assert await _journal(db, user) == (4, 400)
+    finally:
+        a.restore()
+        await db.close()
+
+
+async def test_a_connection_lost_on_a_live_writer_does_not_move_the_process(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy]
+) -> None:
+    a, b = two
+    db = await connect(_url(migrated, a.port, b.port), 2)
+    try:
+        user = await ledger.create_user(db, "blip")
+        killed: list[int] = []
+
+        async def held(tx: Tx) -> bool:
+            if not killed:  # the first run's connection is killed under it
+                row = await tx.fetchone("SELECT CONNECTION_ID()")
+                assert row is not None
+                killed.append(int(row[0]))
+                await db_admin_kill(migrated, killed[0])
+            return await ledger.post(tx, user, 100, "topup", "blip")
+
+        assert await db.run(held, idempotent=True) is True
+        assert db.writer == f"127.0.0.1:{a.port}" and db.health.failovers == 0
+        assert db.health.retries["connection"] == 1, db.health.retries
+        assert await _journal(db, user) == (1, 100)
+    finally:
+        await db.close()
+
+
+async def db_admin_kill(mysql_url: str, connection_id: int) -> None:
+    """KILL one connection from another (what an operator or a proxy's idle timeout does)."""
+    admin = await connect(mysql_url, 1)
+    try:
+        await admin.fetchall(f"KILL {connection_id}")
+    finally:
+        await admin.close()
+
+
+async def test_every_host_gone_is_unreachable_at_once_and_the_next_call_finds_one_back(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy]
+) -> None:
+    a, b = two
+    db = await connect(_url(migrated, a.port, b.port), 2)
+    try:
+        user = await ledger.create_user(db, "alldown")
+        a.go_down()
+        b.go_down()
+        with pytest.raises(Unreachable):
+            await ledger.topup(db, user, 100, "none")
+        b.restore()
+        assert await ledger.topup(db, user, 100, "back")
+        assert db.writer == f"127.0.0.1:{b.port}"
+        assert await _journal(db, user) == (1, 100)
+    finally:
+        await db.close()
