@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from server.store.db import Database, DatabaseError, Tx, as_text
+from server.store.db import Database, DatabaseError, IntegrityError, Tx, as_text
 
 log = logging.getLogger(__name__)
 
@@ -196,13 +196,16 @@ MIGRATIONS: list[tuple[int, str, list[Statement]]] = [
 LATEST = MIGRATIONS[-1][0]
 
 
-def _now_ms() -> int:
+def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-async def _applied(tx: Tx) -> set[int]:
+async def _applied(tx: Tx, make: bool = True) -> set[int]:
+    """The versions applied; ``make``: make the table first when there is none (else: none applied)."""
     exists = await tx.fetchone(tx.dialect.table_exists, ("schema_migrations",))
     if not exists or not exists[0]:
+        if not make:
+            return set()
         await tx.execute(
             "CREATE TABLE schema_migrations ("
             " version INT NOT NULL PRIMARY KEY, name VARCHAR(128) NOT NULL, applied_ms BIGINT NOT NULL)"
@@ -262,7 +265,7 @@ async def _refuse_unfit(db: Database) -> None:
 
 
 @asynccontextmanager
-async def _lease(db: Database) -> AsyncIterator[None]:
+async def migration_lease(db: Database) -> AsyncIterator[None]:
     """One ``migrate`` at a time over every process and every node: a row in ``schema_lease``, inserted
     (a unique key refuses a second) and deleted when done; one older than ``LEASE_MS`` is taken over.
     Not ``GET_LOCK``: a named lock lives on one server, and Galera refuses it."""
@@ -283,14 +286,17 @@ async def _lease(db: Database) -> AsyncIterator[None]:
     while True:
 
         async def take(tx: Tx) -> int:
-            stale = _now_ms() - LEASE_MS
+            stale = now_ms() - LEASE_MS
             await tx.execute("DELETE FROM schema_lease WHERE name = 'migrate' AND taken_ms < %s", (stale,))
             return await tx.execute(
-                "INSERT IGNORE INTO schema_lease (name, holder, taken_ms) VALUES ('migrate', %s, %s)",
-                (me, _now_ms()),
+                "INSERT INTO schema_lease (name, holder, taken_ms) VALUES ('migrate', %s, %s)", (me, now_ms())
             )
 
-        if await db.run(take, idempotent=True) or await db.fetchone(
+        try:
+            taken = await db.run(take, idempotent=True)
+        except IntegrityError:
+            taken = 0  # another holds it
+        if taken or await db.fetchone(
             "SELECT 1 FROM schema_lease WHERE name = 'migrate' AND holder = %s", (me,)
         ):
             break
@@ -309,9 +315,9 @@ async def migrate(db: Database) -> list[int]:
     applied_now: list[int] = []
     await _refuse_unfit(db)
     async with db.transaction() as tx:
-        if {v for v, _, _ in MIGRATIONS} <= await _applied(tx):
+        if {v for v, _, _ in MIGRATIONS} <= await _applied(tx, make=False):
             return applied_now  # every process starts with this: no lease taken when nothing is due
-    async with _lease(db), db.transaction() as tx:
+    async with migration_lease(db), db.transaction() as tx:
         done = await _applied(tx)
         for version, name, statements in MIGRATIONS:
             if version in done:
@@ -322,7 +328,7 @@ async def migrate(db: Database) -> list[int]:
                     await tx.execute(sql.format(**db.dialect.ddl))
             await tx.execute(
                 "INSERT INTO schema_migrations (version, name, applied_ms) VALUES (%s, %s, %s)",
-                (version, name, _now_ms()),
+                (version, name, now_ms()),
             )
             log.info("applied migration %d: %s", version, name)
             applied_now.append(version)

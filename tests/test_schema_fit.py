@@ -1,0 +1,113 @@
+"""The schema is one Galera can replicate, and ``redpacket migrate`` refuses one it cannot: every table
+InnoDB with a primary key, no named locks (``GET_LOCK``: Galera refuses it) and no ``LOCK TABLES`` —
+migrations take turns through a lease row instead."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pymysql
+import pytest
+
+from server.store import schema
+from server.store.db import Database, DatabaseError
+from server.store.dialect import MYSQL
+from server.store.engines import connect
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+BANNED = re.compile(r"GET_LOCK|RELEASE_LOCK|LOCK TABLES?|MyISAM|ENGINE\s*=\s*(?!InnoDB)", re.IGNORECASE)
+
+
+def _strings(path: Path) -> list[str]:
+    """Every string constant of a module but its docstrings (which may name what is avoided)."""
+    tree = ast.parse(path.read_text())
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+    ]
+
+
+@pytest.mark.unit
+def test_no_statement_takes_a_lock_galera_cannot_replicate_or_names_another_engine() -> None:
+    assert BANNED.search("SELECT GET_LOCK('x', 1)") and BANNED.search("lock tables t write")  # it finds them
+    assert BANNED.search(") ENGINE=MyISAM") and not BANNED.search(") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4")
+    for path in [*(ROOT / "server").rglob("*.py"), *(ROOT / "worker").rglob("*.py")]:
+        found = [s for s in _strings(path) if BANNED.search(s)]
+        assert not found, (path, found)
+    assert "ENGINE=InnoDB" in MYSQL.ddl["table_options"]
+
+
+def _fresh(mysql_url: str, name: str) -> str:
+    u = urlparse(mysql_url)
+    conn = pymysql.connect(host=u.hostname or "127.0.0.1", port=u.port or 3306, user=u.username or "root")
+    with conn.cursor() as cur:
+        cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        cur.execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
+    conn.close()
+    return u._replace(path=f"/{name}").geturl()
+
+
+@pytest.fixture
+async def fresh(mysql_url: str) -> AsyncIterator[Database]:
+    db = await connect(_fresh(mysql_url, "redpacket_test_fit"), 4)
+    try:
+        yield db
+    finally:
+        await db.close()
+
+
+async def test_migrate_refuses_tables_galera_cannot_replicate_and_names_each(fresh: Database) -> None:
+    await schema.migrate(fresh)
+    assert await schema.unfit_for_galera(fresh) == []
+    await fresh.fetchall("CREATE TABLE notes_no_key (body TEXT) ENGINE=InnoDB")
+    await fresh.fetchall("CREATE TABLE notes_myisam (id INT PRIMARY KEY) ENGINE=MyISAM")
+    with pytest.raises(DatabaseError) as e:
+        await schema.migrate(fresh)
+    said = str(e.value)
+    assert "notes_no_key: no primary key" in said and "notes_myisam: engine MyISAM, not InnoDB" in said
+    await fresh.fetchall("DROP TABLE notes_no_key, notes_myisam")
+    assert await schema.migrate(fresh) == []
+
+
+async def test_concurrent_migrations_take_turns_and_a_stale_lease_is_taken_over(fresh: Database) -> None:
+    others = [await connect(_fresh_url(fresh), 2) for _ in range(3)]
+    try:
+        applied = await asyncio.gather(*(schema.migrate(db) for db in others))
+        # Each migration was applied by exactly one of them; the others found it done.
+        versions = sorted(v for done in applied for v in done)
+        assert versions == [v for v, _, _ in schema.MIGRATIONS], applied
+        assert await fresh.fetchall("SELECT * FROM schema_lease") == []
+    finally:
+        for db in others:
+            await db.close()
+    # A migrate killed while holding the lease: the next one takes it over once it is older than the lease.
+    await fresh.fetchall(
+        "INSERT INTO schema_lease (name, holder, taken_ms) VALUES ('migrate', 'dead', %s)",
+        (schema.now_ms() - schema.LEASE_MS - 1,),
+    )
+    async with schema.migration_lease(fresh):
+        rows = await fresh.fetchall("SELECT holder FROM schema_lease")
+        assert len(rows) == 1 and rows[0][0] != "dead"
+    assert await fresh.fetchall("SELECT holder FROM schema_lease") == []
+
+
+def _fresh_url(db: Database) -> str:
+    target = db.target  # type: ignore[attr-defined]
+    host, port = target.hosts[0]
+    return f"mysql://{target.user}@{host}:{port}/{target.database}"
