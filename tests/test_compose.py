@@ -281,3 +281,51 @@ def test_hub_and_worker_replicas_publish_no_port_and_sit_behind_the_balancer() -
     # The hubs trust X-Forwarded-For from anyone in the network: the balancer drops a client's own.
     assert "http-request del-header X-Forwarded-For" in config
     assert services["hub"]["environment"]["FORWARDED_ALLOW_IPS"] == "*"  # the hubs read who the client is
+
+
+def _flags(command: list[str]) -> dict[str, str]:
+    """``--name=value`` flags of a command as a dict (a bare ``--flag`` maps to "")."""
+    return {name: value for name, _, value in (f.removeprefix("--").partition("=") for f in command)}
+
+
+@pytest.mark.unit
+def test_the_galera_variant_is_three_nodes_the_first_bootstrapping_one_copy_at_a_time() -> None:
+    compose = _compose()
+    services = compose["services"]
+    nodes = ["galera-1", "galera-2", "galera-3"]
+    for name in nodes:
+        s = services[name]
+        assert s["profiles"] == ["galera"] and s["image"] == "mariadb:10.11", name
+        flags = _flags(s["command"])
+        assert flags["wsrep_on"] == "ON" and flags["wsrep_provider"] == "/usr/lib/galera/libgalera_smm.so"
+        assert flags["wsrep_cluster_address"] == "gcomm://" + ",".join(nodes)
+        assert flags["wsrep_node_name"] == flags["wsrep_node_address"] == name
+        # What the ledger needs of Galera, as tests/test_galera_cluster.py runs it.
+        assert flags["binlog_format"] == "ROW" and flags["innodb_autoinc_lock_mode"] == "2"
+        assert flags["default_storage_engine"] == "InnoDB" and flags["character-set-server"] == "utf8mb4"
+        # The copy (SST) by mariabackup (the image has no rsync), logged in by the unix socket: the user
+        # the image makes with the grants mariabackup needs, and no password in the file.
+        assert flags["wsrep_sst_method"] == "mariabackup" and flags["wsrep_sst_auth"] == "mysql:"
+        env = s["environment"]
+        assert env["MARIADB_MYSQL_LOCALHOST_USER"] == "1"
+        grants = {g.strip() for g in env["MARIADB_MYSQL_LOCALHOST_GRANTS"].split(",")}
+        assert grants == {"RELOAD", "PROCESS", "LOCK TABLES", "BINLOG MONITOR"}
+        assert (
+            env["MARIADB_PASSWORD"].startswith("${MARIADB_PASSWORD:?") and "MARIADB_ROOT_PASSWORD" not in env
+        )
+        assert s["volumes"] == [f"{name}-data:/var/lib/mysql"] and "ports" not in s
+        assert "--galera_online" in s["healthcheck"]["test"] and "--su-mysql" in s["healthcheck"]["test"]
+    # Only the first bootstraps; each next waits until the one before is synced (one copy at a time).
+    assert [("wsrep-new-cluster" in _flags(services[n]["command"])) for n in nodes] == [True, False, False]
+    assert "depends_on" not in services["galera-1"]
+    assert services["galera-2"]["depends_on"] == {"galera-1": {"condition": "service_healthy"}}
+    assert services["galera-3"]["depends_on"] == {"galera-2": {"condition": "service_healthy"}}
+    # The plain server stays the default, the apps' URL untouched; the file and the README say how to
+    # point the apps at all three nodes.
+    assert "profiles" not in services["mariadb"]
+    for app in ("hub", "worker"):
+        assert "@mariadb:3306/" in services[app]["environment"]["REDPACKET_DATABASE_URL"]
+        assert not set(services[app]["depends_on"]) & set(nodes)
+    url = "@galera-1:3306,galera-2:3306,galera-3:3306/redpacket"
+    assert url in (ROOT / "docker-compose.yml").read_text()
+    assert "docker compose --profile galera up" in (ROOT / "README.md").read_text()
