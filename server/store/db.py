@@ -183,7 +183,7 @@ class Database:
         block no writer (the reconciliation: its figures must add up while money moves)."""
         return self.transaction()
 
-    async def run(self, work: Callable[[Tx], Awaitable[T]], *, idempotent: bool, attempts: int = 5) -> T:
+    async def run(self, work: Callable[[Tx], Awaitable[T]], *, idempotent: bool, attempts: int = 8) -> T:
         """Run ``work`` in a transaction, again from the start after a deadlock or a lost connection (not
         when no connection can be made: ``Unreachable``, raised at once).
 

@@ -200,6 +200,11 @@ class MySQLDatabase(Database):
                         galera = bool(((await cur.fetchone()) or (0,))[0])
                         state: dict[str, str] = {}
                         if galera:
+                            # A causal read first: a node back from a pause still says Synced and Primary
+                            # until it hears it was dropped; this waits to hear from the cluster (or errs).
+                            await cur.execute("SET SESSION wsrep_sync_wait = 1")
+                            await cur.execute("SELECT 1")
+                            await cur.fetchall()
                             await cur.execute(HEALTH)
                             state = {str(k): str(v) for k, v in await cur.fetchall()}
                 finally:
@@ -215,6 +220,8 @@ class MySQLDatabase(Database):
                 what = f"{where} does not let this user use {name!r}"
             elif code in (None, 2003, 2005, 2013):
                 what = f"the {where} does not answer"
+            elif code in (1047, 1205):  # a Galera node out of the cluster, or not caught up with it
+                what = f"the Galera node {self.target.address(index)} cannot serve current reads"
             else:
                 what = f"cannot connect to MySQL database {name!r} on {self.target.address(index)}"
             return f"{what}: {detail}"
@@ -235,8 +242,8 @@ class MySQLDatabase(Database):
         """Make host ``index`` the writer: a new pool to it; the old one's connections are closed."""
         host, port = self.target.hosts[index]
         init = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
-        if self._galera:
-            init += ", SESSION wsrep_sync_wait = 1"
+        if self._galera:  # (one statement: MariaDB's name for the isolation variable, beside Galera's)
+            init = "SET SESSION tx_isolation = 'READ-COMMITTED', SESSION wsrep_sync_wait = 1"
         pool = await aiomysql.create_pool(
             host=host,
             port=port,
@@ -272,17 +279,27 @@ class MySQLDatabase(Database):
         async with self._switching:
             if pool is not self._pool:
                 return "moved"
-            if not await self._probe(self._index):
+            problem = await self._probe(self._index)
+            if not problem:
                 return "stayed"
+            problems = [problem]
             for step in range(1, len(self.target.hosts)):
                 index = (self._index + step) % len(self.target.hosts)
-                if not await self._probe(index):
+                problem = await self._probe(index)
+                if not problem:
                     moving = self.target.address(index)
-                    log.warning("database writer %s failed: moving to %s", self.writer, moving)
+                    log.warning(
+                        "database writer %s failed (%s): moving to %s", self.writer, problems[0], moving
+                    )
                     await self._use(index)
                     self.health.failovers += 1
                     return "moved"
-            log.warning("database writer %s failed and no other node can take over", self.writer)
+                problems.append(problem)
+            log.warning(
+                "database writer %s failed and no other node can take over: %s",
+                self.writer,
+                "; ".join(problems),
+            )
             return "none"
 
     async def reset_writer(self) -> str:
@@ -364,7 +381,17 @@ class MySQLDatabase(Database):
                     conn.close()
 
     async def _read(self, statement: str, params: Params) -> list[Row]:
-        """One statement in autocommit: no BEGIN and COMMIT round trips around a lone read."""
+        """One statement in autocommit: no BEGIN and COMMIT round trips around a lone read. Asked once
+        more on the next node when its writer was found gone (a read has nothing to undo)."""
+        try:
+            return await self._read_once(statement, params)
+        except RetryableError as e:
+            if e.reason != "failover":
+                raise
+            self.health.retries[e.reason] += 1
+            return await self._read_once(statement, params)
+
+    async def _read_once(self, statement: str, params: Params) -> list[Row]:
         async with self._connection() as (conn, _), conn.cursor() as cur:
             async with asyncio.timeout(self._timeout):
                 await cur.execute(self.dialect.sql(statement), tuple(params))

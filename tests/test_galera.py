@@ -1,0 +1,354 @@
+"""The ledger on a three-node MariaDB Galera cluster (``server.tools.galera``), every process given the
+multi-host URL: a storm of sends and grabs through two hub processes, paid by two worker processes, while
+one node is killed with ``kill -9`` — the writer every process uses, or another — and then started again;
+a node paused (a partition) serves no stale read; two writers' certification conflicts are retried and
+counted. No process of ours is restarted by a test: each finds the next node on its own.
+
+Not in the fast tier; skipped (or failed, with REDPACKET_TEST_REQUIRE_GALERA=1) without Galera.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiomysql
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from server import errors
+from server.core import open_core
+from server.money import ledger
+from server.money.reconcile import reconcile
+from server.settings import Settings
+from server.store.db import Database, DatabaseError
+from server.store.engines import connect
+from server.tools.client import HubClient, HubError
+from server.tools.galera import GaleraCluster, GaleraNode, galera_cluster
+from tests.conftest import name_deployment
+from tests.hubtools import HubUnderTest, eventually, hub_process, server_port, worker_env
+from tests.test_galera_cluster import galera_ports, need_galera
+
+
+@pytest.fixture(scope="module")
+async def galera(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GaleraCluster]:
+    need_galera()
+    async with galera_cluster(tmp_path_factory.mktemp("galera"), ports=galera_ports(3)) as cluster:
+        yield cluster
+
+
+async def _database(cluster: GaleraCluster, name: str) -> str:
+    """A fresh, migrated database on the cluster (through our own client, on the multi-host URL)."""
+    await cluster.create_database(name)
+    url = cluster.url(name)
+    await name_deployment(url)
+    return url
+
+
+def _one_node(url: str, node: GaleraNode) -> str:
+    return re.sub(r"@[^/]+/", f"@{node.address}/", url)
+
+
+async def _healthy(cluster: GaleraCluster) -> None:
+    """Every node running and Synced in one cluster of three (a test that killed one has rejoined it)."""
+    for node in cluster.nodes:
+        if node.paused:
+            node.resume()
+        if not node.running:
+            await cluster.rejoin(node)
+    await cluster.wait_size(3, timeout=120)
+
+
+@dataclass
+class Storm:
+    """What the users were told: every packet sent (answered), every grab answered "won"; and when."""
+
+    sent: dict[str, int] = field(default_factory=dict)  # request id -> packet id
+    told: dict[tuple[int, int], int] = field(default_factory=dict)  # (packet, user) -> amount
+    send_ok_at: list[tuple[float, float]] = field(default_factory=list)  # (asked, answered)
+    send_errors_at: list[float] = field(default_factory=list)
+    killed_at: float = 0.0
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def _sender(
+    hub: HubUnderTest, token: str, groups: list[int], storm: Storm, grabs: asyncio.Queue[Any]
+) -> None:
+    """Packets one after another, each retried with its request id until answered (a retry of a send
+    whose outcome was unknown is a replay: the packet once)."""
+    n = 0
+    while not storm.stop.is_set():
+        rid, g = f"s{n}", groups[n % len(groups)]
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, f"send {rid} not answered within 60 s"
+            asked = time.monotonic()
+            try:
+                async with await HubClient.connect(hub.ws, token) as c:
+                    got = await c.request("send", group=g, total=600, count=6, request_id=rid)
+                storm.sent[rid] = got["packet_id"]
+                storm.send_ok_at.append((asked, time.monotonic()))
+                await grabs.put((g, got["packet_id"]))
+                break
+            except HubError as e:
+                assert e.code in (errors.DATABASE_UNAVAILABLE, errors.RATE_LIMITED), e
+                storm.send_errors_at.append(time.monotonic())
+            except (OSError, ConnectionClosed):
+                pass
+            await asyncio.sleep(0.05)
+        n += 1
+
+
+async def _grab(hub: HubUnderTest, token: str, group: int, packet: int, user: int, storm: Storm) -> None:
+    """One member's grab, asked again (a new socket) until answered: a grab asked twice is answered
+    the same."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, "a grab not answered within 60 s"
+        try:
+            async with await HubClient.connect(hub.ws, token) as c:
+                got = await c.request("grab", group=group, packet=packet)
+            storm.told[(packet, user)] = got["amount"]
+            return
+        except HubError as e:
+            assert e.code in (errors.REDIS_UNAVAILABLE, errors.RATE_LIMITED), e
+        except (OSError, ConnectionClosed):
+            pass
+        await asyncio.sleep(0.05)
+
+
+async def _grabber(
+    hubs: tuple[HubUnderTest, HubUnderTest],
+    people: list[tuple[int, str]],
+    storm: Storm,
+    grabs: asyncio.Queue[Any],
+) -> None:
+    """Each packet grabbed by six members (its six shares), half through each hub."""
+    while True:
+        g, packet = await grabs.get()
+        takers = [people[(packet * 7 + i) % len(people)] for i in range(6)]
+        await asyncio.gather(*(_grab(hubs[i % 2], t, g, packet, u, storm) for i, (u, t) in enumerate(takers)))
+        grabs.task_done()
+
+
+async def _credited(db: Database) -> int:
+    row = await db.fetchone("SELECT COUNT(*) FROM grab_records WHERE status = 'credited'")
+    return int(row[0]) if row else 0
+
+
+def _writer_of(metrics_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    m = re.search(r'^redpacket_db_writer\{writer="([^"]+)"\} 1', text, re.MULTILINE)
+    return m[1] if m else ""
+
+
+@pytest.mark.parametrize("doomed", ["writer", "other"])
+async def test_a_storm_through_a_node_killed_loses_no_won_and_no_send_is_half_there(
+    galera: GaleraCluster, hub_settings: Settings, doomed: str
+) -> None:
+    await _healthy(galera)
+    url = await _database(galera, f"storm_{doomed}")
+    s = hub_settings.replace(database_url=url)
+    node = galera.nodes[0] if doomed == "writer" else galera.nodes[2]
+    ports = [server_port(), server_port()]
+    workers = [
+        subprocess.Popen(  # noqa: ASYNC220 - the two workers under test
+            [sys.executable, "-m", "server", "worker"], env=worker_env(s, port), stdout=subprocess.DEVNULL
+        )
+        for port in ports
+    ]
+    try:
+        async with hub_process(s) as a, hub_process(s) as b:
+            storm = await _storm_through_a_kill(galera, node, s, a, b)
+            assert a.process is not None and b.process is not None
+            hubs_alive = a.process.poll() is None and b.process.poll() is None
+            assert hubs_alive, "a hub process died"
+        assert all(w.poll() is None for w in workers), "a worker process died"
+        # Told to: each worker moves back to the first node of the URL.
+        if doomed == "writer":
+            assert {_writer_of(p) for p in ports} == {galera.nodes[1].address}, "moved back untold"
+            for w in workers:
+                w.send_signal(signal.SIGHUP)
+            await eventually(lambda: {_writer_of(p) for p in ports} == {galera.nodes[0].address}, 30)
+        else:
+            assert {_writer_of(p) for p in ports} == {galera.nodes[0].address}
+    finally:
+        for w in workers:
+            w.terminate()
+            await asyncio.to_thread(w.wait, 30)
+    print(f"storm ({doomed} killed): {len(storm.sent)} sends, {len(storm.told)} grabs told")
+
+
+async def _storm_through_a_kill(
+    galera: GaleraCluster, node: GaleraNode, s: Settings, a: HubUnderTest, b: HubUnderTest
+) -> Storm:
+    _, admin_token = await a.login("admin")
+    await a.api("POST", "/api/topup", admin_token, amount=1_000_000, request_id="seed")
+    people = [await a.login(f"p{i}") for i in range(24)]
+    groups = []
+    for i in range(4):
+        g = (await a.api("POST", "/api/groups", admin_token, name=f"g{i}"))["group_id"]
+        await a.api("POST", f"/api/groups/{g}/members", admin_token, user_ids=[u for u, _ in people])
+        groups.append(g)
+    storm = Storm()
+    grabs: asyncio.Queue[Any] = asyncio.Queue()
+    lanes = [
+        asyncio.create_task(_sender(a if i == 0 else b, admin_token, groups, storm, grabs)) for i in range(2)
+    ]
+    grabbers = [asyncio.create_task(_grabber((a, b), people, storm, grabs)) for _ in range(3)]
+    async with open_core(
+        s.replace(database_url=_one_node(s.database_url, galera.nodes[1])), migrate=False
+    ) as look:
+        try:
+            # The dangerous state first: grabs told "won" and not yet credited, sends going on.
+            async def backlog() -> bool:
+                return len(storm.told) >= 30 and await _credited(look.db) < len(storm.told)
+
+            await eventually(backlog, 60)
+            told_at_kill = len(storm.told)
+            storm.killed_at = time.monotonic()
+            node.kill()
+            await eventually(lambda: len(storm.told) >= 2 * told_at_kill and _sends_after(storm) >= 5, 90)
+        finally:
+            storm.stop.set()
+            for t in lanes:
+                await t
+            await grabs.join()
+            for t in grabbers:
+                t.cancel()
+        gap = _first_send_after(storm)
+        print(f"{node.address} killed: sends answered again {gap:.2f} s after the kill;"
+              f" {len(storm.send_errors_at)} send attempts answered database_unavailable")  # fmt: skip
+    await galera.rejoin(node)
+    await galera.wait_size(3, timeout=120)
+    async with open_core(s, migrate=False) as core:
+        await eventually(lambda: _credited_is(core.db, len(storm.told)), 120)
+        rows = await core.db.fetchall(
+            "SELECT packet_id, user_id, amount FROM grab_records WHERE status = 'credited'"
+        )
+        assert {(int(p), int(u)): int(m) for p, u, m in rows} == storm.told
+        # Every send answered is there once (retries were replays), with its debit; none half there.
+        packets = await core.db.fetchall("SELECT id, request_id FROM red_packets")
+        assert sorted(int(p) for p, _ in packets) == sorted(storm.sent.values())
+        debits = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'send'")
+        assert debits is not None and int(debits[0]) == len(storm.sent)
+    for each in galera.nodes:  # the books balance as every node holds them
+        await galera.wait_size(3)
+        async with open_core(s.replace(database_url=_one_node(s.database_url, each)), migrate=False) as c:
+            report = await reconcile(c)
+            assert report.ok, (each.address, report)
+    return storm
+
+
+def _sends_after(storm: Storm) -> int:
+    return sum(asked > storm.killed_at for asked, _ in storm.send_ok_at)
+
+
+def _first_send_after(storm: Storm) -> float:
+    return min(done for asked, done in storm.send_ok_at if asked > storm.killed_at) - storm.killed_at
+
+
+async def _credited_is(db: Database, n: int) -> bool:
+    return await _credited(db) == n
+
+
+async def test_a_paused_node_serves_no_stale_read_as_current(galera: GaleraCluster) -> None:
+    """The writer stops (SIGSTOP: a partition, as the others see it) for longer than the group's timeout;
+    a process moves to the next node and pays there. When the paused node runs again it is behind: a read
+    on it (with our sessions' ``wsrep_sync_wait``) errors or waits until it has caught up — never the old
+    balance — and a process opening the URL does not take it for a writer until it is synced."""
+    await _healthy(galera)
+    url = await _database(galera, "partition")
+    first = galera.nodes[0]
+    db = await connect(url, 4, statement_timeout=2.0)
+    try:
+        user = await ledger.create_user(db, "paused")
+        assert await ledger.topup(db, user, 100, "before")
+        assert db.writer == first.address
+        first.pause()
+        await galera.wait_size(2, timeout=60)  # the others have dropped it: longer than the timeout
+        assert await ledger.topup(db, user, 100, "during")  # moved, paid on the next node
+        assert db.writer == galera.nodes[1].address and db.health.failovers == 1
+        first.resume()
+        # Right away, on the node that was away: a session as ours are.
+        try:
+            conn = await aiomysql.connect(host="127.0.0.1", port=first.port, user="root", db="partition",
+                                          autocommit=True, connect_timeout=5)  # fmt: skip
+            try:
+                async with conn.cursor() as cur:
+                    await cur.execute("SET SESSION wsrep_sync_wait = 1")
+                    await cur.execute("SELECT balance FROM accounts WHERE user_id = %s", (user,))
+                    seen = await cur.fetchone()
+                assert seen is not None and int(seen[0]) == 200, f"a stale balance served: {seen}"
+            finally:
+                conn.close()
+        except aiomysql.Error as e:  # refused as not ready / not primary: not served as current
+            print(f"the node back from its pause refused the read: {e}")
+
+        # A process starting now, and the one that moved: the balance as it is, or an error; never 100.
+        async def fresh_read() -> bool:
+            try:
+                fresh = await connect(url, 2, statement_timeout=2.0)
+            except DatabaseError as e:  # no node could serve current reads at that moment
+                print(f"a process starting found no node to use: {e}")
+                return False
+            try:
+                return await _balance_or_none(fresh, user)
+            finally:
+                await fresh.close()
+
+        await eventually(fresh_read, 60)
+        await eventually(lambda: _balance_or_none(db, user), 60)
+    finally:
+        await db.close()
+        await _healthy(galera)
+
+
+async def _balance_or_none(db: Database, user: int) -> bool:
+    """True when ``db`` answers the balance (which must be the current one), False when it errs."""
+    try:
+        seen = await ledger.balance(db, user)
+    except DatabaseError as e:
+        print(f"a read answered an error, not a stale balance: {e}")
+        return False
+    assert seen == 200, f"a stale balance served as current: {seen}"
+    return True
+
+
+async def test_two_writers_conflicts_are_retried_counted_and_nothing_is_lost(galera: GaleraCluster) -> None:
+    """Two processes writing the same account through two nodes: Galera certifies one of each conflicting
+    pair and aborts the other at COMMIT (``1213``); it is run again with back-off and counted."""
+    await _healthy(galera)
+    url = await _database(galera, "conflicts")
+    n0, n1 = galera.nodes[0], galera.nodes[1]
+    one = await connect(url, 8)
+    other = await connect(re.sub(r"@[^/]+/", f"@{n1.address},{n0.address}/", url), 8)
+    try:
+        user = await ledger.create_user(one, "hot")
+        assert (one.writer, other.writer) == (n0.address, n1.address)
+
+        async def lane(db: Database, name: str) -> None:
+            for i in range(100):
+                assert await ledger.topup(db, user, 1, f"{name}{i}")
+
+        await asyncio.gather(
+            *(lane(db, f"{side}{k}-") for side, db in (("a", one), ("b", other)) for k in range(2))
+        )
+        conflicts = one.health.retries["deadlock"] + other.health.retries["deadlock"]
+        assert conflicts > 0, (one.health.retries, other.health.retries)
+        print(f"certification conflicts retried: {conflicts} in 400 top-ups")
+        assert await ledger.balance(one, user) == 400 == await ledger.journal_sum(other, user)
+        row = await one.fetchone("SELECT COUNT(*) FROM journal WHERE account_id = %s", (user,))
+        assert row is not None and int(row[0]) == 400
+    finally:
+        await one.close()
+        await other.close()
