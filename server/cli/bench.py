@@ -11,7 +11,7 @@ from server.settings import Settings
 
 
 async def bench(settings: Settings, args: argparse.Namespace) -> None:
-    from server.tools import hotbench, hubbench
+    from server.tools import galerabench, hotbench, hubbench
     from server.tools.bench import run_grab_bench
     from server.tools.creditbench import bench_credit, bench_storm
     from server.tools.dbreadbench import run_db_read_bench
@@ -25,8 +25,13 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
         await run_db_read_bench(settings, plot=plot)
     elif what == "hub-grab":
         await hubbench.bench_hub_grab(settings, workers=args.workers, plot=plot, seconds=args.seconds)
+    elif what == "credit" and args.galera:
+        await galerabench.bench_credit_galera(settings, plot=plot)
     elif what == "credit":
         await bench_credit(settings, plot=plot)
+    elif what == "storm" and args.galera:
+        seconds = int(args.seconds or 30)
+        await galerabench.bench_storm_galera(settings, args.rate, seconds, args.kill_writer_after, plot=plot)
     elif what == "storm":
         await bench_storm(settings, args.rate, int(args.seconds or 30), plot=plot)
     elif what == "fanout":

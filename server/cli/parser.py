@@ -89,6 +89,18 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         " (unless given, 4,000 round trips)",
     )
     bench.add_argument("--plot", metavar="DIR", help="write PNG plots of the run into DIR")
+    bench.add_argument(
+        "--galera",
+        action="store_true",
+        help="credit, storm: also on a throw-away 3-node Galera cluster started for the run (galera-4)",
+    )
+    bench.add_argument(
+        "--kill-writer-after",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="storm --galera: kill -9 the writer node this many seconds into the grabs (default 5)",
+    )
     script = bench.add_argument_group("grab-script (a throw-away redis-server of its own)")
     script.add_argument(
         "--script", action="append", type=Path, default=[], metavar="LUA",

@@ -5,6 +5,7 @@ beside one transaction per credit, all in one run on the configured database (Ma
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import statistics
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from server.tools.report import report
 QUEUE = "redpacket:bench:credit"
 
 
-def _p99(values: list[int]) -> float:
+def p99(values: list[int]) -> float:
     ordered = sorted(values)
     return float(ordered[max(0, int(len(ordered) * 0.99) - 1)]) if ordered else 0.0
 
@@ -48,14 +50,14 @@ async def _enqueue(core: Core, credits: list[CreditEntry]) -> None:
             await pipe.execute()
 
 
-async def _forget(core: Core, group: GroupId, pids: list[PacketId]) -> None:
+async def forget(core: Core, group: GroupId, pids: list[PacketId]) -> None:
     """The bench's Redis leftovers: its packets' keys and any credit records still in the outboxes."""
     for pid in pids:
         await core.redis.delete(*keys.packet_keys(group_id=group, packet_id=pid))
     await drop_bench_credits(core, set(pids))
 
 
-async def _reset(core: Core, users: list[UserId]) -> None:
+async def reset_credits(core: Core, users: list[UserId]) -> None:
     async with core.db.transaction() as tx:
         await tx.execute("DELETE FROM grab_records")
         await tx.execute("DELETE FROM journal WHERE kind = 'grab'")
@@ -89,7 +91,7 @@ async def _raw(core: Core, credits: list[CreditEntry], batch: int) -> None:
             await add_to_balances(tx, dict(per), ts)
 
 
-def _bench_settings(settings: Settings, tmp: Path, queue: str) -> Settings:
+def bench_settings(settings: Settings, tmp: Path, queue: str) -> Settings:
     return settings.replace(
         database_url=settings.database_url or f"sqlite:///{tmp / 'bench.sqlite3'}",
         max_count=1000,
@@ -99,7 +101,7 @@ def _bench_settings(settings: Settings, tmp: Path, queue: str) -> Settings:
     )
 
 
-async def _bench_world(
+async def bench_world(
     core: Core, members: int, money: int
 ) -> tuple[UserId, GroupId, list[UserId], list[PacketId]]:
     """An admin with ``money``, ``members`` others in one group, and packets of 1,000 equal 10-cent
@@ -128,11 +130,11 @@ async def bench_credit(
     settings: Settings, credits_n: int = 20_000, single_n: int = 2_000, plot: Path | None = None
 ) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
-    s = _bench_settings(settings, tmp, QUEUE)
+    s = bench_settings(settings, tmp, QUEUE)
     figures: dict[str, Any] = {"credits": credits_n, "database": s.database_url.split(":", 1)[0]}
     try:
         async with open_core(s) as core:
-            _, group, members, pids = await _bench_world(core, 1000, credits_n * 10)
+            _, group, members, pids = await bench_world(core, 1000, credits_n * 10)
             stamp = ledger.now_ms()
             credits = [
                 CreditEntry(p, members[i], ShareSeq(i + 1), 10, stamp, group)
@@ -140,18 +142,18 @@ async def bench_credit(
                 for i in range(1000)
             ]
 
-            await _reset(core, members)
+            await reset_credits(core, members)
             start = time.perf_counter()
             await _raw(core, credits, 500)
             figures["raw_batched_insert_per_s"] = round(credits_n / (time.perf_counter() - start))
 
-            await _reset(core, members)
+            await reset_credits(core, members)
             start = time.perf_counter()
             for i in range(0, credits_n, 500):
                 await credit_many(core.db, credits[i : i + 500])
             figures["credit_many_500_per_s"] = round(credits_n / (time.perf_counter() - start))
 
-            await _reset(core, members)
+            await reset_credits(core, members)
             from worker.drain import CreditDrain
 
             await _enqueue(core, credits)
@@ -162,12 +164,12 @@ async def bench_credit(
             paid = await core.db.fetchone("SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM grab_records")
             figures["drain_paid"] = [int(paid[0]), int(paid[1])] if paid else None
 
-            await _reset(core, members)
+            await reset_credits(core, members)
             start = time.perf_counter()
             for c in credits[:single_n]:
                 await credit_grab(core.db, c)
             figures["one_tx_per_credit_per_s"] = round(single_n / (time.perf_counter() - start))
-            await _forget(core, group, pids)
+            await forget(core, group, pids)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     figures["drain_vs_raw"] = round(figures["worker_drain_per_s"] / figures["raw_batched_insert_per_s"], 3)
@@ -183,13 +185,23 @@ async def bench_credit(
     )
 
 
+# Work beside a storm's grabs (``server.tools.galerabench``: sends, a node killed): given the core, the
+# bench's group and admin, and when the grabs started (``time.perf_counter``).
+During = Callable[[Core, GroupId, UserId, float], Awaitable[None]]
+
+
 async def bench_storm(
-    settings: Settings, rate: int = 2_000, seconds: int = 30, plot: Path | None = None
+    settings: Settings,
+    rate: int = 2_000,
+    seconds: int = 30,
+    plot: Path | None = None,
+    during: During | None = None,
 ) -> dict[str, Any]:
     """Grabs at ``rate``/s for ``seconds`` through the core while a ``redpacket worker`` process
-    credits them: grab → credited latency, and the queue backlog sampled every second."""
+    credits them: grab → credited latency, and the queue backlog sampled every second. ``during``: run
+    beside the grabs."""
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
-    s = _bench_settings(settings, tmp, "redpacket:bench:storm")
+    s = bench_settings(settings, tmp, "redpacket:bench:storm")
     total = rate * seconds
     figures: dict[str, Any] = {
         "rate": rate,
@@ -199,21 +211,24 @@ async def bench_storm(
     }
     try:
         async with open_core(s) as core:
-            _, group, grabbers, pids = await _bench_world(core, 1000, total * 10)
-            worker = _start_worker(s)
+            admin, group, grabbers, pids = await bench_world(core, 1000, total * 10)
+            worker = start_worker(s)
             backlog: list[int] = []
             try:
                 start = time.perf_counter()
                 jobs = [(p, u) for p in pids for u in grabbers]
-                await _grab_at(core, group, jobs, rate=rate, seconds=seconds, backlog=backlog)
+                beside = [during(core, group, admin, start)] if during else []
+                await asyncio.gather(
+                    grab_at(core, group, jobs, rate=rate, seconds=seconds, backlog=backlog), *beside
+                )
                 figures["achieved_grabs_per_s"] = round(total / (time.perf_counter() - start))
-                await _until_credited(core, group, pids, total, backlog)
+                await until_credited(core, group, pids, total, backlog)
                 figures["drained_after_s"] = round(time.perf_counter() - start, 1)
             finally:
                 worker.terminate()
                 await asyncio.to_thread(worker.wait, 60)
-            samples = await _lags(core, pids, backlog, figures)
-            await _forget(core, group, pids)
+            samples = await lags(core, pids, backlog, figures)
+            await forget(core, group, pids)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     title = f"storm: {rate:,} grabs/s for {seconds} s"
@@ -225,7 +240,7 @@ async def bench_storm(
     )
 
 
-def _start_worker(s: Settings) -> subprocess.Popen[bytes]:
+def start_worker(s: Settings) -> subprocess.Popen[bytes]:
     """The ``redpacket worker`` under test, on the bench's Redis, database and queue."""
     env = child_env(
         REDPACKET_REDIS_URL=s.redis_url,
@@ -243,7 +258,7 @@ def _start_worker(s: Settings) -> subprocess.Popen[bytes]:
     )
 
 
-async def _grab_at(
+async def grab_at(
     core: Core,
     group: GroupId,
     jobs: list[tuple[PacketId, UserId]],
@@ -276,7 +291,7 @@ async def _grab_at(
         grabbing.update(total)
 
 
-async def _until_credited(
+async def until_credited(
     core: Core, group: GroupId, pids: list[PacketId], total: int, backlog: list[int]
 ) -> None:
     """Wait (up to 300 s) for the worker to credit all ``total`` grabs; the backlog sampled each second."""
@@ -296,7 +311,7 @@ async def _until_credited(
             await asyncio.sleep(1)
 
 
-async def _lags(
+async def lags(
     core: Core, pids: list[PacketId], backlog: list[int], figures: dict[str, Any]
 ) -> list[dict[str, float]]:
     """The credit lags into ``figures``; the P99 lag of the grabs of each second, beside the backlog
@@ -312,12 +327,16 @@ async def _lags(
     for lag, grabbed in rows:
         per_second.setdefault((int(grabbed) - first) // 1000, []).append(int(lag))
     samples = [
-        {"t": float(t), "lag_ms": _p99(per_second.get(t, [])), "backlog": float(depth)}
+        {"t": float(t), "lag_ms": p99(per_second.get(t, [])), "backlog": float(depth)}
         for t, depth in enumerate(backlog)
     ]
     figures["credited"] = len(lags)
     if lags:
         figures["lag_p50_ms"] = int(statistics.median(lags))
-        figures["lag_p99_ms"] = int(_p99(lags))
+        figures["lag_p99_ms"] = int(p99(lags))
+        figures["lag_p99_worst_second_ms"] = int(max(p99(v) for v in per_second.values()))
+        committed = sorted(int(r[0]) + int(r[1]) for r in rows)  # when each credit was committed
+        gaps = [b - a for a, b in itertools.pairwise(committed)]
+        figures["longest_no_credit_s"] = round(max(gaps, default=0) / 1000, 2)
     figures["backlog_per_s"] = backlog
     return samples
