@@ -10,6 +10,7 @@ Not in the fast tier; skipped (or failed, with REDPACKET_TEST_REQUIRE_GALERA=1) 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from server import errors
 from server.core import open_core
 from server.money import ledger
 from server.money.reconcile import reconcile
-from server.settings import Settings
+from server.settings import Settings, child_env
 from server.store.db import Database, DatabaseError
 from server.store.engines import connect
 from server.tools.client import HubClient, HubError
@@ -35,6 +36,7 @@ from server.tools.galera import GaleraCluster, GaleraNode, galera_cluster
 from tests.conftest import name_deployment
 from tests.hubtools import HubUnderTest, eventually, hub_process, server_port, worker_env
 from tests.test_galera_cluster import galera_ports, need_galera
+from tests.test_schema_fit import fresh_database
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +346,25 @@ async def test_two_writers_conflicts_are_retried_counted_and_nothing_is_lost(gal
     finally:
         await one.close()
         await other.close()
+
+
+def test_the_storm_bench_on_galera_kills_the_writer_and_every_grab_is_credited(
+    mysql_url: str, redis_url: str
+) -> None:
+    """``bench storm --galera`` as an operator runs it (its own cluster): both sides credit every grab."""
+    need_galera()
+    url = fresh_database(mysql_url, "redpacket_test_bench")
+    run = subprocess.run(
+        [sys.executable, "-m", "server", "bench", "storm", "--galera", "--rate", "250", "--seconds", "4",
+         "--kill-writer-after", "1"],
+        env=child_env(REDPACKET_REDIS_URL=redis_url, REDPACKET_DATABASE_URL=url),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    assert figures["bench"] == "storm-galera"
+    for side in ("mariadb", "galera3"):
+        assert figures[f"{side}_credited"] == figures[f"{side}_grabs"] == 1000, figures
+    assert figures["galera3_sends"] > 0 and figures["galera3_rejoin_s"] > 0, figures

@@ -53,7 +53,8 @@ def test_no_statement_takes_a_lock_galera_cannot_replicate_or_names_another_engi
     assert "ENGINE=InnoDB" in MYSQL.ddl["table_options"]
 
 
-def _fresh(mysql_url: str, name: str) -> str:
+def fresh_database(mysql_url: str, name: str) -> str:
+    """An empty database ``name`` on the MariaDB of ``mysql_url``: its URL."""
     u = urlparse(mysql_url)
     conn = pymysql.connect(host=u.hostname or "127.0.0.1", port=u.port or 3306, user=u.username or "root")
     with conn.cursor() as cur:
@@ -65,7 +66,7 @@ def _fresh(mysql_url: str, name: str) -> str:
 
 @pytest.fixture
 async def fresh(mysql_url: str) -> AsyncIterator[Database]:
-    db = await connect(_fresh(mysql_url, "redpacket_test_fit"), 4)
+    db = await connect(fresh_database(mysql_url, "redpacket_test_fit"), 4)
     try:
         yield db
     finally:

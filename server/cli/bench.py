@@ -6,18 +6,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from server.cli.errors import OperatorError
 from server.cli.services import check_services
 from server.settings import Settings
 
 
 async def bench(settings: Settings, args: argparse.Namespace) -> None:
-    from server.tools import galerabench, hotbench, hubbench
+    from server.tools import hotbench, hubbench
     from server.tools.bench import run_grab_bench
     from server.tools.creditbench import bench_credit, bench_storm
     from server.tools.dbreadbench import run_db_read_bench
 
-    await check_services(settings)
     what = args.what
+    if what == "storm":
+        _storm_seconds(args)  # (a mistake said before any service starts)
+    await check_services(settings)
     plot = Path(args.plot) if args.plot else None
     if what == "grab":
         await run_grab_bench(settings, args.grabs, plot=plot)
@@ -25,18 +28,43 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
         await run_db_read_bench(settings, plot=plot)
     elif what == "hub-grab":
         await hubbench.bench_hub_grab(settings, workers=args.workers, plot=plot, seconds=args.seconds)
-    elif what == "credit" and args.galera:
-        await galerabench.bench_credit_galera(settings, plot=plot)
+    elif what in ("credit", "storm") and args.galera:
+        await _on_galera(settings, args, plot)
     elif what == "credit":
         await bench_credit(settings, plot=plot)
-    elif what == "storm" and args.galera:
-        seconds = int(args.seconds or 30)
-        await galerabench.bench_storm_galera(settings, args.rate, seconds, args.kill_writer_after, plot=plot)
     elif what == "storm":
-        await bench_storm(settings, args.rate, int(args.seconds or 30), plot=plot)
+        await bench_storm(settings, args.rate, _storm_seconds(args), plot=plot)
     elif what == "fanout":
         await hubbench.bench_fanout(settings, plot=plot)
     else:
         await hotbench.bench_hot(
             settings, args.clients, workers=args.workers, client_procs=args.client_procs, plot=plot
         )
+
+
+def _storm_seconds(args: argparse.Namespace) -> int:
+    seconds = int(args.seconds or 30)
+    if args.rate * seconds < 1000:
+        raise OperatorError(
+            "bench storm grabs packets of 1,000 shares: --rate × --seconds must be 1,000 or more", 2
+        )
+    return seconds
+
+
+async def _on_galera(settings: Settings, args: argparse.Namespace, plot: Path | None) -> None:
+    """``credit --galera`` / ``storm --galera``: beside the configured MariaDB, a cluster of its own."""
+    from server.tools import galerabench
+    from server.tools.galera import GaleraSetupError
+
+    if not settings.database_url.startswith(("mysql", "mariadb")):
+        raise OperatorError("--galera compares with a MariaDB: set REDPACKET_DATABASE_URL=mysql://…", 2)
+    try:
+        if args.what == "credit":
+            await galerabench.bench_credit_galera(settings, plot=plot)
+        else:
+            seconds = _storm_seconds(args)
+            await galerabench.bench_storm_galera(
+                settings, args.rate, seconds, args.kill_writer_after, plot=plot
+            )
+    except GaleraSetupError as e:
+        raise OperatorError(f"cannot start the Galera cluster: {e}", 1) from None

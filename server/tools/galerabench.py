@@ -40,6 +40,8 @@ from server.tools.report import report
 
 DATABASE = "redpacket_bench"
 STORM_FIGURES = (
+    "grabs",
+    "credited",
     "achieved_grabs_per_s",
     "drained_after_s",
     "lag_p50_ms",
