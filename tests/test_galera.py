@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -368,3 +371,78 @@ def test_the_storm_bench_on_galera_kills_the_writer_and_every_grab_is_credited(
     for side in ("mariadb", "galera3"):
         assert figures[f"{side}_credited"] == figures[f"{side}_grabs"] == 1000, figures
     assert figures["galera3_sends"] > 0 and figures["galera3_rejoin_s"] > 0, figures
+
+
+HAPROXY_GALERA = Path(__file__).resolve().parent.parent / "deploy" / "haproxy-galera.cfg"
+
+
+async def test_one_url_to_haproxy_in_front_of_the_cluster_keeps_working_through_a_writer_kill(
+    galera: GaleraCluster, tmp_path: Path
+) -> None:
+    """The other way to reach a cluster (deploy/haproxy-galera.cfg): one URL, HAProxy picks the node. The
+    writer killed: HAProxy marks it down and sends new connections to a backup; our client, on one host,
+    runs the interrupted work again there. Nothing lost, nothing twice."""
+    haproxy = _haproxy()
+    await _healthy(galera)
+    await _database(galera, "proxied")
+    await _sql(galera.nodes[0], "CREATE USER IF NOT EXISTS 'haproxy'@'127.0.0.1'")
+    port = server_port()
+    env = {**os.environ, "GALERA_PROXY_PORT": str(port)}
+    env.update({f"GALERA_NODE{i}": n.address for i, n in enumerate(galera.nodes)})
+    check = await asyncio.to_thread(
+        subprocess.run, [haproxy, "-c", "-f", str(HAPROXY_GALERA)], env=env, capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    proc = subprocess.Popen(  # noqa: ASYNC220 - the proxy under test, started once
+        [haproxy, "-db", "-f", str(HAPROXY_GALERA)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    db: Database | None = None
+    try:
+        await eventually(lambda: _answers(f"mysql://root@127.0.0.1:{port}/proxied"), 30)
+        db = await connect(f"mysql://root@127.0.0.1:{port}/proxied", 4)
+        assert db.writer == f"127.0.0.1:{port}"  # one host: the proxy
+        user = await ledger.create_user(db, "proxied")
+        for i in range(5):
+            assert await ledger.topup(db, user, 100, f"before{i}")
+        galera.nodes[0].kill()
+        for i in range(5):
+            assert await ledger.topup(db, user, 100, f"after{i}")
+        assert db.health.failovers == 0 and db.writer == f"127.0.0.1:{port}"
+        assert await ledger.balance(db, user) == 1_000 == await ledger.journal_sum(db, user)
+        served = await db.fetchone("SELECT @@port")
+        assert served is not None and int(served[0]) != galera.nodes[0].port  # a backup node answered
+    finally:
+        if db is not None:
+            await db.close()
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 30)
+        await _healthy(galera)
+
+
+def _haproxy() -> str:
+    exe = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.path.exists("/usr/sbin/haproxy") else None)
+    if exe is None:
+        if os.environ.get("REDPACKET_TEST_REQUIRE_HAPROXY") == "1":
+            pytest.fail("HAProxy is required (REDPACKET_TEST_REQUIRE_HAPROXY=1): apt-get install haproxy")
+        pytest.skip("no HAProxy: apt-get install haproxy")
+    return exe
+
+
+async def _answers(url: str) -> bool:
+    try:
+        db = await connect(url, 1, statement_timeout=2.0)
+    except DatabaseError:
+        return False
+    await db.close()
+    return True
+
+
+async def _sql(node: GaleraNode, statement: str) -> None:
+    db = await connect(f"mysql://root@{node.address}/mysql", 1)
+    try:
+        await db.fetchall(statement)
+    finally:
+        await db.close()

@@ -9,14 +9,16 @@ this machine).
 
 storm: grabs at a rate for some seconds through the core while a ``redpacket worker`` process credits
 them and the bench sends a packet every 200 ms — on Galera, with the writer node killed (``kill -9``)
-part-way: the credit lag P99 overall and of the grabs around the kill, the longest time no credit was
-committed, how long sends went unanswered, and how long the node took to rejoin.
+part-way and started again as long after, rejoining under the storm: the credit lag P99 overall and of
+the worst second, the longest time no credit was committed, how long sends went unanswered, and how
+long the node took to rejoin.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import tempfile
@@ -172,7 +174,8 @@ async def bench_storm_galera(
     settings: Settings, rate: int, seconds: int, kill_after: float, plot: Path | None = None
 ) -> dict[str, Any]:
     """The storm on the configured MariaDB (no kill: the baseline), then on a Galera cluster whose writer
-    is killed ``kill_after`` seconds into the grabs."""
+    is killed ``kill_after`` seconds into the grabs and started again as long after that (it rejoins
+    while the storm goes on: a joiner catching up can hold the cluster's writes by flow control)."""
     figures: dict[str, Any] = {"rate": rate, "seconds": seconds, "kill_after_s": kill_after}
     base = await creditbench.bench_storm(settings, rate, seconds)
     for k in STORM_FIGURES:
@@ -180,32 +183,34 @@ async def bench_storm_galera(
     async with bench_cluster() as cluster:
         doomed = cluster.nodes[0]
         sends: list[tuple[float, float | None]] = []  # (asked, answered or None) on the bench's clock
-        killed: list[float] = []
+        marks: dict[str, float] = {}
+
+        async def outage(started: float) -> None:
+            await asyncio.sleep(max(0.0, started + kill_after - time.perf_counter()))
+            doomed.kill()
+            marks["killed"] = time.perf_counter()
+            await asyncio.sleep(max(0.0, started + 2 * kill_after - time.perf_counter()))
+            marks["restarted"] = time.perf_counter()
+            await cluster.rejoin(doomed)
+            await cluster.wait_size(3)
+            marks["rejoined"] = time.perf_counter()
 
         async def during(core: Core, group: GroupId, admin: UserId, started: float) -> None:
             await ledger.topup(core.db, admin, 100_000, f"bench-sends-{started}")
-            killer = asyncio.create_task(_kill_at(doomed.kill, started + kill_after, killed))
+            node = asyncio.create_task(outage(started))
             try:
                 await _send_every(core, admin, group, 0.2, started + seconds, sends)
             finally:
-                await killer
+                await node
 
         g = settings.replace(database_url=cluster.url(DATABASE))
         run = await creditbench.bench_storm(g, rate, seconds, during=during)
         for k in STORM_FIGURES:
             figures[f"galera3_{k}"] = run.get(k)
-        figures.update(_send_figures(sends, killed[0] if killed else None))
-        start = time.perf_counter()
-        await cluster.rejoin(doomed)
-        await cluster.wait_size(3)
-        figures["galera3_rejoin_s"] = round(time.perf_counter() - start, 1)
+        figures.update(_send_figures(sends, marks.get("killed")))
+        if "rejoined" in marks:
+            figures["galera3_rejoin_s"] = round(marks["rejoined"] - marks["restarted"], 1)
     return report("storm-galera", figures, plot, charts=lambda d: [])
-
-
-async def _kill_at(kill: Callable[[], None], at: float, killed: list[float]) -> None:
-    await asyncio.sleep(max(0.0, at - time.perf_counter()))
-    kill()
-    killed.append(time.perf_counter())
 
 
 async def _send_every(
@@ -232,14 +237,18 @@ async def _send_every(
 
 
 def _send_figures(sends: list[tuple[float, float | None]], killed: float | None) -> dict[str, Any]:
-    """How long sends went unanswered around the kill: from the kill to the first answer of a send
-    asked after it, the slowest send, and how many failed."""
+    """How long sends went unanswered: from the kill to the first answer of a send asked after it, the
+    slowest send, the longest time between two answers (the kill's, or the rejoin's), how many failed."""
     answered = [(a, d) for a, d in sends if d is not None]
     after = [d for a, d in answered if killed is not None and a >= killed]
+    done = sorted(d for _, d in answered)
     return {
         "galera3_sends": len(sends),
         "galera3_sends_failed": len(sends) - len(answered),
         "galera3_slowest_send_s": round(max((d - a for a, d in answered), default=0.0), 2),
+        "galera3_longest_between_sends_s": round(
+            max((b - a for a, b in itertools.pairwise(done)), default=0.0), 2
+        ),
         "galera3_sends_answered_again_after_kill_s": round(min(after) - killed, 2)
         if after and killed
         else None,
