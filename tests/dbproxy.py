@@ -27,6 +27,8 @@ class MySQLProxy:
         self.armed = 0  # COMMIT answers still to lose
         self.after: bytes | None = None  # only of a transaction that sent a statement holding this
         self.lost = 0  # COMMIT answers lost so far
+        self.down_after_loss = False
+        self.holding = False
         self.cut_on: bytes | None = None  # a statement holding this closes its connection, and the proxy
         self.refusing = False  # ...then refuses every connection until ``restore()``
         self._flowing = asyncio.Event()  # cleared: answers nothing (connections accepted, statements kept)
@@ -34,11 +36,18 @@ class MySQLProxy:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def lose_commit_answers(self, n: int = 1, after: bytes | None = None) -> None:
+    def lose_commit_answers(self, n: int = 1, after: bytes | None = None, then_down: bool = False) -> None:
         """Lose the answers of the next ``n`` COMMITs (with ``after``: of transactions that sent a
-        statement holding those bytes)."""
+        statement holding those bytes); ``then_down``: and the server goes away with the first
+        (``go_down``), as when a node dies between committing and answering."""
         self.armed += n
         self.after = after
+        self.down_after_loss = then_down
+
+    def hold_commit_answer(self) -> None:
+        """The next COMMIT reaches the server, which commits; its answer, and everything after it, is
+        held (``hang``) until ``restore()``: a node that stops answering right after committing."""
+        self.holding = True
 
     def cut_at(self, marker: bytes) -> None:
         """The database goes away when a statement holding ``marker`` arrives: that connection is closed
@@ -125,6 +134,9 @@ class MySQLProxy:
                     losing.set()  # before the COMMIT goes: its answer is the next thing the server sends
                 if commit or query.strip().upper() == b"ROLLBACK":
                     marked = False
+                if commit and self.holding:
+                    self.holding = False
+                    self.hang()  # the COMMIT goes on; its answer waits at the downstream copy
                 server_w.write(header + payload)
                 await server_w.drain()
                 if losing.is_set():
@@ -140,6 +152,9 @@ class MySQLProxy:
                     return
                 if losing.is_set():
                     self.lost += 1  # the server answered the COMMIT: it committed; the client never hears
+                    if self.down_after_loss:
+                        self.down_after_loss = False
+                        self.go_down()
                     return
                 await self._flowing.wait()  # hung: no answer reaches the client
                 client_w.write(data)

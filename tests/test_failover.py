@@ -15,9 +15,11 @@ from server.money import ledger
 from server.settings import url_problem
 from server.store.db import Database, Tx, Unreachable
 from server.store.engines import connect
-from server.store.mysql import MySQLDatabase, parse_url
+from server.store.mysql import MySQLDatabase
+from server.store.mysqlkit import parse_url
 from tests.conftest import name_deployment
 from tests.dbproxy import MySQLProxy, mysql_proxy
+from tests.hubtools import eventually
 
 
 def _url(mysql_url: str, *ports: int) -> str:
@@ -190,5 +192,124 @@ async def test_every_host_gone_is_unreachable_at_once_and_the_next_call_finds_on
         assert await ledger.topup(db, user, 100, "back")
         assert db.writer == f"127.0.0.1:{b.port}"
         assert await _journal(db, user) == (1, 100)
+    finally:
+        await db.close()
+
+
+async def test_a_commit_answer_lost_as_the_writer_dies_is_found_on_the_next_node_not_paid_twice(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy]
+) -> None:
+    """The node commits, dies before answering: the process moves and runs the work again there, where
+    Galera (here: the same server) has the first run's rows — found by the key, not written again."""
+    a, b = two
+    db = await connect(_url(migrated, a.port, b.port), 2)
+    try:
+        user = await ledger.create_user(db, "lost")
+        a.lose_commit_answers(1, after=b"topup:", then_down=True)
+        assert await ledger.topup(db, user, 100, "once") is True  # its own first run's row, not a replay
+        assert a.lost == 1 and db.writer == f"127.0.0.1:{b.port}"
+        assert db.health.retries["commit_unknown"] == 1, db.health.retries
+        assert await _journal(db, user) == (1, 100)
+        assert await ledger.balance(db, user) == 100
+    finally:
+        await db.close()
+
+
+async def test_a_commit_that_outlives_the_timeout_is_unknown_and_found_on_the_next_node(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy]
+) -> None:
+    a, b = two
+    db = await connect(_url(migrated, a.port, b.port), 2, statement_timeout=1.0)
+    try:
+        user = await ledger.create_user(db, "held")
+        a.hold_commit_answer()
+        assert await ledger.topup(db, user, 100, "held") is True
+        assert db.writer == f"127.0.0.1:{b.port}" and db.health.retries["commit_unknown"] == 1
+        assert await _journal(db, user) == (1, 100)
+    finally:
+        a.restore()
+        await db.close()
+
+
+async def test_work_waiting_for_a_connection_when_the_writer_dies_goes_on_on_the_next(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy]
+) -> None:
+    """Every connection of the pool held, a third transaction waiting for one; the node dies. The waiter
+    does not wait forever on the old pool: within its statement timeout it runs on the next node."""
+    a, b = two
+    db = await connect(_url(migrated, a.port, b.port), 2, statement_timeout=2.0)
+    try:
+        user = await ledger.create_user(db, "waiter")
+        holding = asyncio.Event()
+        release = asyncio.Event()
+        held = 0
+
+        async def hold(tx: Tx) -> bool:
+            nonlocal held
+            await tx.fetchone("SELECT 1")
+            held += 1
+            if held == 2:
+                holding.set()
+            await release.wait()
+            return await ledger.post(tx, user, 100, "topup", f"hold{held}-{tx.token}")
+
+        holders = [asyncio.create_task(db.run(hold, idempotent=True)) for _ in range(2)]
+        await holding.wait()
+        waiter = asyncio.create_task(ledger.topup(db, user, 100, "waiter"))
+        await eventually(lambda: db.connections_in_use() == 2, 10)
+        a.go_down()
+        release.set()
+        assert await asyncio.wait_for(waiter, 60) is True
+        for h in holders:
+            await h
+        assert db.writer == f"127.0.0.1:{b.port}"
+        count, _ = await _journal(db, user)
+        assert count >= 3  # the waiter's, and each holder's run that committed
+    finally:
+        await db.close()
+
+
+async def test_a_process_started_after_a_failover_joins_the_others_and_a_told_one_takes_them_back(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy]
+) -> None:
+    a, b = two
+    url = _url(migrated, a.port, b.port)
+    first = await connect(url, 2)
+    try:
+        user = await ledger.create_user(first, "joins")
+        a.go_down()
+        assert await ledger.topup(first, user, 100, "moved")
+        assert first.writer == f"127.0.0.1:{b.port}"
+        a.restore()
+        later = await connect(url, 2)  # the first node answers again: it still joins the other
+        try:
+            assert later.writer == f"127.0.0.1:{b.port}"
+        finally:
+            await later.close()
+        assert await first.reset_writer() == f"127.0.0.1:{a.port}"  # told: back, and says so
+        again = await connect(url, 2)
+        try:
+            assert again.writer == f"127.0.0.1:{a.port}"
+        finally:
+            await again.close()
+    finally:
+        await first.close()
+
+
+async def test_the_callers_own_errors_inside_a_transaction_pass_through_unchanged(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy]
+) -> None:
+    a, b = two
+    db = await connect(_url(migrated, a.port, b.port), 2)
+    try:
+        for mine in (RuntimeError("mine"), TimeoutError("mine"), ConnectionResetError("mine")):
+
+            async def work(tx: Tx, e: BaseException = mine) -> None:
+                await tx.fetchone("SELECT 1")
+                raise e
+
+            with pytest.raises(type(mine)) as raised:
+                await db.run(work, idempotent=True)
+            assert raised.value is mine and db.health.failovers == 0
     finally:
         await db.close()

@@ -2,33 +2,35 @@
 
 **One URL, one or several hosts.** ``mysql://user:pw@h1:3306,h2:3306,h3:3306/db`` names the nodes of a
 MariaDB Galera cluster (as MariaDB's own connectors accept). Every transaction and every read of a process
-goes to one node, its *writer* — the first host in the URL's order that answers and, on Galera, is
-``Synced`` in the ``Primary`` component — so every process of a deployment writes through the same node
-(Galera's single-writer pattern: no certification conflicts between our own processes) and every read sees
-the latest write. When the writer fails (its connections drop, a statement outlives
+goes to one node, its *writer*, so every read sees the latest write, and every process of a deployment
+writes through the same node (Galera's single-writer pattern: no certification conflicts between our own
+processes). A process starts on the first host in the URL's order that answers and, on Galera, is
+``Synced`` in the ``Primary`` component after a causal read — or on the node the others moved to, when
+``db_writer`` names one that passes. When the writer fails (its connections drop, a statement outlives
 ``REDPACKET_DB_STATEMENT_TIMEOUT_MS``, it answers ``WSREP has not yet prepared node``), the process looks
-at it once more with a fresh connection; if it is gone it moves to the next host that is live and synced,
-without a restart, and stays there: it moves back only on that node's failure, or when told
-(``reset_writer``: ``kill -HUP`` a hub or a worker). A URL of one host (a plain server, or HAProxy or
-MaxScale in front of a cluster) behaves as before: the pool reconnects to it.
+at it once more with a fresh connection; if it is gone it moves to the next host in the URL's order
+(wrapping) that passes, without a restart, records it in ``db_writer``, and stays there: it moves on
+only when that node fails in turn, and back to the first only when told (``reset_writer``: ``kill -USR1``
+a hub or a worker). A URL of one host (a plain server, or HAProxy or MaxScale in front of a cluster)
+behaves as before: the pool reconnects to it.
 
 **No stale read as if current.** On Galera every session sets ``wsrep_sync_wait=1``: a read waits until
 the node has applied every write the cluster had committed when the read began, and a node cut off from
 the cluster (a partition, a paused process) answers an error instead of what it last knew.
 
-Timeouts: aiomysql has no read timeout, so every statement here runs under ``asyncio.timeout``. A COMMIT
-that outlives it has an unknown outcome (``CommitUnknown``), as one whose connection drops.
+Timeouts: aiomysql has no read timeout (nor one for a server's greeting), so every statement, the wait
+for a pooled connection and each look at a node run under one (``mysqlkit.bounded``). A COMMIT that
+outlives it has an unknown outcome (``CommitUnknown``), as one whose connection drops. Work waiting for a
+connection of a pool cut by a failover gives up within the timeout and runs again on the new pool.
 """
-
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlparse
 
 import aiomysql
 import pymysql
@@ -44,103 +46,34 @@ from server.store.db import (
     Unreachable,
 )
 from server.store.dialect import MYSQL
+from server.store.mysqlkit import (
+    COMMIT_LOST,
+    HEALTH,
+    PROBE_SECONDS,
+    SNAPSHOT_SECONDS,
+    MySQLTarget,
+    StatementTimedOut,
+    as_ours,
+    bounded,
+    driver_error,
+    error_code,
+    node_lost,
+    parse_url,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Why a transaction is run again, by the server's error number (``Database.health.retries`` counts them).
-RETRY_REASONS = {
-    1205: "lock_wait",  # lock wait timeout
-    1213: "deadlock",  # a deadlock, or on Galera a certification conflict at COMMIT
-    1047: "node_not_ready",  # Galera: WSREP has not yet prepared node for application use
-    2006: "connection",  # server has gone away
-    2013: "connection",  # lost connection during query
-    2014: "connection",  # commands out of sync
-    1927: "connection",  # connection killed
-    1053: "connection",  # server shutdown in progress
-}
-# No connection made at all: the server down or unreachable (2003), or full (1040).
-UNREACHABLE = {1040, 2003}
-# The node itself may be gone: look at it again, and move to the next host if it is.
-NODE_LOST = {1047, 1053, 1927, 2003, 2006, 2013}
-# The connection went away (server gone, lost during the query): a COMMIT sent on it has no answer.
-COMMIT_LOST = {1053, 1927, 2006, 2013}
-
-HEALTH = (
-    "SHOW GLOBAL STATUS WHERE Variable_name IN"
-    " ('wsrep_ready', 'wsrep_cluster_status', 'wsrep_local_state_comment')"
-)
-
-
-@dataclass(frozen=True)
-class MySQLTarget:
-    """What a ``mysql://`` URL names: its hosts in order, the user, the password and the database."""
-
-    hosts: tuple[tuple[str, int], ...]
-    user: str
-    password: str
-    database: str
-
-    def address(self, index: int) -> str:
-        host, port = self.hosts[index]
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_url(url: str) -> MySQLTarget:
-    """``mysql://user:pw@host:port,host:port/db`` (or ``mariadb://``): hosts kept in the URL's order."""
-    _, _, rest = url.partition("://")
-    netloc, _, path = rest.partition("/")
-    userinfo, _, hostlist = netloc.rpartition("@")
-    user, _, password = userinfo.partition(":")
-    hosts = []
-    for host in hostlist.split(","):
-        u = urlparse(f"x://{host}")
-        hosts.append((u.hostname or "127.0.0.1", u.port or 3306))
-    return MySQLTarget(
-        hosts=tuple(hosts),
-        user=unquote(user or "root"),
-        password=unquote(password),
-        database=path.split("?", 1)[0] or "redpacket",
-    )
-
-
-def _code(e: BaseException) -> int | None:
-    if isinstance(e, pymysql.err.Error) and e.args and isinstance(e.args[0], int):
-        return e.args[0]
-    return None
-
-
-def _lost(e: BaseException) -> bool:
-    """Whether ``e`` says the node (or the way to it) may be gone, rather than a statement refused."""
-    return isinstance(e, TimeoutError | OSError | pymysql.err.InterfaceError) or _code(e) in NODE_LOST
-
-
-def _retryable(e: BaseException, moved: bool) -> DatabaseError:
-    """The error a caller sees for ``e``: retryable (with its reason), unreachable, or neither."""
-    code = _code(e)
-    if moved:
-        return RetryableError(f"the database node failed; moved to the next ({e})", reason="failover")
-    if code in UNREACHABLE:
-        return Unreachable(str(e))
-    if isinstance(e, TimeoutError):
-        return RetryableError("a statement outlived the statement timeout", reason="timeout")
-    if code in RETRY_REASONS:
-        return RetryableError(str(e), reason=RETRY_REASONS[code])
-    if isinstance(e, OSError | pymysql.err.InterfaceError):
-        return RetryableError(str(e), reason="connection")
-    return DatabaseError(str(e))
-
 
 class TimedTx(Tx):
-    """A transaction whose every statement is bounded in time (aiomysql has no read timeout)."""
+    """A transaction whose every statement is bounded in time."""
 
     def __init__(self, cursor: Any, timeout: float) -> None:
         super().__init__(MYSQL, cursor)
         self._timeout = timeout
 
     async def _run(self, step: Awaitable[T]) -> T:
-        async with asyncio.timeout(self._timeout):
-            return await step
+        return await bounded(step, self._timeout)
 
 
 class MySQLDatabase(Database):
@@ -151,6 +84,9 @@ class MySQLDatabase(Database):
         self.target = target
         self._pool_size = pool_size
         self._timeout = timeout
+        # A look at one node (connect, greeting, a causal read): a node that accepts and never answers
+        # (paused, partitioned) is given up on after this.
+        self._probe_s = min(PROBE_SECONDS, timeout)
         self._pool: Any = None
         self._index = 0
         self._galera = False
@@ -173,9 +109,44 @@ class MySQLDatabase(Database):
             problem = await db._probe(index)
             if not problem:
                 await db._use(index)
+                if len(db.target.hosts) > 1:
+                    await db._join_the_others()
                 return db
             problems.append(problem)
         raise DatabaseError("; ".join(problems))
+
+    async def _join_the_others(self) -> None:
+        """Start on the node the deployment's other processes write through (``db_writer``, written by the
+        last process that moved) when it is not this one and can be the writer: after a failover, a
+        process started later would otherwise write through the first node of the URL, beside them."""
+        try:
+            row = await self.fetchone("SELECT address FROM db_writer WHERE id = 1")
+        except (DatabaseError, pymysql.err.Error):
+            return  # not migrated yet (no table), or the node went away: the first node it is
+        addresses = [self.target.address(i) for i in range(len(self.target.hosts))]
+        if row is None or str(row[0]) == self.writer or str(row[0]) not in addresses:
+            return
+        index = addresses.index(str(row[0]))
+        if not await self._probe(index):
+            try:
+                await self._use(index, graceful=True)
+            except (pymysql.err.Error, OSError) as e:
+                log.warning("could not join the deployment's writer %s: %s", row[0], e)
+
+    async def _say_writer(self) -> None:
+        """Tell processes starting later which node this one moved to (``_join_the_others``)."""
+
+        async def write(tx: Tx) -> None:
+            await tx.execute(
+                "INSERT INTO db_writer (id, address, set_ms) VALUES (1, %s, %s)"
+                " ON DUPLICATE KEY UPDATE address = VALUES(address), set_ms = VALUES(set_ms)",
+                (self.writer, int(time.time() * 1000)),
+            )
+
+        try:
+            await self.run(write, idempotent=True, attempts=2)
+        except DatabaseError as e:  # a hint only: the next process to move writes it again
+            log.warning("could not record the database writer %s: %s", self.writer, e)
 
     async def _probe(self, index: int) -> str:
         """Why host ``index`` cannot be the writer (one line), or "" when it can: it answers, has the
@@ -184,20 +155,20 @@ class MySQLDatabase(Database):
         where = f"MySQL server on {self.target.address(index)}"
         name = self.target.database
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout(self._probe_s):
                 conn = await aiomysql.connect(
                     host=host,
                     port=port,
                     user=self.target.user,
                     password=self.target.password,
                     db=name,
-                    connect_timeout=min(5.0, self._timeout),
+                    connect_timeout=self._probe_s,
                     autocommit=True,
                 )
                 try:
                     async with conn.cursor() as cur:
-                        await cur.execute("SELECT @@wsrep_on")
-                        galera = bool(((await cur.fetchone()) or (0,))[0])
+                        await cur.execute("SHOW VARIABLES LIKE 'wsrep_on'")  # (none on Oracle's MySQL)
+                        galera = [str(v) for _, v in await cur.fetchall()] == ["ON"]
                         state: dict[str, str] = {}
                         if galera:
                             # A causal read first: a node back from a pause still says Synced and Primary
@@ -209,8 +180,10 @@ class MySQLDatabase(Database):
                             state = {str(k): str(v) for k, v in await cur.fetchall()}
                 finally:
                     conn.close()
+        except TimeoutError:  # (before OSError: it is one)
+            return f"the {where} does not answer (no answer within {self._probe_s:g} s)"
         except (pymysql.err.Error, OSError) as e:
-            code = _code(e)
+            code = error_code(e)
             detail = e.args[1] if isinstance(e, pymysql.err.Error) and len(e.args) > 1 else str(e)
             if code == 1049:
                 what = f"{where} has no database {name!r} (create it, or name another)"
@@ -225,8 +198,6 @@ class MySQLDatabase(Database):
             else:
                 what = f"cannot connect to MySQL database {name!r} on {self.target.address(index)}"
             return f"{what}: {detail}"
-        except TimeoutError:
-            return f"the {where} does not answer (timed out)"
         if galera:
             ready = state.get("wsrep_ready") == "ON"
             primary = state.get("wsrep_cluster_status") == "Primary"
@@ -238,13 +209,14 @@ class MySQLDatabase(Database):
         self._galera = galera
         return ""
 
-    async def _use(self, index: int) -> None:
-        """Make host ``index`` the writer: a new pool to it; the old one's connections are closed."""
+    async def _use(self, index: int, graceful: bool = False) -> None:
+        """Make host ``index`` the writer: a new pool to it. The old pool's connections are cut (its node
+        is gone) or, ``graceful``, closed as their transactions end (an operator's move off a live node)."""
         host, port = self.target.hosts[index]
         init = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
         if self._galera:  # (one statement: MariaDB's name for the isolation variable, beside Galera's)
             init = "SET SESSION tx_isolation = 'READ-COMMITTED', SESSION wsrep_sync_wait = 1"
-        pool = await aiomysql.create_pool(
+        make = aiomysql.create_pool(
             host=host,
             port=port,
             user=self.target.user,
@@ -261,13 +233,22 @@ class MySQLDatabase(Database):
             # the lookup after a duplicate-key error see the row that won the race.
             init_command=init,
         )
+        pool = await bounded(make, self._probe_s)
         old, self._pool, self._index = self._pool, pool, index
         self.health.writer = self.writer
         if old is not None:
-            old.terminate()
-            task = asyncio.get_running_loop().create_task(old.wait_closed())
+            old.close() if graceful else old.terminate()
+            # Tasks waiting for one of its connections give up after their statement timeout, and run
+            # again on the new pool ("failover").
+            task = asyncio.get_running_loop().create_task(self._closed(old))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+
+    async def _closed(self, pool: Any) -> None:
+        try:
+            await bounded(pool.wait_closed(), self._timeout)
+        except (StatementTimedOut, pymysql.err.Error, OSError):
+            pool.terminate()
 
     async def _node_failed(self, pool: Any) -> str:
         """The writer behind ``pool`` failed: look at it once more; if it is gone, move to the next host
@@ -277,49 +258,65 @@ class MySQLDatabase(Database):
         if len(self.target.hosts) == 1:
             return "stayed"
         async with self._switching:
-            if pool is not self._pool:
-                return "moved"
-            problem = await self._probe(self._index)
+            after = await self._move_on(pool)
+        if after == "moved here":  # (outside the lock: the write may fail over in turn)
+            await self._say_writer()
+        return after.split()[0]
+
+    async def _move_on(self, pool: Any) -> str:
+        if pool is not self._pool:
+            return "moved"  # another task has moved meanwhile
+        problem = await self._probe(self._index)
+        if not problem:
+            return "stayed"
+        problems = [problem]
+        for step in range(1, len(self.target.hosts)):
+            index = (self._index + step) % len(self.target.hosts)
+            problem = await self._probe(index) or await self._move(index, problems[0])
             if not problem:
-                return "stayed"
-            problems = [problem]
-            for step in range(1, len(self.target.hosts)):
-                index = (self._index + step) % len(self.target.hosts)
-                problem = await self._probe(index)
-                if not problem:
-                    moving = self.target.address(index)
-                    log.warning(
-                        "database writer %s failed (%s): moving to %s", self.writer, problems[0], moving
-                    )
-                    await self._use(index)
-                    self.health.failovers += 1
-                    return "moved"
-                problems.append(problem)
-            log.warning(
-                "database writer %s failed and no other node can take over: %s",
-                self.writer,
-                "; ".join(problems),
-            )
-            return "none"
+                return "moved here"
+            problems.append(problem)
+        log.warning(
+            "database writer %s failed and no node can take over: %s", self.writer, "; ".join(problems)
+        )
+        return "none"
+
+    async def _move(self, index: int, why: str) -> str:
+        """Make ``index`` the writer after the writer failed (``why``); "" when done, else why not."""
+        moving = self.target.address(index)
+        try:
+            await self._use(index)
+        except (pymysql.err.Error, OSError) as e:  # (StatementTimedOut included)
+            return f"the MySQL server on {moving} took no pool: {e}"
+        log.warning("database writer failed (%s): moved to %s", why, moving)
+        self.health.failovers += 1
+        return ""
 
     async def reset_writer(self) -> str:
         """Go back to the first host in the URL's order that can be the writer (an operator's choice, e.g.
         after the preferred node is back); return the writer's address."""
         async with self._switching:
+            was = self._index
             for index in range(len(self.target.hosts)):
                 if index == self._index:
                     break
                 if not await self._probe(index):
-                    await self._use(index)
+                    try:
+                        await self._use(index, graceful=True)
+                    except (pymysql.err.Error, OSError) as e:
+                        log.warning("could not go back to %s: %s", self.target.address(index), e)
+                        continue
                     break
+        if self._index != was:
+            await self._say_writer()
         return self.writer
 
     async def _failure(self, pool: Any, e: BaseException) -> DatabaseError:
         """The error to raise for the driver's ``e``, after moving to another node if the writer is gone."""
-        after = await self._node_failed(pool) if _lost(e) else "stayed"
+        after = await self._node_failed(pool) if node_lost(e) else "stayed"
         if after == "none":
             return Unreachable(f"no database node can take writes now ({e})")
-        return _retryable(e, moved=after == "moved")
+        return as_ours(e, moved=after == "moved")
 
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[tuple[Any, Any]]:
@@ -328,55 +325,66 @@ class MySQLDatabase(Database):
         they are the driver's."""
         pool = self._pool
         try:
-            async with pool.acquire() as conn:
-                yield conn, pool
-        except (pymysql.err.OperationalError, pymysql.err.InterfaceError, TimeoutError, OSError) as e:
-            raise await self._failure(pool, e) from e
-        except RuntimeError as e:  # the pool was closed by a failover while this waited for a connection
+            conn = await bounded(pool.acquire(), self._timeout)
+        except RuntimeError as e:  # the pool was closed by a failover just now
             if pool is self._pool:
                 raise
             raise RetryableError(str(e), reason="failover") from e
+        except Exception as e:
+            if not driver_error(e):
+                raise
+            raise await self._failure(pool, e) from e
+        try:
+            yield conn, pool
+        except Exception as e:
+            if not driver_error(e):
+                raise
+            raise await self._failure(pool, e) from e
+        finally:
+            pool.release(conn)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Tx]:
         async with self._connection() as (conn, pool):
-            async with asyncio.timeout(self._timeout):
-                await conn.begin()
+            await bounded(conn.begin(), self._timeout)
             try:
                 async with conn.cursor() as cur:
                     yield TimedTx(cur, self._timeout)
             except BaseException:
                 # A broken connection cannot roll back; closing it drops the transaction anyway.
                 try:
-                    async with asyncio.timeout(self._timeout):
-                        await conn.rollback()
+                    await bounded(conn.rollback(), self._timeout)
                 except Exception:
                     conn.close()
                 raise
             try:
-                async with asyncio.timeout(self._timeout):
-                    await conn.commit()
+                await bounded(conn.commit(), self._timeout)
             except BaseException as e:
                 conn.close()
-                lost = isinstance(e, pymysql.err.InterfaceError | TimeoutError) or _code(e) in COMMIT_LOST
-                if lost:  # the server may have committed and its answer was lost
+                lost = (
+                    isinstance(e, pymysql.err.InterfaceError | StatementTimedOut)
+                    or error_code(e) in COMMIT_LOST
+                )
+                if not lost:
+                    raise  # an answer (a deadlock at commit, say): rolled back; cancelled: unknown, as said
+                # The server may have committed and its answer was lost: whatever the look at the node
+                # finds (or raises), the caller hears that the outcome is unknown.
+                try:
                     await self._node_failed(pool)
+                finally:
                     raise CommitUnknown(str(e) or "the COMMIT outlived the statement timeout") from e
-                raise  # an answer (a deadlock at commit, say): rolled back; cancelled: unknown, as said
 
     @asynccontextmanager
     async def snapshot(self) -> AsyncIterator[Tx]:
         # The pool's sessions read committed; this one transaction reads InnoDB's snapshot of its start.
         async with self._connection() as (conn, _), conn.cursor() as cur:
-            async with asyncio.timeout(self._timeout):
-                await cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-                await cur.execute("START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY")
+            await bounded(cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"), self._timeout)
+            await bounded(cur.execute("START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY"), self._timeout)
             try:
-                yield TimedTx(cur, self._timeout)
+                yield TimedTx(cur, max(self._timeout, SNAPSHOT_SECONDS))
             finally:
                 try:
-                    async with asyncio.timeout(self._timeout):
-                        await conn.rollback()  # read only: nothing to keep
+                    await bounded(conn.rollback(), self._timeout)  # read only: nothing to keep
                 except Exception:
                     conn.close()
 
@@ -393,13 +401,13 @@ class MySQLDatabase(Database):
 
     async def _read_once(self, statement: str, params: Params) -> list[Row]:
         async with self._connection() as (conn, _), conn.cursor() as cur:
-            async with asyncio.timeout(self._timeout):
-                await cur.execute(self.dialect.sql(statement), tuple(params))
-                rows: Any = await cur.fetchall()
+            await bounded(cur.execute(self.dialect.sql(statement), tuple(params)), self._timeout)
+            rows: Any = await cur.fetchall()
         return [tuple(r) for r in rows]
 
     async def close(self) -> None:
+        """Close the pool once its connections are back (cut after the statement timeout otherwise)."""
         self._pool.close()
-        await self._pool.wait_closed()
+        await self._closed(self._pool)
         for task in list(self._closing):
             await task

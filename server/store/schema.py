@@ -11,6 +11,7 @@ All times are unix milliseconds in BIGINT columns, all money is integer cents in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -193,6 +194,23 @@ MIGRATIONS: list[tuple[int, str, list[Statement]]] = [
     ),
 ]
 
+MIGRATIONS.append(
+    (
+        8,
+        "the database node this deployment's processes write through",
+        [
+            # One row, written by a process that moved to another Galera node (or was told to go back);
+            # a process starting reads it, so it joins the others on that node rather than the first
+            # node of its URL (server.store.mysql). Unused on one server and on SQLite.
+            """CREATE TABLE db_writer (
+                id SMALLINT NOT NULL PRIMARY KEY,
+                address VARCHAR(255) NOT NULL,
+                set_ms BIGINT NOT NULL
+            ){table_options}""",
+        ],
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 
@@ -303,10 +321,25 @@ async def migration_lease(db: Database) -> AsyncIterator[None]:
         if time.monotonic() > deadline:
             raise DatabaseError("another `redpacket migrate` holds the migration lease: try again later")
         await asyncio.sleep(LEASE_POLL_S)  # another process migrates: its lease ends when it is done
+    renewing = asyncio.create_task(_renew(db, me))  # a long migration keeps its lease
     try:
         yield
     finally:
+        renewing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewing
         await db.fetchall("DELETE FROM schema_lease WHERE name = 'migrate' AND holder = %s", (me,))
+
+
+async def _renew(db: Database, me: str) -> None:
+    while True:
+        await asyncio.sleep(LEASE_MS / 4000)
+        try:
+            await db.fetchall(
+                "UPDATE schema_lease SET taken_ms = %s WHERE name = 'migrate' AND holder = %s", (now_ms(), me)
+            )
+        except DatabaseError as e:  # the next try may reach it; a lease lapses only after LEASE_MS
+            log.warning("could not renew the migration lease: %s", e)
 
 
 async def migrate(db: Database) -> list[int]:

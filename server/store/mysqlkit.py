@@ -1,0 +1,124 @@
+"""What a ``mysql://`` URL names and what the server's errors mean for the caller (pure, but ``bounded``,
+which runs one statement under the statement timeout): which errors say a node may be gone, which are
+worth running the transaction again for, and why (the reasons ``DatabaseHealth.retries`` counts)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+from urllib.parse import unquote, urlparse
+
+import pymysql
+
+from server.store.db import DatabaseError, RetryableError, Unreachable
+
+T = TypeVar("T")
+
+# Why a transaction is run again, by the server's error number (``Database.health.retries`` counts them).
+RETRY_REASONS = {
+    1205: "lock_wait",  # lock wait timeout
+    1213: "deadlock",  # a deadlock, or on Galera a certification conflict at COMMIT
+    1047: "node_not_ready",  # Galera: WSREP has not yet prepared node for application use
+    1180: "node_not_ready",  # Galera: the write set not replicated (not connected to the primary component)
+    2006: "connection",  # server has gone away
+    2013: "connection",  # lost connection during query
+    2014: "connection",  # commands out of sync
+    1927: "connection",  # connection killed
+    1053: "connection",  # server shutdown in progress
+}
+# No connection made at all: the server down or unreachable (2003), or full (1040).
+UNREACHABLE = {1040, 2003}
+# The node itself may be gone: look at it again, and move to the next host if it is.
+NODE_LOST = {1047, 1053, 1180, 1927, 2003, 2006, 2013}
+# The connection went away (server gone, lost during the query): a COMMIT sent on it has no answer.
+COMMIT_LOST = {1053, 1927, 2006, 2013}
+
+PROBE_SECONDS = 5.0
+# A reconciliation's snapshot reads the whole journal: its statements may take long on a big ledger.
+SNAPSHOT_SECONDS = 600.0
+
+HEALTH = (
+    "SHOW GLOBAL STATUS WHERE Variable_name IN"
+    " ('wsrep_ready', 'wsrep_cluster_status', 'wsrep_local_state_comment')"
+)
+
+
+@dataclass(frozen=True)
+class MySQLTarget:
+    """What a ``mysql://`` URL names: its hosts in order, the user, the password and the database."""
+
+    hosts: tuple[tuple[str, int], ...]
+    user: str
+    password: str
+    database: str
+
+    def address(self, index: int) -> str:
+        host, port = self.hosts[index]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_url(url: str) -> MySQLTarget:
+    """``mysql://user:pw@host:port,host:port/db`` (or ``mariadb://``): hosts kept in the URL's order."""
+    _, _, rest = url.partition("://")
+    netloc, _, path = rest.partition("/")
+    userinfo, _, hostlist = netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    hosts = []
+    for host in hostlist.split(","):
+        u = urlparse(f"x://{host}")
+        hosts.append((u.hostname or "127.0.0.1", u.port or 3306))
+    return MySQLTarget(
+        hosts=tuple(hosts),
+        user=unquote(user or "root"),
+        password=unquote(password),
+        database=path.split("?", 1)[0] or "redpacket",
+    )
+
+
+def error_code(e: BaseException) -> int | None:
+    if isinstance(e, pymysql.err.Error) and e.args and isinstance(e.args[0], int):
+        return e.args[0]
+    return None
+
+
+def node_lost(e: BaseException) -> bool:
+    """Whether ``e`` says the node (or the way to it) may be gone, rather than a statement refused."""
+    return isinstance(e, TimeoutError | OSError | pymysql.err.InterfaceError) or error_code(e) in NODE_LOST
+
+
+def as_ours(e: BaseException, moved: bool) -> DatabaseError:
+    """The error a caller sees for ``e``: retryable (with its reason), unreachable, or neither."""
+    code = error_code(e)
+    if moved:
+        return RetryableError(f"the database node failed; moved to the next ({e})", reason="failover")
+    if code in UNREACHABLE:
+        return Unreachable(str(e))
+    if isinstance(e, StatementTimedOut):
+        return RetryableError(f"a statement outlived the statement timeout ({e})", reason="timeout")
+    if code in RETRY_REASONS:
+        return RetryableError(str(e), reason=RETRY_REASONS[code])
+    if isinstance(e, OSError | pymysql.err.InterfaceError):
+        return RetryableError(str(e), reason="connection")
+    return DatabaseError(str(e))
+
+
+class StatementTimedOut(TimeoutError):
+    """One of our statements (or the wait for a connection) outlived ``REDPACKET_DB_STATEMENT_TIMEOUT_MS``:
+    told apart from a ``TimeoutError`` of the caller's own."""
+
+
+async def bounded(step: Awaitable[T], seconds: float) -> T:
+    """``step``, or ``StatementTimedOut`` after ``seconds`` (aiomysql has no read timeout of its own)."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await step
+    except TimeoutError as e:
+        raise StatementTimedOut(f"no answer within {seconds:g} s") from e
+
+
+def driver_error(e: BaseException) -> bool:
+    """Whether ``e`` came from the way to the server (the driver — aiomysql turns a socket's errors into
+    its own — or our statement timeout), not from the caller's own code inside a transaction."""
+    return isinstance(e, pymysql.err.OperationalError | pymysql.err.InterfaceError | StatementTimedOut)
