@@ -168,17 +168,17 @@ def _said_writer(task: asyncio.Task[str]) -> None:
         log.warning("told to reset the database writer: now %s", task.result())
 
 
-def reset_writer_on_hangup(core: Core) -> None:
-    """``kill -HUP`` this process: its database goes back to the first node of the URL that can take
+def reset_writer_when_told(core: Core) -> None:
+    """``kill -USR1`` this process: its database goes back to the first node of the URL that can take
     writes (after a failover the process stays on the node it moved to until told). For a process's own
     loop (``redpacket serve``, ``worker``): the handler lasts as long as the loop."""
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[str]] = set()
 
-    def hangup() -> None:
+    def told() -> None:
         task = loop.create_task(core.db.reset_writer())
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         task.add_done_callback(_said_writer)
 
-    loop.add_signal_handler(signal.SIGHUP, hangup)
+    loop.add_signal_handler(signal.SIGUSR1, told)

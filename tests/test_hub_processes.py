@@ -6,8 +6,10 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import redis
 from websockets.exceptions import ConnectionClosed
 
@@ -17,7 +19,19 @@ from server.settings import Settings
 from server.store import keys
 from server.store.records import CreditEntry
 from server.tools.client import HubClient
+from tests.conftest import TEST_NAMESPACE
 from tests.hubtools import eventually, hub_process
+
+
+@pytest.fixture(autouse=True)
+def _keys_named_as_the_hubs_name_them() -> Iterator[None]:
+    """Keys read here from outside are named under the deployment id the hubs read from their database
+    (the tests'); without it they were so only when an earlier test of the run had opened a core."""
+    keys.claim(TEST_NAMESPACE)
+    try:
+        yield
+    finally:
+        keys.release()
 
 
 async def _members(h: Any, n: int, prefix: str) -> tuple[int, str, int, list[tuple[int, str]]]:
@@ -265,6 +279,12 @@ async def test_serve_workers_share_a_port_replace_a_dead_one_and_stop_together(
         assert (await replacement.request("ping"))["ts"] > 0
         for c in [*clients, replacement]:
             await c.close()
+        # SIGUSR1 to the supervisor (an operator telling the hubs to go back to their first database
+        # node): passed on; it is not the end of it (the default action of SIGUSR1: its exit code below).
+        h.process.send_signal(signal.SIGUSR1)
+        after = await h.client(token)
+        assert (await after.request("ping"))["ts"] > 0
+        await after.close()
         # SIGTERM to the supervisor: every hub process drains and exits, and so does it, with 0.
         h.process.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(h.process.wait, 60) == 0

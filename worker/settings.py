@@ -31,7 +31,7 @@ _settings = Settings.from_env()
 
 
 async def _namespace() -> str:
-    db = await connect(_settings.effective_database_url, 1)
+    db = await connect(_settings.effective_database_url, 1, _settings.db_statement_timeout_ms / 1000)
     try:
         await migrate(db)
         return await deployment_id(db)

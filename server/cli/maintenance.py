@@ -19,7 +19,8 @@ async def migrate(settings: Settings) -> None:
     from server.store.engines import connect
 
     await check_services(settings, redis_too=False)
-    db = await connect(settings.effective_database_url)
+    # A migration's DDL may take long on a big table: its statements are not cut at the usual timeout.
+    db = await connect(settings.effective_database_url, 1, max(settings.db_statement_timeout_ms / 1000, 3600))
     try:
         applied = await schema.migrate(db)
         print(f"applied migrations: {applied or 'none (up to date)'}; schema version {schema.LATEST}")

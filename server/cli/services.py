@@ -85,9 +85,16 @@ async def check_services(settings: Settings, redis_too: bool = True, durability:
 
 async def _check_database(settings: Settings) -> None:
     from server.store.engines import connect
+    from server.store.mysqlkit import PROBE_SECONDS, parse_url
 
+    url = settings.effective_database_url
+    # Each node of a cluster may be looked at in turn (a paused one for up to PROBE_SECONDS).
+    nodes = len(parse_url(url).hosts) if url.startswith(("mysql", "mariadb")) else 1
     try:
-        db = await asyncio.wait_for(connect(settings.effective_database_url, 1), STARTUP_CHECK_SECONDS)
+        db = await asyncio.wait_for(
+            connect(url, 1, settings.db_statement_timeout_ms / 1000),
+            STARTUP_CHECK_SECONDS + (nodes - 1) * PROBE_SECONDS,
+        )
         await db.close()
     except TimeoutError:
         raise OperatorError(

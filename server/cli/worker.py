@@ -11,7 +11,7 @@ import urllib.request
 
 from server.cli.errors import OperatorError
 from server.cli.services import check_services
-from server.core import open_core, reset_writer_on_hangup
+from server.core import open_core, reset_writer_when_told
 from server.settings import Settings
 
 log = logging.getLogger("redpacket")
@@ -39,7 +39,7 @@ async def run_worker(settings: Settings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        reset_writer_on_hangup(core)
+        reset_writer_when_told(core)
         # SIGINT/SIGTERM: the drain gives back the claims of a batch not yet paid (or they lapse), arq's
         # running jobs are cancelled (each is idempotent and runs again later); then the process exits.
         async with running_worker(core, metrics):

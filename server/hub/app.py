@@ -24,7 +24,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from server import errors
-from server.core import Core, open_core, reset_writer_on_hangup
+from server.core import Core, open_core, reset_writer_when_told
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from server.hub import service
 from server.hub.gcpolicy import keep_collections_out_of_bursts
@@ -272,7 +272,7 @@ def create_app(
                 sock = metrics_sock or socket.create_server((settings.metrics_host, settings.metrics_port))
                 apart = await serve_metrics(sock, lambda: metrics_page(app))
             if manage_gc:  # this process is the hub's own: signals are its to take
-                reset_writer_on_hangup(core)
+                reset_writer_when_told(core)
                 background.append(
                     asyncio.create_task(keep_collections_out_of_bursts(hub_metrics.frames_in_so_far))
                 )

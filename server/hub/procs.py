@@ -4,7 +4,8 @@ Python runs one core per process; a hub is one process. All of a hub's state tha
 and the database, so N hubs on one machine are N independent hubs (each with its own pub/sub connection,
 presence and announcements) that happen to share a port: the kernel hands each new connection to one of
 them. The supervisor (this module) binds the socket, forks the workers, restarts one that dies, and on
-SIGTERM / SIGINT passes the signal on and waits while each drains (``REDPACKET_SHUTDOWN_SECONDS``).
+SIGTERM / SIGINT passes the signal on and waits while each drains (``REDPACKET_SHUTDOWN_SECONDS``);
+SIGUSR1 is passed on (each process's database goes back to the first node of its URL it can use).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def supervise(n: int, run_one: Callable[[int], None], poll_seconds: float = 0.2)
                 # and dropped, and the process went on to serve after its supervisor had said stop.
                 signal.signal(signal.SIGTERM, _exit_now)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until the hub takes it (its database writer)
                 run_one(slot)
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else 0
@@ -69,10 +71,18 @@ def supervise(n: int, run_one: Callable[[int], None], poll_seconds: float = 0.2)
             except ProcessLookupError:
                 pass
 
+    def told(signum: int, _: object) -> None:
+        for pid in children:  # each hub process goes back to the first database node it can use
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
     for slot in range(n):
         start(slot)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGUSR1, told)
     failed = 0
     while children:
         time.sleep(poll_seconds)
