@@ -164,7 +164,11 @@ def queue_name(settings: Settings, namespace: str) -> str:
 
 
 def _said_writer(task: asyncio.Task[str]) -> None:
-    if not task.cancelled() and task.exception() is None:
+    if task.cancelled():
+        return
+    if task.exception() is not None:
+        log.error("told to reset the database writer, and could not: %s", task.exception())
+    else:
         log.warning("told to reset the database writer: now %s", task.result())
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from urllib.parse import urlparse
 
 import pytest
@@ -41,6 +42,19 @@ async def migrated(mysql_url: str) -> str:
     return mysql_url
 
 
+@asynccontextmanager
+async def _through(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy], pool: int, timeout: float = 10.0
+) -> AsyncIterator[Database]:
+    """A database on the URL naming both proxies (first ``a``, then ``b``)."""
+    a, b = two
+    db = await connect(_url(migrated, a.port, b.port), pool, statement_timeout=timeout)
+    try:
+        yield db
+    finally:
+        await db.close()
+
+
 async def _topups(db: Database, user: int, n: int, prefix: str) -> None:
     for i in range(n):
         assert await ledger.topup(db, user, 100, f"{prefix}{i}")
@@ -70,12 +84,9 @@ async def test_the_first_host_that_answers_is_the_writer(
 ) -> None:
     a, b = two
     a.go_down()
-    db = await connect(_url(migrated, a.port, b.port), 2)
-    try:
+    async with _through(migrated, two, 2) as db:
         assert db.writer == f"127.0.0.1:{b.port}" and db.health.writer == db.writer
         assert await db.fetchone("SELECT 1") == (1,)
-    finally:
-        await db.close()
 
 
 async def test_no_host_answering_is_one_line_naming_each(migrated: str) -> None:
@@ -146,9 +157,8 @@ async def test_a_writer_that_stops_answering_is_left_after_the_statement_timeout
 async def test_a_connection_lost_on_a_live_writer_does_not_move_the_process(
     migrated: str, two: tuple[MySQLProxy, MySQLProxy]
 ) -> None:
-    a, b = two
-    db = await connect(_url(migrated, a.port, b.port), 2)
-    try:
+    a, _ = two
+    async with _through(migrated, two, 2) as db:
         user = await ledger.create_user(db, "blip")
         killed: list[int] = []
 
@@ -164,8 +174,6 @@ async def test_a_connection_lost_on_a_live_writer_does_not_move_the_process(
         assert db.writer == f"127.0.0.1:{a.port}" and db.health.failovers == 0
         assert db.health.retries["connection"] == 1, db.health.retries
         assert await _journal(db, user) == (1, 100)
-    finally:
-        await db.close()
 
 
 async def db_admin_kill(mysql_url: str, connection_id: int) -> None:
@@ -181,8 +189,7 @@ async def test_every_host_gone_is_unreachable_at_once_and_the_next_call_finds_on
     migrated: str, two: tuple[MySQLProxy, MySQLProxy]
 ) -> None:
     a, b = two
-    db = await connect(_url(migrated, a.port, b.port), 2)
-    try:
+    async with _through(migrated, two, 2) as db:
         user = await ledger.create_user(db, "alldown")
         a.go_down()
         b.go_down()
@@ -192,8 +199,6 @@ async def test_every_host_gone_is_unreachable_at_once_and_the_next_call_finds_on
         assert await ledger.topup(db, user, 100, "back")
         assert db.writer == f"127.0.0.1:{b.port}"
         assert await _journal(db, user) == (1, 100)
-    finally:
-        await db.close()
 
 
 async def test_a_commit_answer_lost_as_the_writer_dies_is_found_on_the_next_node_not_paid_twice(
@@ -202,8 +207,7 @@ async def test_a_commit_answer_lost_as_the_writer_dies_is_found_on_the_next_node
     """The node commits, dies before answering: the process moves and runs the work again there, where
     Galera (here: the same server) has the first run's rows — found by the key, not written again."""
     a, b = two
-    db = await connect(_url(migrated, a.port, b.port), 2)
-    try:
+    async with _through(migrated, two, 2) as db:
         user = await ledger.create_user(db, "lost")
         a.lose_commit_answers(1, after=b"topup:", then_down=True)
         assert await ledger.topup(db, user, 100, "once") is True  # its own first run's row, not a replay
@@ -211,8 +215,6 @@ async def test_a_commit_answer_lost_as_the_writer_dies_is_found_on_the_next_node
         assert db.health.retries["commit_unknown"] == 1, db.health.retries
         assert await _journal(db, user) == (1, 100)
         assert await ledger.balance(db, user) == 100
-    finally:
-        await db.close()
 
 
 async def test_a_commit_that_outlives_the_timeout_is_unknown_and_found_on_the_next_node(
@@ -237,8 +239,7 @@ async def test_work_waiting_for_a_connection_when_the_writer_dies_goes_on_on_the
     """Every connection of the pool held, a third transaction waiting for one; the node dies. The waiter
     does not wait forever on the old pool: within its statement timeout it runs on the next node."""
     a, b = two
-    db = await connect(_url(migrated, a.port, b.port), 2, statement_timeout=2.0)
-    try:
+    async with _through(migrated, two, 2, 2.0) as db:
         user = await ledger.create_user(db, "waiter")
         holding = asyncio.Event()
         release = asyncio.Event()
@@ -265,8 +266,6 @@ async def test_work_waiting_for_a_connection_when_the_writer_dies_goes_on_on_the
         assert db.writer == f"127.0.0.1:{b.port}"
         count, _ = await _journal(db, user)
         assert count >= 3  # the waiter's, and each holder's run that committed
-    finally:
-        await db.close()
 
 
 async def test_a_process_started_after_a_failover_joins_the_others_and_a_told_one_takes_them_back(
@@ -299,9 +298,7 @@ async def test_a_process_started_after_a_failover_joins_the_others_and_a_told_on
 async def test_the_callers_own_errors_inside_a_transaction_pass_through_unchanged(
     migrated: str, two: tuple[MySQLProxy, MySQLProxy]
 ) -> None:
-    a, b = two
-    db = await connect(_url(migrated, a.port, b.port), 2)
-    try:
+    async with _through(migrated, two, 2) as db:
         for mine in (RuntimeError("mine"), TimeoutError("mine"), ConnectionResetError("mine")):
 
             async def work(tx: Tx, e: BaseException = mine) -> None:
@@ -311,5 +308,27 @@ async def test_the_callers_own_errors_inside_a_transaction_pass_through_unchange
             with pytest.raises(type(mine)) as raised:
                 await db.run(work, idempotent=True)
             assert raised.value is mine and db.health.failovers == 0
-    finally:
-        await db.close()
+
+
+async def test_a_pool_busy_past_the_timeout_is_a_loaded_process_not_a_lost_node(
+    migrated: str, two: tuple[MySQLProxy, MySQLProxy]
+) -> None:
+    """Its one connection held by a long transaction: another's wait for it outlives the timeout, is run
+    again ("busy") and goes through when the connection is free — the writer is not looked at or left."""
+    async with _through(migrated, two, 1, 1.0) as db:
+        user = await ledger.create_user(db, "busy")
+        holding, release = asyncio.Event(), asyncio.Event()
+
+        async def hold(tx: Tx) -> None:
+            await tx.fetchone("SELECT 1")
+            holding.set()
+            await release.wait()
+
+        holder = asyncio.create_task(db.run(hold, idempotent=True))
+        await holding.wait()
+        waiter = asyncio.create_task(ledger.topup(db, user, 100, "busy"))
+        await eventually(lambda: db.health.retries["busy"] >= 1, 30)
+        release.set()
+        await holder
+        assert await asyncio.wait_for(waiter, 60) is True
+        assert db.health.failovers == 0 and db.writer == f"127.0.0.1:{two[0].port}"

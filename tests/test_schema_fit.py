@@ -102,9 +102,15 @@ async def test_concurrent_migrations_take_turns_and_a_stale_lease_is_taken_over(
         "INSERT INTO schema_lease (name, holder, taken_ms) VALUES ('migrate', 'dead', %s)",
         (schema.now_ms() - schema.LEASE_MS - 1,),
     )
-    async with schema.migration_lease(fresh):
+    async with schema.migration_lease(fresh) as holder:
         rows = await fresh.fetchall("SELECT holder FROM schema_lease")
-        assert len(rows) == 1 and rows[0][0] != "dead"
+        assert len(rows) == 1 and rows[0][0] == holder != "dead"
+        # Renewed on the migration's own connection before each statement: never taken over while held.
+        await fresh.fetchall("UPDATE schema_lease SET taken_ms = 0")
+        async with fresh.transaction() as tx:
+            await schema.renew_lease(tx, holder)
+        row = await fresh.fetchone("SELECT taken_ms FROM schema_lease")
+        assert row is not None and int(row[0]) > schema.now_ms() - 60_000
     assert await fresh.fetchall("SELECT holder FROM schema_lease") == []
 
 

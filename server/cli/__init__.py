@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     # The terminal closed (SIGHUP): stop as on Ctrl-C, so the embedded Valkey — in a session of its own,
     # out of the terminal's reach — is still stopped on the way out, last.
     signal.signal(signal.SIGHUP, lambda _s, _f: os.kill(os.getpid(), signal.SIGINT))
+    # SIGUSR1 tells a hub or worker to go back to its first database node (server.core); until one
+    # takes it, and in every other command, it is not the end of the process (its default action).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     faulthandler.enable()  # a crash in C code (or SIGABRT) still says where
     try:
         try:

@@ -12,7 +12,7 @@ from server.store.db import Database
 
 class DatabaseCollector(Collector):
     """``redpacket_db_retries_total{reason}`` (transactions run again: ``deadlock`` — on Galera also a
-    certification conflict —, ``lock_wait``, ``node_not_ready``, ``connection``, ``timeout``,
+    certification conflict —, ``lock_wait``, ``node_not_ready``, ``connection``, ``timeout``, ``busy``,
     ``failover``, ``commit_unknown``), ``redpacket_db_failovers_total`` (moves to another node) and
     ``redpacket_db_writer{writer}`` (1 for the node this process writes to). Nothing until ``watch``."""
 

@@ -23,6 +23,7 @@ for a pooled connection and each look at a node run under one (``mysqlkit.bounde
 outlives it has an unknown outcome (``CommitUnknown``), as one whose connection drops. Work waiting for a
 connection of a pool cut by a failover gives up within the timeout and runs again on the new pool.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -91,7 +92,7 @@ class MySQLDatabase(Database):
         self._index = 0
         self._galera = False
         self._switching = asyncio.Lock()
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing: set[asyncio.Future[None]] = set()  # old pools closing, the writer being recorded
 
     @property
     def writer(self) -> str:
@@ -145,7 +146,7 @@ class MySQLDatabase(Database):
 
         try:
             await self.run(write, idempotent=True, attempts=2)
-        except DatabaseError as e:  # a hint only: the next process to move writes it again
+        except Exception as e:  # a hint only (the table may not be there yet): the next move writes it
             log.warning("could not record the database writer %s: %s", self.writer, e)
 
     async def _probe(self, index: int) -> str:
@@ -240,9 +241,7 @@ class MySQLDatabase(Database):
             old.close() if graceful else old.terminate()
             # Tasks waiting for one of its connections give up after their statement timeout, and run
             # again on the new pool ("failover").
-            task = asyncio.get_running_loop().create_task(self._closed(old))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._background(self._closed(old))
 
     async def _closed(self, pool: Any) -> None:
         try:
@@ -259,8 +258,8 @@ class MySQLDatabase(Database):
             return "stayed"
         async with self._switching:
             after = await self._move_on(pool)
-        if after == "moved here":  # (outside the lock: the write may fail over in turn)
-            await self._say_writer()
+        if after == "moved here":  # (in the background: the caller's retry does not wait for it)
+            self._background(self._say_writer())
         return after.split()[0]
 
     async def _move_on(self, pool: Any) -> str:
@@ -311,6 +310,11 @@ class MySQLDatabase(Database):
             await self._say_writer()
         return self.writer
 
+    def _background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def _failure(self, pool: Any, e: BaseException) -> DatabaseError:
         """The error to raise for the driver's ``e``, after moving to another node if the writer is gone."""
         after = await self._node_failed(pool) if node_lost(e) else "stayed"
@@ -333,6 +337,11 @@ class MySQLDatabase(Database):
         except Exception as e:
             if not driver_error(e):
                 raise
+            if pool is not self._pool:  # cut by a failover while this waited: the new pool's turn
+                raise RetryableError(f"the pool was replaced ({e})", reason="failover") from e
+            if isinstance(e, StatementTimedOut) and pool.freesize == 0 and pool.size >= pool.maxsize:
+                # Every connection busy the whole time: a loaded process, not a lost node.
+                raise RetryableError(f"no free database connection ({e})", reason="busy") from e
             raise await self._failure(pool, e) from e
         try:
             yield conn, pool
@@ -360,19 +369,21 @@ class MySQLDatabase(Database):
             try:
                 await bounded(conn.commit(), self._timeout)
             except BaseException as e:
-                conn.close()
                 lost = (
                     isinstance(e, pymysql.err.InterfaceError | StatementTimedOut)
                     or error_code(e) in COMMIT_LOST
                 )
+                if lost or not isinstance(e, pymysql.err.Error):
+                    conn.close()  # broken, or cancelled mid-COMMIT: its state unknown
                 if not lost:
                     raise  # an answer (a deadlock at commit, say): rolled back; cancelled: unknown, as said
                 # The server may have committed and its answer was lost: whatever the look at the node
-                # finds (or raises), the caller hears that the outcome is unknown.
+                # finds (or fails with), the caller hears that the outcome is unknown — unless cancelled.
                 try:
                     await self._node_failed(pool)
-                finally:
-                    raise CommitUnknown(str(e) or "the COMMIT outlived the statement timeout") from e
+                except Exception as looking:
+                    log.warning("after a lost COMMIT answer, the look at the node failed: %s", looking)
+                raise CommitUnknown(str(e) or "the COMMIT outlived the statement timeout") from e
 
     @asynccontextmanager
     async def snapshot(self) -> AsyncIterator[Tx]:

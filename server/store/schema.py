@@ -11,7 +11,6 @@ All times are unix milliseconds in BIGINT columns, all money is integer cents in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -255,9 +254,10 @@ UNFIT_FOR_GALERA = """SELECT t.table_name, t.engine,
                     AND c.table_name = t.table_name AND c.constraint_type = 'PRIMARY KEY'))
     ORDER BY t.table_name"""
 
-# How long one ``migrate`` may hold the migration lease before another may take it over (a process killed
-# mid-migration never releases it), and how often a waiting one looks again.
-LEASE_MS = 120_000
+# How long after its holder last renewed it (before each statement) another ``migrate`` may take the
+# migration lease over (a process killed mid-migration never releases it; one statement on a big table may
+# run for minutes), and how often a waiting one looks again.
+LEASE_MS = 600_000
 LEASE_POLL_S = 0.2
 
 
@@ -283,12 +283,12 @@ async def _refuse_unfit(db: Database) -> None:
 
 
 @asynccontextmanager
-async def migration_lease(db: Database) -> AsyncIterator[None]:
+async def migration_lease(db: Database) -> AsyncIterator[str]:
     """One ``migrate`` at a time over every process and every node: a row in ``schema_lease``, inserted
     (a unique key refuses a second) and deleted when done; one older than ``LEASE_MS`` is taken over.
     Not ``GET_LOCK``: a named lock lives on one server, and Galera refuses it."""
     if db.dialect.name != "mysql":  # SQLite: one writer at a time anyway
-        yield
+        yield ""
         return
     exists = await db.fetchone(db.dialect.table_exists, ("schema_lease",))
     if not exists or not exists[0]:
@@ -321,25 +321,19 @@ async def migration_lease(db: Database) -> AsyncIterator[None]:
         if time.monotonic() > deadline:
             raise DatabaseError("another `redpacket migrate` holds the migration lease: try again later")
         await asyncio.sleep(LEASE_POLL_S)  # another process migrates: its lease ends when it is done
-    renewing = asyncio.create_task(_renew(db, me))  # a long migration keeps its lease
     try:
-        yield
+        yield me
     finally:
-        renewing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await renewing
         await db.fetchall("DELETE FROM schema_lease WHERE name = 'migrate' AND holder = %s", (me,))
 
 
-async def _renew(db: Database, me: str) -> None:
-    while True:
-        await asyncio.sleep(LEASE_MS / 4000)
-        try:
-            await db.fetchall(
-                "UPDATE schema_lease SET taken_ms = %s WHERE name = 'migrate' AND holder = %s", (now_ms(), me)
-            )
-        except DatabaseError as e:  # the next try may reach it; a lease lapses only after LEASE_MS
-            log.warning("could not renew the migration lease: %s", e)
+async def renew_lease(tx: Tx, holder: str) -> None:
+    """Keep the lease while migrating: on the migration's own connection, before each statement (a
+    process given one connection has no other to renew it on)."""
+    if tx.dialect.name == "mysql":
+        await tx.execute(
+            "UPDATE schema_lease SET taken_ms = %s WHERE name = 'migrate' AND holder = %s", (now_ms(), holder)
+        )
 
 
 async def migrate(db: Database) -> list[int]:
@@ -350,7 +344,7 @@ async def migrate(db: Database) -> list[int]:
     async with db.transaction() as tx:
         if {v for v, _, _ in MIGRATIONS} <= await _applied(tx, make=False):
             return applied_now  # every process starts with this: no lease taken when nothing is due
-    async with migration_lease(db), db.transaction() as tx:
+    async with migration_lease(db) as holder, db.transaction() as tx:
         done = await _applied(tx)
         for version, name, statements in MIGRATIONS:
             if version in done:
@@ -358,6 +352,7 @@ async def migrate(db: Database) -> list[int]:
             for statement in statements:
                 sql = statement.get(db.dialect.name) if isinstance(statement, dict) else statement
                 if sql is not None:
+                    await renew_lease(tx, holder)
                     await tx.execute(sql.format(**db.dialect.ddl))
             await tx.execute(
                 "INSERT INTO schema_migrations (version, name, applied_ms) VALUES (%s, %s, %s)",
