@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from server.live.dbmetrics import DatabaseCollector
 from server.money import ledger
 from server.settings import url_problem
 from server.store.db import Database, Tx, Unreachable
@@ -46,12 +47,15 @@ async def migrated(mysql_url: str) -> str:
 async def _through(
     migrated: str, two: tuple[MySQLProxy, MySQLProxy], pool: int, timeout: float = 10.0
 ) -> AsyncIterator[Database]:
-    """A database on the URL naming both proxies (first ``a``, then ``b``)."""
+    """A database on the URL naming both proxies (first ``a``, then ``b``); on the way out, both proxies
+    pass everything again."""
     a, b = two
     db = await connect(_url(migrated, a.port, b.port), pool, statement_timeout=timeout)
     try:
         yield db
     finally:
+        a.restore()
+        b.restore()
         await db.close()
 
 
@@ -85,7 +89,11 @@ async def test_the_first_host_that_answers_is_the_writer(
     a, b = two
     a.go_down()
     async with _through(migrated, two, 2) as db:
-        assert db.writer == f"127.0.0.1:{b.port}" and db.health.writer == db.writer
+        assert db.writer == f"127.0.0.1:{b.port}"
+        metrics = DatabaseCollector()
+        metrics.watch(db)
+        reported = {m.name: m.samples for m in metrics.collect()}  # what /metrics shows of it
+        assert [(s.labels, s.value) for s in reported["redpacket_db_writer"]] == [({"writer": db.writer}, 1)]
         assert await db.fetchone("SELECT 1") == (1,)
 
 
@@ -99,9 +107,8 @@ async def test_a_writer_killed_mid_work_moves_the_process_to_the_next_and_it_sta
     migrated: str, two: tuple[MySQLProxy, MySQLProxy]
 ) -> None:
     a, b = two
-    db = await connect(_url(migrated, a.port, b.port), 4)
-    assert isinstance(db, MySQLDatabase)
-    try:
+    async with _through(migrated, two, 4) as db:
+        assert isinstance(db, MySQLDatabase)
         user = await ledger.create_user(db, "failover")
         await _topups(db, user, 5, "before")
         assert db.writer == f"127.0.0.1:{a.port}"
@@ -131,16 +138,13 @@ async def test_a_writer_killed_mid_work_moves_the_process_to_the_next_and_it_sta
         assert await db.reset_writer() == f"127.0.0.1:{a.port}"
         await _topups(db, user, 2, "told")
         assert await _journal(db, user) == (15, 1_500)
-    finally:
-        await db.close()
 
 
 async def test_a_writer_that_stops_answering_is_left_after_the_statement_timeout(
     migrated: str, two: tuple[MySQLProxy, MySQLProxy]
 ) -> None:
     a, b = two
-    db = await connect(_url(migrated, a.port, b.port), 4, statement_timeout=1.0)
-    try:
+    async with _through(migrated, two, 4, 1.0) as db:
         user = await ledger.create_user(db, "paused")
         await _topups(db, user, 2, "before")
         a.hang()
@@ -149,9 +153,6 @@ async def test_a_writer_that_stops_answering_is_left_after_the_statement_timeout
         # The statement outlived its timeout, the node did not answer a fresh connection: moved.
         assert db.health.failovers == 1 and db.health.retries["failover"] >= 1, db.health.retries
         assert await _journal(db, user) == (4, 400)
-    finally:
-        a.restore()
-        await db.close()
 
 
 async def test_a_connection_lost_on_a_live_writer_does_not_move_the_process(
@@ -221,16 +222,12 @@ async def test_a_commit_that_outlives_the_timeout_is_unknown_and_found_on_the_ne
     migrated: str, two: tuple[MySQLProxy, MySQLProxy]
 ) -> None:
     a, b = two
-    db = await connect(_url(migrated, a.port, b.port), 2, statement_timeout=1.0)
-    try:
+    async with _through(migrated, two, 2, 1.0) as db:
         user = await ledger.create_user(db, "held")
         a.hold_commit_answer()
         assert await ledger.topup(db, user, 100, "held") is True
         assert db.writer == f"127.0.0.1:{b.port}" and db.health.retries["commit_unknown"] == 1
         assert await _journal(db, user) == (1, 100)
-    finally:
-        a.restore()
-        await db.close()
 
 
 async def test_work_waiting_for_a_connection_when_the_writer_dies_goes_on_on_the_next(

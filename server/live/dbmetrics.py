@@ -35,9 +35,9 @@ class DatabaseCollector(Collector):
         yield CounterMetricFamily(
             "redpacket_db_failovers", "moves of this process to another database node", health.failovers
         )
-        if health.writer:
+        if self.db.writer:
             writer = GaugeMetricFamily(
                 "redpacket_db_writer", "the database node this process writes to", labels=["writer"]
             )
-            writer.add_metric([health.writer], 1)
+            writer.add_metric([self.db.writer], 1)
             yield writer

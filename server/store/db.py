@@ -94,12 +94,11 @@ class OutcomeUnknown(DatabaseError):
 class DatabaseHealth:
     """What a process's database went through, for its metrics: transactions run again, by reason
     (``deadlock`` — on Galera also a certification conflict —, ``lock_wait``, ``node_not_ready``,
-    ``connection``, ``timeout``, ``busy``, ``failover``, ``commit_unknown``), moves to another node, the
-    writer."""
+    ``connection``, ``timeout``, ``busy``, ``failover``, ``commit_unknown``), and moves to another node.
+    (The node it writes to is ``Database.writer``.)"""
 
     retries: collections.Counter[str] = field(default_factory=collections.Counter)
     failovers: int = 0
-    writer: str = ""
 
 
 class Tx:

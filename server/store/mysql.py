@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -61,6 +60,7 @@ from server.store.mysqlkit import (
     node_lost,
     parse_url,
 )
+from server.store.schema import now_ms
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -107,9 +107,8 @@ class MySQLDatabase(Database):
         db = cls(parse_url(url), pool_size, timeout)
         problems = []
         for index in range(len(db.target.hosts)):
-            problem = await db._probe(index)
+            problem = await db._take(index)
             if not problem:
-                await db._use(index)
                 if len(db.target.hosts) > 1:
                     await db._join_the_others()
                 return db
@@ -127,12 +126,9 @@ class MySQLDatabase(Database):
         addresses = [self.target.address(i) for i in range(len(self.target.hosts))]
         if row is None or str(row[0]) == self.writer or str(row[0]) not in addresses:
             return
-        index = addresses.index(str(row[0]))
-        if not await self._probe(index):
-            try:
-                await self._use(index, graceful=True)
-            except (pymysql.err.Error, OSError) as e:
-                log.warning("could not join the deployment's writer %s: %s", row[0], e)
+        problem = await self._take(addresses.index(str(row[0])), graceful=True)
+        if problem:
+            log.warning("could not join the deployment's writer %s: %s", row[0], problem)
 
     async def _say_writer(self) -> None:
         """Tell processes starting later which node this one moved to (``_join_the_others``)."""
@@ -141,7 +137,7 @@ class MySQLDatabase(Database):
             await tx.execute(
                 "INSERT INTO db_writer (id, address, set_ms) VALUES (1, %s, %s)"
                 " ON DUPLICATE KEY UPDATE address = VALUES(address), set_ms = VALUES(set_ms)",
-                (self.writer, int(time.time() * 1000)),
+                (self.writer, now_ms()),
             )
 
         try:
@@ -229,14 +225,13 @@ class MySQLDatabase(Database):
             minsize=1,
             maxsize=self._pool_size,
             charset="utf8mb4",
-            connect_timeout=min(5.0, self._timeout),
+            connect_timeout=self._probe_s,
             # Every rule that guards money is a unique key or a conditional UPDATE; READ COMMITTED lets
             # the lookup after a duplicate-key error see the row that won the race.
             init_command=init,
         )
         pool = await bounded(make, self._probe_s)
         old, self._pool, self._index = self._pool, pool, index
-        self.health.writer = self.writer
         if old is not None:
             old.close() if graceful else old.terminate()
             # Tasks waiting for one of its connections give up after their statement timeout, and run
@@ -257,10 +252,11 @@ class MySQLDatabase(Database):
         if len(self.target.hosts) == 1:
             return "stayed"
         async with self._switching:
+            before = self._pool
             after = await self._move_on(pool)
-        if after == "moved here":  # (in the background: the caller's retry does not wait for it)
+        if self._pool is not before:  # this call moved: said in the background (the retry goes on)
             self._background(self._say_writer())
-        return after.split()[0]
+        return after
 
     async def _move_on(self, pool: Any) -> str:
         if pool is not self._pool:
@@ -271,24 +267,27 @@ class MySQLDatabase(Database):
         problems = [problem]
         for step in range(1, len(self.target.hosts)):
             index = (self._index + step) % len(self.target.hosts)
-            problem = await self._probe(index) or await self._move(index, problems[0])
+            problem = await self._take(index)
             if not problem:
-                return "moved here"
+                log.warning("database writer failed (%s): moved to %s", problems[0], self.writer)
+                self.health.failovers += 1
+                return "moved"
             problems.append(problem)
         log.warning(
             "database writer %s failed and no node can take over: %s", self.writer, "; ".join(problems)
         )
         return "none"
 
-    async def _move(self, index: int, why: str) -> str:
-        """Make ``index`` the writer after the writer failed (``why``); "" when done, else why not."""
-        moving = self.target.address(index)
+    async def _take(self, index: int, graceful: bool = False) -> str:
+        """Make host ``index`` the writer if it can be one (``_probe``, then ``_use``): "" when done, else
+        why not, in one line."""
+        problem = await self._probe(index)
+        if problem:
+            return problem
         try:
-            await self._use(index)
+            await self._use(index, graceful)
         except (pymysql.err.Error, OSError) as e:  # (StatementTimedOut included)
-            return f"the MySQL server on {moving} took no pool: {e}"
-        log.warning("database writer failed (%s): moved to %s", why, moving)
-        self.health.failovers += 1
+            return f"the MySQL server on {self.target.address(index)} took no pool: {e}"
         return ""
 
     async def reset_writer(self) -> str:
@@ -296,16 +295,11 @@ class MySQLDatabase(Database):
         after the preferred node is back); return the writer's address."""
         async with self._switching:
             was = self._index
-            for index in range(len(self.target.hosts)):
-                if index == self._index:
+            for index in range(was):  # the hosts before this one, first first
+                problem = await self._take(index, graceful=True)
+                if not problem:
                     break
-                if not await self._probe(index):
-                    try:
-                        await self._use(index, graceful=True)
-                    except (pymysql.err.Error, OSError) as e:
-                        log.warning("could not go back to %s: %s", self.target.address(index), e)
-                        continue
-                    break
+                log.warning("could not go back to %s: %s", self.target.address(index), problem)
         if self._index != was:
             await self._say_writer()
         return self.writer
@@ -330,14 +324,11 @@ class MySQLDatabase(Database):
         pool = self._pool
         try:
             conn = await bounded(pool.acquire(), self._timeout)
-        except RuntimeError as e:  # the pool was closed by a failover just now
-            if pool is self._pool:
-                raise
-            raise RetryableError(str(e), reason="failover") from e
         except Exception as e:
-            if not driver_error(e):
+            replaced = pool is not self._pool  # (closed by a failover: aiomysql raises RuntimeError)
+            if not (driver_error(e) or (replaced and isinstance(e, RuntimeError))):
                 raise
-            if pool is not self._pool:  # cut by a failover while this waited: the new pool's turn
+            if replaced:  # cut by a failover before or while this waited: the new pool's turn
                 raise RetryableError(f"the pool was replaced ({e})", reason="failover") from e
             if isinstance(e, StatementTimedOut) and pool.freesize == 0 and pool.size >= pool.maxsize:
                 # Every connection busy the whole time: a loaded process, not a lost node.

@@ -84,12 +84,14 @@ def error_code(e: BaseException) -> int | None:
 
 
 def node_lost(e: BaseException) -> bool:
-    """Whether ``e`` says the node (or the way to it) may be gone, rather than a statement refused."""
-    return isinstance(e, TimeoutError | OSError | pymysql.err.InterfaceError) or error_code(e) in NODE_LOST
+    """Whether the driver's ``e`` says the node (or the way to it) may be gone, rather than a statement
+    refused."""
+    return isinstance(e, StatementTimedOut | pymysql.err.InterfaceError) or error_code(e) in NODE_LOST
 
 
 def as_ours(e: BaseException, moved: bool) -> DatabaseError:
-    """The error a caller sees for ``e``: retryable (with its reason), unreachable, or neither."""
+    """The error a caller sees for the driver's ``e``: retryable (with its reason), unreachable, or
+    neither."""
     code = error_code(e)
     if moved:
         return RetryableError(f"the database node failed; moved to the next ({e})", reason="failover")
@@ -99,7 +101,7 @@ def as_ours(e: BaseException, moved: bool) -> DatabaseError:
         return RetryableError(f"a statement outlived the statement timeout ({e})", reason="timeout")
     if code in RETRY_REASONS:
         return RetryableError(str(e), reason=RETRY_REASONS[code])
-    if isinstance(e, OSError | pymysql.err.InterfaceError):
+    if isinstance(e, pymysql.err.InterfaceError):
         return RetryableError(str(e), reason="connection")
     return DatabaseError(str(e))
 
