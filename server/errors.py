@@ -97,6 +97,8 @@ METHOD_NOT_ALLOWED = "method_not_allowed"
 MANAGED_BY_BACKEND = "managed_by_backend"
 ID_TAKEN = "id_taken"
 NOT_LOCAL = "not_local"
+HOLD_NOT_FOUND = "hold_not_found"
+HOLD_CLOSED = "hold_closed"
 
 # Every code above, read from this module: a code added above is in it, with nothing else to edit.
 ALL_CODES: tuple[str, ...] = tuple(

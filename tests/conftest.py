@@ -24,6 +24,10 @@ from server.store.engines import connect
 from server.store.schema import migrate
 
 TABLES = (
+    "webhook_deliveries",
+    "webhook_cursors",
+    "events",
+    "holds",
     "credit_refusals",
     "grab_records",
     "red_packet_shares",

@@ -27,12 +27,13 @@ from server.hub.httpkit import Handler, bearer, client_address, endpoint, id_of,
 from server.hub.hub import Hub
 from server.hub.tokens import TokenError
 from server.ids import GroupId, UserId
-from server.money import groups, ledger
+from server.money import events, groups, ledger, payouts
 from server.money.groups import Role
 
 BY_BACKEND = 0  # the `by` of an event caused through this API
 MAX_MEMBERS = 100_000
 JOURNAL_PAGE = 500
+EVENTS_PAGE = 100
 
 
 def _require_key(request: Request, core: Core) -> None:
@@ -159,6 +160,61 @@ async def topup(request: Request, core: Core, _: UserId) -> dict[str, object]:
     }
 
 
+async def withdraw(request: Request, core: Core, _: UserId) -> dict[str, object]:
+    """Take money out of an account to pay it out: debited once per ``request_id``, never below zero."""
+    body = await json_body(request)
+    user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
+    amount, request_id = body.get("amount"), body.get("request_id")
+    paid = await payouts.withdraw(core.db, user_id, amount, request_id)
+    return {
+        "user_id": user_id,
+        "amount": amount,
+        "request_id": request_id,
+        "replay": not paid,
+        "balance": await ledger.balance(core.db, user_id),
+    }
+
+
+async def _hold_answer(core: Core, hold: payouts.Hold) -> dict[str, object]:
+    return {**hold.view(), "balance": await ledger.balance(core.db, hold.user_id)}
+
+
+async def hold(request: Request, core: Core, _: UserId) -> dict[str, object]:
+    """The first step of a payout that can fail: the money leaves the balance and waits."""
+    body = await json_body(request)
+    user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
+    made = await payouts.hold(
+        core.db, user_id, body.get("amount"), body.get("request_id"), body.get("expires_in_s")
+    )
+    return await _hold_answer(core, made)
+
+
+async def confirm_hold(request: Request, core: Core, _: UserId) -> dict[str, object]:
+    """The payout went through: the held money has left."""
+    request_id = (await json_body(request)).get("request_id")
+    return await _hold_answer(core, await payouts.settle_hold(core.db, request_id, "confirmed"))
+
+
+async def release_hold(request: Request, core: Core, _: UserId) -> dict[str, object]:
+    """The payout failed: the held money goes back to the balance."""
+    request_id = (await json_body(request)).get("request_id")
+    return await _hold_answer(core, await payouts.settle_hold(core.db, request_id, "released"))
+
+
+async def event_page(request: Request, core: Core, _: UserId) -> dict[str, object]:
+    """The events webhooks carry, for a backend that pulls: ``?after=<event id>&limit=<n>``, oldest first."""
+    try:
+        after = int(request.query_params.get("after", "0"))
+        limit = int(request.query_params.get("limit", str(EVENTS_PAGE)))
+    except ValueError:
+        raise InvalidRequest(errors.BAD_REQUEST, "after and limit are whole numbers") from None
+    if not 0 <= after < 2**63 or not 1 <= limit <= events.MAX_PAGE:
+        raise InvalidRequest(errors.BAD_REQUEST, f"after >= 0, limit 1 to {events.MAX_PAGE}")
+    found = await events.page(core.db, after=after, limit=limit + 1)
+    page = found[:limit]
+    return {"events": page, "next": page[-1]["id"] if page else after, "more": len(found) > limit}
+
+
 async def account(request: Request, core: Core, _: UserId) -> dict[str, object]:
     """An account's balance and the sum of its journal (equal, or reconciliation reports it)."""
     user_id = UserId(path_id(request, "user_id"))
@@ -204,6 +260,11 @@ def routes() -> list[Route]:
         Route("/api/service/groups/{group_id}/members", public(add_member), methods=["POST"]),
         Route("/api/service/groups/{group_id}/members/{user_id}", public(remove_member), methods=["DELETE"]),
         Route("/api/service/topup", public(topup), methods=["POST"]),
+        Route("/api/service/withdraw", public(withdraw), methods=["POST"]),
+        Route("/api/service/holds", public(hold), methods=["POST"]),
+        Route("/api/service/holds/confirm", public(confirm_hold), methods=["POST"]),
+        Route("/api/service/holds/release", public(release_hold), methods=["POST"]),
+        Route("/api/service/events", public(event_page), methods=["GET"]),
         Route("/api/service/accounts/{user_id}", public(account), methods=["GET"]),
         Route("/api/service/accounts/{user_id}/journal", public(journal), methods=["GET"]),
     ]

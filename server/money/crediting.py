@@ -22,6 +22,7 @@ from typing import Literal
 
 from server import errors
 from server.errors import RedPacketError
+from server.money import events
 from server.money.ledger import credit_grab, finish_paid, grab_key, now_ms
 from server.store.db import Database, IntegrityError, Tx, as_text
 from server.store.records import CreditEntry
@@ -169,6 +170,7 @@ async def _post(tx: Tx, paid: list[CreditEntry], ts: int) -> None:
             for c in paid
         ],
     )
+    await events.record_many(tx, [events.share_credited(c, grab_key(c.packet_id, c.seq)) for c in paid], ts)
     per_account: dict[int, int] = defaultdict(int)
     for c in paid:
         per_account[c.user_id] += c.amount

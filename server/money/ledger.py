@@ -12,10 +12,11 @@ from typing import Literal, TypedDict, overload
 from server import errors, text
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.ids import PacketId, ShareSeq, UserId
+from server.money import events
 from server.store.db import Database, IntegrityError, Tx, as_text
 from server.store.records import CreditEntry
 
-JournalKind = Literal["topup", "send", "grab", "refund"]
+JournalKind = Literal["topup", "send", "grab", "refund", "withdraw", "hold", "release"]
 
 # A demo top-up is play money; this only keeps a typo from minting a fortune.
 MAX_TOPUP_CENTS = 100_000_000
@@ -284,9 +285,14 @@ async def topup(
         raise InvalidRequest(errors.AMOUNT_INVALID, f"a top-up is 1 to {MAX_TOPUP_CENTS} cents")
     request_id = check_request_id(request_id, "a top-up's request_id")
     key = f"service-topup:{request_id}" if service else f"topup:{user_id}:{request_id}"
+    source = "service" if service else "demo"
 
     async def work(tx: Tx) -> bool:
-        return await post(tx, user_id, amount, "topup", key)
+        if not await post(tx, user_id, amount, "topup", key):
+            return False
+        data = {"user_id": user_id, "amount": amount, "request_id": request_id, "source": source}
+        await events.record(tx, "account.topup", key, user_id, amount, data, now_ms())
+        return True
 
     return await db.run(work, idempotent=True)
 
@@ -302,19 +308,36 @@ def grab_key(packet_id: PacketId, seq: ShareSeq) -> str:
 
 async def finish_paid(tx: Tx, packet_ids: list[PacketId]) -> int:
     """Among these active packets, those whose every share is now credited become ``finished``, in the
-    caller's transaction (the one that credited their last share): ``finished`` means every share is
-    paid, from the moment it is. ``finished_ms`` is when the last share was grabbed."""
+    caller's transaction (the one that credited their last share), each with its ``packet.finished``
+    event: ``finished`` means every share is paid, from the moment it is. ``finished_ms`` is when the last
+    share was grabbed. (The caller holds the packets' rows locked.)"""
     ids = sorted(set(packet_ids))
     if not ids:
         return 0
     marks = ", ".join(["%s"] * len(ids))
-    return await tx.execute(
-        "UPDATE red_packets SET status = 'finished',"
-        " finished_ms = (SELECT MAX(g.grabbed_ms) FROM grab_records g WHERE g.packet_id = red_packets.id)"
-        f" WHERE id IN ({marks}) AND status = 'active' AND share_count = (SELECT COUNT(*)"
-        " FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = 'credited')",
+    done = await tx.fetchall(
+        "SELECT p.id, p.sender_id, p.group_id, p.total, p.share_count, MAX(g.grabbed_ms) FROM red_packets p"
+        " JOIN grab_records g ON g.packet_id = p.id AND g.status = 'credited'"
+        f" WHERE p.id IN ({marks}) AND p.status = 'active'"
+        " GROUP BY p.id, p.sender_id, p.group_id, p.total, p.share_count HAVING COUNT(*) = p.share_count",
         ids,
     )
+    ts = now_ms()
+    for pid, sender, group, total, count, last_ms in done:
+        if await tx.execute(
+            "UPDATE red_packets SET status = 'finished', finished_ms = %s"
+            " WHERE id = %s AND status = 'active'",
+            (last_ms, pid),
+        ):
+            await finished_event(tx, PacketId(int(pid)), int(sender), int(group), int(total), int(count), ts)
+    return len(done)
+
+
+async def finished_event(
+    tx: Tx, packet_id: PacketId, sender: int, group: int, total: int, count: int, ts: int
+) -> None:
+    data = {"packet_id": packet_id, "group_id": group, "sender_id": sender, "total": total, "count": count}
+    await events.record(tx, "packet.finished", f"finished:{packet_id}", sender, None, data, ts)
 
 
 async def _posted_by_this_call(tx: Tx, idem_key: str) -> bool:
@@ -375,8 +398,11 @@ async def credit_grab(db: Database, c: CreditEntry) -> CreditOutcome:
             )
         if packet[0] == "refunded":
             raise Conflict(errors.PACKET_EXPIRED, f"packet {c.packet_id} was refunded before this credit")
-        posted = await post(tx, c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id)
+        key = grab_key(c.packet_id, c.seq)
+        posted = await post(tx, c.user_id, c.amount, "grab", key, c.packet_id)
         if posted:
+            r = events.share_credited(c, key)
+            await events.record(tx, r["type"], key, c.user_id, c.amount, r["data"], ts)
             await finish_paid(tx, [c.packet_id])
         return "credited" if posted else "already"
 

@@ -21,7 +21,7 @@ from server import errors
 from server.core import Core
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unavailable
 from server.ids import GroupId, PacketId, ShareSeq, UserId
-from server.money import groups
+from server.money import events, groups
 from server.money.crediting import record_refusals
 from server.money.ledger import check_request_id, now_ms, post
 from server.money.split import Kind, PacketRequest, split, validate_request
@@ -230,6 +230,17 @@ async def _insert_packet(
     )
     await post(tx, sender_id, -req.total, "send", f"send:{packet_id}", packet_id)
     target = None if req.target_user_id is None else UserId(req.target_user_id)
+    data = {
+        "packet_id": packet_id,
+        "group_id": group_id,
+        "sender_id": sender_id,
+        "kind": req.kind,
+        "total": req.total,
+        "count": req.count,
+        "target": target,
+        "expires_ms": expires,
+    }
+    await events.record(tx, "packet.sent", f"send:{packet_id}", sender_id, -req.total, data, created)
     return Packet(
         packet_id=packet_id,
         sender_id=sender_id,

@@ -18,7 +18,9 @@ from Redis (what it told grabbers). Zero tolerance: any difference is reported.
                   every grab Redis holds matches the database's record of it, if any, and one older
                   than LATE_MS has one
     per account:  balance = sum of its journal
-    global:       money in (top-ups) = money in balances + money held in packets (outstanding)
+    global:       money in (top-ups) = money in balances + money held in packets (outstanding) + money
+                  paid out (withdrawn, and held for a payout): ``server.money.outflows``, which also
+                  checks holds and the event outbox against the journal
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from redis.exceptions import RedisError
 
 from server.core import Core
 from server.ids import GroupId, PacketId
+from server.money import outflows
 from server.money.ledger import now_ms
+from server.money.outflows import OutBooks
 from server.store import keys
 from server.store.db import Database, Row
 from server.store.dialect import Dialect
@@ -112,6 +116,7 @@ class Books:
     db_grabs: dict[int, list[GrabRow]] = field(default_factory=dict)
     redis_error: str = ""
     now_ms: int = 0
+    outflows: OutBooks = field(default_factory=OutBooks)
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,7 @@ class Report:
     money_in: int
     in_balances: int
     held_in_packets: int
+    paid_out: int = 0
 
     @property
     def ok(self) -> bool:
@@ -176,14 +182,20 @@ def check(books: Books) -> Report:
     for token, n in books.repeated:
         diffs.append(Difference("repeated_posting", f"transaction {token}", 1, n))
     diffs += _redis_differences(books)
+    diffs += [Difference(*d) for d in outflows.differences(books.outflows, books.now_ms)]
     for user, balance, journal in books.accounts:
         if balance != journal:
             diffs.append(Difference("account_journal", f"account {user}", journal, balance))
     in_balances = sum(balance for _, balance, _ in books.accounts)
     held = sum(max(p.outstanding, 0) for p in books.packets)
-    if books.topups != in_balances + held:
-        diffs.append(Difference("global", "money in = balances + held", books.topups, in_balances + held))
-    return Report(diffs, len(books.packets), len(books.accounts), books.topups, in_balances, held)
+    out = books.outflows.paid_out
+    if books.topups != in_balances + held + out:
+        diffs.append(
+            Difference(
+                "global", "money in = balances + held + paid out", books.topups, in_balances + held + out
+            )
+        )
+    return Report(diffs, len(books.packets), len(books.accounts), books.topups, in_balances, held, out)
 
 
 def _redis_differences(books: Books) -> list[Difference]:
@@ -333,8 +345,9 @@ def _queries(dialect: Dialect, now: int) -> dict[str, tuple[str, tuple[object, .
 
 async def _gather_db(db: Database, now: int) -> tuple[Books, dict[int, int]]:
     """The database's figures, and the packets (id → group) whose grabs are compared with Redis's."""
+    reads = {**_queries(db.dialect, now), **outflows.queries(db.dialect)}
     async with db.snapshot() as tx:
-        rows = {name: await tx.fetchall(sql, args) for name, (sql, args) in _queries(db.dialect, now).items()}
+        rows = {name: await tx.fetchall(sql, args) for name, (sql, args) in reads.items()}
     return _books(rows, now)
 
 
@@ -388,6 +401,7 @@ def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]
         repeated=[(int(t), int(n)) for t, n in repeated],
         db_grabs=dict(db_grabs),
         now_ms=now,
+        outflows=outflows.books(rows),
     )
     return result, live
 
@@ -398,10 +412,12 @@ async def reconcile(core: Core, now: int | None = None) -> Report:
 
 def render(report: Report) -> str:
     held, balances = report.held_in_packets, report.in_balances
-    verdict = "ok" if report.money_in == balances + held else "MISMATCH"
+    out = report.paid_out
+    verdict = "ok" if report.money_in == balances + held + out else "MISMATCH"
     lines = [
         f"packets {report.packets}, accounts {report.accounts}",
-        f"money in {report.money_in} = in balances {balances} + held in packets {held} ({verdict})",
+        f"money in {report.money_in} = in balances {balances} + held in packets {held}"
+        f" + paid out {out} ({verdict})",
     ]
     lines += [f"DIFFERENCE {d}" for d in report.differences]
     lines.append("reconciled: no difference" if report.ok else f"{len(report.differences)} difference(s)")

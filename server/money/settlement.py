@@ -21,8 +21,9 @@ from server import errors
 from server.core import Core, unavailable
 from server.errors import RedPacketError, Unavailable
 from server.ids import PacketId
+from server.money import events
 from server.money.crediting import credit_or_record, record_refusals
-from server.money.ledger import finish_paid, now_ms, post
+from server.money.ledger import finish_paid, finished_event, now_ms, post
 from server.money.packets import (
     PACKET_COLUMNS,
     Packet,
@@ -160,14 +161,15 @@ async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None)
 
     async def pay_back(tx: Tx) -> Refund:
         row = await tx.fetchone(
-            "SELECT sender_id, total, status FROM red_packets WHERE id = %s" + tx.dialect.for_update,
+            "SELECT sender_id, total, status, group_id, share_count FROM red_packets WHERE id = %s"
+            + tx.dialect.for_update,
             (packet_id,),
         )
         if row is None:
             return Refund(packet_id, "taken")
         if row[2] != "refunding":
             return await _settled_before(tx, packet_id, str(row[2]))
-        sender, total = int(row[0]), int(row[1])
+        sender, total, group = int(row[0]), int(row[1]), int(row[3])
         paid = await tx.fetchone(
             "SELECT COALESCE(SUM(amount), 0) FROM grab_records WHERE packet_id = %s AND status = 'credited'",
             (packet_id,),
@@ -177,7 +179,12 @@ async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None)
             raise RuntimeError(f"packet {packet_id} paid out more than its total")
         status = "refunded" if left else "finished"
         if left:
-            await post(tx, sender, left, "refund", f"refund:{packet_id}", packet_id)
+            key = f"refund:{packet_id}"
+            await post(tx, sender, left, "refund", key, packet_id)
+            data = {"packet_id": packet_id, "group_id": group, "sender_id": sender, "amount": left}
+            await events.record(tx, "packet.refunded", key, sender, left, data, now_ms())
+        else:
+            await finished_event(tx, packet_id, sender, group, total, int(row[4]), now_ms())
         await tx.execute(
             "UPDATE red_packets SET status = %s, finished_ms = %s WHERE id = %s", (status, now, packet_id)
         )

@@ -29,6 +29,13 @@ class Dialect:
     def sql(self, statement: str) -> str:
         return statement if self.name == "mysql" else statement.replace("%s", "?")
 
+    def skip_duplicate(self, column: str) -> str:
+        """Appended to an INSERT of one row: a row whose unique ``column`` is already there is skipped,
+        without the warning MySQL's INSERT IGNORE leaves."""
+        if self.name == "mysql":
+            return f" ON DUPLICATE KEY UPDATE {column} = {column}"
+        return f" ON CONFLICT ({column}) DO NOTHING"
+
     def concat(self, *parts: str) -> str:
         """SQL that joins ``parts`` (expressions) into one string."""
         return f"CONCAT({', '.join(parts)})" if self.name == "mysql" else "(" + " || ".join(parts) + ")"

@@ -210,6 +210,71 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        9,
+        "money out (holds) and the event outbox (webhooks, the events API)",
+        [
+            # A two-phase withdrawal: the money leaves the balance when held (a journal row keyed
+            # hold:<request id>), and comes back (release:<request id>) if released or expired.
+            """CREATE TABLE holds (
+                request_id VARCHAR(64) NOT NULL PRIMARY KEY,
+                user_id BIGINT NOT NULL,
+                amount BIGINT NOT NULL,
+                state VARCHAR(12) NOT NULL,
+                created_ms BIGINT NOT NULL,
+                expires_ms BIGINT NOT NULL,
+                closed_ms BIGINT NULL
+            ){table_options}""",
+            "CREATE INDEX holds_due ON holds (state, expires_ms)",
+            # Written in the transaction of the change it reports; ``seq``, the event's public id, is
+            # given after commit, in commit order (server.money.events.sequence), so a reader paging by
+            # it never skips an event that committed late. A money event's key is its journal row's.
+            """CREATE TABLE events (
+                id {id},
+                seq BIGINT NULL,
+                type VARCHAR(24) NOT NULL,
+                idem_key VARCHAR(140) NOT NULL,
+                user_id BIGINT NOT NULL,
+                amount BIGINT NULL,
+                body TEXT NOT NULL,
+                created_ms BIGINT NOT NULL,
+                UNIQUE (idem_key),
+                UNIQUE (seq)
+            ){table_options}""",
+            # The last seq given; journal rows up to journal_from came before events were written.
+            """CREATE TABLE event_counter (
+                name VARCHAR(16) NOT NULL PRIMARY KEY,
+                last_seq BIGINT NOT NULL,
+                journal_from BIGINT NOT NULL
+            ){table_options}""",
+            "INSERT INTO event_counter (name, last_seq, journal_from)"
+            " SELECT 'events', 0, COALESCE(MAX(id), 0) FROM journal",
+            # Per webhook URL (a hash of it): the last event queued for it, and each event's delivery.
+            """CREATE TABLE webhook_cursors (
+                endpoint VARCHAR(32) NOT NULL PRIMARY KEY,
+                after_seq BIGINT NOT NULL
+            ){table_options}""",
+            """CREATE TABLE webhook_deliveries (
+                endpoint VARCHAR(32) NOT NULL,
+                seq BIGINT NOT NULL,
+                user_id BIGINT NOT NULL,
+                state VARCHAR(12) NOT NULL,
+                attempts INT NOT NULL,
+                next_ms BIGINT NOT NULL,
+                lease_ms BIGINT NOT NULL,
+                lease_token BIGINT NOT NULL,
+                first_ms BIGINT NOT NULL,
+                done_ms BIGINT NULL,
+                last_error VARCHAR(200) NULL,
+                PRIMARY KEY (endpoint, seq)
+            ){table_options}""",
+            "CREATE INDEX webhook_due ON webhook_deliveries (state, next_ms)",
+            "CREATE INDEX webhook_user ON webhook_deliveries (endpoint, user_id, state, seq)",
+        ],
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
 
 

@@ -1,0 +1,180 @@
+"""The event outbox: what happened to the money, for the chat backend (webhooks and ``GET
+/api/service/events``).
+
+An event is written by ``record`` in the very transaction of the change it reports, so it exists exactly
+when the change does: a rolled-back send leaves no ``packet.sent``, and a committed credit always has its
+``share.credited``. A money event's key is its journal row's idempotency key (and its ``amount`` the
+row's), so reconciliation matches the two one for one.
+
+An event's public id is ``seq``, given by ``sequence`` after commit, in the order events are found
+committed. Auto-increment ids are not that: a transaction that took id 10 may commit after one that took
+id 11, and a reader who had paged past 11 would never see 10. A seq is only given to committed rows, one
+batch at a time under a lock, so every later seq is larger than every earlier one: paging ``after`` a seq
+never skips an event. Per user, events get their seqs in the order their changes committed (a user's
+changes lock the user's account row, and the event is written after the lock).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypedDict
+
+from server.store.db import Database, Tx, as_text
+from server.store.records import CreditEntry
+
+EventType = Literal[
+    "packet.sent",
+    "share.credited",
+    "packet.finished",
+    "packet.refunded",
+    "account.topup",
+    "account.withdrawn",
+    "hold.created",
+    "hold.confirmed",
+    "hold.released",
+    "hold.expired",
+]
+TYPES: tuple[EventType, ...] = EventType.__args__  # type: ignore[attr-defined]
+# The most events one sequencing transaction numbers, and one page of the events API holds.
+SEQUENCE_BATCH = 1000
+MAX_PAGE = 500
+
+
+class Event(TypedDict):
+    """An event as the backend receives it (a webhook's body, an item of the events API)."""
+
+    id: int
+    type: str
+    created_ms: int
+    user_id: int
+    data: dict[str, Any]
+
+
+class Record(TypedDict):
+    """An event to write: what ``record_many`` takes."""
+
+    type: EventType
+    key: str
+    user_id: int
+    amount: int | None
+    data: dict[str, Any]
+
+
+def share_credited(c: CreditEntry, key: str) -> Record:
+    """The event of a grab's credit (``key``: its journal row's, ``server.money.ledger.grab_key``)."""
+    data = {"packet_id": c.packet_id, "user_id": c.user_id, "seq": c.seq, "amount": c.amount}
+    return Record(type="share.credited", key=key, user_id=c.user_id, amount=c.amount, data=data)
+
+
+def body(data: dict[str, Any]) -> str:
+    return json.dumps(data, separators=(",", ":"), sort_keys=True)
+
+
+async def record(
+    tx: Tx, type: EventType, key: str, user_id: int, amount: int | None, data: dict[str, Any], ts: int
+) -> None:
+    """One event, in the caller's transaction. Its key is unique: a run again of the same
+    ``Database.run`` call after a lost COMMIT answer finds its event there and adds none."""
+    await tx.execute(
+        "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms)"
+        " VALUES (%s, %s, %s, %s, %s, %s)" + tx.dialect.skip_duplicate("idem_key"),
+        (type, key, user_id, amount, body(data), ts),
+    )
+
+
+async def record_many(tx: Tx, records: list[Record], ts: int) -> None:
+    """Many new events in one statement, in the caller's transaction (the credit batch: its keys are new,
+    as its journal rows are, or the batch fails with them)."""
+    if records:
+        await tx.executemany(
+            "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms)"
+            " VALUES (%s, %s, %s, %s, %s, %s)",
+            [(r["type"], r["key"], r["user_id"], r["amount"], body(r["data"]), ts) for r in records],
+        )
+
+
+async def sequence(db: Database) -> int:
+    """Give every committed event without a seq the next seqs, in id order; returns how many. Any process
+    may call it at any time (the dispatcher, the events API): one at a time holds the counter's lock."""
+    done = 0
+    while await db.fetchone("SELECT 1 FROM events WHERE seq IS NULL LIMIT 1") is not None:
+        n = await db.run(_sequence_batch, idempotent=True)
+        done += n
+        if n < SEQUENCE_BATCH:
+            break
+    return done
+
+
+async def _sequence_batch(tx: Tx) -> int:
+    row = await tx.fetchone(
+        "SELECT last_seq FROM event_counter WHERE name = 'events'" + tx.dialect.for_update, ()
+    )
+    if row is None:
+        raise RuntimeError("event_counter has no row: run `redpacket migrate`")
+    last = int(row[0])
+    ids = [
+        int(r[0])
+        for r in await tx.fetchall(
+            "SELECT id FROM events WHERE seq IS NULL ORDER BY id LIMIT %s", (SEQUENCE_BATCH,)
+        )
+    ]
+    if not ids:
+        return 0
+    cases = " ".join(["WHEN %s THEN %s"] * len(ids))
+    marks = ", ".join(["%s"] * len(ids))
+    params: list[int] = [v for i, id_ in enumerate(ids, start=1) for v in (id_, last + i)]
+    changed = await tx.execute(
+        f"UPDATE events SET seq = CASE id {cases} END WHERE id IN ({marks}) AND seq IS NULL",
+        [*params, *ids],
+    )
+    if changed != len(ids):
+        raise RuntimeError(f"sequenced {changed} of {len(ids)} events: another sequencer ran unlocked")
+    await tx.execute("UPDATE event_counter SET last_seq = %s WHERE name = 'events'", (last + len(ids),))
+    return len(ids)
+
+
+def _event(row: tuple[Any, ...]) -> Event:
+    seq, type_, user, data, created = row
+    return Event(
+        id=int(seq),
+        type=str(type_),
+        created_ms=int(created),
+        user_id=int(user),
+        data=json.loads(as_text(data)),
+    )
+
+
+async def page(db: Database, *, after: int, limit: int) -> list[Event]:
+    """The events after seq ``after``, oldest first, at most ``limit`` (everything committed is sequenced
+    first, so a reader is not made to wait for a worker)."""
+    await sequence(db)
+    rows = await db.fetchall(
+        "SELECT seq, type, user_id, body, created_ms FROM events WHERE seq > %s ORDER BY seq LIMIT %s",
+        (after, limit),
+    )
+    return [_event(tuple(r)) for r in rows]
+
+
+async def by_seq(db: Database, seqs: list[int]) -> dict[int, Event]:
+    """Events by their seqs (the dispatcher's claimed deliveries)."""
+    if not seqs:
+        return {}
+    marks = ", ".join(["%s"] * len(seqs))
+    rows = await db.fetchall(
+        f"SELECT seq, type, user_id, body, created_ms FROM events WHERE seq IN ({marks})", seqs
+    )
+    return {int(r[0]): _event(tuple(r)) for r in rows}
+
+
+async def last_seq(db: Database) -> int:
+    row = await db.fetchone("SELECT last_seq FROM event_counter WHERE name = 'events'")
+    return int(row[0]) if row else 0
+
+
+async def seq_at(db: Database, since_ms: int) -> int:
+    """The seq before the first event created at or after ``since_ms`` (for a replay from a time)."""
+    await sequence(db)
+    row = await db.fetchone(
+        "SELECT MIN(seq) FROM events WHERE created_ms >= %s AND seq IS NOT NULL", (since_ms,)
+    )
+    return int(row[0]) - 1 if row and row[0] is not None else await last_seq(db)

@@ -1,0 +1,148 @@
+"""Reconciliation of what leaves the ledger (withdrawals, holds) and of the event outbox, beside
+``server.money.reconcile``'s packets and accounts.
+
+    money out:   withdrawn + on hold = -(journal withdraw + hold + release rows): the global check's
+                 third term (money in = balances + held in packets + money out)
+    per hold:    its hold row debited its amount from its user; released or expired ⇔ a release row
+                 paid it back, to that user; a journal hold or release row has its hold; a hold held
+                 past LATE_MS after its expiry is stuck (the expiry job is not running)
+    events:      every journal row (since events were written) has its event, with the same key, user and
+                 amount; every money event has its journal row; every finished packet sent since has its
+                 ``packet.finished``, every confirmed hold its ``hold.confirmed``
+
+The arithmetic is pure (``differences``); the reads are ``queries``, run in reconcile's snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.store.db import Row, as_text
+from server.store.dialect import Dialect
+
+LATE_MS = 15 * 60 * 1000
+_SINCE = "(SELECT journal_from FROM event_counter WHERE name = 'events')"
+
+
+def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
+    """Every read, by name (keys built in SQL as ``server.money.payouts`` and ``ledger`` build them)."""
+    hold_key, release_key = d.concat("'hold:'", "h.request_id"), d.concat("'release:'", "h.request_id")
+    send_key, finished_key = d.concat("'send:'", "p.id"), d.concat("'finished:'", "p.id")
+    confirm_key = d.concat("'confirm:'", "h.request_id")
+    return {
+        "out": (
+            "SELECT kind, COALESCE(SUM(amount), 0) FROM journal"
+            " WHERE kind IN ('withdraw', 'hold', 'release') GROUP BY kind",
+            (),
+        ),
+        "holds": (
+            "SELECT h.request_id, h.user_id, h.amount, h.state, h.expires_ms,"
+            f" (SELECT COUNT(*) FROM journal j WHERE j.idem_key = {hold_key}"
+            "  AND j.account_id = h.user_id AND j.amount = -h.amount),"
+            f" (SELECT COUNT(*) FROM journal j WHERE j.idem_key = {release_key}"
+            "  AND j.account_id = h.user_id AND j.amount = h.amount)"
+            " FROM holds h",
+            (),
+        ),
+        "hold_orphans": (
+            "SELECT j.idem_key, j.account_id, j.amount FROM journal j"
+            " LEFT JOIN holds h ON h.request_id = SUBSTR(j.idem_key, INSTR(j.idem_key, ':') + 1)"
+            " WHERE j.kind IN ('hold', 'release') AND h.request_id IS NULL",
+            (),
+        ),
+        "event_missing": (
+            "SELECT j.idem_key, j.account_id, j.amount FROM journal j LEFT JOIN events e"
+            " ON e.idem_key = j.idem_key AND e.user_id = j.account_id AND e.amount = j.amount"
+            f" WHERE j.id > {_SINCE} AND e.id IS NULL",
+            (),
+        ),
+        "event_unbacked": (
+            "SELECT e.idem_key, e.user_id, e.amount FROM events e LEFT JOIN journal j"
+            " ON j.idem_key = e.idem_key AND j.account_id = e.user_id AND j.amount = e.amount"
+            " WHERE e.amount IS NOT NULL AND j.id IS NULL",
+            (),
+        ),
+        "finish_unannounced": (
+            "SELECT p.id, p.sender_id FROM red_packets p"
+            f" JOIN journal s ON s.idem_key = {send_key}"
+            f" LEFT JOIN events e ON e.idem_key = {finished_key}"
+            f" WHERE p.status = 'finished' AND s.id > {_SINCE} AND e.id IS NULL",
+            (),
+        ),
+        "confirm_unannounced": (
+            "SELECT h.request_id, h.user_id, h.amount FROM holds h"
+            f" LEFT JOIN events e ON e.idem_key = {confirm_key}"
+            " WHERE h.state = 'confirmed' AND e.id IS NULL",
+            (),
+        ),
+    }
+
+
+@dataclass(frozen=True)
+class HoldBooks:
+    request_id: str
+    user_id: int
+    amount: int
+    state: str
+    expires_ms: int
+    debits: int  # journal hold rows matching it (1)
+    pay_backs: int  # journal release rows matching it (1 once released or expired, else 0)
+
+
+@dataclass(frozen=True)
+class OutBooks:
+    withdrawn: int = 0  # cents, positive
+    held_net: int = 0  # -(hold rows + release rows): on hold now, plus confirmed
+    holds: list[HoldBooks] = field(default_factory=list)
+    orphans: list[tuple[str, int, int]] = field(default_factory=list)  # (key, account, amount)
+    event_missing: list[tuple[str, int, int]] = field(default_factory=list)
+    event_unbacked: list[tuple[str, int, int]] = field(default_factory=list)
+    unannounced: list[str] = field(default_factory=list)
+
+    @property
+    def paid_out(self) -> int:
+        """What left the ledger, or is held to leave it: withdrawn, confirmed and on hold."""
+        return self.withdrawn + self.held_net
+
+
+def books(rows: dict[str, list[Row]]) -> OutBooks:
+    """The figures read, put together. Pure."""
+    out = {str(k): int(v) for k, v in rows["out"]}
+    return OutBooks(
+        withdrawn=-out.get("withdraw", 0),
+        held_net=-(out.get("hold", 0) + out.get("release", 0)),
+        holds=[
+            HoldBooks(str(r), int(u), int(a), str(s), int(e), int(d), int(b))
+            for r, u, a, s, e, d, b in rows["holds"]
+        ],
+        orphans=[(as_text(k), int(a), int(m)) for k, a, m in rows["hold_orphans"]],
+        event_missing=[(as_text(k), int(a), int(m)) for k, a, m in rows["event_missing"]],
+        event_unbacked=[(as_text(k), int(a), int(m)) for k, a, m in rows["event_unbacked"]],
+        unannounced=[f"packet {int(p)} finished" for p, _ in rows["finish_unannounced"]]
+        + [f"hold {r!s} confirmed" for r, _, _ in rows["confirm_unannounced"]],
+    )
+
+
+def differences(b: OutBooks, now_ms: int) -> list[tuple[str, str, int, int]]:
+    """(check, subject, expected, actual) for every difference in ``b``. Pure."""
+    diffs: list[tuple[str, str, int, int]] = []
+    for h in b.holds:
+        name = f"hold {h.request_id} of user {h.user_id}"
+        if h.debits != 1:
+            diffs.append(("hold_debit", name, 1, h.debits))
+        paid_back = 1 if h.state in ("released", "expired") else 0
+        if h.pay_backs != paid_back:
+            diffs.append(("hold_release", f"{name} {h.state}", paid_back, h.pay_backs))
+        if h.state == "held" and h.expires_ms < now_ms - LATE_MS:
+            diffs.append(
+                ("hold_stuck", f"{name}, expired {(now_ms - h.expires_ms) // 1000} s ago", 0, h.amount)
+            )
+    for key, account, amount in b.orphans:
+        diffs.append(("hold_posting", f"{key} to account {account} has no hold", 0, amount))
+    for key, account, amount in b.event_missing:
+        diffs.append(("event_missing", f"{key} to account {account} has no event", amount, 0))
+    for key, account, amount in b.event_unbacked:
+        diffs.append(("event_unbacked", f"event {key} for user {account} has no journal row", 0, amount))
+    for what in b.unannounced:
+        diffs.append(("event_missing", f"{what} with no event", 1, 0))
+    return diffs

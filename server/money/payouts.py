@@ -1,0 +1,226 @@
+"""Money out: the chat backend takes money from an account to pay it out its own way.
+
+- ``withdraw``: one step. The journal row ``withdraw:<request id>`` debits the account, never below zero;
+  the same request id answers the first outcome however often it comes (a retry, a concurrent retry, a
+  retry after a timeout), and with another user or amount is ``idempotency_key_reused``.
+- A hold, for a payout that can fail: ``hold`` takes the money off the balance at once (journal
+  ``hold:<request id>``: held money cannot be spent), then ``confirm`` (it has left: nothing more moves) or
+  ``release`` (journal ``release:<request id>`` gives it back). A hold neither confirmed nor released
+  by its ``expires_ms`` is released on its own (``expire_due``, a worker's job every minute; a confirm
+  after ``expires_ms`` finds it expired even before the job ran). Each step is idempotent.
+
+Every step writes its event (``server.money.events``) in its transaction. Reconciliation:
+money in = balances + held in packets + withdrawn + on hold (``server.money.outflows``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from server import errors
+from server.errors import Conflict, InvalidRequest, NotFound
+from server.ids import UserId
+from server.money import events
+from server.money.ledger import MAX_TOPUP_CENTS, check_request_id, now_ms, post
+from server.store.db import Database, Tx
+
+HoldState = Literal["held", "confirmed", "released", "expired"]
+# A hold's life, in seconds: what the backend asks for, within these bounds.
+HOLD_DEFAULT_S = 3600
+HOLD_MIN_S = 60
+HOLD_MAX_S = 7 * 86_400
+
+
+def check_amount(amount: object) -> int:
+    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= MAX_TOPUP_CENTS:
+        raise InvalidRequest(errors.AMOUNT_INVALID, f"an amount out is 1 to {MAX_TOPUP_CENTS} cents")
+    return amount
+
+
+@dataclass(frozen=True)
+class Hold:
+    request_id: str
+    user_id: UserId
+    amount: int
+    state: HoldState
+    created_ms: int
+    expires_ms: int
+    closed_ms: int | None
+    replay: bool = False
+
+    def view(self) -> dict[str, object]:
+        return {
+            "request_id": self.request_id,
+            "user_id": self.user_id,
+            "amount": self.amount,
+            "state": self.state,
+            "created_ms": self.created_ms,
+            "expires_ms": self.expires_ms,
+            "closed_ms": self.closed_ms,
+            "replay": self.replay,
+        }
+
+
+async def withdraw(db: Database, user_id: UserId, amount: object, request_id: object) -> bool:
+    """Debit ``amount`` from the account once per ``request_id``; False on a replay."""
+    cents = check_amount(amount)
+    rid = check_request_id(request_id, "a withdrawal's request_id")
+    key = f"withdraw:{rid}"
+
+    async def work(tx: Tx) -> bool:
+        if not await post(tx, user_id, -cents, "withdraw", key):
+            return False
+        data = {"user_id": user_id, "amount": cents, "request_id": rid}
+        await events.record(tx, "account.withdrawn", key, user_id, -cents, data, now_ms())
+        return True
+
+    return await db.run(work, idempotent=True)
+
+
+def check_expiry(expires_in_s: object) -> int:
+    if expires_in_s is None:
+        return HOLD_DEFAULT_S
+    if (
+        not isinstance(expires_in_s, int)
+        or isinstance(expires_in_s, bool)
+        or not HOLD_MIN_S <= expires_in_s <= HOLD_MAX_S
+    ):
+        raise InvalidRequest(
+            errors.BAD_REQUEST, f"expires_in_s is a whole number of seconds, {HOLD_MIN_S} to {HOLD_MAX_S}"
+        )
+    return expires_in_s
+
+
+_COLUMNS = "request_id, user_id, amount, state, created_ms, expires_ms, closed_ms"
+
+
+def _hold(row: tuple[object, ...], replay: bool = False) -> Hold:
+    rid, user, amount, state, created, expires, closed = row
+    return Hold(
+        request_id=str(rid),
+        user_id=UserId(int(str(user))),
+        amount=int(str(amount)),
+        state=state,  # type: ignore[arg-type]
+        created_ms=int(str(created)),
+        expires_ms=int(str(expires)),
+        closed_ms=None if closed is None else int(str(closed)),
+        replay=replay,
+    )
+
+
+async def _locked(tx: Tx, rid: str) -> Hold | None:
+    row = await tx.fetchone(
+        f"SELECT {_COLUMNS} FROM holds WHERE request_id = %s" + tx.dialect.for_update, (rid,)
+    )
+    return None if row is None else _hold(tuple(row))
+
+
+def _data(h: Hold) -> dict[str, object]:
+    return {"user_id": h.user_id, "amount": h.amount, "request_id": h.request_id, "expires_ms": h.expires_ms}
+
+
+async def hold(
+    db: Database, user_id: UserId, amount: object, request_id: object, expires_in_s: object = None
+) -> Hold:
+    """Take ``amount`` off the balance and hold it, once per ``request_id``."""
+    cents = check_amount(amount)
+    rid = check_request_id(request_id, "a hold's request_id")
+    life_s = check_expiry(expires_in_s)
+
+    async def work(tx: Tx) -> Hold:
+        prior = await _locked(tx, rid)
+        if prior is None:
+            ts = now_ms()
+            h = Hold(rid, user_id, cents, "held", ts, ts + life_s * 1000, None)
+            # The debit first: it locks the account, and refuses an overdraft before the hold exists.
+            if await post(tx, user_id, -cents, "hold", f"hold:{rid}"):
+                await tx.execute(
+                    f"INSERT INTO holds ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                    (rid, user_id, cents, "held", ts, h.expires_ms, None),
+                )
+                await events.record(tx, "hold.created", f"hold:{rid}", user_id, -cents, _data(h), ts)
+                return h
+            prior = await _locked(tx, rid)  # a concurrent call with this request id committed first
+            if prior is None:
+                raise RuntimeError(f"hold {rid}'s journal row is there and the hold is not")
+        if (prior.user_id, prior.amount) != (user_id, cents):
+            raise Conflict(errors.IDEMPOTENCY_KEY_REUSED, f"hold {rid} is for another user or amount")
+        return replace(prior, replay=True)
+
+    return await db.run(work, idempotent=True)
+
+
+async def _close(tx: Tx, h: Hold, state: HoldState, ts: int) -> Hold:
+    """Close a held hold as ``state``: a release or an expiry pays the money back."""
+    await tx.execute(
+        "UPDATE holds SET state = %s, closed_ms = %s WHERE request_id = %s AND state = 'held'",
+        (state, ts, h.request_id),
+    )
+    closed = Hold(h.request_id, h.user_id, h.amount, state, h.created_ms, h.expires_ms, ts)
+    if state == "confirmed":
+        await events.record(
+            tx, "hold.confirmed", f"confirm:{h.request_id}", h.user_id, None, _data(closed), ts
+        )
+    else:
+        key = f"release:{h.request_id}"
+        await post(tx, h.user_id, h.amount, "release", key)
+        kind: events.EventType = "hold.expired" if state == "expired" else "hold.released"
+        await events.record(tx, kind, key, h.user_id, h.amount, _data(closed), ts)
+    return closed
+
+
+async def settle_hold(db: Database, request_id: object, outcome: Literal["confirmed", "released"]) -> Hold:
+    """Confirm or release a hold. Again with the same outcome: the same answer, ``replay`` true. The other
+    outcome, or a confirm of an expired hold: ``hold_closed``."""
+    rid = check_request_id(request_id)
+
+    async def work(tx: Tx) -> Hold:
+        h = await _locked(tx, rid)
+        if h is None:
+            raise NotFound(errors.HOLD_NOT_FOUND, f"no hold {rid}")
+        ts = now_ms()
+        if h.state == "held" and h.expires_ms <= ts:
+            h = await _close(tx, h, "expired", ts)  # its time is over, whether or not the job ran yet
+        if h.state == outcome:
+            return replace(h, replay=True)
+        if h.state != "held":
+            raise Conflict(errors.HOLD_CLOSED, f"hold {rid} is {h.state}", state=h.state)
+        return await _close(tx, h, outcome, ts)
+
+    try:
+        return await db.run(work, idempotent=True)
+    except Conflict as e:
+        if e.code != errors.HOLD_CLOSED:
+            raise
+        # An expiry found by this call is kept, though the call is refused: committed apart.
+        await db.run(functools.partial(_expire, rid=rid), idempotent=True)
+        raise
+
+
+async def _expire(tx: Tx, *, rid: str) -> None:
+    h = await _locked(tx, rid)
+    ts = now_ms()
+    if h is not None and h.state == "held" and h.expires_ms <= ts:
+        await _close(tx, h, "expired", ts)
+
+
+async def expire_due(db: Database, now: int | None = None, limit: int = 500) -> int:
+    """Release every hold past its expiry (each in its own transaction); returns how many."""
+    now = now_ms() if now is None else now
+    rows = await db.fetchall(
+        "SELECT request_id FROM holds WHERE state = 'held' AND expires_ms <= %s ORDER BY expires_ms LIMIT %s",
+        (now, limit),
+    )
+    for (rid,) in rows:
+        await db.run(functools.partial(_expire, rid=str(rid)), idempotent=True)
+    return len(rows)
+
+
+async def get_hold(db: Database, request_id: object) -> Hold:
+    rid = check_request_id(request_id)
+    row = await db.fetchone(f"SELECT {_COLUMNS} FROM holds WHERE request_id = %s", (rid,))
+    if row is None:
+        raise NotFound(errors.HOLD_NOT_FOUND, f"no hold {rid}")
+    return _hold(tuple(row))
