@@ -1,0 +1,230 @@
+// Types of the redpacket hub's JavaScript client (redpacket.js). The protocol: docs/protocol.md.
+
+export declare const VERSION: string;
+export declare const SUBPROTOCOL_JSON: "redpacket.v1.json";
+export declare const SUBPROTOCOL_MSGPACK: "redpacket.v1.msgpack";
+/** Close codes after which the client does not reconnect by itself (4001 once retried with refreshToken). */
+export declare const FINAL_CLOSE_CODES: readonly number[];
+export declare const EVENT_TYPES: readonly EventType[];
+
+/** An id of a user, group or packet: 1 to 2⁶³−1 (a BigInt from msgpack only beyond 2⁵³). */
+export type Id = number;
+/** An event's position in its group: "<ms>-<seq>". */
+export type Offset = string;
+
+export interface ClientOptions {
+  /** The hub's websocket address, e.g. "wss://hub.example.com/ws". */
+  url: string;
+  /** A JWT, or a function giving one (called before every connection unless refreshToken is given). */
+  token?: string | (() => string | Promise<string>);
+  /** Gives a fresh token: called before every reconnect, and after a close 4001 (token expired or
+   * refused; a second 4001 before a welcome is final). */
+  refreshToken?: () => string | Promise<string>;
+  /** "json" (default, text frames) or "msgpack" (binary frames). */
+  format?: "json" | "msgpack";
+  /** A stable id of this device, for the bot detector (docs/protocol.md, "Connecting"). */
+  device?: string;
+  /** A WebSocket constructor (default globalThis.WebSocket; Node 20 has one with --experimental-websocket). */
+  WebSocket?: new (url: string, protocols: string[]) => WebSocket;
+  /** How long a request waits for its reply before it is rejected with code "timeout" (10,000 ms). */
+  requestTimeoutMs?: number;
+  /** false: never reconnect by itself. */
+  reconnect?: boolean;
+  /** Back-off: the n-th reconnect in a row waits a random time from 0 to min(maxDelayMs, minDelayMs × 2ⁿ⁻¹). */
+  minDelayMs?: number;
+  maxDelayMs?: number;
+  /** Reconnects in a row without a welcome before giving up (Infinity). */
+  maxAttempts?: number;
+  /** What a group with no offset yet is synced from: null (from now, with its open packets as a "reset"
+   * event) or "0-0" (its recent history, replayed). */
+  firstOffset?: Offset | null;
+  /** The last offset of each group seen before (e.g. stored by an earlier session: lastOffsets()). */
+  offsets?: Record<string, Offset>;
+  /** Awaited after each welcome, before the client syncs (the hub holds events until the sync). */
+  beforeSync?: (welcome: Welcome) => unknown;
+}
+
+export interface GroupInfo {
+  group_id: Id;
+  name: string;
+  role: "member" | "admin";
+  members_can_send: boolean;
+  members: number;
+}
+
+export interface Welcome {
+  type: "welcome";
+  version: 1;
+  user: Id;
+  connection: string;
+  hub: string;
+  server_ms: number;
+  groups: GroupInfo[];
+  limits: { max_count: number; max_total_cents: number; max_greeting_chars: number; packet_ttl_seconds: number };
+  /** true when this welcome follows a reconnect. */
+  reconnect?: boolean;
+}
+
+export interface Grab {
+  user_id: Id;
+  seq: number;
+  amount: number;
+  grabbed_ms: number;
+}
+
+/** The packet view: `open`, and the `packets` of a sync. */
+export interface PacketView {
+  packet_id: Id;
+  group_id: Id;
+  sender_id: Id;
+  kind: "lucky" | "equal" | "exclusive";
+  total: number;
+  count: number;
+  greeting: string;
+  target?: Id | null;
+  created_ms: number;
+  expires_ms: number;
+  remaining: number;
+  grabs: Grab[];
+  mine: Grab | null;
+  finished_ms: number | null;
+  best_luck: Grab | null;
+  duration_ms: number | null;
+}
+
+export interface SentPacket {
+  packet_id: Id;
+  sender: Id;
+  kind: "lucky" | "equal" | "exclusive";
+  total: number;
+  count: number;
+  greeting: string;
+  target: Id | null;
+  created_ms: number;
+  expires_ms: number;
+  offset: Offset | null;
+  replay: boolean;
+}
+
+export interface GrabReply {
+  packet: Id;
+  outcome: "won" | "already";
+  user_id: Id;
+  seq: number;
+  amount: number;
+  grabbed_ms: number;
+  remaining: number;
+}
+
+export interface NewPacket {
+  kind?: "lucky" | "equal" | "exclusive";
+  total: number;
+  count?: number;
+  greeting?: string;
+  target?: Id;
+  /** Makes a retried send pay once (1 to 64 characters). */
+  request_id?: string;
+}
+
+export interface SyncResult {
+  offset?: Offset;
+  replayed?: number;
+  too_old?: boolean;
+  packets?: PacketView[];
+  error?: string;
+}
+
+export interface EventData {
+  chat: { user: Id; text: string };
+  packet: {
+    packet_id: Id; sender: Id; kind: "lucky" | "equal" | "exclusive"; total: number; count: number;
+    greeting: string; target: Id | null; created_ms: number; expires_ms: number;
+  };
+  grabs: {
+    grabs: { packet_id: Id; user: Id; amount: number; seq: number; ms: number; remaining: number }[];
+    more?: number;
+    remaining?: Record<string, number>;
+  };
+  finished: {
+    packet_id: Id; total: number; count: number; duration_ms: number; best_luck: { user: Id; amount: number };
+    grabs?: EventData["grabs"]["grabs"]; more?: number;
+  };
+  presence: { user: Id; online: boolean };
+  member_added: { user: Id; role: string; by: Id };
+  member_removed: { user: Id; by: Id };
+  member_role: { user: Id; role: string; by: Id };
+}
+
+export type EventType = keyof EventData;
+
+/** A group event, as the hub sends it. */
+export interface GroupEvent<T extends EventType = EventType> {
+  type: "event";
+  group: Id;
+  offset: Offset;
+  event: T;
+  data: EventData[T];
+}
+
+export type Status = "idle" | "connecting" | "online" | "reconnecting" | "closed";
+
+/** Each group event type, as its own event. */
+export type GroupEvents = { [T in EventType]: GroupEvent<T> };
+
+export interface ClientEvents extends GroupEvents {
+  /** Every group event, each once, in offset order per group. */
+  event: GroupEvent;
+  welcome: Welcome;
+  /** A sync's reply, after the events it replayed. reason: "welcome" (the first connection), "reconnect",
+   * "gap" (after a gap notice), "manual" (client.sync()). */
+  synced: { groups: Record<string, SyncResult>; reason: "welcome" | "reconnect" | "gap" | "manual"; replayed: number };
+  /** A group synced with no offset (a fresh start) or one the hub no longer holds (tooOld): show these
+   * packets as the group's state; previous is the offset the client had. */
+  reset: { group: Id; offset: Offset; packets: PacketView[]; tooOld: boolean; previous: Offset | null };
+  removed: { group: Id };
+  added: { group: Id };
+  gap: { group: Id };
+  status: { status: Status; code?: number; reason?: string; retryInMs?: number };
+  close: { code: number; reason: string; willRetry: boolean; forced: boolean };
+  /** An error thrown by a handler or callback of the app (without a listener, thrown where the runtime
+   * reports uncaught errors). */
+  error: Error;
+}
+
+export declare class RedPacketError extends Error {
+  /** The protocol's error code, or "offline" / "timeout"; a final close's reason before any welcome. */
+  code: string;
+  /** The error's other fields: `limit`, `names`; `closeCode` for a close. */
+  details: Record<string, unknown>;
+  constructor(code: string, message?: string, details?: Record<string, unknown>);
+}
+
+export declare class RedPacketClient {
+  constructor(options: ClientOptions);
+  readonly status: Status;
+  /** The latest welcome. */
+  readonly welcome: Welcome | null;
+  on<K extends keyof ClientEvents>(type: K, handler: (payload: ClientEvents[K]) => void): () => void;
+  off<K extends keyof ClientEvents>(type: K, handler: (payload: ClientEvents[K]) => void): void;
+  once<K extends keyof ClientEvents>(type: K): Promise<ClientEvents[K]>;
+  /** Connect and stay connected; resolves with the first welcome once its sync is answered. */
+  connect(): Promise<Welcome>;
+  /** Close for good (no reconnect). */
+  close(): void;
+  /** Drop the socket as a lost network would, and reconnect. */
+  reconnectNow(): void;
+  request<T = unknown>(type: string, fields?: Record<string, unknown>, options?: { timeoutMs?: number }): Promise<T>;
+  sync(groups?: Id[], reason?: string): Promise<Record<string, SyncResult>>;
+  ping(): Promise<{ ts: number }>;
+  chat(group: Id, text: string): Promise<{ offset: Offset }>;
+  send(group: Id, packet: NewPacket): Promise<SentPacket>;
+  grab(group: Id, packet: Id): Promise<GrabReply>;
+  open(group: Id, packet: Id): Promise<PacketView>;
+  presence(group: Id): Promise<{ group: Id; online: Id[] }>;
+  /** The last offset seen per group (group id as a string → offset). */
+  lastOffsets(): Record<string, Offset>;
+}
+
+export declare function isNewer(a: Offset, b: Offset | null | undefined): boolean;
+export declare function encodeMsgpack(value: unknown): Uint8Array;
+export declare function decodeMsgpack(bytes: Uint8Array | ArrayBuffer): unknown;

@@ -1,0 +1,672 @@
+// The JavaScript client of the redpacket hub's websocket protocol (docs/protocol.md): an ES module with no
+// build step and no dependencies, for browsers and Node.js ≥ 20 (whose WebSocket is global from Node 22;
+// on Node 20 run with --experimental-websocket, or pass a WebSocket constructor in the options).
+//
+//   import { RedPacketClient } from "/client/redpacket.js";
+//   const client = new RedPacketClient({ url: "wss://hub.example.com/ws", token, refreshToken });
+//   client.on("packet", (event) => show(event.group, event.data));
+//   await client.connect();                      // welcomed and synced
+//   await client.grab(group, packet);
+//
+// What it does for you: the token as a subprotocol, reconnection with exponential back-off and full
+// jitter, a `sync` from the last offset of every group after every welcome (duplicates dropped, a
+// `too_old` answered with a "reset" event carrying the group's open packets), a `sync` on a `gap`
+// notice, requests matched to replies by id with a timeout each, JSON or msgpack.
+
+export const VERSION = "1.0.0";
+export const SUBPROTOCOL_JSON = "redpacket.v1.json";
+export const SUBPROTOCOL_MSGPACK = "redpacket.v1.msgpack";
+
+// Close codes after which reconnecting as before cannot help (docs/protocol.md, "Close codes"). 4001 is
+// retried once with a token from `refreshToken`, when there is one; 4004 and 4030 need someone else to act
+// first (the backend puts the user; the app closes a socket), so the app calls connect() again.
+export const FINAL_CLOSE_CODES = Object.freeze([4001, 4004, 4030]);
+const CLOSE_RESTARTING = 1012; // the hub restarts: come back soon, to another hub if there is one
+const CLOSE_RATE_LIMITED = 4029; // slow down: wait the longest back-off
+const CLOSE_TOKEN = 4001;
+
+// ---- errors ----------------------------------------------------------------------------------------------
+
+/** An error reply, or a request that got none: `code` is the protocol's stable code (docs/protocol.md,
+ * "Error codes"), or `offline` (not connected, or the connection was lost before the reply) or `timeout`. */
+export class RedPacketError extends Error {
+  constructor(code, message, details = {}) {
+    super(message || code);
+    this.name = "RedPacketError";
+    this.code = code;
+    this.details = details; // the error's fields beside code and message: `limit`, `names`
+  }
+}
+
+function replyError(error) {
+  const { code, message, ...details } = error || {};
+  return new RedPacketError(code || "internal", message || "", details);
+}
+
+// ---- offsets ---------------------------------------------------------------------------------------------
+
+/** An event offset ("<ms>-<seq>", or "<ms>") as a pair of BigInts, compared as the protocol says. */
+function offsetPair(offset) {
+  const [ms, seq] = String(offset).split("-");
+  return [BigInt(ms), BigInt(seq ?? 0)];
+}
+
+/** Whether offset `a` comes after offset `b` in its group (any offset comes after none). */
+export function isNewer(a, b) {
+  if (b === null || b === undefined) return true;
+  const [am, as] = offsetPair(a);
+  const [bm, bs] = offsetPair(b);
+  return am > bm || (am === bm && as > bs);
+}
+
+// ---- msgpack: what the protocol uses of it (maps, arrays, strings, integers, floats, bool, nil, bin) -----
+
+const utf8 = new TextEncoder();
+const fromUtf8 = new TextDecoder("utf-8", { fatal: true });
+
+/** One value as msgpack bytes. Integers beyond 2⁵³ go as BigInt; `undefined` map values are left out
+ * (as JSON.stringify does). */
+export function encodeMsgpack(value) {
+  const out = new Encoder();
+  out.value(value);
+  return out.bytes();
+}
+
+class Encoder {
+  constructor() {
+    this.buf = new Uint8Array(256);
+    this.view = new DataView(this.buf.buffer);
+    this.pos = 0;
+  }
+
+  bytes() {
+    return this.buf.slice(0, this.pos);
+  }
+
+  room(n) {
+    if (this.pos + n <= this.buf.length) return;
+    const bigger = new Uint8Array(Math.max(this.buf.length * 2, this.pos + n));
+    bigger.set(this.buf);
+    this.buf = bigger;
+    this.view = new DataView(bigger.buffer);
+  }
+
+  u8(...bytes) {
+    this.room(bytes.length);
+    for (const b of bytes) this.buf[this.pos++] = b;
+  }
+
+  put(kind, n, v) {
+    this.room(n);
+    this.view[kind](this.pos, v, false);
+    this.pos += n;
+  }
+
+  head(n, fix, fixMax, c8, c16, c32) {
+    if (n <= fixMax) this.u8(fix | n);
+    else if (c8 !== null && n < 0x100) this.u8(c8, n);
+    else if (n < 0x10000) {
+      this.u8(c16);
+      this.put("setUint16", 2, n);
+    } else {
+      this.u8(c32);
+      this.put("setUint32", 4, n);
+    }
+  }
+
+  integer(n) {
+    // n: a safe Number integer or a BigInt.
+    if (n >= 0) {
+      if (n < 0x80) this.u8(Number(n));
+      else if (n < 0x100) this.u8(0xcc, Number(n));
+      else if (n < 0x10000) (this.u8(0xcd), this.put("setUint16", 2, Number(n)));
+      else if (n < 0x100000000) (this.u8(0xce), this.put("setUint32", 4, Number(n)));
+      else if (BigInt(n) < 1n << 64n) (this.u8(0xcf), this.put("setBigUint64", 8, BigInt(n)));
+      else throw new RangeError("integer too large for msgpack");
+    } else if (n >= -32) this.u8(0x100 + Number(n));
+    else if (n >= -0x80) (this.u8(0xd0), this.put("setInt8", 1, Number(n)));
+    else if (n >= -0x8000) (this.u8(0xd1), this.put("setInt16", 2, Number(n)));
+    else if (n >= -0x80000000) (this.u8(0xd2), this.put("setInt32", 4, Number(n)));
+    else if (BigInt(n) >= -(1n << 63n)) (this.u8(0xd3), this.put("setBigInt64", 8, BigInt(n)));
+    else throw new RangeError("integer too small for msgpack");
+  }
+
+  value(v) {
+    if (v === null || v === undefined) this.u8(0xc0);
+    else if (v === false) this.u8(0xc2);
+    else if (v === true) this.u8(0xc3);
+    else if (typeof v === "bigint") this.integer(v);
+    else if (typeof v === "number") {
+      if (Number.isSafeInteger(v)) this.integer(v);
+      else (this.u8(0xcb), this.put("setFloat64", 8, v));
+    } else if (typeof v === "string") {
+      const b = utf8.encode(v);
+      this.head(b.length, 0xa0, 31, 0xd9, 0xda, 0xdb);
+      this.raw(b);
+    } else if (v instanceof Uint8Array || v instanceof ArrayBuffer) {
+      const b = v instanceof Uint8Array ? v : new Uint8Array(v);
+      this.head(b.length, 0, -1, 0xc4, 0xc5, 0xc6);
+      this.raw(b);
+    } else if (Array.isArray(v)) {
+      this.head(v.length, 0x90, 15, null, 0xdc, 0xdd);
+      for (const x of v) this.value(x);
+    } else if (typeof v === "object") {
+      const entries = Object.entries(v).filter(([, x]) => x !== undefined);
+      this.head(entries.length, 0x80, 15, null, 0xde, 0xdf);
+      for (const [k, x] of entries) {
+        this.value(k);
+        this.value(x);
+      }
+    } else throw new TypeError(`msgpack cannot encode a ${typeof v}`);
+  }
+
+  raw(b) {
+    this.room(b.length);
+    this.buf.set(b, this.pos);
+    this.pos += b.length;
+  }
+}
+
+/** Msgpack bytes as a value: maps as plain objects, bin as Uint8Array, 64-bit integers as Numbers when
+ * they are safe integers and as BigInts when not. */
+export function decodeMsgpack(bytes) {
+  const b = bytes instanceof Uint8Array ? bytes : new Uint8Array(bytes);
+  const view = new DataView(b.buffer, b.byteOffset, b.byteLength);
+  let pos = 0;
+  const need = (n) => {
+    if (pos + n > b.length) throw new RangeError("msgpack: truncated");
+  };
+  const num = (kind, n) => {
+    need(n);
+    const v = view[kind](pos, false);
+    pos += n;
+    return v;
+  };
+  const big = (v) => (v >= BigInt(Number.MIN_SAFE_INTEGER) && v <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(v) : v);
+  const str = (n) => {
+    need(n);
+    const s = fromUtf8.decode(b.subarray(pos, pos + n));
+    pos += n;
+    return s;
+  };
+  const bin = (n) => {
+    need(n);
+    const s = b.slice(pos, pos + n);
+    pos += n;
+    return s;
+  };
+  const array = (n) => {
+    const a = new Array(n);
+    for (let i = 0; i < n; i++) a[i] = value();
+    return a;
+  };
+  const map = (n) => {
+    const o = {};
+    for (let i = 0; i < n; i++) {
+      const k = value();
+      Object.defineProperty(o, String(k), { value: value(), enumerable: true, writable: true, configurable: true });
+    }
+    return o;
+  };
+  const value = () => {
+    const c = num("getUint8", 1);
+    if (c < 0x80) return c;
+    if (c < 0x90) return map(c & 0x0f);
+    if (c < 0xa0) return array(c & 0x0f);
+    if (c < 0xc0) return str(c & 0x1f);
+    if (c >= 0xe0) return c - 0x100;
+    switch (c) {
+      case 0xc0: return null;
+      case 0xc2: return false;
+      case 0xc3: return true;
+      case 0xc4: return bin(num("getUint8", 1));
+      case 0xc5: return bin(num("getUint16", 2));
+      case 0xc6: return bin(num("getUint32", 4));
+      case 0xca: return num("getFloat32", 4);
+      case 0xcb: return num("getFloat64", 8);
+      case 0xcc: return num("getUint8", 1);
+      case 0xcd: return num("getUint16", 2);
+      case 0xce: return num("getUint32", 4);
+      case 0xcf: return big(num("getBigUint64", 8));
+      case 0xd0: return num("getInt8", 1);
+      case 0xd1: return num("getInt16", 2);
+      case 0xd2: return num("getInt32", 4);
+      case 0xd3: return big(num("getBigInt64", 8));
+      case 0xd9: return str(num("getUint8", 1));
+      case 0xda: return str(num("getUint16", 2));
+      case 0xdb: return str(num("getUint32", 4));
+      case 0xdc: return array(num("getUint16", 2));
+      case 0xdd: return array(num("getUint32", 4));
+      case 0xde: return map(num("getUint16", 2));
+      case 0xdf: return map(num("getUint32", 4));
+      default: throw new RangeError(`msgpack: type 0x${c.toString(16)} is not used by the protocol`);
+    }
+  };
+  const v = value();
+  if (pos !== b.length) throw new RangeError("msgpack: bytes after the value");
+  return v;
+}
+
+// ---- the client ------------------------------------------------------------------------------------------
+
+const DEFAULTS = {
+  format: "json",
+  requestTimeoutMs: 10_000,
+  reconnect: true,
+  minDelayMs: 500, // the first reconnect waits up to this (full jitter: anything from 0)
+  maxDelayMs: 10_000, // and never longer than this, however many tries
+  maxAttempts: Infinity, // reconnects in a row without a welcome before giving up
+  firstOffset: null, // what a group never seen before is synced from: null (from now) or "0-0" (its history)
+};
+
+/** The group events (docs/protocol.md, "Server → client: events"), each also emitted as "event". */
+export const EVENT_TYPES = Object.freeze(["chat", "packet", "grabs", "finished", "presence", "member_added",
+  "member_removed", "member_role"]);
+
+export class RedPacketClient {
+  /**
+   * @param {object} options see redpacket.d.ts (ClientOptions) and README.md
+   */
+  constructor(options) {
+    if (!options || !options.url) throw new TypeError("RedPacketClient needs options.url (ws:// or wss://…/ws)");
+    this.options = { ...DEFAULTS, ...options };
+    if (!["json", "msgpack"].includes(this.options.format)) throw new TypeError("format is json or msgpack");
+    this.WebSocket = options.WebSocket || globalThis.WebSocket;
+    if (!this.WebSocket) {
+      throw new TypeError("no WebSocket: pass options.WebSocket (on Node 20: run with --experimental-websocket)");
+    }
+    this.token = typeof options.token === "function" ? null : options.token || null;
+    this.offsets = new Map(Object.entries(options.offsets || {}).map(([g, o]) => [Number(g), o]));
+    this.status = "idle"; // idle, connecting, online, reconnecting, closed
+    this.welcome = null;
+    this.ws = null;
+    this.listeners = new Map();
+    this.pending = new Map();
+    this.nextId = 1;
+    this.attempt = 0;
+    this.retryTimer = null;
+    this.stopped = true;
+    this.tokenRetried = false; // reconnected after a 4001 with a new token, not yet welcomed
+    this.everWelcomed = false;
+    this.firstReady = null;
+    this.generation = 0; // of openSocket calls: one outdated by close() or connect() meanwhile gives up
+  }
+
+  // -- events ---------------------------------------------------------------------------------------------
+
+  /** Call `fn` on each `type` event; returns a function that stops it. */
+  on(type, fn) {
+    if (!this.listeners.has(type)) this.listeners.set(type, new Set());
+    this.listeners.get(type).add(fn);
+    return () => this.off(type, fn);
+  }
+
+  off(type, fn) {
+    this.listeners.get(type)?.delete(fn);
+  }
+
+  /** The next `type` event, as a promise. */
+  once(type) {
+    return new Promise((resolve) => {
+      const off = this.on(type, (x) => {
+        off();
+        resolve(x);
+      });
+    });
+  }
+
+  emit(type, payload) {
+    for (const fn of [...(this.listeners.get(type) || [])]) {
+      try {
+        fn(payload);
+      } catch (e) {
+        this.fail(e);
+      }
+    }
+  }
+
+  fail(error) {
+    // An error of the app's handlers or callbacks: to the "error" listeners, or thrown where the runtime
+    // reports uncaught errors (never swallowed, never into the client's own state).
+    const handlers = this.listeners.get("error");
+    if (handlers && handlers.size) {
+      for (const fn of [...handlers]) fn(error);
+    } else {
+      setTimeout(() => {
+        throw error;
+      });
+    }
+  }
+
+  warn(error) {
+    // A failure of the connection's own work (a token refresh, a sync, a frame): to the "error" listeners,
+    // else to the console; the client goes on (reconnecting where it must).
+    const handlers = this.listeners.get("error");
+    if (handlers && handlers.size) this.fail(error);
+    else console.warn("redpacket client:", error);
+  }
+
+  setStatus(status, detail = {}) {
+    if (this.status === status && Object.keys(detail).length === 0) return;
+    this.status = status;
+    this.emit("status", { status, ...detail });
+  }
+
+  // -- connecting -----------------------------------------------------------------------------------------
+
+  /** Open the connection (and keep it open). Resolves with the welcome once the first sync after it is
+   * answered; rejects if the hub closes with a code that is not retried before any welcome. */
+  connect() {
+    if (!this.stopped && this.firstReady) return this.firstReady.promise;
+    this.stopped = false;
+    this.attempt = 0;
+    this.tokenRetried = false;
+    let resolve;
+    let reject;
+    const promise = new Promise((res, rej) => {
+      resolve = res;
+      reject = rej;
+    });
+    promise.catch(() => {}); // an app that never awaits it is told through "status" and "close"
+    this.firstReady = { promise, resolve, reject, done: false };
+    this.openSocket(false);
+    return promise;
+  }
+
+  async currentToken(refresh) {
+    // The token of the options (a string, or a function giving one) at first; on every reconnect a fresh
+    // one from refreshToken, when the app gave it.
+    const o = this.options;
+    if (refresh && o.refreshToken) this.token = await o.refreshToken();
+    else if (typeof o.token === "function") this.token = await o.token();
+    else if (!this.token && o.refreshToken) this.token = await o.refreshToken();
+    if (!this.token) throw new RedPacketError("token_invalid", "no token");
+    return this.token;
+  }
+
+  async openSocket(refresh) {
+    clearTimeout(this.retryTimer);
+    this.retryTimer = null;
+    const generation = ++this.generation;
+    this.setStatus(this.everWelcomed ? "reconnecting" : "connecting");
+    let ws;
+    try {
+      const token = await this.currentToken(refresh);
+      if (this.stopped || generation !== this.generation) return;
+      const o = this.options;
+      const url = new URL(o.url);
+      if (o.device) url.searchParams.set("device", o.device);
+      const format = o.format === "msgpack" ? SUBPROTOCOL_MSGPACK : SUBPROTOCOL_JSON;
+      // The token as a subprotocol beside the format, never in the URL (docs/protocol.md, "Connecting").
+      ws = new this.WebSocket(url.toString(), [format, `bearer.${token}`]);
+    } catch (e) {
+      // No token (refreshToken failed), or a URL the WebSocket refuses: said, and tried again later.
+      this.warn(e);
+      if (!this.stopped && generation === this.generation) this.retry(null);
+      return;
+    }
+    ws.binaryType = "arraybuffer";
+    this.ws = ws;
+    ws.onmessage = (e) => {
+      if (this.ws === ws) this.onFrame(e.data);
+    };
+    ws.onclose = (e) => {
+      if (this.ws === ws) this.onClose(e.code, e.reason);
+    };
+  }
+
+  /** Close for good: no reconnect; pending requests are rejected (`offline`). */
+  close() {
+    this.stopped = true;
+    clearTimeout(this.retryTimer);
+    this.retryTimer = null;
+    const ws = this.ws;
+    this.ws = null;
+    this.dropPending("connection closed");
+    if (ws && ws.readyState <= 1) ws.close(1000);
+    this.finishFirst(new RedPacketError("offline", "closed before the first welcome"));
+    this.setStatus("closed");
+  }
+
+  /** Drop the socket as a lost network would, and reconnect as after one (for tests and for an app that
+   * knows its network changed). */
+  reconnectNow() {
+    const ws = this.ws;
+    if (!ws) return;
+    this.ws = null;
+    ws.close(4000, "client reconnects");
+    this.onClose(1006, "dropped by the client", true);
+  }
+
+  finishFirst(error, welcome) {
+    const first = this.firstReady;
+    if (!first || first.done) return;
+    first.done = true;
+    if (error) first.reject(error);
+    else first.resolve(welcome);
+  }
+
+  dropPending(why) {
+    for (const p of this.pending.values()) {
+      clearTimeout(p.timer);
+      p.reject(new RedPacketError("offline", why));
+    }
+    this.pending.clear();
+  }
+
+  onClose(code, reason, forced = false) {
+    this.ws = null;
+    this.dropPending("connection lost");
+    if (this.stopped) return;
+    // 4001 (token expired or refused): once more with a token from refreshToken, if the app gave one; a
+    // second 4001 before a welcome is final. The other final codes need someone else to act first.
+    const newToken = code === CLOSE_TOKEN && this.options.refreshToken && !this.tokenRetried;
+    const final = !this.options.reconnect || (FINAL_CLOSE_CODES.includes(code) && !newToken);
+    this.emit("close", { code, reason, willRetry: !final, forced });
+    if (final) {
+      this.stopped = true;
+      this.finishFirst(new RedPacketError(reason || "closed", `closed by the hub: ${code} ${reason || ""}`.trim(),
+        { closeCode: code }));
+      this.setStatus("closed", { code, reason });
+      return;
+    }
+    if (code === CLOSE_TOKEN) this.tokenRetried = true;
+    this.retry(code);
+  }
+
+  retry(code) {
+    this.attempt += 1;
+    if (this.attempt > this.options.maxAttempts) {
+      this.stopped = true;
+      this.finishFirst(new RedPacketError("offline", "gave up reconnecting"));
+      this.setStatus("closed", { code: code ?? 0, reason: "gave up" });
+      return;
+    }
+    const { minDelayMs, maxDelayMs } = this.options;
+    // Exponential back-off with full jitter: anything from 0 to min(max, min × 2^(attempt−1)).
+    const cap = Math.min(maxDelayMs, minDelayMs * 2 ** (this.attempt - 1));
+    let delay = Math.random() * cap;
+    if (code === CLOSE_RESTARTING && this.attempt === 1) delay = Math.random() * Math.min(200, cap);
+    if (code === CLOSE_RATE_LIMITED) delay = maxDelayMs * (0.5 + Math.random() / 2);
+    this.setStatus(this.everWelcomed ? "reconnecting" : "connecting", { code: code ?? 0, retryInMs: Math.round(delay) });
+    // Every reconnect asks refreshToken (when the app gave one) for a fresh token first.
+    this.retryTimer = setTimeout(() => this.openSocket(true), delay);
+  }
+
+  // -- frames -----------------------------------------------------------------------------------------------
+
+  encode(message) {
+    return this.options.format === "msgpack" ? encodeMsgpack(message) : JSON.stringify(message);
+  }
+
+  onFrame(data) {
+    let msg;
+    try {
+      msg = typeof data === "string" ? JSON.parse(data) : decodeMsgpack(data);
+    } catch (e) {
+      this.warn(new RedPacketError("bad_frame", `a frame from the hub could not be decoded: ${e.message}`));
+      return;
+    }
+    switch (msg.type) {
+      case "welcome":
+        this.onWelcome(msg);
+        break;
+      case "reply":
+        this.onReply(msg);
+        break;
+      case "event":
+        this.onEvent(msg);
+        break;
+      case "removed":
+        this.offsets.delete(msg.group);
+        this.emit("removed", { group: msg.group });
+        break;
+      case "added":
+        this.emit("added", { group: msg.group });
+        break;
+      case "gap":
+        // The hub lost events of this group it could not recover itself: sync it from our last offset.
+        this.emit("gap", { group: msg.group });
+        this.sync([msg.group], "gap").catch((e) => e.code === "offline" || this.warn(e));
+        break;
+      default:
+        break;
+    }
+  }
+
+  async onWelcome(msg) {
+    const reconnect = this.everWelcomed;
+    this.welcome = msg;
+    this.everWelcomed = true;
+    this.tokenRetried = false;
+    this.setStatus("online");
+    this.emit("welcome", { ...msg, reconnect });
+    const ws = this.ws;
+    if (this.options.beforeSync) {
+      try {
+        await this.options.beforeSync(msg);
+      } catch (e) {
+        this.fail(e);
+      }
+    }
+    if (this.ws !== ws) return; // lost meanwhile: the next welcome syncs
+    // The hub holds a group's events until it is synced: every group of the welcome, from its last offset.
+    const ids = msg.groups.map((g) => g.group_id);
+    for (const id of [...this.offsets.keys()]) if (!ids.includes(id)) this.offsets.delete(id);
+    try {
+      await this.sync(ids, reconnect ? "reconnect" : "welcome");
+    } catch (e) {
+      if (e.code === "offline" || this.ws !== ws) return; // lost meanwhile: the next welcome syncs
+      // Unsynced, the groups' events are held on the hub: connect again (with the back-off, which only a
+      // synced connection resets) rather than stay online deaf.
+      this.warn(e);
+      this.reconnectNow();
+      return;
+    }
+    this.attempt = 0;
+    this.finishFirst(null, msg);
+  }
+
+  onReply(msg) {
+    const p = this.pending.get(msg.id);
+    if (!p) return; // timed out meanwhile
+    this.pending.delete(msg.id);
+    clearTimeout(p.timer);
+    if (msg.ok) p.resolve(msg.data);
+    else p.reject(replyError(msg.error));
+  }
+
+  onEvent(msg) {
+    // Each event once: a replay after a reconnect may overlap what was seen (docs/protocol.md, "Recovery").
+    if (!isNewer(msg.offset, this.offsets.get(msg.group))) return;
+    this.offsets.set(msg.group, msg.offset);
+    this.emit("event", msg);
+    if (EVENT_TYPES.includes(msg.event)) this.emit(msg.event, msg);
+  }
+
+  // -- requests ---------------------------------------------------------------------------------------------
+
+  /** One request; resolves with the reply's `data`, rejects with a RedPacketError carrying its `code`
+   * (or `offline`, `timeout`). `timeoutMs` overrides the client's `requestTimeoutMs` for this request. */
+  request(type, fields = {}, { timeoutMs } = {}) {
+    return new Promise((resolve, reject) => {
+      const ws = this.ws;
+      if (!ws || ws.readyState !== 1 || this.status !== "online") {
+        reject(new RedPacketError("offline", "not connected"));
+        return;
+      }
+      const id = this.nextId++;
+      const wait = timeoutMs ?? this.options.requestTimeoutMs;
+      const timer = setTimeout(() => {
+        this.pending.delete(id);
+        reject(new RedPacketError("timeout", `no reply to ${type} within ${wait} ms`));
+      }, wait);
+      this.pending.set(id, { resolve, reject, timer });
+      ws.send(this.encode({ ...fields, id, type }));
+    });
+  }
+
+  /** Sync `groups` (ids; default: every group of the welcome) from their last offsets. Events missed are
+   * delivered before this resolves; a group the hub no longer holds enough of gets a "reset" event with its
+   * open packets. Resolves with the reply's `groups`. */
+  async sync(groups, reason = "manual") {
+    const ids = groups || (this.welcome ? this.welcome.groups.map((g) => g.group_id) : []);
+    const wanted = {};
+    const previous = new Map();
+    for (const id of ids) {
+      previous.set(id, this.offsets.get(id) ?? null);
+      wanted[String(id)] = this.offsets.get(id) ?? this.options.firstOffset;
+    }
+    const data = await this.request("sync", { groups: wanted });
+    let replayed = 0;
+    for (const [key, res] of Object.entries(data.groups)) {
+      const id = Number(key);
+      if (res.error) {
+        this.offsets.delete(id);
+        continue;
+      }
+      replayed += res.replayed || 0;
+      const seen = this.offsets.get(id);
+      if (res.too_old || res.packets) {
+        // A fresh start, or the hub no longer holds what followed our offset: its latest is where we are.
+        this.offsets.set(id, res.too_old || isNewer(res.offset, seen) ? res.offset : seen);
+        this.emit("reset", { group: id, offset: res.offset, packets: res.packets || [], tooOld: Boolean(res.too_old),
+          previous: previous.get(id) ?? null });
+      } else if (res.offset !== "0-0" && isNewer(res.offset, seen)) {
+        this.offsets.set(id, res.offset);
+      }
+    }
+    this.emit("synced", { groups: data.groups, reason, replayed });
+    return data.groups;
+  }
+
+  ping() {
+    return this.request("ping");
+  }
+
+  chat(group, text) {
+    return this.request("chat", { group, text });
+  }
+
+  /** send: `packet` is {kind, total, count, greeting, target, request_id}; pass a request_id to retry safely. */
+  send(group, packet) {
+    return this.request("send", { ...packet, group });
+  }
+
+  grab(group, packet) {
+    return this.request("grab", { group, packet });
+  }
+
+  open(group, packet) {
+    return this.request("open", { group, packet });
+  }
+
+  presence(group) {
+    return this.request("presence", { group });
+  }
+
+  /** The last offset seen per group (to store, and give back as `offsets` to a client made later). */
+  lastOffsets() {
+    return Object.fromEntries([...this.offsets].map(([g, o]) => [String(g), o]));
+  }
+}
