@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
+from server.ids import UserId
 from server.money import ledger
 from server.settings import Settings
 from server.store.engines import connect
@@ -703,4 +704,71 @@ async def test_a_hub_without_name_login_says_how_to_get_in(browser: Browser, hub
         await expect(page.locator("#login-error")).to_have_text(
             "This server does not log in by name: open it from your chat app, which signs you in."
         )
+        await done_with(page)
+
+
+# Every WebSocket the page makes is recorded (where in the page's code it was made); while
+# ``window.__unreachable`` is set, a new one goes to a port nobody listens on, as if the hub could not be
+# reached.
+RECORD_SOCKETS = """
+(() => {
+  const Real = WebSocket;
+  window.__sockets = [];
+  window.__unreachable = false;
+  window.WebSocket = class extends Real {
+    constructor(url, protocols) {
+      super(window.__unreachable ? "ws://127.0.0.1:9/ws" : url, protocols);
+      const frame = new Error().stack.split("\\n").find((line) => line.includes("http://"));
+      window.__sockets.push({ frame, protocols: protocols.map((p) => p.split(".")[0]) });
+    }
+  };
+})();
+"""
+
+
+async def test_the_page_talks_through_the_javascript_client_and_recovers_after_the_hub_closes_it(
+    browser: Browser, hub_settings: Settings
+) -> None:
+    """The page has no socket code of its own: every WebSocket it opens is made by the JavaScript client
+    (``/client/redpacket.js``). Closed by the hub (1012, as a restarting hub does) and kept out for a
+    while, it says so, comes back, and shows what was said and sent meanwhile, once."""
+    async with hub_in_process(hub_settings, run_worker=True) as hub:
+        alice_token, bob, group = await pair_in_group(hub, "club")
+        sender = await hub.client(alice_token, fmt="json")
+        page = await open_page(browser, hub.http, DESKTOP)
+        await page.add_init_script(RECORD_SOCKETS)
+        await page.reload()
+        await log_in(page, "bob")
+        await page.click("#group-list button:has-text('club')")
+        await sender.request("chat", group=group, text="before the close")
+        await expect(page.locator("#messages")).to_contain_text("before the close")
+        assert await page.evaluate("state.client.constructor.name") == "RedPacketClient"
+        assert "WebSocket" not in await page.evaluate("fetch('/app.js').then((r) => r.text())")
+
+        await page.evaluate("window.__unreachable = true")
+        conns = list(hub.hub.by_user[UserId(bob)])
+        assert len(conns) == 1
+        conns[0].close(1012, "restarting")
+        await expect(page.locator("#conn")).to_have_attribute("data-state", "reconnecting")
+        await expect(page.locator("#missed")).to_contain_text("Connection lost")
+        await sender.request("chat", group=group, text="said while the hub had closed it")
+        sent = await sender.request("send", group=group, total=300, count=1, greeting="sent meanwhile")
+        await page.evaluate("window.__unreachable = false")
+
+        await expect(page.locator("#conn")).to_have_attribute("data-state", "online", timeout=WAIT_MS)
+        await expect(page.locator("#messages")).to_contain_text("said while the hub had closed it")
+        await expect(page.locator(f".packet[data-packet='{sent['packet_id']}']")).to_contain_text(
+            "sent meanwhile"
+        )
+        await expect(page.locator("#toast")).to_contain_text("2 missed updates filled in")
+        await expect(page.locator("#messages li", has_text="before the close")).to_have_count(1)
+        await open_by_its_coin(page, sent["packet_id"])
+        await expect(page.locator("#pd-amount")).to_have_text("¥3.00")
+
+        sockets = await page.evaluate("window.__sockets")
+        assert len(sockets) >= 2, sockets
+        for s in sockets:
+            assert "/client/redpacket.js" in s["frame"], s
+            assert s["protocols"] == ["redpacket", "bearer"], s
+        await sender.close()
         await done_with(page)

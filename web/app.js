@@ -1,9 +1,9 @@
-// The redpacket demo page: plain JavaScript, no build step. It speaks the hub's websocket protocol in
-// JSON mode (subprotocol redpacket.v1.json, docs/protocol.md) and the HTTP API for what is not live.
-"use strict";
+// The redpacket demo page: plain JavaScript, no build step, an ES module. It talks to the hub through the
+// JavaScript client (clients/js, served at /client/: the socket in JSON mode, reconnection, sync from the
+// last offset of each group, requests by id; docs/protocol.md) and the HTTP API for what is not live.
+import { RedPacketClient } from "/client/redpacket.js";
 
 const $ = (id) => document.getElementById(id);
-const SUBPROTOCOL = "redpacket.v1.json";
 const phone = window.matchMedia("(max-width: 700px)");
 
 // ---- words: what people see instead of error codes ------------------------------------------------------
@@ -46,6 +46,7 @@ const MESSAGES = {
   database_unavailable: "The service is busy. Try again in a moment.",
   idempotency_key_reused: "That request was already made with other details.",
   offline: "You are offline. Wait until the connection is back.",
+  timeout: "No answer from the server. Try again in a moment.",
 };
 
 function say(err) {
@@ -112,24 +113,22 @@ const state = {
   me: null, // {user_id, name, balance, groups}
   groups: new Map(), // id → {info, offset, members: Map id→{name, role}, online: Set, items: [], packets: Map, unread}
   current: null,
-  ws: null,
+  client: null, // the RedPacketClient of this log-in
   connState: "offline",
   everOnline: false,
-  nextId: 1,
-  pending: new Map(),
-  retryMs: 500,
-  retryTimer: null,
+  shownBefore: 0, // lines of the rooms before a welcome's sync: what it filled in is the difference
   names: new Map(), // user id → name, across groups
   skewMs: 0, // the hub's clock minus this browser's, from the welcome
   limits: { max_count: 100, max_total_cents: 20_000, max_greeting_chars: 64, packet_ttl_seconds: 86_400 },
   shown: { group: null, packet: null }, // the packet in the packet sheet
   expiryTimer: null,
 };
+window.state = state; // a module's names are its own: the console (and the tests) look at the page's state
 
 function group(id) {
   let g = state.groups.get(id);
   if (!g) {
-    g = { info: { group_id: id, name: `group ${id}`, role: "member" }, offset: null, members: new Map(),
+    g = { info: { group_id: id, name: `group ${id}`, role: "member" }, members: new Map(),
       online: new Set(), items: [], packets: new Map(), unread: 0, synced: false };
     state.groups.set(id, g);
   }
@@ -208,124 +207,75 @@ function device() {
 }
 
 function connect() {
-  clearTimeout(state.retryTimer);
   setConn(state.everOnline ? "reconnecting" : "connecting");
   const proto = location.protocol === "https:" ? "wss:" : "ws:";
-  // The token travels as a subprotocol, not in the URL (docs/protocol.md, "Connecting").
-  const url = `${proto}//${location.host}/ws?device=${device()}`;
-  const ws = new WebSocket(url, [SUBPROTOCOL, `bearer.${state.token}`]);
-  state.ws = ws;
-  ws.onmessage = (e) => {
-    let msg;
-    try {
-      msg = JSON.parse(e.data);
-    } catch {
-      return;
+  // The client sends the token as a subprotocol, not in the URL (docs/protocol.md, "Connecting"), backs
+  // off with jitter up to 10 s between tries, and syncs every group from its last offset after each welcome.
+  const client = new RedPacketClient({
+    url: `${proto}//${location.host}/ws`,
+    token: state.token,
+    device: device(),
+    format: "json",
+    firstOffset: "0-0", // a group seen for the first time: its recent history
+    minDelayMs: 500,
+    maxDelayMs: 10_000,
+    beforeSync: onWelcome,
+  });
+  state.client = client;
+  const mine = (handler) => (x) => state.client === client && handler(x);
+  client.on("status", mine(({ status }) => {
+    if (status === "reconnecting" || (status === "connecting" && state.everOnline)) setConn("reconnecting");
+  }));
+  client.on("close", mine((e) => {
+    if (e.willRetry) return;
+    // A token the hub refuses (4001), or a user it does not have (4004): log in again.
+    if (e.code === 4001 || e.code === 4004) logout();
+    else {
+      setConn("offline");
+      toast("Disconnected: too many windows are open on this account. Close one and reload.");
     }
-    onMessage(msg);
-  };
-  ws.onclose = (e) => {
-    if (state.ws !== ws) return;
-    state.ws = null;
-    for (const p of state.pending.values()) p.reject(new ApiError("offline", "connection lost"));
-    state.pending.clear();
-    if (e.code === 4001) {
-      logout();
-      return;
-    }
-    if (!state.token) return;
-    setConn("reconnecting");
-    // Back off, with jitter, up to 10 s; the hub says 1012 when it restarts: come back soon.
-    const wait = e.code === 1012 ? 200 : state.retryMs;
-    state.retryMs = Math.min(10_000, state.retryMs * 2);
-    state.retryTimer = setTimeout(connect, wait * (0.75 + Math.random() / 2));
-  };
+  }));
+  client.on("event", mine(onEvent));
+  client.on("reset", mine(onReset));
+  client.on("synced", mine(onSynced));
+  client.on("added", mine((msg) => refreshMe().then(() => client.sync([msg.group])).catch(showError)));
+  client.on("removed", mine((msg) => {
+    state.groups.delete(msg.group);
+    if (state.current === msg.group) selectGroup(null);
+    toast("You were removed from a group.");
+    refreshMe().catch(showError);
+  }));
+  // A gap notice: the client syncs the group itself; its reply comes as "synced".
+  client.connect().catch(() => {}); // a final close is handled above
 }
 
 function request(type, fields) {
-  return new Promise((resolve, reject) => {
-    const ws = state.ws;
-    if (!ws || ws.readyState !== WebSocket.OPEN || state.connState !== "online") {
-      reject(new ApiError("offline", "not connected"));
-      return;
-    }
-    const id = state.nextId++;
-    state.pending.set(id, { resolve, reject });
-    ws.send(JSON.stringify({ id, type, ...fields }));
-  });
+  if (!state.client) return Promise.reject(new ApiError("offline", "not connected"));
+  return state.client.request(type, fields);
 }
 
-function onMessage(msg) {
-  switch (msg.type) {
-    case "welcome":
-      onWelcome(msg);
-      break;
-    case "reply": {
-      const p = state.pending.get(msg.id);
-      if (!p) return;
-      state.pending.delete(msg.id);
-      if (msg.ok) p.resolve(msg.data);
-      else p.reject(apiError(msg.error));
-      break;
-    }
-    case "event":
-      onEvent(msg);
-      break;
-    case "added":
-      refreshMe().then(() => syncGroups([msg.group])).catch(showError);
-      break;
-    case "removed":
-      state.groups.delete(msg.group);
-      if (state.current === msg.group) selectGroup(null);
-      toast("You were removed from a group.");
-      refreshMe().catch(showError);
-      break;
-    case "gap":
-      syncGroups([msg.group]).catch(showError);
-      break;
-  }
-}
+const shownLines = () => [...state.groups.values()].reduce((n, g) => n + g.items.length, 0);
 
+// The client awaits this after each welcome, before it syncs (the hub holds the groups' events until then).
 async function onWelcome(msg) {
   for (const info of msg.groups) group(info.group_id).info = { ...group(info.group_id).info, ...info };
   state.skewMs = msg.server_ms - Date.now();
   if (msg.limits) state.limits = msg.limits;
-  const reconnect = state.everOnline;
   state.everOnline = true;
-  state.retryMs = 500;
   setConn("online");
   try {
     await refreshMe();
-    const missed = await syncGroups(msg.groups.map((g) => g.group_id));
-    if (reconnect) {
-      toast(missed > 0 ? `Back online: ${missed} missed update${missed === 1 ? "" : "s"} filled in.` : "Back online.");
-    }
-    if (state.current === null && state.groups.size && !phone.matches) selectGroup([...state.groups.keys()][0]);
-    else if (state.current !== null) renderChat();
   } catch (e) {
     showError(e);
   }
+  state.shownBefore = shownLines();
 }
 
-async function syncGroups(ids) {
-  // A group seen before: what was missed since its last offset. A new one: its recent history ("0-0").
-  const wanted = {};
-  for (const id of ids) wanted[String(id)] = group(id).offset || "0-0";
-  const shown = () => ids.reduce((n, id) => n + group(id).items.length, 0);
-  const before = shown();
-  // Replayed events arrive (and are shown) before this reply.
-  const data = await request("sync", { groups: wanted });
-  for (const [key, res] of Object.entries(data.groups)) {
-    const g = group(Number(key));
+// A sync's reply (after its replayed events): after a welcome, a gap, or a group added.
+function onSynced({ groups, reason }) {
+  for (const [key, res] of Object.entries(groups)) {
     if (res.error) continue;
-    if (res.too_old) {
-      // The hub no longer holds everything since our offset: start again from its open packets.
-      if (g.offset) {
-        g.items.push({ kind: "system", text: "Some older messages could not be loaded; here is what is open now." });
-      }
-      for (const view of res.packets || []) addPacketView(Number(key), view);
-      g.offset = res.offset;
-    }
+    const g = group(Number(key));
     if (!g.synced) {
       g.synced = true;
       g.unread = 0;
@@ -335,7 +285,22 @@ async function syncGroups(ids) {
   }
   renderGroups();
   if (state.current !== null) renderChat();
-  return shown() - before; // what the reader sees that is new: presence comings and goings not counted
+  if (reason !== "welcome" && reason !== "reconnect") return;
+  // What the reader sees that is new: presence comings and goings not counted.
+  const missed = shownLines() - state.shownBefore;
+  if (reason === "reconnect") {
+    toast(missed > 0 ? `Back online: ${missed} missed update${missed === 1 ? "" : "s"} filled in.` : "Back online.");
+  }
+  if (state.current === null && state.groups.size && !phone.matches) selectGroup([...state.groups.keys()][0]);
+}
+
+// The hub no longer holds everything since our offset: start again from its open packets.
+function onReset({ group: id, packets, tooOld, previous }) {
+  const g = group(id);
+  if (tooOld && previous) {
+    g.items.push({ kind: "system", text: "Some older messages could not be loaded; here is what is open now." });
+  }
+  for (const view of packets) addPacketView(id, view);
 }
 
 function presence(id) {
@@ -345,14 +310,6 @@ function presence(id) {
       if (id === state.current) renderMembers();
     })
     .catch(() => {});
-}
-
-function newer(a, b) {
-  // Offsets compare as (milliseconds, sequence) pairs.
-  if (!b) return true;
-  const [am, as] = a.split("-").map(Number);
-  const [bm, bs] = b.split("-").map(Number);
-  return am > bm || (am === bm && as > bs);
 }
 
 // The grabs a grabs event (or a big room's finished event) lists. A big room lists only the latest
@@ -372,9 +329,8 @@ function addGrabs(g, d, ms, added) {
 }
 
 function onEvent(msg) {
+  // Each event comes once, in order: the client drops what it has seen (an overlap after a reconnect).
   const g = group(msg.group);
-  if (!newer(msg.offset, g.offset)) return;
-  g.offset = msg.offset;
   const d = msg.data;
   const ms = offsetMs(msg.offset);
   const added = [];
@@ -867,10 +823,9 @@ async function login(name) {
 function logout() {
   state.token = null;
   sessionStorage.removeItem("rp.token");
-  const ws = state.ws;
-  state.ws = null;
-  if (ws) ws.close(1000);
-  clearTimeout(state.retryTimer);
+  const client = state.client;
+  state.client = null;
+  if (client) client.close();
   clearTimeout(state.expiryTimer);
   state.groups.clear();
   state.current = null;
