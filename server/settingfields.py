@@ -152,6 +152,29 @@ class SettingFields:
         " backend's address cannot lock it out); every wrong key counts in"
         " `redpacket_service_key_failures_total`",
     )
+    webhook_urls: str = setting(
+        "",
+        "where workers POST each event of the ledger (comma-separated `https://` URLs, `http://` only to"
+        " this machine), signed with `REDPACKET_WEBHOOK_SECRET` " + LINK_INTEGRATION,
+        shown="*(none: off; `GET /api/service/events` serves them either way)*",
+    )
+    webhook_secret: str = setting(
+        "",
+        "the key of the webhooks' HMAC-SHA256 signature: at least 32 characters; required with webhook URLs",
+        shown="*(none)*",
+    )
+    webhook_timeout_ms: int = setting(10_000, "how long one delivery waits for the receiver's answer")
+    webhook_retry_ms: int = setting(
+        1_000,
+        "the first retry of a failed delivery comes after about this; each next one waits twice as long"
+        " (with jitter), at most an hour",
+    )
+    webhook_give_up_hours: int = setting(
+        72,
+        "a delivery still failing this long after its event is given up (`failed`, counted, on the"
+        " dashboard; `redpacket webhooks replay` sends it again)",
+        least=24,
+    )
     token_ttl_seconds: int = setting(86_400, "lifetime of a token from `/api/login`")
     # Demos only: ``check`` refuses them unless the hub listens on loopback with no chat backend.
     dev_login: bool = setting(

@@ -176,6 +176,11 @@ class Settings(SettingFields):
         return frozenset(int(u) for u in self.bot_exempt_users.replace(" ", "").split(",") if u)
 
     @property
+    def webhook_url_list(self) -> tuple[str, ...]:
+        """``webhook_urls``, split at commas (each URL once, in the order given)."""
+        return tuple(dict.fromkeys(u.strip() for u in self.webhook_urls.split(",") if u.strip()))
+
+    @property
     def jwt_algorithm_list(self) -> tuple[str, ...]:
         """The token algorithms this hub takes: HS256, or RS256/ES256 with a public key or a JWKS."""
         if self.jwt_algorithms:
@@ -243,6 +248,20 @@ class Settings(SettingFields):
                     f"{PREFIX}JWKS_URL must be https (plain http only to this machine): the keys that say"
                     f" who every user is must not be swappable on the way (got {self.jwks_url!r})"
                 )
+        for url in self.webhook_url_list:
+            u = urlparse(url)
+            if not u.hostname or not (
+                u.scheme == "https" or (u.scheme == "http" and is_loopback(u.hostname or ""))
+            ):
+                raise ValueError(
+                    f"{PREFIX}WEBHOOK_URLS: each is an https:// URL (plain http only to this machine): the"
+                    f" events carry who was paid what (got {url!r})"
+                )
+        if self.webhook_url_list and len(self.webhook_secret) < 32:
+            raise ValueError(
+                f"{PREFIX}WEBHOOK_SECRET is required with webhook URLs, at least 32 characters, e.g."
+                " `openssl rand -hex 32`: receivers check every delivery's signature with it"
+            )
         if self.service_key and len(self.service_key) < 32:
             raise ValueError(
                 f"{PREFIX}SERVICE_KEY is too short: at least 32 characters, e.g. `openssl rand -hex 32`"

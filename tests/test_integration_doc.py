@@ -64,9 +64,34 @@ def test_the_integration_guide_runs_as_written(tmp_path: Path) -> None:
         assert run("integration-token", url) == "li ['family']\n"
         paid, again = replies(run("integration-money", url))
         assert (paid["replay"], again["replay"], again["balance"]) == (False, True, 8800)
+        out, again, held, confirmed, held2, released = replies(run("integration-payout", url))
+        assert (out["replay"], out["balance"], again["replay"], again["balance"]) == (False, 7800, True, 7800)
+        assert (held["state"], held["balance"], confirmed["state"], confirmed["balance"]) == (
+            "held",
+            5800,
+            "confirmed",
+            5800,
+        )
+        assert (held2["balance"], released["state"], released["balance"]) == (5300, "released", 5800)
         account, journal = replies(run("integration-reconcile", url))
-        assert account == {"user_id": 1001, "balance": 8800, "journal_sum": 8800}
-        assert [(e["key"], e["amount"]) for e in journal["entries"]] == [("service-topup:wallet-tx-77", 8800)]
+        assert account == {"user_id": 1001, "balance": 5800, "journal_sum": 5800}
+        assert [(e["key"], e["amount"]) for e in journal["entries"]] == [
+            ("service-topup:wallet-tx-77", 8800),
+            ("withdraw:out-1", -1000),
+            ("hold:bank-9", -2000),
+            ("hold:bank-10", -500),
+            ("release:bank-10", 500),
+        ]
+        (pulled,) = replies(run("integration-events", url))
+        assert [e["type"] for e in pulled["events"]] == [
+            "account.topup",
+            "account.withdrawn",
+            "hold.created",
+            "hold.confirmed",
+            "hold.created",
+            "hold.released",
+        ]
+        assert pulled["more"] is False and pulled["next"] == pulled["events"][-1]["id"]
         run("integration-keys", url)
 
     # The same data, now a hub that takes the backend's RS256 tokens and no HS256 ones.

@@ -80,6 +80,10 @@ def test_every_number_is_held_to_its_declared_bounds(f: dataclasses.Field[Any]) 
     least, most = f.metadata["least"], f.metadata["most"]
     if least == 0:
         Settings().replace(**{f.name: 0}).check()
+    elif least is not None:
+        Settings().replace(**{f.name: least}).check()
+        with pytest.raises(ValueError, match=f"{env_name(f.name)} must be a number {least} or more"):
+            Settings().replace(**{f.name: least - 1}).check()
     else:
         with pytest.raises(ValueError, match=f"{env_name(f.name)} must be a number more than 0"):
             Settings().replace(**{f.name: 0}).check()

@@ -29,6 +29,7 @@ from server.store.redisnodes import MasterUsage
 from worker.drain import CreditDrain
 from worker.metrics import WorkerMetrics
 from worker.settle import Ctx, announce_job, reconcile_job, refund_expired_job, score_bots_job, sweep_job
+from worker.webhooks import Dispatcher
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,13 @@ def durability_degraded(level: Durability, master: MasterUsage) -> str | None:
     return None
 
 
+def webhook_tasks(core: Core, metrics: WorkerMetrics) -> list[asyncio.Task[None]]:
+    """The webhook dispatcher, when ``REDPACKET_WEBHOOK_URLS`` names any."""
+    if not core.settings.webhook_url_list:
+        return []
+    return [asyncio.create_task(Dispatcher(core, metrics).run())]
+
+
 @contextlib.asynccontextmanager
 async def beside_hub(core: Core) -> AsyncIterator[CollectorRegistry]:
     """The whole worker in a hub's process (``redpacket up``: ``server.hub.app.create_app``'s ``beside``);
@@ -206,6 +214,7 @@ async def running_worker(core: Core, metrics: WorkerMetrics | None = None) -> As
         asyncio.create_task(CreditDrain(core, metrics).run()),
         asyncio.create_task(run_arq(core, metrics)),
         asyncio.create_task(heartbeat(core, metrics)),
+        *webhook_tasks(core, metrics),
     ]
     try:
         yield metrics

@@ -56,6 +56,41 @@ class Reconciled(Collector):
         )
 
 
+class WebhookMetrics:
+    """The webhook dispatcher's (``worker.webhooks``), per URL."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.deliveries = Counter(
+            "redpacket_webhook_deliveries",
+            "webhook deliveries by URL (host and path) and result: delivered, retry (failed, due again),"
+            " failed (given up), lease_lost (answered after another worker took it over)",
+            ["endpoint", "result"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "redpacket_webhook_latency_seconds",
+            "from an event's commit to its delivery's acknowledgement",
+            ["endpoint"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600),
+            registry=r,
+        )
+        self.pending = Gauge(
+            "redpacket_webhook_pending", "deliveries not yet acknowledged, per URL", ["endpoint"], registry=r
+        )
+        self.failed = Gauge(
+            "redpacket_webhook_failed",
+            "deliveries given up, per URL (`redpacket webhooks replay` sends them again)",
+            ["endpoint"],
+            registry=r,
+        )
+        self.oldest = Gauge(
+            "redpacket_webhook_oldest_pending_seconds",
+            "age of the oldest delivery not yet acknowledged, per URL (0: none)",
+            ["endpoint"],
+            registry=r,
+        )
+
+
 class WorkerMetrics:
     def __init__(self, own_process: bool = True) -> None:
         """``own_process``: this registry also reports the process (not under ``redpacket up``, where
@@ -134,4 +169,5 @@ class WorkerMetrics:
             " an outbox entry or no worker drained for a minute)",
             registry=r,
         )
+        self.webhooks = WebhookMetrics(r)
         self.blocks_set = Counter("redpacket_blocks_set", "users blocked by the bot detector", registry=r)

@@ -24,7 +24,7 @@ from server.store.engines import connect
 from server.store.queue import job_deserializer, job_serializer
 from server.store.schema import deployment_id, migrate
 from worker.drain import CreditDrain
-from worker.main import cron_jobs, heartbeat
+from worker.main import cron_jobs, heartbeat, webhook_tasks
 from worker.metrics import WorkerMetrics
 
 _settings = Settings.from_env()
@@ -51,6 +51,7 @@ async def _startup(ctx: dict[str, Any]) -> None:
     tasks = [
         asyncio.create_task(CreditDrain(core, metrics).run()),
         asyncio.create_task(heartbeat(core, metrics)),
+        *webhook_tasks(core, metrics),
     ]
     ctx.update(core=core, metrics=metrics, stack=stack, tasks=tasks)
 

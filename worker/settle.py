@@ -16,7 +16,7 @@ from server.core import Core
 from server.errors import Unavailable
 from server.live import announce
 from server.live.bots import run_detector
-from server.money import settlement
+from server.money import payouts, settlement
 from server.money.reconcile import reconcile
 from server.store import keys
 from worker.metrics import WorkerMetrics
@@ -56,6 +56,8 @@ async def refund_expired_job(ctx: Ctx) -> dict[str, Any]:
         if metrics:
             metrics.refunds.labels(r.outcome).inc()
     done["finished"] = done.get("finished", 0) + await settlement.mark_finished(core)
+    # Holds past their expiry go back to their balances (a confirm after it finds them expired anyway).
+    done["holds_expired"] = await payouts.expire_due(core.db)
     return done
 
 

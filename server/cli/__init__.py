@@ -54,7 +54,7 @@ def _need_tools(command: str, plot: bool = False) -> None:
 
 
 # Commands that read the ledger and must find it, never make an empty one.
-READERS = ("reconcile", "blocks", "recover")
+READERS = ("reconcile", "blocks", "recover", "webhooks")
 
 
 def _refuse(args: argparse.Namespace, settings: Settings) -> None:
@@ -127,6 +127,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
             uvloop.run(maintenance.recover(s, args.packet_ids))
         elif command == "reconcile":
             return 0 if uvloop.run(maintenance.reconcile(s)) else 1
+        elif command == "webhooks":
+            uvloop.run(maintenance.webhooks(s, getattr(args, "since", None), getattr(args, "after", None)))
         else:
             uvloop.run(bench(s, args))
     return 0

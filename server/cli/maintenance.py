@@ -12,6 +12,7 @@ from server.cli.errors import OperatorError
 from server.cli.services import check_services
 from server.core import open_core
 from server.settings import Settings
+from server.store.db import Database
 
 
 async def migrate(settings: Settings) -> None:
@@ -80,3 +81,52 @@ async def recover(settings: Settings, packet_ids: list[int]) -> None:
                 print(f"packet {pid}: Redis is unavailable ({e}); run it again")
                 continue
             print(f"packet {pid}: {r.shares_left} shares left, {r.grabs_known} grabs known")
+
+
+def since_ms(text: str) -> int:
+    """An ISO 8601 time (UTC unless it says otherwise) as unix milliseconds; an operator's error if not."""
+    try:
+        at = datetime.datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise OperatorError(
+            f"--since {text!r} is not an ISO 8601 time such as 2026-12-01T08:00Z", 2
+        ) from None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=datetime.UTC)
+    return int(at.timestamp() * 1000)
+
+
+async def webhooks(settings: Settings, since: str | None, after: int | None) -> None:
+    """``status`` (neither given) or ``replay`` from a time or an event id."""
+    from server.money import deliveries, events
+    from server.money.ledger import now_ms
+
+    urls = settings.webhook_url_list
+    if not urls:
+        raise OperatorError("no webhook URLs: set REDPACKET_WEBHOOK_URLS (as the workers have it)", 2)
+    if after is not None and after < 0:
+        raise OperatorError("--after is an event id, 0 or more", 2)
+    start = None if since is None else since_ms(since)
+    await check_services(settings, redis_too=False)
+    db = await _database(settings)
+    try:
+        ids = [deliveries.endpoint_id(u) for u in urls]
+        if since is None and after is None:
+            for url, endpoint in zip(urls, ids, strict=True):
+                q = await deliveries.state(db, endpoint)
+                oldest = (
+                    "none" if q.oldest_pending_ms is None else f"{(now_ms() - q.oldest_pending_ms) // 1000} s"
+                )
+                print(f"{url}: {q.pending} pending (oldest {oldest}), {q.failed} failed")
+            return
+        first = after if after is not None else await events.seq_at(db, start or 0)
+        n = await deliveries.replay(db, ids, first, now_ms())
+        print(f"{n} deliveries of events after id {first} due again, to {len(urls)} URL(s)")
+    finally:
+        await db.close()
+
+
+async def _database(settings: Settings) -> Database:
+    from server.store.engines import connect
+
+    return await connect(settings.effective_database_url, 2, settings.db_statement_timeout_ms / 1000)

@@ -22,6 +22,17 @@ def parser() -> argparse.ArgumentParser:
     blocks.add_argument(
         "--lift", type=int, metavar="USER", help="lift the block (and throttle) of this user id"
     )
+    hooks = sub.add_parser("webhooks", help="the webhook queue: how far each URL is; replay events")
+    hooks_sub = hooks.add_subparsers(dest="webhooks_command", required=True, metavar="ACTION")
+    hooks_sub.add_parser("status", help="per URL: deliveries pending, failed, the oldest pending")
+    replay = hooks_sub.add_parser(
+        "replay", help="send events again to every URL (the same ids: a receiver drops those it has)"
+    )
+    since = replay.add_mutually_exclusive_group(required=True)
+    since.add_argument(
+        "--since", metavar="TIME", help="events created at or after TIME (ISO 8601, e.g. 2026-12-01T08:00Z)"
+    )
+    since.add_argument("--after", type=int, metavar="EVENT_ID", help="events after this event id")
     rec = sub.add_parser(
         "recover", help="rebuild packets' Redis state from the database (safe while grabs go on)"
     )

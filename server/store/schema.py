@@ -269,7 +269,7 @@ MIGRATIONS.append(
                 last_error VARCHAR(200) NULL,
                 PRIMARY KEY (endpoint, seq)
             ){table_options}""",
-            "CREATE INDEX webhook_due ON webhook_deliveries (state, next_ms)",
+            "CREATE INDEX webhook_due ON webhook_deliveries (endpoint, state, next_ms)",
             "CREATE INDEX webhook_user ON webhook_deliveries (endpoint, user_id, state, seq)",
         ],
     )

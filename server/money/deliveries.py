@@ -1,0 +1,202 @@
+"""The webhook deliveries' queue, in the database beside the events it delivers.
+
+Per webhook URL (``endpoint``: a hash of it), ``queue`` copies every new event (by seq, after the URL's
+cursor) into a delivery row. A dispatcher ``claim``s due rows under a lease: a conditional UPDATE that
+one dispatcher wins per row, so two never both send one event in one round; ``ack`` marks a row
+delivered only while the claim's lease token is still its own, so a dispatcher that lost its lease (it
+stalled past it and another took the row) never acknowledges it. A dispatcher killed mid-delivery leaves
+its rows leased until the lease ends; then they are due again (a receiver dedupes by event id).
+
+**Order per user**: a row is claimed only when no earlier row of the same user and URL is undelivered,
+so a user's events reach a URL one at a time, in order (a failing one holds that user's later events back,
+not other users'; given up as ``failed`` after ``REDPACKET_WEBHOOK_GIVE_UP_HOURS``, it no longer does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+from server.money import events
+from server.store.db import Database, Tx
+
+# Events copied into the queue per URL per call.
+QUEUE_BATCH = 1000
+
+
+def endpoint_id(url: str) -> str:
+    """A URL's key in the queue: changing the list of URLs keeps each one's queue."""
+    return hashlib.sha256(url.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    seq: int
+    attempts: int
+    first_ms: int
+    event: events.Event
+
+
+async def queue(db: Database, endpoint: str, now: int) -> int:
+    """Copy events past ``endpoint``'s cursor into its deliveries; returns how many. A URL seen for the
+    first time starts from the first event: a backend that adds webhooks later is sent the history first
+    (it dedupes by id what it has), and no event made before a worker ran with the URL is skipped."""
+
+    async def work(tx: Tx) -> int:
+        row = await tx.fetchone(
+            "SELECT after_seq FROM webhook_cursors WHERE endpoint = %s" + tx.dialect.for_update, (endpoint,)
+        )
+        if row is None:
+            await tx.execute(
+                "INSERT INTO webhook_cursors (endpoint, after_seq) VALUES (%s, 0)"
+                + tx.dialect.skip_duplicate("endpoint"),
+                (endpoint,),
+            )
+            row = await tx.fetchone(
+                "SELECT after_seq FROM webhook_cursors WHERE endpoint = %s" + tx.dialect.for_update,
+                (endpoint,),
+            )
+            assert row is not None
+        after = int(row[0])
+        new = await tx.fetchall(
+            "SELECT seq, user_id FROM events WHERE seq > %s ORDER BY seq LIMIT %s", (after, QUEUE_BATCH)
+        )
+        if not new:
+            return 0
+        await tx.executemany(
+            "INSERT INTO webhook_deliveries (endpoint, seq, user_id, state, attempts, next_ms, lease_ms,"
+            " lease_token, first_ms) VALUES (%s, %s, %s, 'pending', 0, %s, 0, 0, %s)",
+            [(endpoint, int(s), int(u), now, now) for s, u in new],
+        )
+        await tx.execute(
+            "UPDATE webhook_cursors SET after_seq = %s WHERE endpoint = %s", (int(new[-1][0]), endpoint)
+        )
+        return len(new)
+
+    return await db.run(work, idempotent=True)
+
+
+async def claim(
+    db: Database, endpoint: str, now: int, lease_ms: int, limit: int
+) -> tuple[int, list[Claimed]]:
+    """Lease up to ``limit`` due deliveries of ``endpoint``, each the oldest undelivered of its user;
+    returns the lease's token and them, oldest first."""
+    token = secrets.randbits(62) + 1
+
+    async def work(tx: Tx) -> list[int]:
+        due = await tx.fetchall(
+            "SELECT d.seq FROM webhook_deliveries d"
+            " WHERE d.endpoint = %s AND d.state = 'pending' AND d.next_ms <= %s AND d.lease_ms <= %s"
+            " AND NOT EXISTS (SELECT 1 FROM webhook_deliveries e WHERE e.endpoint = d.endpoint"
+            " AND e.user_id = d.user_id AND e.state = 'pending' AND e.seq < d.seq)"
+            " ORDER BY d.seq LIMIT %s",
+            (endpoint, now, now, limit),
+        )
+        seqs = [int(r[0]) for r in due]
+        if not seqs:
+            return []
+        marks = ", ".join(["%s"] * len(seqs))
+        await tx.execute(
+            "UPDATE webhook_deliveries SET lease_ms = %s, lease_token = %s, attempts = attempts + 1"
+            f" WHERE endpoint = %s AND seq IN ({marks}) AND state = 'pending' AND lease_ms <= %s",
+            [now + lease_ms, token, endpoint, *seqs, now],
+        )
+        won = await tx.fetchall(
+            f"SELECT seq FROM webhook_deliveries WHERE endpoint = %s AND seq IN ({marks})"
+            " AND lease_token = %s",
+            [endpoint, *seqs, token],
+        )
+        return sorted(int(r[0]) for r in won)
+
+    seqs = await db.run(work, idempotent=True)  # a run again finds its rows leased: they wait the lease
+    if not seqs:
+        return token, []
+    marks = ", ".join(["%s"] * len(seqs))
+    rows = await db.fetchall(
+        f"SELECT seq, attempts, first_ms FROM webhook_deliveries WHERE endpoint = %s AND seq IN ({marks})",
+        [endpoint, *seqs],
+    )
+    found = await events.by_seq(db, seqs)
+    return token, [Claimed(int(s), int(a), int(f), found[int(s)]) for s, a, f in rows if int(s) in found]
+
+
+async def ack(db: Database, endpoint: str, seq: int, token: int, now: int) -> bool:
+    """Delivered: True if this claim still held the row (it is now ``delivered``), False if its lease
+    had passed to another dispatcher."""
+
+    async def work(tx: Tx) -> int:
+        return await tx.execute(
+            "UPDATE webhook_deliveries SET state = 'delivered', done_ms = %s, last_error = NULL"
+            " WHERE endpoint = %s AND seq = %s AND lease_token = %s AND state = 'pending'",
+            (now, endpoint, seq, token),
+        )
+
+    return await db.run(work, idempotent=True) == 1
+
+
+async def retry_later(
+    db: Database, endpoint: str, seq: int, token: int, *, next_ms: int, error: str, give_up: bool
+) -> bool:
+    """Not delivered: due again at ``next_ms``, or ``failed`` for good with ``give_up``."""
+
+    async def work(tx: Tx) -> int:
+        return await tx.execute(
+            "UPDATE webhook_deliveries SET state = %s, next_ms = %s, lease_ms = 0, last_error = %s,"
+            " done_ms = %s WHERE endpoint = %s AND seq = %s AND lease_token = %s AND state = 'pending'",
+            (
+                *("failed" if give_up else "pending", next_ms, error[:200], next_ms if give_up else None),
+                *(endpoint, seq, token),
+            ),
+        )
+
+    return await db.run(work, idempotent=True) == 1
+
+
+async def replay(db: Database, endpoints: list[str], after_seq: int, now: int) -> int:
+    """Every event after ``after_seq`` due again for each endpoint (delivered, failed or never queued):
+    the same event ids, so a receiver that has some already drops them. Returns deliveries made due."""
+    total = 0
+    for endpoint in endpoints:
+        await queue(db, endpoint, now)  # the cursor exists, and events up to now are queued
+
+        async def work(tx: Tx, endpoint: str = endpoint) -> int:
+            changed = await tx.execute(
+                "UPDATE webhook_deliveries SET state = 'pending', next_ms = %s, lease_ms = 0, done_ms = NULL,"
+                " attempts = 0, first_ms = %s WHERE endpoint = %s AND seq > %s",
+                (now, now, endpoint, after_seq),
+            )
+            # Events before the URL's cursor that were never queued for it (it was added later).
+            missing = await tx.fetchall(
+                "SELECT e.seq, e.user_id FROM events e LEFT JOIN webhook_deliveries d"
+                " ON d.endpoint = %s AND d.seq = e.seq WHERE e.seq > %s AND d.seq IS NULL"
+                " AND e.seq <= (SELECT after_seq FROM webhook_cursors WHERE endpoint = %s)",
+                (endpoint, after_seq, endpoint),
+            )
+            await tx.executemany(
+                "INSERT INTO webhook_deliveries (endpoint, seq, user_id, state, attempts, next_ms, lease_ms,"
+                " lease_token, first_ms) VALUES (%s, %s, %s, 'pending', 0, %s, 0, 0, %s)",
+                [(endpoint, int(s), int(u), now, now) for s, u in missing],
+            )
+            return changed + len(missing)
+
+        total += await db.run(work, idempotent=True)
+    return total
+
+
+@dataclass(frozen=True)
+class QueueState:
+    pending: int
+    failed: int
+    oldest_pending_ms: int | None  # first_ms of the oldest undelivered
+
+
+async def state(db: Database, endpoint: str) -> QueueState:
+    rows = await db.fetchall(
+        "SELECT state, COUNT(*), MIN(first_ms) FROM webhook_deliveries"
+        " WHERE endpoint = %s AND state IN ('pending', 'failed') GROUP BY state",
+        (endpoint,),
+    )
+    by = {str(s): (int(n), None if m is None else int(m)) for s, n, m in rows}
+    pending = by.get("pending", (0, None))
+    return QueueState(pending[0], by.get("failed", (0, None))[0], pending[1])

@@ -1,0 +1,380 @@
+"""Webhooks, end to end: a real hub and worker, a real receiver over HTTP that fails for a while (500s,
+then answers too late), then accepts. Every event arrives, each id once after dedupe, equal to what the
+events API serves, in order per user, every signature checked with the receiver code docs/integration.md
+gives (Python and JavaScript); a worker killed mid-delivery loses nothing; two dispatchers never both
+acknowledge one delivery."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from server.core import Core, open_core
+from server.money import deliveries, ledger, packets
+from server.money.crediting import credit_many
+from server.money.reconcile import reconcile
+from server.settings import Settings
+from server.store.records import CreditEntry
+from tests.hubtools import HubUnderTest, eventually, hub_in_process, worker_env
+from worker.webhooks import Dispatcher, sign
+
+KEY = "service-key-of-the-chat-backend-0123456789"
+SECRET = "webhook-secret-of-the-chat-backend-0123456789"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "integration.md"
+
+
+def guide_example(marker: str) -> str:
+    m = re.search(rf"<!-- {marker} -->\n```\w*\n(.*?)```\n<!-- /{marker} -->", GUIDE.read_text(), re.DOTALL)
+    assert m, f"no {marker} example in docs/integration.md"
+    return m[1]
+
+
+def verifier() -> Callable[..., bool]:
+    """The receiver's check, exactly as docs/integration.md gives it."""
+    scope: dict[str, Any] = {}
+    exec(guide_example("webhook-verify-python"), scope)
+    return scope["verify_webhook"]  # type: ignore[no-any-return]
+
+
+@dataclass
+class Receiver:
+    """A backend's webhook endpoint. ``script`` says how the next requests are answered: ``"500"``,
+    ``"slow"`` (answered after the dispatcher's timeout), ``"hold"`` (not answered until ``release``);
+    then 200 for every request."""
+
+    script: list[str] = field(default_factory=list)
+    verify: Callable[..., bool] = field(default_factory=verifier)
+    seen: list[tuple[int, str]] = field(default_factory=list)  # (event id, how it was answered)
+    accepted: dict[int, dict[str, Any]] = field(default_factory=dict)  # deduped by event id
+    order: list[int] = field(default_factory=list)  # event ids in the order first accepted
+    bad_signatures: int = 0
+    holding: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+
+    async def endpoint(self, request: Request) -> Response:
+        body = await request.body()
+        if not self.verify(SECRET, request.headers.get("redpacket-signature", ""), body):
+            self.bad_signatures += 1
+            return Response(status_code=400)
+        event = json.loads(body)
+        assert request.headers["redpacket-event-id"] == str(event["id"])
+        how = self.script.pop(0) if self.script else "ok"
+        self.seen.append((event["id"], how))
+        if how == "500":
+            return Response("busy", status_code=500)
+        if how == "slow":
+            await asyncio.sleep(3)  # the test's dispatcher gives up after 0.4 s
+        if how == "hold":
+            self.holding.set()
+            await self.release.wait()
+        if event["id"] not in self.accepted:  # the backend's dedupe
+            self.accepted[event["id"]] = event
+            self.order.append(event["id"])
+        return Response("ok")
+
+
+@contextlib.asynccontextmanager
+async def receiving(receiver: Receiver) -> AsyncIterator[Receiver]:
+    app = Starlette(routes=[Route("/hooks", receiver.endpoint, methods=["POST"])])
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    await eventually(lambda: server.started, timeout=30)
+    receiver.url = f"http://127.0.0.1:{sock.getsockname()[1]}/hooks"
+    try:
+        yield receiver
+    finally:
+        receiver.release.set()
+        server.should_exit = True
+        await asyncio.wait_for(task, 30)
+
+
+def hooked(settings: Settings, receiver: Receiver) -> Settings:
+    return settings.replace(
+        service_key=KEY,
+        demo_topup=False,
+        webhook_urls=receiver.url,
+        webhook_secret=SECRET,
+        webhook_retry_ms=20,
+        webhook_timeout_ms=400,
+    )
+
+
+class Backend:
+    def __init__(self, hub: HubUnderTest) -> None:
+        self.hub = hub
+
+    async def ok(self, method: str, path: str, **body: Any) -> Any:
+        async with httpx.AsyncClient(base_url=self.hub.http, timeout=30) as http:
+            r = await http.request(
+                method, path, json=body or None, headers={"authorization": f"Bearer {KEY}"}
+            )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async def pulled(self) -> list[dict[str, Any]]:
+        """Every event, through the events API, page by page."""
+        out: list[dict[str, Any]] = []
+        after = 0
+        while True:
+            page = await self.ok("GET", f"/api/service/events?after={after}&limit=7")
+            out += page["events"]
+            after = page["next"]
+            if not page["more"]:
+                return out
+
+
+async def _money_story(b: Backend, base: int) -> None:
+    """Top-ups, a withdrawal, a hold confirmed, a hold released, a packet sent and grabbed to the end."""
+    for n in range(3):
+        await b.ok("PUT", f"/api/service/users/{base + n}", name=f"w{base + n}")
+        await b.ok("POST", "/api/service/topup", user_id=base + n, amount=5_000, request_id=f"t{base}-{n}")
+    await b.ok("POST", "/api/service/withdraw", user_id=base, amount=700, request_id=f"w{base}")
+    await b.ok("POST", "/api/service/holds", user_id=base + 1, amount=300, request_id=f"h{base}-a")
+    await b.ok("POST", "/api/service/holds/confirm", request_id=f"h{base}-a")
+    await b.ok("POST", "/api/service/holds", user_id=base + 2, amount=400, request_id=f"h{base}-b")
+    await b.ok("POST", "/api/service/holds/release", request_id=f"h{base}-b")
+    await b.ok(
+        "PUT", f"/api/service/groups/{base}", name="g", version=1, admins=[base], members=[base + 1, base + 2]
+    )
+    core = b.hub.core
+    p = await packets.send_packet(core, sender_id=base, group_id=base, kind="equal", total=600, count=2)
+    await credit_many(core.db, [CreditEntry(p.packet_id, base + 1 + i, i + 1, 300, 1) for i in range(2)])
+
+
+async def test_every_event_arrives_once_signed_in_order_through_500s_and_timeouts(
+    hub_settings: Settings,
+) -> None:
+    async with receiving(Receiver(script=["500"] * 6 + ["slow"] * 2)) as rx:
+        async with hub_in_process(hooked(hub_settings, rx), run_worker=True) as hub:
+            b = Backend(hub)
+            base = random.randrange(10**12, 10**15)
+            await _money_story(b, base)
+            pulled = await b.pulled()
+            assert [e["type"] for e in pulled].count("share.credited") == 2
+            assert len(pulled) == 3 + 1 + 2 + 2 + 1 + 2 + 1  # top-ups, out, holds, packet, credits, end
+            await eventually(lambda: set(rx.accepted) == {e["id"] for e in pulled}, timeout=60)
+            # Failures happened first, as scripted: 500s, then answers the dispatcher gave up waiting for.
+            hows = [h for _, h in rx.seen]
+            assert hows[:8] == ["500"] * 6 + ["slow"] * 2 and hows.count("ok") >= len(pulled)
+            assert rx.bad_signatures == 0
+            assert [rx.accepted[e["id"]] for e in pulled] == pulled  # the same bodies as the pull API
+            by_user: dict[int, list[int]] = defaultdict(list)
+            for seq in rx.order:
+                by_user[rx.accepted[seq]["user_id"]].append(seq)
+            assert all(ids == sorted(ids) for ids in by_user.values()), by_user  # in order per user
+            report = await reconcile(hub.core)
+            assert report.ok, report.differences
+            assert report.paid_out == 700 + 300
+
+
+async def test_a_worker_killed_mid_delivery_loses_nothing(hub_settings: Settings, tmp_path: Path) -> None:
+    """The receiver holds the first delivery open; the worker sending it is killed (-9); another worker
+    delivers it once the first one's lease is over, and every other event too."""
+    async with receiving(Receiver(script=["hold"])) as rx:
+        settings = hooked(hub_settings, rx)
+        async with hub_in_process(settings) as hub:  # no worker beside: the processes below are the workers
+            b = Backend(hub)
+            base = random.randrange(10**12, 10**15)
+            for n in range(4):
+                await b.ok("PUT", f"/api/service/users/{base + n}", name=f"k{base + n}")
+                await b.ok(
+                    "POST", "/api/service/topup", user_id=base + n, amount=100 + n, request_id=f"k{base}{n}"
+                )
+            env = {
+                **worker_env(settings),
+                "REDPACKET_WEBHOOK_URLS": rx.url,
+                "REDPACKET_WEBHOOK_SECRET": SECRET,
+                "REDPACKET_WEBHOOK_RETRY_MS": "20",
+                "REDPACKET_WEBHOOK_TIMEOUT_MS": "400",
+            }
+            workers = []
+            try:
+                workers.append(_worker(env, tmp_path / f"worker{len(workers)}.log"))
+                await asyncio.wait_for(rx.holding.wait(), 60)  # a delivery in flight: the dangerous state
+                held = rx.seen[0][0]
+                workers[0].send_signal(signal.SIGKILL)
+                await asyncio.to_thread(workers[0].wait, 30)
+                assert held not in rx.accepted
+                rx.release.set()
+                workers.append(_worker(env, tmp_path / f"worker{len(workers)}.log"))
+                pulled = await b.pulled()
+
+                async def all_acknowledged() -> bool:
+                    row = await hub.core.db.fetchone(
+                        "SELECT COUNT(*) FROM webhook_deliveries WHERE state = 'delivered'"
+                    )
+                    return row is not None and int(row[0]) == len(pulled)
+
+                await eventually(all_acknowledged, timeout=60)
+                assert set(rx.accepted) == {e["id"] for e in pulled}
+                # The held one was sent again by the second worker once the first one's lease was over
+                # (the receiver answered the dead worker's request too late for it to hear).
+                assert [seq for seq, _ in rx.seen].count(held) >= 2
+            finally:
+                for w in workers:
+                    w.kill()
+                    await asyncio.to_thread(w.wait, 30)
+
+
+def _worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "server", "worker"], env=env, stdout=out, stderr=out)
+
+
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
+async def test_two_dispatchers_never_both_acknowledge_one_delivery(core: Core) -> None:
+    """Two dispatchers race over 120 events of 12 users: each delivery is acknowledged by one of them,
+    and with no failure each event is sent once."""
+    async with receiving(Receiver()) as rx:
+        settings = core.settings.replace(webhook_urls=rx.url, webhook_secret=SECRET, webhook_timeout_ms=2000)
+        users = [await ledger.create_user(core.db, f"d{i}") for i in range(12)]
+        async with open_core(settings) as a, open_core(settings) as b:
+            ones = [Dispatcher(a), Dispatcher(b)]
+            for i in range(120):
+                await ledger.topup(core.db, users[i % 12], 10 + i, f"r{i}")
+            acked: list[int] = []
+            real_ack = deliveries.ack
+
+            async def counting_ack(*args: Any, **kw: Any) -> bool:
+                won = await real_ack(*args, **kw)
+                if won:
+                    acked.append(args[2])
+                return won
+
+            deliveries.ack = counting_ack  # type: ignore[assignment]
+            try:
+                async with httpx.AsyncClient() as http:
+                    for d in ones:
+                        d.client = http
+
+                    async def until_done(d: Dispatcher) -> None:
+                        while len(rx.accepted) < 120:
+                            await d.round()
+
+                    await asyncio.wait_for(asyncio.gather(*(until_done(d) for d in ones)), 120)
+            finally:
+                deliveries.ack = real_ack  # type: ignore[assignment]
+            assert len(acked) == len(set(acked)) == 120
+            assert len(rx.seen) == 120  # each sent once
+            assert (
+                sum(
+                    d.metrics.webhooks.deliveries.labels(label(rx.url), "delivered")._value.get()
+                    for d in ones
+                )
+                == 120
+            )
+
+
+def label(url: str) -> str:
+    from worker.webhooks import label as label_of
+
+    return label_of(url)
+
+
+def _signed(t: int, body: bytes = b'{"id":1}') -> str:
+    return sign(SECRET, body, t)
+
+
+def test_the_documented_check_refuses_old_future_forged_and_altered_deliveries() -> None:
+    verify = verifier()
+    now = int(time.time())
+    body = b'{"id":1}'
+    assert verify(SECRET, _signed(now), body)
+    assert verify(SECRET, _signed(now - 290), body)
+    assert not verify(SECRET, _signed(now - 310), body)  # a replay, or a delivery held 5 minutes
+    assert not verify(SECRET, _signed(now + 310), body)  # a clock too far ahead
+    assert not verify(SECRET, _signed(now), b'{"id":2}')  # the body changed on the way
+    assert not verify("another-secret-of-the-same-length-0123456789", _signed(now), body)
+    for header in ["", "t=x,v1=00", f"t={now}", "v1=00", f"t={now},v1=zz"]:
+        assert not verify(SECRET, header, body), header
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+def test_the_javascript_check_agrees_with_the_python_one(tmp_path: Path) -> None:
+    (tmp_path / "verify.mjs").write_text(guide_example("webhook-verify-js"))
+    now = int(time.time())
+    body = '{"id":1,"data":{"name":"王"}}'
+    cases = [
+        (_signed(now, body.encode()), body),
+        (_signed(now - 310, body.encode()), body),
+        (_signed(now + 310, body.encode()), body),
+        (_signed(now, body.encode()), body.replace("1", "2")),
+        ("t=1,v1=", body),
+        ("", body),
+    ]
+    (tmp_path / "run.mjs").write_text(
+        "import { verifyWebhook } from './verify.mjs';\n"
+        f"const cases = {json.dumps(cases)};\n"
+        f"console.log(JSON.stringify(cases.map(([s, b]) => verifyWebhook({json.dumps(SECRET)}, s, b))));\n"
+    )
+    done = subprocess.run(["node", "run.mjs"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    verify = verifier()
+    assert (
+        json.loads(done.stdout)
+        == [verify(SECRET, s, b.encode()) for s, b in cases]
+        == [
+            True,
+            False,
+            False,
+            False,
+            False,
+            False,
+        ]
+    )
+
+
+async def test_the_events_api_pages_and_refuses_bad_cursors(hub_settings: Settings) -> None:
+    async with hub_in_process(hub_settings.replace(service_key=KEY, demo_topup=False)) as hub:
+        b = Backend(hub)
+        base = random.randrange(10**12, 10**15)
+        await b.ok("PUT", f"/api/service/users/{base}", name=f"p{base}")
+        for i in range(5):
+            await b.ok("POST", "/api/service/topup", user_id=base, amount=1 + i, request_id=f"p{base}{i}")
+        first = await b.ok("GET", "/api/service/events?after=0&limit=2")
+        assert [e["data"]["amount"] for e in first["events"]] == [1, 2] and first["more"]
+        rest = await b.ok("GET", f"/api/service/events?after={first['next']}")
+        assert [e["data"]["amount"] for e in rest["events"]] == [3, 4, 5] and not rest["more"]
+        empty = await b.ok("GET", f"/api/service/events?after={rest['next']}")
+        assert empty == {"events": [], "next": rest["next"], "more": False}
+        async with httpx.AsyncClient(base_url=hub.http) as http:
+            for query in ["after=-1", "limit=0", "limit=501", "after=x", "after=9223372036854775808"]:
+                r = await http.get(f"/api/service/events?{query}", headers={"authorization": f"Bearer {KEY}"})
+                assert (r.status_code, r.json()["error"]["code"]) == (400, "bad_request"), query
+            r = await http.get("/api/service/events")
+            assert r.status_code == 401
+
+
+def test_settings_refuse_webhooks_without_a_secret_or_over_plain_http() -> None:
+    with pytest.raises(ValueError, match="WEBHOOK_SECRET"):
+        Settings(webhook_urls="https://backend.example/hooks").check()
+    with pytest.raises(ValueError, match="WEBHOOK_URLS"):
+        Settings(webhook_urls="http://backend.example/hooks", webhook_secret=SECRET).check()
+    fine = Settings(webhook_urls="http://127.0.0.1:9/h, https://b.example/h,", webhook_secret=SECRET)
+    fine.check()
+    assert fine.webhook_url_list == ("http://127.0.0.1:9/h", "https://b.example/h")

@@ -1,0 +1,165 @@
+"""The webhook dispatcher: every event of the outbox POSTed to each of ``REDPACKET_WEBHOOK_URLS``, signed.
+
+Runs in every worker; the database's queue (``server.money.deliveries``) hands each delivery to one of
+them at a time, in order per user. A round: number the new events (``events.sequence``), queue them for
+each URL, claim the due deliveries, POST them concurrently, and mark each delivered (a 2xx answer) or due
+again after an exponential back-off with jitter (``REDPACKET_WEBHOOK_RETRY_MS`` doubling to an hour),
+until ``REDPACKET_WEBHOOK_GIVE_UP_HOURS`` after its event: then ``failed`` (counted, on the dashboard;
+``redpacket webhooks replay`` sends it again). Delivery is at least once; a receiver dedupes by event id.
+
+A request: ``POST`` of the event (``{"id", "type", "created_ms", "user_id", "data"}``, JSON) with
+``Redpacket-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>." + body, keyed by
+REDPACKET_WEBHOOK_SECRET>`` (docs/integration.md shows how a receiver checks it, and refuses a ``t`` more
+than 5 minutes from its clock), ``Redpacket-Event-Id`` and ``Redpacket-Event-Type``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import random
+import time
+from urllib.parse import urlsplit
+
+import httpx
+
+from server.core import Core, transient
+from server.money import deliveries, events
+from server.money.ledger import now_ms
+from worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_HEADER = "Redpacket-Signature"
+# Deliveries claimed per URL per round (sent concurrently), and the pause when there was nothing to do.
+PER_ROUND = 50
+IDLE_S = 0.2
+MAX_RETRY_MS = 3_600_000
+# How often the queue's gauges are read.
+OBSERVE_S = 2.0
+
+
+def sign(secret: str, body: bytes, t: int) -> str:
+    """The ``Redpacket-Signature`` header's value for ``body`` sent at unix second ``t``."""
+    mac = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"t={t},v1={mac}"
+
+
+def retry_after_ms(attempts: int, base_ms: int, rng: random.Random) -> int:
+    """The wait before try ``attempts + 1``: ``base_ms`` doubling per try to an hour, half of it random
+    (so deliveries that failed together do not all come back together)."""
+    ceiling = int(min(MAX_RETRY_MS, base_ms * 2 ** min(max(attempts - 1, 0), 32)))
+    return ceiling // 2 + rng.randrange(ceiling // 2 + 1)
+
+
+def label(url: str) -> str:
+    """A URL as metrics name it: host and path, never its query (which may hold a token)."""
+    u = urlsplit(url)
+    return f"{u.hostname or ''}{f':{u.port}' if u.port else ''}{u.path or '/'}"
+
+
+def encode(event: events.Event) -> bytes:
+    return json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class Dispatcher:
+    def __init__(
+        self, core: Core, metrics: WorkerMetrics | None = None, client: httpx.AsyncClient | None = None
+    ) -> None:
+        self.core = core
+        self.settings = core.settings
+        self.metrics = metrics or WorkerMetrics()
+        self.urls = {deliveries.endpoint_id(u): u for u in self.settings.webhook_url_list}
+        self.client = client
+        self.rng = random.Random()
+        # How long a claimed delivery is this dispatcher's: past it, another may send it again. Twice the
+        # answer's timeout and a second: a request still in flight has been given up by then.
+        self.lease_ms = 2 * self.settings.webhook_timeout_ms + 1000
+        self.observed: dict[str, float] = {}  # endpoint → when its gauges were last read
+
+    async def run(self) -> None:
+        """Deliver until cancelled, riding out database outages with back-off."""
+        timeout = httpx.Timeout(self.settings.webhook_timeout_ms / 1000)
+        limits = httpx.Limits(max_connections=PER_ROUND * max(len(self.urls), 1))
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False) as client:
+            self.client = self.client or client
+            failures = 0
+            while True:
+                try:
+                    busy = await self.round()
+                    failures = 0
+                except Exception as e:
+                    if not transient(e):
+                        log.exception("webhook round failed")
+                    elif failures == 0:
+                        log.warning("webhook dispatcher waiting for the database: %s", e)
+                    failures += 1
+                    busy = False
+                    await asyncio.sleep(min(0.1 * 2**failures, 5.0))
+                if not busy:
+                    await asyncio.sleep(IDLE_S)
+
+    async def round(self) -> bool:
+        """One round over every URL; True if anything was sent (another round at once)."""
+        db = self.core.db
+        await events.sequence(db)
+        sent = False
+        for endpoint, url in self.urls.items():
+            now = now_ms()
+            await deliveries.queue(db, endpoint, now)
+            token, claimed = await deliveries.claim(db, endpoint, now, self.lease_ms, PER_ROUND)
+            if claimed:
+                sent = True
+                await asyncio.gather(*(self.deliver(endpoint, url, token, c) for c in claimed))
+            if time.monotonic() - self.observed.get(endpoint, 0.0) >= OBSERVE_S:
+                await self.observe(endpoint, url)
+        return sent
+
+    async def deliver(self, endpoint: str, url: str, token: int, c: deliveries.Claimed) -> None:
+        body = encode(c.event)
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "redpacket-webhooks/1",
+            SIGNATURE_HEADER: sign(self.settings.webhook_secret, body, int(time.time())),
+            "Redpacket-Event-Id": str(c.seq),
+            "Redpacket-Event-Type": c.event["type"],
+        }
+        name = label(url)
+        error = ""
+        assert self.client is not None
+        try:
+            answer = await self.client.post(url, content=body, headers=headers)
+            if 200 <= answer.status_code < 300:
+                now = now_ms()
+                if await deliveries.ack(self.core.db, endpoint, c.seq, token, now):
+                    self.metrics.webhooks.deliveries.labels(name, "delivered").inc()
+                    self.metrics.webhooks.latency.labels(name).observe((now - c.event["created_ms"]) / 1000)
+                else:
+                    self.metrics.webhooks.deliveries.labels(name, "lease_lost").inc()
+                return
+            error = f"HTTP {answer.status_code}"
+        except httpx.TimeoutException:
+            error = "timed out"
+        except httpx.HTTPError as e:
+            error = f"{type(e).__name__}: {e}"[:200]
+        now = now_ms()
+        give_up = now - c.first_ms >= self.settings.webhook_give_up_hours * 3_600_000
+        wait = retry_after_ms(c.attempts, self.settings.webhook_retry_ms, self.rng)
+        await deliveries.retry_later(
+            self.core.db, endpoint, c.seq, token, next_ms=now + wait, error=error, give_up=give_up
+        )
+        self.metrics.webhooks.deliveries.labels(name, "failed" if give_up else "retry").inc()
+        if give_up:
+            log.error("webhook to %s gave up event %d after %d tries: %s", name, c.seq, c.attempts, error)
+
+    async def observe(self, endpoint: str, url: str) -> None:
+        self.observed[endpoint] = time.monotonic()
+        q = await deliveries.state(self.core.db, endpoint)
+        name = label(url)
+        self.metrics.webhooks.pending.labels(name).set(q.pending)
+        self.metrics.webhooks.failed.labels(name).set(q.failed)
+        oldest = 0.0 if q.oldest_pending_ms is None else max(0.0, (now_ms() - q.oldest_pending_ms) / 1000)
+        self.metrics.webhooks.oldest.labels(name).set(oldest)
