@@ -378,3 +378,119 @@ def test_settings_refuse_webhooks_without_a_secret_or_over_plain_http() -> None:
     fine = Settings(webhook_urls="http://127.0.0.1:9/h, https://b.example/h,", webhook_secret=SECRET)
     fine.check()
     assert fine.webhook_url_list == ("http://127.0.0.1:9/h", "https://b.example/h")
+
+
+async def test_replay_sends_events_again_and_status_says_how_far_each_url_is(hub_settings: Settings) -> None:
+    """``redpacket webhooks replay`` makes delivered events due again (same ids), from an id or a time;
+    ``status`` counts what is undelivered; an operator's mistake is one line."""
+    from tests.test_cli import assert_one_line_error, redpacket
+
+    async with receiving(Receiver()) as rx:
+        settings = hooked(hub_settings, rx)
+        async with hub_in_process(settings, run_worker=True) as hub:
+            b = Backend(hub)
+            base = random.randrange(10**12, 10**15)
+            await b.ok("PUT", f"/api/service/users/{base}", name=f"r{base}")
+            for i in range(3):
+                await b.ok("POST", "/api/service/topup", user_id=base, amount=1 + i, request_id=f"r{base}{i}")
+            pulled = await b.pulled()
+            await eventually(lambda: len(rx.seen) == 3, timeout=60)
+            env = {
+                "REDPACKET_DATABASE_URL": settings.database_url,
+                "REDPACKET_REDIS_URL": settings.redis_url,
+                "REDPACKET_WEBHOOK_URLS": rx.url,
+                "REDPACKET_WEBHOOK_SECRET": SECRET,
+            }
+            done = await asyncio.to_thread(
+                redpacket, "webhooks", "replay", "--after", str(pulled[0]["id"]), **env
+            )
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.startswith("2 deliveries of events after id"), done.stdout
+            await eventually(lambda: len(rx.seen) == 5, timeout=60)
+            assert [seq for seq, _ in rx.seen] == [e["id"] for e in pulled] + [e["id"] for e in pulled[1:]]
+            done = await asyncio.to_thread(
+                redpacket, "webhooks", "replay", "--since", "2000-01-01T00:00Z", **env
+            )
+            assert done.returncode == 0 and done.stdout.startswith("3 deliveries"), done.stdout + done.stderr
+            await eventually(lambda: len(rx.seen) == 8, timeout=60)
+            done = await asyncio.to_thread(redpacket, "webhooks", "status", **env)
+            assert (
+                done.returncode == 0 and done.stdout.strip() == f"{rx.url}: 0 pending (oldest none), 0 failed"
+            )
+            bad = await asyncio.to_thread(redpacket, "webhooks", "replay", "--since", "yesterday", **env)
+            assert_one_line_error(bad, 2, "ISO 8601")
+            off = {**env, "REDPACKET_WEBHOOK_URLS": ""}
+            assert_one_line_error(
+                await asyncio.to_thread(redpacket, "webhooks", "status", **off), 2, "WEBHOOK_URLS"
+            )
+
+
+async def test_money_out_over_http_answers_each_mistake_with_its_code(hub_settings: Settings) -> None:
+    async with hub_in_process(hub_settings.replace(service_key=KEY, demo_topup=False)) as hub:
+        b = Backend(hub)
+        base = random.randrange(10**12, 10**15)
+        await b.ok("PUT", f"/api/service/users/{base}", name=f"m{base}")
+        await b.ok("POST", "/api/service/topup", user_id=base, amount=1_000, request_id=f"m{base}")
+
+        async def call(path: str, **body: Any) -> tuple[int, Any]:
+            async with httpx.AsyncClient(base_url=hub.http) as http:
+                r = await http.post(path, json=body, headers={"authorization": f"Bearer {KEY}"})
+            return r.status_code, r.json()
+
+        answers = await asyncio.gather(
+            *(
+                call("/api/service/withdraw", user_id=base, amount=600, request_id=f"x{base}")
+                for _ in range(6)
+            )
+        )
+        assert sorted(a["replay"] for _, a in answers) == [False] + [True] * 5
+        assert {a["balance"] for _, a in answers} == {400}
+        for path, body, status, code in [
+            (
+                "/api/service/withdraw",
+                {"user_id": base, "amount": 401, "request_id": "y"},
+                409,
+                "insufficient_funds",
+            ),
+            (
+                "/api/service/withdraw",
+                {"user_id": base, "amount": "1", "request_id": "y"},
+                400,
+                "amount_invalid",
+            ),
+            ("/api/service/withdraw", {"user_id": base, "amount": 1}, 400, "bad_request"),
+            (
+                "/api/service/withdraw",
+                {"user_id": base + 1, "amount": 1, "request_id": "y"},
+                404,
+                "user_not_found",
+            ),
+            (
+                "/api/service/withdraw",
+                {"user_id": base, "amount": 5, "request_id": f"x{base}"},
+                409,
+                "idempotency_key_reused",
+            ),
+            (
+                "/api/service/holds",
+                {"user_id": base, "amount": 401, "request_id": "h"},
+                409,
+                "insufficient_funds",
+            ),
+            (
+                "/api/service/holds",
+                {"user_id": base, "amount": 1, "request_id": "h", "expires_in_s": 5},
+                400,
+                "bad_request",
+            ),
+            ("/api/service/holds/confirm", {"request_id": "nope"}, 404, "hold_not_found"),
+        ]:
+            got, answer = await call(path, **body)
+            assert (got, answer["error"]["code"]) == (status, code), (path, body)
+        held = await b.ok("POST", "/api/service/holds", user_id=base, amount=100, request_id="h")
+        assert (held["state"], held["balance"], held["closed_ms"]) == ("held", 300, None)
+        await b.ok("POST", "/api/service/holds/release", request_id="h")
+        got, answer = await call("/api/service/holds/confirm", request_id="h")
+        assert (got, answer["error"]["code"], answer["error"]["state"]) == (409, "hold_closed", "released")
+        assert (await b.ok("GET", f"/api/service/accounts/{base}"))["balance"] == 400
+        assert (await reconcile(hub.core)).ok
