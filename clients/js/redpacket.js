@@ -632,7 +632,8 @@ export class RedPacketClient {
         this.offsets.set(id, res.too_old || isNewer(res.offset, seen) ? res.offset : seen);
         this.emit("reset", { group: id, offset: res.offset, packets: res.packets || [], tooOld: Boolean(res.too_old),
           previous: previous.get(id) ?? null });
-      } else if (res.offset !== "0-0" && isNewer(res.offset, seen)) {
+      } else if (isNewer(res.offset, seen)) {
+        // Where the group is now ("0-0": no events yet), so that the next sync replays from here.
         this.offsets.set(id, res.offset);
       }
     }

@@ -54,7 +54,10 @@ class FakeHub {
         const msg = JSON.parse(data);
         this.sent.push(msg);
         const answer = hub.answers[msg.type];
-        if (answer) setTimeout(() => this.deliver({ type: "reply", id: msg.id, ok: true, data: answer(msg) }));
+        if (!answer) return;
+        const answered = answer(msg);
+        const reply = answered.refused ? { ok: false, error: answered.refused } : { ok: true, data: answered };
+        setTimeout(() => this.deliver({ type: "reply", id: msg.id, ...reply }));
       }
 
       close() {
@@ -185,3 +188,49 @@ test("4001 with refreshToken: one more try with a new token; a second 4001 befor
   assert.deepEqual(closes, [true, false]);
   assert.equal(client.status, "closed");
 });
+
+test("a group with no events yet is synced from 0-0 next time, so nothing sent meanwhile is lost", async () => {
+  const hub = new FakeHub();
+  const client = new RedPacketClient({ ...quick, token: "t", WebSocket: hub.WebSocket });
+  await client.connect();
+  assert.deepEqual(client.lastOffsets(), { 1: "0-0" });
+  const synced = client.once("synced");
+  client.reconnectNow();
+  assert.equal((await synced).reason, "reconnect");
+  assert.deepEqual(hub.last.sent[0].groups, { 1: "0-0" });
+  client.close();
+});
+
+test("a sync the hub refuses: the client connects again rather than stay unsynced", async () => {
+  let refusals = 1;
+  const hub = new FakeHub({
+    answers: {
+      sync: () => (refusals-- > 0 ? { refused: { code: "redis_unavailable", message: "m" } } : { groups: {} }),
+    },
+  });
+  const client = new RedPacketClient({ ...quick, token: "t", WebSocket: hub.WebSocket });
+  const errors = collectErrors(client);
+  await client.connect();
+  assert.equal(hub.sockets.length, 2);
+  assert.deepEqual(errors.map((e) => e.code), ["redis_unavailable"]);
+  client.close();
+});
+
+test("an event type the client does not know comes only as \"event\"", async () => {
+  const hub = new FakeHub();
+  const client = new RedPacketClient({ ...quick, token: "t", WebSocket: hub.WebSocket });
+  const all = [];
+  client.on("event", (e) => all.push(e.event));
+  client.on("error", () => assert.fail("not an error"));
+  await client.connect();
+  hub.last.deliver({ type: "event", group: 1, offset: "5-0", event: "error", data: {} });
+  hub.last.deliver({ type: "event", group: 1, offset: "6-0", event: "presence", data: { user: 2, online: true } });
+  assert.deepEqual(all, ["error", "presence"]);
+  client.close();
+});
+
+function collectErrors(client) {
+  const errors = [];
+  client.on("error", (e) => errors.push(e));
+  return errors;
+}
