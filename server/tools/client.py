@@ -1,4 +1,5 @@
-"""A small Python client of the hub's websocket protocol (used by the tests and the benchmarks).
+"""One connection to a hub, speaking its websocket protocol (used by the tests and the benchmarks; an app
+wants ``server.tools.reconnecting.RedPacketClient``, which reconnects and recovers on top of it).
 
     async with await HubClient.connect("ws://127.0.0.1:8000/ws", token) as c:
         await c.sync()                         # start receiving the groups' events
@@ -6,7 +7,9 @@
         event = await c.next_event()
 
 Events of a group are delivered in offset order, each once: the client drops any offset it has already
-seen (a replay after a reconnect can overlap the live stream).
+seen (a replay after a reconnect can overlap the live stream). When the connection ends, requests still
+waiting for their reply fail at once (``ConnectionClosed``; ``HubError("disconnected")`` if reading
+ended otherwise: a frame that could not be decoded, the reader cancelled).
 """
 
 from __future__ import annotations
@@ -34,14 +37,23 @@ class HubError(RedPacketError):
 
 class HubClient:
     def __init__(
-        self, ws: ClientConnection, fmt: Format, on_event: Callable[[dict[str, Any]], None] | None = None
+        self,
+        ws: ClientConnection,
+        fmt: Format,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        *,
+        on_notice: Callable[[dict[str, Any]], None] | None = None,
+        offsets: dict[int, str] | None = None,
     ) -> None:
         self.ws = ws
         self.fmt: Format = fmt
         # Called with each new event instead of queueing it (a bench that must not keep them all).
         self.on_event = on_event
+        # Likewise for every other message (welcome, notices, replies nobody waits for).
+        self.on_notice = on_notice
         self.welcome: dict[str, Any] = {}
-        self.offsets: dict[int, str] = {}
+        # The last offset seen per group; a reconnecting client hands every connection the same dict.
+        self.offsets: dict[int, str] = {} if offsets is None else offsets
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.notices: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._ids = itertools.count(1)
@@ -58,19 +70,26 @@ class HubClient:
         fmt: Format = "msgpack",
         device: str | None = None,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        *,
+        on_notice: Callable[[dict[str, Any]], None] | None = None,
+        offsets: dict[int, str] | None = None,
+        welcome_timeout: float = 30,
         **options: Any,
     ) -> HubClient:
         """Open a socket; ``device`` identifies the client device to the bot detector. The token goes as
-        a ``bearer.`` subprotocol, out of the URL (docs/protocol.md, "Connecting")."""
+        a ``bearer.`` subprotocol, out of the URL (docs/protocol.md, "Connecting"). Refused before the
+        welcome: raises the ``ConnectionClosed`` (its ``rcvd`` holds the close code and reason)."""
         sub = SUBPROTOCOL_MSGPACK if fmt == "msgpack" else SUBPROTOCOL_JSON
         query = f"?device={device}" if device else ""
         offered = [Subprotocol(sub), Subprotocol(TOKEN_SUBPROTOCOL + token)]
         ws = await connect(f"{url}{query}", subprotocols=offered, compression=None, **options)
-        client = cls(ws, fmt, on_event)
+        client = cls(ws, fmt, on_event, on_notice=on_notice, offsets=offsets)
         client._reader = asyncio.create_task(client._read())
         welcomed = asyncio.create_task(client._welcomed.wait())
         # A bound, not a wait: the welcome comes at once unless the hub (or the machine) is swamped.
-        await asyncio.wait({welcomed, client._reader}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {welcomed, client._reader}, timeout=welcome_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
         welcomed.cancel()
         if not client._welcomed.is_set():
             # Refused (bad token: close 4001) or nothing arrived in time.
@@ -105,8 +124,10 @@ class HubClient:
     async def send_raw(self, frame: bytes | str) -> None:
         await self.ws.send(frame)
 
-    async def request(self, kind: str, /, timeout: float = 30, **fields: Any) -> dict[str, Any]:
+    async def request(self, kind: str, /, timeout: float | None = 30, **fields: Any) -> dict[str, Any]:
         """Send one request; return its reply's data or raise ``HubError`` with the reply's code."""
+        if self._reader is not None and self._reader.done():
+            raise self.closed or HubError("disconnected", "the connection is closed")
         rid = next(self._ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
@@ -131,14 +152,23 @@ class HubClient:
     async def next_notice(self, timeout: float = 30) -> dict[str, Any]:
         return await asyncio.wait_for(self.notices.get(), timeout)
 
+    async def wait_done(self) -> None:
+        """Return once the connection has ended."""
+        if self._reader is not None:
+            await asyncio.wait({self._reader})
+
     async def _read(self) -> None:
         try:
             await self._read_frames()
         except ConnectionClosed as e:
             self.closed = e
+        finally:
+            # Whatever ended the reading (a close, close(), a frame that could not be read), nobody
+            # waits for a reply that cannot come.
+            gone = self.closed or HubError("disconnected", "the connection ended")
             for fut in self._waiting.values():
                 if not fut.done():
-                    fut.set_exception(e)
+                    fut.set_exception(gone)
 
     async def _read_frames(self) -> None:
         async for frame in self.ws:
@@ -161,4 +191,7 @@ class HubClient:
                 if kind == "welcome":
                     self.welcome = message
                     self._welcomed.set()
-                self.notices.put_nowait(message)
+                if self.on_notice is None:
+                    self.notices.put_nowait(message)
+                else:
+                    self.on_notice(message)
