@@ -22,7 +22,7 @@ import httpx
 import msgpack
 import pytest
 import yaml
-from jsonschema import Draft202012Validator
+from jsonschema import Draft7Validator, Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -122,10 +122,14 @@ def test_the_documents_are_valid_and_every_reference_resolves(doc: dict[str, Any
     assert len(pointers) > 30
     for pointer in pointers:
         Draft202012Validator.check_schema(at(doc, pointer))
+        if doc is ASYNCAPI:  # whose default schema format is a superset of JSON Schema draft 7
+            Draft7Validator.check_schema(at(doc, pointer))
     for pointer, node in walk(doc):
         if pointer.endswith("/$ref"):
             assert isinstance(node, str) and node.startswith("#/"), pointer
             at(doc, node)  # raises if it does not resolve
+        if isinstance(node, dict) and "$ref" in node:
+            assert len(node) == 1, f"{pointer}: draft 7 ignores what stands beside a $ref"
 
 
 @pytest.mark.unit
@@ -357,6 +361,7 @@ async def test_every_described_route_answers(hubs: tuple[HubUnderTest, HubUnderT
             if path == "/openapi.json":
                 assert r.json() == OPENAPI
     assert not missing, missing
+    assert await send(demo, "/healthz", "get", None) == {"ok": True}
 
 
 # -- the websocket ---------------------------------------------------------------------------------------
