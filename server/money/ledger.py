@@ -315,19 +315,20 @@ async def finish_paid(tx: Tx, packet_ids: list[PacketId]) -> int:
     if not ids:
         return 0
     marks = ", ".join(["%s"] * len(ids))
+    # (Counted on the index, as the packets' rows are locked: the last grab's time is read only for
+    # the packets found paid, not for every batch.)
     done = await tx.fetchall(
-        "SELECT p.id, p.sender_id, p.group_id, p.total, p.share_count, MAX(g.grabbed_ms) FROM red_packets p"
-        " JOIN grab_records g ON g.packet_id = p.id AND g.status = 'credited'"
-        f" WHERE p.id IN ({marks}) AND p.status = 'active'"
-        " GROUP BY p.id, p.sender_id, p.group_id, p.total, p.share_count HAVING COUNT(*) = p.share_count",
+        "SELECT id, sender_id, group_id, total, share_count FROM red_packets"
+        f" WHERE id IN ({marks}) AND status = 'active' AND share_count = (SELECT COUNT(*)"
+        " FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = 'credited')",
         ids,
     )
     ts = now_ms()
-    for pid, sender, group, total, count, last_ms in done:
+    for pid, sender, group, total, count in done:
         if await tx.execute(
-            "UPDATE red_packets SET status = 'finished', finished_ms = %s"
-            " WHERE id = %s AND status = 'active'",
-            (last_ms, pid),
+            "UPDATE red_packets SET status = 'finished', finished_ms = (SELECT MAX(g.grabbed_ms)"
+            " FROM grab_records g WHERE g.packet_id = red_packets.id) WHERE id = %s AND status = 'active'",
+            (pid,),
         ):
             await finished_event(tx, PacketId(int(pid)), int(sender), int(group), int(total), int(count), ts)
     return len(done)

@@ -112,14 +112,14 @@ def books(rows: dict[str, list[Row]]) -> OutBooks:
         withdrawn=-out.get("withdraw", 0),
         held_net=-(out.get("hold", 0) + out.get("release", 0)),
         holds=[
-            HoldBooks(str(r), int(u), int(a), str(s), int(e), int(d), int(b))
+            HoldBooks(as_text(r), int(u), int(a), str(s), int(e), int(d), int(b))
             for r, u, a, s, e, d, b in rows["holds"]
         ],
         orphans=[(as_text(k), int(a), int(m)) for k, a, m in rows["hold_orphans"]],
         event_missing=[(as_text(k), int(a), int(m)) for k, a, m in rows["event_missing"]],
         event_unbacked=[(as_text(k), int(a), int(m)) for k, a, m in rows["event_unbacked"]],
         unannounced=[f"packet {int(p)} finished" for p, _ in rows["finish_unannounced"]]
-        + [f"hold {r!s} confirmed" for r, _, _ in rows["confirm_unannounced"]],
+        + [f"hold {as_text(r)} confirmed" for r, _, _ in rows["confirm_unannounced"]],
     )
 
 

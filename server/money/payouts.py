@@ -24,7 +24,7 @@ from server.errors import Conflict, InvalidRequest, NotFound
 from server.ids import UserId
 from server.money import events
 from server.money.ledger import MAX_TOPUP_CENTS, check_request_id, now_ms, post
-from server.store.db import Database, Tx
+from server.store.db import Database, Tx, as_text
 
 HoldState = Literal["held", "confirmed", "released", "expired"]
 # A hold's life, in seconds: what the backend asks for, within these bounds.
@@ -99,7 +99,7 @@ _COLUMNS = "request_id, user_id, amount, state, created_ms, expires_ms, closed_m
 def _hold(row: tuple[object, ...], replay: bool = False) -> Hold:
     rid, user, amount, state, created, expires, closed = row
     return Hold(
-        request_id=str(rid),
+        request_id=as_text(rid),
         user_id=UserId(int(str(user))),
         amount=int(str(amount)),
         state=state,  # type: ignore[arg-type]

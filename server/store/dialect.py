@@ -51,6 +51,9 @@ MYSQL = Dialect(
     ddl={
         "id": "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
         "table_options": " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
+        # Keys compared byte for byte (utf8mb4_bin pads with spaces): an idempotency key, a request id.
+        "key": "VARBINARY(512)",
+        "request_id": "VARBINARY(256)",
     },
 )
 SQLITE = Dialect(
@@ -59,5 +62,5 @@ SQLITE = Dialect(
     for_update="",
     table_exists="SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = %s",
     insert_ignore="INSERT OR IGNORE",
-    ddl={"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "table_options": ""},
+    ddl={"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "table_options": "", "key": "TEXT", "request_id": "TEXT"},
 )

@@ -218,7 +218,7 @@ MIGRATIONS.append(
             # A two-phase withdrawal: the money leaves the balance when held (a journal row keyed
             # hold:<request id>), and comes back (release:<request id>) if released or expired.
             """CREATE TABLE holds (
-                request_id VARCHAR(64) NOT NULL PRIMARY KEY,
+                request_id {request_id} NOT NULL PRIMARY KEY,
                 user_id BIGINT NOT NULL,
                 amount BIGINT NOT NULL,
                 state VARCHAR(12) NOT NULL,
@@ -234,7 +234,7 @@ MIGRATIONS.append(
                 id {id},
                 seq BIGINT NULL,
                 type VARCHAR(24) NOT NULL,
-                idem_key VARCHAR(140) NOT NULL,
+                idem_key {key} NOT NULL,
                 user_id BIGINT NOT NULL,
                 amount BIGINT NULL,
                 body TEXT NOT NULL,

@@ -61,6 +61,7 @@ async def reset_credits(core: Core, users: list[UserId]) -> None:
     async with core.db.transaction() as tx:
         await tx.execute("DELETE FROM grab_records")
         await tx.execute("DELETE FROM journal WHERE kind = 'grab'")
+        await tx.execute("DELETE FROM events WHERE type = 'share.credited'")  # each credit's, with its row
         await tx.execute(
             f"UPDATE accounts SET balance = 0 WHERE user_id IN ({', '.join(['%s'] * len(users))})", users
         )
