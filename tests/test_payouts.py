@@ -16,7 +16,7 @@ from server.errors import RedPacketError
 from server.ids import UserId
 from server.money import events, ledger, payouts
 from server.money.reconcile import reconcile
-from server.store.db import Tx
+from server.store.db import Tx, as_text
 from tests.conftest import make_world
 from tests.dbproxy import MySQLProxy, core_behind_proxy
 

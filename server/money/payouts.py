@@ -214,7 +214,7 @@ async def expire_due(db: Database, now: int | None = None, limit: int = 500) -> 
         (now, limit),
     )
     for (rid,) in rows:
-        await db.run(functools.partial(_expire, rid=str(rid)), idempotent=True)
+        await db.run(functools.partial(_expire, rid=as_text(rid)), idempotent=True)
     return len(rows)
 
 
