@@ -279,7 +279,7 @@ async def test_an_event_that_commits_late_is_never_skipped_by_a_reader(core: Cor
     ids = await core.db.fetchall(
         "SELECT id, idem_key FROM events WHERE idem_key IN ('late', 'early') ORDER BY id"
     )
-    assert [str(k) for _, k in ids] == [
+    assert [as_text(k) for _, k in ids] == [
         "late",
         "early",
     ]  # A has the lower insert id: the state that was dangerous
