@@ -11,6 +11,8 @@ COPY server server
 COPY worker worker
 COPY lua lua
 COPY web web
+COPY clients/js clients/js
+COPY docs/openapi.json docs/openapi.json
 # The system only: the benchmarks' and the load tool's packages (the `tools` extra) stay out of the image.
 RUN pip install .
 RUN useradd --system --uid 10001 --no-create-home redpacket

@@ -18,7 +18,8 @@ import pytest
 
 from tests.hubtools import redpacket_up
 
-GUIDE = Path(__file__).resolve().parent.parent / "docs" / "integration.md"
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "docs" / "integration.md"
 
 
 def example(marker: str) -> str:
@@ -44,10 +45,18 @@ def test_the_integration_guide_runs_as_written(tmp_path: Path) -> None:
 
     def run(marker: str, url: str) -> str:
         shell_env = {**os.environ, **env, "H": url}
-        if marker.endswith(("token", "rs256")):
+        if marker.endswith(("token", "rs256", "python-client")):
             script = tmp_path / f"{marker}.py"
             script.write_text(example(marker))
             command = [sys.executable, str(script)]
+        elif marker.endswith("js-client"):
+            # As `npm install <checkout>/clients/js` leaves it: the package under node_modules.
+            package = tmp_path / "node_modules" / "@redpacket" / "client"
+            if not package.exists():
+                package.parent.mkdir(parents=True)
+                package.symlink_to(ROOT / "clients" / "js", target_is_directory=True)
+            (tmp_path / "zhao.mjs").write_text(example(marker))
+            command = ["node", "--experimental-websocket", "zhao.mjs"]
         else:
             command = ["bash", "-euo", "pipefail", "-c", example(marker)]
         done = subprocess.run(
@@ -92,6 +101,9 @@ def test_the_integration_guide_runs_as_written(tmp_path: Path) -> None:
             "hold.released",
         ]
         assert pulled["more"] is False and pulled["next"] == pulled["events"][-1]["id"]
+        assert run("integration-python-client", url) == "won a share of 300 cents; 2 left\n"
+        if shutil.which("node") or os.environ.get("REDPACKET_TEST_REQUIRE_NODE") == "1":
+            assert run("integration-js-client", url) == "zhao won 100 cents; 2 left\n"
         run("integration-keys", url)
 
     # The same data, now a hub that takes the backend's RS256 tokens and no HS256 ones.

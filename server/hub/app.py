@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 
 WEB_DIR = asset_dir("web")
+# The JavaScript client (an ES module, no build step), served for the demo page and any page: /client/.
+CLIENT_DIR = asset_dir("clients/js")
+# The HTTP API described in OpenAPI 3.1, served as /openapi.json.
+API_DOC = asset_dir("docs") / "openapi.json"
 
 
 def _demo(core: Core, what: str, on: bool) -> None:
@@ -238,6 +242,11 @@ def metrics_page(app: Starlette) -> bytes:
 Beside = Callable[[Core], contextlib.AbstractAsyncContextManager[CollectorRegistry]]
 
 
+async def openapi(request: Request) -> Response:
+    """docs/openapi.json, the HTTP API's description, as the file says it."""
+    return Response(API_DOC.read_bytes(), media_type="application/json")
+
+
 async def metrics(request: Request) -> Response:
     """/metrics on the hub's port, unless REDPACKET_METRICS_PORT gives them a port of their own."""
     if request.app.state.metrics_apart:
@@ -294,6 +303,7 @@ def create_app(
             WebSocketRoute("/ws", websocket_endpoint),
             Route("/healthz", healthz),
             Route("/metrics", metrics),
+            Route("/openapi.json", openapi),
             Route("/api/login", endpoint(login, public=True), methods=["POST"]),
             Route("/api/me", endpoint(me)),
             Route("/api/me/packets", endpoint(my_packets)),
@@ -306,6 +316,7 @@ def create_app(
             Route("/api/packets/{packet_id}", endpoint(packet_detail)),
             # The chat backend's API, behind REDPACKET_SERVICE_KEY (docs/integration.md).
             *service.routes(),
+            Mount("/client", StaticFiles(directory=CLIENT_DIR, check_dir=False), name="client"),
             # The demo page: static files, no build step (web/README.md).
             Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
         ],
