@@ -227,13 +227,15 @@ function connect() {
     if (status === "reconnecting" || (status === "connecting" && state.everOnline)) setConn("reconnecting");
   }));
   client.on("close", mine((e) => {
+    // Too many windows on this account (4030): the client tries again every 5–10 s and gets in once one of
+    // them closes; the badge stays "Connecting…" or "Reconnecting…" meanwhile.
+    if (e.code === 4030) {
+      toast("Too many windows are open on this account: close one and this one connects by itself.");
+    }
     if (e.willRetry) return;
     // A token the hub refuses (4001), or a user it does not have (4004): log in again.
     if (e.code === 4001 || e.code === 4004) logout();
-    else {
-      setConn("offline");
-      toast("Disconnected: too many windows are open on this account. Close one and reload.");
-    }
+    else setConn("offline");
   }));
   client.on("event", mine(onEvent));
   client.on("reset", mine(onReset));

@@ -3,7 +3,8 @@
 export declare const VERSION: string;
 export declare const SUBPROTOCOL_JSON: "redpacket.v1.json";
 export declare const SUBPROTOCOL_MSGPACK: "redpacket.v1.msgpack";
-/** Close codes after which the client does not reconnect by itself (4001 once retried with refreshToken). */
+/** Close codes after which the client does not reconnect by itself: 4001 (once retried with refreshToken)
+ * and 4004. After 4029 and 4030 it reconnects after its longest back-off (maxDelayMs × 0.5–1). */
 export declare const FINAL_CLOSE_CODES: readonly number[];
 export declare const EVENT_TYPES: readonly EventType[];
 
@@ -30,7 +31,8 @@ export interface ClientOptions {
   requestTimeoutMs?: number;
   /** false: never reconnect by itself. */
   reconnect?: boolean;
-  /** Back-off: the n-th reconnect in a row waits a random time from 0 to min(maxDelayMs, minDelayMs × 2ⁿ⁻¹). */
+  /** Back-off: the n-th reconnect in a row waits a random time from 0 to min(maxDelayMs, minDelayMs × 2ⁿ⁻¹);
+   * after a close 4029 or 4030, maxDelayMs × 0.5–1. */
   minDelayMs?: number;
   maxDelayMs?: number;
   /** Reconnects in a row without a welcome before giving up (Infinity). */

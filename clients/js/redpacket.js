@@ -18,11 +18,14 @@ export const SUBPROTOCOL_JSON = "redpacket.v1.json";
 export const SUBPROTOCOL_MSGPACK = "redpacket.v1.msgpack";
 
 // Close codes after which reconnecting as before cannot help (docs/protocol.md, "Close codes"). 4001 is
-// retried once with a token from `refreshToken`, when there is one; 4004 and 4030 need someone else to act
-// first (the backend puts the user; the app closes a socket), so the app calls connect() again.
-export const FINAL_CLOSE_CODES = Object.freeze([4001, 4004, 4030]);
+// retried once with a token from `refreshToken`, when there is one; 4004 needs the backend to put the user
+// first, so the app calls connect() again. (4030 is not final: see PATIENT_CLOSE_CODES.)
+export const FINAL_CLOSE_CODES = Object.freeze([4001, 4004]);
 const CLOSE_RESTARTING = 1012; // the hub restarts: come back soon, to another hub if there is one
-const CLOSE_RATE_LIMITED = 4029; // slow down: wait the longest back-off
+// Close codes after which the client waits its longest back-off before it tries again, as the Python client
+// does (server/tools/reconnecting.py): 4029, it kept sending past the rate limit; 4030, this user has too
+// many sockets on the hub — it gets in once one of them closes (another tab, another device).
+const PATIENT_CLOSE_CODES = Object.freeze([4029, 4030]);
 const CLOSE_TOKEN = 4001;
 
 // ---- errors ----------------------------------------------------------------------------------------------
@@ -459,7 +462,7 @@ export class RedPacketClient {
     this.dropPending("connection lost");
     if (this.stopped) return;
     // 4001 (token expired or refused): once more with a token from refreshToken, if the app gave one; a
-    // second 4001 before a welcome is final. The other final codes need someone else to act first.
+    // second 4001 before a welcome is final. 4004 needs the backend to act first.
     const newToken = code === CLOSE_TOKEN && this.options.refreshToken && !this.tokenRetried;
     const final = !this.options.reconnect || (FINAL_CLOSE_CODES.includes(code) && !newToken);
     this.emit("close", { code, reason, willRetry: !final, forced });
@@ -487,7 +490,7 @@ export class RedPacketClient {
     const cap = Math.min(maxDelayMs, minDelayMs * 2 ** (this.attempt - 1));
     let delay = Math.random() * cap;
     if (code === CLOSE_RESTARTING && this.attempt === 1) delay = Math.random() * Math.min(200, cap);
-    if (code === CLOSE_RATE_LIMITED) delay = maxDelayMs * (0.5 + Math.random() / 2);
+    if (PATIENT_CLOSE_CODES.includes(code)) delay = maxDelayMs * (0.5 + Math.random() / 2);
     this.setStatus(this.everWelcomed ? "reconnecting" : "connecting", { code: code ?? 0, retryInMs: Math.round(delay) });
     // Every reconnect asks refreshToken (when the app gave one) for a fresh token first.
     this.retryTimer = setTimeout(() => this.openSocket(true), delay);

@@ -153,8 +153,8 @@ test("reconnects with bounded exponential back-off and full jitter; a welcome st
   client.close();
 });
 
-test("close codes that mean do not retry: 4004, 4030, and 4001 without a way to a new token", async () => {
-  for (const [code, reason] of [[4004, "user_not_found"], [4030, "too_many_sockets"], [4001, "token_expired"]]) {
+test("close codes that mean do not retry: 4004, and 4001 without a way to a new token", async () => {
+  for (const [code, reason] of [[4004, "user_not_found"], [4001, "token_expired"]]) {
     const hub = new FakeHub();
     hub.WebSocket.prototype.send = function () {};
     const client = new RedPacketClient({ ...quick, token: "t", WebSocket: hub.WebSocket });
@@ -165,6 +165,36 @@ test("close codes that mean do not retry: 4004, 4030, and 4001 without a way to 
     await new Promise((r) => setTimeout(r, 60));
     assert.equal(hub.sockets.length, 1, `no reconnect after ${code}`);
     assert.equal(client.status, "closed");
+  }
+});
+
+test("4029 and 4030 are retried after the longest back-off (maxDelayMs × 0.5–1), 4030 until a socket is free", async () => {
+  for (const [code, reason] of [[4029, "rate_limited"], [4030, "too_many_sockets"]]) {
+    const hub = new FakeHub();
+    const client = new RedPacketClient({ ...quick, token: "t", WebSocket: hub.WebSocket });
+    const closes = [];
+    const waits = [];
+    client.on("close", (c) => closes.push([c.code, c.willRetry]));
+    client.on("status", (s) => s.retryInMs !== undefined && waits.push([s.status, s.code, s.retryInMs]));
+    // Refused before its welcome, twice (the user's other sockets are all still open), then let in.
+    const connecting = client.connect();
+    for (let i = 0; i < 2; i++) {
+      while (hub.sockets.length === i) await new Promise((r) => setTimeout(r, 1));
+      hub.last.readyState = 2; // no welcome on this one
+      hub.last.hubCloses(code, reason);
+    }
+    const welcome = await connecting;
+    assert.equal(welcome.user, 7);
+    assert.equal(hub.sockets.length, 3);
+    assert.deepEqual(closes, [[code, true], [code, true]]);
+    assert.deepEqual(waits.map(([status, c]) => [status, c]), [["connecting", code], ["connecting", code]]);
+    waits.forEach(([, , w]) => assert.ok(w >= 20 && w <= 40, `${code}: waited ${w} ms, not 20–40`));
+    // Once welcomed, the same close makes it "reconnecting" (not closed), and back online.
+    hub.last.hubCloses(code, reason);
+    assert.equal(client.status, "reconnecting");
+    assert.ok(waits.at(-1)[2] >= 20, `${code}: waited ${waits.at(-1)[2]} ms`);
+    while (client.status !== "online") await new Promise((r) => setTimeout(r, 1));
+    client.close();
   }
 });
 

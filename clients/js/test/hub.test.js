@@ -235,13 +235,42 @@ test("an expired token: 4001 token_expired, refreshToken called, connected with 
   assert.equal(stuck.status, "closed");
 });
 
-test("too many sockets (4030) is final: no reconnect", { skip }, async () => {
+test("too many sockets (4030): retried after the longest back-off, in once another socket closes", { skip }, async () => {
+  // The hub allows carol 3 sockets here; the clients' back-off is 20–200 ms, so a 4030 waits 100–200 ms.
   const carols = [client(env.RP_CAROL_TOKEN), client(env.RP_CAROL_TOKEN), client(env.RP_CAROL_TOKEN)];
   await Promise.all(carols.map((c) => c.connect()));
   const extra = client(env.RP_CAROL_TOKEN);
   const statuses = collect(extra, "status");
-  await assert.rejects(extra.connect(), (e) => e.details.closeCode === 4030);
-  await new Promise((r) => setTimeout(r, 300)); // longer than its longest back-off
-  assert.deepEqual(statuses.map((s) => s.status), ["connecting", "closed"]);
+  const closes = collect(extra, "close");
+  const syncs = collect(extra, "synced");
+  const connecting = extra.connect();
+  await until(() => closes.length === 1, 10_000, "the hub's 4030");
+  assert.deepEqual(closes[0], { code: 4030, reason: "too_many_sockets", willRetry: true, forced: false });
+  // Never welcomed yet: "connecting" (not "closed"), its next try after maxDelayMs × 0.5–1.
+  await until(() => statuses.some((s) => s.code === 4030), 10_000, "the retry's status");
+  const retry = statuses.find((s) => s.code === 4030);
+  assert.equal(retry.status, "connecting");
+  assert.ok(retry.retryInMs >= 100 && retry.retryInMs <= 200, `waits ${retry.retryInMs} ms`);
+  assert.notEqual(extra.status, "closed");
+  // One of carol's other tabs closes: the next try (or the one after) gets in, welcomed and synced.
+  carols[0].close();
+  await until(() => extra.status === "online", 10_000, "the extra socket online");
+  const welcome = await connecting;
+  assert.equal(welcome.user, Number(env.RP_CAROL));
+  assert.equal(syncs[0].reason, "welcome");
+  assert.ok(closes.every((c) => c.code === 4030 && c.willRetry), JSON.stringify(closes));
+  assert.ok(!statuses.some((s) => s.status === "closed"));
+
+  // Welcomed, then closed 4030 by the hub (a real server-side close of every carol socket): "reconnecting",
+  // the same long wait, and back online with a sync from its offsets.
+  const before = statuses.length;
+  assert.equal(await control(`drop ${env.RP_CAROL} 4030`), 3);
+  await until(() => statuses.slice(before).some((s) => s.code === 4030), 10_000, "the reconnecting status");
+  const again = statuses.slice(before).find((s) => s.code === 4030);
+  assert.equal(again.status, "reconnecting");
+  assert.ok(again.retryInMs >= 100 && again.retryInMs <= 200, `waits ${again.retryInMs} ms`);
+  await until(() => extra.status === "online" && syncs.length === 2, 10_000, "back online after the 4030");
+  assert.equal(syncs[1].reason, "reconnect");
+  extra.close();
   carols.forEach((c) => c.close());
 });
