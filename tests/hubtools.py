@@ -111,19 +111,22 @@ def server_port() -> int:
             return port
 
 
-def _bound_socket() -> socket.socket:
+def _bound_socket(port: int = 0) -> socket.socket:
     # IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted sockets only when the listener says TCP.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     return sock
 
 
 @asynccontextmanager
-async def hub_in_process(settings: Settings, run_worker: bool = False) -> AsyncIterator[HubUnderTest]:
-    """A hub in this process; with ``run_worker``, a credit worker beside it as under ``redpacket up``."""
+async def hub_in_process(
+    settings: Settings, run_worker: bool = False, port: int = 0
+) -> AsyncIterator[HubUnderTest]:
+    """A hub in this process; with ``run_worker``, a credit worker beside it as under ``redpacket up``; on
+    ``port`` when given (a hub stopped and started again where its clients knew it)."""
     app = create_app(settings, beside=beside_hub if run_worker else None)
-    sock = _bound_socket()
+    sock = _bound_socket(port)
     server = _Server(uvicorn_config(app, settings))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     listening = asyncio.create_task(server.listening.wait())

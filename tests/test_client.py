@@ -10,16 +10,12 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import uvicorn
 
-from server.hub.app import create_app
 from server.hub.tokens import make_token
-from server.hub.wire import uvicorn_config
 from server.ids import GroupId, UserId
 from server.settings import Settings
 from server.tools.client import HubClient, HubError
@@ -27,37 +23,6 @@ from server.tools.reconnecting import Backoff, RedPacketClient, decide, stop_cod
 from tests.hubtools import HubUnderTest, eventually, hub_in_process, server_port
 
 FAST = Backoff(initial=0.05, maximum=0.2)
-
-
-class _Listening(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.listening = asyncio.Event()
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        self.listening.set()
-
-
-@asynccontextmanager
-async def hub_on_port(settings: Settings, port: int) -> AsyncIterator[HubUnderTest]:
-    """A hub in this process on ``port``: stopped at the end of the block, startable again on the port."""
-    app = create_app(settings)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    server = _Listening(uvicorn_config(app, settings))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    listening = asyncio.create_task(server.listening.wait())
-    await asyncio.wait({task, listening}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        await task
-    try:
-        yield HubUnderTest(f"http://127.0.0.1:{port}", settings, app=app)
-    finally:
-        listening.cancel()
-        server.should_exit = True
-        await asyncio.wait_for(task, 30)
 
 
 class Proxy:
@@ -172,7 +137,7 @@ async def test_reconnects_when_the_hub_comes_back_and_delivers_what_it_missed_on
     room = await make_room(h)
     admin = await h.client(room.admin_token)  # on a hub that stays up
     port = server_port()
-    async with hub_on_port(hub_settings, port) as away:
+    async with hub_in_process(hub_settings, port=port) as away:
         c = await RedPacketClient.connect(away.ws, room.member_token, fmt=fmt, backoff=FAST)
         await c.sync()
         await admin.request("chat", group=room.group, text="before")
@@ -181,7 +146,7 @@ async def test_reconnects_when_the_hub_comes_back_and_delivers_what_it_missed_on
     await eventually(lambda: not c.connected)
     for i in range(3):
         await admin.request("chat", group=room.group, text=f"away {i}")
-    async with hub_on_port(hub_settings, port):
+    async with hub_in_process(hub_settings, port=port):
         await c.wait_connected(timeout=30)
         await admin.request("chat", group=room.group, text="after")
         # Re-synced on its own from the last offset: each missed chat once, nothing seen before again.

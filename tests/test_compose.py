@@ -94,7 +94,8 @@ def test_the_dockerfile_install_step_gives_a_working_redpacket(tmp_path: Path) -
                 target = context / (source if dest in ("./", ".") else dest)
                 if (ROOT / source).is_dir():
                     shutil.copytree(ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__"))
-                else:
+                else:  # (a COPY makes the folders its destination names)
+                    target.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy(ROOT / source, target)
     # pip builds the wheel from that context (build isolation, as in the image); the dependencies are
     # this test run's own, so nothing more is downloaded.
@@ -131,7 +132,8 @@ def test_the_dockerfile_install_step_gives_a_working_redpacket(tmp_path: Path) -
         "[importlib.import_module(m.name) for p in (server, worker)"
         " for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.')"
         " if not m.name.startswith('server.tools') and not m.name.endswith('__main__')];"
-        "print(server.__file__); print(asset_dir('lua')); print(asset_dir('web'))"
+        "print(server.__file__); print(asset_dir('lua')); print(asset_dir('web'));"
+        "print(asset_dir('clients/js')); print(asset_dir('docs'))"
     )
     out = subprocess.run(
         [str(venv / "bin" / "python"), "-c", probe],
@@ -142,9 +144,11 @@ def test_the_dockerfile_install_step_gives_a_working_redpacket(tmp_path: Path) -
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    installed, lua, web = out.stdout.split()
+    installed, lua, web, client, docs = out.stdout.split()
     assert installed.startswith(str(venv)), installed  # the installed copy, not this source tree
     assert (Path(lua) / "grab.lua").exists() and (Path(web) / "index.html").exists(), (lua, web)
+    # What the hub serves at /client/ and /openapi.json.
+    assert (Path(client) / "redpacket.js").exists() and (Path(docs) / "openapi.json").exists(), (client, docs)
     # The console script, run by the new environment's interpreter (pip wrote this run's into its #!).
     helped = subprocess.run(
         [str(venv / "bin" / "python"), str(venv / "bin" / "redpacket"), "--help"],

@@ -490,8 +490,8 @@ async def test_the_demo_page_is_served_at_the_root(h: HubUnderTest) -> None:
     async with httpx.AsyncClient(base_url=h.http) as http:
         page = await http.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        assert '<script src="app.js">' in page.text
-        for asset in ("app.js", "style.css", "packet.svg"):
+        assert '<script type="module" src="app.js">' in page.text
+        for asset in ("app.js", "style.css", "packet.svg", "client/redpacket.js", "client/redpacket.d.ts"):
             assert (await http.get(f"/{asset}")).status_code == 200, asset
         assert (await http.get("/nope.js")).status_code == 404
 

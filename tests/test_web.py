@@ -755,7 +755,11 @@ async def test_the_page_talks_through_the_javascript_client_and_recovers_after_t
         sent = await sender.request("send", group=group, total=300, count=1, greeting="sent meanwhile")
         await page.evaluate("window.__unreachable = false")
 
-        await expect(page.locator("#conn")).to_have_attribute("data-state", "online", timeout=WAIT_MS)
+        # Its next try comes after the back-off it has reached by then (at most the client's maxDelayMs,
+        # 10 s, on a machine slow enough to fail many tries meanwhile), then the usual bound.
+        await expect(page.locator("#conn")).to_have_attribute(
+            "data-state", "online", timeout=WAIT_MS + 10_000
+        )
         await expect(page.locator("#messages")).to_contain_text("said while the hub had closed it")
         await expect(page.locator(f".packet[data-packet='{sent['packet_id']}']")).to_contain_text(
             "sent meanwhile"

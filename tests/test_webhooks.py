@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -56,6 +57,13 @@ def verifier() -> Callable[..., bool]:
     scope: dict[str, Any] = {}
     exec(guide_example("webhook-verify-python"), scope)
     return scope["verify_webhook"]  # type: ignore[no-any-return]
+
+
+def webhook_schema() -> dict[str, Any]:
+    """The body docs/openapi.json's ``webhooks.event`` describes, with the document's components."""
+    doc = json.loads((GUIDE.parent / "openapi.json").read_text())
+    body = doc["webhooks"]["event"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    return {**body, "components": doc["components"]}
 
 
 @dataclass
@@ -183,6 +191,9 @@ async def test_every_event_arrives_once_signed_in_order_through_500s_and_timeout
             assert hows[:8] == ["500"] * 6 + ["slow"] * 2 and hows.count("ok") >= len(pulled)
             assert rx.bad_signatures == 0
             assert [rx.accepted[e["id"]] for e in pulled] == pulled  # the same bodies as the pull API
+            described = webhook_schema()
+            for event in pulled:  # each as docs/openapi.json's webhook describes it
+                jsonschema.Draft202012Validator(described).validate(event)
             by_user: dict[int, list[int]] = defaultdict(list)
             for seq in rx.order:
                 by_user[rx.accepted[seq]["user_id"]].append(seq)

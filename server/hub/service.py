@@ -151,13 +151,7 @@ async def topup(request: Request, core: Core, _: UserId) -> dict[str, object]:
     user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
     amount, request_id = body.get("amount"), body.get("request_id")
     paid = await ledger.topup(core.db, user_id, amount, request_id, service=True)
-    return {
-        "user_id": user_id,
-        "amount": amount,
-        "request_id": request_id,
-        "replay": not paid,
-        "balance": await ledger.balance(core.db, user_id),
-    }
+    return await _money_answer(core, user_id, amount, request_id, paid)
 
 
 async def withdraw(request: Request, core: Core, _: UserId) -> dict[str, object]:
@@ -166,6 +160,13 @@ async def withdraw(request: Request, core: Core, _: UserId) -> dict[str, object]
     user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
     amount, request_id = body.get("amount"), body.get("request_id")
     paid = await payouts.withdraw(core.db, user_id, amount, request_id)
+    return await _money_answer(core, user_id, amount, request_id, paid)
+
+
+async def _money_answer(
+    core: Core, user_id: UserId, amount: object, request_id: object, paid: bool
+) -> dict[str, object]:
+    """A top-up's or a withdrawal's answer: ``replay`` when an earlier call with the id had paid it."""
     return {
         "user_id": user_id,
         "amount": amount,
