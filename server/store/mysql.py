@@ -55,6 +55,7 @@ from server.store.mysqlkit import (
     StatementTimedOut,
     as_ours,
     bounded,
+    connect_cut,
     driver_error,
     error_code,
     node_lost,
@@ -153,15 +154,22 @@ class MySQLDatabase(Database):
         name = self.target.database
         try:
             async with asyncio.timeout(self._probe_s):
-                conn = await aiomysql.connect(
-                    host=host,
-                    port=port,
-                    user=self.target.user,
-                    password=self.target.password,
-                    db=name,
-                    connect_timeout=self._probe_s,
-                    autocommit=True,
-                )
+                try:
+                    conn = await aiomysql.connect(
+                        host=host,
+                        port=port,
+                        user=self.target.user,
+                        password=self.target.password,
+                        db=name,
+                        connect_timeout=self._probe_s,
+                        autocommit=True,
+                    )
+                except RuntimeError as e:
+                    if not connect_cut(e):
+                        raise
+                    raise pymysql.err.OperationalError(
+                        2013, f"the connection was cut as it was made ({e})"
+                    ) from e
                 try:
                     async with conn.cursor() as cur:
                         await cur.execute("SHOW VARIABLES LIKE 'wsrep_on'")  # (none on Oracle's MySQL)

@@ -83,10 +83,20 @@ def error_code(e: BaseException) -> int | None:
     return None
 
 
+def connect_cut(e: BaseException) -> bool:
+    """aiomysql's error for a connection the server closed as it was made (a node being killed): its
+    keep-alive setting finds no socket."""
+    return isinstance(e, RuntimeError) and "does not expose socket" in str(e)
+
+
 def node_lost(e: BaseException) -> bool:
     """Whether the driver's ``e`` says the node (or the way to it) may be gone, rather than a statement
     refused."""
-    return isinstance(e, StatementTimedOut | pymysql.err.InterfaceError) or error_code(e) in NODE_LOST
+    return (
+        isinstance(e, StatementTimedOut | pymysql.err.InterfaceError)
+        or error_code(e) in NODE_LOST
+        or connect_cut(e)
+    )
 
 
 def as_ours(e: BaseException, moved: bool) -> DatabaseError:
@@ -101,7 +111,7 @@ def as_ours(e: BaseException, moved: bool) -> DatabaseError:
         return RetryableError(f"a statement outlived the statement timeout ({e})", reason="timeout")
     if code in RETRY_REASONS:
         return RetryableError(str(e), reason=RETRY_REASONS[code])
-    if isinstance(e, pymysql.err.InterfaceError):
+    if isinstance(e, pymysql.err.InterfaceError) or connect_cut(e):
         return RetryableError(str(e), reason="connection")
     return DatabaseError(str(e))
 
@@ -123,4 +133,6 @@ async def bounded(step: Awaitable[T], seconds: float) -> T:
 def driver_error(e: BaseException) -> bool:
     """Whether ``e`` came from the way to the server (the driver — aiomysql turns a socket's errors into
     its own — or our statement timeout), not from the caller's own code inside a transaction."""
-    return isinstance(e, pymysql.err.OperationalError | pymysql.err.InterfaceError | StatementTimedOut)
+    return isinstance(
+        e, pymysql.err.OperationalError | pymysql.err.InterfaceError | StatementTimedOut
+    ) or connect_cut(e)
