@@ -29,6 +29,8 @@ export interface ClientOptions {
   WebSocket?: new (url: string, protocols: string[]) => WebSocket;
   /** How long a request waits for its reply before it is rejected with code "timeout" (10,000 ms). */
   requestTimeoutMs?: number;
+  /** A connection not welcomed this long after it was opened is dropped and tried again (10,000 ms). */
+  connectTimeoutMs?: number;
   /** false: never reconnect by itself. */
   reconnect?: boolean;
   /** Back-off: the n-th reconnect in a row waits a random time from 0 to min(maxDelayMs, minDelayMs × 2ⁿ⁻¹);

@@ -255,6 +255,9 @@ export function decodeMsgpack(bytes) {
 const DEFAULTS = {
   format: "json",
   requestTimeoutMs: 10_000,
+  // A connection with no welcome this long after it was opened is given up and tried again (a network
+  // that drops the handshake, a hub too busy to welcome): as the Python client does.
+  connectTimeoutMs: 10_000,
   reconnect: true,
   minDelayMs: 500, // the first reconnect waits up to this (full jitter: anything from 0)
   maxDelayMs: 10_000, // and never longer than this, however many tries
@@ -410,6 +413,17 @@ export class RedPacketClient {
     }
     ws.binaryType = "arraybuffer";
     this.ws = ws;
+    clearTimeout(this.welcomeTimer);
+    this.welcomeTimer = setTimeout(() => {
+      if (this.ws !== ws || this.welcomedOn === ws) return;
+      this.ws = null;
+      try {
+        ws.close(4000, "no welcome in time");
+      } catch {
+        // (a socket still connecting may refuse a close code: it is dropped either way)
+      }
+      this.onClose(1006, "no welcome in time");
+    }, this.options.connectTimeoutMs);
     ws.onmessage = (e) => {
       if (this.ws === ws) this.onFrame(e.data);
     };
@@ -422,6 +436,7 @@ export class RedPacketClient {
   close() {
     this.stopped = true;
     clearTimeout(this.retryTimer);
+    clearTimeout(this.welcomeTimer);
     this.retryTimer = null;
     const ws = this.ws;
     this.ws = null;
@@ -538,6 +553,8 @@ export class RedPacketClient {
   }
 
   async onWelcome(msg) {
+    this.welcomedOn = this.ws;
+    clearTimeout(this.welcomeTimer);
     const reconnect = this.everWelcomed;
     this.welcome = msg;
     this.everWelcomed = true;

@@ -43,6 +43,10 @@ class FakeHub {
         this.readyState = 0;
         this.sent = [];
         hub.sockets.push(this);
+        if (hub.silent > 0) {
+          hub.silent -= 1; // a handshake swallowed by the network: never opens, never closes
+          return;
+        }
         setTimeout(() => {
           if (this.readyState !== 0) return;
           this.readyState = 1;
@@ -264,3 +268,19 @@ function collectErrors(client) {
   client.on("error", (e) => errors.push(e));
   return errors;
 }
+
+test("a connection that is never welcomed is given up after connectTimeoutMs and tried again", async () => {
+  const hub = new FakeHub();
+  hub.silent = 1;
+  const client = new RedPacketClient({
+    url: "ws://hub.test/ws", token: "t", WebSocket: hub.WebSocket, connectTimeoutMs: 30, minDelayMs: 1, maxDelayMs: 5,
+  });
+  const closes = [];
+  client.on("close", (e) => closes.push(e));
+  const welcome = await client.connect();
+  assert.equal(welcome.user, 7);
+  assert.equal(hub.sockets.length, 2); // the silent one, then one that was welcomed
+  assert.equal(hub.sockets[0].readyState, 3); // the silent one was closed, not left hanging
+  assert.deepEqual(closes.map((e) => [e.code, e.willRetry]), [[1006, true]]);
+  client.close();
+});
