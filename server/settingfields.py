@@ -172,7 +172,7 @@ class SettingFields:
     webhook_give_up_hours: int = setting(
         72,
         "a delivery still failing this long after its event is given up (`failed`, counted, on the"
-        " dashboard; `redpacket webhooks replay` sends it again)",
+        " dashboard; `redpacket webhooks replay` sends it again); at least 24",
         least=24,
     )
     token_ttl_seconds: int = setting(86_400, "lifetime of a token from `/api/login`")

@@ -19,6 +19,7 @@ from server.money.reconcile import reconcile
 from server.store.db import Tx, as_text
 from tests.conftest import make_world
 from tests.dbproxy import MySQLProxy, core_behind_proxy
+from worker.settle import expire_holds_job
 
 
 async def _rich(core: Core, cents: int = 10_000) -> UserId:
@@ -157,9 +158,9 @@ async def test_a_hold_expires_on_its_own_and_a_late_confirm_finds_it_expired(cor
     await payouts.hold(core.db, user, 200, "late", 60)
     assert await payouts.expire_due(core.db) == 0  # not yet
     await _age(core, "job", 61_000)
-    await _age(core, "late", 61_000)
-    assert await payouts.expire_due(core.db, limit=1) == 1
+    assert await expire_holds_job({"core": core}) == 1  # the worker's job, every minute
     assert (await payouts.get_hold(core.db, "job")).state == "expired"
+    await _age(core, "late", 61_000)
     # The job has not reached "late" yet: a confirm now is refused, and the expiry it found is kept.
     with pytest.raises(RedPacketError) as e:
         await payouts.settle_hold(core.db, "late", "confirmed")
@@ -206,12 +207,15 @@ async def test_a_step_whose_commit_answer_is_lost_moves_money_once(
         await payouts.hold(c.db, user, 400, "h")
     proxy.lose_commit_answers(1)
     if step == "withdraw":
-        await payouts.withdraw(c.db, user, 400, "w")
+        replay = not await payouts.withdraw(c.db, user, 400, "w")
     elif step == "hold":
-        await payouts.hold(c.db, user, 400, "h")
+        replay = (await payouts.hold(c.db, user, 400, "h")).replay
     else:
-        await payouts.settle_hold(c.db, "h", "confirmed" if step == "confirm" else "released")
+        replay = (
+            await payouts.settle_hold(c.db, "h", "confirmed" if step == "confirm" else "released")
+        ).replay
     assert proxy.lost == 1  # the dangerous state existed
+    assert replay is False  # done by this call: its own run again is no replay
     assert await ledger.balance(c.db, user) == (1_000 if step == "release" else 600)
     report = await reconcile(c)
     assert report.ok, report.differences
@@ -306,7 +310,6 @@ async def test_every_money_change_has_its_event_in_order(core: Core) -> None:
         "share.credited",
         "packet.finished",
     ]
-    assert [e["id"] for e in page] == sorted(e["id"] for e in page)
     assert page[1]["data"] == {
         "packet_id": p.packet_id,
         "group_id": w.group,
@@ -320,3 +323,47 @@ async def test_every_money_change_has_its_event_in_order(core: Core) -> None:
     assert {e["user_id"] for e in page[2:4]} == set(w.members)
     assert page[4]["data"]["packet_id"] == p.packet_id and page[4]["user_id"] == w.admin
     assert (await reconcile(core)).ok
+
+
+async def test_reconciliation_catches_events_that_say_what_the_ledger_does_not(core: Core) -> None:
+    """An event that moves no money must still be true, and each event is of its journal row's kind;
+    a hold's debit, a confirmation and a packet's end missing are each reported."""
+    from server.money import packets
+    from server.money.crediting import credit_many
+    from server.store.records import CreditEntry
+
+    w = await make_world(core, members=1, admin_cents=1_000)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="equal", total=100, count=1)
+    await credit_many(core.db, [CreditEntry(p.packet_id, w.members[0], 1, 100, 1)])
+    await payouts.hold(core.db, w.admin, 50, "confirmed")
+    await payouts.settle_hold(core.db, "confirmed", "confirmed")
+    await payouts.hold(core.db, w.admin, 60, "released")
+    await payouts.settle_hold(core.db, "released", "released")
+    assert (await reconcile(core)).ok
+
+    async def checks_after(sql: str, *params: object) -> set[str]:
+        await core.db.run(lambda tx: tx.execute(sql, params), idempotent=False)
+        return (await reconcile(core)).checks()
+
+    forged = (
+        "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms)"
+        " VALUES (%s, %s, %s, %s, '{}', 0)"
+    )
+    # A confirmation of a hold that was released: the backend would think the money left.
+    assert "event_untrue" in await checks_after(forged, "hold.confirmed", "confirm:released", w.admin, None)
+    await checks_after("DELETE FROM events WHERE idem_key = 'confirm:released'")
+    # The end of a packet that is not finished.
+    assert "event_untrue" in await checks_after(forged, "packet.finished", "finished:999999", w.admin, None)
+    await checks_after("DELETE FROM events WHERE idem_key = 'finished:999999'")
+    # A withdrawal's journal row reported as a top-up.
+    assert "event_untrue" in await checks_after(
+        "UPDATE events SET type = 'account.topup' WHERE idem_key = 'hold:released'"
+    )
+    await checks_after("UPDATE events SET type = 'hold.created' WHERE idem_key = 'hold:released'")
+    assert (await reconcile(core)).ok
+    # Missing: the confirmation, the packet's end, a hold's debit.
+    assert "event_missing" in await checks_after("DELETE FROM events WHERE idem_key = 'confirm:confirmed'")
+    assert "event_missing" in await checks_after(
+        "DELETE FROM events WHERE idem_key = %s", f"finished:{p.packet_id}"
+    )
+    assert "hold_debit" in await checks_after("DELETE FROM journal WHERE idem_key = 'hold:confirmed'")

@@ -167,6 +167,7 @@ async def test_the_periodic_jobs(core: Core) -> None:
         f"{core.namespace}:sweep_job",
         f"{core.namespace}:reconcile_job",
         f"{core.namespace}:score_bots_job",
+        f"{core.namespace}:expire_holds_job",
     } <= names
     w = await make_world(core, members=1, admin_cents=10_000)
     expired = dataclasses.replace(core, settings=core.settings.replace(packet_ttl_seconds=0))

@@ -33,7 +33,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from server.core import Core, open_core
-from server.money import deliveries, ledger, packets
+from server.money import deliveries, events, ledger, packets
 from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.settings import Settings
@@ -505,3 +505,80 @@ async def test_money_out_over_http_answers_each_mistake_with_its_code(hub_settin
         assert (got, answer["error"]["code"], answer["error"]["state"]) == (409, "hold_closed", "released")
         assert (await b.ok("GET", f"/api/service/accounts/{base}"))["balance"] == 400
         assert (await reconcile(hub.core)).ok
+
+
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
+async def test_a_delivery_failing_past_the_give_up_time_is_failed_and_replay_sends_it(core: Core) -> None:
+    """A receiver that keeps failing: once the delivery's event is older than the give-up time, the
+    delivery is ``failed`` (counted, and no longer holding the user's later events back); a replay sends
+    it again."""
+    async with receiving(Receiver(script=["500"] * 1000)) as rx:
+        settings = core.settings.replace(
+            webhook_urls=rx.url, webhook_secret=SECRET, webhook_retry_ms=1, webhook_timeout_ms=2000
+        )
+        user = await ledger.create_user(core.db, "failing")
+        await ledger.topup(core.db, user, 10, "first")
+        async with open_core(settings) as c:
+            d = Dispatcher(c)
+
+            async def until(check: Callable[[], Any]) -> None:
+                async def rounds() -> None:
+                    while not await check():
+                        await d.round()
+
+                await asyncio.wait_for(rounds(), 60)
+
+            async def state() -> deliveries.QueueState:
+                return await deliveries.state(c.db, deliveries.endpoint_id(rx.url))
+
+            await until(lambda: _true(len(rx.seen) >= 2))  # failed twice: the dangerous state
+            assert (await state()).pending == 1 and not rx.accepted
+            await ledger.topup(core.db, user, 20, "second")  # held back behind the first, in order
+            hours = settings.webhook_give_up_hours * 3_600_000 + 1
+            first = rx.seen[0][0]
+            await c.db.run(  # the first one's event three days old (time passing, without waiting for it)
+                lambda tx: tx.execute(
+                    "UPDATE webhook_deliveries SET first_ms = first_ms - %s WHERE seq = %s", (hours, first)
+                ),
+                idempotent=True,
+            )
+
+            async def gave_up() -> bool:
+                return (await state()).failed == 1
+
+            await until(gave_up)
+            name = label(rx.url)
+            assert d.metrics.webhooks.deliveries.labels(name, "failed")._value.get() == 1
+            rx.script.clear()  # the receiver is back
+            await until(lambda: _true(len(rx.accepted) == 1))  # the later event is no longer held back
+            assert [e["data"]["amount"] for e in rx.accepted.values()] == [20]
+            n = await deliveries.replay(c.db, [deliveries.endpoint_id(rx.url)], 0, ledger.now_ms())
+            assert n == 2
+            await until(lambda: _true(len(rx.accepted) == 2))
+            assert sorted(e["data"]["amount"] for e in rx.accepted.values()) == [10, 20]
+            assert (await state()) == deliveries.QueueState(0, 0, None)
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
+async def test_an_answer_after_the_lease_passed_to_another_dispatcher_acknowledges_nothing(
+    core: Core,
+) -> None:
+    user = await ledger.create_user(core.db, "leased")
+    await ledger.topup(core.db, user, 10, "one")
+    endpoint = deliveries.endpoint_id("https://backend.example/hooks")
+    await events.sequence(core.db)
+    now = ledger.now_ms()
+    await deliveries.queue(core.db, endpoint, now)  # the URL's queue, from the first event
+    assert await deliveries.queue(core.db, endpoint, now) == 0
+    first, claimed = await deliveries.claim(core.db, endpoint, now, 1_000, 10)
+    assert [c.event["type"] for c in claimed] == ["account.topup"]
+    assert (await deliveries.claim(core.db, endpoint, now + 999, 1_000, 10))[1] == []  # leased
+    second, again = await deliveries.claim(core.db, endpoint, now + 1_000, 1_000, 10)  # the lease passed
+    assert [c.seq for c in again] == [c.seq for c in claimed] and again[0].attempts == 2
+    assert await deliveries.ack(core.db, endpoint, claimed[0].seq, first, now + 1_500) is False
+    assert await deliveries.ack(core.db, endpoint, claimed[0].seq, second, now + 1_500) is True
+    assert await deliveries.ack(core.db, endpoint, claimed[0].seq, second, now + 1_600) is False

@@ -28,7 +28,15 @@ from server.store.queue import job_deserializer, job_serializer
 from server.store.redisnodes import MasterUsage
 from worker.drain import CreditDrain
 from worker.metrics import WorkerMetrics
-from worker.settle import Ctx, announce_job, reconcile_job, refund_expired_job, score_bots_job, sweep_job
+from worker.settle import (
+    Ctx,
+    announce_job,
+    expire_holds_job,
+    reconcile_job,
+    refund_expired_job,
+    score_bots_job,
+    sweep_job,
+)
 from worker.webhooks import Dispatcher
 
 log = logging.getLogger(__name__)
@@ -52,6 +60,7 @@ def cron_jobs(namespace: str) -> list[Any]:
 
     return [
         named(refund_expired_job, second=0, timeout=600),
+        named(expire_holds_job, second=30, timeout=600),
         named(announce_job, second=set(range(2, 60, 5)), timeout=60),
         named(sweep_job, second={15, 45}, timeout=300),
         # Also once at the start: until a worker has reconciled, its gauges say nothing (not "0").

@@ -131,7 +131,10 @@ class Dispatcher:
         error = ""
         assert self.client is not None
         try:
-            answer = await self.client.post(url, content=body, headers=headers)
+            # httpx's timeout bounds each phase (connect, write, each read); the whole request is bounded
+            # here, so one never outlives its lease (a receiver trickling its answer included).
+            async with asyncio.timeout(self.settings.webhook_timeout_ms / 1000):
+                answer = await self.client.post(url, content=body, headers=headers)
             if 200 <= answer.status_code < 300:
                 now = now_ms()
                 if await deliveries.ack(self.core.db, endpoint, c.seq, token, now):
@@ -141,7 +144,7 @@ class Dispatcher:
                     self.metrics.webhooks.deliveries.labels(name, "lease_lost").inc()
                 return
             error = f"HTTP {answer.status_code}"
-        except httpx.TimeoutException:
+        except (httpx.TimeoutException, TimeoutError):
             error = "timed out"
         except httpx.HTTPError as e:
             error = f"{type(e).__name__}: {e}"[:200]

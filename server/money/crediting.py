@@ -170,11 +170,12 @@ async def _post(tx: Tx, paid: list[CreditEntry], ts: int) -> None:
             for c in paid
         ],
     )
-    await events.record_many(tx, [events.share_credited(c, grab_key(c.packet_id, c.seq)) for c in paid], ts)
     per_account: dict[int, int] = defaultdict(int)
     for c in paid:
         per_account[c.user_id] += c.amount
     await add_to_balances(tx, dict(per_account), ts)
+    # After the accounts' locks: a user's events are numbered in the order the user's changes commit.
+    await events.record_many(tx, [events.share_credited(c, grab_key(c.packet_id, c.seq)) for c in paid], ts)
     await finish_paid(tx, [c.packet_id for c in paid])
 
 

@@ -14,6 +14,7 @@ not other users'; given up as ``failed`` after ``REDPACKET_WEBHOOK_GIVE_UP_HOURS
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import secrets
 from dataclasses import dataclass
@@ -126,11 +127,20 @@ async def ack(db: Database, endpoint: str, seq: int, token: int, now: int) -> bo
     had passed to another dispatcher."""
 
     async def work(tx: Tx) -> int:
-        return await tx.execute(
+        changed = await tx.execute(
             "UPDATE webhook_deliveries SET state = 'delivered', done_ms = %s, last_error = NULL"
             " WHERE endpoint = %s AND seq = %s AND lease_token = %s AND state = 'pending'",
             (now, endpoint, seq, token),
         )
+        if changed or not tx.resumed:
+            return changed
+        # Run again after a lost COMMIT answer: the first run's acknowledgement is this call's own.
+        mine = await tx.fetchone(
+            "SELECT 1 FROM webhook_deliveries WHERE endpoint = %s AND seq = %s AND lease_token = %s"
+            " AND state = 'delivered'",
+            (endpoint, seq, token),
+        )
+        return 1 if mine else 0
 
     return await db.run(work, idempotent=True) == 1
 
@@ -155,33 +165,43 @@ async def retry_later(
 
 async def replay(db: Database, endpoints: list[str], after_seq: int, now: int) -> int:
     """Every event after ``after_seq`` due again for each endpoint (delivered, failed or never queued):
-    the same event ids, so a receiver that has some already drops them. Returns deliveries made due."""
+    the same event ids, so a receiver that has some already drops them. A delivery in flight loses its
+    lease (its answer no longer acknowledges it: it is sent again). In transactions of ``QUEUE_BATCH``
+    events, so the dispatchers are not held up. Returns deliveries made due."""
     total = 0
     for endpoint in endpoints:
-        await queue(db, endpoint, now)  # the cursor exists, and events up to now are queued
-
-        async def work(tx: Tx, endpoint: str = endpoint) -> int:
-            changed = await tx.execute(
-                "UPDATE webhook_deliveries SET state = 'pending', next_ms = %s, lease_ms = 0, done_ms = NULL,"
-                " attempts = 0, first_ms = %s WHERE endpoint = %s AND seq > %s",
-                (now, now, endpoint, after_seq),
+        await queue(db, endpoint, now)  # the cursor exists
+        cursor = await db.fetchone("SELECT after_seq FROM webhook_cursors WHERE endpoint = %s", (endpoint,))
+        last = int(cursor[0]) if cursor else 0
+        start = after_seq
+        while start < last:
+            end = min(start + QUEUE_BATCH, last)
+            total += await db.run(
+                functools.partial(_replay_batch, endpoint=endpoint, after=start, upto=end, now=now),
+                idempotent=True,
             )
-            # Events before the URL's cursor that were never queued for it (it was added later).
-            missing = await tx.fetchall(
-                "SELECT e.seq, e.user_id FROM events e LEFT JOIN webhook_deliveries d"
-                " ON d.endpoint = %s AND d.seq = e.seq WHERE e.seq > %s AND d.seq IS NULL"
-                " AND e.seq <= (SELECT after_seq FROM webhook_cursors WHERE endpoint = %s)",
-                (endpoint, after_seq, endpoint),
-            )
-            await tx.executemany(
-                "INSERT INTO webhook_deliveries (endpoint, seq, user_id, state, attempts, next_ms, lease_ms,"
-                " lease_token, first_ms) VALUES (%s, %s, %s, 'pending', 0, %s, 0, 0, %s)",
-                [(endpoint, int(s), int(u), now, now) for s, u in missing],
-            )
-            return changed + len(missing)
-
-        total += await db.run(work, idempotent=True)
+            start = end
     return total
+
+
+async def _replay_batch(tx: Tx, *, endpoint: str, after: int, upto: int, now: int) -> int:
+    changed = await tx.execute(
+        "UPDATE webhook_deliveries SET state = 'pending', next_ms = %s, lease_ms = 0, lease_token = 0,"
+        " done_ms = NULL, attempts = 0, first_ms = %s WHERE endpoint = %s AND seq > %s AND seq <= %s",
+        (now, now, endpoint, after, upto),
+    )
+    # Events before the URL's cursor that were never queued for it (made before its queue existed).
+    missing = await tx.fetchall(
+        "SELECT e.seq, e.user_id FROM events e LEFT JOIN webhook_deliveries d"
+        " ON d.endpoint = %s AND d.seq = e.seq WHERE e.seq > %s AND e.seq <= %s AND d.seq IS NULL",
+        (endpoint, after, upto),
+    )
+    await tx.executemany(
+        "INSERT INTO webhook_deliveries (endpoint, seq, user_id, state, attempts, next_ms, lease_ms,"
+        " lease_token, first_ms) VALUES (%s, %s, %s, 'pending', 0, %s, 0, 0, %s)",
+        [(endpoint, int(s), int(u), now, now) for s, u in missing],
+    )
+    return changed + len(missing)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ An event's public id is ``seq``, given by ``sequence`` after commit, in the orde
 committed. Auto-increment ids are not that: a transaction that took id 10 may commit after one that took
 id 11, and a reader who had paged past 11 would never see 10. A seq is only given to committed rows, one
 batch at a time under a lock, so every later seq is larger than every earlier one: paging ``after`` a seq
-never skips an event. Per user, events get their seqs in the order their changes committed (a user's
-changes lock the user's account row, and the event is written after the lock).
+never skips an event. Per user, the events of balance changes get their seqs in the order the changes
+committed (a change locks the user's account row, and its event is written after the lock).
 """
 
 from __future__ import annotations

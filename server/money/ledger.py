@@ -341,7 +341,7 @@ async def finished_event(
     await events.record(tx, "packet.finished", f"finished:{packet_id}", sender, None, data, ts)
 
 
-async def _posted_by_this_call(tx: Tx, idem_key: str) -> bool:
+async def posted_by_this_call(tx: Tx, idem_key: str) -> bool:
     """Whether this ``Database.run`` call posted ``idem_key`` in an earlier run whose COMMIT answer was
     lost (its journal row carries the call's token)."""
     if not tx.resumed:
@@ -390,7 +390,7 @@ async def credit_grab(db: Database, c: CreditEntry) -> CreditOutcome:
                 ) from None
             if rows[0][2] == "credited":
                 return (
-                    "credited" if await _posted_by_this_call(tx, grab_key(c.packet_id, c.seq)) else "already"
+                    "credited" if await posted_by_this_call(tx, grab_key(c.packet_id, c.seq)) else "already"
                 )
             await tx.execute(
                 "UPDATE grab_records SET status = 'credited', credited_ms = %s"

@@ -8,7 +8,9 @@
                  past LATE_MS after its expiry is stuck (the expiry job is not running)
     events:      every journal row (since events were written) has its event, with the same key, user and
                  amount; every money event has its journal row; every finished packet sent since has its
-                 ``packet.finished``, every confirmed hold its ``hold.confirmed``
+                 ``packet.finished``, every confirmed hold its ``hold.confirmed``; and no event says what
+                 the ledger does not (a confirmation of a hold not confirmed, the end of a packet not
+                 finished, a money event of another kind than its journal row)
 
 The arithmetic is pure (``differences``); the reads are ``queries``, run in reconcile's snapshot.
 """
@@ -21,6 +23,16 @@ from server.store.db import Row, as_text
 from server.store.dialect import Dialect
 
 LATE_MS = 15 * 60 * 1000
+# The events a journal row of each kind may have (its key is theirs).
+EVENT_OF_KIND: dict[str, tuple[str, ...]] = {
+    "topup": ("account.topup",),
+    "send": ("packet.sent",),
+    "grab": ("share.credited",),
+    "refund": ("packet.refunded",),
+    "withdraw": ("account.withdrawn",),
+    "hold": ("hold.created",),
+    "release": ("hold.released", "hold.expired"),
+}
 _SINCE = "(SELECT journal_from FROM event_counter WHERE name = 'events')"
 
 
@@ -29,6 +41,10 @@ def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
     hold_key, release_key = d.concat("'hold:'", "h.request_id"), d.concat("'release:'", "h.request_id")
     send_key, finished_key = d.concat("'send:'", "p.id"), d.concat("'finished:'", "p.id")
     confirm_key = d.concat("'confirm:'", "h.request_id")
+    fitting = " OR ".join(
+        f"(j.kind = '{kind}' AND e.type IN ({', '.join(repr(t) for t in types)}))"
+        for kind, types in EVENT_OF_KIND.items()
+    )
     return {
         "out": (
             "SELECT kind, COALESCE(SUM(amount), 0) FROM journal"
@@ -60,6 +76,21 @@ def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
             "SELECT e.idem_key, e.user_id, e.amount FROM events e LEFT JOIN journal j"
             " ON j.idem_key = e.idem_key AND j.account_id = e.user_id AND j.amount = e.amount"
             " WHERE e.amount IS NOT NULL AND j.id IS NULL",
+            (),
+        ),
+        # Events that move no money say something of a hold or a packet: it must be so. A money event
+        # without an amount, or of a type its journal row's kind is not, is no event of that row.
+        "event_untrue": (
+            "SELECT e.idem_key, e.user_id, e.type FROM events e"
+            f" LEFT JOIN holds h ON e.idem_key = {confirm_key} AND h.state = 'confirmed'"
+            " WHERE e.type = 'hold.confirmed' AND h.request_id IS NULL"
+            " UNION ALL SELECT e.idem_key, e.user_id, e.type FROM events e"
+            f" LEFT JOIN red_packets p ON e.idem_key = {finished_key} AND p.status = 'finished'"
+            " WHERE e.type = 'packet.finished' AND p.id IS NULL"
+            " UNION ALL SELECT e.idem_key, e.user_id, e.type FROM events e"
+            " WHERE e.amount IS NULL AND e.type NOT IN ('hold.confirmed', 'packet.finished')"
+            " UNION ALL SELECT e.idem_key, e.user_id, e.type FROM events e"
+            f" JOIN journal j ON j.idem_key = e.idem_key WHERE NOT ({fitting})",
             (),
         ),
         "finish_unannounced": (
@@ -98,6 +129,7 @@ class OutBooks:
     event_missing: list[tuple[str, int, int]] = field(default_factory=list)
     event_unbacked: list[tuple[str, int, int]] = field(default_factory=list)
     unannounced: list[str] = field(default_factory=list)
+    untrue: list[tuple[str, int, str]] = field(default_factory=list)  # (key, user, type)
 
     @property
     def paid_out(self) -> int:
@@ -118,6 +150,7 @@ def books(rows: dict[str, list[Row]]) -> OutBooks:
         orphans=[(as_text(k), int(a), int(m)) for k, a, m in rows["hold_orphans"]],
         event_missing=[(as_text(k), int(a), int(m)) for k, a, m in rows["event_missing"]],
         event_unbacked=[(as_text(k), int(a), int(m)) for k, a, m in rows["event_unbacked"]],
+        untrue=[(as_text(k), int(u), str(t)) for k, u, t in rows["event_untrue"]],
         unannounced=[f"packet {int(p)} finished" for p, _ in rows["finish_unannounced"]]
         + [f"hold {as_text(r)} confirmed" for r, _, _ in rows["confirm_unannounced"]],
     )
@@ -143,6 +176,10 @@ def differences(b: OutBooks, now_ms: int) -> list[tuple[str, str, int, int]]:
         diffs.append(("event_missing", f"{key} to account {account} has no event", amount, 0))
     for key, account, amount in b.event_unbacked:
         diffs.append(("event_unbacked", f"event {key} for user {account} has no journal row", 0, amount))
+    for key, user, type_ in b.untrue:
+        diffs.append(
+            ("event_untrue", f"event {key} ({type_}) for user {user} says what the ledger does not", 0, 1)
+        )
     for what in b.unannounced:
         diffs.append(("event_missing", f"{what} with no event", 1, 0))
     return diffs

@@ -23,7 +23,7 @@ from server import errors
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.ids import UserId
 from server.money import events
-from server.money.ledger import MAX_TOPUP_CENTS, check_request_id, now_ms, post
+from server.money.ledger import MAX_TOPUP_CENTS, check_request_id, now_ms, post, posted_by_this_call
 from server.store.db import Database, Tx, as_text
 
 HoldState = Literal["held", "confirmed", "released", "expired"]
@@ -147,7 +147,8 @@ async def hold(
                 raise RuntimeError(f"hold {rid}'s journal row is there and the hold is not")
         if (prior.user_id, prior.amount) != (user_id, cents):
             raise Conflict(errors.IDEMPOTENCY_KEY_REUSED, f"hold {rid} is for another user or amount")
-        return replace(prior, replay=True)
+        # (Made by this very call in a run whose COMMIT answer was lost: not a replay.)
+        return replace(prior, replay=not await posted_by_this_call(tx, f"hold:{rid}"))
 
     return await db.run(work, idempotent=True)
 
@@ -155,11 +156,16 @@ async def hold(
 async def _close(tx: Tx, h: Hold, state: HoldState, ts: int) -> Hold:
     """Close a held hold as ``state``: a release or an expiry pays the money back."""
     await tx.execute(
-        "UPDATE holds SET state = %s, closed_ms = %s WHERE request_id = %s AND state = 'held'",
-        (state, ts, h.request_id),
+        "UPDATE holds SET state = %s, closed_ms = %s, closed_tx = %s"
+        " WHERE request_id = %s AND state = 'held'",
+        (state, ts, tx.token, h.request_id),
     )
     closed = Hold(h.request_id, h.user_id, h.amount, state, h.created_ms, h.expires_ms, ts)
     if state == "confirmed":
+        # The account's lock, as a balance change takes it: the user's events are numbered in order.
+        await tx.fetchone(
+            "SELECT balance FROM accounts WHERE user_id = %s" + tx.dialect.for_update, (h.user_id,)
+        )
         await events.record(
             tx, "hold.confirmed", f"confirm:{h.request_id}", h.user_id, None, _data(closed), ts
         )
@@ -184,7 +190,7 @@ async def settle_hold(db: Database, request_id: object, outcome: Literal["confir
         if h.state == "held" and h.expires_ms <= ts:
             h = await _close(tx, h, "expired", ts)  # its time is over, whether or not the job ran yet
         if h.state == outcome:
-            return replace(h, replay=True)
+            return replace(h, replay=not await _closed_by_this_call(tx, rid))
         if h.state != "held":
             raise Conflict(errors.HOLD_CLOSED, f"hold {rid} is {h.state}", state=h.state)
         return await _close(tx, h, outcome, ts)
@@ -199,6 +205,14 @@ async def settle_hold(db: Database, request_id: object, outcome: Literal["confir
         raise
 
 
+async def _closed_by_this_call(tx: Tx, rid: str) -> bool:
+    """Whether this ``Database.run`` call closed the hold, in a run whose COMMIT answer was lost."""
+    if not tx.resumed:
+        return False
+    row = await tx.fetchone("SELECT closed_tx FROM holds WHERE request_id = %s", (rid,))
+    return row is not None and row[0] is not None and int(row[0]) == tx.token
+
+
 async def _expire(tx: Tx, *, rid: str) -> None:
     h = await _locked(tx, rid)
     ts = now_ms()
@@ -207,15 +221,21 @@ async def _expire(tx: Tx, *, rid: str) -> None:
 
 
 async def expire_due(db: Database, now: int | None = None, limit: int = 500) -> int:
-    """Release every hold past its expiry (each in its own transaction); returns how many."""
+    """Release every hold past its expiry (each in its own transaction), ``limit`` read at a time until
+    none is due; returns how many."""
     now = now_ms() if now is None else now
-    rows = await db.fetchall(
-        "SELECT request_id FROM holds WHERE state = 'held' AND expires_ms <= %s ORDER BY expires_ms LIMIT %s",
-        (now, limit),
-    )
-    for (rid,) in rows:
-        await db.run(functools.partial(_expire, rid=as_text(rid)), idempotent=True)
-    return len(rows)
+    done = 0
+    while True:
+        rows = await db.fetchall(
+            "SELECT request_id FROM holds WHERE state = 'held' AND expires_ms <= %s"
+            " ORDER BY expires_ms LIMIT %s",
+            (now, limit),
+        )
+        for (rid,) in rows:
+            await db.run(functools.partial(_expire, rid=as_text(rid)), idempotent=True)
+        done += len(rows)
+        if len(rows) < limit:
+            return done
 
 
 async def get_hold(db: Database, request_id: object) -> Hold:

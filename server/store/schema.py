@@ -224,7 +224,8 @@ MIGRATIONS.append(
                 state VARCHAR(12) NOT NULL,
                 created_ms BIGINT NOT NULL,
                 expires_ms BIGINT NOT NULL,
-                closed_ms BIGINT NULL
+                closed_ms BIGINT NULL,
+                closed_tx BIGINT NULL
             ){table_options}""",
             "CREATE INDEX holds_due ON holds (state, expires_ms)",
             # Written in the transaction of the change it reports; ``seq``, the event's public id, is
