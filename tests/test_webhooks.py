@@ -518,8 +518,8 @@ async def test_a_delivery_failing_past_the_give_up_time_is_failed_and_replay_sen
         )
         user = await ledger.create_user(core.db, "failing")
         await ledger.topup(core.db, user, 10, "first")
-        async with open_core(settings) as c:
-            d = Dispatcher(c)
+        async with open_core(settings) as c, httpx.AsyncClient() as http:
+            d = Dispatcher(c, client=http)
 
             async def until(check: Callable[[], Any]) -> None:
                 async def rounds() -> None:
@@ -554,9 +554,14 @@ async def test_a_delivery_failing_past_the_give_up_time_is_failed_and_replay_sen
             assert [e["data"]["amount"] for e in rx.accepted.values()] == [20]
             n = await deliveries.replay(c.db, [deliveries.endpoint_id(rx.url)], 0, ledger.now_ms())
             assert n == 2
-            await until(lambda: _true(len(rx.accepted) == 2))
+
+            async def all_delivered() -> bool:
+                return (await state()) == deliveries.QueueState(0, 0, None)
+
+            await until(all_delivered)  # both again, in order: the given-up one, then the other
             assert sorted(e["data"]["amount"] for e in rx.accepted.values()) == [10, 20]
-            assert (await state()) == deliveries.QueueState(0, 0, None)
+            resent = [seq for seq, how in rx.seen if how == "ok"]
+            assert resent[-2:] == sorted(resent[-2:]) and len(resent) == 3
 
 
 async def _true(value: bool) -> bool:
