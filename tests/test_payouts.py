@@ -179,6 +179,17 @@ async def test_a_hold_expires_on_its_own_and_a_late_confirm_finds_it_expired(cor
 
 
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)
+async def test_a_repeated_hold_past_its_expiry_answers_it_expired(core: Core) -> None:
+    user = await _rich(core, 1_000)
+    await payouts.hold(core.db, user, 300, "again", 60)
+    await _age(core, "again", 61_000)
+    repeat = await payouts.hold(core.db, user, 300, "again", 600)  # (another expires_in_s: the first stands)
+    assert (repeat.state, repeat.replay, repeat.expires_ms - repeat.created_ms) == ("expired", True, -1_000)
+    assert await ledger.balance(core.db, user) == 1_000
+    assert (await reconcile(core)).ok
+
+
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
 async def test_a_hold_left_held_past_its_expiry_is_reported(core: Core) -> None:
     user = await _rich(core, 1_000)
     await payouts.hold(core.db, user, 300, "forgotten", 60)

@@ -428,6 +428,10 @@ async def test_replay_sends_events_again_and_status_says_how_far_each_url_is(hub
             assert (
                 done.returncode == 0 and done.stdout.strip() == f"{rx.url}: 0 pending (oldest none), 0 failed"
             )
+            other = {**env, "REDPACKET_WEBHOOK_URLS": "https://other.example/hooks"}
+            done = await asyncio.to_thread(redpacket, "webhooks", "status", **other)
+            said = "no worker has run with this URL yet (nothing queued for it)"
+            assert done.stdout.strip() == f"https://other.example/hooks: {said}", done.stdout + done.stderr
             bad = await asyncio.to_thread(redpacket, "webhooks", "replay", "--since", "yesterday", **env)
             assert_one_line_error(bad, 2, "ISO 8601")
             off = {**env, "REDPACKET_WEBHOOK_URLS": ""}

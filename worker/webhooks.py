@@ -40,6 +40,8 @@ IDLE_S = 0.2
 MAX_RETRY_MS = 3_600_000
 # How often the queue's gauges are read.
 OBSERVE_S = 2.0
+# A failing URL is said in the log at most this often.
+WARN_EVERY_S = 60.0
 
 
 def sign(secret: str, body: bytes, t: int) -> str:
@@ -78,7 +80,10 @@ class Dispatcher:
         # How long a claimed delivery is this dispatcher's: past it, another may send it again. Twice the
         # answer's timeout and a second: a request still in flight has been given up by then.
         self.lease_ms = 2 * self.settings.webhook_timeout_ms + 1000
-        self.observed: dict[str, float] = {}  # endpoint → when its gauges were last read
+        self.observed: dict[str, float] = {}
+        self.warned: dict[
+            str, float
+        ] = {}  # endpoint → when its last failure was logged  # endpoint → when its gauges were last read
 
     async def run(self) -> None:
         """Deliver until cancelled, riding out database outages with back-off."""
@@ -155,6 +160,11 @@ class Dispatcher:
             self.core.db, endpoint, c.seq, token, next_ms=now + wait, error=error, give_up=give_up
         )
         self.metrics.webhooks.deliveries.labels(name, "failed" if give_up else "retry").inc()
+        if time.monotonic() - self.warned.get(endpoint, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self.warned[endpoint] = time.monotonic()  # one line a minute per URL while it fails
+            log.warning(
+                "webhook to %s failed (event %d, try %d): %s; retried", name, c.seq, c.attempts, error
+            )
         if give_up:
             log.error("webhook to %s gave up event %d after %d tries: %s", name, c.seq, c.attempts, error)
 

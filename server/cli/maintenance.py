@@ -117,6 +117,9 @@ async def webhooks(settings: Settings, since: str | None, after: int | None) -> 
                 oldest = (
                     "none" if q.oldest_pending_ms is None else f"{(now_ms() - q.oldest_pending_ms) // 1000} s"
                 )
+                if not q.queued:
+                    print(f"{url}: no worker has run with this URL yet (nothing queued for it)")
+                    continue
                 print(f"{url}: {q.pending} pending (oldest {oldest}), {q.failed} failed")
             return
         first = after if after is not None else await events.seq_at(db, start or 0)

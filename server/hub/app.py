@@ -20,8 +20,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.routing import Match, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
+from starlette.types import Scope
 
 from server import errors
 from server.core import Core, open_core, reset_writer_when_told
@@ -242,6 +243,16 @@ def metrics_page(app: Starlette) -> bytes:
 Beside = Callable[[Core], contextlib.AbstractAsyncContextManager[CollectorRegistry]]
 
 
+class Pages(Mount):
+    """The demo page's files, never under ``/api/``: a wrong method on an API route is answered 405
+    (``method_not_allowed``), not 404 by a file lookup."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http" and scope["path"].startswith("/api/"):
+            return Match.NONE, {}
+        return super().matches(scope)
+
+
 async def openapi(request: Request) -> Response:
     """docs/openapi.json, the HTTP API's description, as the file says it."""
     return Response(API_DOC.read_bytes(), media_type="application/json")
@@ -318,7 +329,7 @@ def create_app(
             *service.routes(),
             Mount("/client", StaticFiles(directory=CLIENT_DIR, check_dir=False), name="client"),
             # The demo page: static files, no build step (web/README.md).
-            Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
+            Pages("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
         ],
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: server_error},

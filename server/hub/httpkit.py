@@ -130,10 +130,8 @@ async def json_body(request: Request) -> dict[str, Any]:
 
 
 def id_of(value: object, unknown: str, what: str) -> int:
-    """An id from a path or a body: ``bad_request`` unless it is a whole number, ``unknown`` (not found)
-    when no id can be that number."""
-    if isinstance(value, str) and value.isascii() and value.isdigit():
-        value = int(value)
+    """An id from a body: ``bad_request`` unless it is a JSON integer (a string of digits is refused: an id
+    that moves money is typed as documented), ``unknown`` (not found) when no id can be that number."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRequest(errors.BAD_REQUEST, f"{what} must be a whole number")
     if not 1 <= value <= MAX_ID:
@@ -143,7 +141,10 @@ def id_of(value: object, unknown: str, what: str) -> int:
 
 def path_id(request: Request, name: str) -> int:
     unknown = {"group_id": errors.GROUP_NOT_FOUND, "user_id": errors.USER_NOT_FOUND}
-    return id_of(request.path_params[name], unknown.get(name, errors.PACKET_NOT_FOUND), name)
+    value = request.path_params[name]
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)  # (a path holds text: its digits are the id)
+    return id_of(value, unknown.get(name, errors.PACKET_NOT_FOUND), name)
 
 
 # What every HTTP answer carries (the demo page above all): its scripts and styles from its own files only

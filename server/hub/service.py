@@ -212,6 +212,9 @@ async def event_page(request: Request, core: Core, _: UserId) -> dict[str, objec
     if not 0 <= after < 2**63 or not 1 <= limit <= events.MAX_PAGE:
         raise InvalidRequest(errors.BAD_REQUEST, f"after >= 0, limit 1 to {events.MAX_PAGE}")
     found = await events.page(core.db, after=after, limit=limit + 1)
+    if not found and after > (newest := await events.last_seq(core.db)):
+        # A cursor no event had: a reader that stored a wrong one would otherwise skip what comes next.
+        raise InvalidRequest(errors.BAD_REQUEST, f"after is past the newest event id ({newest})")
     page = found[:limit]
     return {"events": page, "next": page[-1]["id"] if page else after, "more": len(found) > limit}
 

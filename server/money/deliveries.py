@@ -209,6 +209,7 @@ class QueueState:
     pending: int
     failed: int
     oldest_pending_ms: int | None  # first_ms of the oldest undelivered
+    queued: bool = True  # False: no worker has run with this URL yet
 
 
 async def state(db: Database, endpoint: str) -> QueueState:
@@ -219,4 +220,5 @@ async def state(db: Database, endpoint: str) -> QueueState:
     )
     by = {str(s): (int(n), None if m is None else int(m)) for s, n, m in rows}
     pending = by.get("pending", (0, None))
-    return QueueState(pending[0], by.get("failed", (0, None))[0], pending[1])
+    cursor = await db.fetchone("SELECT 1 FROM webhook_cursors WHERE endpoint = %s", (endpoint,))
+    return QueueState(pending[0], by.get("failed", (0, None))[0], pending[1], cursor is not None)

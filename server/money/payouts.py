@@ -147,6 +147,8 @@ async def hold(
                 raise RuntimeError(f"hold {rid}'s journal row is there and the hold is not")
         if (prior.user_id, prior.amount) != (user_id, cents):
             raise Conflict(errors.IDEMPOTENCY_KEY_REUSED, f"hold {rid} is for another user or amount")
+        if prior.state == "held" and prior.expires_ms <= now_ms():  # its time is over: said as it is
+            prior = await _close(tx, prior, "expired", now_ms())
         # (Made by this very call in a run whose COMMIT answer was lost: not a replay.)
         return replace(prior, replay=not await posted_by_this_call(tx, f"hold:{rid}"))
 
