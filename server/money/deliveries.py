@@ -65,17 +65,22 @@ async def queue(db: Database, endpoint: str, now: int) -> int:
         )
         if not new:
             return 0
-        await tx.executemany(
-            "INSERT INTO webhook_deliveries (endpoint, seq, user_id, state, attempts, next_ms, lease_ms,"
-            " lease_token, first_ms) VALUES (%s, %s, %s, 'pending', 0, %s, 0, 0, %s)",
-            [(endpoint, int(s), int(u), now, now) for s, u in new],
-        )
+        await _add(tx, endpoint, new, now)
         await tx.execute(
             "UPDATE webhook_cursors SET after_seq = %s WHERE endpoint = %s", (int(new[-1][0]), endpoint)
         )
         return len(new)
 
     return await db.run(work, idempotent=True)
+
+
+async def _add(tx: Tx, endpoint: str, events_: list[tuple[object, ...]], now: int) -> None:
+    """New deliveries, due now, of these events (``(seq, user_id)`` rows) to ``endpoint``."""
+    await tx.executemany(
+        "INSERT INTO webhook_deliveries (endpoint, seq, user_id, state, attempts, next_ms, lease_ms,"
+        " lease_token, first_ms) VALUES (%s, %s, %s, 'pending', 0, %s, 0, 0, %s)",
+        [(endpoint, int(str(s)), int(str(u)), now, now) for s, u in events_],
+    )
 
 
 async def claim(
@@ -85,7 +90,7 @@ async def claim(
     returns the lease's token and them, oldest first."""
     token = secrets.randbits(62) + 1
 
-    async def work(tx: Tx) -> list[int]:
+    async def work(tx: Tx) -> list[tuple[int, int, int]]:
         due = await tx.fetchall(
             "SELECT d.seq FROM webhook_deliveries d"
             " WHERE d.endpoint = %s AND d.state = 'pending' AND d.next_ms <= %s AND d.lease_ms <= %s"
@@ -104,22 +109,15 @@ async def claim(
             [now + lease_ms, token, endpoint, *seqs, now],
         )
         won = await tx.fetchall(
-            f"SELECT seq FROM webhook_deliveries WHERE endpoint = %s AND seq IN ({marks})"
+            f"SELECT seq, attempts, first_ms FROM webhook_deliveries WHERE endpoint = %s AND seq IN ({marks})"
             " AND lease_token = %s",
             [endpoint, *seqs, token],
         )
-        return sorted(int(r[0]) for r in won)
+        return sorted((int(s), int(a), int(f)) for s, a, f in won)
 
-    seqs = await db.run(work, idempotent=True)  # a run again finds its rows leased: they wait the lease
-    if not seqs:
-        return token, []
-    marks = ", ".join(["%s"] * len(seqs))
-    rows = await db.fetchall(
-        f"SELECT seq, attempts, first_ms FROM webhook_deliveries WHERE endpoint = %s AND seq IN ({marks})",
-        [endpoint, *seqs],
-    )
-    found = await events.by_seq(db, seqs)
-    return token, [Claimed(int(s), int(a), int(f), found[int(s)]) for s, a, f in rows if int(s) in found]
+    won = await db.run(work, idempotent=True)  # a run again finds its rows leased: they wait the lease
+    found = await events.by_seq(db, [s for s, _, _ in won])
+    return token, [Claimed(s, a, f, found[s]) for s, a, f in won if s in found]
 
 
 async def ack(db: Database, endpoint: str, seq: int, token: int, now: int) -> bool:
@@ -196,11 +194,7 @@ async def _replay_batch(tx: Tx, *, endpoint: str, after: int, upto: int, now: in
         " ON d.endpoint = %s AND d.seq = e.seq WHERE e.seq > %s AND e.seq <= %s AND d.seq IS NULL",
         (endpoint, after, upto),
     )
-    await tx.executemany(
-        "INSERT INTO webhook_deliveries (endpoint, seq, user_id, state, attempts, next_ms, lease_ms,"
-        " lease_token, first_ms) VALUES (%s, %s, %s, 'pending', 0, %s, 0, 0, %s)",
-        [(endpoint, int(s), int(u), now, now) for s, u in missing],
-    )
+    await _add(tx, endpoint, [tuple(r) for r in missing], now)
     return changed + len(missing)
 
 

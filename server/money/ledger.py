@@ -73,6 +73,32 @@ async def post(
     raise Conflict(errors.INSUFFICIENT_FUNDS, "the balance is too low")
 
 
+async def post_event(
+    tx: Tx,
+    account_id: int,
+    amount: int,
+    kind: JournalKind,
+    idem_key: str,
+    event: events.EventType,
+    data: dict[str, object],
+    packet_id: int | None = None,
+) -> bool:
+    """``post``, and when this call posted it, its event (``server.money.events``): the same key, account
+    and amount, in the same transaction — every balance change the backend is told of goes through here
+    (the batch credit writes both in bulk, ``server.money.crediting``)."""
+    if not await post(tx, account_id, amount, kind, idem_key, packet_id):
+        return False
+    await events.record(tx, event, idem_key, account_id, amount, data, now_ms())
+    return True
+
+
+def check_cents(amount: object, what: str) -> int:
+    """An amount of money in a request: whole cents, 1 to ``MAX_TOPUP_CENTS``, else ``amount_invalid``."""
+    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= MAX_TOPUP_CENTS:
+        raise InvalidRequest(errors.AMOUNT_INVALID, f"{what} is 1 to {MAX_TOPUP_CENTS} cents")
+    return amount
+
+
 def check_request_id(request_id: object, what: str = "a request_id") -> str:
     """A client's idempotency key: a string of 1 to 64 characters, with no control or invisible characters
     and no whitespace at either end (``server.text.request_id_ok``). Keys compare byte for byte."""
@@ -281,18 +307,20 @@ async def topup(
     """Add money to an account: play money (a demo top-up, keyed per user) or, with ``service``, the chat
     backend's funding from its wallet (keyed by ``request_id`` alone: paid once, whoever asks). Idempotent
     on the key; returns False on a replay."""
-    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= MAX_TOPUP_CENTS:
-        raise InvalidRequest(errors.AMOUNT_INVALID, f"a top-up is 1 to {MAX_TOPUP_CENTS} cents")
+    cents = check_cents(amount, "a top-up")
     request_id = check_request_id(request_id, "a top-up's request_id")
     key = f"service-topup:{request_id}" if service else f"topup:{user_id}:{request_id}"
     source = "service" if service else "demo"
 
+    data: dict[str, object] = {
+        "user_id": user_id,
+        "amount": cents,
+        "request_id": request_id,
+        "source": source,
+    }
+
     async def work(tx: Tx) -> bool:
-        if not await post(tx, user_id, amount, "topup", key):
-            return False
-        data = {"user_id": user_id, "amount": amount, "request_id": request_id, "source": source}
-        await events.record(tx, "account.topup", key, user_id, amount, data, now_ms())
-        return True
+        return await post_event(tx, user_id, cents, "topup", key, "account.topup", data)
 
     return await db.run(work, idempotent=True)
 
@@ -400,10 +428,9 @@ async def credit_grab(db: Database, c: CreditEntry) -> CreditOutcome:
         if packet[0] == "refunded":
             raise Conflict(errors.PACKET_EXPIRED, f"packet {c.packet_id} was refunded before this credit")
         key = grab_key(c.packet_id, c.seq)
-        posted = await post(tx, c.user_id, c.amount, "grab", key, c.packet_id)
+        r = events.share_credited(c, key)
+        posted = await post_event(tx, c.user_id, c.amount, "grab", key, r["type"], r["data"], c.packet_id)
         if posted:
-            r = events.share_credited(c, key)
-            await events.record(tx, r["type"], key, c.user_id, c.amount, r["data"], ts)
             await finish_paid(tx, [c.packet_id])
         return "credited" if posted else "already"
 

@@ -21,9 +21,9 @@ from server import errors
 from server.core import Core
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unavailable
 from server.ids import GroupId, PacketId, ShareSeq, UserId
-from server.money import events, groups
+from server.money import groups
 from server.money.crediting import record_refusals
-from server.money.ledger import check_request_id, now_ms, post
+from server.money.ledger import check_request_id, now_ms, post_event
 from server.money.split import Kind, PacketRequest, split, validate_request
 from server.store import keys
 from server.store.db import IntegrityError, Row, Tx
@@ -228,9 +228,8 @@ async def _insert_packet(
         "INSERT INTO red_packet_shares (packet_id, seq, amount) VALUES (%s, %s, %s)",
         [(packet_id, seq, amount) for seq, amount in enumerate(shares, start=1)],
     )
-    await post(tx, sender_id, -req.total, "send", f"send:{packet_id}", packet_id)
     target = None if req.target_user_id is None else UserId(req.target_user_id)
-    data = {
+    data: dict[str, object] = {
         "packet_id": packet_id,
         "group_id": group_id,
         "sender_id": sender_id,
@@ -240,7 +239,7 @@ async def _insert_packet(
         "target": target,
         "expires_ms": expires,
     }
-    await events.record(tx, "packet.sent", f"send:{packet_id}", sender_id, -req.total, data, created)
+    await post_event(tx, sender_id, -req.total, "send", f"send:{packet_id}", "packet.sent", data, packet_id)
     return Packet(
         packet_id=packet_id,
         sender_id=sender_id,

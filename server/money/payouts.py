@@ -16,14 +16,14 @@ money in = balances + held in packets + withdrawn + on hold (``server.money.outf
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from server import errors
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.ids import UserId
 from server.money import events
-from server.money.ledger import MAX_TOPUP_CENTS, check_request_id, now_ms, post, posted_by_this_call
+from server.money.ledger import check_cents, check_request_id, now_ms, post_event, posted_by_this_call
 from server.store.db import Database, Tx, as_text
 
 HoldState = Literal["held", "confirmed", "released", "expired"]
@@ -31,12 +31,6 @@ HoldState = Literal["held", "confirmed", "released", "expired"]
 HOLD_DEFAULT_S = 3600
 HOLD_MIN_S = 60
 HOLD_MAX_S = 7 * 86_400
-
-
-def check_amount(amount: object) -> int:
-    if not isinstance(amount, int) or isinstance(amount, bool) or not 0 < amount <= MAX_TOPUP_CENTS:
-        raise InvalidRequest(errors.AMOUNT_INVALID, f"an amount out is 1 to {MAX_TOPUP_CENTS} cents")
-    return amount
 
 
 @dataclass(frozen=True)
@@ -51,30 +45,18 @@ class Hold:
     replay: bool = False
 
     def view(self) -> dict[str, object]:
-        return {
-            "request_id": self.request_id,
-            "user_id": self.user_id,
-            "amount": self.amount,
-            "state": self.state,
-            "created_ms": self.created_ms,
-            "expires_ms": self.expires_ms,
-            "closed_ms": self.closed_ms,
-            "replay": self.replay,
-        }
+        return asdict(self)
 
 
 async def withdraw(db: Database, user_id: UserId, amount: object, request_id: object) -> bool:
     """Debit ``amount`` from the account once per ``request_id``; False on a replay."""
-    cents = check_amount(amount)
+    cents = check_cents(amount, "an amount out")
     rid = check_request_id(request_id, "a withdrawal's request_id")
     key = f"withdraw:{rid}"
+    data: dict[str, object] = {"user_id": user_id, "amount": cents, "request_id": rid}
 
     async def work(tx: Tx) -> bool:
-        if not await post(tx, user_id, -cents, "withdraw", key):
-            return False
-        data = {"user_id": user_id, "amount": cents, "request_id": rid}
-        await events.record(tx, "account.withdrawn", key, user_id, -cents, data, now_ms())
-        return True
+        return await post_event(tx, user_id, -cents, "withdraw", key, "account.withdrawn", data)
 
     return await db.run(work, idempotent=True)
 
@@ -125,7 +107,7 @@ async def hold(
     db: Database, user_id: UserId, amount: object, request_id: object, expires_in_s: object = None
 ) -> Hold:
     """Take ``amount`` off the balance and hold it, once per ``request_id``."""
-    cents = check_amount(amount)
+    cents = check_cents(amount, "an amount out")
     rid = check_request_id(request_id, "a hold's request_id")
     life_s = check_expiry(expires_in_s)
 
@@ -135,12 +117,11 @@ async def hold(
             ts = now_ms()
             h = Hold(rid, user_id, cents, "held", ts, ts + life_s * 1000, None)
             # The debit first: it locks the account, and refuses an overdraft before the hold exists.
-            if await post(tx, user_id, -cents, "hold", f"hold:{rid}"):
+            if await post_event(tx, user_id, -cents, "hold", f"hold:{rid}", "hold.created", _data(h)):
                 await tx.execute(
                     f"INSERT INTO holds ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s)",
                     (rid, user_id, cents, "held", ts, h.expires_ms, None),
                 )
-                await events.record(tx, "hold.created", f"hold:{rid}", user_id, -cents, _data(h), ts)
                 return h
             prior = await _locked(tx, rid)  # a concurrent call with this request id committed first
             if prior is None:
@@ -172,10 +153,8 @@ async def _close(tx: Tx, h: Hold, state: HoldState, ts: int) -> Hold:
             tx, "hold.confirmed", f"confirm:{h.request_id}", h.user_id, None, _data(closed), ts
         )
     else:
-        key = f"release:{h.request_id}"
-        await post(tx, h.user_id, h.amount, "release", key)
         kind: events.EventType = "hold.expired" if state == "expired" else "hold.released"
-        await events.record(tx, kind, key, h.user_id, h.amount, _data(closed), ts)
+        await post_event(tx, h.user_id, h.amount, "release", f"release:{h.request_id}", kind, _data(closed))
     return closed
 
 

@@ -21,9 +21,8 @@ from server import errors
 from server.core import Core, unavailable
 from server.errors import RedPacketError, Unavailable
 from server.ids import PacketId
-from server.money import events
 from server.money.crediting import credit_or_record, record_refusals
-from server.money.ledger import finish_paid, finished_event, now_ms, post
+from server.money.ledger import finish_paid, finished_event, now_ms, post_event
 from server.money.packets import (
     PACKET_COLUMNS,
     Packet,
@@ -179,10 +178,15 @@ async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None)
             raise RuntimeError(f"packet {packet_id} paid out more than its total")
         status = "refunded" if left else "finished"
         if left:
-            key = f"refund:{packet_id}"
-            await post(tx, sender, left, "refund", key, packet_id)
-            data = {"packet_id": packet_id, "group_id": group, "sender_id": sender, "amount": left}
-            await events.record(tx, "packet.refunded", key, sender, left, data, now_ms())
+            data: dict[str, object] = {
+                "packet_id": packet_id,
+                "group_id": group,
+                "sender_id": sender,
+                "amount": left,
+            }
+            await post_event(
+                tx, sender, left, "refund", f"refund:{packet_id}", "packet.refunded", data, packet_id
+            )
         else:
             await finished_event(tx, packet_id, sender, group, total, int(row[4]), now_ms())
         await tx.execute(
