@@ -265,6 +265,13 @@ async def test_reconciliation_catches_money_out_gone_wrong(core: Core) -> None:
     # A hold's journal row with no hold.
     checks = await tamper("DELETE FROM holds WHERE request_id = 'h-released'")
     assert "hold_posting" in checks
+    # A second withdrawal posted by one call (a run again that made its key inside the transaction).
+    checks = await tamper(
+        "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms, tx)"
+        " SELECT account_id, amount, kind, 'withdraw:made-inside', packet_id, created_ms, tx FROM journal"
+        " WHERE idem_key = 'withdraw:w'"
+    )
+    assert "repeated_posting" in checks
 
 
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)

@@ -12,8 +12,8 @@ from Redis (what it told grabbers). Zero tolerance: any difference is reported.
     per posting:  a send or refund goes to the packet's sender, a grab credit to the grab record's user,
                   of that share, for that amount (and every credited grab record has its posting);
                   a grab record's amount is its share's;
-                  one ``Database.run`` call posts one send, top-up or refund (never two: a second one
-                  is a transaction run again without its key)
+                  one ``Database.run`` call posts one send, top-up, refund, withdrawal, hold or release
+                  (never two: a second one is a transaction run again without its key)
     per grab:     every grab the ledger refused (``credit_refusals``) and has not paid since;
                   every grab Redis holds matches the database's record of it, if any, and one older
                   than LATE_MS has one
@@ -330,7 +330,8 @@ def _queries(dialect: Dialect, now: int) -> dict[str, tuple[str, tuple[object, .
             (),
         ),
         "repeated": (
-            "SELECT tx, COUNT(*) FROM journal WHERE kind IN ('send', 'topup', 'refund') AND tx IS NOT NULL"
+            "SELECT tx, COUNT(*) FROM journal"
+            " WHERE kind IN ('send', 'topup', 'refund', 'withdraw', 'hold', 'release') AND tx IS NOT NULL"
             " GROUP BY tx HAVING COUNT(*) > 1",
             (),
         ),
