@@ -26,7 +26,7 @@ from server.money import ledger
 from server.settings import Settings
 from server.store.engines import connect
 from server.tools.client import HubClient
-from tests.hubtools import HubUnderTest, eventually, free_port, hub_in_process
+from tests.hubtools import HubUnderTest, eventually, hub_in_process
 from tests.webtools import (
     DESKTOP,
     PHONE,
@@ -675,6 +675,9 @@ async def test_refusals_are_shown_in_words_and_removal_takes_effect_on_the_page(
             "Tap to open"
         )
 
+        # The first share has landed (its toast said so, or it would replace the one below when the
+        # worker is slow)...
+        await expect(page.locator("#balance")).to_have_text("¥3.00")
         # Removed by the admin while looking at the group: the page says so and the group is gone.
         await hub.api("DELETE", f"/api/groups/{group}/members/{bob}", alice_token)
         await expect(page.locator("#toast")).to_have_text("You were removed from a group.")
@@ -708,14 +711,16 @@ async def test_a_hub_without_name_login_says_how_to_get_in(browser: Browser, hub
 
 
 # Every WebSocket the page makes is recorded (where in the page's code it was made); while
-# ``window.__unreachable`` is set, a new one goes to ``window.__nowhere``, a port nobody listens on, as if
-# the hub could not be reached. (Not port 9: Chromium holds a socket to a port it deems unsafe without
-# ever closing it — which the client's welcome timeout now also ends.)
+# ``window.__unreachable`` is set, a new one goes to ``window.__nowhere``, a path of the hub with no
+# websocket (refused at the handshake), as if the hub could not be reached. Same origin: the page's CSP
+# refuses any other (and Chromium held a socket to port 9, an "unsafe" port, without ever closing it —
+# which the client's welcome timeout now also ends).
 RECORD_SOCKETS = """
 (() => {
   const Real = WebSocket;
   window.__sockets = [];
   window.__unreachable = false;
+  window.__nowhere = location.origin.replace("http", "ws") + "/nowhere";
   window.WebSocket = class extends Real {
     constructor(url, protocols) {
       super(window.__unreachable ? window.__nowhere : url, protocols);
@@ -749,9 +754,7 @@ async def test_the_page_talks_through_the_javascript_client_and_recovers_after_t
         assert await page.evaluate("state.client.constructor.name") == "RedPacketClient"
         assert "WebSocket" not in await page.evaluate("fetch('/app.js').then((r) => r.text())")
 
-        await page.evaluate(
-            f"window.__nowhere = 'ws://127.0.0.1:{free_port()}/ws'; window.__unreachable = true"
-        )
+        await page.evaluate("window.__unreachable = true")
         conns = list(hub.hub.by_user[UserId(bob)])
         assert len(conns) == 1
         conns[0].close(1012, "restarting")
