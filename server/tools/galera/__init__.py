@@ -35,8 +35,9 @@ a ``mariadbd`` running.
 
 from __future__ import annotations
 
-from server.tools.galera.cluster import GaleraCluster, galera_cluster, pick_ports, ports_from
+from server.tools.galera.cluster import GaleraCluster, galera_cluster, ports_from
 from server.tools.galera.node import PROVIDER, GaleraError, GaleraNode, GaleraSetupError
+from server.tools.mariadbd import pick_ports
 
 __all__ = [
     "PROVIDER",

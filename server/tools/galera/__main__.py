@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from server.tools.galera.cluster import blocked_for, galera_cluster, node_user, ports_from
+from server.tools.galera.cluster import galera_cluster, ports_from
 from server.tools.galera.node import GaleraError, GaleraSetupError
+from server.tools.mariadbd import blocked_for, node_user
 
 
 async def up(directory: Path, nodes: int, port: int, database: str) -> None:

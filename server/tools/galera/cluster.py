@@ -6,70 +6,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import pwd
-import random
-import re
 import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiomysql
-
+from server.tools import mariadbd
 from server.tools.galera.node import (
     PROVIDER,
     GaleraError,
     GaleraNode,
     GaleraSetupError,
     grastate,
-    port_free,
     program,
     synced,
 )
-
-# Below the kernel's ephemeral range (32768-60999): a node restarted on its ports never finds one taken
-# meanwhile by an outgoing connection's local end.
-PICKED_PORTS = range(20_000, 32_768)
-_picked: set[int] = set()
-
-
-def pick_ports(count: int) -> list[int]:
-    """``count`` ports free now, below the ephemeral range, never picked before by this process."""
-    ports: list[int] = []
-    while len(ports) < count:
-        port = random.choice(PICKED_PORTS)
-        if port not in _picked and port_free(port):
-            _picked.add(port)
-            ports.append(port)
-    return ports
+from server.tools.mariadbd import blocked_for, hand_over, node_user, pick_ports, port_free
 
 
 def ports_from(base: int, nodes: int) -> list[int]:
     """The flat port list (SQL, gcomm, IST, SST of node 0, then of node 1, ...) with SQL ports ``base``,
     ``base + 1``, ...; gcomm from ``base + nodes``, IST from ``base + 2 * nodes``, SST after them."""
     return [base + kind * nodes + i for i in range(nodes) for kind in range(4)]
-
-
-def node_user() -> pwd.struct_passwd | None:
-    """Who the nodes run as: ``mysql`` when we are root (None when there is no such user), else us."""
-    try:
-        return pwd.getpwnam("mysql") if os.geteuid() == 0 else pwd.getpwuid(os.geteuid())
-    except KeyError:
-        return None
-
-
-def blocked_for(user: pwd.struct_passwd, directory: Path) -> Path | None:
-    """The first directory above ``directory`` that ``user`` may not enter, or None."""
-    for parent in reversed(directory.resolve().parents):
-        st = parent.stat()
-        if not (
-            st.st_mode & 0o001
-            or (st.st_uid == user.pw_uid and st.st_mode & 0o100)
-            or (st.st_gid == user.pw_gid and st.st_mode & 0o010)
-        ):
-            return parent
-    return None
 
 
 class GaleraCluster:
@@ -115,12 +74,7 @@ class GaleraCluster:
             for node in self.nodes:
                 node.cnf.write_text(node.options())
                 node.tmpdir.mkdir(exist_ok=True)
-            if os.geteuid() == 0 and self.user is not None:
-                self.home.chmod(0o755)
-                for path in [self.home, *self.home.rglob("*")]:
-                    os.chown(path, self.user.pw_uid, self.user.pw_gid, follow_symlinks=False)
-            elif not os.access(self.home, os.W_OK | os.X_OK):
-                raise PermissionError(f"{self.home} is not writable")
+            hand_over(self.home, self.user)
         except OSError as e:
             raise GaleraSetupError(f"the nodes cannot use {self.home}: {e}") from e
 
@@ -184,23 +138,7 @@ class GaleraCluster:
     async def create_database(self, name: str, *, replace: bool = True) -> None:
         """Database ``name`` (utf8mb4), made on node 0; an existing one is dropped first unless not
         ``replace``."""
-        if not re.fullmatch(r"\w+", name):
-            raise ValueError(f"a database name is letters, digits and _: {name!r}")
-        conn = await aiomysql.connect(
-            host="127.0.0.1", port=self.nodes[0].port, user="root", connect_timeout=5
-        )
-        try:
-            async with conn.cursor() as cur:
-                # Asked first: DROP ... IF EXISTS of a missing one answers with a warning, and aiomysql
-                # turns a warning into a Python warning (an error under pytest's filterwarnings).
-                await cur.execute("SELECT 1 FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = %s", (name,))
-                exists = bool(await cur.fetchall())
-                if exists and replace:
-                    await cur.execute(f"DROP DATABASE `{name}`")
-                if replace or not exists:
-                    await cur.execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
-        finally:
-            conn.close()
+        await mariadbd.create_database(self.nodes[0].port, name, replace=replace)
 
     async def _stop_all(self) -> None:
         # One at a time, node 0 last: the last to leave is marked safe to bootstrap, so the next start

@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import aiomysql
+
+from server.tools.mariadbd import finish, log_tail, port_free, which
 
 PROVIDER = Path("/usr/lib/galera/libgalera_smm.so")
 
@@ -59,20 +59,10 @@ class GaleraSetupError(GaleraError):
 
 def program(name: str) -> str:
     """The path of ``mariadbd``, ``mariadb-install-db`` or ``rsync`` (sbin is not on every PATH)."""
-    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/local/sbin")
+    found = which(name)
     if found is None:
         raise GaleraSetupError(f"{name} is not installed (apt-get install mariadb-server galera-4 rsync)")
     return found
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as mariadbd and Galera bind theirs
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def grastate(datadir: Path) -> dict[str, str]:
@@ -89,17 +79,6 @@ def synced(status: dict[str, str]) -> bool:
         status.get("wsrep_local_state_comment") == "Synced"
         and status.get("wsrep_cluster_status") == "Primary"
     )
-
-
-async def _finish(proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
-    """Its output once it ends; cancelled, it is killed first (never left running)."""
-    try:
-        return await proc.communicate()
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await asyncio.shield(proc.wait())
-        raise
 
 
 class GaleraNode:
@@ -145,11 +124,7 @@ class GaleraNode:
         )  # fmt: skip
 
     def log_tail(self, lines: int = 8) -> str:
-        try:
-            said = self.log.read_text(errors="replace").splitlines()[-lines:]
-        except OSError as e:
-            return f"(no log: {e})"
-        return " | ".join(line.strip() for line in said)
+        return log_tail(self.log, lines)
 
     async def install(self) -> None:
         """``mariadb-install-db`` into an empty data directory (nothing when it holds a database)."""
@@ -160,7 +135,7 @@ class GaleraNode:
             "--auth-root-authentication-method=normal",  # root@127.0.0.1, no password, over TCP
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
-        out, _ = await _finish(done)
+        out, _ = await finish(done)
         if done.returncode != 0:
             said = " | ".join(out.decode(errors="replace").strip().splitlines()[-5:])
             raise GaleraError(f"node {self.index}: mariadb-install-db failed: {said}")
@@ -177,7 +152,7 @@ class GaleraNode:
             program("mariadbd"), f"--defaults-file={self.cnf}", "--wsrep-recover", f"--log-error={log}",
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
-        await _finish(done)
+        await finish(done)
         try:
             found = re.findall(r"Recovered position:\s*(\S+:-?\d+)", log.read_text(errors="replace"))
         except OSError:

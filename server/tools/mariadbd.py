@@ -1,0 +1,147 @@
+"""What the local MariaDB tools (``galera/``, ``spider/``) share: finding MariaDB's programs, ports a
+server can be restarted on, the user the servers run as and whether it may reach a directory, a helper
+process ended even when cancelled, and asking a server for a database or a ``SELECT 1``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pwd
+import random
+import re
+import shutil
+import socket
+from pathlib import Path
+
+import aiomysql
+
+# Below the kernel's ephemeral range (32768-60999): a server restarted on its ports never finds one taken
+# meanwhile by an outgoing connection's local end.
+PICKED_PORTS = range(20_000, 32_768)
+_picked: set[int] = set()
+
+
+def which(name: str) -> str | None:
+    """The path of ``mariadbd``, ``mariadb-install-db`` or ``rsync`` (sbin is not on every PATH)."""
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/local/sbin")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as mariadbd and Galera bind theirs
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_ports(count: int) -> list[int]:
+    """``count`` ports free now, below the ephemeral range, never picked before by this process."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.choice(PICKED_PORTS)
+        if port not in _picked and port_free(port):
+            _picked.add(port)
+            ports.append(port)
+    return ports
+
+
+def node_user() -> pwd.struct_passwd | None:
+    """Who the servers run as: ``mysql`` when we are root (None when there is no such user), else us."""
+    try:
+        return pwd.getpwnam("mysql") if os.geteuid() == 0 else pwd.getpwuid(os.geteuid())
+    except KeyError:
+        return None
+
+
+def blocked_for(user: pwd.struct_passwd, directory: Path) -> Path | None:
+    """The first directory above ``directory`` that ``user`` may not enter, or None."""
+    for parent in reversed(directory.resolve().parents):
+        st = parent.stat()
+        if not (
+            st.st_mode & 0o001
+            or (st.st_uid == user.pw_uid and st.st_mode & 0o100)
+            or (st.st_gid == user.pw_gid and st.st_mode & 0o010)
+        ):
+            return parent
+    return None
+
+
+def hand_over(home: Path, user: pwd.struct_passwd | None) -> None:
+    """Give ``home`` and all in it to ``user`` when we are root (mariadbd, run as ``mysql``, must own its
+    data directory and the directory of its socket); otherwise check that we may write it. Raises
+    OSError."""
+    if os.geteuid() == 0 and user is not None:
+        home.chmod(0o755)
+        for path in [home, *home.rglob("*")]:
+            os.chown(path, user.pw_uid, user.pw_gid, follow_symlinks=False)
+    elif not os.access(home, os.W_OK | os.X_OK):
+        raise PermissionError(f"{home} is not writable")
+
+
+def log_tail(log: Path, lines: int = 8) -> str:
+    """The last ``lines`` of a server's error log, on one line."""
+    try:
+        said = log.read_text(errors="replace").splitlines()[-lines:]
+    except OSError as e:
+        return f"(no log: {e})"
+    return " | ".join(line.strip() for line in said)
+
+
+async def finish(proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
+    """Its output once it ends; cancelled, it is killed first (never left running)."""
+    try:
+        return await proc.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await asyncio.shield(proc.wait())
+        raise
+
+
+async def answers(port: int, timeout: float = 2) -> bool:
+    """Whether the server on ``port`` answers ``SELECT 1`` as root over TCP within ``timeout``."""
+    try:
+        return await asyncio.wait_for(_select_1(port, timeout), timeout)
+    except (TimeoutError, OSError, aiomysql.Error):
+        return False
+
+
+async def _select_1(port: int, timeout: float) -> bool:
+    conn = await aiomysql.connect(host="127.0.0.1", port=port, user="root", connect_timeout=timeout)
+    try:
+        async with conn.cursor() as cur:
+            await cur.execute("SELECT 1")
+            return bool(await cur.fetchall() == ((1,),))
+    finally:
+        await _close(conn)
+
+
+async def _close(conn: aiomysql.Connection) -> None:
+    # Said goodbye (COM_QUIT), so the server logs no "Aborted connection" for each poll.
+    try:
+        await conn.ensure_closed()
+    except (OSError, aiomysql.Error):
+        conn.close()
+
+
+async def create_database(port: int, name: str, *, replace: bool = True) -> None:
+    """Database ``name`` (utf8mb4) on the server at ``port``; an existing one is dropped first unless not
+    ``replace``."""
+    if not re.fullmatch(r"\w+", name):
+        raise ValueError(f"a database name is letters, digits and _: {name!r}")
+    conn = await aiomysql.connect(host="127.0.0.1", port=port, user="root", connect_timeout=5)
+    try:
+        async with conn.cursor() as cur:
+            # Asked first: DROP ... IF EXISTS of a missing one answers with a warning, and aiomysql
+            # turns a warning into a Python warning (an error under pytest's filterwarnings).
+            await cur.execute("SELECT 1 FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = %s", (name,))
+            exists = bool(await cur.fetchall())
+            if exists and replace:
+                await cur.execute(f"DROP DATABASE `{name}`")
+            if replace or not exists:
+                await cur.execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
+    finally:
+        await _close(conn)
