@@ -1,0 +1,355 @@
+"""A real Spider head and three backends on this machine (``server.tools.spider``): they come up with the
+options the tool promises, a Spider table made by hand over the backends puts row ``id`` on backend
+``id % 3``, a backend killed with ``kill -9`` fails only the queries that touch it (error 1429) and is
+readable again once started, a paused one holds a query seconds, not minutes; the command prints the two
+settings, starts and stops cleanly, and says in one line what an operator can fix. One cluster for the
+module (~2 s to start); the tests that kill or pause a backend run last.
+
+Not in the fast tier (``pytest -m unit``) but for the command's error lines and the compose file's
+profile: it starts ``mariadbd`` processes. Skipped with the reason when ``mariadbd`` or the Spider plugin
+is missing, unless REDPACKET_TEST_REQUIRE_SPIDER=1 (then it fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiomysql
+import pytest
+import yaml
+
+from server.tools.spider import PLUGIN, SpiderCluster, SpiderNode, SpiderSetupError, spider_cluster
+from server.tools.spider import __main__ as command
+from server.tools.spider.node import program
+from tests.hubtools import server_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DATABASE = "spider_test"
+UNREACHABLE = 1429  # ER_CONNECT_TO_FOREIGN_DATA_SOURCE: "Unable to connect to foreign data source: s1"
+
+
+def need_spider() -> None:
+    try:
+        for name in ("mariadbd", "mariadb-install-db"):
+            program(name)
+        if not PLUGIN.exists():
+            raise SpiderSetupError(f"no Spider plugin at {PLUGIN} (apt-get install mariadb-plugin-spider)")
+    except SpiderSetupError as e:
+        if os.environ.get("REDPACKET_TEST_REQUIRE_SPIDER") == "1":
+            pytest.fail(f"Spider is required (REDPACKET_TEST_REQUIRE_SPIDER=1): {e}")
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+async def spider(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SpiderCluster]:
+    """A head and three backends, each answering, with an empty database ``spider_test`` on all four."""
+    need_spider()
+    ports = [server_port() for _ in range(4)]  # never given twice in this run: a restart finds its own free
+    async with spider_cluster(tmp_path_factory.mktemp("spider"), ports=ports) as cluster:
+        await cluster.create_database(DATABASE)
+        yield cluster
+
+
+async def sql(
+    node: SpiderNode, statement: str, *args: Any, database: str = DATABASE
+) -> list[tuple[Any, ...]]:
+    """One statement on ``node`` (autocommit), on a new connection."""
+    conn = await aiomysql.connect(
+        host="127.0.0.1", port=node.port, user="root", db=database, autocommit=True, connect_timeout=5
+    )
+    try:
+        async with conn.cursor() as cur:
+            await cur.execute(statement, args or None)
+            return list(await cur.fetchall())
+    finally:
+        conn.close()
+
+
+async def error_code(node: SpiderNode, statement: str) -> int:
+    """The MariaDB error ``statement`` fails with."""
+    with pytest.raises(aiomysql.Error) as failed:
+        await sql(node, statement)
+    return int(failed.value.args[0])
+
+
+async def test_a_head_with_spider_and_backends_answer_with_the_promised_options(
+    spider: SpiderCluster,
+) -> None:
+    ports = [spider.head.port, *(b.port for b in spider.backends)]
+    assert len(set(ports)) == 4 and None not in {n.pid for n in spider.nodes}
+    assert spider.head_url("ledger") == f"mysql://root@127.0.0.1:{ports[0]}/ledger"
+    backends = [f"mysql://root@127.0.0.1:{p}/ledger" for p in ports[1:]]
+    assert spider.backend_urls("ledger") == backends and spider.shards_setting("ledger") == ",".join(backends)
+    assert await sql(
+        spider.head, "SELECT SUPPORT FROM information_schema.ENGINES WHERE ENGINE = 'SPIDER'"
+    ) in (
+        [("YES",)],
+        [("DEFAULT",)],
+    )
+    wanted = {
+        "character_set_server": "utf8mb4", "log_bin": "OFF", "bind_address": "127.0.0.1",
+        "innodb_buffer_pool_size": str(32 << 20), "default_storage_engine": "InnoDB",
+    }  # fmt: skip
+    where = "Variable_name IN ({})".format(", ".join(f"'{name}'" for name in wanted))
+    for node in spider.nodes:
+        assert dict(await sql(node, f"SHOW GLOBAL VARIABLES WHERE {where}")) == wanted, node.name
+        assert (node.home / f"{node.name}.sock").is_socket() and node.log.exists()
+        assert await sql(node, "SELECT DEFAULT_CHARACTER_SET_NAME FROM information_schema.SCHEMATA"
+                         f" WHERE SCHEMA_NAME = '{DATABASE}'") == [("utf8mb4",)]  # fmt: skip
+    # A backend that does not answer holds the head's thread seconds, not the default 600 s.
+    timeouts = dict(await sql(spider.head, "SHOW GLOBAL VARIABLES LIKE 'spider_%'"))
+    assert timeouts["spider_connect_timeout"] == "2" and timeouts["spider_connect_retry_count"] == "1"
+    assert timeouts["spider_net_read_timeout"] == timeouts["spider_net_write_timeout"] == "10"
+
+
+async def test_rows_written_through_the_head_land_on_backend_id_mod_3(spider: SpiderCluster) -> None:
+    table = "t (id BIGINT PRIMARY KEY, v INT)"
+    partitions = []
+    for i, backend in enumerate(spider.backends):
+        await sql(backend, f"CREATE TABLE {table} ENGINE=InnoDB")
+        await sql(
+            spider.head,
+            f"CREATE OR REPLACE SERVER s{i} FOREIGN DATA WRAPPER mysql OPTIONS (HOST '127.0.0.1',"
+            f" PORT {backend.port}, USER 'root', PASSWORD '', DATABASE '{DATABASE}')",
+        )
+        partitions.append(f"PARTITION p{i} COMMENT='srv \"s{i}\"'")
+    await sql(
+        spider.head,
+        f'CREATE TABLE {table} ENGINE=SPIDER COMMENT=\'wrapper "mysql", table "t"\''
+        f" PARTITION BY HASH(id) ({', '.join(partitions)})",
+    )
+    await sql(spider.head, "INSERT INTO t VALUES " + ", ".join(f"({i}, {i * 10})" for i in range(30)))
+    assert await sql(spider.head, "SELECT COUNT(*), SUM(v) FROM t") == [(30, 4350)]
+    for i, backend in enumerate(spider.backends):
+        assert [id_ for (id_,) in await sql(backend, "SELECT id FROM t ORDER BY id")] == list(range(i, 30, 3))
+    # An update through the head reaches the backend that holds the row.
+    await sql(spider.head, "UPDATE t SET v = -1 WHERE id = 7")
+    assert await sql(spider.backends[1], "SELECT v FROM t WHERE id = 7") == [(-1,)]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "server.tools.spider", *args]
+
+
+def _mariadbd_under(directory: Path) -> list[int]:
+    """Every mariadbd process whose arguments name ``directory``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and cmdline[0].endswith(b"mariadbd"):
+            if any(str(directory).encode() in part for part in cmdline[1:]):
+                found.append(int(proc.name))
+    return found
+
+
+@pytest.fixture
+def reachable_dir() -> Iterator[Path]:
+    """A directory the servers' user may enter (pytest's tmp_path is under a mode-700 directory)."""
+    directory = Path(tempfile.mkdtemp(prefix="redpacket-spider-cli-"))
+    directory.chmod(0o755)
+    try:
+        yield directory / "data"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _free_block(count: int) -> int:
+    """A first port whose ``count`` ports up from it are free (``--port`` takes a block)."""
+    while True:
+        base = server_port()
+        ports = range(base, base + count)
+        if ports[-1] < 32_768 and all(_bindable(p) for p in ports):
+            return base
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+async def _run_up(directory: Path, port: int, first: bool) -> int:
+    """``up`` with two backends: it prints a line per server, then the two settings; the database is on
+    every server; a row is added on backend 1; SIGTERM ends it with exit code 0 and no server left
+    running. Returns the rows there are then."""
+    proc = await asyncio.create_subprocess_exec(
+        *_cli("up", str(directory), "--backends", "2", "--port", str(port), "--database", "cli"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = [(await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip() for _ in range(5)]
+        for line, name, p in zip(
+            lines[:3], ["head", "backend0", "backend1"], range(port, port + 3), strict=True
+        ):
+            assert line.startswith(f"# {name} 127.0.0.1:{p} pid "), lines
+        assert lines[3] == f"REDPACKET_DATABASE_URL=mysql://root@127.0.0.1:{port}/cli", lines
+        shards = f"mysql://root@127.0.0.1:{port + 1}/cli,mysql://root@127.0.0.1:{port + 2}/cli"
+        assert lines[4] == f"REDPACKET_SHARDS={shards}", lines
+        for p in (port, port + 1):
+            conn = await aiomysql.connect(host="127.0.0.1", port=p, user="root", db="cli", autocommit=True)
+            conn.close()  # the database is on the head and the backends
+        conn = await aiomysql.connect(host="127.0.0.1", port=port + 2, user="root", db="cli", autocommit=True)
+        try:
+            async with conn.cursor() as cur:
+                if first:
+                    await cur.execute("CREATE TABLE runs (id INT AUTO_INCREMENT PRIMARY KEY)")
+                await cur.execute("INSERT INTO runs () VALUES ()")
+                await cur.execute("SELECT COUNT(*) FROM runs")
+                ((rows,),) = await cur.fetchall()
+        finally:
+            conn.close()
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0 and "Traceback" not in err.decode(), err.decode()
+    finally:
+        if proc.returncode is None:  # a failed test still stops what it started
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 60)
+            finally:
+                for pid in [proc.pid, *_mariadbd_under(directory)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+    assert _mariadbd_under(directory) == []
+    return int(rows)
+
+
+async def test_the_command_prints_the_settings_and_stops_every_server_on_sigterm(reachable_dir: Path) -> None:
+    """Twice on one directory: the second run starts the same servers on the data the first left."""
+    need_spider()
+    port = _free_block(3)
+    assert await _run_up(reachable_dir, port, first=True) == 1
+    assert await _run_up(reachable_dir, port, first=False) == 2
+
+
+async def test_a_busy_port_or_a_dir_mysql_may_not_enter_is_one_line_and_exit_2(
+    tmp_path: Path, reachable_dir: Path
+) -> None:
+    need_spider()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", server_port()))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        cases = {f"port {taken} (backend0) is in use": ("up", str(reachable_dir), "--port", str(taken - 1))}
+        if os.geteuid() == 0:  # the servers run as mysql, who may not enter pytest's mode-700 directory
+            cases["who may not enter"] = ("up", str(tmp_path / "d"), "--port", str(_free_block(4)))
+        for said, case in cases.items():
+            proc = await asyncio.create_subprocess_exec(
+                *_cli(*case), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT
+            )
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+            lines = err.decode().strip().splitlines()
+            assert proc.returncode == 2 and out == b"" and len(lines) == 1, (case, lines)
+            assert lines[0].startswith("spider: ") and said in lines[0], lines
+            assert _mariadbd_under(reachable_dir) == []
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("missing", ["mariadbd", "plugin"])
+def test_a_missing_mariadbd_or_plugin_says_what_to_install_in_one_line(
+    missing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process, nothing started: the checks run before any server does."""
+    import server.tools.spider.cluster as cluster_module
+    import server.tools.spider.node as node_module
+
+    monkeypatch.setattr(node_module, "which", lambda name: None if missing == name else "/bin/true")
+    if missing == "plugin":
+        monkeypatch.setattr(cluster_module, "PLUGIN", tmp_path / "ha_spider.so")
+    directory = tmp_path / "d"  # (as root, the CLI's own check would refuse pytest's mode-700 tmp_path)
+    monkeypatch.setattr(command, "blocked_for", lambda user, d: None)
+    assert command.main(["up", str(directory), "--port", str(_free_block(4))]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith("spider: "), lines
+    wanted = "apt-get install mariadb-plugin-spider" if missing == "plugin" else "mariadbd is not installed"
+    assert wanted in lines[0] and "apt-get install" in lines[0], lines
+
+
+@pytest.mark.unit
+def test_the_compose_profile_is_a_head_with_spider_and_three_backends() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    names = ["spider-head", "spider-1", "spider-2", "spider-3"]
+    for name in names:
+        s = services[name]
+        assert s["profiles"] == ["spider"] and "ports" not in s, name
+        assert s["volumes"] == [f"{name}-data:/var/lib/mysql"] and f"{name}-data" in compose["volumes"], name
+        assert "--character-set-server=utf8mb4" in s["command"], name
+        assert s["environment"]["MARIADB_PASSWORD"].startswith("${MARIADB_PASSWORD:?"), name
+    for name in names[1:]:
+        assert services[name]["image"] == "mariadb:10.11", name
+    # The official image has no ha_spider.so: the head's is the image plus mariadb-plugin-spider, and
+    # CREATE SERVER (run by migrate as the redpacket user) needs FEDERATED ADMIN.
+    head = services["spider-head"]
+    inline = head["build"]["dockerfile_inline"]
+    assert inline.startswith("FROM mariadb:10.11\n") and "apt-get install" in inline, inline
+    assert "mariadb-plugin-spider" in inline and "GRANT FEDERATED ADMIN ON *.* TO 'redpacket'@'%'" in inline
+    flags = head["command"]
+    assert "--plugin-load-add=ha_spider.so" in flags and "--spider-connect-timeout=2" in flags
+    assert set(head["depends_on"]) == set(names[1:])
+    for app in ("hub", "worker"):  # the plain server stays the default
+        assert not set(services[app]["depends_on"]) & set(names)
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "REDPACKET_DATABASE_URL: mysql://redpacket:${MARIADB_PASSWORD}@spider-head:3306/redpacket" in text
+    shards = ",".join(f"mysql://redpacket:${{MARIADB_PASSWORD}}@spider-{i}:3306/redpacket" for i in (1, 2, 3))
+    assert f"REDPACKET_SHARDS: {shards}" in text
+    assert "docker compose --profile spider up" in (ROOT / "README.md").read_text()
+
+
+# --- last: the tests that kill or pause a backend of the module's cluster (it is whole again after each) ---
+
+
+async def test_a_killed_backend_fails_only_its_rows_and_is_read_again_once_started(
+    spider: SpiderCluster,
+) -> None:
+    victim = spider.backends[1]
+    old_pid = victim.pid
+    victim.kill()
+    assert victim.pid is None and not victim.running
+    started = time.monotonic()
+    assert await error_code(spider.head, "SELECT v FROM t WHERE id = 7") == UNREACHABLE
+    assert await error_code(spider.head, "SELECT COUNT(*) FROM t") == UNREACHABLE  # every partition
+    assert time.monotonic() - started < 10
+    # The rows of the live backends still read, and take writes, through the head.
+    assert await sql(spider.head, "SELECT id FROM t WHERE id IN (3, 5) ORDER BY id") == [(3,), (5,)]
+    await sql(spider.head, "UPDATE t SET v = 33 WHERE id = 3")
+    await victim.start()  # InnoDB recovers from the kill; the head reconnects by itself
+    assert victim.pid not in (None, old_pid)
+    assert await sql(spider.head, "SELECT v FROM t WHERE id IN (3, 7) ORDER BY id") == [(33,), (-1,)]
+    assert await sql(spider.head, "SELECT COUNT(*) FROM t") == [(30,)]
+
+
+async def test_a_paused_backend_fails_a_query_in_seconds_and_answers_when_resumed(
+    spider: SpiderCluster,
+) -> None:
+    hung = spider.backends[2]
+    await sql(spider.head, "SELECT v FROM t WHERE id = 8")  # the head holds a connection to it
+    hung.pause()
+    try:
+        started = time.monotonic()
+        assert await error_code(spider.head, "SELECT v FROM t WHERE id = 8") == UNREACHABLE
+        took = time.monotonic() - started
+        assert await sql(spider.head, "SELECT v FROM t WHERE id = 4") == [(40,)]
+    finally:
+        hung.resume()
+    assert took < 15, took  # the timeouts given to the head (2 s to connect, 10 s to read), not 600 s
+    assert await sql(spider.head, "SELECT v FROM t WHERE id = 8") == [(80,)]
