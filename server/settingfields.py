@@ -76,6 +76,14 @@ class SettingFields:
         " time, the next live one when it fails) or `sqlite:///path`",
         shown="*(empty: SQLite in the data dir)*",
     )
+    shards: str = setting(
+        "",
+        "the backends of a sharded ledger on MariaDB Spider, `mysql://…/db,mysql://…/db,…` (one server each):"
+        " `redpacket migrate` makes the tables there and turns the money tables of `REDPACKET_DATABASE_URL`"
+        " (the Spider head) into Spider tables over them; other processes read the shard count from the"
+        " head and need not set it",
+        shown="*(empty: one database)*",
+    )
     data_dir: Path = setting(  # noqa: RUF009 - a Path is immutable, shared safely
         Path(".redpacket"),
         "embedded Valkey's files (AOF, `appendfsync always` with `aof` durability, else `everysec`), where"

@@ -279,6 +279,14 @@ class Settings(SettingFields):
                 f"{PREFIX}DATABASE_URL must start with {', '.join(DATABASE_SCHEMES)}"
                 f" (got {redact(self.database_url)!r}); leave it empty for SQLite in the data directory"
             )
+        for url in self.shard_urls:
+            if not url.startswith(DATABASE_SCHEMES[:2]) or url_problem(url) or "," in url.partition("@")[2]:
+                raise ValueError(
+                    f"{PREFIX}SHARDS must list MySQL URLs of one server each, separated by commas"
+                    f" (got {redact(url)!r})"
+                )
+        if self.shard_urls and not self.database_url.startswith(DATABASE_SCHEMES[:2]):
+            raise ValueError(f"{PREFIX}SHARDS needs {PREFIX}DATABASE_URL to name the Spider head (mysql://)")
         if self.queue_redis_url and not self.queue_redis_url.startswith(REDIS_SCHEMES[:3]):
             raise ValueError(
                 f"{PREFIX}QUEUE_REDIS_URL must be one server: redis://, rediss:// or unix://"
@@ -367,6 +375,11 @@ class Settings(SettingFields):
     @property
     def sqlite_path(self) -> Path:
         return self.data_dir / "redpacket.sqlite3"
+
+    @property
+    def shard_urls(self) -> list[str]:
+        """The backends of a sharded ledger, in shard order (``REDPACKET_SHARDS``)."""
+        return [u.strip() for u in self.shards.split(",") if u.strip()]
 
     @property
     def effective_database_url(self) -> str:

@@ -16,13 +16,23 @@ from server.store.db import Database
 
 
 async def migrate(settings: Settings) -> None:
-    from server.store import schema
+    from server.store import schema, shards
     from server.store.engines import connect
+    from server.store.mysqlkit import parse_url
 
     await check_services(settings, redis_too=False)
     # A migration's DDL may take long on a big table: its statements are not cut at the usual timeout.
-    db = await connect(settings.effective_database_url, 1, max(settings.db_statement_timeout_ms / 1000, 3600))
+    timeout = max(settings.db_statement_timeout_ms / 1000, 3600)
+    db = await connect(settings.effective_database_url, 1, timeout)
     try:
+        if settings.shard_urls:  # a Spider head over these backends (server.store.shards)
+            head = parse_url(settings.effective_database_url).database
+            for line in await shards.make_sharded(
+                db, head, settings.shard_urls, lambda url: connect(url, 1, timeout)
+            ):
+                print(line)
+            print(f"sharded ledger over {len(settings.shard_urls)} backends; schema version {schema.LATEST}")
+            return
         applied = await schema.migrate(db)
         print(f"applied migrations: {applied or 'none (up to date)'}; schema version {schema.LATEST}")
     finally:
@@ -52,7 +62,8 @@ async def blocks(settings: Settings, lift: int | None) -> None:
 
 
 async def reconcile(settings: Settings) -> bool:
-    from server.money.reconcile import reconcile, render
+    from server.money.reconcile import reconcile
+    from server.money.reconcilereport import render
 
     # Redis too: what it told grabbers is checked against the ledger.
     await check_services(settings, durability=False)

@@ -94,7 +94,8 @@ class OutcomeUnknown(DatabaseError):
 class DatabaseHealth:
     """What a process's database went through, for its metrics: transactions run again, by reason
     (``deadlock`` — on Galera also a certification conflict —, ``lock_wait``, ``node_not_ready``,
-    ``connection``, ``timeout``, ``busy``, ``failover``, ``commit_unknown``), and moves to another node.
+    ``connection``, ``timeout``, ``busy``, ``failover``, ``commit_unknown``, ``shard``: a Spider head's
+    backend away), and moves to another node.
     (The node it writes to is ``Database.writer``.)"""
 
     retries: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -154,6 +155,9 @@ class Database:
     """A pool of connections to one database; use as an async context manager."""
 
     dialect: Dialect
+    # How many backends a sharded ledger (a MariaDB Spider head) spreads the money over; 0: one database,
+    # where one transaction may write any rows (``server.store.shards``). Set by ``engines.connect``.
+    shards: int = 0
 
     def __init__(self) -> None:
         self.health = DatabaseHealth()

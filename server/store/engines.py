@@ -1,8 +1,9 @@
-"""Open the ledger's database named by a URL: MySQL/MariaDB (one server or a Galera cluster's nodes) or
-SQLite."""
+"""Open the ledger's database named by a URL: MySQL/MariaDB (one server, a Galera cluster's nodes, or
+the head of a sharded ledger on MariaDB Spider) or SQLite."""
 
 from __future__ import annotations
 
+from server.store import shards
 from server.store.db import Database
 from server.store.mysql import MySQLDatabase
 from server.store.sqlite import SQLiteDatabase
@@ -14,7 +15,13 @@ async def connect(url: str, pool_size: int = 10, statement_timeout: float = 10.0
     how long a MySQL statement may take before its node is looked at again (seconds)."""
     scheme = url.split(":", 1)[0]
     if scheme in ("mysql", "mariadb", "mysql+aiomysql"):
-        return await MySQLDatabase.connect(url, pool_size, statement_timeout)
+        db = await MySQLDatabase.connect(url, pool_size, statement_timeout)
+        try:
+            db.shards = await shards.count(db)  # the head's own table definitions say (a Spider head)
+        except BaseException:
+            await db.close()
+            raise
+        return db
     if scheme == "sqlite":
         return await SQLiteDatabase.connect(url[len("sqlite:///") :] or ":memory:")
     raise ValueError(f"unsupported database URL scheme {scheme!r}: use mysql:// or sqlite:///")

@@ -27,13 +27,18 @@ RETRY_REASONS = {
     2014: "connection",  # commands out of sync
     1927: "connection",  # connection killed
     1053: "connection",  # server shutdown in progress
+    # A Spider head (server.store.shards): a backend cannot be reached, or went away mid-statement.
+    1429: "shard",  # unable to connect to foreign data source
+    1430: "shard",  # a problem processing the query on the foreign data source
+    12701: "shard",  # Spider: remote MySQL server has gone away
 }
 # No connection made at all: the server down or unreachable (2003), or full (1040).
 UNREACHABLE = {1040, 2003}
 # The node itself may be gone: look at it again, and move to the next host if it is.
 NODE_LOST = {1047, 1053, 1180, 1927, 2003, 2006, 2013}
-# The connection went away (server gone, lost during the query): a COMMIT sent on it has no answer.
-COMMIT_LOST = {1053, 1927, 2006, 2013}
+# The connection went away (server gone, lost during the query): a COMMIT sent on it has no answer. On a
+# Spider head, a backend lost as the head commits on it: that backend's part may or may not be committed.
+COMMIT_LOST = {1053, 1927, 2006, 2013, 1429, 1430, 12701}
 
 PROBE_SECONDS = 5.0
 # A reconciliation's snapshot reads the whole journal: its statements may take long on a big ledger.

@@ -32,8 +32,12 @@ COMMON = (
 
 # The head loads Spider; a backend that does not answer (killed, or paused: SIGSTOP) holds a head's
 # thread for 2 s at connect and 10 s mid-query, not the default 600 s, and is tried once, not 1000 times.
+# Auto-increment ids come from the head's own counter (mode 1, started past every backend's largest id):
+# unique over the shards, and no lock on the backends (the default, 0, locks the backend's table for an
+# insert, so an insert waits for another shard's open insert: server.store.shards says more).
 HEAD = (
     "--plugin-load-add=ha_spider.so",
+    "--spider-auto-increment-mode=1",
     "--spider-connect-timeout=2",
     "--spider-net-read-timeout=10",
     "--spider-net-write-timeout=10",
