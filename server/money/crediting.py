@@ -18,18 +18,23 @@ reconciliation reports every one not paid since (``server.money.reconcile``).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Literal
 
-from server import errors
 from server.errors import RedPacketError
-from server.money import events
+from server.money import events, shardsteps
+from server.money.creditrules import (
+    REFUSALS,
+    Outcome,
+    RefusedBy,
+    add_to_balances,
+    decide,
+    marks,
+    per_account,
+    read_held,
+    record_refusals,
+)
 from server.money.ledger import credit_grab, finish_paid, grab_key, now_ms
 from server.store.db import Database, IntegrityError, Tx, as_text
 from server.store.records import CreditEntry
-
-Outcome = str  # "credited", "already", or the error code that refused it
-# Who refused a grab: the credit drain, a settlement (refund, sweeper), or a repair that dropped it.
-RefusedBy = Literal["drain", "settle", "repair"]
 
 
 async def credit_many(
@@ -43,6 +48,8 @@ async def credit_many(
     """
     if not credits:
         return []
+    if db.shards:  # no transaction may write two shards: the three steps of server.money.shardsteps
+        return await shardsteps.credit_many(db, credits, refused_by)
     try:
         return await db.run(lambda tx: _batch(tx, credits, refused_by), idempotent=True)
     except (IntegrityError, RedPacketError):
@@ -56,6 +63,8 @@ async def credit_many(
 
 async def credit_or_record(db: Database, c: CreditEntry, refused_by: RefusedBy) -> Outcome:
     """``ledger.credit_grab``, and a refusal recorded (``record_refusals``) before its code is returned."""
+    if db.shards:
+        return (await shardsteps.credit_many(db, [c], refused_by))[0]
     try:
         return await credit_grab(db, c)
     except RedPacketError as e:
@@ -66,44 +75,13 @@ async def credit_or_record(db: Database, c: CreditEntry, refused_by: RefusedBy) 
     return code
 
 
-# The codes that say the ledger will never pay a credit (anything else is worth another try).
-REFUSALS = frozenset(
-    {
-        errors.SHARE_CONFLICT,
-        errors.PACKET_EXPIRED,
-        errors.PACKET_NOT_FOUND,
-        errors.USER_NOT_FOUND,
-        errors.IDEMPOTENCY_KEY_REUSED,
-    }
-)
-
-
-async def record_refusals(tx: Tx, refused: list[tuple[CreditEntry, str]], refused_by: RefusedBy) -> None:
-    """Keep each (credit, code) in ``credit_refusals``, in the caller's transaction; a grab already
-    recorded keeps its first record."""
-    ts = now_ms()
-    await tx.executemany(
-        f"{tx.dialect.insert_ignore} INTO credit_refusals"
-        " (packet_id, user_id, seq, amount, grabbed_ms, code, refused_by, refused_ms)"
-        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-        [
-            (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, code, refused_by, ts)
-            for c, code in refused
-        ],
-    )
-
-
-def _marks(n: int) -> str:
-    return ", ".join(["%s"] * n)
-
-
 async def _batch(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy) -> list[Outcome]:
     pids = sorted({c.packet_id for c in credits})
     # Exclusive, in id order: this batch may finish these packets, and two batches lock them in one order.
     status = {
         int(r[0]): str(r[1])
         for r in await tx.fetchall(
-            f"SELECT id, status FROM red_packets WHERE id IN ({_marks(len(pids))}){tx.dialect.for_update}",
+            f"SELECT id, status FROM red_packets WHERE id IN ({marks(len(pids))}){tx.dialect.for_update}",
             pids,
         )
     }
@@ -170,10 +148,7 @@ async def _post(tx: Tx, paid: list[CreditEntry], ts: int) -> None:
             for c in paid
         ],
     )
-    per_account: dict[int, int] = defaultdict(int)
-    for c in paid:
-        per_account[c.user_id] += c.amount
-    await add_to_balances(tx, dict(per_account), ts)
+    await add_to_balances(tx, per_account(paid), ts)
     # After the accounts' locks: a user's events are numbered in the order the user's changes commit.
     await events.record_many(tx, [events.share_credited(c, grab_key(c.packet_id, c.seq)) for c in paid], ts)
     await finish_paid(tx, [c.packet_id for c in paid])
@@ -182,68 +157,12 @@ async def _post(tx: Tx, paid: list[CreditEntry], ts: int) -> None:
 async def _decide(
     tx: Tx, credits: list[CreditEntry], status: dict[int, str], refused_by: RefusedBy
 ) -> list[Outcome]:
-    """Each credit decided from what the database holds: its share, and the grab records holding its
-    share or its user (read with shared locks); the refused recorded."""
-    pids = sorted({c.packet_id for c in credits})
-    lock = tx.dialect.share_lock
-    # Only the rows this batch is about: its shares, and grab records holding its shares or its users.
-    # (Plain IN lists, which the engines search fast; pairs are matched exactly below.)
-    seq_pairs = {(c.packet_id, c.seq) for c in credits}
-    user_pairs = {(c.packet_id, c.user_id) for c in credits}
-    seqs = sorted({c.seq for c in credits})
-    users = sorted({c.user_id for c in credits})
-    share_rows = await tx.fetchall(
-        f"SELECT packet_id, seq, amount FROM red_packet_shares"
-        f" WHERE packet_id IN ({_marks(len(pids))}) AND seq IN ({_marks(len(seqs))})",
-        [*pids, *seqs],
-    )
-    shares = {(int(r[0]), int(r[1])): int(r[2]) for r in share_rows if (int(r[0]), int(r[1])) in seq_pairs}
-    by_seq: dict[tuple[int, int], tuple[int, str]] = {}
-    by_user: dict[tuple[int, int], int] = {}
-    held = await tx.fetchall(
-        f"SELECT packet_id, user_id, seq, status FROM grab_records WHERE packet_id IN ({_marks(len(pids))})"
-        f" AND (seq IN ({_marks(len(seqs))}) OR user_id IN ({_marks(len(users))}))" + lock,
-        [*pids, *seqs, *users],
-    )
-    for pid, uid, seq, st in held:
-        if (int(pid), int(seq)) in seq_pairs or (int(pid), int(uid)) in user_pairs:
-            by_seq[(int(pid), int(seq))] = (int(uid), str(st))
-            by_user[(int(pid), int(uid))] = int(seq)
+    """Each credit decided from what the database holds (``creditrules.decide``); the refused recorded."""
+    held = await read_held(tx, credits)
     # A run again after a lost COMMIT answer: the shares the first run paid (their journal rows carry this
     # call's token) are still this call's credits, not another worker's.
     mine = await _paid_by_this_call(tx, credits) if tx.resumed else set()
-
-    out: list[Outcome] = []
-    inserts: list[CreditEntry] = []
-    updates: list[CreditEntry] = []
-    for c in credits:
-        seq_key, user_key = (c.packet_id, c.seq), (c.packet_id, c.user_id)
-        if c.packet_id not in status:
-            out.append(errors.PACKET_NOT_FOUND)
-        elif shares.get(seq_key) != c.amount:
-            out.append(errors.SHARE_CONFLICT)
-        elif seq_key in by_seq:
-            holder, st = by_seq[seq_key]
-            if holder != c.user_id:
-                out.append(errors.SHARE_CONFLICT)
-            elif st == "credited":
-                out.append("credited" if seq_key in mine else "already")
-            elif status[c.packet_id] == "refunded":
-                out.append(errors.PACKET_EXPIRED)
-            else:
-                updates.append(c)
-                by_seq[seq_key] = (c.user_id, "credited")
-                out.append("credited")
-        elif user_key in by_user:
-            out.append(errors.SHARE_CONFLICT)
-        elif status[c.packet_id] == "refunded":
-            out.append(errors.PACKET_EXPIRED)
-        else:
-            inserts.append(c)
-            by_seq[seq_key] = (c.user_id, "credited")
-            by_user[user_key] = c.seq
-            out.append("credited")
-
+    out, inserts, updates = decide(credits, status, held, mine)
     ts = now_ms()
     await _insert_records(tx, inserts, ts)
     for c in updates:
@@ -261,24 +180,7 @@ async def _paid_by_this_call(tx: Tx, credits: list[CreditEntry]) -> set[tuple[in
     """(packet, seq) of the credits whose journal row this ``Database.run`` call wrote in an earlier run."""
     keys = {grab_key(c.packet_id, c.seq): (c.packet_id, c.seq) for c in credits}
     rows = await tx.fetchall(
-        f"SELECT idem_key FROM journal WHERE tx = %s AND idem_key IN ({_marks(len(keys))})",
+        f"SELECT idem_key FROM journal WHERE tx = %s AND idem_key IN ({marks(len(keys))})",
         [tx.token, *keys],
     )
     return {keys[as_text(r[0])] for r in rows}
-
-
-async def add_to_balances(tx: Tx, amounts: dict[int, int], ts: int) -> None:
-    """One UPDATE for many accounts (a CASE per account), rows locked in user-id order by the engine's
-    index scan, so two batches never wait on each other in a cycle."""
-    if not amounts:
-        return
-    users = sorted(amounts)
-    cases = " ".join(["WHEN %s THEN %s"] * len(users))
-    params: list[int] = [v for u in users for v in (u, amounts[u])]
-    changed = await tx.execute(
-        f"UPDATE accounts SET balance = balance + CASE user_id {cases} END, updated_ms = %s"
-        f" WHERE user_id IN ({_marks(len(users))})",
-        [*params, ts, *users],
-    )
-    if changed != len(users):
-        raise RedPacketError(errors.USER_NOT_FOUND, "a credited user has no account")

@@ -61,7 +61,8 @@ async def queue(db: Database, endpoint: str, now: int) -> int:
             assert row is not None
         after = int(row[0])
         new = await tx.fetchall(
-            "SELECT seq, user_id FROM events WHERE seq > %s ORDER BY seq LIMIT %s", (after, QUEUE_BATCH)
+            "SELECT seq, user_id FROM events WHERE seq > %s" + events.SEQUENCED + " ORDER BY seq LIMIT %s",
+            (after, QUEUE_BATCH),
         )
         if not new:
             return 0

@@ -21,6 +21,7 @@ from typing import Any, Literal, TypedDict
 
 from server.store.db import Database, Tx, as_text
 from server.store.records import CreditEntry
+from server.store.shards import shard_of
 
 EventType = Literal[
     "packet.sent",
@@ -71,14 +72,23 @@ def body(data: dict[str, Any]) -> str:
 
 
 async def record(
-    tx: Tx, type: EventType, key: str, user_id: int, amount: int | None, data: dict[str, Any], ts: int
+    tx: Tx,
+    type: EventType,
+    key: str,
+    user_id: int,
+    amount: int | None,
+    data: dict[str, Any],
+    ts: int,
+    shard_id: int | None = None,
 ) -> None:
     """One event, in the caller's transaction. Its key is unique: a run again of the same
-    ``Database.run`` call after a lost COMMIT answer finds its event there and adds none."""
+    ``Database.run`` call after a lost COMMIT answer finds its event there and adds none. ``shard_id``:
+    the id that places it on a sharded ledger, the user's unless the transaction writes a packet's shard
+    (``server.store.shards``)."""
     await tx.execute(
-        "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms)"
-        " VALUES (%s, %s, %s, %s, %s, %s)" + tx.dialect.skip_duplicate("idem_key"),
-        (type, key, user_id, amount, body(data), ts),
+        "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms, shard_id)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)" + tx.dialect.skip_duplicate("idem_key"),
+        (type, key, user_id, amount, body(data), ts, user_id if shard_id is None else shard_id),
     )
 
 
@@ -87,10 +97,18 @@ async def record_many(tx: Tx, records: list[Record], ts: int) -> None:
     as its journal rows are, or the batch fails with them)."""
     if records:
         await tx.executemany(
-            "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms)"
-            " VALUES (%s, %s, %s, %s, %s, %s)",
-            [(r["type"], r["key"], r["user_id"], r["amount"], body(r["data"]), ts) for r in records],
+            "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms, shard_id)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+            [
+                (r["type"], r["key"], r["user_id"], r["amount"], body(r["data"]), ts, r["user_id"])
+                for r in records
+            ],
         )
+
+
+# What a reader may see: events whose seq the counter has reached (on a sharded ledger, seqs are written
+# shard by shard before the counter moves past them: ``_sequence_sharded``).
+SEQUENCED = " AND seq <= (SELECT last_seq FROM event_counter WHERE name = 'events')"
 
 
 async def sequence(db: Database) -> int:
@@ -98,7 +116,7 @@ async def sequence(db: Database) -> int:
     may call it at any time (the dispatcher, the events API): one at a time holds the counter's lock."""
     done = 0
     while await db.fetchone("SELECT 1 FROM events WHERE seq IS NULL LIMIT 1") is not None:
-        n = await db.run(_sequence_batch, idempotent=True)
+        n = await _sequence_sharded(db) if db.shards else await db.run(_sequence_batch, idempotent=True)
         done += n
         if n < SEQUENCE_BATCH:
             break
@@ -120,17 +138,52 @@ async def _sequence_batch(tx: Tx) -> int:
     ]
     if not ids:
         return 0
-    cases = " ".join(["WHEN %s THEN %s"] * len(ids))
-    marks = ", ".join(["%s"] * len(ids))
-    params: list[int] = [v for i, id_ in enumerate(ids, start=1) for v in (id_, last + i)]
-    changed = await tx.execute(
-        f"UPDATE events SET seq = CASE id {cases} END WHERE id IN ({marks}) AND seq IS NULL",
-        [*params, *ids],
-    )
-    if changed != len(ids):
-        raise RuntimeError(f"sequenced {changed} of {len(ids)} events: another sequencer ran unlocked")
+    await _number(tx, {id_: last + i for i, id_ in enumerate(ids, start=1)})
     await tx.execute("UPDATE event_counter SET last_seq = %s WHERE name = 'events'", (last + len(ids),))
     return len(ids)
+
+
+async def _sequence_sharded(db: Database) -> int:
+    """``_sequence_batch`` on a sharded ledger, where no transaction writes two shards: the counter's row
+    (on the head) stays locked while each shard's events get their seqs in a transaction of that shard;
+    the counter moves past them last. A reader sees only seqs the counter has reached (``SEQUENCED``),
+    so one written on a shard before another shard's smaller one is never read first; a run stopped
+    half-way leaves seqs past the counter, which the next run starts after (``MAX(seq)``)."""
+    async with db.transaction() as hold:
+        row = await hold.fetchone(
+            "SELECT last_seq FROM event_counter WHERE name = 'events'" + hold.dialect.for_update, ()
+        )
+        if row is None:
+            raise RuntimeError("event_counter has no row: run `redpacket migrate`")
+        top = await hold.fetchone("SELECT MAX(seq) FROM events")
+        last = max(int(row[0]), int(top[0]) if top and top[0] is not None else 0)
+        rows = await hold.fetchall(
+            "SELECT id, shard_id FROM events WHERE seq IS NULL ORDER BY id LIMIT %s", (SEQUENCE_BATCH,)
+        )
+        numbered = {int(r[0]): last + i for i, r in enumerate(rows, start=1)}
+        shards: dict[int, list[int]] = {}
+        for r in rows:
+            shards.setdefault(shard_of(int(r[1] or 0), db.shards), []).append(int(r[0]))
+        for ids in shards.values():
+            await db.run(lambda tx, ids=ids: _number(tx, {i: numbered[i] for i in ids}), idempotent=True)  # type: ignore[misc]
+        if rows:
+            await hold.execute(
+                "UPDATE event_counter SET last_seq = %s WHERE name = 'events'", (last + len(rows),)
+            )
+        return len(rows)
+
+
+async def _number(tx: Tx, seqs: dict[int, int]) -> None:
+    """Events by id get these seqs (each still without one)."""
+    cases = " ".join(["WHEN %s THEN %s"] * len(seqs))
+    marks = ", ".join(["%s"] * len(seqs))
+    params: list[int] = [v for pair in seqs.items() for v in pair]
+    changed = await tx.execute(
+        f"UPDATE events SET seq = CASE id {cases} END WHERE id IN ({marks}) AND seq IS NULL",
+        [*params, *seqs],
+    )
+    if changed != len(seqs):
+        raise RuntimeError(f"sequenced {changed} of {len(seqs)} events: another sequencer ran unlocked")
 
 
 def _event(row: tuple[Any, ...]) -> Event:
@@ -149,7 +202,9 @@ async def page(db: Database, *, after: int, limit: int) -> list[Event]:
     first, so a reader is not made to wait for a worker)."""
     await sequence(db)
     rows = await db.fetchall(
-        "SELECT seq, type, user_id, body, created_ms FROM events WHERE seq > %s ORDER BY seq LIMIT %s",
+        "SELECT seq, type, user_id, body, created_ms FROM events WHERE seq > %s"
+        + SEQUENCED
+        + " ORDER BY seq LIMIT %s",
         (after, limit),
     )
     return [_event(tuple(r)) for r in rows]

@@ -13,6 +13,7 @@ from server import errors, text
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.ids import PacketId, ShareSeq, UserId
 from server.money import events
+from server.money.accounts import claim_request, ensure_accounts, open_accounts
 from server.store.db import Database, IntegrityError, Tx, as_text
 from server.store.records import CreditEntry
 
@@ -140,12 +141,15 @@ async def create_user(db: Database, name: str) -> UserId:
         if tx.lastrowid is None:
             raise RuntimeError("the database returned no id for the new user")
         user_id = UserId(tx.lastrowid)
-        await tx.execute(
-            "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", (user_id, ts)
-        )
+        if not db.shards:  # (sharded: on the user's shard, apart)
+            await tx.execute(
+                "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", (user_id, ts)
+            )
         return user_id
 
-    return await db.run(work, idempotent=False)
+    made = await db.run(work, idempotent=False)
+    await open_accounts(db, [made] if db.shards else [])
+    return made
 
 
 async def put_user(db: Database, user_id: UserId, name: object) -> Literal["created", "renamed", "unchanged"]:
@@ -169,9 +173,11 @@ async def put_user(db: Database, user_id: UserId, name: object) -> Literal["crea
                     "INSERT INTO users (id, name, created_ms, origin) VALUES (%s, %s, %s, 'backend')",
                     (user_id, clean, ts),
                 )
-                await tx.execute(
-                    "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", (user_id, ts)
-                )
+                if not db.shards:  # (sharded: on the user's shard, apart)
+                    await tx.execute(
+                        "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)",
+                        (user_id, ts),
+                    )
                 return "created"
             if row[1] != "backend":  # a user from before origins were kept: the backend's from now on
                 await tx.execute("UPDATE users SET origin = 'backend' WHERE id = %s", (user_id,))
@@ -186,9 +192,11 @@ async def put_user(db: Database, user_id: UserId, name: object) -> Literal["crea
             raise  # the same id created concurrently: the caller runs it again and finds it
 
     try:
-        return await db.run(work, idempotent=True)
+        done = await db.run(work, idempotent=True)
     except IntegrityError:
-        return await db.run(work, idempotent=True)
+        done = await db.run(work, idempotent=True)
+    await open_accounts(db, [user_id] if db.shards else [])
+    return done
 
 
 async def create_users(db: Database, names: list[str]) -> list[UserId]:
@@ -211,12 +219,16 @@ async def create_users(db: Database, names: list[str]) -> list[UserId]:
             rows = await tx.fetchall(f"SELECT name, id FROM users WHERE name IN ({marks})", chunk)
             by_name = {str(r[0]): UserId(int(r[1])) for r in rows}
             ids += [by_name[n] for n in chunk]
-        await tx.executemany(
-            "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)", [(u, ts) for u in ids]
-        )
+        if not db.shards:  # (sharded: on the users' shards, apart)
+            await tx.executemany(
+                "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)",
+                [(u, ts) for u in ids],
+            )
         return ids
 
-    return await db.run(work, idempotent=False)
+    made = await db.run(work, idempotent=False)
+    await open_accounts(db, made if db.shards else [])
+    return made
 
 
 async def users_by_name(db: Database, names: list[object]) -> dict[str, UserId]:
@@ -320,8 +332,10 @@ async def topup(
     }
 
     async def work(tx: Tx) -> bool:
+        await ensure_accounts(tx, [user_id] if db.shards else [], now_ms())  # (a user made half-way)
         return await post_event(tx, user_id, cents, "topup", key, "account.topup", data)
 
+    await claim_request(db, key, user_id)
     return await db.run(work, idempotent=True)
 
 
@@ -329,8 +343,7 @@ CreditOutcome = Literal["credited", "already"]
 
 
 def grab_key(packet_id: PacketId, seq: ShareSeq) -> str:
-    """The journal's idempotency key of a grab's credit: one share of one packet is paid once.
-    (``server.money.reconcile`` builds the same in SQL to join postings with grab records.)"""
+    """A grab's credit's journal key: one share of one packet paid once (``reconcile`` builds it in SQL)."""
     return f"grab:{packet_id}:{seq}"
 
 
@@ -366,7 +379,7 @@ async def finished_event(
     tx: Tx, packet_id: PacketId, sender: int, group: int, total: int, count: int, ts: int
 ) -> None:
     data = {"packet_id": packet_id, "group_id": group, "sender_id": sender, "total": total, "count": count}
-    await events.record(tx, "packet.finished", f"finished:{packet_id}", sender, None, data, ts)
+    await events.record(tx, "packet.finished", f"finished:{packet_id}", sender, None, data, ts, packet_id)
 
 
 async def posted_by_this_call(tx: Tx, idem_key: str) -> bool:

@@ -21,61 +21,27 @@ from server import errors
 from server.core import Core
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unavailable
 from server.ids import GroupId, PacketId, ShareSeq, UserId
-from server.money import groups
-from server.money.crediting import record_refusals
+from server.money import groups, shardsteps
+from server.money.creditrules import record_refusals
 from server.money.ledger import check_request_id, now_ms, post_event
-from server.money.split import Kind, PacketRequest, split, validate_request
+from server.money.packetrows import (
+    PACKET_COLUMNS,
+    Packet,
+    new_packet,
+    packet_from_row,
+    packet_rows,
+    sent_data,
+)
+from server.money.split import PacketRequest, split, validate_request
 from server.store import keys
-from server.store.db import IntegrityError, Row, Tx
+from server.store.db import IntegrityError, Tx
 from server.store.records import CreditEntry, DroppedEntry, GrabRecord, ShareEntry
 from server.store.redisnodes import ServerChanged
 from server.store.scriptcalls import LoadPacketCall, run_alone
 
+__all__ = ["PACKET_COLUMNS", "Packet", "load_packet", "packet_from_row", "recover_packet", "send_packet"]
+
 log = logging.getLogger(__name__)
-
-PACKET_COLUMNS = (
-    "id, sender_id, group_id, kind, total, share_count, greeting, target_user_id, status, request_id,"
-    " created_ms, expires_ms, finished_ms, announced_ms"
-)
-
-
-@dataclass(frozen=True)
-class Packet:
-    packet_id: PacketId
-    sender_id: UserId
-    group_id: GroupId
-    kind: Kind
-    total: int
-    count: int
-    greeting: str
-    target_user_id: UserId | None
-    status: str
-    created_ms: int
-    expires_ms: int
-    # False when Redis could not be reached at send: the money is safe in the database and
-    # ``recover_packet`` (or the first grab) brings the packet up.
-    published: bool = True
-    # True when ``request_id`` matched an earlier send: nothing new was debited.
-    replay: bool = False
-    # When its event was published to the group (``server.live.announce``); None until then.
-    announced_ms: int | None = None
-
-
-def packet_from_row(row: Row) -> Packet:
-    return Packet(
-        packet_id=PacketId(int(row[0])),
-        sender_id=UserId(int(row[1])),
-        group_id=GroupId(int(row[2])),
-        kind=row[3],
-        total=int(row[4]),
-        count=int(row[5]),
-        greeting=str(row[6]),
-        target_user_id=None if row[7] is None else UserId(int(row[7])),
-        status=str(row[8]),
-        created_ms=int(row[10]),
-        expires_ms=int(row[11]),
-        announced_ms=None if row[13] is None else int(row[13]),
-    )
 
 
 class _Replay(Exception):
@@ -154,7 +120,10 @@ async def send_packet(
         return await _insert_packet(core, tx, req, key, shares, sender_id=sender_id, group_id=group_id)
 
     try:
-        packet = await core.db.run(work, idempotent=True)
+        if core.db.shards:
+            packet = await _send_sharded(core, req, key, shares, sender_id=sender_id, group_id=group_id)
+        else:
+            packet = await core.db.run(work, idempotent=True)
     except _Replay:
         packet = await core.db.run(
             lambda tx: _earlier_send(tx, req, key, sender_id=sender_id, group_id=group_id), idempotent=True
@@ -210,49 +179,41 @@ async def _insert_packet(
     created = now_ms()
     expires = created + core.settings.packet_ttl_seconds * 1000
     try:
-        await tx.execute(
-            "INSERT INTO red_packets (sender_id, group_id, kind, total, share_count, greeting,"
-            " target_user_id, status, request_id, created_ms, expires_ms)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s, 'active', %s, %s, %s)",
-            (
-                *(sender_id, group_id, req.kind, req.total, req.count, req.greeting, req.target_user_id),
-                *(key, created, expires),
-            ),
-        )
+        packet_id = await packet_rows(tx, req, key, shares, sender_id, group_id, created, expires)
     except IntegrityError:
         raise _Replay from None  # the same request id committed meanwhile
-    if tx.lastrowid is None:
-        raise RuntimeError("the database returned no id for the new packet")
-    packet_id = PacketId(tx.lastrowid)
-    await tx.executemany(
-        "INSERT INTO red_packet_shares (packet_id, seq, amount) VALUES (%s, %s, %s)",
-        [(packet_id, seq, amount) for seq, amount in enumerate(shares, start=1)],
-    )
-    target = None if req.target_user_id is None else UserId(req.target_user_id)
-    data: dict[str, object] = {
-        "packet_id": packet_id,
-        "group_id": group_id,
-        "sender_id": sender_id,
-        "kind": req.kind,
-        "total": req.total,
-        "count": req.count,
-        "target": target,
-        "expires_ms": expires,
-    }
+    data = sent_data(packet_id, req, sender_id, group_id, expires)
     await post_event(tx, sender_id, -req.total, "send", f"send:{packet_id}", "packet.sent", data, packet_id)
-    return Packet(
-        packet_id=packet_id,
-        sender_id=sender_id,
-        group_id=group_id,
-        kind=req.kind,
-        total=req.total,
-        count=req.count,
-        greeting=req.greeting,
-        target_user_id=target,
-        status="active",
-        created_ms=created,
-        expires_ms=expires,
+    return new_packet(packet_id, req, sender_id, group_id, created, expires)
+
+
+async def _send_sharded(
+    core: Core, req: PacketRequest, key: str, shares: list[int], *, sender_id: UserId, group_id: GroupId
+) -> Packet:
+    """The send on a sharded ledger (``server.money.shardsteps``): the debit on the sender's shard, keyed
+    by the request, then the packet, with the debit's id, on its own shard."""
+    created = now_ms()
+    expires = created + core.settings.packet_ttl_seconds * 1000
+    debit = f"send:{sender_id}:{key}"
+    packet_id = await shardsteps.debit_send(
+        core.db,
+        sender_id,
+        debit,
+        req.total,
+        lambda tx: _may_send(tx, req, sender_id=sender_id, group_id=group_id),
+        lambda pid: sent_data(PacketId(pid), req, sender_id, group_id, expires),
     )
+
+    async def insert(tx: Tx) -> None:
+        await packet_rows(tx, req, key, shares, sender_id, group_id, created, expires, packet_id)
+
+    # Made by this call: a send now (also when its debit is an earlier call's that died before making
+    # it), put up in Redis with these shares. Made by another call of the request: its shares, a replay.
+    if not await shardsteps.create_packet(core.db, packet_id, insert):
+        return await core.db.run(
+            lambda tx: _earlier_send(tx, req, key, sender_id=sender_id, group_id=group_id), idempotent=True
+        )
+    return new_packet(packet_id, req, sender_id, group_id, created, expires)
 
 
 async def _require_redis(core: Core, group_id: GroupId) -> None:
@@ -336,7 +297,7 @@ async def recover_packet(core: Core, packet_id: PacketId) -> Recovered:
 
     async def work(tx: Tx) -> tuple[Packet, int, int, list[CreditEntry]]:
         p = await _locked(tx, packet_id)
-        if p.status == "refunded":
+        if p.status in ("refunded", "void"):  # (void: a send never made, ``server.money.shardsteps``)
             raise Conflict(errors.PACKET_EXPIRED, f"packet {packet_id} was refunded")
         generation = core.repairs.generation
         rows = await tx.fetchall(

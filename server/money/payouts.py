@@ -23,6 +23,7 @@ from server import errors
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.ids import UserId
 from server.money import events
+from server.money.accounts import claim_request
 from server.money.ledger import check_cents, check_request_id, now_ms, post_event, posted_by_this_call
 from server.store.db import Database, Tx, as_text
 
@@ -58,6 +59,7 @@ async def withdraw(db: Database, user_id: UserId, amount: object, request_id: ob
     async def work(tx: Tx) -> bool:
         return await post_event(tx, user_id, -cents, "withdraw", key, "account.withdrawn", data)
 
+    await claim_request(db, key, user_id)  # (a sharded ledger: on the head first)
     return await db.run(work, idempotent=True)
 
 
@@ -133,6 +135,7 @@ async def hold(
         # (Made by this very call in a run whose COMMIT answer was lost: not a replay.)
         return replace(prior, replay=not await posted_by_this_call(tx, f"hold:{rid}"))
 
+    await claim_request(db, f"hold:{rid}", user_id)  # (a sharded ledger: on the head first)
     return await db.run(work, idempotent=True)
 
 

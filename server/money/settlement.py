@@ -21,7 +21,9 @@ from server import errors
 from server.core import Core, unavailable
 from server.errors import RedPacketError, Unavailable
 from server.ids import PacketId
-from server.money.crediting import credit_or_record, record_refusals
+from server.money import shardsteps
+from server.money.crediting import credit_or_record
+from server.money.creditrules import record_refusals
 from server.money.ledger import finish_paid, finished_event, now_ms, post_event
 from server.money.packets import (
     PACKET_COLUMNS,
@@ -35,6 +37,7 @@ from server.store import keys
 from server.store.db import Tx
 from server.store.records import CreditEntry
 from server.store.scriptcalls import ClosePacketCall, run
+from server.store.shards import by_shard
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +197,11 @@ async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None)
         )
         return Refund(packet_id, status, left)
 
-    result = await core.db.run(pay_back, idempotent=True)
+    if core.db.shards:  # the pay-back as shard-local steps (server.money.shardsteps)
+        steps = await shardsteps.refund(core.db, packet_id, now)
+        result = Refund(packet_id, steps.outcome, steps.amount)
+    else:
+        result = await core.db.run(pay_back, idempotent=True)
     # Settled, by this worker or another: the keys go (a grab of it is then answered from the database).
     try:
         await core.redis.delete(*keys.packet_keys(group_id=p.group_id, packet_id=packet_id))
@@ -239,8 +246,11 @@ async def mark_finished(core: Core) -> int:
         "SELECT id FROM red_packets WHERE status = 'active' AND share_count = (SELECT COUNT(*)"
         " FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = 'credited')"
     )
-    ids = [PacketId(int(r[0])) for r in rows]
-    return await core.db.run(lambda tx: finish_paid(tx, ids), idempotent=True) if ids else 0
+    done = 0
+    for ids in by_shard([int(r[0]) for r in rows], core.db.shards).values():  # (one shard a transaction)
+        pids = [PacketId(i) for i in ids]
+        done += await core.db.run(lambda tx, pids=pids: finish_paid(tx, pids), idempotent=True)  # type: ignore[misc]
+    return done
 
 
 async def sweep(core: Core, now: int | None = None, window_ms: int = 26 * 3600 * 1000) -> Settled:
@@ -248,12 +258,17 @@ async def sweep(core: Core, now: int | None = None, window_ms: int = 26 * 3600 *
     ``STRANDED_MS``, for every live packet of the window. A packet Redis cannot be read for is skipped
     (the next sweep looks again); a refund never is."""
     now = now_ms() if now is None else now
+    credited = refused = 0
+    if core.db.shards:  # what a shard-local money move left half-way
+        credited += await shardsteps.complete_stranded(core.db, now - STRANDED_MS)
+        voided = await shardsteps.void_unsent(core.db, now - shardsteps.UNSENT_MS, now - window_ms)
+        if voided:
+            log.warning("%d send(s) debited and never made: refunded to their senders", voided)
     rows = await core.db.fetchall(
         f"SELECT {PACKET_COLUMNS} FROM red_packets"
         " WHERE status IN ('active', 'refunding') AND created_ms >= %s",
         (now - window_ms,),
     )
-    credited = refused = 0
     for p in map(packet_from_row, rows):
         try:
             seen = await read_grabs(core, p, close=False)

@@ -1,0 +1,164 @@
+"""What decides a credit, shared by the one-transaction batch (``server.money.crediting``) and the
+shard-local steps (``server.money.shardsteps``): the refusal codes, the record of a refusal, the reads a
+decision needs, the decision itself (pure), and the balance update of many accounts."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Literal
+
+from server import errors
+from server.errors import RedPacketError
+from server.money.ledger import now_ms
+from server.store.db import Tx
+from server.store.records import CreditEntry
+
+Outcome = str  # "credited", "already", or the error code that refused it
+# Who refused a grab: the credit drain, a settlement (refund, sweeper), or a repair that dropped it.
+RefusedBy = Literal["drain", "settle", "repair"]
+
+# The codes that say the ledger will never pay a credit (anything else is worth another try).
+REFUSALS = frozenset(
+    {
+        errors.SHARE_CONFLICT,
+        errors.PACKET_EXPIRED,
+        errors.PACKET_NOT_FOUND,
+        errors.USER_NOT_FOUND,
+        errors.IDEMPOTENCY_KEY_REUSED,
+    }
+)
+
+
+async def record_refusals(tx: Tx, refused: list[tuple[CreditEntry, str]], refused_by: RefusedBy) -> None:
+    """Keep each (credit, code) in ``credit_refusals``, in the caller's transaction; a grab already
+    recorded keeps its first record."""
+    ts = now_ms()
+    await tx.executemany(
+        f"{tx.dialect.insert_ignore} INTO credit_refusals"
+        " (packet_id, user_id, seq, amount, grabbed_ms, code, refused_by, refused_ms)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+        [
+            (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, code, refused_by, ts)
+            for c, code in refused
+        ],
+    )
+
+
+def marks(n: int) -> str:
+    return ", ".join(["%s"] * n)
+
+
+@dataclass
+class Held:
+    """What the database holds about a batch's credits: the shares it pre-split, and the grab records
+    holding their shares or their users (``read_held``)."""
+
+    shares: dict[tuple[int, int], int] = field(default_factory=dict)  # (packet, seq) → amount
+    by_seq: dict[tuple[int, int], tuple[int, str]] = field(default_factory=dict)  # → (user, status)
+    by_user: dict[tuple[int, int], int] = field(default_factory=dict)  # (packet, user) → seq
+
+
+async def read_held(tx: Tx, credits: list[CreditEntry]) -> Held:
+    """The shares and grab records ``credits`` are decided on (records read with shared locks)."""
+    pids = sorted({c.packet_id for c in credits})
+    # Only the rows this batch is about: its shares, and grab records holding its shares or its users.
+    # (Plain IN lists, which the engines search fast; pairs are matched exactly below.)
+    seq_pairs = {(c.packet_id, c.seq) for c in credits}
+    user_pairs = {(c.packet_id, c.user_id) for c in credits}
+    seqs = sorted({c.seq for c in credits})
+    users = sorted({c.user_id for c in credits})
+    share_rows = await tx.fetchall(
+        f"SELECT packet_id, seq, amount FROM red_packet_shares"
+        f" WHERE packet_id IN ({marks(len(pids))}) AND seq IN ({marks(len(seqs))})",
+        [*pids, *seqs],
+    )
+    held = Held()
+    held.shares = {
+        (int(r[0]), int(r[1])): int(r[2]) for r in share_rows if (int(r[0]), int(r[1])) in seq_pairs
+    }
+    rows = await tx.fetchall(
+        f"SELECT packet_id, user_id, seq, status FROM grab_records WHERE packet_id IN ({marks(len(pids))})"
+        f" AND (seq IN ({marks(len(seqs))}) OR user_id IN ({marks(len(users))}))" + tx.dialect.share_lock,
+        [*pids, *seqs, *users],
+    )
+    for pid, uid, seq, st in rows:
+        if (int(pid), int(seq)) in seq_pairs or (int(pid), int(uid)) in user_pairs:
+            held.by_seq[(int(pid), int(seq))] = (int(uid), str(st))
+            held.by_user[(int(pid), int(uid))] = int(seq)
+    return held
+
+
+def decide(
+    credits: list[CreditEntry],
+    status: dict[int, str],
+    held: Held,
+    mine: set[tuple[int, int]],
+    users: set[int] | None = None,
+) -> tuple[list[Outcome], list[CreditEntry], list[CreditEntry]]:
+    """Each credit's outcome, and the credits to pay: those with no grab record yet (to insert) and those
+    whose record is there and not yet paid (to update). Pure.
+
+    ``status``: each packet's (a packet whose refund is decided counts as ``refunded``); ``mine``: (packet,
+    seq) this very call paid in a run whose COMMIT answer was lost; ``users``: the users known to exist,
+    when the decision must check (the shard-local steps: an account is made on the user's shard later).
+    A record ``crediting`` (a shard-local credit that stopped half-way) is paid whatever the packet's
+    status: its packet's shard decided it, and a refund counted it as paid."""
+    out: list[Outcome] = []
+    inserts: list[CreditEntry] = []
+    updates: list[CreditEntry] = []
+    by_seq, by_user = dict(held.by_seq), dict(held.by_user)
+    for c in credits:
+        seq_key, user_key = (c.packet_id, c.seq), (c.packet_id, c.user_id)
+        if c.packet_id not in status:
+            out.append(errors.PACKET_NOT_FOUND)
+        elif held.shares.get(seq_key) != c.amount:
+            out.append(errors.SHARE_CONFLICT)
+        elif seq_key in by_seq:
+            holder, st = by_seq[seq_key]
+            if holder != c.user_id:
+                out.append(errors.SHARE_CONFLICT)
+            elif st == "credited":
+                out.append("credited" if seq_key in mine else "already")
+            elif st != "crediting" and status[c.packet_id] == "refunded":
+                out.append(errors.PACKET_EXPIRED)
+            else:
+                updates.append(c)
+                by_seq[seq_key] = (c.user_id, "credited")
+                out.append("credited")
+        elif user_key in by_user:
+            out.append(errors.SHARE_CONFLICT)
+        elif status[c.packet_id] == "refunded":
+            out.append(errors.PACKET_EXPIRED)
+        elif users is not None and c.user_id not in users:
+            out.append(errors.USER_NOT_FOUND)
+        else:
+            inserts.append(c)
+            by_seq[seq_key] = (c.user_id, "credited")
+            by_user[user_key] = c.seq
+            out.append("credited")
+    return out, inserts, updates
+
+
+async def add_to_balances(tx: Tx, amounts: dict[int, int], ts: int) -> None:
+    """One UPDATE for many accounts (a CASE per account), rows locked in user-id order by the engine's
+    index scan, so two batches never wait on each other in a cycle."""
+    if not amounts:
+        return
+    users = sorted(amounts)
+    cases = " ".join(["WHEN %s THEN %s"] * len(users))
+    params: list[int] = [v for u in users for v in (u, amounts[u])]
+    changed = await tx.execute(
+        f"UPDATE accounts SET balance = balance + CASE user_id {cases} END, updated_ms = %s"
+        f" WHERE user_id IN ({marks(len(users))})",
+        [*params, ts, *users],
+    )
+    if changed != len(users):
+        raise RedPacketError(errors.USER_NOT_FOUND, "a credited user has no account")
+
+
+def per_account(paid: list[CreditEntry]) -> dict[int, int]:
+    sums: dict[int, int] = defaultdict(int)
+    for c in paid:
+        sums[c.user_id] += c.amount
+    return dict(sums)

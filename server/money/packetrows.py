@@ -1,0 +1,124 @@
+"""A packet's row: its columns, the ``Packet`` read from it, and the rows a send inserts (its own module:
+the one-transaction send and the shard-local one, ``server.money.packets``, both write them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+from server.ids import GroupId, PacketId, UserId
+from server.money.split import Kind, PacketRequest
+from server.store.db import Row, Tx
+
+PACKET_COLUMNS = (
+    "id, sender_id, group_id, kind, total, share_count, greeting, target_user_id, status, request_id,"
+    " created_ms, expires_ms, finished_ms, announced_ms"
+)
+
+
+@dataclass(frozen=True)
+class Packet:
+    packet_id: PacketId
+    sender_id: UserId
+    group_id: GroupId
+    kind: Kind
+    total: int
+    count: int
+    greeting: str
+    target_user_id: UserId | None
+    status: str
+    created_ms: int
+    expires_ms: int
+    # False when Redis could not be reached at send: the money is safe in the database and
+    # ``recover_packet`` (or the first grab) brings the packet up.
+    published: bool = True
+    # True when ``request_id`` matched an earlier send: nothing new was debited.
+    replay: bool = False
+    # When its event was published to the group (``server.live.announce``); None until then.
+    announced_ms: int | None = None
+
+
+def packet_from_row(row: Row) -> Packet:
+    return Packet(
+        packet_id=PacketId(int(row[0])),
+        sender_id=UserId(int(row[1])),
+        group_id=GroupId(int(row[2])),
+        kind=row[3],
+        total=int(row[4]),
+        count=int(row[5]),
+        greeting=str(row[6]),
+        target_user_id=None if row[7] is None else UserId(int(row[7])),
+        status=str(row[8]),
+        created_ms=int(row[10]),
+        expires_ms=int(row[11]),
+        announced_ms=None if row[13] is None else int(row[13]),
+    )
+
+
+async def packet_rows(
+    tx: Tx,
+    req: PacketRequest,
+    key: str,
+    shares: list[int],
+    sender_id: UserId,
+    group_id: GroupId,
+    created: int,
+    expires: int,
+    packet_id: PacketId | None = None,
+) -> PacketId:
+    """Insert the packet's row (with ``packet_id``, or a new id) and its shares; return its id."""
+    given = "id, " if packet_id else ""
+    await tx.execute(
+        f"INSERT INTO red_packets ({given}sender_id, group_id, kind, total, share_count, greeting,"
+        " target_user_id, status, request_id, created_ms, expires_ms)"
+        f" VALUES ({given and '%s, '}%s, %s, %s, %s, %s, %s, %s, 'active', %s, %s, %s)",
+        (
+            *([packet_id] if packet_id else []),
+            *(sender_id, group_id, req.kind, req.total, req.count, req.greeting, req.target_user_id),
+            *(key, created, expires),
+        ),
+    )
+    if packet_id is None and tx.lastrowid is None:
+        raise RuntimeError("the database returned no id for the new packet")
+    pid = packet_id or PacketId(cast(int, tx.lastrowid))
+    await tx.executemany(
+        "INSERT INTO red_packet_shares (packet_id, seq, amount) VALUES (%s, %s, %s)",
+        [(pid, seq, amount) for seq, amount in enumerate(shares, start=1)],
+    )
+    return pid
+
+
+def sent_data(
+    packet_id: PacketId, req: PacketRequest, sender_id: UserId, group_id: GroupId, expires: int
+) -> dict[str, object]:
+    """The ``packet.sent`` event's data."""
+    target = None if req.target_user_id is None else UserId(req.target_user_id)
+    return {
+        "packet_id": packet_id,
+        "group_id": group_id,
+        "sender_id": sender_id,
+        "kind": req.kind,
+        "total": req.total,
+        "count": req.count,
+        "target": target,
+        "expires_ms": expires,
+    }
+
+
+def new_packet(
+    packet_id: PacketId, req: PacketRequest, sender_id: UserId, group_id: GroupId, created: int, expires: int
+) -> Packet:
+    target = None if req.target_user_id is None else UserId(req.target_user_id)
+    return Packet(
+        packet_id=packet_id,
+        sender_id=sender_id,
+        group_id=group_id,
+        kind=req.kind,
+        total=req.total,
+        count=req.count,
+        greeting=req.greeting,
+        target_user_id=target,
+        status="active",
+        created_ms=created,
+        expires_ms=expires,
+    )
