@@ -1,14 +1,19 @@
-"""Fixtures on real services: the local Redis (or an embedded Valkey when none answers), MariaDB, SQLite.
+"""Fixtures on real services: the local Redis (or an embedded Valkey when none answers), MariaDB, SQLite,
+and a sharded ledger (a MariaDB Spider head over three backends, started once for the session).
 
 MariaDB-backed tests skip with a reason when no MariaDB answers, unless REDPACKET_TEST_REQUIRE_MYSQL=1
-(CI sets it), in which case a missing MariaDB fails the run.
+(CI sets it), in which case a missing MariaDB fails the run; the sharded ledger likewise with
+REDPACKET_TEST_REQUIRE_SPIDER=1. The ``core`` fixture runs a test on SQLite, MariaDB and, for the money
+suite (``SHARDED_SUITE``), the sharded ledger.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import random
+import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -24,6 +29,7 @@ from server.store.engines import connect
 from server.store.schema import migrate
 
 TABLES = (
+    "request_claims",
     "webhook_deliveries",
     "webhook_cursors",
     "events",
@@ -112,13 +118,99 @@ async def _clean(db: Database) -> None:
             await tx.execute(f"DELETE FROM {table}")
 
 
-@pytest.fixture(params=["sqlite", "mysql"])
+# The money suite, run on the sharded ledger too (``core``'s third parameter); other modules' tests of
+# ``core`` are not (deselected: they test hubs, bots, webhooks... on one database's money).
+SHARDED_SUITE = {
+    "test_send",
+    "test_grab",
+    "test_credit",
+    "test_crediting",
+    "test_settlement",
+    "test_reconcile",
+    "test_ledger",
+    "test_recover",
+    "test_drain",
+    "test_payouts",
+    "test_shards",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        module = getattr(getattr(item, "module", None), "__name__", "").rsplit(".", 1)[-1]
+        (drop if params.get("core") == "spider" and module not in SHARDED_SUITE else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def need_spider() -> None:
+    """Skip (or, with REDPACKET_TEST_REQUIRE_SPIDER=1, fail) without mariadbd and the Spider plugin."""
+    from server.tools.spider import PLUGIN, SpiderSetupError
+    from server.tools.spider.node import program
+
+    try:
+        for name in ("mariadbd", "mariadb-install-db"):
+            program(name)
+        if not PLUGIN.exists():
+            raise SpiderSetupError(f"no Spider plugin at {PLUGIN} (apt-get install mariadb-plugin-spider)")
+    except SpiderSetupError as e:
+        if os.environ.get("REDPACKET_TEST_REQUIRE_SPIDER") == "1":
+            pytest.fail(f"Spider is required (REDPACKET_TEST_REQUIRE_SPIDER=1): {e}")
+        pytest.skip(str(e))
+
+
+SPIDER_DATABASE = "redpacket_test"
+
+
+@pytest.fixture(scope="session")
+def spider_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The head's URL of a sharded ledger over three backends (``server.tools.spider``), made by
+    ``redpacket migrate``'s own code, for the session. A sync fixture (``core`` asks for it by name): the
+    cluster lives on a loop of its own, in a thread."""
+    from server.store.shards import make_sharded
+    from server.tools.spider import SpiderCluster, spider_cluster
+    from tests.hubtools import server_port
+
+    need_spider()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    ports = [server_port() for _ in range(4)]
+    context = spider_cluster(tmp_path_factory.mktemp("spider"), ports=ports)
+
+    async def up() -> str:
+        cluster = await context.__aenter__()
+        assert isinstance(cluster, SpiderCluster)
+        await cluster.create_database(SPIDER_DATABASE)
+        head = await connect(cluster.head_url(SPIDER_DATABASE), 1)
+        try:
+            await make_sharded(
+                head, SPIDER_DATABASE, cluster.backend_urls(SPIDER_DATABASE), lambda url: connect(url, 1)
+            )
+        finally:
+            await head.close()
+        return cluster.head_url(SPIDER_DATABASE)
+
+    try:
+        yield asyncio.run_coroutine_threadsafe(up(), loop).result(timeout=300)
+    finally:
+        asyncio.run_coroutine_threadsafe(context.__aexit__(None, None, None), loop).result(timeout=120)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+@pytest.fixture(params=["sqlite", "mysql", "spider"])
 async def core(
     request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Core]:
-    """A Core on a clean database of each dialect and a flushed Redis database."""
-    if request.param == "mysql":
-        db_url = request.getfixturevalue("mysql_url")
+    """A Core on a clean database of each dialect (and, for the money suite, the sharded ledger) and a
+    flushed Redis database."""
+    if request.param in ("mysql", "spider"):
+        db_url = request.getfixturevalue(f"{request.param}_url")
     else:
         db_url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'ledger.sqlite3'}"
     settings = Settings(redis_url=redis_url, database_url=db_url, queue_name="redpacket:test:queue")

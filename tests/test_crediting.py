@@ -263,9 +263,9 @@ def _pay_behind_the_lock(database_url: str, c: CreditEntry) -> int:
             )
             # (and its event, as every payer writes one with its journal row: server.money.events)
             cur.execute(
-                "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms)"
-                " VALUES ('share.credited', %s, %s, %s, '{}', %s)",
-                (f"grab:{c.packet_id}:{c.seq}", c.user_id, c.amount, c.grabbed_ms),
+                "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms, shard_id)"
+                " VALUES ('share.credited', %s, %s, %s, '{}', %s, %s)",
+                (f"grab:{c.packet_id}:{c.seq}", c.user_id, c.amount, c.grabbed_ms, c.user_id),
             )
             changed = cur.execute(
                 "UPDATE accounts SET balance = balance + %s WHERE user_id = %s", (c.amount, c.user_id)

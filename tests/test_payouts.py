@@ -254,8 +254,9 @@ async def test_reconciliation_catches_money_out_gone_wrong(core: Core) -> None:
     checks = await tamper("DELETE FROM events WHERE idem_key = 'withdraw:w'")
     assert "event_missing" in checks
     checks = await tamper(
-        "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms)"
-        " VALUES ('account.withdrawn', 'withdraw:ghost', %s, -50, '{}', 0)",
+        "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms, shard_id)"
+        " VALUES ('account.withdrawn', 'withdraw:ghost', %s, -50, '{}', 0, %s)",
+        user,
         user,
     )
     assert "event_unbacked" in checks
@@ -364,14 +365,18 @@ async def test_reconciliation_catches_events_that_say_what_the_ledger_does_not(c
         return (await reconcile(core)).checks()
 
     forged = (
-        "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms)"
-        " VALUES (%s, %s, %s, %s, '{}', 0)"
+        "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms, shard_id)"
+        " VALUES (%s, %s, %s, %s, '{}', 0, %s)"
     )
     # A confirmation of a hold that was released: the backend would think the money left.
-    assert "event_untrue" in await checks_after(forged, "hold.confirmed", "confirm:released", w.admin, None)
+    assert "event_untrue" in await checks_after(
+        forged, "hold.confirmed", "confirm:released", w.admin, None, w.admin
+    )
     await checks_after("DELETE FROM events WHERE idem_key = 'confirm:released'")
     # The end of a packet that is not finished.
-    assert "event_untrue" in await checks_after(forged, "packet.finished", "finished:999999", w.admin, None)
+    assert "event_untrue" in await checks_after(
+        forged, "packet.finished", "finished:999999", w.admin, None, w.admin
+    )
     await checks_after("DELETE FROM events WHERE idem_key = 'finished:999999'")
     # A withdrawal's journal row reported as a top-up.
     assert "event_untrue" in await checks_after(

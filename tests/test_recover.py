@@ -284,7 +284,8 @@ async def _paid_or_waiting(c: Core, packet_id: int) -> bool:
     paid = await c.db.fetchone("SELECT COUNT(*) FROM grab_records WHERE packet_id = %s", (packet_id,))
     waiting = await c.db.fetchone(
         "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE COMMAND = 'Query'"
-        " AND INFO LIKE 'SELECT id, status FROM red_packets WHERE id IN %% FOR UPDATE'"
+        # (The one-transaction batch's lock, or a shard-local credit's first step's.)
+        " AND INFO LIKE 'SELECT id, status%% FROM red_packets WHERE id IN %% FOR UPDATE'"
     )
     return bool(paid and int(paid[0])) or bool(waiting and int(waiting[0]))
 

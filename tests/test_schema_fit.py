@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 BANNED = re.compile(r"GET_LOCK|RELEASE_LOCK|LOCK TABLES?|MyISAM|ENGINE\s*=\s*(?!InnoDB)", re.IGNORECASE)
+LOCKS = re.compile(r"GET_LOCK|RELEASE_LOCK|LOCK TABLES?|MyISAM", re.IGNORECASE)
 
 
 def _strings(path: Path) -> list[str]:
@@ -47,8 +48,12 @@ def _strings(path: Path) -> list[str]:
 def test_no_statement_takes_a_lock_galera_cannot_replicate_or_names_another_engine() -> None:
     assert BANNED.search("SELECT GET_LOCK('x', 1)") and BANNED.search("lock tables t write")  # it finds them
     assert BANNED.search(") ENGINE=MyISAM") and not BANNED.search(") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4")
+    # The one other engine: a Spider head's tables (they hold no rows; every row is on an InnoDB backend),
+    # made in one module, and the tool that starts a head asks for it.
+    spider = {ROOT / "server" / "store" / "shards.py", *(ROOT / "server" / "tools" / "spider").glob("*.py")}
     for path in [*(ROOT / "server").rglob("*.py"), *(ROOT / "worker").rglob("*.py")]:
-        found = [s for s in _strings(path) if BANNED.search(s)]
+        banned = LOCKS if path in spider else BANNED
+        found = [s for s in _strings(path) if banned.search(s)]
         assert not found, (path, found)
     assert "ENGINE=InnoDB" in MYSQL.ddl["table_options"]
 

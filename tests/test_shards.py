@@ -1,0 +1,388 @@
+"""The ledger sharded over three MariaDB backends by a Spider head (``server.store.shards``,
+``server.money.shardsteps``), on real servers.
+
+What ``redpacket migrate`` makes (Spider tables, rows on backend ``id % 3``, unique keys that refuse a
+double payment within a shard); a worker killed between each pair of steps of a credit, a refund and a
+send, and another worker (or the sweeper) finishing the work with nothing paid twice; reconciliation
+catching a row corrupted on one backend and naming its shard; and a storm of sends and grabs through two
+hub processes, paid by two worker processes, while one backend is killed with ``kill -9`` and started
+again: every "won" credited exactly once once it is back, every step applied once, the books clean.
+
+The rest of the money suite runs on the sharded ledger too (``tests/conftest.py``, ``SHARDED_SUITE``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from server import errors
+from server.core import Core, open_core
+from server.errors import RedPacketError
+from server.ids import ShareSeq, UserId
+from server.money import grabs, ledger, packets, settlement, shardsteps
+from server.money.crediting import credit_many
+from server.money.reconcile import reconcile
+from server.settings import Settings
+from server.store import shards
+from server.store.engines import connect
+from server.store.records import CreditEntry
+from server.store.shards import make_sharded, shard_of, spider_table
+from server.tools.spider import SpiderCluster, spider_cluster
+from tests.conftest import make_world, name_deployment, need_spider
+from tests.hubtools import eventually, hub_process, server_port, worker_env
+from tests.test_galera import Storm, _credited, _grabber, _sender
+
+ON_SHARDS = pytest.mark.parametrize("core", ["spider"], indirect=True)
+
+
+@pytest.mark.unit
+def test_the_head_widens_each_unique_key_by_the_shard_column_and_keeps_the_rest() -> None:
+    create = (
+        "CREATE TABLE `journal` (\n  `id` bigint(20) NOT NULL AUTO_INCREMENT,\n"
+        "  `account_id` bigint(20) NOT NULL,\n  `idem_key` varbinary(512) NOT NULL,\n"
+        "  PRIMARY KEY (`id`),\n  UNIQUE KEY `idem_key` (`idem_key`),\n"
+        "  UNIQUE KEY `both` (`account_id`,`idem_key`),\n  KEY `journal_account` (`account_id`)\n"
+        ") ENGINE=InnoDB AUTO_INCREMENT=7 DEFAULT CHARSET=utf8mb4"
+    )
+    got = spider_table(create, "journal", "account_id", ["s0", "s1"])
+    assert "PRIMARY KEY (`id`,`account_id`)" in got
+    assert "UNIQUE KEY `idem_key` (`idem_key`,`account_id`)" in got
+    assert "UNIQUE KEY `both` (`account_id`,`idem_key`)" in got  # already holds it
+    assert "KEY `journal_account` (`account_id`)" in got
+    assert "AUTO_INCREMENT=7" not in got and "ENGINE=InnoDB" not in got
+    parts = "(PARTITION p0 COMMENT = 'srv \"s0\"', PARTITION p1 COMMENT = 'srv \"s1\"')"
+    assert got.endswith("PARTITION BY HASH (`account_id`) " + parts)
+    assert [shard_of(k, 3) for k in (3, 4, 5)] == [0, 1, 2] and shard_of(5, 0) == 0
+    assert shards.by_shard([5, 3, 4, 6], 3) == {0: [3, 6], 1: [4], 2: [5]}
+
+
+async def _backend_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
+    db = await connect(url, 1)
+    try:
+        return await db.fetchall(sql)
+    finally:
+        await db.close()
+
+
+async def _backend_urls(core: Core) -> list[str]:
+    """The backends of the test's head, as ``migrate`` registered them there, in shard order."""
+    rows = await core.db.fetchall("SELECT Server_name, Port, Db FROM mysql.servers ORDER BY Server_name")
+    mine = {str(n): (int(p), str(d)) for n, p, d in rows}
+    return [
+        "mysql://root@127.0.0.1:{}/{}".format(*mine[shards.server_name("redpacket_test", i)])
+        for i in range(core.db.shards)
+    ]
+
+
+@ON_SHARDS
+async def test_migrate_makes_spider_tables_and_rows_land_on_their_shard(core: Core) -> None:
+    assert core.db.shards == 3
+    engines = dict(
+        await core.db.fetchall(
+            "SELECT table_name, engine FROM information_schema.tables WHERE table_schema = DATABASE()"
+        )
+    )
+    for table in shards.SHARDED:
+        assert engines[table] == "SPIDER", table
+    assert engines["users"] == engines["chat_groups"] == "InnoDB"  # the head's own
+    w = await make_world(core, members=5)
+    urls = await _backend_urls(core)
+    for i, url in enumerate(urls):
+        held = {int(r[0]) for r in await _backend_rows(url, "SELECT user_id FROM accounts")}
+        assert held == {u for u in [w.admin, *w.members] if u % 3 == i}, i
+    # A share of a packet is held once on its packet's shard, whoever asks through the head.
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="equal", total=300, count=3)
+    url = urls[p.packet_id % 3]
+    assert (
+        len(await _backend_rows(url, f"SELECT seq FROM red_packet_shares WHERE packet_id = {p.packet_id}"))
+        == 3
+    )
+
+
+async def _grabbed(core: Core, w: Any, n: int = 3) -> list[CreditEntry]:
+    """A packet of ``n`` shares grabbed by ``n`` members; the credits Redis queued for them."""
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=n)
+    out = []
+    for u in w.members[:n]:
+        got = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab
+        assert got is not None
+        out.append(CreditEntry(p.packet_id, UserId(u), ShareSeq(got.seq), got.amount, got.grabbed_ms))
+    return out
+
+
+class Killed(Exception):
+    """The worker's process ends here (what ``kill -9`` does between two transactions)."""
+
+
+async def _balances(core: Core, users: list[int]) -> dict[int, int]:
+    return {u: await ledger.balance(core.db, UserId(u)) for u in users}
+
+
+@ON_SHARDS
+@pytest.mark.parametrize("dies_before", ["pay", "close"])
+async def test_a_credit_worker_killed_between_steps_leaves_work_another_finishes_once(
+    core: Core, monkeypatch: pytest.MonkeyPatch, dies_before: str
+) -> None:
+    w = await make_world(core, members=3)
+    credits = await _grabbed(core, w)
+
+    async def killed(*_: object) -> None:
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(shardsteps, f"_{dies_before}", killed)
+        with pytest.raises(Killed):
+            await credit_many(core.db, credits)
+    # The dangerous state: every record decided (``crediting``), and paid or not as the step says.
+    rows = await core.db.fetchall("SELECT status FROM grab_records")
+    assert [r[0] for r in rows] == ["crediting"] * 3
+    posted = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'grab'")
+    assert posted is not None and int(posted[0]) == (3 if dies_before == "close" else 0)
+    assert (await reconcile(core)).ok  # between steps, young: in flight, not a difference
+    # Another worker takes the same outbox entries over.
+    again = await credit_many(core.db, credits)
+    assert again == (["already"] * 3 if dies_before == "close" else ["credited"] * 3)
+    assert await _balances(core, w.members[:3]) == {c.user_id: c.amount for c in credits}
+    posted = await core.db.fetchone("SELECT COUNT(*), SUM(amount) FROM journal WHERE kind = 'grab'")
+    assert posted is not None and (int(posted[0]), int(posted[1])) == (3, 900)  # each step once
+    assert {r[0] for r in await core.db.fetchall("SELECT status FROM grab_records")} == {"credited"}
+    assert (await packets.load_packet(core, credits[0].packet_id)).status == "finished"  # type: ignore[union-attr]
+    assert (await reconcile(core)).ok
+
+
+@ON_SHARDS
+async def test_a_credit_whose_outbox_entry_is_gone_is_finished_by_the_sweeper_and_late_ones_are_reported(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = await make_world(core, members=3)
+    credits = await _grabbed(core, w)
+
+    async def killed(*_: object) -> None:
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(shardsteps, "_pay", killed)
+        with pytest.raises(Killed):
+            await credit_many(core.db, credits)
+    late = credits[0].grabbed_ms + 16 * 60 * 1000
+    report = await reconcile(core, now=late)
+    assert report.checks() >= {"credit_unfinished"}, report.differences
+    assert await shardsteps.complete_stranded(core.db, late) == 3
+    assert await _balances(core, w.members[:3]) == {c.user_id: c.amount for c in credits}
+    assert await shardsteps.complete_stranded(core.db, late) == 0
+    assert "credit_unfinished" not in (await reconcile(core, now=late)).checks()
+
+
+@ON_SHARDS
+@pytest.mark.parametrize("dies_before", ["retry", "void"])
+async def test_a_send_killed_between_its_debit_and_its_packet_is_made_or_refunded_never_both(
+    core: Core, monkeypatch: pytest.MonkeyPatch, dies_before: str
+) -> None:
+    w = await make_world(core, members=3, admin_cents=10_000)
+
+    async def killed(*_: object) -> None:
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(shardsteps, "create_packet", killed)
+        with pytest.raises(Killed):
+            await packets.send_packet(
+                core, sender_id=w.admin, group_id=w.group, kind="lucky", total=600, count=3, request_id="r1"
+            )
+    assert await ledger.balance(core.db, UserId(w.admin)) == 9_400  # debited: the dangerous state
+    assert await core.db.fetchone("SELECT 1 FROM red_packets") is None
+    assert "send_unfinished" in (await reconcile(core)).checks()  # debited, not made: said
+    if dies_before == "retry":  # the client's retry with its request id completes it, once
+        p = await packets.send_packet(
+            core, sender_id=w.admin, group_id=w.group, kind="lucky", total=600, count=3, request_id="r1"
+        )
+        assert not p.replay and p.published  # made now: put up in Redis now
+        got = await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
+        assert got.outcome == "won"
+        assert await ledger.balance(core.db, UserId(w.admin)) == 9_400
+    else:  # nobody retried: the sweeper refunds it, and a late retry is refused, not made
+        later = int(time.time() * 1000) + shardsteps.UNSENT_MS + 1
+        assert await shardsteps.void_unsent(core.db, later, 0) == 1
+        assert await shardsteps.void_unsent(core.db, later, 0) == 0
+        assert await ledger.balance(core.db, UserId(w.admin)) == 10_000
+        with pytest.raises(RedPacketError) as e:
+            await packets.send_packet(
+                core, sender_id=w.admin, group_id=w.group, kind="lucky", total=600, count=3, request_id="r1"
+            )
+        assert e.value.code == errors.IDEMPOTENCY_KEY_REUSED
+        assert await ledger.balance(core.db, UserId(w.admin)) == 10_000
+    assert (await reconcile(core)).ok
+
+
+@ON_SHARDS
+@pytest.mark.parametrize("dies_before", ["pay", "close"])
+async def test_a_refund_killed_between_steps_pays_back_once(
+    core: Core, monkeypatch: pytest.MonkeyPatch, dies_before: str
+) -> None:
+    w = await make_world(core, members=3, admin_cents=10_000)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=600, count=3)
+    got = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
+    assert got is not None
+    real_run = core.db.run
+    steps: list[str] = []
+
+    async def dying_run(work: Any, *, idempotent: bool, attempts: int = 8) -> Any:
+        name = getattr(work, "__name__", "")
+        steps.append(name)
+        if name == dies_before and steps.count(name) == 1:
+            raise Killed
+        return await real_run(work, idempotent=idempotent, attempts=attempts)
+
+    after = p.expires_ms + 1
+    with monkeypatch.context() as m:
+        m.setattr(core.db, "run", dying_run)
+        with pytest.raises(Killed):
+            await settlement.refund_packet(core, p.packet_id, now=after)
+    assert "decide_left" in steps  # the refund was decided on the packet's shard before the death
+    assert (await packets.load_packet(core, p.packet_id)).status == "refunding"  # type: ignore[union-attr]
+    r = await settlement.refund_packet(core, p.packet_id, now=after)  # the next run of the refund job
+    assert (r.outcome, r.amount) == ("refunded", 600 - got.amount)
+    assert await ledger.balance(core.db, UserId(w.admin)) == 10_000 - got.amount
+    assert await ledger.balance(core.db, UserId(w.members[0])) == got.amount
+    refunds = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'refund'")
+    assert refunds is not None and int(refunds[0]) == 1
+    assert (await reconcile(core, now=after)).ok
+
+
+@ON_SHARDS
+async def test_reconciliation_catches_a_row_changed_on_one_backend_and_names_its_shard(core: Core) -> None:
+    w = await make_world(core, members=3)
+    credits = await _grabbed(core, w)
+    await credit_many(core.db, credits)
+    report = await reconcile(core)
+    assert report.ok and len(report.shards) == 3, report
+    victim = credits[1]
+    backend = await connect((await _backend_urls(core))[victim.user_id % 3], 1)
+    try:  # a cent more on one balance, written on its backend behind the head's back
+        await backend.run(
+            lambda tx: tx.execute(
+                "UPDATE accounts SET balance = balance + 1 WHERE user_id = %s", (victim.user_id,)
+            ),
+            idempotent=False,
+        )
+    finally:
+        await backend.close()
+    report = await reconcile(core)
+    assert "account_journal" in report.checks() and "global" in report.checks(), report.differences
+    line = report.shards[victim.user_id % 3]
+    assert line.endswith("differences 1"), report.shards
+    assert all(s.endswith("differences 0") for i, s in enumerate(report.shards) if i != victim.user_id % 3)
+
+
+# --- a storm through real processes, one backend killed and started again ---
+
+
+@pytest.fixture(scope="module")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SpiderCluster]:
+    need_spider()
+    async with spider_cluster(
+        tmp_path_factory.mktemp("spider"), ports=[server_port() for _ in range(4)]
+    ) as c:
+        yield c
+
+
+async def _sharded_database(cluster: SpiderCluster, name: str) -> str:
+    await cluster.create_database(name)
+    head = await connect(cluster.head_url(name), 1)
+    try:
+        await make_sharded(head, name, cluster.backend_urls(name), lambda url: connect(url, 1))
+    finally:
+        await head.close()
+    await name_deployment(cluster.head_url(name))
+    return cluster.head_url(name)
+
+
+async def test_a_storm_with_a_backend_killed_and_started_again_credits_every_won_once(
+    cluster: SpiderCluster, hub_settings: Settings
+) -> None:
+    url = await _sharded_database(cluster, "storm")
+    s = hub_settings.replace(database_url=url)
+    doomed = cluster.backends[1]
+    workers = [
+        subprocess.Popen(  # noqa: ASYNC220 - the two workers under test
+            [sys.executable, "-m", "server", "worker"], env=worker_env(s), stdout=subprocess.DEVNULL
+        )
+        for _ in range(2)
+    ]
+    storm = Storm()
+    try:
+        async with hub_process(s) as a, hub_process(s) as b, open_core(s, migrate=False) as look:
+            _, admin_token = await a.login("admin")
+            await a.api("POST", "/api/topup", admin_token, amount=1_000_000, request_id="seed")
+            people = [await a.login(f"p{i}") for i in range(24)]
+            groups = []
+            for i in range(4):
+                g = (await a.api("POST", "/api/groups", admin_token, name=f"g{i}"))["group_id"]
+                await a.api("POST", f"/api/groups/{g}/members", admin_token, user_ids=[u for u, _ in people])
+                groups.append(g)
+            queue: asyncio.Queue[Any] = asyncio.Queue()
+            lanes = [asyncio.create_task(_sender(h, admin_token, groups, storm, queue)) for h in (a, b)]
+            grabbers = [asyncio.create_task(_grabber((a, b), people, storm, queue)) for _ in range(3)]
+            try:
+                # The dangerous state first: grabs told "won" and not yet credited, sends going on.
+                async def backlog() -> bool:
+                    return len(storm.told) >= 30 and await _credited(look.db) < len(storm.told)
+
+                await eventually(backlog, 60)
+                storm.killed_at = time.monotonic()
+                doomed.kill()
+                # Users see it: sends that need its shard answer database_unavailable (grabs, in
+                # Redis, go on while there are packets to grab).
+                await eventually(lambda: sum(t > storm.killed_at for t in storm.send_errors_at) >= 2, 90)
+                await doomed.start()
+                restarted = time.monotonic()
+                await eventually(lambda: sum(asked > restarted for asked, _ in storm.send_ok_at) >= 5, 90)
+            finally:
+                storm.stop.set()
+                for t in lanes:
+                    await t
+                await queue.join()
+                for t in grabbers:
+                    t.cancel()
+            assert a.process is not None and b.process is not None
+            assert a.process.poll() is None and b.process.poll() is None, "a hub process died"
+        assert all(w.poll() is None for w in workers), "a worker process died"
+        async with open_core(s, migrate=False) as core:
+            await eventually(lambda: _credited_is(core, len(storm.told)), 120)
+            rows = await core.db.fetchall(
+                "SELECT packet_id, user_id, amount FROM grab_records WHERE status = 'credited'"
+            )
+            assert {(int(p), int(u)): int(m) for p, u, m in rows} == storm.told
+            posted = await core.db.fetchall(
+                "SELECT packet_id, account_id, amount FROM journal WHERE kind = 'grab'"
+            )
+            assert sorted((int(p), int(u), int(m)) for p, u, m in posted) == sorted(
+                (p, u, m) for (p, u), m in storm.told.items()
+            )  # each credit posted once: no step applied twice
+            made = await core.db.fetchall("SELECT id FROM red_packets")
+            assert sorted(int(r[0]) for r in made) == sorted(storm.sent.values())
+            debits = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'send'")
+            assert debits is not None and int(debits[0]) == len(storm.sent)
+            report = await reconcile(core)
+            assert report.ok, report.differences
+        answered = [done for asked, done in storm.send_ok_at if asked > storm.killed_at]
+        print(
+            f"backend {doomed.name} killed: {len(storm.told)} grabs told, {len(storm.sent)} sends,"
+            f" {len(storm.send_errors_at)} send attempts answered database_unavailable;"
+            f" sends answered again {min(answered) - storm.killed_at:.2f} s after the kill"
+        )
+    finally:
+        for w in workers:
+            w.terminate()
+            await asyncio.to_thread(w.wait, 30)
+
+
+async def _credited_is(core: Core, n: int) -> bool:
+    return await _credited(core.db) == n
