@@ -18,6 +18,8 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
     from server.tools.dbreadbench import run_db_read_bench
 
     what = args.what
+    if args.spider:
+        _spider_args(settings, args)  # (a mistake said before any service starts)
     if what == "storm":
         _storm_seconds(args)  # (a mistake said before any service starts)
     await check_services(settings)
@@ -28,6 +30,8 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
         await run_db_read_bench(settings, plot=plot)
     elif what == "hub-grab":
         await hubbench.bench_hub_grab(settings, workers=args.workers, plot=plot, seconds=args.seconds)
+    elif args.spider:
+        await _on_spider(settings, args, plot)
     elif what in ("credit", "storm") and args.galera:
         await _on_galera(settings, args, plot)
     elif what == "credit":
@@ -68,3 +72,23 @@ async def _on_galera(settings: Settings, args: argparse.Namespace, plot: Path | 
             )
     except GaleraSetupError as e:
         raise OperatorError(f"cannot start the Galera cluster: {e}", 1) from None
+
+
+def _spider_args(settings: Settings, args: argparse.Namespace) -> None:
+    if args.what != "credit" or args.galera:
+        raise OperatorError("--spider is for bench credit, without --galera", 2)
+    if not settings.database_url.startswith(("mysql", "mariadb")):
+        raise OperatorError("--spider compares with a MariaDB: set REDPACKET_DATABASE_URL=mysql://…", 2)
+    if args.rounds < 1 or args.credits < 1:
+        raise OperatorError("bench credit --spider needs --rounds and --credits of 1 or more", 2)
+
+
+async def _on_spider(settings: Settings, args: argparse.Namespace, plot: Path | None) -> None:
+    """``credit --spider``: beside the configured MariaDB, a Spider head over 1, 2 and 3 backends."""
+    from server.tools import spiderbench
+    from server.tools.spider import SpiderSetupError
+
+    try:
+        await spiderbench.bench_credit_spider(settings, args.rounds, args.credits, plot=plot)
+    except SpiderSetupError as e:
+        raise OperatorError(f"cannot start the Spider cluster: {e}", 2) from None

@@ -106,6 +106,15 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="credit, storm: also on a throw-away 3-node Galera cluster started for the run (galera-4)",
     )
     bench.add_argument(
+        "--spider",
+        action="store_true",
+        help="credit: also on a throw-away MariaDB Spider head over 1, 2 and 3 backends (a sharded ledger),"
+        " --rounds rounds alternating, --credits credits a round",
+    )
+    bench.add_argument(
+        "--credits", type=int, default=20_000, metavar="N", help="credit --spider: credits a round and side"
+    )
+    bench.add_argument(
         "--kill-writer-after",
         type=float,
         default=5.0,
