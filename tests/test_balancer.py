@@ -61,10 +61,10 @@ async def _balancer(tmp_path: Path, hubs: list[HubUnderTest]) -> AsyncIterator[s
     port = free_port()
     local = tmp_path / "haproxy.cfg"
     local.write_text(_here(port, hubs))
-    log = (tmp_path / "haproxy.log").open("w")
-    proc = subprocess.Popen(  # noqa: ASYNC220 - one balancer per test
-        [_haproxy(), "-db", "-f", str(local)], stdout=log, stderr=subprocess.STDOUT
-    )
+    with (tmp_path / "haproxy.log").open("w") as log:  # (the child keeps its own copy of the descriptor)
+        proc = subprocess.Popen(  # noqa: ASYNC220 - one balancer per test
+            [_haproxy(), "-db", "-f", str(local)], stdout=log, stderr=subprocess.STDOUT
+        )
     try:
         url = f"http://127.0.0.1:{port}"
 
@@ -80,7 +80,6 @@ async def _balancer(tmp_path: Path, hubs: list[HubUnderTest]) -> AsyncIterator[s
     finally:
         proc.terminate()
         await asyncio.to_thread(proc.wait, 30)
-        log.close()
         said = (tmp_path / "haproxy.log").read_text()
         print("--- haproxy ---\n" + said[:3000] + "\n...\n" + said[-2000:])  # shown on failure
 

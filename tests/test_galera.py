@@ -83,6 +83,20 @@ class Storm:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+async def storm_world(hub: HubUnderTest) -> tuple[str, list[tuple[int, str]], list[int]]:
+    """A storm's people through ``hub``: an admin with money (its token), 24 members (id, token) and four
+    groups of them all."""
+    _, admin_token = await hub.login("admin")
+    await hub.api("POST", "/api/topup", admin_token, amount=1_000_000, request_id="seed")
+    people = [await hub.login(f"p{i}") for i in range(24)]
+    groups = []
+    for i in range(4):
+        g = (await hub.api("POST", "/api/groups", admin_token, name=f"g{i}"))["group_id"]
+        await hub.api("POST", f"/api/groups/{g}/members", admin_token, user_ids=[u for u, _ in people])
+        groups.append(g)
+    return admin_token, people, groups
+
+
 async def _sender(
     hub: HubUnderTest, token: str, groups: list[int], storm: Storm, grabs: asyncio.Queue[Any]
 ) -> None:
@@ -195,14 +209,7 @@ async def test_a_storm_through_a_node_killed_loses_no_won_and_no_send_is_half_th
 async def _storm_through_a_kill(
     galera: GaleraCluster, node: GaleraNode, s: Settings, a: HubUnderTest, b: HubUnderTest
 ) -> Storm:
-    _, admin_token = await a.login("admin")
-    await a.api("POST", "/api/topup", admin_token, amount=1_000_000, request_id="seed")
-    people = [await a.login(f"p{i}") for i in range(24)]
-    groups = []
-    for i in range(4):
-        g = (await a.api("POST", "/api/groups", admin_token, name=f"g{i}"))["group_id"]
-        await a.api("POST", f"/api/groups/{g}/members", admin_token, user_ids=[u for u, _ in people])
-        groups.append(g)
+    admin_token, people, groups = await storm_world(a)
     storm = Storm()
     grabs: asyncio.Queue[Any] = asyncio.Queue()
     lanes = [

@@ -37,7 +37,7 @@ from server.store.shards import make_sharded, shard_of, spider_table
 from server.tools.spider import SpiderCluster, spider_cluster
 from tests.conftest import make_world, name_deployment, need_spider
 from tests.hubtools import eventually, hub_process, server_port, worker_env
-from tests.test_galera import Storm, _credited, _grabber, _sender
+from tests.test_galera import Storm, _credited, _grabber, _sender, storm_world
 
 ON_SHARDS = pytest.mark.parametrize("core", ["spider"], indirect=True)
 
@@ -319,14 +319,7 @@ async def test_a_storm_with_a_backend_killed_and_started_again_credits_every_won
     storm = Storm()
     try:
         async with hub_process(s) as a, hub_process(s) as b, open_core(s, migrate=False) as look:
-            _, admin_token = await a.login("admin")
-            await a.api("POST", "/api/topup", admin_token, amount=1_000_000, request_id="seed")
-            people = [await a.login(f"p{i}") for i in range(24)]
-            groups = []
-            for i in range(4):
-                g = (await a.api("POST", "/api/groups", admin_token, name=f"g{i}"))["group_id"]
-                await a.api("POST", f"/api/groups/{g}/members", admin_token, user_ids=[u for u, _ in people])
-                groups.append(g)
+            admin_token, people, groups = await storm_world(a)
             queue: asyncio.Queue[Any] = asyncio.Queue()
             lanes = [asyncio.create_task(_sender(h, admin_token, groups, storm, queue)) for h in (a, b)]
             grabbers = [asyncio.create_task(_grabber((a, b), people, storm, queue)) for _ in range(3)]

@@ -29,26 +29,14 @@ import aiomysql
 import pytest
 import yaml
 
-from server.tools.spider import PLUGIN, SpiderCluster, SpiderNode, SpiderSetupError, spider_cluster
+from server.tools.spider import SpiderCluster, SpiderNode, spider_cluster
 from server.tools.spider import __main__ as command
-from server.tools.spider.node import program
+from tests.conftest import need_spider
 from tests.hubtools import server_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "spider_test"
 UNREACHABLE = 1429  # ER_CONNECT_TO_FOREIGN_DATA_SOURCE: "Unable to connect to foreign data source: s1"
-
-
-def need_spider() -> None:
-    try:
-        for name in ("mariadbd", "mariadb-install-db"):
-            program(name)
-        if not PLUGIN.exists():
-            raise SpiderSetupError(f"no Spider plugin at {PLUGIN} (apt-get install mariadb-plugin-spider)")
-    except SpiderSetupError as e:
-        if os.environ.get("REDPACKET_TEST_REQUIRE_SPIDER") == "1":
-            pytest.fail(f"Spider is required (REDPACKET_TEST_REQUIRE_SPIDER=1): {e}")
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
