@@ -79,8 +79,8 @@ async def _add(tx: Tx, endpoint: str, events_: list[tuple[object, ...]], now: in
     """New deliveries, due now, of these events (``(seq, user_id)`` rows) to ``endpoint``."""
     await tx.executemany(
         "INSERT INTO webhook_deliveries (endpoint, seq, user_id, state, attempts, next_ms, lease_ms,"
-        " lease_token, first_ms) VALUES (%s, %s, %s, 'pending', 0, %s, 0, 0, %s)",
-        [(endpoint, int(str(s)), int(str(u)), now, now) for s, u in events_],
+        " lease_token, first_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",  # (one multi-row INSERT)
+        [(endpoint, int(str(s)), int(str(u)), "pending", 0, now, 0, 0, now) for s, u in events_],
     )
 
 

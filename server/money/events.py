@@ -16,7 +16,9 @@ committed (a change locks the user's account row, and its event is written after
 
 from __future__ import annotations
 
+import asyncio
 import json
+import weakref
 from typing import Any, Literal, TypedDict
 
 from server.store.db import Database, Tx, as_text
@@ -143,7 +145,18 @@ async def _sequence_batch(tx: Tx) -> int:
     return len(ids)
 
 
+# One sequencing at a time per process on a sharded ledger: each holds the counter's row on one
+# connection and numbers a shard's events on another, so many waiting on the lock at once (every read of
+# the events API sequences first) would hold every pooled connection and leave the holder none.
+_SEQUENCING: weakref.WeakKeyDictionary[Database, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
 async def _sequence_sharded(db: Database) -> int:
+    async with _SEQUENCING.setdefault(db, asyncio.Lock()):
+        return await _sequence_shards(db)
+
+
+async def _sequence_shards(db: Database) -> int:
     """``_sequence_batch`` on a sharded ledger, where no transaction writes two shards: the counter's row
     (on the head) stays locked while each shard's events get their seqs in a transaction of that shard;
     the counter moves past them last. A reader sees only seqs the counter has reached (``SEQUENCED``),
@@ -161,11 +174,13 @@ async def _sequence_sharded(db: Database) -> int:
             "SELECT id, shard_id FROM events WHERE seq IS NULL ORDER BY id LIMIT %s", (SEQUENCE_BATCH,)
         )
         numbered = {int(r[0]): last + i for i, r in enumerate(rows, start=1)}
-        shards: dict[int, list[int]] = {}
+        shards: dict[int, list[tuple[int, int]]] = {}
         for r in rows:
-            shards.setdefault(shard_of(int(r[1] or 0), db.shards), []).append(int(r[0]))
-        for ids in shards.values():
-            await db.run(lambda tx, ids=ids: _number(tx, {i: numbered[i] for i in ids}), idempotent=True)  # type: ignore[misc]
+            shards.setdefault(shard_of(int(r[1] or 0), db.shards), []).append((int(r[0]), int(r[1] or 0)))
+        for pairs in shards.values():
+            seqs = {i: numbered[i] for i, _ in pairs}
+            on = sorted({k for _, k in pairs})  # (names the shard column: Spider sends it to one backend)
+            await db.run(lambda tx, seqs=seqs, on=on: _number(tx, seqs, on), idempotent=True)  # type: ignore[misc]
         if rows:
             await hold.execute(
                 "UPDATE event_counter SET last_seq = %s WHERE name = 'events'", (last + len(rows),)
@@ -173,14 +188,15 @@ async def _sequence_sharded(db: Database) -> int:
         return len(rows)
 
 
-async def _number(tx: Tx, seqs: dict[int, int]) -> None:
-    """Events by id get these seqs (each still without one)."""
+async def _number(tx: Tx, seqs: dict[int, int], shard_ids: list[int] | None = None) -> None:
+    """Events by id get these seqs (each still without one); ``shard_ids``: theirs, on a sharded ledger."""
     cases = " ".join(["WHEN %s THEN %s"] * len(seqs))
     marks = ", ".join(["%s"] * len(seqs))
     params: list[int] = [v for pair in seqs.items() for v in pair]
+    on = f" AND shard_id IN ({', '.join(['%s'] * len(shard_ids))})" if shard_ids else ""
     changed = await tx.execute(
-        f"UPDATE events SET seq = CASE id {cases} END WHERE id IN ({marks}) AND seq IS NULL",
-        [*params, *seqs],
+        f"UPDATE events SET seq = CASE id {cases} END WHERE id IN ({marks}) AND seq IS NULL{on}",
+        [*params, *seqs, *(shard_ids or [])],
     )
     if changed != len(seqs):
         raise RuntimeError(f"sequenced {changed} of {len(seqs)} events: another sequencer ran unlocked")

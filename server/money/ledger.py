@@ -207,8 +207,8 @@ async def create_users(db: Database, names: list[str]) -> list[UserId]:
         ts = now_ms()
         try:
             await tx.executemany(
-                "INSERT INTO users (name, created_ms, origin) VALUES (%s, %s, 'hub')",
-                [(n, ts) for n in clean],
+                "INSERT INTO users (name, created_ms, origin) VALUES (%s, %s, %s)",  # (one multi-row INSERT)
+                [(n, ts, "hub") for n in clean],
             )
         except IntegrityError:
             raise Conflict(errors.NAME_TAKEN, "one of the names is taken") from None
@@ -221,8 +221,8 @@ async def create_users(db: Database, names: list[str]) -> list[UserId]:
             ids += [by_name[n] for n in chunk]
         if not db.shards:  # (sharded: on the users' shards, apart)
             await tx.executemany(
-                "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, 0, %s)",
-                [(u, ts) for u in ids],
+                "INSERT INTO accounts (user_id, balance, updated_ms) VALUES (%s, %s, %s)",
+                [(u, 0, ts) for u in ids],
             )
         return ids
 

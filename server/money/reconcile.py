@@ -104,7 +104,7 @@ class Books:
     # A sharded ledger's money between steps: credits decided and not yet marked paid (their posting
     # counted with the records once made), and sends debited whose packet is not made (nor refunded).
     crediting: list[GrabRow] = field(default_factory=list)
-    unsent: list[tuple[int, int]] = field(default_factory=list)  # (packet id, debited)
+    unsent: list[tuple[int, int, int]] = field(default_factory=list)  # (packet id, debited, when)
     # Redis: packet → its grabs there; the database's records of those packets (credited or not).
     redis_grabs: dict[int, list[GrabRow]] = field(default_factory=dict)
     db_grabs: dict[int, list[GrabRow]] = field(default_factory=dict)
@@ -159,15 +159,16 @@ def check(books: Books) -> Report:
     for g in books.crediting:
         if g.grabbed_ms < books.now_ms - LATE_MS:
             diffs.append(Difference("credit_unfinished", f"{_grab_name(g)} ({g.note})", g.amount, 0))
-    for pid, debited in books.unsent:
-        diffs.append(Difference("send_unfinished", f"packet {pid} debited and not made", 0, debited))
+    for pid, debited, at in books.unsent:
+        if at < books.now_ms - LATE_MS:  # (younger: between its steps, or the sweeper's to refund)
+            diffs.append(Difference("send_unfinished", f"packet {pid} debited and not made", 0, debited))
     diffs += _redis_differences(books)
     diffs += [Difference(*d) for d in outflows.differences(books.outflows, books.now_ms)]
     for user, balance, journal in books.accounts:
         if balance != journal:
             diffs.append(Difference("account_journal", f"account {user}", journal, balance))
     in_balances = sum(balance for _, balance, _ in books.accounts)
-    held = sum(max(p.outstanding, 0) for p in books.packets) + sum(d for _, d in books.unsent)
+    held = sum(max(p.outstanding, 0) for p in books.packets) + sum(d for _, d, _ in books.unsent)
     out = books.outflows.paid_out
     if books.topups != in_balances + held + out:
         diffs.append(
@@ -255,7 +256,7 @@ def _queries(dialect: Dialect, now: int) -> dict[str, tuple[str, tuple[object, .
             (),
         ),
         "sums": (
-            "SELECT packet_id, kind, SUM(amount) FROM journal"
+            "SELECT packet_id, kind, SUM(amount), MIN(created_ms) FROM journal"
             " WHERE packet_id IS NOT NULL GROUP BY packet_id, kind",
             (),
         ),
@@ -353,8 +354,9 @@ def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]
         crediting.append(GrabRow(int(pid), int(uid), int(seq), int(amount), int(grabbed), note))
         credited_records[int(pid)] += int(amount) if int(posted) else 0
     made = {int(r[0]) for r in packets}
+    debited_at = {int(r[0]): int(r[3]) for r in sums if str(r[1]) == "send"}
     unsent = sorted(
-        (pid, -(by_kind.get((pid, "send"), 0) + by_kind.get((pid, "refund"), 0)))
+        (pid, -(by_kind.get((pid, "send"), 0) + by_kind.get((pid, "refund"), 0)), debited_at.get(pid, 0))
         for pid in {pid for pid, _ in by_kind} - made
     )
     share_sums = {int(r[0]): (int(r[1]), int(r[2])) for r in shares}
@@ -398,7 +400,7 @@ def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]
         ],
         repeated=[(int(t), int(n)) for t, n in repeated],
         crediting=crediting,
-        unsent=[(pid, debited) for pid, debited in unsent if debited],
+        unsent=[u for u in unsent if u[1]],
         db_grabs=dict(db_grabs),
         now_ms=now,
         outflows=outflows.books(rows),
@@ -411,6 +413,7 @@ async def reconcile(core: Core, now: int | None = None) -> Report:
     snapshot: a money move between its steps can show as a difference once, so a report with differences
     is read again and keeps those found both times (``reconcilereport.confirmed``); the per-shard figures
     are added."""
+    now = now_ms() if now is None else now  # (one time for both reads: "expired N s ago" stays the same)
     books = await gather(core, now)
     report = check(books)
     if core.db.shards and not report.ok:

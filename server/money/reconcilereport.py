@@ -43,9 +43,15 @@ class Report:
 
 def confirmed(first: Report, second: Report) -> Report:
     """``second`` with only the differences ``first`` found too (two reads of a sharded ledger: one
-    caught between the steps of a money move shows in one of them only)."""
-    seen = {str(d) for d in first.differences}
-    return replace(second, differences=[d for d in second.differences if str(d) in seen])
+    caught between the steps of a money move shows in one of them only). Matched by check, subject and
+    how far off: a balance or the global sum off by a cent stays off by it while money moves between
+    the reads, though both sides of it change."""
+    seen = {_gap(d) for d in first.differences}
+    return replace(second, differences=[d for d in second.differences if _gap(d) in seen])
+
+
+def _gap(d: Difference) -> tuple[str, str, int]:
+    return d.check, d.subject, d.actual - d.expected
 
 
 SUBJECT = re.compile(r"(packet|account) (\d+)")

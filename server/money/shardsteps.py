@@ -109,9 +109,10 @@ async def _claim(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy) -> l
     }
     out, inserts, _ = decide(credits, status, held, set(), users)
     await tx.executemany(
+        # (Every value a placeholder: only then does the driver send one multi-row INSERT, not one each.)
         "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
-        " VALUES (%s, %s, %s, %s, 'crediting', %s, NULL)",
-        [(c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms) for c in inserts],
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+        [(c.packet_id, c.user_id, c.seq, c.amount, "crediting", c.grabbed_ms, None) for c in inserts],
     )
     refused = [(c, o) for c, o in zip(credits, out, strict=True) if o not in ("credited", "already")]
     await record_refusals(tx, refused, refused_by)
@@ -134,8 +135,8 @@ async def _pay(tx: Tx, credits: list[CreditEntry]) -> set[Pair]:
     new = [c for k, c in keys.items() if k not in there]
     await tx.executemany(
         "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms, tx)"
-        " VALUES (%s, %s, 'grab', %s, %s, %s, %s)",
-        [(c.user_id, c.amount, grab_key(c.packet_id, c.seq), c.packet_id, ts, tx.token) for c in new],
+        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
+        [(c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id, ts, tx.token) for c in new],
     )
     await add_to_balances(tx, per_account(new), ts)
     await events.record_many(tx, [events.share_credited(c, grab_key(c.packet_id, c.seq)) for c in new], ts)
@@ -277,20 +278,35 @@ async def debit_send(
     return await db.run(work, idempotent=True)
 
 
-async def create_packet(db: Database, packet_id: PacketId, insert: Callable[[Tx], Awaitable[None]]) -> bool:
+async def create_packet(
+    db: Database,
+    packet_id: PacketId,
+    made_by: tuple[int, str, int],
+    insert: Callable[[Tx], Awaitable[None]],
+) -> bool:
     """Step 2 of a send, on the packet's shard: ``insert`` (the packet's row with id ``packet_id`` and its
-    shares), unless the row is there: then it is this send's (a replay), or a void one
-    (``void_unsent`` refunded the debit: the send is refused). Returns whether this call made it."""
+    shares), unless the row is there. Returns whether this call made it: ``made_by`` (sender, request id,
+    created) is the row this call writes, so a run again after a lost COMMIT answer knows its own row.
+    A row of another call of the same request is a replay; a ``void`` one (``void_unsent`` refunded the
+    debit) refuses the send, as does a row of another send (ids that met: never paid into)."""
 
     async def work(tx: Tx) -> str:
-        row = await tx.fetchone("SELECT status FROM red_packets WHERE id = %s", (packet_id,))
+        look = "SELECT status, sender_id, request_id, created_ms FROM red_packets WHERE id = %s"
+        row = await tx.fetchone(look, (packet_id,))
         if row is None:
             try:
                 await insert(tx)
                 return "made"
             except IntegrityError:  # made meanwhile: by a retry of this send, or voided
-                row = await tx.fetchone("SELECT status FROM red_packets WHERE id = %s", (packet_id,))
-        return "" if row is None else str(row[0])
+                row = await tx.fetchone(look, (packet_id,))
+        if row is None:
+            raise RuntimeError(f"packet {packet_id}'s key refused it and its row is not there")
+        if row[0] == VOID:
+            return VOID
+        sender, request, created = made_by
+        if (int(row[1]), as_text(row[2])) != (sender, request):
+            raise RuntimeError(f"packet {packet_id} is another send's: two debits were given one id")
+        return "made" if tx.resumed and int(row[3]) == created else "there"
 
     found = await db.run(work, idempotent=True)
     if found == VOID:

@@ -145,6 +145,13 @@ async def renew_lease(tx: Tx, holder: str) -> None:
         )
 
 
+async def pending(db: Database) -> list[int]:
+    """The versions a database has not applied yet."""
+    async with db.transaction() as tx:
+        done = await _applied(tx, make=False)
+    return [v for v, _, _ in MIGRATIONS if v not in done]
+
+
 async def migrate(db: Database) -> list[int]:
     """Apply every migration the database lacks; return the versions applied now. On MySQL, refuse a
     database with tables Galera cannot replicate, before and after (``unfit_for_galera``)."""

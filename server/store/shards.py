@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 
 from server.store.db import Database, DatabaseError, as_text
 from server.store.mysqlkit import parse_url
-from server.store.schema import migrate
+from server.store.schema import migrate, pending
 
 # Each sharded table and the column its rows are placed by.
 SHARDED: dict[str, str] = {
@@ -101,6 +101,23 @@ async def count(db: Database) -> int:
     return int(row[0]) if row else 0
 
 
+async def _same_backends(head: Database, servers: list[str], backend_urls: list[str]) -> None:
+    """Refuse a ``REDPACKET_SHARDS`` that names other backends, or the same in another order, than the
+    head's partitions were made over: every shard would silently be read from the wrong server."""
+    marks = ", ".join(["%s"] * len(servers))
+    rows = await head.fetchall(
+        f"SELECT Server_name, Host, Port, Db FROM mysql.servers WHERE Server_name IN ({marks})", servers
+    )
+    known = {as_text(n): (as_text(h), int(p), as_text(d)) for n, h, p, d in rows}
+    for i, (name, url) in enumerate(zip(servers, backend_urls, strict=True)):
+        t = parse_url(url)
+        if known.get(name) != (*t.hosts[0], t.database):
+            raise DatabaseError(
+                f"shard {i} of this ledger is {known.get(name)}, and REDPACKET_SHARDS names {t.address(0)}/"
+                f"{t.database} there: list the backends as the ledger was made over them, in that order"
+            )
+
+
 def _quoted(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
@@ -122,6 +139,20 @@ async def make_sharded(
             " over the shards; the default locks a backend's table for every insert): add"
             " `spider-auto-increment-mode=1` to its configuration and restart it"
         )
+    have = await count(head)
+    if have and have != len(backend_urls):
+        raise DatabaseError(
+            f"the ledger is sharded over {have} backends and REDPACKET_SHARDS names {len(backend_urls)}:"
+            " moving rows between shards is not done by migrate"
+        )
+    servers = [server_name(head_database, i) for i in range(len(backend_urls))]
+    if have:
+        await _same_backends(head, servers, backend_urls)
+        if await pending(head):  # before any backend is changed
+            raise DatabaseError(
+                "a sharded ledger's later migrations are not applied by this version of migrate (the"
+                " head's Spider definitions would not follow the backends): not done yet"
+            )
     done: list[str] = []
     creates: dict[str, str] = {}  # the tables as the backends have them: the schema's one source
     for i, url in enumerate(backend_urls):
@@ -135,13 +166,6 @@ async def make_sharded(
         finally:
             await backend.close()
         done.append(f"shard {i} ({parse_url(url).address(0)}): migrations applied {applied or 'none'}")
-    have = await count(head)
-    if have and have != len(backend_urls):
-        raise DatabaseError(
-            f"the ledger is sharded over {have} backends and REDPACKET_SHARDS names {len(backend_urls)}:"
-            " moving rows between shards is not done by migrate"
-        )
-    servers = [server_name(head_database, i) for i in range(len(backend_urls))]
     for name, url in zip(servers, backend_urls, strict=True):
         t = parse_url(url)
         host, port = t.hosts[0]
