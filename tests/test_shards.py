@@ -32,6 +32,7 @@ from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.settings import Settings
 from server.store import shards
+from server.store.db import Unreachable
 from server.store.engines import connect
 from server.store.records import CreditEntry
 from server.store.shards import make_sharded, shard_of, spider_table
@@ -122,6 +123,11 @@ class Killed(Exception):
     """The worker's process ends here (what ``kill -9`` does between two transactions)."""
 
 
+async def killed(*_: object) -> None:
+    """A step put in place of the real one: the process dies before it."""
+    raise Killed
+
+
 async def _balances(core: Core, users: list[int]) -> dict[int, int]:
     return {u: await ledger.balance(core.db, UserId(u)) for u in users}
 
@@ -133,9 +139,6 @@ async def test_a_credit_worker_killed_between_steps_leaves_work_another_finishes
 ) -> None:
     w = await make_world(core, members=3)
     credits = await _grabbed(core, w)
-
-    async def killed(*_: object) -> None:
-        raise Killed
 
     with monkeypatch.context() as m:
         m.setattr(shardsteps, f"_{dies_before}", killed)
@@ -159,14 +162,40 @@ async def test_a_credit_worker_killed_between_steps_leaves_work_another_finishes
 
 
 @ON_SHARDS
+async def test_the_drain_pays_the_shards_it_reaches_and_gives_back_the_credits_of_one_it_cannot(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = await make_world(core, members=6)
+    credits = await _grabbed(core, w, n=6)
+    away = credits[0].user_id % 3  # a user shard whose backend cannot be reached now
+    real_pay = shardsteps._pay
+
+    async def pay(tx: Any, batch: list[CreditEntry]) -> Any:
+        if batch[0].user_id % 3 == away:
+            raise Unreachable("(1429, 'Unable to connect to foreign data source')")
+        return await real_pay(tx, batch)
+
+    with monkeypatch.context() as m:
+        m.setattr(shardsteps, "_pay", pay)
+        got = await credit_many(core.db, credits, partial=True)  # (the drain's call)
+    assert got == [shardsteps.LATER if c.user_id % 3 == away else "credited" for c in credits]
+    paid = {c.user_id: c.amount for c in credits if c.user_id % 3 != away}
+    assert await _balances(core, [c.user_id for c in credits]) == {
+        c.user_id: paid.get(c.user_id, 0) for c in credits
+    }
+    # Back: the credits given back are paid, once; the others were.
+    again = await credit_many(core.db, credits, partial=True)
+    assert again == ["credited" if c.user_id % 3 == away else "already" for c in credits]
+    assert await _balances(core, [c.user_id for c in credits]) == {c.user_id: c.amount for c in credits}
+    assert (await reconcile(core)).ok
+
+
+@ON_SHARDS
 async def test_a_credit_whose_outbox_entry_is_gone_is_finished_by_the_sweeper_and_late_ones_are_reported(
     core: Core, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = await make_world(core, members=3)
     credits = await _grabbed(core, w)
-
-    async def killed(*_: object) -> None:
-        raise Killed
 
     with monkeypatch.context() as m:
         m.setattr(shardsteps, "_pay", killed)
@@ -187,9 +216,6 @@ async def test_a_send_killed_between_its_debit_and_its_packet_is_made_or_refunde
     core: Core, monkeypatch: pytest.MonkeyPatch, dies_before: str
 ) -> None:
     w = await make_world(core, members=3, admin_cents=10_000)
-
-    async def killed(*_: object) -> None:
-        raise Killed
 
     with monkeypatch.context() as m:
         m.setattr(shardsteps, "create_packet", killed)

@@ -39,6 +39,7 @@ from server.core import Core
 from server.ids import GroupId, PacketId
 from server.money.crediting import credit_many
 from server.money.ledger import now_ms
+from server.money.shardsteps import LATER
 from server.store import keys
 from server.store.records import CreditEntry
 from server.store.scriptcalls import AckCreditsCall, run
@@ -269,7 +270,7 @@ class CreditDrain:
         try:
             outcomes: list[str] = []
             for i in range(0, len(credits), PAY_AT_ONCE):
-                outcomes += await credit_many(self.core.db, credits[i : i + PAY_AT_ONCE])
+                outcomes += await credit_many(self.core.db, credits[i : i + PAY_AT_ONCE], partial=True)
             return outcomes
         except BaseException:
             # Nothing more was committed: let these go to whoever takes them next, at once.
@@ -315,7 +316,11 @@ class CreditDrain:
         # Counted per batch, not per credit: a labelled counter's labels() and inc() cost 1.5 us a call.
         counts = {"credited": 0, "already": 0, "refused": 0}
         lag = self.metrics.credit_lag
+        later = Batch()  # a sharded ledger's credits whose shard was away: given back, paid later
         for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):
+            if outcome == LATER:
+                later.items.append((n, entry_id, c))
+                continue
             acks.setdefault(n, []).append(entry_id)
             if outcome == "credited":
                 counts["credited"] += 1
@@ -340,4 +345,7 @@ class CreditDrain:
         await asyncio.gather(*calls)  # one pipeline per master
         for n, ids in acks.items():
             self.holding[n].difference_update(ids)
-        self.processed += len(taken.items)
+        if later:
+            log.warning("%d credit(s) wait for their shard of the ledger: given back", len(later))
+            await self._release(later)
+        self.processed += len(taken.items) - len(later)

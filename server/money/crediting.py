@@ -38,18 +38,20 @@ from server.store.records import CreditEntry
 
 
 async def credit_many(
-    db: Database, credits: list[CreditEntry], refused_by: RefusedBy = "drain"
+    db: Database, credits: list[CreditEntry], refused_by: RefusedBy = "drain", partial: bool = False
 ) -> list[Outcome]:
     """Credit every grab in ``credits``; one outcome per credit, in order. A refusal is recorded before
     this returns (in the same transaction as the credits, or in one of its own on the fallback).
 
     Cancelled before the commit: nothing is written and every grab can be credited again later. Run
-    again after a lost COMMIT answer, a grab the first run paid still counts as ``credited``.
+    again after a lost COMMIT answer, a grab the first run paid still counts as ``credited``. ``partial``
+    (the drain): on a sharded ledger, the credits of a shard that cannot be reached now come out
+    ``later`` (``shardsteps.LATER``) and the rest are paid.
     """
     if not credits:
         return []
     if db.shards:  # no transaction may write two shards: the three steps of server.money.shardsteps
-        return await shardsteps.credit_many(db, credits, refused_by)
+        return await shardsteps.credit_many(db, credits, refused_by, partial)
     try:
         return await db.run(lambda tx: _batch(tx, credits, refused_by), idempotent=True)
     except (IntegrityError, RedPacketError):

@@ -30,8 +30,9 @@ ever loaded into Redis.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from server import errors
 from server.errors import Conflict
@@ -49,42 +50,68 @@ from server.money.creditrules import (
     record_refusals,
 )
 from server.money.ledger import finish_paid, finished_event, grab_key, now_ms, post, post_event
-from server.store.db import Database, IntegrityError, Tx, as_text
+from server.store.db import Database, IntegrityError, RetryableError, Tx, as_text
 from server.store.records import CreditEntry
 from server.store.shards import shard_of
 
 Pair = tuple[int, int]  # (packet, seq)
+T = TypeVar("T")
 
 
-def _groups(items: list[CreditEntry], key: Callable[[CreditEntry], int], shards: int) -> list[list[int]]:
-    """Indexes of ``items`` grouped by the shard of ``key(item)``, shards in order."""
+def _groups(
+    items: list[CreditEntry], among: Iterable[int], key: Callable[[CreditEntry], int], shards: int
+) -> list[list[int]]:
+    """The indexes ``among`` of ``items`` grouped by the shard of ``key(item)``, shards in order."""
     groups: dict[int, list[int]] = {}
-    for i, c in enumerate(items):
-        groups.setdefault(shard_of(key(c), shards), []).append(i)
+    for i in among:
+        groups.setdefault(shard_of(key(items[i]), shards), []).append(i)
     return [groups[s] for s in sorted(groups)]
 
 
-async def credit_many(db: Database, credits: list[CreditEntry], refused_by: RefusedBy) -> list[Outcome]:
+# The outcome of a credit whose shard could not be reached this time (``credit_many(..., partial=True)``):
+# nothing final was decided for it; its outbox entry is to be paid later, by any worker.
+LATER = "later"
+
+
+async def credit_many(
+    db: Database, credits: list[CreditEntry], refused_by: RefusedBy, partial: bool = False
+) -> list[Outcome]:
     """Credit ``credits`` in the three steps, one transaction per shard and step; one outcome per credit:
     ``credited`` when this call posted it, ``already`` when another had, or the code that refused it
-    (recorded in step 1)."""
+    (recorded in step 1). ``partial``: a shard that cannot be reached now (a backend down) makes its
+    credits ``later`` while the others are paid (the drain then acknowledges only those); otherwise, or
+    when no credit could be paid, its error is raised."""
     out: list[Outcome] = [""] * len(credits)
-    for idxs in _groups(credits, lambda c: c.packet_id, db.shards):
+    failed: list[RetryableError] = []
+
+    async def each(idxs: list[int], step: Callable[[Tx, list[CreditEntry]], Awaitable[T]]) -> T | None:
         batch = [credits[i] for i in idxs]
-        decided = await db.run(lambda tx, b=batch: _claim(tx, b, refused_by), idempotent=True)  # type: ignore[misc]
-        for i, o in zip(idxs, decided, strict=True):
+        try:
+            return await db.run(lambda tx: step(tx, batch), idempotent=True)
+        except RetryableError as e:
+            if not partial:
+                raise
+            failed.append(e)
+            for i in idxs:
+                out[i] = LATER
+            return None
+
+    for idxs in _groups(credits, range(len(credits)), lambda c: c.packet_id, db.shards):
+        decided = await each(idxs, lambda tx, b: _claim(tx, b, refused_by))
+        for i, o in zip(idxs, decided or [], strict=False):
             out[i] = o
-    to_pay = [i for i, o in enumerate(out) if o == "credited"]
-    paying = [credits[i] for i in to_pay]
+    paying = [i for i, o in enumerate(out) if o == "credited"]
     posted: set[Pair] = set()
-    for idxs in _groups(paying, lambda c: c.user_id, db.shards):
-        batch = [paying[i] for i in idxs]
-        posted |= await db.run(lambda tx, b=batch: _pay(tx, b), idempotent=True)  # type: ignore[misc]
-    for i in to_pay:
-        out[i] = "credited" if (credits[i].packet_id, credits[i].seq) in posted else "already"
-    for idxs in _groups(paying, lambda c: c.packet_id, db.shards):
-        batch = [paying[i] for i in idxs]
-        await db.run(lambda tx, b=batch: _close(tx, b), idempotent=True)  # type: ignore[misc]
+    for idxs in _groups(credits, paying, lambda c: c.user_id, db.shards):
+        posted |= await each(idxs, _pay) or set()
+    for i in paying:
+        if out[i] != LATER:
+            out[i] = "credited" if (credits[i].packet_id, credits[i].seq) in posted else "already"
+    paid = [i for i in paying if out[i] != LATER]  # (never marked paid before its posting is made)
+    for idxs in _groups(credits, paid, lambda c: c.packet_id, db.shards):
+        await each(idxs, _close)
+    if failed and all(o == LATER for o in out):
+        raise failed[0]
     return out
 
 

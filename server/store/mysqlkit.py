@@ -27,13 +27,13 @@ RETRY_REASONS = {
     2014: "connection",  # commands out of sync
     1927: "connection",  # connection killed
     1053: "connection",  # server shutdown in progress
-    # A Spider head (server.store.shards): a backend cannot be reached, or went away mid-statement.
-    1429: "shard",  # unable to connect to foreign data source
+    # A Spider head (server.store.shards): a backend went away mid-statement.
     1430: "shard",  # a problem processing the query on the foreign data source
     12701: "shard",  # Spider: remote MySQL server has gone away
 }
-# No connection made at all: the server down or unreachable (2003), or full (1040).
-UNREACHABLE = {1040, 2003}
+# No connection made at all: the server down or unreachable (2003), or full (1040); or, through a Spider
+# head, one of its backends (1429: "unable to connect to foreign data source" — only that shard's rows).
+UNREACHABLE = {1040, 2003, 1429}
 # The node itself may be gone: look at it again, and move to the next host if it is.
 NODE_LOST = {1047, 1053, 1180, 1927, 2003, 2006, 2013}
 # The connection went away (server gone, lost during the query): a COMMIT sent on it has no answer. On a
