@@ -263,7 +263,7 @@ def test_a_missing_mariadbd_or_plugin_says_what_to_install_in_one_line(
     if missing == "plugin":
         monkeypatch.setattr(cluster_module, "PLUGIN", tmp_path / "ha_spider.so")
     directory = tmp_path / "d"  # (as root, the CLI's own check would refuse pytest's mode-700 tmp_path)
-    monkeypatch.setattr(command, "blocked_for", lambda user, d: None)
+    monkeypatch.setattr(command, "unenterable", lambda d, servers, example: "")
     assert command.main(["up", str(directory), "--port", str(_free_block(4))]) == 2
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()

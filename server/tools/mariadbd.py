@@ -69,6 +69,19 @@ def blocked_for(user: pwd.struct_passwd, directory: Path) -> Path | None:
     return None
 
 
+def unenterable(directory: Path, servers: str, example: str) -> str:
+    """Why the servers (run as ``node_user``) could not live in ``directory``, in one line, or "" when
+    they can: a directory above it their user may not enter."""
+    user = node_user()
+    blocked = blocked_for(user, directory) if user is not None else None
+    if blocked is None or user is None:
+        return ""
+    return (
+        f"the {servers} run as {user.pw_name}, who may not enter {blocked}: choose a DIR every directory"
+        f" above which others may enter (e.g. {example})"
+    )
+
+
 def hand_over(home: Path, user: pwd.struct_passwd | None) -> None:
     """Give ``home`` and all in it to ``user`` when we are root (mariadbd, run as ``mysql``, must own its
     data directory and the directory of its socket); otherwise check that we may write it. Raises

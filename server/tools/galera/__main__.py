@@ -19,7 +19,7 @@ from pathlib import Path
 
 from server.tools.galera.cluster import galera_cluster, ports_from
 from server.tools.galera.node import GaleraError, GaleraSetupError
-from server.tools.mariadbd import blocked_for, node_user
+from server.tools.mariadbd import unenterable
 
 
 async def up(directory: Path, nodes: int, port: int, database: str) -> None:
@@ -71,13 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not 1 <= args.nodes <= 9 or not 1024 <= args.port <= 65_536 - 4 * args.nodes:
             raise GaleraSetupError("--nodes is 1 to 9, and --port leaves 4 ports a node below 65536")
-        user = node_user()
-        blocked = blocked_for(user, args.directory) if user is not None else None
-        if blocked is not None and user is not None:
-            raise GaleraSetupError(
-                f"the nodes run as {user.pw_name}, who may not enter {blocked}: choose a DIR every directory"
-                " above which others may enter (e.g. /var/tmp/galera)"
-            )
+        problem = unenterable(args.directory, "nodes", "/var/tmp/galera")
+        if problem:
+            raise GaleraSetupError(problem)
         with contextlib.suppress(asyncio.CancelledError):
             asyncio.run(up(args.directory, args.nodes, args.port, args.database))
     except GaleraSetupError as e:

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from server.tools.mariadbd import blocked_for, node_user
+from server.tools.mariadbd import unenterable
 from server.tools.spider.cluster import ports_from, spider_cluster
 from server.tools.spider.node import SpiderError, SpiderSetupError
 
@@ -86,13 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not 1 <= args.backends <= 64 or not 1024 <= args.port <= 65_535 - args.backends:
             raise SpiderSetupError("--backends is 1 to 64, and --port leaves a port a backend below 65536")
-        user = node_user()
-        blocked = blocked_for(user, args.directory) if user is not None else None
-        if blocked is not None and user is not None:
-            raise SpiderSetupError(
-                f"the servers run as {user.pw_name}, who may not enter {blocked}: choose a DIR every"
-                " directory above which others may enter (e.g. /var/tmp/spider)"
-            )
+        problem = unenterable(args.directory, "servers", "/var/tmp/spider")
+        if problem:
+            raise SpiderSetupError(problem)
         with contextlib.suppress(asyncio.CancelledError):
             asyncio.run(up(args.directory, args.backends, args.port, args.database))
     except SpiderSetupError as e:
