@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,11 @@ from hypothesis import strategies as st
 from server import errors
 from server.errors import InvalidRequest
 from server.money.split import Limits, double_average, split, validate_request
+
+
+def _below(seed: int) -> Callable[[int], int]:
+    return random.Random(seed).randrange
+
 
 # Pure: no service, no subprocess (the fast tier, `pytest -m unit`).
 pytestmark = pytest.mark.unit
@@ -29,7 +35,7 @@ def totals_and_counts(draw: st.DrawFn) -> tuple[int, int]:
 @settings(max_examples=500)
 def test_double_average_sums_exactly_and_bounds_every_draw(tc: tuple[int, int], seed: int) -> None:
     total, count = tc
-    draws = double_average(total, count, random.Random(seed))
+    draws = double_average(total, count, _below(seed))
     assert len(draws) == count
     assert sum(draws) == total
     assert all(isinstance(d, int) and d >= 1 for d in draws)
@@ -44,9 +50,9 @@ def test_double_average_sums_exactly_and_bounds_every_draw(tc: tuple[int, int], 
 @settings(max_examples=300)
 def test_lucky_split_is_a_permutation_summing_to_total(tc: tuple[int, int], seed: int) -> None:
     total, count = tc
-    req = validate_request("lucky", total, count, "", None, LIMITS)
-    shares = split(req, random.Random(seed))
-    assert sorted(shares) == sorted(double_average(total, count, random.Random(seed)))
+    validate_request("lucky", total, count, "", None, LIMITS)
+    shares = split("lucky", total, count, _below(seed))
+    assert sorted(shares) == sorted(double_average(total, count, _below(seed)))
     assert sum(shares) == total and len(shares) == count and min(shares) >= 1
 
 
@@ -55,21 +61,22 @@ def test_equal_split_is_exact(count: int, each: int) -> None:
     total = count * each
     if total > LIMITS.max_total_cents:
         return
-    shares = split(validate_request("equal", total, count, "", None, LIMITS), random.Random(0))
+    validate_request("equal", total, count, "", None, LIMITS)
+    shares = split("equal", total, count, _below(0))
     assert shares == [each] * count
 
 
 def test_edges_of_the_range() -> None:
-    rng = random.Random(7)
-    assert double_average(1, 1, rng) == [1]
-    assert double_average(100, 100, rng) == [1] * 100
-    assert sum(double_average(LIMITS.max_total_cents, LIMITS.max_count, rng)) == LIMITS.max_total_cents
-    assert split(validate_request("exclusive", 888, None, "", 5, LIMITS), rng) == [888]
+    below = _below(7)
+    assert double_average(1, 1, below) == [1]
+    assert double_average(100, 100, below) == [1] * 100
+    assert sum(double_average(LIMITS.max_total_cents, LIMITS.max_count, below)) == LIMITS.max_total_cents
+    assert split("exclusive", 888, 1, below) == [888]
 
 
 def test_a_lucky_split_actually_varies() -> None:
     # A split that always returned equal shares would pass the sum checks; it must not.
-    shares = split(validate_request("lucky", 10_000, 10, "", None, LIMITS), random.Random(1))
+    shares = split("lucky", 10_000, 10, _below(1))
     assert len(set(shares)) > 1
 
 

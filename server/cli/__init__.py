@@ -54,7 +54,7 @@ def _need_tools(command: str, plot: bool = False) -> None:
 
 
 # Commands that read the ledger and must find it, never make an empty one.
-READERS = ("reconcile", "blocks", "recover", "webhooks")
+READERS = ("reconcile", "blocks", "recover", "verify", "webhooks")
 
 
 def _refuse(args: argparse.Namespace, settings: Settings) -> None:
@@ -93,6 +93,11 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
 
         bench_tokens(plot=Path(args.plot) if args.plot else None)
         return 0
+    if command == "bench" and args.what == "split":  # pure CPU too
+        from server.tools.splitbench import bench_split
+
+        bench_split(plot=Path(args.plot) if args.plot else None)
+        return 0
     if command == "bench" and args.what == "grab-script":  # a throw-away redis-server of its own
         from server.tools.scriptbench import bench_grab_script
         from server.tools.throwaway import Setup
@@ -125,6 +130,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
             uvloop.run(maintenance.blocks(s, args.lift))
         elif command == "recover":
             uvloop.run(maintenance.recover(s, args.packet_ids))
+        elif command == "verify":
+            return uvloop.run(maintenance.verify(s, args.packet_id))
         elif command == "reconcile":
             return 0 if uvloop.run(maintenance.reconcile(s)) else 1
         elif command == "webhooks":

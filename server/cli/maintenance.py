@@ -94,6 +94,53 @@ async def recover(settings: Settings, packet_ids: list[int]) -> None:
             print(f"packet {pid}: {r.shares_left} shares left, {r.grabs_known} grabs known")
 
 
+async def verify(settings: Settings, packet_id: int) -> int:
+    """``redpacket verify PACKET_ID``: the packet's proof checked as any member can (its view), and the
+    shares the database stored against its seed. Prints what it found; 0 verified, 1 a mismatch, 3 nothing
+    to check (no commitment: sent before packets were provably fair; or not revealed yet)."""
+    from server.hub.requests import view_dict
+    from server.ids import MAX_ID, PacketId
+    from server.money import fairness, grabs, queries
+    from server.money.packets import load_packet
+
+    if not 1 <= packet_id <= MAX_ID:
+        raise OperatorError(f"no packet can have the id {packet_id}", 2)
+    await check_services(settings, durability=False)
+    async with open_core(settings) as core:
+        pid = PacketId(packet_id)
+        found = await queries.packet_status(core.db, pid)
+        packet = await load_packet(core, pid)
+        if found is None or packet is None:
+            raise OperatorError(f"packet {packet_id} does not exist", 2)
+        view = view_dict(await grabs.open_packet(core, packet_id=pid, group_id=found[0], user_id=None))
+        rows = await core.db.fetchall(
+            "SELECT amount FROM red_packet_shares WHERE packet_id = %s ORDER BY seq", (pid,)
+        )
+    verdict = fairness.verify(view)
+    stored = [int(r[0]) for r in rows]
+    # What the database stored, against its seed: also for a packet not revealed yet (nothing printed
+    # then but whether they match: the seed stays secret).
+    drawn = packet.shares() if packet.seed is not None else stored
+    wrong = [
+        f"stored share {i} is {a} cents; drawn {b}"
+        for i, (a, b) in enumerate(zip(stored, drawn, strict=False), 1)
+        if a != b
+    ]
+    if len(stored) != len(drawn):
+        wrong.append(f"{len(stored)} shares stored; {len(drawn)} drawn")
+    print(f"packet {packet_id}: {verdict}")
+    if verdict.status in ("verified", "mismatch"):
+        print(f"  commitment {view['commitment']}\n  seed       {view['seed']}")
+        print(f"  shares     {' '.join(map(str, verdict.shares))} (total {sum(verdict.shares)})")
+    elif verdict.status == "not_revealed":
+        print(f"  commitment {view['commitment']}; the stored shares {'do not ' if wrong else ''}match it")
+    for line in wrong:
+        print(f"  {line}")
+    if wrong or verdict.status == "mismatch":
+        return 1
+    return 0 if verdict.status == "verified" else 3
+
+
 def since_ms(text: str) -> int:
     """An ISO 8601 time (UTC unless it says otherwise) as unix milliseconds; an operator's error if not."""
     try:

@@ -39,6 +39,10 @@ def parser() -> argparse.ArgumentParser:
     rec.add_argument(
         "packet_ids", type=int, nargs="+", metavar="PACKET_ID", help="a packet whose Redis state to rebuild"
     )
+    ver = sub.add_parser(
+        "verify", help="check a packet's proof of a fair split (docs/protocol.md, Provably fair packets)"
+    )
+    ver.add_argument("packet_id", type=int, metavar="PACKET_ID", help="the packet to check")
     # Parsed by server.tools.load (every flag it does not know goes to Locust): listed here for --help only.
     sub.add_parser(
         "load",
@@ -84,7 +88,18 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="print benchmark figures and a JSON line (docs/benchmarks.md)")
     bench.add_argument(
         "what",
-        choices=["grab", "hub-grab", "fanout", "hot", "credit", "storm", "db-read", "tokens", "grab-script"],
+        choices=[
+            "grab",
+            "hub-grab",
+            "fanout",
+            "hot",
+            "credit",
+            "storm",
+            "db-read",
+            "tokens",
+            "split",
+            "grab-script",
+        ],
     )
     bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")
     bench.add_argument("--clients", type=int, default=10_000, help="connected clients (hot)")

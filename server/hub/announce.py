@@ -189,4 +189,6 @@ async def _result(
         "count": v.count,
         "duration_ms": v.duration_ms,
         "best_luck": None if best is None else {"user": best.user_id, "amount": best.amount},
+        "commitment": v.commitment,
+        "seed": v.seed,  # revealed: every share went (server.money.fairness)
     }

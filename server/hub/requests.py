@@ -289,6 +289,8 @@ def view_dict(v: grabs.PacketView) -> Message:
         "finished_ms": v.finished_ms,
         "best_luck": _grab_dict(v.best_luck),
         "duration_ms": v.duration_ms,
+        "commitment": v.commitment,
+        "seed": v.seed,
     }
 
 

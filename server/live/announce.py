@@ -47,6 +47,7 @@ def packet_event(p: Packet) -> dict[str, Any]:
         "target": p.target_user_id,
         "created_ms": p.created_ms,
         "expires_ms": p.expires_ms,
+        "commitment": p.commitment,
     }
 
 

@@ -20,6 +20,7 @@ from server.core import Core, unavailable
 from server.errors import Conflict, Forbidden, NotFound, RedPacketError, Unavailable
 from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import queries
+from server.money.fairness import commitment
 from server.money.membership import not_member
 from server.money.packets import PACKET_COLUMNS, packet_from_row, recover_packet
 from server.store import keys
@@ -206,6 +207,10 @@ class PacketView:
     mine: Grab | None
     finished_ms: int | None
     best_luck: Grab | None
+    # The packet's proof (``server.money.fairness``): the commitment from the send on (None: sent before
+    # packets were provably fair), the seed only once the packet is finished or closed for its refund.
+    commitment: str | None = None
+    seed: str | None = None
 
     @property
     def duration_ms(self) -> int | None:
@@ -217,7 +222,12 @@ class PacketView:
 
 
 def view_packet(
-    meta: dict[str, str], records: dict[UserId, Grab], remaining: int, *, packet_id: PacketId, user_id: UserId
+    meta: dict[str, str],
+    records: dict[UserId, Grab],
+    remaining: int,
+    *,
+    packet_id: PacketId,
+    user_id: UserId | None,
 ) -> PacketView:
     """Build the view from a packet's meta fields and grabs. Pure."""
     grabs = sorted(records.values(), key=lambda g: (g.grabbed_ms, g.seq))
@@ -229,6 +239,9 @@ def view_packet(
     # Best luck is only named once every share is out (not when a refund ended the packet); ties go to
     # whoever grabbed first.
     best = max(grabs, key=lambda g: (g.amount, -g.grabbed_ms, -g.seq)) if len(grabs) == count else None
+    seed = meta.get("seed") or None
+    # No grab can take a share of it any more: every share went, or its refund closed it.
+    over = len(grabs) == count or meta.get("closed") == "1"
     return PacketView(
         packet_id=packet_id,
         group_id=GroupId(int(meta["group"])),
@@ -241,9 +254,11 @@ def view_packet(
         expires_ms=int(meta["expires_ms"]),
         remaining=remaining,
         grabs=grabs,
-        mine=records.get(user_id),
+        mine=None if user_id is None else records.get(user_id),
         finished_ms=finished_ms,
         best_luck=best,
+        commitment=None if seed is None else commitment(bytes.fromhex(seed)),
+        seed=seed if over else None,
     )
 
 
@@ -254,11 +269,14 @@ def _text(d: dict[Any, Any]) -> dict[str, str]:
     }
 
 
-async def open_packet(core: Core, *, packet_id: PacketId, group_id: GroupId, user_id: UserId) -> PacketView:
+async def open_packet(
+    core: Core, *, packet_id: PacketId, group_id: GroupId, user_id: UserId | None
+) -> PacketView:
     """This user's result and the packet's grab list: one Redis round trip when the cache is warm.
 
     A read: calling it any number of times changes nothing. A packet whose Redis keys are gone (after its
-    refund, or a Redis loss) is read from the database instead.
+    refund, or a Redis loss) is read from the database instead. ``user_id`` None: an operator's read
+    (``redpacket verify``), of no member, with no ``mine``.
     """
     meta_key, shares_key, grabs_key, _ = keys.packet_keys(group_id=group_id, packet_id=packet_id)
     members_key = keys.group_members(group_id)
@@ -271,11 +289,11 @@ async def open_packet(core: Core, *, packet_id: PacketId, group_id: GroupId, use
             b.call(lambda pipe: pipe.llen(shares_key), shares_key),
             b.call(lambda pipe: pipe.smismember(members_key, [keys.LOADED, str(user_id)]), members_key),
         )
-        if not loaded:
+        if not loaded and user_id is not None:
             member = await core.membership.is_member(group_id=group_id, user_id=user_id)
     except RedisError as e:
         raise Unavailable(errors.REDIS_UNAVAILABLE, str(e)) from e
-    if not member:
+    if not member and user_id is not None:
         raise not_member(group_id=group_id, user_id=user_id)
     meta = _text(meta_raw)
     if meta and meta.get("group") == str(group_id):
@@ -289,7 +307,7 @@ async def open_packet(core: Core, *, packet_id: PacketId, group_id: GroupId, use
 
 
 async def _open_from_database(
-    core: Core, *, packet_id: PacketId, group_id: GroupId, user_id: UserId
+    core: Core, *, packet_id: PacketId, group_id: GroupId, user_id: UserId | None
 ) -> PacketView:
     row = await core.db.fetchone(f"SELECT {PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
     if row is None or int(row[2]) != group_id:
@@ -312,5 +330,7 @@ async def _open_from_database(
         "created_ms": str(p.created_ms),
         "expires_ms": str(p.expires_ms),
         "finished_ms": "" if row[12] is None else str(row[12]),
+        "closed": "1" if p.status in ("refunding", "refunded") else "",
+        "seed": "" if p.seed is None else p.seed.hex(),
     }
     return view_packet(meta, records, p.count - len(records), packet_id=packet_id, user_id=user_id)

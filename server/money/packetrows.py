@@ -3,16 +3,17 @@ the one-transaction send and the shard-local one, ``server.money.packets``, both
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 from server.ids import GroupId, PacketId, UserId
+from server.money.fairness import commitment, fair_shares
 from server.money.split import Kind, PacketRequest
 from server.store.db import Row, Tx
 
 PACKET_COLUMNS = (
     "id, sender_id, group_id, kind, total, share_count, greeting, target_user_id, status, request_id,"
-    " created_ms, expires_ms, finished_ms, announced_ms"
+    " created_ms, expires_ms, finished_ms, announced_ms, seed"
 )
 
 
@@ -36,6 +37,20 @@ class Packet:
     replay: bool = False
     # When its event was published to the group (``server.live.announce``); None until then.
     announced_ms: int | None = None
+    # What its shares were drawn from (``server.money.fairness``); None for a packet sent before packets
+    # were provably fair. Secret while the packet is active: never in a repr, a log or a reply.
+    seed: bytes | None = field(default=None, repr=False)
+
+    @property
+    def commitment(self) -> str | None:
+        """``sha256(seed)``, published from the send on; None when the packet has no seed."""
+        return None if self.seed is None else commitment(self.seed)
+
+    def shares(self) -> list[int]:
+        """Its shares in the order they are handed out, drawn again from its seed."""
+        if self.seed is None:
+            raise ValueError(f"packet {self.packet_id} has no seed: its shares are only in the database")
+        return fair_shares(self.seed, self.packet_id, self.kind, self.total, self.count)
 
 
 def packet_from_row(row: Row) -> Packet:
@@ -52,6 +67,7 @@ def packet_from_row(row: Row) -> Packet:
         created_ms=int(row[10]),
         expires_ms=int(row[11]),
         announced_ms=None if row[13] is None else int(row[13]),
+        seed=None if row[14] is None else bytes.fromhex(str(row[14])),
     )
 
 
@@ -59,28 +75,30 @@ async def packet_rows(
     tx: Tx,
     req: PacketRequest,
     key: str,
-    shares: list[int],
+    seed: bytes,
     sender_id: UserId,
     group_id: GroupId,
     created: int,
     expires: int,
     packet_id: PacketId | None = None,
 ) -> PacketId:
-    """Insert the packet's row (with ``packet_id``, or a new id) and its shares; return its id."""
+    """Insert the packet's row (with ``packet_id``, or a new id) and its shares, drawn from ``seed`` once
+    the id is known (``server.money.fairness``); return its id."""
     given = "id, " if packet_id else ""
     await tx.execute(
         f"INSERT INTO red_packets ({given}sender_id, group_id, kind, total, share_count, greeting,"
-        " target_user_id, status, request_id, created_ms, expires_ms)"
-        f" VALUES ({given and '%s, '}%s, %s, %s, %s, %s, %s, %s, 'active', %s, %s, %s)",
+        " target_user_id, status, request_id, created_ms, expires_ms, seed)"
+        f" VALUES ({given and '%s, '}%s, %s, %s, %s, %s, %s, %s, 'active', %s, %s, %s, %s)",
         (
             *([packet_id] if packet_id else []),
             *(sender_id, group_id, req.kind, req.total, req.count, req.greeting, req.target_user_id),
-            *(key, created, expires),
+            *(key, created, expires, seed.hex()),
         ),
     )
     if packet_id is None and tx.lastrowid is None:
         raise RuntimeError("the database returned no id for the new packet")
     pid = packet_id or PacketId(cast(int, tx.lastrowid))
+    shares = fair_shares(seed, pid, req.kind, req.total, req.count)
     await tx.executemany(
         "INSERT INTO red_packet_shares (packet_id, seq, amount) VALUES (%s, %s, %s)",
         [(pid, seq, amount) for seq, amount in enumerate(shares, start=1)],
@@ -106,7 +124,13 @@ def sent_data(
 
 
 def new_packet(
-    packet_id: PacketId, req: PacketRequest, sender_id: UserId, group_id: GroupId, created: int, expires: int
+    packet_id: PacketId,
+    req: PacketRequest,
+    sender_id: UserId,
+    group_id: GroupId,
+    created: int,
+    expires: int,
+    seed: bytes,
 ) -> Packet:
     target = None if req.target_user_id is None else UserId(req.target_user_id)
     return Packet(
@@ -121,4 +145,5 @@ def new_packet(
         status="active",
         created_ms=created,
         expires_ms=expires,
+        seed=seed,
     )

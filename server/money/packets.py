@@ -23,6 +23,7 @@ from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unavail
 from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import groups, shardsteps
 from server.money.creditrules import record_refusals
+from server.money.fairness import SEED_BYTES
 from server.money.ledger import check_request_id, now_ms, post_event
 from server.money.packetrows import (
     PACKET_COLUMNS,
@@ -32,7 +33,7 @@ from server.money.packetrows import (
     packet_rows,
     sent_data,
 )
-from server.money.split import PacketRequest, split, validate_request
+from server.money.split import PacketRequest, validate_request
 from server.store import keys
 from server.store.db import IntegrityError, Tx
 from server.store.records import CreditEntry, DroppedEntry, GrabRecord, ShareEntry
@@ -107,7 +108,9 @@ async def send_packet(
     """
     req = validate_request(kind, total, count, greeting, target_user_id, core.limits)
     key = new_request_id() if request_id is None else check_request_id(request_id)
-    shares = split(req, core.rng)
+    # The shares are drawn from it once the packet has its id (server.money.fairness); only its
+    # commitment is shown until the packet is finished or refunded.
+    seed = core.rng.randbytes(SEED_BYTES)
     await _require_redis(core, group_id)
 
     async def work(tx: Tx) -> Packet:
@@ -117,11 +120,11 @@ async def send_packet(
         )
         if exists:
             return await _earlier_send(tx, req, key, sender_id=sender_id, group_id=group_id)
-        return await _insert_packet(core, tx, req, key, shares, sender_id=sender_id, group_id=group_id)
+        return await _insert_packet(core, tx, req, key, seed, sender_id=sender_id, group_id=group_id)
 
     try:
         if core.db.shards:
-            packet = await _send_sharded(core, req, key, shares, sender_id=sender_id, group_id=group_id)
+            packet = await _send_sharded(core, req, key, seed, sender_id=sender_id, group_id=group_id)
         else:
             packet = await core.db.run(work, idempotent=True)
     except _Replay:
@@ -132,6 +135,7 @@ async def send_packet(
         return packet
     try:
         generation = core.repairs.generation
+        shares = packet.shares()  # this call's seed, or (made by its earlier run) the one it stored
         all_shares = [ShareEntry(ShareSeq(seq), amount) for seq, amount in enumerate(shares, start=1)]
         await _load(core, packet, all_shares, {})
         core.repairs.mark(packet.packet_id, generation)
@@ -170,7 +174,7 @@ async def _insert_packet(
     tx: Tx,
     req: PacketRequest,
     key: str,
-    shares: list[int],
+    seed: bytes,
     *,
     sender_id: UserId,
     group_id: GroupId,
@@ -179,16 +183,16 @@ async def _insert_packet(
     created = now_ms()
     expires = created + core.settings.packet_ttl_seconds * 1000
     try:
-        packet_id = await packet_rows(tx, req, key, shares, sender_id, group_id, created, expires)
+        packet_id = await packet_rows(tx, req, key, seed, sender_id, group_id, created, expires)
     except IntegrityError:
         raise _Replay from None  # the same request id committed meanwhile
     data = sent_data(packet_id, req, sender_id, group_id, expires)
     await post_event(tx, sender_id, -req.total, "send", f"send:{packet_id}", "packet.sent", data, packet_id)
-    return new_packet(packet_id, req, sender_id, group_id, created, expires)
+    return new_packet(packet_id, req, sender_id, group_id, created, expires, seed)
 
 
 async def _send_sharded(
-    core: Core, req: PacketRequest, key: str, shares: list[int], *, sender_id: UserId, group_id: GroupId
+    core: Core, req: PacketRequest, key: str, seed: bytes, *, sender_id: UserId, group_id: GroupId
 ) -> Packet:
     """The send on a sharded ledger (``server.money.shardsteps``): the debit on the sender's shard, keyed
     by the request, then the packet, with the debit's id, on its own shard."""
@@ -205,15 +209,16 @@ async def _send_sharded(
     )
 
     async def insert(tx: Tx) -> None:
-        await packet_rows(tx, req, key, shares, sender_id, group_id, created, expires, packet_id)
+        await packet_rows(tx, req, key, seed, sender_id, group_id, created, expires, packet_id)
 
     # Made by this call: a send now (also when its debit is an earlier call's that died before making
-    # it), put up in Redis with these shares. Made by another call of the request: its shares, a replay.
+    # it), put up in Redis with the shares of this seed. Made by another call of the request: its
+    # shares, a replay.
     if not await shardsteps.create_packet(core.db, packet_id, (sender_id, key, created), insert):
         return await core.db.run(
             lambda tx: _earlier_send(tx, req, key, sender_id=sender_id, group_id=group_id), idempotent=True
         )
-    return new_packet(packet_id, req, sender_id, group_id, created, expires)
+    return new_packet(packet_id, req, sender_id, group_id, created, expires, seed)
 
 
 async def _require_redis(core: Core, group_id: GroupId) -> None:
@@ -243,6 +248,8 @@ async def _load(
         "created_ms": p.created_ms,
         "expires_ms": p.expires_ms,
     }
+    if p.seed is not None:
+        meta["seed"] = p.seed.hex()  # shown by a view once the packet is finished or closed (never before)
     if finished_ms is not None:
         meta["finished_ms"] = finished_ms
     if p.status == "refunding":

@@ -1,12 +1,13 @@
 """Pure money arithmetic: validating a packet request and splitting its total into shares.
 
-No I/O. Everything is integer cents. Production passes ``random.SystemRandom()`` (the OS CSPRNG);
-tests pass a seeded ``random.Random``.
+No I/O. Everything is integer cents. The split draws from ``below(n)``, a uniform integer in [0, n): a
+sent packet's from its committed seed (``server.money.fairness``), a test's from a seeded
+``random.Random().randrange`` if it likes.
 """
 
 from __future__ import annotations
 
-import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeGuard
 
@@ -16,6 +17,8 @@ from server.ids import MAX_ID
 
 Kind = Literal["lucky", "equal", "exclusive"]
 KINDS: tuple[Kind, ...] = ("lucky", "equal", "exclusive")
+# A uniform integer in [0, n), n ≥ 1.
+Below = Callable[[int], int]
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ def validate_request(
     return PacketRequest(kind=kind, total=total, count=count, greeting=greeting, target_user_id=target)
 
 
-def double_average(total: int, count: int, rng: random.Random) -> list[int]:
+def double_average(total: int, count: int, below: Below) -> list[int]:
     """Draw shares in order by the double-average method.
 
     Each draw is uniform in [1, min(2 × remaining average, remaining − cents owed to the rest)], so
@@ -114,20 +117,27 @@ def double_average(total: int, count: int, rng: random.Random) -> list[int]:
     remaining = total
     for left in range(count, 1, -1):
         upper = min(2 * remaining // left, remaining - (left - 1))
-        amount = rng.randint(1, upper)
+        amount = 1 + below(upper)
         shares.append(amount)
         remaining -= amount
     shares.append(remaining)
     return shares
 
 
-def split(request: PacketRequest, rng: random.Random) -> list[int]:
-    """The shares of a validated request, in the order they will be handed out."""
-    if request.kind == "lucky":
-        shares = double_average(request.total, request.count, rng)
+def shuffle(items: list[int], below: Below) -> None:
+    """Fisher–Yates, in place: for i from the last index down to 1, swap item i with item ``below(i + 1)``."""
+    for i in range(len(items) - 1, 0, -1):
+        j = below(i + 1)
+        items[i], items[j] = items[j], items[i]
+
+
+def split(kind: str, total: int, count: int, below: Below) -> list[int]:
+    """The shares of a packet, in the order they will be handed out (the request already validated)."""
+    if kind == "lucky":
+        shares = double_average(total, count, below)
         # Later draws of the double-average method spread wider; shuffling makes the grab order fair.
-        rng.shuffle(shares)
+        shuffle(shares, below)
         return shares
-    if request.kind == "equal":
-        return [request.total // request.count] * request.count
-    return [request.total]
+    if kind == "equal":
+        return [total // count] * count
+    return [total]

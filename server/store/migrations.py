@@ -287,4 +287,16 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        11,
+        "the seed a packet's shares were drawn from",
+        [
+            # 64 hex characters (server.money.fairness), shown once the packet is finished or refunded;
+            # NULL for a packet sent before packets were provably fair.
+            "ALTER TABLE red_packets ADD COLUMN seed CHAR(64) NULL",
+        ],
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]

@@ -7,6 +7,7 @@ longer replay into a ``reset`` the app reloads from.
     await client.sync()                    # from now on, after every reconnect too
     sent = await client.request("send", group=1, total=888, count=2, request_id="a1")
     message = await client.next_event()    # "event", "reset", "added", "removed", finally "closed"
+    verdict = await client.verify(1, sent["packet_id"])  # once finished: "verified" (Provably fair)
     await client.close()
 
 After a close (or a failed attempt) the client decides by the close code (``decide``): most codes are
@@ -31,6 +32,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 
 from server.hub.protocol import Format
 from server.live.events import offset_key
+from server.money.fairness import Verdict, verify
 from server.tools.client import HubClient, HubError
 
 log = logging.getLogger("redpacket.client")
@@ -183,6 +185,12 @@ class RedPacketClient:
             raise HubError("timeout", f"no reply to {kind} within {limit} s") from None
         except ConnectionClosed:
             raise HubError("disconnected", f"the connection dropped before the reply to {kind}") from None
+
+    async def verify(self, group: int, packet: int) -> Verdict:
+        """Open the packet and check its proof of a fair split (docs/protocol.md, "Provably fair
+        packets"): ``verified``, ``mismatch`` (with each fault), ``not_verifiable`` (sent before packets
+        were provably fair) or ``not_revealed`` (still active)."""
+        return verify(await self.request("open", group=group, packet=packet))
 
     async def sync(self, groups: list[int] | None = None) -> dict[str, Any]:
         """Receive the groups' events (all of them: None) from the last offset seen, now and after every

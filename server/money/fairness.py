@@ -1,0 +1,124 @@
+"""Provably fair packets: the split drawn from a committed seed, and the check anyone can make of it.
+
+At send the server draws a 32-byte seed and publishes only its commitment, ``sha256(seed)``; every share
+is drawn from the seed by a deterministic generator (HMAC-SHA-256 in counter mode). Once the packet is
+finished or refunded the seed is shown, and from the seed, the packet's id, kind, total and count anyone
+recomputes the shares in order and checks that the i-th grab of the packet's grab list got the i-th.
+docs/protocol.md ("Provably fair packets") specifies all of it, with test vectors; the JavaScript client
+(clients/js) implements the same. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from server.money.split import split
+
+SEED_BYTES = 32
+# Named in every block's message: a later generator gets another name, never another meaning of this one.
+VERSION = "redpacket/split/v1"
+_WORD = 2**64
+_FOUR_WORDS = struct.Struct(">4Q")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def commitment(seed: bytes) -> str:
+    """The commitment published at send: SHA-256 of the seed's 32 bytes, in lowercase hex."""
+    return hashlib.sha256(seed).hexdigest()
+
+
+class Stream:
+    """The generator: block j is HMAC-SHA-256(key=seed, message="<VERSION>/<packet>/<total>/<count>/<j>"),
+    read as four unsigned 64-bit big-endian words, used in order."""
+
+    def __init__(self, seed: bytes, packet_id: int, total: int, count: int) -> None:
+        self.key = seed
+        self.prefix = f"{VERSION}/{packet_id}/{total}/{count}/"
+        self.block = 0
+        self.words: list[int] = []
+
+    def word(self) -> int:
+        if not self.words:
+            digest = hmac.digest(self.key, f"{self.prefix}{self.block}".encode("ascii"), "sha256")
+            self.block += 1
+            self.words = list(_FOUR_WORDS.unpack(digest))
+            self.words.reverse()  # popped from the end: bytes 0–7 first
+        return self.words.pop()
+
+    def below(self, n: int) -> int:
+        """A uniform integer in [0, n): the next word w below the largest multiple of n under 2^64 (words
+        at or above it are skipped), taken modulo n."""
+        limit = _WORD - _WORD % n
+        while True:
+            w = self.word()
+            if w < limit:
+                return w % n
+
+
+def fair_shares(seed: bytes, packet_id: int, kind: str, total: int, count: int) -> list[int]:
+    """The shares of a packet, in the order they are handed out (share ``seq`` is item ``seq - 1``)."""
+    return split(kind, total, count, Stream(seed, packet_id, total, count).below)
+
+
+Status = Literal["verified", "mismatch", "not_verifiable", "not_revealed"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What ``verify`` found: ``verified`` (every grab got its drawn share, in order), ``mismatch`` (each
+    fault in ``problems``), ``not_verifiable`` (sent before packets were provably fair: no commitment)
+    or ``not_revealed`` (still active: the seed is shown when it is finished or refunded)."""
+
+    status: Status
+    problems: list[str] = field(default_factory=list)
+    shares: list[int] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if self.status == "verified":
+            return "verified"
+        if self.status == "not_verifiable":
+            return "not verifiable: sent before packets were provably fair (no commitment)"
+        if self.status == "not_revealed":
+            return "not revealed yet: the seed is shown once the packet is finished or refunded"
+        return "mismatch:\n" + "\n".join(f"  {p}" for p in self.problems)
+
+
+def verify(view: Mapping[str, Any]) -> Verdict:
+    """Check a packet view as the protocol sends it (``open``, ``GET /api/packets/{p}``): the seed against
+    the commitment, then each grab, in the order listed, against the share drawn for its place."""
+    committed, seed_hex = view.get("commitment"), view.get("seed")
+    if committed is None:
+        return Verdict("not_verifiable")
+    if seed_hex is None:
+        return Verdict("not_revealed")
+    if not isinstance(seed_hex, str) or not _HEX64.fullmatch(seed_hex):
+        return Verdict("mismatch", ["the seed is not 64 lowercase hex digits"])
+    seed = bytes.fromhex(seed_hex)
+    problems = []
+    if commitment(seed) != committed:
+        problems.append(f"sha256(seed) is {commitment(seed)}, the commitment published at send {committed}")
+    kind, total, count = str(view["kind"]), int(view["total"]), int(view["count"])
+    shares = fair_shares(seed, int(view["packet_id"]), kind, total, count)
+    problems += _grab_problems(view["grabs"], shares)
+    return Verdict("mismatch" if problems else "verified", problems, shares)
+
+
+def _grab_problems(grabs: Sequence[Mapping[str, Any]], shares: list[int]) -> list[str]:
+    problems = []
+    if len(grabs) > len(shares):
+        problems.append(f"{len(grabs)} grabs of a packet of {len(shares)} shares")
+    for i, g in enumerate(grabs[: len(shares)]):
+        user, seq, amount = g["user_id"], int(g["seq"]), int(g["amount"])
+        if seq != i + 1:
+            problems.append(f"grab {i + 1} (user {user}) got share {seq}: not handed out in the order drawn")
+        if 1 <= seq <= len(shares) and amount != shares[seq - 1]:
+            problems.append(
+                f"grab {i + 1} (user {user}) got {amount} cents; share {seq} is {shares[seq - 1]}"
+            )
+    return problems

@@ -1,0 +1,216 @@
+"""Provably fair packets, the pure part: the generator and split against the test vectors of
+docs/protocol.md, the split's statistics over 10^5 packets, and ``verify`` catching every kind of tamper."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import hmac
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.ids import GroupId, PacketId, ShareSeq, UserId
+from server.money import fairness
+from server.money.fairness import Stream, commitment, fair_shares, verify
+from server.money.grabs import Grab, view_packet
+from server.money.split import double_average
+
+pytestmark = pytest.mark.unit
+
+PROTOCOL = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+
+
+def doc_json_after(heading: str) -> Any:
+    """The first ```json block after ``heading`` in docs/protocol.md."""
+    text = PROTOCOL.read_text()
+    start = text.index(heading)
+    block = re.search(r"```json\n(.*?)\n```", text[start:], re.S)
+    assert block is not None, f"no json block after {heading!r}"
+    return json.loads(block.group(1))
+
+
+VECTORS: list[dict[str, Any]] = doc_json_after("### Test vectors")
+
+
+def test_the_document_has_vectors_of_every_kind_and_edge() -> None:
+    kinds = {v["kind"] for v in VECTORS}
+    assert kinds == {"lucky", "equal", "exclusive"}
+    assert any(v["count"] == v["total"] for v in VECTORS)  # every share exactly one cent
+    assert any(v["packet_id"] == 2**63 - 1 for v in VECTORS)  # the largest id, past JavaScript's 2^53
+    assert any(v["count"] == 100 for v in VECTORS)
+
+
+@pytest.mark.parametrize("v", VECTORS, ids=lambda v: f"{v['kind']}-{v['packet_id']}")
+def test_vector(v: dict[str, Any]) -> None:
+    seed = bytes.fromhex(v["seed"])
+    assert commitment(seed) == v["commitment"]
+    message = f"redpacket/split/v1/{v['packet_id']}/{v['total']}/{v['count']}/0".encode()
+    assert hmac.digest(seed, message, "sha256").hex() == v["block0"]
+    shares = fair_shares(seed, v["packet_id"], v["kind"], v["total"], v["count"])
+    assert shares == v["shares"]
+    assert sum(shares) == v["total"] and min(shares) >= 1 and len(shares) == v["count"]
+
+
+def test_words_are_read_big_endian_in_block_order() -> None:
+    seed = bytes(range(32))
+    s = Stream(seed, 1, 888, 2)
+    blocks = [hmac.digest(seed, f"redpacket/split/v1/1/888/2/{j}".encode(), "sha256") for j in (0, 1)]
+    want = [int.from_bytes(b[i : i + 8], "big") for b in blocks for i in (0, 8, 16, 24)]
+    assert [s.word() for _ in range(8)] == want
+
+
+def test_below_skips_the_words_that_would_bias_it() -> None:
+    s = Stream(bytes(32), 1, 1, 1)
+    n = 3 * 2**62  # the limit is 3·2^62: a quarter of all words lies at or above it
+    words = [2**64 - 1, 3 * 2**62, 5, 3 * 2**62 - 1]
+    s.words = list(reversed(words))
+    assert s.below(n) == 5  # the first two skipped
+    assert s.below(n) == 3 * 2**62 - 1
+    s.words = [2**64 - 1]
+    assert s.below(1) == 0  # n = 1: every word is below 2^64, and the answer is 0
+
+
+def test_the_seed_the_id_the_total_and_the_count_all_change_the_split() -> None:
+    seed = hashlib.sha256(b"s").digest()
+    base = fair_shares(seed, 5, "lucky", 10_000, 20)
+    assert fair_shares(seed, 5, "lucky", 10_000, 20) == base  # deterministic
+    assert fair_shares(hashlib.sha256(b"t").digest(), 5, "lucky", 10_000, 20) != base
+    assert fair_shares(seed, 6, "lucky", 10_000, 20) != base
+    assert fair_shares(seed, 5, "lucky", 10_001, 20) != base
+    assert fair_shares(seed, 5, "lucky", 10_000, 19)[:5] != base[:5]
+
+
+SPLITS = 100_000
+
+
+def _unfair_positions(splits: list[list[int]], total: int, count: int) -> list[str]:
+    """The positions whose mean share, or whose chance of being the (first) largest, is off."""
+    n = len(splits)
+    best = [0] * count
+    for s in splits:
+        best[s.index(max(s))] += 1
+    off = []
+    for i in range(count):
+        mean = sum(s[i] for s in splits) / n
+        # A share's spread is under 60 cents: 4 standard errors of a mean of 10^5 is under 0.8 cent.
+        if abs(mean - total / count) >= 1.0:
+            off.append(f"position {i}: mean {mean:.2f}")
+        # 1 in 10 at every position: 6 standard errors of a proportion of 10^5 is under 0.006.
+        if abs(best[i] / n - 1 / count) >= 0.006:
+            off.append(f"position {i}: the largest {best[i] / n:.4f} of the time")
+    return off
+
+
+def _seed(i: int) -> bytes:
+    return hashlib.sha256(i.to_bytes(4, "big")).digest()
+
+
+def test_ten_to_the_fifth_splits_are_exact_and_fair_by_position() -> None:
+    total, count = 1_000, 10
+    splits = [fair_shares(_seed(i), i, "lucky", total, count) for i in range(SPLITS)]
+    assert all(sum(s) == total and min(s) >= 1 and len(s) == count for s in splits)
+    assert _unfair_positions(splits, total, count) == []
+
+
+def test_the_fairness_check_catches_a_split_left_unshuffled() -> None:
+    # The check above can fail: the double-average draws in their own order make the first and the
+    # last positions the likelier luckiest, which is why the split shuffles them.
+    total, count = 1_000, 10
+    splits = [double_average(total, count, Stream(_seed(i), i, total, count).below) for i in range(SPLITS)]
+    assert all(sum(s) == total for s in splits)
+    assert _unfair_positions(splits, total, count) != []
+
+
+# The example packet view of docs/protocol.md: a finished packet, with its proof.
+EXAMPLE: dict[str, Any] = doc_json_after("**The packet view**")
+
+
+def test_the_documents_example_view_verifies() -> None:
+    v = verify(EXAMPLE)
+    assert v.status == "verified" and str(v) == "verified"
+    assert v.shares == [g["amount"] for g in EXAMPLE["grabs"]]
+
+
+def _tampered(change: str) -> dict[str, Any]:
+    view = copy.deepcopy(EXAMPLE)
+    g = view["grabs"]
+    if change == "amount":
+        g[0]["amount"] += 1
+        g[1]["amount"] -= 1  # still summing to the total: only the draw can tell
+    elif change == "order":
+        g[0]["seq"], g[1]["seq"] = g[1]["seq"], g[0]["seq"]
+        g[0]["amount"], g[1]["amount"] = g[1]["amount"], g[0]["amount"]  # the big share first
+    elif change == "seed":
+        view["seed"] = hashlib.sha256(b"another").hexdigest()
+    elif change == "commitment":
+        view["commitment"] = hashlib.sha256(b"another").hexdigest()
+    elif change == "total":
+        view["total"] += 1
+    elif change == "extra":
+        g.append({"user_id": 9, "seq": 3, "amount": 1, "grabbed_ms": 1796000001300})
+    elif change == "malformed":
+        view["seed"] = view["seed"].upper()
+    return view
+
+
+@pytest.mark.parametrize("change", ["amount", "order", "seed", "commitment", "total", "extra", "malformed"])
+def test_every_tamper_is_a_mismatch_that_says_what(change: str) -> None:
+    v = verify(_tampered(change))
+    assert v.status == "mismatch"
+    assert v.problems and str(v).startswith("mismatch:")
+    expected = {
+        "amount": "got 54 cents; share 1 is 53",
+        "order": "got share 2: not handed out in the order drawn",
+        "seed": "sha256(seed) is",
+        "commitment": "the commitment published at send",
+        "total": "grab 1",
+        "extra": "3 grabs of a packet of 2 shares",
+        "malformed": "not 64 lowercase hex digits",
+    }[change]
+    assert any(expected in p for p in v.problems), v.problems
+
+
+def test_a_packet_without_a_commitment_is_not_verifiable_and_an_active_one_not_revealed() -> None:
+    legacy = {**EXAMPLE, "commitment": None, "seed": None}
+    assert verify(legacy).status == "not_verifiable"
+    assert "not verifiable" in str(verify(legacy))
+    active = {**EXAMPLE, "seed": None, "grabs": EXAMPLE["grabs"][:1]}
+    assert verify(active).status == "not_revealed"
+
+
+def _meta(seed: bytes | None, **more: str) -> dict[str, str]:
+    meta = {"group": "1", "sender": "7", "kind": "lucky", "total": "888", "count": "2", "created_ms": "1"}
+    meta |= {"expires_ms": "2", **more}
+    if seed is not None:
+        meta["seed"] = seed.hex()
+    return meta
+
+
+def test_a_view_shows_the_seed_only_once_no_grab_can_come() -> None:
+    seed = bytes(range(32))
+    one = {UserId(8): Grab(UserId(8), ShareSeq(1), 53, 10)}
+    two = one | {UserId(7): Grab(UserId(7), ShareSeq(2), 835, 20)}
+    pid = PacketId(1)
+    active = view_packet(_meta(seed), one, 1, packet_id=pid, user_id=UserId(8))
+    assert active.commitment == commitment(seed) and active.seed is None
+    finished = view_packet(_meta(seed), two, 0, packet_id=pid, user_id=UserId(8))
+    assert finished.seed == seed.hex()
+    closed = view_packet(_meta(seed, closed="1"), one, 1, packet_id=pid, user_id=None)
+    assert closed.seed == seed.hex() and closed.mine is None
+    legacy = view_packet(_meta(None), two, 0, packet_id=pid, user_id=UserId(8))
+    assert legacy.commitment is None and legacy.seed is None
+    assert active.group_id == GroupId(1)
+
+
+def test_the_seed_is_never_in_a_packets_repr() -> None:
+    from server.money.packetrows import Packet
+
+    seed = bytes(range(32))
+    p = Packet(PacketId(1), UserId(7), GroupId(1), "lucky", 888, 2, "", None, "active", 1, 2, seed=seed)
+    assert seed.hex() not in repr(p) and str(list(seed)) not in repr(p) and repr(seed) not in repr(p)
+    assert p.commitment == commitment(seed) and p.shares() == [53, 835]
+    assert fairness.SEED_BYTES == len(seed)
