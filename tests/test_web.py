@@ -293,6 +293,23 @@ async def test_a_packet_opens_as_a_card_then_開_then_the_amount_and_the_room_sa
                 "★ Best luck"
             )
         await shoot(admin, "web-desktop-2-opened")
+        # Provably fair: the finished packet says "fair ✓", and a tap shows the proof: the seed the hub
+        # revealed, its commitment, and the shares recomputed in the browser, in grab order.
+        fair = admin.locator("#pd-fair button")
+        await expect(fair).to_have_text("fair ✓")
+        await expect(admin.locator("#pd-proof")).to_be_hidden()
+        await fair.click()
+        await expect(fair).to_have_attribute("aria-expanded", "true")
+        revealed = await hub.api(
+            "GET", f"/api/packets/{packet_id}", await admin.evaluate("sessionStorage.getItem('rp.token')")
+        )
+        assert re.fullmatch("[0-9a-f]{64}", revealed["seed"] or ""), revealed
+        await expect(admin.locator("#pd-proof .seed")).to_have_text(revealed["seed"])
+        await expect(admin.locator("#pd-proof .commitment")).to_have_text(revealed["commitment"])
+        await expect(admin.locator("#pd-proof .shares")).to_have_text(f"{yuan(share)} · {yuan(alice_share)}")
+        await expect(admin.locator("#pd-proof .problems li")).to_have_count(0)
+        await expect(admin.locator("#pd-proof")).not_to_contain_text("null")
+        await shoot(admin, "web-desktop-2b-fair")
         await expect(admin.locator("#messages")).to_contain_text(
             "You opened your own red packet · 0 of 2 left"
         )
@@ -309,6 +326,11 @@ async def test_a_packet_opens_as_a_card_then_開_then_the_amount_and_the_room_sa
         await bubble.click()
         await expect(sheet).to_have_attribute("data-face", "result")
         await expect(member.locator("#pd-amount")).to_have_text(yuan(share))
+        # Its proof, on a phone: 64 hex digits wrap rather than widen the sheet.
+        await member.locator("#pd-fair button", has_text="fair ✓").click()
+        await expect(member.locator("#pd-proof .seed")).to_have_text(revealed["seed"])
+        assert await overflow(member) == []
+        await shoot(member, "web-phone-4b-fair")
         await member.locator("#packet-close").click()
 
         # A packet for bob alone: alice picks him; hers opens straight to "for someone else", his to 開.
@@ -438,7 +460,7 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
     browser: Browser, hub_settings: Settings
 ) -> None:
     async with hub_in_process(hub_settings, run_worker=True) as hub:
-        alice_token, _, group = await pair_in_group(hub, "keys")
+        alice_token, bob, group = await pair_in_group(hub, "keys")
         sender = await hub.client(alice_token, fmt="json")
         await sender.request("chat", group=group, text="a packet is coming")
         gone = await sender.request("send", group=group, total=100, count=1, greeting="first one")
@@ -472,12 +494,43 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
         await expect(page.locator("#pd-amount")).to_have_text("¥5.00")
         await expect(page.locator("#packet-close")).to_be_focused()
         assert await contrast(page) == []
+        # The packet is finished: its "fair ✓" is reached by keyboard, and its proof is named and readable.
+        await tab_to(page, "#pd-fair button")
+        await page.keyboard.press("Enter")
+        await expect(page.locator("#pd-proof")).to_be_visible()
+        await expect(page.locator("#pd-fair button")).to_have_attribute("aria-expanded", "true")
+        assert await unnamed_controls(page) == []
+        assert await contrast(page) == []
+        await shoot(page, "web-desktop-keyboard-proof")
         # Escape closes the sheet and gives the focus back to the packet (drawn anew since).
         await page.keyboard.press("Escape")
         await expect(page.locator("#packet-dialog")).not_to_be_visible()
         await expect(page.locator(bubble)).to_be_focused()
         await expect(page.locator(bubble)).to_contain_text("You got ¥5.00")
         assert await contrast(page) == []  # an opened packet is faded, its text still readable
+
+        # A view that does not match its seed says so, in a warning, with what is wrong; one without a
+        # commitment (sent before packets were provably fair) says "not verifiable", never failed. The
+        # page's own client hands it such views here.
+        await page.evaluate(DOCTORED_OPEN)
+        await page.evaluate("window.__doctor = 'amount'")
+        await page.locator(bubble).click()
+        fair = page.locator("#pd-fair button")
+        await expect(fair).to_have_text("fair ✗ mismatch")
+        await fair.click()
+        await expect(page.locator("#pd-proof .problems li")).to_have_text(
+            [f"grab 1 (user {bob}) got 501 cents; share 1 is 500"]
+        )
+        assert await contrast(page) == []
+        await shoot(page, "web-desktop-keyboard-mismatch")
+        await page.keyboard.press("Escape")
+        await page.evaluate("window.__doctor = 'old'")
+        await page.locator(bubble).click()
+        await expect(page.locator("#pd-fair")).to_have_text("not verifiable")
+        await expect(fair).to_have_count(0)
+        assert await contrast(page) == []
+        await page.keyboard.press("Escape")
+        await page.evaluate("window.__doctor = null")
 
         # The composer and the rest of the page are reached and named too.
         await tab_to(page, "#text")
@@ -491,6 +544,20 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
         await page.keyboard.press("Escape")
         await sender.close()
         await done_with(page)
+
+
+# The page's client, doctoring the packet views it is given: window.__doctor = "amount" adds a cent to the
+# first grab, "old" takes the commitment and seed away (a packet sent before packets were provably fair).
+DOCTORED_OPEN = """() => {
+  const client = state.client;
+  const request = client.request.bind(client);
+  client.request = async (type, fields, options) => {
+    const reply = await request(type, fields, options);
+    if (type === "open" && window.__doctor === "amount") reply.grabs[0].amount += 1;
+    if (type === "open" && window.__doctor === "old") Object.assign(reply, { commitment: null, seed: null });
+    return reply;
+  };
+}"""
 
 
 class Proxy:

@@ -1,7 +1,7 @@
 // The redpacket demo page: plain JavaScript, no build step, an ES module. It talks to the hub through the
 // JavaScript client (clients/js, served at /client/: the socket in JSON mode, reconnection, sync from the
 // last offset of each group, requests by id; docs/protocol.md) and the HTTP API for what is not live.
-import { RedPacketClient } from "/client/redpacket.js";
+import { RedPacketClient, verifyPacket } from "/client/redpacket.js";
 
 const $ = (id) => document.getElementById(id);
 const phone = window.matchMedia("(max-width: 700px)");
@@ -715,10 +715,56 @@ async function showResult(groupId, packetId, refusal) {
   $("pd-grabs").replaceChildren(...view.grabs.map((gr) => el("li", { "data-user": gr.user_id },
     el("span", {}, nameOf(gr.user_id), timeEl(gr.grabbed_ms)),
     el("span", {}, yuan(gr.amount), gr.user_id === best ? el("span", { class: "best" }, "★ Best luck") : null))));
+  showFairness(view, done || over);
   const dlg = $("packet-dialog");
   dlg.dataset.face = "result";
   if (!dlg.open) dlg.showModal();
   $("packet-close").focus();
+}
+
+// Provably fair packets (docs/protocol.md): once a packet is finished or refunded its view reveals the seed
+// its shares were drawn from, and the client recomputes them here, in the browser. "fair ✓", or "fair ✗
+// mismatch" with what is wrong; "not verifiable" for a packet sent before packets were provably fair.
+const FAIR_WORDS = { verified: "fair ✓", mismatch: "fair ✗ mismatch" };
+
+function showFairness(view, settled) {
+  const box = $("pd-fair");
+  const proof = $("pd-proof");
+  proof.hidden = true;
+  proof.replaceChildren();
+  box.replaceChildren();
+  let verdict;
+  try {
+    verdict = verifyPacket(view);
+  } catch (e) {
+    verdict = { status: "mismatch", problems: [`the packet view cannot be checked: ${e.message}`], shares: [] };
+  }
+  // Nothing to say while the packet is active (or its refund is not closed yet): the seed is still secret.
+  box.hidden = verdict.status === "not_revealed" || (verdict.status === "not_verifiable" && !settled);
+  if (box.hidden) return;
+  if (verdict.status === "not_verifiable") {
+    box.append(el("span", { class: "fair-muted", title: "Sent before packets were provably fair" }, "not verifiable"));
+    return;
+  }
+  const ok = verdict.status === "verified";
+  const toggle = el("button", { type: "button", class: `fair-badge ${ok ? "ok" : "bad"}`, "aria-expanded": "false",
+    "aria-controls": "pd-proof", "aria-label": `${FAIR_WORDS[verdict.status]}: show the proof` }, FAIR_WORDS[verdict.status]);
+  toggle.addEventListener("click", () => {
+    proof.hidden = !proof.hidden;
+    toggle.setAttribute("aria-expanded", String(!proof.hidden));
+  });
+  box.append(toggle);
+  const code = (text) => el("code", {}, String(text));
+  proof.append(
+    el("p", {}, ok
+      ? "The shares were drawn at send from this seed; its SHA-256 (the commitment) was published before any grab." +
+        " Recomputed here, they match every grab, in order."
+      : "Recomputed here from the seed, the shares do not match what was handed out:"),
+    el("ul", { class: "problems" }, ...verdict.problems.map((x) => el("li", {}, x))),
+    el("dl", {},
+      el("dt", {}, "Seed"), el("dd", { class: "seed" }, code(view.seed)),
+      el("dt", {}, "Commitment"), el("dd", { class: "commitment" }, code(view.commitment)),
+      el("dt", {}, "Shares in order"), el("dd", { class: "shares" }, verdict.shares.map(yuan).join(" · ") || "—")));
 }
 
 async function waitForCredit(packetId, amount) {

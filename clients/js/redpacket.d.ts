@@ -94,6 +94,11 @@ export interface PacketView {
   finished_ms: number | null;
   best_luck: Grab | null;
   duration_ms: number | null;
+  /** sha256(seed) in lowercase hex, published at send; null for a packet sent before packets were provably
+   * fair (not verifiable). See verifyPacket. */
+  commitment: string | null;
+  /** The packet's 32-byte seed in lowercase hex: null until the packet is finished or refunded. */
+  seed: string | null;
 }
 
 export interface SentPacket {
@@ -106,6 +111,7 @@ export interface SentPacket {
   target: Id | null;
   created_ms: number;
   expires_ms: number;
+  commitment: string | null;
   offset: Offset | null;
   replay: boolean;
 }
@@ -142,7 +148,7 @@ export interface EventData {
   chat: { user: Id; text: string };
   packet: {
     packet_id: Id; sender: Id; kind: "lucky" | "equal" | "exclusive"; total: number; count: number;
-    greeting: string; target: Id | null; created_ms: number; expires_ms: number;
+    greeting: string; target: Id | null; created_ms: number; expires_ms: number; commitment: string | null;
   };
   grabs: {
     grabs: { packet_id: Id; user: Id; amount: number; seq: number; ms: number; remaining: number }[];
@@ -151,6 +157,7 @@ export interface EventData {
   };
   finished: {
     packet_id: Id; total: number; count: number; duration_ms: number; best_luck: { user: Id; amount: number };
+    commitment: string | null; seed: string | null;
     grabs?: EventData["grabs"]["grabs"]; more?: number;
   };
   presence: { user: Id; online: boolean };
@@ -232,3 +239,51 @@ export declare class RedPacketClient {
 export declare function isNewer(a: Offset, b: Offset | null | undefined): boolean;
 export declare function encodeMsgpack(value: unknown): Uint8Array;
 export declare function decodeMsgpack(bytes: Uint8Array | ArrayBuffer): unknown;
+
+// ---- provably fair packets (docs/protocol.md, "Provably fair packets"): synchronous, no crypto.subtle ----
+
+/** A packet id for the generator's message, which needs its exact decimal: a number (up to 2⁵³ − 1), a
+ * decimal string or a BigInt. JSON.parse rounds integers beyond 2⁵³, so such ids must arrive as a string
+ * or a BigInt (the msgpack format decodes them as BigInt); a number beyond 2⁵³ throws a RangeError. */
+export type PacketIdInput = number | string | bigint;
+
+export type FairStatus = "verified" | "mismatch" | "not_verifiable" | "not_revealed";
+
+export interface FairVerdict {
+  /** verified: every grab listed got the share drawn for its place; mismatch: see problems;
+   * not_verifiable: no commitment (sent before packets were provably fair — never a failure);
+   * not_revealed: no seed yet (the packet is still active). */
+  status: FairStatus;
+  /** Every fault found, in English (empty unless mismatch). */
+  problems: string[];
+  /** The recomputed shares in the order they were handed out (share seq is item seq − 1); empty without a
+   * usable seed. */
+  shares: number[];
+}
+
+/** What verifyPacket reads of a packet view (`open`, `GET /api/packets/{p}`). */
+export interface VerifiableView {
+  packet_id: PacketIdInput;
+  kind: string;
+  total: number | bigint;
+  count: number | bigint;
+  commitment?: string | null;
+  seed?: string | null;
+  grabs: { user_id: Id | bigint | string; seq: number | bigint; amount: number | bigint }[];
+}
+
+/** Checks a packet view as docs/protocol.md says (and as the hub's server.money.fairness.verify does): the
+ * seed against the commitment, then each grab, in the order listed, against the share drawn for its place
+ * (its seq must be its place, its amount that share). Synchronous. */
+export declare function verifyPacket(view: VerifiableView): FairVerdict;
+/** The shares of a packet in the order they are handed out, recomputed from its seed (64 hex digits). */
+export declare function fairShares(
+  seedHex: string, packetId: PacketIdInput, kind: string, total: number, count: number,
+): number[];
+/** sha256 of the seed's 32 bytes (not of its hex), in lowercase hex: the commitment published at send. */
+export declare function commitmentOf(seedHex: string): string;
+/** SHA-256 (a string is hashed as its UTF-8), written in plain JavaScript: synchronous, works where
+ * crypto.subtle is absent (a page served over plain http from a LAN address). */
+export declare function sha256(data: Uint8Array | string): Uint8Array;
+/** HMAC-SHA-256 (RFC 2104), plain JavaScript like sha256. */
+export declare function hmacSha256(key: Uint8Array | string, message: Uint8Array | string): Uint8Array;

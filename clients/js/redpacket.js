@@ -11,7 +11,8 @@
 // What it does for you: the token as a subprotocol, reconnection with exponential back-off and full
 // jitter, a `sync` from the last offset of every group after every welcome (duplicates dropped, a
 // `too_old` answered with a "reset" event carrying the group's open packets), a `sync` on a `gap`
-// notice, requests matched to replies by id with a timeout each, JSON or msgpack.
+// notice, requests matched to replies by id with a timeout each, JSON or msgpack. And `verifyPacket(view)`:
+// the check that a finished packet's shares were the ones drawn from its committed seed (synchronous).
 
 export const VERSION = "1.0.0";
 export const SUBPROTOCOL_JSON = "redpacket.v1.json";
@@ -690,4 +691,207 @@ export class RedPacketClient {
   lastOffsets() {
     return Object.fromEntries([...this.offsets].map(([g, o]) => [String(g), o]));
   }
+}
+
+// ---- provably fair packets (docs/protocol.md, "Provably fair packets") -----------------------------------
+//
+// A packet's shares are drawn at send from a secret 32-byte seed; the send publishes sha256(seed), the
+// `commitment`, and the finished (or refunded) packet reveals the `seed`. From the seed and the packet's id,
+// kind, total and count anyone recomputes the shares in the order they were handed out. The same algorithm
+// as the hub's server/money/fairness.py, checked against the document's test vectors.
+//
+// Synchronous and self-contained on purpose: crypto.subtle is asynchronous, and absent altogether from a page
+// served over plain http from a LAN address (not a "secure context"), so SHA-256 and HMAC are written out
+// here. They only check public data, so constant time does not matter.
+
+// SHA-256's round constants: the first 32 bits of the fractional parts of the cube roots of the first 64
+// primes (FIPS 180-4, 4.2.2).
+const SHA256_K = Uint32Array.from([
+  0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+  0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+  0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+  0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+  0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+  0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+  0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+  0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+]);
+// The initial hash value: the first 32 bits of the fractional parts of the square roots of the first 8 primes.
+const SHA256_H0 = Uint32Array.from([
+  0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
+]);
+
+const rotr = (x, n) => (x >>> n) | (x << (32 - n));
+const asBytes = (data) => (typeof data === "string" ? utf8.encode(data) : data);
+
+/** SHA-256 of bytes (a string is hashed as its UTF-8), as 32 bytes. Synchronous, no crypto.subtle. */
+export function sha256(data) {
+  const bytes = asBytes(data);
+  // Padding: the bytes, 0x80, zeros up to 8 bytes short of a multiple of 64, then the length in bits
+  // as a 64-bit big-endian integer.
+  const padded = new Uint8Array(Math.ceil((bytes.length + 9) / 64) * 64);
+  padded.set(bytes);
+  padded[bytes.length] = 0x80;
+  const view = new DataView(padded.buffer);
+  view.setUint32(padded.length - 8, Math.floor(bytes.length / 2 ** 29)); // (length × 8) / 2³²
+  view.setUint32(padded.length - 4, (bytes.length * 8) >>> 0);
+  const h = Uint32Array.from(SHA256_H0);
+  const w = new Uint32Array(64); // a Uint32Array stores every sum modulo 2³²
+  for (let block = 0; block < padded.length; block += 64) {
+    for (let t = 0; t < 16; t++) w[t] = view.getUint32(block + 4 * t);
+    for (let t = 16; t < 64; t++) {
+      const s0 = rotr(w[t - 15], 7) ^ rotr(w[t - 15], 18) ^ (w[t - 15] >>> 3);
+      const s1 = rotr(w[t - 2], 17) ^ rotr(w[t - 2], 19) ^ (w[t - 2] >>> 10);
+      w[t] = w[t - 16] + s0 + w[t - 7] + s1;
+    }
+    let [a, b, c, d, e, f, g, hh] = h;
+    for (let t = 0; t < 64; t++) {
+      // Sums of a few 32-bit values stay exact in a double; `>>> 0` takes them modulo 2³².
+      const t1 = (hh + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + SHA256_K[t] + w[t]) >>> 0;
+      const t2 = ((rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c))) >>> 0;
+      [hh, g, f, e, d, c, b, a] = [g, f, e, (d + t1) >>> 0, c, b, a, (t1 + t2) >>> 0];
+    }
+    [a, b, c, d, e, f, g, hh].forEach((x, i) => (h[i] += x));
+  }
+  const out = new Uint8Array(32);
+  const outView = new DataView(out.buffer);
+  h.forEach((x, i) => outView.setUint32(4 * i, x));
+  return out;
+}
+
+/** HMAC-SHA-256 (RFC 2104) of a message under a key, as 32 bytes (each bytes, or a string as its UTF-8). */
+export function hmacSha256(key, message) {
+  const block = new Uint8Array(64); // the key, hashed first if longer than SHA-256's block, zero-padded
+  const k = asBytes(key);
+  block.set(k.length > 64 ? sha256(k) : k);
+  const msg = asBytes(message);
+  const inner = new Uint8Array(64 + msg.length);
+  const outer = new Uint8Array(64 + 32);
+  for (let i = 0; i < 64; i++) {
+    inner[i] = block[i] ^ 0x36;
+    outer[i] = block[i] ^ 0x5c;
+  }
+  inner.set(msg, 64);
+  outer.set(sha256(inner), 64);
+  return sha256(outer);
+}
+
+const toHex = (bytes) => Array.from(bytes, (x) => x.toString(16).padStart(2, "0")).join("");
+
+function seedBytes(seedHex) {
+  if (typeof seedHex !== "string" || !/^[0-9a-fA-F]{64}$/.test(seedHex)) {
+    throw new TypeError("a seed is 64 hex digits (32 bytes)");
+  }
+  return Uint8Array.from(seedHex.match(/../g), (x) => parseInt(x, 16));
+}
+
+/** An id as the exact decimal the generator's message needs. A number beyond 2⁵³ has already lost its
+ * exact value (JSON.parse rounds it): such ids must arrive as a string or a BigInt. */
+function decimalId(id) {
+  if (typeof id === "number" && !Number.isSafeInteger(id)) {
+    throw new RangeError(`packet id ${id} is not an exact integer: pass ids beyond 2^53 as a string or BigInt`);
+  }
+  const n = BigInt(id); // a string that is no integer throws here
+  if (n < 1n) throw new RangeError(`packet id ${id} is not a positive integer`);
+  return n.toString();
+}
+
+/** The commitment published at send: SHA-256 of the seed's 32 bytes (not of its hex), in lowercase hex. */
+export function commitmentOf(seedHex) {
+  return toHex(sha256(seedBytes(seedHex)));
+}
+
+const WORD = 2n ** 64n;
+
+/** The generator: block j is HMAC-SHA-256(key = the seed, "redpacket/split/v1/<packet>/<total>/<count>/<j>"),
+ * read as four unsigned 64-bit big-endian words, handed out in order. Returns `below(n)`: a uniform integer
+ * in [0, n), by rejecting words at or above the largest multiple of n under 2⁶⁴. */
+function generator(seed, packetId, total, count) {
+  const prefix = `redpacket/split/v1/${packetId}/${total}/${count}/`;
+  let blockNo = 0;
+  let words = [];
+  const word = () => {
+    if (!words.length) {
+      const digest = new DataView(hmacSha256(seed, `${prefix}${blockNo++}`).buffer);
+      words = [0, 8, 16, 24].map((i) => digest.getBigUint64(i)); // big-endian
+    }
+    return words.shift();
+  };
+  return (n) => {
+    const big = BigInt(n);
+    const limit = WORD - (WORD % big);
+    for (;;) {
+      const w = word();
+      if (w < limit) return Number(w % big);
+    }
+  };
+}
+
+function wholeNumber(name, v) {
+  const n = typeof v === "bigint" ? Number(v) : v;
+  if (!Number.isSafeInteger(n) || n < 1) throw new RangeError(`${name} must be a positive integer, not ${v}`);
+  return n;
+}
+
+/** The shares of a packet, in the order they are handed out (share `seq` is item `seq - 1`): `equal` and
+ * `exclusive` draw nothing; `lucky` is the double-average method, then a Fisher–Yates shuffle, both from the
+ * seed's generator. `packetId` is a number, a decimal string or a BigInt (ids beyond 2⁵³: not a number). */
+export function fairShares(seedHex, packetId, kind, total, count) {
+  const seed = seedBytes(seedHex);
+  const id = decimalId(packetId);
+  total = wholeNumber("total", total);
+  count = wholeNumber("count", count);
+  if (kind === "equal") return Array(count).fill(Math.floor(total / count));
+  if (kind !== "lucky") return [total];
+  if (total < count) throw new RangeError("every share needs at least one cent");
+  const below = generator(seed, id, total, count);
+  const shares = [];
+  let remaining = total;
+  for (let left = count; left > 1; left--) {
+    // Uniform in [1, min(twice the remaining average, what leaves a cent for each of the rest)].
+    const upper = Math.min(Math.floor((2 * remaining) / left), remaining - (left - 1));
+    const amount = 1 + below(upper);
+    shares.push(amount);
+    remaining -= amount;
+  }
+  shares.push(remaining);
+  for (let i = count - 1; i > 0; i--) {
+    const j = below(i + 1);
+    [shares[i], shares[j]] = [shares[j], shares[i]];
+  }
+  return shares;
+}
+
+/** Check a packet view (`open`, `GET /api/packets/{p}`) as docs/protocol.md says and as the hub's
+ * `server.money.fairness.verify` does: `not_verifiable` (no commitment: sent before packets were provably
+ * fair — never a failure), `not_revealed` (no seed yet: still active), else `verified` or `mismatch` with
+ * every fault in `problems`: the seed against the commitment, then each grab, in the order listed, against
+ * the share drawn for its place. `shares` is the recomputed list (empty without a usable seed). */
+export function verifyPacket(view) {
+  const { commitment, seed } = view;
+  if (commitment === null || commitment === undefined) return { status: "not_verifiable", problems: [], shares: [] };
+  if (seed === null || seed === undefined) return { status: "not_revealed", problems: [], shares: [] };
+  if (typeof seed !== "string" || !/^[0-9a-f]{64}$/.test(seed)) {
+    return { status: "mismatch", problems: ["the seed is not 64 lowercase hex digits"], shares: [] };
+  }
+  const problems = [];
+  const computed = commitmentOf(seed);
+  if (computed !== commitment) {
+    problems.push(`sha256(seed) is ${computed}, the commitment published at send ${commitment}`);
+  }
+  const shares = fairShares(seed, view.packet_id, String(view.kind), Number(view.total), Number(view.count));
+  const grabs = view.grabs || [];
+  if (grabs.length > shares.length) problems.push(`${grabs.length} grabs of a packet of ${shares.length} shares`);
+  grabs.slice(0, shares.length).forEach((g, i) => {
+    const seq = Number(g.seq);
+    const amount = Number(g.amount);
+    if (seq !== i + 1) {
+      problems.push(`grab ${i + 1} (user ${g.user_id}) got share ${seq}: not handed out in the order drawn`);
+    }
+    // As the hub's verify: a grab out of order is also checked against the share it says it got.
+    if (seq >= 1 && seq <= shares.length && amount !== shares[seq - 1]) {
+      problems.push(`grab ${i + 1} (user ${g.user_id}) got ${amount} cents; share ${seq} is ${shares[seq - 1]}`);
+    }
+  });
+  return { status: problems.length ? "mismatch" : "verified", problems, shares };
 }
