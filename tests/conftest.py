@@ -132,6 +132,7 @@ SHARDED_SUITE = {
     "test_drain",
     "test_payouts",
     "test_shards",
+    "test_fair",
 }
 
 
