@@ -9,10 +9,11 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from server.store.db import Database, DatabaseError, IntegrityError, Tx, as_text
+from server.store.dialect import Dialect
 from server.store.migrations import LATEST as LATEST
 from server.store.migrations import MIGRATIONS as MIGRATIONS
 
@@ -152,31 +153,56 @@ async def pending(db: Database) -> list[int]:
     return [v for v, _, _ in MIGRATIONS if v not in done]
 
 
-async def migrate(db: Database) -> list[int]:
+def statements(dialect: Dialect, version: int) -> list[str]:
+    """Migration ``version``'s statements as ``migrate`` runs them on ``dialect``: its own, tokens filled."""
+    out = []
+    for v, _, listed in MIGRATIONS:
+        for statement in listed if v == version else []:
+            sql = statement.get(dialect.name) if isinstance(statement, dict) else statement
+            if sql is not None:
+                out.append(sql.format(**dialect.ddl))
+    return out
+
+
+@asynccontextmanager
+async def _lease(db: Database, held: str | None) -> AsyncIterator[str]:
+    if held is not None:
+        yield held
+        return
+    async with migration_lease(db) as holder:
+        yield holder
+
+
+async def migrate(
+    db: Database, *, runs_here: Callable[[str], bool] | None = None, lease: str | None = None
+) -> list[int]:
     """Apply every migration the database lacks; return the versions applied now. On MySQL, refuse a
-    database with tables Galera cannot replicate, before and after (``unfit_for_galera``)."""
+    database with tables Galera cannot replicate, before and after (``unfit_for_galera``).
+
+    ``runs_here``: on a Spider head, which statements run there; the others ran on the backends and are
+    recorded with their migration only (``server.store.shards``). A head without it is refused.
+    ``lease``: the migration lease, when the caller holds it already (``migration_lease``)."""
     applied_now: list[int] = []
     await _refuse_unfit(db)
     async with db.transaction() as tx:
         if {v for v, _, _ in MIGRATIONS} <= await _applied(tx, make=False):
             return applied_now  # every process starts with this: no lease taken when nothing is due
-    if db.shards:
+    if db.shards and runs_here is None:
         # A Spider head's sharded tables are definitions of the backends' tables: an ALTER here changes
-        # neither the backends nor safely the head (server.store.shards). Not done yet.
+        # neither the backends nor safely the head (server.store.shards.make_sharded does it).
         raise DatabaseError(
-            "a sharded ledger's migrations are not applied on its head: migrate a new sharded ledger"
-            " (`redpacket migrate` with REDPACKET_SHARDS) instead"
+            "a sharded ledger's migrations are applied by `redpacket migrate` with REDPACKET_SHARDS set"
+            " (the backends first, then the head's definitions of them), not by a process starting"
         )
-    async with migration_lease(db) as holder, db.transaction() as tx:
+    async with _lease(db, lease) as holder, db.transaction() as tx:
         done = await _applied(tx)
-        for version, name, statements in MIGRATIONS:
+        for version, name, _ in MIGRATIONS:
             if version in done:
                 continue
-            for statement in statements:
-                sql = statement.get(db.dialect.name) if isinstance(statement, dict) else statement
-                if sql is not None:
+            for sql in statements(db.dialect, version):
+                if runs_here is None or runs_here(sql):
                     await renew_lease(tx, holder)
-                    await tx.execute(sql.format(**db.dialect.ddl))
+                    await tx.execute(sql)
             await tx.execute(
                 "INSERT INTO schema_migrations (version, name, applied_ms) VALUES (%s, %s, %s)",
                 (version, name, now_ms()),
