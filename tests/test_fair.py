@@ -19,8 +19,9 @@ from server.money.fairness import commitment
 from server.store import keys
 from server.store.db import Tx
 from server.store.records import GrabRecord
+from server.tools.reconnecting import Backoff, RedPacketClient
 from tests.conftest import make_world
-from tests.hubtools import HubUnderTest, hub_in_process
+from tests.hubtools import HubUnderTest, eventually, hub_in_process
 from tests.test_hub import events_of, make_room
 from tests.test_settlement import _expire
 
@@ -33,11 +34,13 @@ async def _seed(core: Core, packet_id: int) -> str:
     return str(row[0])
 
 
-async def _verify(core: Core, packet_id: int, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+async def _verify(
+    core: Core, packet_id: int, capsys: pytest.CaptureFixture[str], kept: str | None = None
+) -> tuple[int, str]:
     from server.cli.maintenance import verify
 
     capsys.readouterr()
-    code = await verify(core.settings, packet_id)
+    code = await verify(core.settings, packet_id, kept)
     return code, capsys.readouterr().out
 
 
@@ -76,8 +79,11 @@ async def test_the_seed_is_revealed_when_the_last_share_goes_and_the_split_verif
     verdict = fairness.verify(view)
     assert verdict.status == "verified" and sum(verdict.shares) == 1_000
     assert [g["amount"] for g in view["grabs"]] == verdict.shares  # the i-th grab got the i-th share
-    code, out = await _verify(core, p.packet_id, capsys)
-    assert code == 0 and out.startswith(f"packet {p.packet_id}: verified") and seed in out
+    code, out = await _verify(core, p.packet_id, capsys, p.commitment)
+    assert code == 0 and out.startswith(f"packet {p.packet_id}: verified\n") and seed in out
+    # Against a commitment other than the one published at send: the seed shown now is not the one.
+    code, out = await _verify(core, p.packet_id, capsys, commitment(b"another seed"))
+    assert code == 1 and "the one published at send was" in out
 
 
 async def test_a_refund_reveals_the_seed_and_the_grabs_made_verify(
@@ -138,20 +144,21 @@ async def _rewrite_grabs(core: Core, p: packets.Packet, change: dict[int, tuple[
 async def test_verify_catches_a_share_handed_to_another_place(
     core: Core, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    p = await _finished(core)
+    p = await _finished(core)  # 1,000 cents in 3 shares: never all alike
     shares = p.shares()
-    # The last grabber gets the first share's amount and the first the last's: the sums still add up.
-    await _rewrite_grabs(core, p, {1: (1, shares[2]), 3: (3, shares[0])})
-    if shares[0] != shares[2]:
-        verdict = fairness.verify(await _view(core, p, p.sender_id))
-        assert verdict.status == "mismatch" and len(verdict.problems) == 2, verdict.problems
-        code, out = await _verify(core, p.packet_id, capsys)
-        assert code == 1 and f"got {shares[2]} cents; share 1 is {shares[0]}" in out
+    k = next(k for k in (2, 3) if shares[k - 1] != shares[0])
+    # Share k's grabber gets the first share's amount and the first share's grabber share k's: the sums
+    # still add up.
+    await _rewrite_grabs(core, p, {1: (1, shares[k - 1]), k: (k, shares[0])})
+    verdict = fairness.verify(await _view(core, p, p.sender_id))
+    assert verdict.status == "mismatch" and len(verdict.problems) == 2, verdict.problems
+    code, out = await _verify(core, p.packet_id, capsys)
+    assert code == 1 and f"got {shares[k - 1]} cents; share 1 is {shares[0]}" in out
     # Handed out out of order: the first grab given share 3 (with its amount), the last share 1.
     await _rewrite_grabs(core, p, {1: (3, shares[2]), 3: (1, shares[0])})
     verdict = fairness.verify(await _view(core, p, p.sender_id))
     assert verdict.status == "mismatch"
-    assert any("got share 3: not handed out in the order drawn" in x for x in verdict.problems)
+    assert any("got share 1 after share 3: not handed out in the order drawn" in x for x in verdict.problems)
 
 
 async def test_verify_catches_shares_the_database_holds_other_than_drawn(
@@ -167,8 +174,13 @@ async def test_verify_catches_shares_the_database_holds_other_than_drawn(
         p.packet_id,
     )
     code, out = await _verify(core, p.packet_id, capsys)
+    # Active: which share differs, not the amounts (they are the shares still to come).
+    assert code == 1 and "stored share 1 differs from the one drawn" in out and "do not match" in out
+    assert "cents" not in out
+    for user in w.members:
+        await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=user)
+    code, out = await _verify(core, p.packet_id, capsys)
     assert code == 1 and f"stored share 1 is {drawn[0] + 1} cents; drawn {drawn[0]}" in out
-    assert "do not match" in out
 
 
 async def test_a_packet_sent_before_packets_were_fair_is_not_verifiable_never_failed(
@@ -209,6 +221,9 @@ async def _socket_story(h: HubUnderTest, caplog: pytest.LogCaptureFixture) -> No
     room = await make_room(h, 3)
     admin = await h.client(room.admin_token, "json")
     members = [await h.client(token) for _, token in room.members]
+    # A client that keeps the commitments it hears of (the packet event, before any grab).
+    keeper = await RedPacketClient.connect(h.ws, room.members[2][1], backoff=Backoff(0.05, 0.2))
+    await keeper.sync()
     sent = await admin.request("send", group=room.group, kind="lucky", total=1_000, count=3)
     pid = PacketId(sent["packet_id"])
     seed = await _seed(h.core, pid)
@@ -235,5 +250,14 @@ async def _socket_story(h: HubUnderTest, caplog: pytest.LogCaptureFixture) -> No
     assert fairness.verify(view).status == "verified"
     detail = await h.api("GET", f"/api/packets/{pid}", room.admin_token)
     assert detail["seed"] == seed and fairness.verify(detail).status == "verified"
+    await eventually(lambda: keeper.commitment(pid) == sent["commitment"])  # heard from the packet event
+    kept = await keeper.verify(room.group, pid)
+    assert kept.status == "verified" and kept.against_send
+    # The server shows another seed now (one chosen after the grabs, with its own commitment): caught.
+    meta = keys.packet_meta(group_id=room.group, packet_id=pid)  # type: ignore[arg-type]
+    await h.core.redis.hset(meta, "seed", "ab" * 32)
+    rigged = await keeper.verify(room.group, pid)
+    assert rigged.status == "mismatch" and "the one published at send was" in rigged.problems[0]
+    await keeper.close()
     for c in [admin, *members]:
         await c.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import hmac
+import itertools
 import json
 import re
 from pathlib import Path
@@ -130,7 +131,7 @@ EXAMPLE: dict[str, Any] = doc_json_after("**The packet view**")
 
 
 def test_the_documents_example_view_verifies() -> None:
-    v = verify(EXAMPLE)
+    v = verify(EXAMPLE, EXAMPLE["commitment"])
     assert v.status == "verified" and str(v) == "verified"
     assert v.shares == [g["amount"] for g in EXAMPLE["grabs"]]
 
@@ -154,24 +155,78 @@ def _tampered(change: str) -> dict[str, Any]:
         g.append({"user_id": 9, "seq": 3, "amount": 1, "grabbed_ms": 1796000001300})
     elif change == "malformed":
         view["seed"] = view["seed"].upper()
+    elif change == "duplicate":
+        g[1]["seq"], g[1]["amount"] = 1, 53
+    elif change == "out of range":
+        g[1]["seq"] = 3
     return view
 
 
-@pytest.mark.parametrize("change", ["amount", "order", "seed", "commitment", "total", "extra", "malformed"])
+CHANGES = [
+    "amount",
+    "order",
+    "seed",
+    "commitment",
+    "total",
+    "extra",
+    "malformed",
+    "duplicate",
+    "out of range",
+]
+
+
+@pytest.mark.parametrize("change", CHANGES)
 def test_every_tamper_is_a_mismatch_that_says_what(change: str) -> None:
-    v = verify(_tampered(change))
+    v = verify(_tampered(change), EXAMPLE["commitment"])
     assert v.status == "mismatch"
     assert v.problems and str(v).startswith("mismatch:")
     expected = {
         "amount": "got 54 cents; share 1 is 53",
-        "order": "got share 2: not handed out in the order drawn",
+        "order": "grab 2 (user 7) got share 1 after share 2: not handed out in the order drawn",
         "seed": "sha256(seed) is",
-        "commitment": "the commitment published at send",
+        "commitment": "the commitment shown now is",
         "total": "grab 1",
         "extra": "3 grabs of a packet of 2 shares",
         "malformed": "not 64 lowercase hex digits",
+        "duplicate": "grab 2 (user 7) got share 1, listed before",
+        "out of range": "grab 2 (user 7) got share 3: the packet has shares 1 to 2",
     }[change]
     assert any(expected in p for p in v.problems), v.problems
+
+
+def test_a_seed_chosen_after_the_grabs_is_caught_only_by_the_commitment_kept_from_the_send() -> None:
+    # A rigged server wants the first grabber (user 8) to have the big share: it tries seeds until the
+    # split gives it, and shows that seed with a commitment made to match.
+    rigged = copy.deepcopy(EXAMPLE)
+    for i in itertools.count():
+        seed = hashlib.sha256(i.to_bytes(8, "big")).digest()
+        shares = fair_shares(seed, 1, "lucky", 888, 2)
+        if shares[0] > 800:
+            break
+    rigged["seed"], rigged["commitment"] = seed.hex(), commitment(seed)
+    for g, amount in zip(rigged["grabs"], shares, strict=True):
+        g["amount"] = amount
+    alone = verify(rigged)  # against its own commitment only: nothing to see
+    assert alone.status == "verified" and not alone.against_send
+    assert "compare it with the one published at send" in str(alone)
+    kept = verify(rigged, EXAMPLE["commitment"])
+    assert kept.status == "mismatch" and kept.problems[0].startswith("the commitment shown now is")
+    honest = verify(EXAMPLE, EXAMPLE["commitment"])
+    assert honest.status == "verified" and honest.against_send and str(honest) == "verified"
+
+
+def test_a_share_not_listed_is_no_fault_and_one_listed_out_of_order_is() -> None:
+    seed = bytes.fromhex(VECTORS[3]["seed"])
+    shares = fair_shares(seed, 123456789, "lucky", 100, 7)
+    view = {"packet_id": 123456789, "kind": "lucky", "total": 100, "count": 7, "seed": seed.hex()}
+    view["commitment"] = commitment(seed)
+    # Shares 2 and 5 not listed: refunded, or their credits refused.
+    listed = [1, 3, 4, 6, 7]
+    view["grabs"] = [{"user_id": 10 + s, "seq": s, "amount": shares[s - 1]} for s in listed]
+    assert verify(view, view["commitment"]).status == "verified"
+    view["grabs"][1], view["grabs"][2] = view["grabs"][2], view["grabs"][1]
+    v = verify(view, view["commitment"])
+    assert v.problems == ["grab 3 (user 13) got share 3 after share 4: not handed out in the order drawn"]
 
 
 def test_a_packet_without_a_commitment_is_not_verifiable_and_an_active_one_not_revealed() -> None:
@@ -180,6 +235,8 @@ def test_a_packet_without_a_commitment_is_not_verifiable_and_an_active_one_not_r
     assert "not verifiable" in str(verify(legacy))
     active = {**EXAMPLE, "seed": None, "grabs": EXAMPLE["grabs"][:1]}
     assert verify(active).status == "not_revealed"
+    # A commitment kept from the send, and a view that no longer shows one: not "not verifiable".
+    assert verify(legacy, EXAMPLE["commitment"]).status == "mismatch"
 
 
 def _meta(seed: bytes | None, **more: str) -> dict[str, str]:

@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         elif command == "recover":
             uvloop.run(maintenance.recover(s, args.packet_ids))
         elif command == "verify":
-            return uvloop.run(maintenance.verify(s, args.packet_id))
+            return uvloop.run(maintenance.verify(s, args.packet_id, args.commitment))
         elif command == "reconcile":
             return 0 if uvloop.run(maintenance.reconcile(s)) else 1
         elif command == "webhooks":

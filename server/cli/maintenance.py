@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 import time
 
 from redis.exceptions import RedisError
@@ -94,8 +95,9 @@ async def recover(settings: Settings, packet_ids: list[int]) -> None:
             print(f"packet {pid}: {r.shares_left} shares left, {r.grabs_known} grabs known")
 
 
-async def verify(settings: Settings, packet_id: int) -> int:
-    """``redpacket verify PACKET_ID``: the packet's proof checked as any member can (its view), and the
+async def verify(settings: Settings, packet_id: int, published: str | None = None) -> int:
+    """``redpacket verify PACKET_ID [--commitment HEX]``: the packet's proof checked as any member can (its
+    view; against ``published``, a commitment a member kept from before the seed was shown), and the
     shares the database stored against its seed. Prints what it found; 0 verified, 1 a mismatch, 3 nothing
     to check (no commitment: sent before packets were provably fair; or not revealed yet)."""
     from server.hub.requests import view_dict
@@ -105,6 +107,8 @@ async def verify(settings: Settings, packet_id: int) -> int:
 
     if not 1 <= packet_id <= MAX_ID:
         raise OperatorError(f"no packet can have the id {packet_id}", 2)
+    if published is not None and not re.fullmatch(r"[0-9a-f]{64}", published):
+        raise OperatorError("--commitment is 64 lowercase hex digits, as the send reply gave it", 2)
     await check_services(settings, durability=False)
     async with open_core(settings) as core:
         pid = PacketId(packet_id)
@@ -116,13 +120,16 @@ async def verify(settings: Settings, packet_id: int) -> int:
         rows = await core.db.fetchall(
             "SELECT amount FROM red_packet_shares WHERE packet_id = %s ORDER BY seq", (pid,)
         )
-    verdict = fairness.verify(view)
+    verdict = fairness.verify(view, published)
     stored = [int(r[0]) for r in rows]
-    # What the database stored, against its seed: also for a packet not revealed yet (nothing printed
-    # then but whether they match: the seed stays secret).
+    # What the database stored, against its seed: also for a packet not revealed yet (then only which
+    # shares differ: its amounts, drawn or stored, are the shares still to come).
     drawn = packet.shares() if packet.seed is not None else stored
+    secret = verdict.status == "not_revealed"
     wrong = [
-        f"stored share {i} is {a} cents; drawn {b}"
+        f"stored share {i} differs from the one drawn"
+        if secret
+        else f"stored share {i} is {a} cents; drawn {b}"
         for i, (a, b) in enumerate(zip(stored, drawn, strict=False), 1)
         if a != b
     ]

@@ -43,6 +43,11 @@ def parser() -> argparse.ArgumentParser:
         "verify", help="check a packet's proof of a fair split (docs/protocol.md, Provably fair packets)"
     )
     ver.add_argument("packet_id", type=int, metavar="PACKET_ID", help="the packet to check")
+    ver.add_argument(
+        "--commitment",
+        metavar="HEX",
+        help="the commitment a member kept from the send (reply or packet event): checked against it",
+    )
     # Parsed by server.tools.load (every flag it does not know goes to Locust): listed here for --help only.
     sub.add_parser(
         "load",

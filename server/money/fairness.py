@@ -73,15 +73,22 @@ Status = Literal["verified", "mismatch", "not_verifiable", "not_revealed"]
 class Verdict:
     """What ``verify`` found: ``verified`` (every grab got its drawn share, in order), ``mismatch`` (each
     fault in ``problems``), ``not_verifiable`` (sent before packets were provably fair: no commitment)
-    or ``not_revealed`` (still active: the seed is shown when it is finished or refunded)."""
+    or ``not_revealed`` (still active: the seed is shown when it is finished or refunded).
+    ``against_send``: the commitment was checked against the one published at send, kept by the
+    checker; without it, a seed chosen after the grabs (with a commitment made to match) goes unseen."""
 
     status: Status
     problems: list[str] = field(default_factory=list)
     shares: list[int] = field(default_factory=list)
+    against_send: bool = False
 
     def __str__(self) -> str:
         if self.status == "verified":
-            return "verified"
+            if self.against_send:
+                return "verified"
+            return (
+                "verified against the commitment the view shows (compare it with the one published at send)"
+            )
         if self.status == "not_verifiable":
             return "not verifiable: sent before packets were provably fair (no commitment)"
         if self.status == "not_revealed":
@@ -89,36 +96,52 @@ class Verdict:
         return "mismatch:\n" + "\n".join(f"  {p}" for p in self.problems)
 
 
-def verify(view: Mapping[str, Any]) -> Verdict:
+def verify(view: Mapping[str, Any], published: str | None = None) -> Verdict:
     """Check a packet view as the protocol sends it (``open``, ``GET /api/packets/{p}``): the seed against
-    the commitment, then each grab, in the order listed, against the share drawn for its place."""
+    the commitment, and that against ``published`` — the commitment the checker kept from before the seed
+    was shown (the send reply, the ``packet`` event, a view of the packet while active) —, then each grab,
+    in the order listed, against the share drawn for it."""
     committed, seed_hex = view.get("commitment"), view.get("seed")
-    if committed is None:
+    if committed is None and published is None:
         return Verdict("not_verifiable")
-    if seed_hex is None:
+    if committed is not None and seed_hex is None:
         return Verdict("not_revealed")
-    if not isinstance(seed_hex, str) or not _HEX64.fullmatch(seed_hex):
-        return Verdict("mismatch", ["the seed is not 64 lowercase hex digits"])
-    seed = bytes.fromhex(seed_hex)
     problems = []
+    if published is not None and committed != published:
+        problems.append(f"the commitment shown now is {committed}; the one published at send was {published}")
+    if not isinstance(seed_hex, str) or not _HEX64.fullmatch(seed_hex):
+        return Verdict("mismatch", [*problems, "the seed is not 64 lowercase hex digits"])
+    seed = bytes.fromhex(seed_hex)
     if commitment(seed) != committed:
-        problems.append(f"sha256(seed) is {commitment(seed)}, the commitment published at send {committed}")
+        problems.append(f"sha256(seed) is {commitment(seed)}, not the commitment {committed}")
     kind, total, count = str(view["kind"]), int(view["total"]), int(view["count"])
     shares = fair_shares(seed, int(view["packet_id"]), kind, total, count)
     problems += _grab_problems(view["grabs"], shares)
-    return Verdict("mismatch" if problems else "verified", problems, shares)
+    return Verdict("mismatch" if problems else "verified", problems, shares, published is not None)
 
 
 def _grab_problems(grabs: Sequence[Mapping[str, Any]], shares: list[int]) -> list[str]:
-    problems = []
-    if len(grabs) > len(shares):
-        problems.append(f"{len(grabs)} grabs of a packet of {len(shares)} shares")
-    for i, g in enumerate(grabs[: len(shares)]):
+    """Going down the list: each grab's share is one of the packet's, not listed before, numbered above
+    every share listed before it (handed out in the order drawn; a number skipped was not grabbed, or its
+    credit was refused), and its amount is that share's."""
+    n = len(shares)
+    problems = [f"{len(grabs)} grabs of a packet of {n} shares"] if len(grabs) > n else []
+    last = 0
+    seen: set[int] = set()
+    for i, g in enumerate(grabs, start=1):
         user, seq, amount = g["user_id"], int(g["seq"]), int(g["amount"])
-        if seq != i + 1:
-            problems.append(f"grab {i + 1} (user {user}) got share {seq}: not handed out in the order drawn")
-        if 1 <= seq <= len(shares) and amount != shares[seq - 1]:
+        if not 1 <= seq <= n:
+            problems.append(f"grab {i} (user {user}) got share {seq}: the packet has shares 1 to {n}")
+            continue
+        if seq in seen:
+            problems.append(f"grab {i} (user {user}) got share {seq}, listed before")
+        elif seq < last:
             problems.append(
-                f"grab {i + 1} (user {user}) got {amount} cents; share {seq} is {shares[seq - 1]}"
+                f"grab {i} (user {user}) got share {seq} after share {last}:"
+                " not handed out in the order drawn"
             )
+        if amount != shares[seq - 1]:
+            problems.append(f"grab {i} (user {user}) got {amount} cents; share {seq} is {shares[seq - 1]}")
+        seen.add(seq)
+        last = max(last, seq)
     return problems

@@ -214,7 +214,7 @@ async def _send_sharded(
     # Made by this call: a send now (also when its debit is an earlier call's that died before making
     # it), put up in Redis with the shares of this seed. Made by another call of the request: its
     # shares, a replay.
-    if not await shardsteps.create_packet(core.db, packet_id, (sender_id, key, created), insert):
+    if not await shardsteps.create_packet(core.db, packet_id, (sender_id, key, seed.hex()), insert):
         return await core.db.run(
             lambda tx: _earlier_send(tx, req, key, sender_id=sender_id, group_id=group_id), idempotent=True
         )

@@ -308,17 +308,18 @@ async def debit_send(
 async def create_packet(
     db: Database,
     packet_id: PacketId,
-    made_by: tuple[int, str, int],
+    made_by: tuple[int, str, str],
     insert: Callable[[Tx], Awaitable[None]],
 ) -> bool:
     """Step 2 of a send, on the packet's shard: ``insert`` (the packet's row with id ``packet_id`` and its
     shares), unless the row is there. Returns whether this call made it: ``made_by`` (sender, request id,
-    created) is the row this call writes, so a run again after a lost COMMIT answer knows its own row.
+    seed) is the row this call writes — its seed drawn for this call alone —, so a run again after a lost
+    COMMIT answer knows its own row.
     A row of another call of the same request is a replay; a ``void`` one (``void_unsent`` refunded the
     debit) refuses the send, as does a row of another send (ids that met: never paid into)."""
 
     async def work(tx: Tx) -> str:
-        look = "SELECT status, sender_id, request_id, created_ms FROM red_packets WHERE id = %s"
+        look = "SELECT status, sender_id, request_id, seed FROM red_packets WHERE id = %s"
         row = await tx.fetchone(look, (packet_id,))
         if row is None:
             try:
@@ -330,10 +331,10 @@ async def create_packet(
             raise RuntimeError(f"packet {packet_id}'s key refused it and its row is not there")
         if row[0] == VOID:
             return VOID
-        sender, request, created = made_by
+        sender, request, seed = made_by
         if (int(row[1]), as_text(row[2])) != (sender, request):
             raise RuntimeError(f"packet {packet_id} is another send's: two debits were given one id")
-        return "made" if tx.resumed and int(row[3]) == created else "there"
+        return "made" if tx.resumed and row[3] is not None and as_text(row[3]) == seed else "there"
 
     found = await db.run(work, idempotent=True)
     if found == VOID:

@@ -294,7 +294,12 @@ MIGRATIONS.append(
         [
             # 64 hex characters (server.money.fairness), shown once the packet is finished or refunded;
             # NULL for a packet sent before packets were provably fair.
-            "ALTER TABLE red_packets ADD COLUMN seed CHAR(64) NULL",
+            # MariaDB commits an ALTER on its own: IF NOT EXISTS lets a migration stopped after it (before
+            # its version was recorded) run again. SQLite's ALTER is in the migration's transaction.
+            {
+                "mysql": "ALTER TABLE red_packets ADD COLUMN IF NOT EXISTS seed CHAR(64) NULL",
+                "sqlite": "ALTER TABLE red_packets ADD COLUMN seed CHAR(64) NULL",
+            },
         ],
     )
 )

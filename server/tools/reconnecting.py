@@ -37,6 +37,9 @@ from server.tools.client import HubClient, HubError
 
 log = logging.getLogger("redpacket.client")
 
+# Commitments kept, one a packet: the latest packets heard of (a few hundred KB at most).
+COMMITMENTS_KEPT = 10_000
+
 TokenSource = Callable[[], str | Awaitable[str]]
 Action = Literal["retry", "refresh", "stop"]
 
@@ -108,6 +111,8 @@ class RedPacketClient:
         self.rng = rng or random.Random()
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.offsets: dict[int, str] = {}  # the last offset seen per group, kept across connections
+        # Each packet's commitment as heard before its seed was shown (``verify``), oldest first.
+        self.commitments: dict[int, str] = {}
         self.groups: set[int] = set()
         self.welcome: dict[str, Any] = {}
         self.connections = 0  # welcomes so far
@@ -180,17 +185,38 @@ class RedPacketClient:
         try:
             async with asyncio.timeout(limit):
                 conn = await self._connection(None)
-                return await conn.request(kind, timeout=None, **fields)
+                data = await conn.request(kind, timeout=None, **fields)
         except TimeoutError:
             raise HubError("timeout", f"no reply to {kind} within {limit} s") from None
         except ConnectionClosed:
             raise HubError("disconnected", f"the connection dropped before the reply to {kind}") from None
+        if kind in ("send", "open"):
+            self._keep(data)
+        return data
+
+    def commitment(self, packet: int) -> str | None:
+        """The packet's commitment as this client heard it before the seed was shown, if it did."""
+        return self.commitments.get(packet)
+
+    def _keep(self, packet: dict[str, Any]) -> None:
+        """Keep a packet's commitment heard while its seed is secret (a send reply, a ``packet`` event, a
+        view of it while active): the one a revealed seed must match (docs/protocol.md, "Keep the
+        commitment"). The first heard stands; the oldest go past ``COMMITMENTS_KEPT``."""
+        pid, committed = packet.get("packet_id"), packet.get("commitment")
+        if not isinstance(pid, int) or not isinstance(committed, str) or packet.get("seed") is not None:
+            return
+        if pid not in self.commitments:
+            self.commitments[pid] = committed
+            while len(self.commitments) > COMMITMENTS_KEPT:
+                del self.commitments[next(iter(self.commitments))]
 
     async def verify(self, group: int, packet: int) -> Verdict:
         """Open the packet and check its proof of a fair split (docs/protocol.md, "Provably fair
-        packets"): ``verified``, ``mismatch`` (with each fault), ``not_verifiable`` (sent before packets
-        were provably fair) or ``not_revealed`` (still active)."""
-        return verify(await self.request("open", group=group, packet=packet))
+        packets") against the commitment this client kept (``commitment``): ``verified``, ``mismatch``
+        (with each fault), ``not_verifiable`` (sent before packets were provably fair) or
+        ``not_revealed`` (still active). ``Verdict.against_send`` says whether one was kept."""
+        kept = self.commitment(packet)
+        return verify(await self.request("open", group=group, packet=packet), kept)
 
     async def sync(self, groups: list[int] | None = None) -> dict[str, Any]:
         """Receive the groups' events (all of them: None) from the last offset seen, now and after every
@@ -330,6 +356,8 @@ class RedPacketClient:
             if "error" in got:
                 self._forget(g)
             elif got:
+                for view in got.get("packets", []):
+                    self._keep(view)
                 latest = str(got["offset"])
                 seen = self.offsets.get(g)
                 if seen is None or offset_key(latest) > offset_key(seen):
@@ -344,6 +372,10 @@ class RedPacketClient:
     # -- what the connection hears -------------------------------------------------------------------
 
     def _deliver(self, message: dict[str, Any]) -> None:
+        if message.get("type") == "event" and message.get("event") == "packet":
+            self._keep(message.get("data") or {})
+        for view in message.get("packets", []) if message.get("type") == "reset" else []:
+            self._keep(view)
         if self.on_event is None:
             self.events.put_nowait(message)
         else:
