@@ -12,6 +12,7 @@ REDPACKET_TEST_REQUIRE_BROWSER=1 (CI sets it), in which case they fail.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
 from collections.abc import AsyncIterator
@@ -294,9 +295,11 @@ async def test_a_packet_opens_as_a_card_then_開_then_the_amount_and_the_room_sa
             )
         await shoot(admin, "web-desktop-2-opened")
         # Provably fair: the finished packet says "fair ✓", and a tap shows the proof: the seed the hub
-        # revealed, its commitment, and the shares recomputed in the browser, in grab order.
+        # revealed, its commitment — the one the page kept from the send —, and the shares recomputed in
+        # the browser, in grab order.
         fair = admin.locator("#pd-fair button")
         await expect(fair).to_have_text("fair ✓")
+        await expect(fair).to_have_attribute("data-against-send", "true")
         await expect(admin.locator("#pd-proof")).to_be_hidden()
         await fair.click()
         await expect(fair).to_have_attribute("aria-expanded", "true")
@@ -306,6 +309,8 @@ async def test_a_packet_opens_as_a_card_then_開_then_the_amount_and_the_room_sa
         assert re.fullmatch("[0-9a-f]{64}", revealed["seed"] or ""), revealed
         await expect(admin.locator("#pd-proof .seed")).to_have_text(revealed["seed"])
         await expect(admin.locator("#pd-proof .commitment")).to_have_text(revealed["commitment"])
+        await expect(admin.locator("#pd-proof .kept")).to_have_text(revealed["commitment"])
+        await expect(admin.locator("#pd-proof p")).to_contain_text("received before the seed was shown")
         await expect(admin.locator("#pd-proof .shares")).to_have_text(f"{yuan(share)} · {yuan(alice_share)}")
         await expect(admin.locator("#pd-proof .problems li")).to_have_count(0)
         await expect(admin.locator("#pd-proof")).not_to_contain_text("null")
@@ -509,28 +514,76 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
         await expect(page.locator(bubble)).to_contain_text("You got ¥5.00")
         assert await contrast(page) == []  # an opened packet is faded, its text still readable
 
-        # A view that does not match its seed says so, in a warning, with what is wrong; one without a
-        # commitment (sent before packets were provably fair) says "not verifiable", never failed. The
-        # page's own client hands it such views here.
-        await page.evaluate(DOCTORED_OPEN)
+        # A view that does not match its seed says so, in a warning, with what is wrong. The page's own
+        # client hands it such views here; it kept the packet's commitment from the packet event (the
+        # group's history, replayed when the page opened it).
+        kept = await page.evaluate(f"state.client.commitment({sent['packet_id']})")
+        assert kept == sent["commitment"]
+        await page.evaluate(DOCTORED_OPEN, {"seed": SWAP_SEED, "commitment": SWAP_COMMITMENT})
         await page.evaluate("window.__doctor = 'amount'")
         await page.locator(bubble).click()
         fair = page.locator("#pd-fair button")
+        problems = page.locator("#pd-proof .problems li")
         await expect(fair).to_have_text("fair ✗ mismatch")
         await fair.click()
-        await expect(page.locator("#pd-proof .problems li")).to_have_text(
-            [f"grab 1 (user {bob}) got 501 cents; share 1 is 500"]
-        )
+        await expect(problems).to_have_text([f"grab 1 (user {bob}) got 501 cents; share 1 is 500"])
         assert await contrast(page) == []
         await shoot(page, "web-desktop-keyboard-mismatch")
         await page.keyboard.press("Escape")
+        await expect(page.locator("#packet-dialog")).not_to_be_visible()  # closed before what follows
+        # Another seed, with a commitment made to match, after the grabs: it holds together on its own,
+        # but it is not the commitment the page heard before the seed was shown.
+        await page.evaluate("window.__doctor = 'swap'")
+        await page.locator(bubble).click()
+        await expect(fair).to_have_text("fair ✗ mismatch")
+        await fair.click()
+        await expect(problems).to_have_text(
+            [f"the commitment shown now is {SWAP_COMMITMENT}; the one published at send was {kept}"]
+        )
+        await expect(page.locator("#pd-proof .kept")).to_have_text(kept)
+        await page.keyboard.press("Escape")
+        await expect(page.locator("#packet-dialog")).not_to_be_visible()  # closed before what follows
+        # A commitment kept, and a view that shows none now: a mismatch, not "not verifiable".
+        await page.evaluate("window.__doctor = 'old'")
+        await page.locator(bubble).click()
+        await expect(fair).to_have_text("fair ✗ mismatch")
+        await fair.click()
+        await expect(problems).to_have_text(
+            [
+                f"the commitment shown now is null; the one published at send was {kept}",
+                "the seed is not 64 lowercase hex digits",
+            ]
+        )
+        await page.keyboard.press("Escape")
+        await expect(page.locator("#packet-dialog")).not_to_be_visible()  # closed before what follows
+        # A page that did not see the packet sent kept nothing: the swapped pair is "fair ✓" as far as it
+        # can tell, and its proof says it was checked against the commitment shown now only; a packet with
+        # no commitment (sent before packets were provably fair) is "not verifiable", never failed.
+        await page.evaluate("state.client.commitments.clear()")
+        await page.evaluate("window.__doctor = 'swap'")
+        await page.locator(bubble).click()
+        await expect(fair).to_have_text("fair ✓")
+        await expect(fair).to_have_attribute("data-against-send", "false")
+        await fair.click()
+        await expect(page.locator("#pd-proof p")).to_contain_text(
+            "This page did not see the packet sent, so the commitment was checked against the one shown now"
+            " only"
+        )
+        await expect(page.locator("#pd-proof .kept")).to_contain_text("none")
+        await expect(problems).to_have_count(0)
+        assert await contrast(page) == []
+        await shoot(page, "web-desktop-keyboard-unkept")
+        await page.keyboard.press("Escape")
+        await expect(page.locator("#packet-dialog")).not_to_be_visible()  # closed before what follows
         await page.evaluate("window.__doctor = 'old'")
         await page.locator(bubble).click()
         await expect(page.locator("#pd-fair")).to_have_text("not verifiable")
         await expect(fair).to_have_count(0)
         assert await contrast(page) == []
         await page.keyboard.press("Escape")
+        await expect(page.locator("#packet-dialog")).not_to_be_visible()  # closed before what follows
         await page.evaluate("window.__doctor = null")
+        await expect(page.locator(bubble)).to_be_focused()  # given back by the sheet as it closed
 
         # The composer and the rest of the page are reached and named too.
         await tab_to(page, "#text")
@@ -546,14 +599,21 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
         await done_with(page)
 
 
+# Another seed and its commitment: a one-share packet's split is the same from any seed, so a view showing
+# these holds together on its own.
+SWAP_SEED = "00" * 32
+SWAP_COMMITMENT = hashlib.sha256(bytes.fromhex(SWAP_SEED)).hexdigest()
+
 # The page's client, doctoring the packet views it is given: window.__doctor = "amount" adds a cent to the
-# first grab, "old" takes the commitment and seed away (a packet sent before packets were provably fair).
-DOCTORED_OPEN = """() => {
+# first grab, "swap" shows the seed and commitment given (a seed chosen after the grabs), "old" takes the
+# commitment and seed away (a packet sent before packets were provably fair).
+DOCTORED_OPEN = """(swap) => {
   const client = state.client;
   const request = client.request.bind(client);
   client.request = async (type, fields, options) => {
     const reply = await request(type, fields, options);
     if (type === "open" && window.__doctor === "amount") reply.grabs[0].amount += 1;
+    if (type === "open" && window.__doctor === "swap") Object.assign(reply, swap);
     if (type === "open" && window.__doctor === "old") Object.assign(reply, { commitment: null, seed: null });
     return reply;
   };

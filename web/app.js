@@ -680,6 +680,9 @@ async function pressOpen() {
 }
 
 async function showResult(groupId, packetId, refusal) {
+  // The commitment the page's client heard before the seed was shown (the send reply, the packet event,
+  // a view while active): what binds the revealed seed to the send (docs/protocol.md, "Keep the commitment").
+  const kept = state.client?.commitment(packetId);
   let view;
   try {
     view = await request("open", { group: groupId, packet: packetId });
@@ -715,7 +718,7 @@ async function showResult(groupId, packetId, refusal) {
   $("pd-grabs").replaceChildren(...view.grabs.map((gr) => el("li", { "data-user": gr.user_id },
     el("span", {}, nameOf(gr.user_id), timeEl(gr.grabbed_ms)),
     el("span", {}, yuan(gr.amount), gr.user_id === best ? el("span", { class: "best" }, "★ Best luck") : null))));
-  showFairness(view, done || over);
+  showFairness(view, kept, done || over);
   const dlg = $("packet-dialog");
   dlg.dataset.face = "result";
   if (!dlg.open) dlg.showModal();
@@ -723,11 +726,25 @@ async function showResult(groupId, packetId, refusal) {
 }
 
 // Provably fair packets (docs/protocol.md): once a packet is finished or refunded its view reveals the seed
-// its shares were drawn from, and the client recomputes them here, in the browser. "fair ✓", or "fair ✗
-// mismatch" with what is wrong; "not verifiable" for a packet sent before packets were provably fair.
+// its shares were drawn from, and the client recomputes them here, in the browser, and checks the view's
+// commitment against the one the page kept from before the seed was shown. "fair ✓", or "fair ✗ mismatch"
+// with what is wrong; "not verifiable" for a packet sent before packets were provably fair. A page that
+// never heard of the packet while it was active (opened after it finished) kept none: "fair ✓" then says
+// in its proof that the commitment was checked against the one shown now only.
 const FAIR_WORDS = { verified: "fair ✓", mismatch: "fair ✗ mismatch" };
 
-function showFairness(view, settled) {
+function fairText(verdict) {
+  if (verdict.status !== "verified") return "Checked here, the packet's proof does not hold:";
+  const drawn = "Recomputed here from this seed, the shares match every grab, in order.";
+  if (verdict.againstSend) {
+    return "The shares were drawn at send from this seed: its SHA-256, the commitment, is the one this page" +
+      ` received before the seed was shown. ${drawn}`;
+  }
+  return `${drawn} This page did not see the packet sent, so the commitment was checked against the one` +
+    " shown now only: compare it with the one published at send.";
+}
+
+function showFairness(view, kept, settled) {
   const box = $("pd-fair");
   const proof = $("pd-proof");
   proof.hidden = true;
@@ -735,9 +752,10 @@ function showFairness(view, settled) {
   box.replaceChildren();
   let verdict;
   try {
-    verdict = verifyPacket(view);
+    verdict = verifyPacket(view, kept);
   } catch (e) {
-    verdict = { status: "mismatch", problems: [`the packet view cannot be checked: ${e.message}`], shares: [] };
+    verdict = { status: "mismatch", problems: [`the packet view cannot be checked: ${e.message}`], shares: [],
+      againstSend: kept !== undefined };
   }
   // Nothing to say while the packet is active (or its refund is not closed yet): the seed is still secret.
   box.hidden = verdict.status === "not_revealed" || (verdict.status === "not_verifiable" && !settled);
@@ -748,7 +766,8 @@ function showFairness(view, settled) {
   }
   const ok = verdict.status === "verified";
   const toggle = el("button", { type: "button", class: `fair-badge ${ok ? "ok" : "bad"}`, "aria-expanded": "false",
-    "aria-controls": "pd-proof", "aria-label": `${FAIR_WORDS[verdict.status]}: show the proof` }, FAIR_WORDS[verdict.status]);
+    "aria-controls": "pd-proof", "aria-label": `${FAIR_WORDS[verdict.status]}: show the proof`,
+    "data-against-send": String(verdict.againstSend) }, FAIR_WORDS[verdict.status]);
   toggle.addEventListener("click", () => {
     proof.hidden = !proof.hidden;
     toggle.setAttribute("aria-expanded", String(!proof.hidden));
@@ -756,14 +775,13 @@ function showFairness(view, settled) {
   box.append(toggle);
   const code = (text) => el("code", {}, String(text));
   proof.append(
-    el("p", {}, ok
-      ? "The shares were drawn at send from this seed; its SHA-256 (the commitment) was published before any grab." +
-        " Recomputed here, they match every grab, in order."
-      : "Recomputed here from the seed, the shares do not match what was handed out:"),
+    el("p", { class: verdict.againstSend ? "" : "unkept" }, fairText(verdict)),
     el("ul", { class: "problems" }, ...verdict.problems.map((x) => el("li", {}, x))),
     el("dl", {},
       el("dt", {}, "Seed"), el("dd", { class: "seed" }, code(view.seed)),
-      el("dt", {}, "Commitment"), el("dd", { class: "commitment" }, code(view.commitment)),
+      el("dt", {}, "Commitment shown now"), el("dd", { class: "commitment" }, code(view.commitment)),
+      el("dt", {}, "Commitment received before the seed"),
+      el("dd", { class: "kept" }, kept === undefined ? "none: this page did not see the packet sent" : code(kept)),
       el("dt", {}, "Shares in order"), el("dd", { class: "shares" }, verdict.shares.map(yuan).join(" · ") || "—")));
 }
 

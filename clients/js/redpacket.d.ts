@@ -7,6 +7,8 @@ export declare const SUBPROTOCOL_MSGPACK: "redpacket.v1.msgpack";
  * and 4004. After 4029 and 4030 it reconnects after its longest back-off (maxDelayMs × 0.5–1). */
 export declare const FINAL_CLOSE_CODES: readonly number[];
 export declare const EVENT_TYPES: readonly EventType[];
+/** How many packets' commitments a client keeps (10,000): past it the oldest go. */
+export declare const COMMITMENTS_KEPT: number;
 
 /** An id of a user, group or packet: 1 to 2⁶³−1 (a BigInt from msgpack only beyond 2⁵³). */
 export type Id = number;
@@ -234,6 +236,15 @@ export declare class RedPacketClient {
   presence(group: Id): Promise<{ group: Id; online: Id[] }>;
   /** The last offset seen per group (group id as a string → offset). */
   lastOffsets(): Record<string, Offset>;
+  /** Each packet's commitment as this client heard it before the seed was shown (from `packet` events,
+   * send and open replies, the packets of a sync or reset whose seed is null), by the packet id's decimal,
+   * oldest first; the first heard stands; at most COMMITMENTS_KEPT. */
+  readonly commitments: ReadonlyMap<string, string>;
+  /** The packet's commitment as this client heard it before its seed was shown, or undefined. */
+  commitment(packet: PacketIdInput): string | undefined;
+  /** Opens the packet and checks it with verifyPacket against the commitment kept (`againstSend` says
+   * whether there was one). */
+  verify(group: Id, packet: Id): Promise<FairVerdict>;
 }
 
 export declare function isNewer(a: Offset, b: Offset | null | undefined): boolean;
@@ -250,8 +261,8 @@ export type PacketIdInput = number | string | bigint;
 export type FairStatus = "verified" | "mismatch" | "not_verifiable" | "not_revealed";
 
 export interface FairVerdict {
-  /** verified: every grab listed got the share drawn for its place; mismatch: see problems;
-   * not_verifiable: no commitment (sent before packets were provably fair — never a failure);
+  /** verified: every grab listed got the share drawn for it, in the order drawn; mismatch: see problems;
+   * not_verifiable: no commitment and none kept (sent before packets were provably fair — never a failure);
    * not_revealed: no seed yet (the packet is still active). */
   status: FairStatus;
   /** Every fault found, in English (empty unless mismatch). */
@@ -259,6 +270,10 @@ export interface FairVerdict {
   /** The recomputed shares in the order they were handed out (share seq is item seq − 1); empty without a
    * usable seed. */
   shares: number[];
+  /** The view's commitment was checked against the one published at send (`published` was given). Without
+   * it, a seed chosen after the grabs, shown with a commitment made to match, would go unseen: say that
+   * the check was against the view's own commitment only. */
+  againstSend: boolean;
 }
 
 /** What verifyPacket reads of a packet view (`open`, `GET /api/packets/{p}`). */
@@ -272,10 +287,13 @@ export interface VerifiableView {
   grabs: { user_id: Id | bigint | string; seq: number | bigint; amount: number | bigint }[];
 }
 
-/** Checks a packet view as docs/protocol.md says (and as the hub's server.money.fairness.verify does): the
- * seed against the commitment, then each grab, in the order listed, against the share drawn for its place
- * (its seq must be its place, its amount that share). Synchronous. */
-export declare function verifyPacket(view: VerifiableView): FairVerdict;
+/** Checks a packet view as docs/protocol.md says (and as the hub's server.money.fairness.verify does):
+ * its commitment against `published` — the one kept from before the seed was shown (the send reply, the
+ * `packet` event, a view while active: `client.commitment(packet)`) —, the seed against the commitment,
+ * then each grab, in the order listed: its seq one of the packet's shares, not listed before, above every
+ * seq listed before it (a seq not listed is no fault), its amount that share's; no more grabs than
+ * shares. Synchronous. */
+export declare function verifyPacket(view: VerifiableView, published?: string | null): FairVerdict;
 /** The shares of a packet in the order they are handed out, recomputed from its seed (64 hex digits). */
 export declare function fairShares(
   seedHex: string, packetId: PacketIdInput, kind: string, total: number, count: number,

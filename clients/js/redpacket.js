@@ -11,8 +11,9 @@
 // What it does for you: the token as a subprotocol, reconnection with exponential back-off and full
 // jitter, a `sync` from the last offset of every group after every welcome (duplicates dropped, a
 // `too_old` answered with a "reset" event carrying the group's open packets), a `sync` on a `gap`
-// notice, requests matched to replies by id with a timeout each, JSON or msgpack. And `verifyPacket(view)`:
-// the check that a finished packet's shares were the ones drawn from its committed seed (synchronous).
+// notice, requests matched to replies by id with a timeout each, JSON or msgpack. And `verifyPacket(view,
+// published)`: the check that a finished packet's shares were the ones drawn from the seed committed to at
+// send (synchronous); the client keeps each packet's commitment as it hears it, for `client.verify`.
 
 export const VERSION = "1.0.0";
 export const SUBPROTOCOL_JSON = "redpacket.v1.json";
@@ -28,6 +29,9 @@ const CLOSE_RESTARTING = 1012; // the hub restarts: come back soon, to another h
 // many sockets on the hub — it gets in once one of them closes (another tab, another device).
 const PATIENT_CLOSE_CODES = Object.freeze([4029, 4030]);
 const CLOSE_TOKEN = 4001;
+// Commitments kept, one a packet: those of the latest packets heard of (a few MB at most), as the Python
+// client keeps them (docs/protocol.md, "Keep the commitment").
+export const COMMITMENTS_KEPT = 10_000;
 
 // ---- errors ----------------------------------------------------------------------------------------------
 
@@ -297,6 +301,9 @@ export class RedPacketClient {
     this.everWelcomed = false;
     this.firstReady = null;
     this.generation = 0; // of openSocket calls: one outdated by close() or connect() meanwhile gives up
+    // Each packet's commitment as heard before its seed was shown (packet id's decimal → commitment), oldest
+    // first: what verify() checks a revealed seed against.
+    this.commitments = new Map();
   }
 
   // -- events ---------------------------------------------------------------------------------------------
@@ -593,14 +600,19 @@ export class RedPacketClient {
     if (!p) return; // timed out meanwhile
     this.pending.delete(msg.id);
     clearTimeout(p.timer);
-    if (msg.ok) p.resolve(msg.data);
-    else p.reject(replyError(msg.error));
+    if (!msg.ok) {
+      p.reject(replyError(msg.error));
+      return;
+    }
+    if (p.type === "send" || p.type === "open") this.keepCommitment(msg.data);
+    p.resolve(msg.data);
   }
 
   onEvent(msg) {
     // Each event once: a replay after a reconnect may overlap what was seen (docs/protocol.md, "Recovery").
     if (!isNewer(msg.offset, this.offsets.get(msg.group))) return;
     this.offsets.set(msg.group, msg.offset);
+    if (msg.event === "packet") this.keepCommitment(msg.data);
     this.emit("event", msg);
     if (EVENT_TYPES.includes(msg.event)) this.emit(msg.event, msg);
   }
@@ -622,7 +634,7 @@ export class RedPacketClient {
         this.pending.delete(id);
         reject(new RedPacketError("timeout", `no reply to ${type} within ${wait} ms`));
       }, wait);
-      this.pending.set(id, { resolve, reject, timer });
+      this.pending.set(id, { resolve, reject, timer, type });
       ws.send(this.encode({ ...fields, id, type }));
     });
   }
@@ -647,6 +659,7 @@ export class RedPacketClient {
         continue;
       }
       replayed += res.replayed || 0;
+      for (const view of res.packets || []) this.keepCommitment(view);
       const seen = this.offsets.get(id);
       if (res.too_old || res.packets) {
         // A fresh start, or the hub no longer holds what followed our offset: its latest is where we are.
@@ -687,10 +700,43 @@ export class RedPacketClient {
     return this.request("presence", { group });
   }
 
+  /** The packet's commitment as this client heard it before its seed was shown (a `packet` event, a send
+   * reply, a view of it while active), or undefined if it heard none. */
+  commitment(packetId) {
+    return this.commitments.get(packetKey(packetId) ?? "");
+  }
+
+  /** Open the packet and check its proof of a fair split (docs/protocol.md, "Provably fair packets")
+   * against the commitment this client kept (`commitment`): verifyPacket's verdict, whose `againstSend`
+   * says whether one was kept. */
+  async verify(group, packet) {
+    const kept = this.commitment(packet);
+    return verifyPacket(await this.open(group, packet), kept);
+  }
+
+  keepCommitment(packet) {
+    // A packet's commitment heard while its seed is secret: the one a revealed seed must match. The first
+    // heard stands; past COMMITMENTS_KEPT the oldest go.
+    const key = packetKey(packet?.packet_id);
+    const committed = packet?.commitment;
+    if (key === null || typeof committed !== "string" || (packet.seed ?? null) !== null) return;
+    if (this.commitments.has(key)) return;
+    this.commitments.set(key, committed);
+    while (this.commitments.size > COMMITMENTS_KEPT) this.commitments.delete(this.commitments.keys().next().value);
+  }
+
   /** The last offset seen per group (to store, and give back as `offsets` to a client made later). */
   lastOffsets() {
     return Object.fromEntries([...this.offsets].map(([g, o]) => [String(g), o]));
   }
+}
+
+/** A packet id as the key of the commitments kept: its decimal (a number, a BigInt or a decimal string
+ * alike), or null for anything else. */
+function packetKey(id) {
+  if ((typeof id === "number" && Number.isSafeInteger(id)) || typeof id === "bigint") return String(id);
+  if (typeof id === "string" && /^[0-9]+$/.test(id)) return BigInt(id).toString();
+  return null;
 }
 
 // ---- provably fair packets (docs/protocol.md, "Provably fair packets") -----------------------------------
@@ -863,35 +909,64 @@ export function fairShares(seedHex, packetId, kind, total, count) {
 }
 
 /** Check a packet view (`open`, `GET /api/packets/{p}`) as docs/protocol.md says and as the hub's
- * `server.money.fairness.verify` does: `not_verifiable` (no commitment: sent before packets were provably
- * fair — never a failure), `not_revealed` (no seed yet: still active), else `verified` or `mismatch` with
- * every fault in `problems`: the seed against the commitment, then each grab, in the order listed, against
- * the share drawn for its place. `shares` is the recomputed list (empty without a usable seed). */
-export function verifyPacket(view) {
-  const { commitment, seed } = view;
-  if (commitment === null || commitment === undefined) return { status: "not_verifiable", problems: [], shares: [] };
-  if (seed === null || seed === undefined) return { status: "not_revealed", problems: [], shares: [] };
-  if (typeof seed !== "string" || !/^[0-9a-f]{64}$/.test(seed)) {
-    return { status: "mismatch", problems: ["the seed is not 64 lowercase hex digits"], shares: [] };
-  }
+ * `server.money.fairness.verify` does, against `published`: the commitment kept from before the seed was
+ * shown (the send reply, the `packet` event, a view of the packet while active: `client.commitment(id)`).
+ * A view's own commitment proves nothing about when it was made; without `published` the check is against
+ * it only, and `againstSend` is false. `not_verifiable` (no commitment, none kept: sent before packets were
+ * provably fair — never a failure), `not_revealed` (no seed yet: still active), else `verified` or
+ * `mismatch` with every fault in `problems`: the commitment against the one kept, the seed against the
+ * commitment, then each grab, in the order listed, against the share drawn for it. `shares` is the
+ * recomputed list (empty without a usable seed). */
+export function verifyPacket(view, published = null) {
+  const committed = view.commitment ?? null;
+  const seed = view.seed ?? null;
+  const kept = published ?? null;
+  const nothing = (status) => ({ status, problems: [], shares: [], againstSend: false });
+  if (committed === null && kept === null) return nothing("not_verifiable");
+  if (committed !== null && seed === null) return nothing("not_revealed");
+  const againstSend = kept !== null;
   const problems = [];
-  const computed = commitmentOf(seed);
-  if (computed !== commitment) {
-    problems.push(`sha256(seed) is ${computed}, the commitment published at send ${commitment}`);
+  if (againstSend && committed !== kept) {
+    problems.push(`the commitment shown now is ${committed}; the one published at send was ${kept}`);
   }
+  if (typeof seed !== "string" || !/^[0-9a-f]{64}$/.test(seed)) {
+    problems.push("the seed is not 64 lowercase hex digits");
+    return { status: "mismatch", problems, shares: [], againstSend };
+  }
+  const computed = commitmentOf(seed);
+  if (computed !== committed) problems.push(`sha256(seed) is ${computed}, not the commitment ${committed}`);
   const shares = fairShares(seed, view.packet_id, String(view.kind), Number(view.total), Number(view.count));
-  const grabs = view.grabs || [];
-  if (grabs.length > shares.length) problems.push(`${grabs.length} grabs of a packet of ${shares.length} shares`);
-  grabs.slice(0, shares.length).forEach((g, i) => {
+  problems.push(...grabProblems(view.grabs || [], shares));
+  return { status: problems.length ? "mismatch" : "verified", problems, shares, againstSend };
+}
+
+/** Going down the list: each grab's share is one of the packet's, not listed before, numbered above every
+ * share listed before it (handed out in the order drawn; a number skipped was not grabbed, or its credit
+ * was refused), and its amount is that share's. The texts are the hub's, word for word. */
+function grabProblems(grabs, shares) {
+  const n = shares.length;
+  const problems = grabs.length > n ? [`${grabs.length} grabs of a packet of ${n} shares`] : [];
+  const seen = new Set();
+  let last = 0;
+  grabs.forEach((g, index) => {
+    const i = index + 1;
+    const user = g.user_id;
     const seq = Number(g.seq);
     const amount = Number(g.amount);
-    if (seq !== i + 1) {
-      problems.push(`grab ${i + 1} (user ${g.user_id}) got share ${seq}: not handed out in the order drawn`);
+    if (!Number.isInteger(seq) || seq < 1 || seq > n) {
+      problems.push(`grab ${i} (user ${user}) got share ${seq}: the packet has shares 1 to ${n}`);
+      return;
     }
-    // As the hub's verify: a grab out of order is also checked against the share it says it got.
-    if (seq >= 1 && seq <= shares.length && amount !== shares[seq - 1]) {
-      problems.push(`grab ${i + 1} (user ${g.user_id}) got ${amount} cents; share ${seq} is ${shares[seq - 1]}`);
+    if (seen.has(seq)) problems.push(`grab ${i} (user ${user}) got share ${seq}, listed before`);
+    else if (seq < last) {
+      problems.push(`grab ${i} (user ${user}) got share ${seq} after share ${last}:` +
+        " not handed out in the order drawn");
     }
+    if (amount !== shares[seq - 1]) {
+      problems.push(`grab ${i} (user ${user}) got ${amount} cents; share ${seq} is ${shares[seq - 1]}`);
+    }
+    seen.add(seq);
+    last = Math.max(last, seq);
   });
-  return { status: problems.length ? "mismatch" : "verified", problems, shares };
+  return problems;
 }

@@ -108,9 +108,11 @@ def verify(view: Mapping[str, Any], published: str | None = None) -> Verdict:
         return Verdict("not_revealed")
     problems = []
     if published is not None and committed != published:
-        problems.append(f"the commitment shown now is {committed}; the one published at send was {published}")
+        shown = "null" if committed is None else committed  # (as the protocol writes a missing one)
+        problems.append(f"the commitment shown now is {shown}; the one published at send was {published}")
     if not isinstance(seed_hex, str) or not _HEX64.fullmatch(seed_hex):
-        return Verdict("mismatch", [*problems, "the seed is not 64 lowercase hex digits"])
+        problems.append("the seed is not 64 lowercase hex digits")
+        return Verdict("mismatch", problems, [], published is not None)
     seed = bytes.fromhex(seed_hex)
     if commitment(seed) != committed:
         problems.append(f"sha256(seed) is {commitment(seed)}, not the commitment {committed}")

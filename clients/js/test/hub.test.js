@@ -123,6 +123,38 @@ test("send, grab, open: packet, grabs and finished events, in JSON and in msgpac
   alice.close();
 });
 
+test("provably fair: commitments kept from the send reply and the packet event; verify uses them", { skip }, async () => {
+  const alice = client(env.RP_ALICE_TOKEN, { format: "json" });
+  const bob = client(env.RP_BOB_TOKEN, { format: "msgpack" });
+  await Promise.all([alice.connect(), bob.connect()]);
+  const packets = collect(bob, "packet");
+  const sent = await alice.send(GROUP, { kind: "lucky", total: 777, count: 2, greeting: "fair" });
+  assert.match(sent.commitment, /^[0-9a-f]{64}$/);
+  assert.equal(alice.commitment(sent.packet_id), sent.commitment); // from the send reply
+  await until(() => packets.some((e) => e.data.packet_id === sent.packet_id), 10_000, "bob's packet event");
+  assert.equal(bob.commitment(sent.packet_id), sent.commitment); // from the packet event
+  assert.equal((await bob.verify(GROUP, sent.packet_id)).status, "not_revealed");
+  await humanPause();
+  await bob.grab(GROUP, sent.packet_id);
+  await alice.grab(GROUP, sent.packet_id);
+  for (const c of [alice, bob]) {
+    const verdict = await c.verify(GROUP, sent.packet_id);
+    assert.equal(verdict.status, "verified", verdict.problems.join("; "));
+    assert.equal(verdict.againstSend, true);
+    assert.equal(verdict.shares.reduce((a, b) => a + b, 0), 777);
+  }
+  // Carol connects after the packet finished (synced from now): she kept none, and is told so.
+  const carol = client(env.RP_CAROL_TOKEN);
+  await carol.connect();
+  assert.equal(carol.commitment(sent.packet_id), undefined);
+  const late = await carol.verify(GROUP, sent.packet_id);
+  assert.equal(late.status, "verified");
+  assert.equal(late.againstSend, false);
+  alice.close();
+  bob.close();
+  carol.close();
+});
+
 test("closed by the hub: reconnects with a refreshed token, re-syncs, gets what it missed, each once", { skip }, async () => {
   let refreshes = 0;
   let letBack;
