@@ -590,7 +590,15 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
         await expect(page.get_by_role("textbox", name="Message")).to_be_focused()
         await page.keyboard.type("thanks!")
         await page.keyboard.press("Enter")
-        await expect(page.locator("#messages")).to_contain_text("thanks!")
+        # (A bound for a loaded machine, where this once took longer than 5 s; what the page said if not.)
+        try:
+            await expect(page.locator("#messages")).to_contain_text("thanks!", timeout=20_000)
+        except AssertionError:
+            said = await page.evaluate(
+                "[document.activeElement.id, document.getElementById('text').value,"
+                " document.getElementById('toast').textContent, state.connState]"
+            )
+            raise AssertionError(f"the chat was not shown: focus, input, toast, connection: {said}") from None
         await page.click("#my-packets")
         assert await unnamed_controls(page) == []
         assert await contrast(page) == []
