@@ -67,12 +67,8 @@ def test_a_statement_that_cannot_be_placed_is_refused(sql: str) -> None:
 cluster = test_shards.cluster
 
 
-async def _on(url: str, sql: str) -> list[tuple[Any, ...]]:
-    db = await connect(url, 1)
-    try:
-        return await db.fetchall(sql)
-    finally:
-        await db.close()
+# One statement on one server, on a connection of its own.
+_on = test_shards._backend_rows
 
 
 async def _make(cluster: SpiderCluster, name: str, opener: Callable[[str], Any] | None = None) -> list[str]:

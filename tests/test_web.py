@@ -508,8 +508,7 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
         assert await contrast(page) == []
         await shoot(page, "web-desktop-keyboard-proof")
         # Escape closes the sheet and gives the focus back to the packet (drawn anew since).
-        await page.keyboard.press("Escape")
-        await expect(page.locator("#packet-dialog")).not_to_be_visible()
+        await close_sheet(page)
         await expect(page.locator(bubble)).to_be_focused()
         await expect(page.locator(bubble)).to_contain_text("You got ¥5.00")
         assert await contrast(page) == []  # an opened packet is faded, its text still readable
@@ -520,8 +519,7 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
         kept = await page.evaluate(f"state.client.commitment({sent['packet_id']})")
         assert kept == sent["commitment"]
         await page.evaluate(DOCTORED_OPEN, {"seed": SWAP_SEED, "commitment": SWAP_COMMITMENT})
-        await page.evaluate("window.__doctor = 'amount'")
-        await page.locator(bubble).click()
+        await open_doctored(page, bubble, "amount")
         fair = page.locator("#pd-fair button")
         problems = page.locator("#pd-proof .problems li")
         await expect(fair).to_have_text("fair ✗ mismatch")
@@ -529,23 +527,19 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
         await expect(problems).to_have_text([f"grab 1 (user {bob}) got 501 cents; share 1 is 500"])
         assert await contrast(page) == []
         await shoot(page, "web-desktop-keyboard-mismatch")
-        await page.keyboard.press("Escape")
-        await expect(page.locator("#packet-dialog")).not_to_be_visible()  # closed before what follows
+        await close_sheet(page)
         # Another seed, with a commitment made to match, after the grabs: it holds together on its own,
         # but it is not the commitment the page heard before the seed was shown.
-        await page.evaluate("window.__doctor = 'swap'")
-        await page.locator(bubble).click()
+        await open_doctored(page, bubble, "swap")
         await expect(fair).to_have_text("fair ✗ mismatch")
         await fair.click()
         await expect(problems).to_have_text(
             [f"the commitment shown now is {SWAP_COMMITMENT}; the one published at send was {kept}"]
         )
         await expect(page.locator("#pd-proof .kept")).to_have_text(kept)
-        await page.keyboard.press("Escape")
-        await expect(page.locator("#packet-dialog")).not_to_be_visible()  # closed before what follows
+        await close_sheet(page)
         # A commitment kept, and a view that shows none now: a mismatch, not "not verifiable".
-        await page.evaluate("window.__doctor = 'old'")
-        await page.locator(bubble).click()
+        await open_doctored(page, bubble, "old")
         await expect(fair).to_have_text("fair ✗ mismatch")
         await fair.click()
         await expect(problems).to_have_text(
@@ -554,14 +548,12 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
                 "the seed is not 64 lowercase hex digits",
             ]
         )
-        await page.keyboard.press("Escape")
-        await expect(page.locator("#packet-dialog")).not_to_be_visible()  # closed before what follows
+        await close_sheet(page)
         # A page that did not see the packet sent kept nothing: the swapped pair is "fair ✓" as far as it
         # can tell, and its proof says it was checked against the commitment shown now only; a packet with
         # no commitment (sent before packets were provably fair) is "not verifiable", never failed.
         await page.evaluate("state.client.commitments.clear()")
-        await page.evaluate("window.__doctor = 'swap'")
-        await page.locator(bubble).click()
+        await open_doctored(page, bubble, "swap")
         await expect(fair).to_have_text("fair ✓")
         await expect(fair).to_have_attribute("data-against-send", "false")
         await fair.click()
@@ -573,15 +565,12 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
         await expect(problems).to_have_count(0)
         assert await contrast(page) == []
         await shoot(page, "web-desktop-keyboard-unkept")
-        await page.keyboard.press("Escape")
-        await expect(page.locator("#packet-dialog")).not_to_be_visible()  # closed before what follows
-        await page.evaluate("window.__doctor = 'old'")
-        await page.locator(bubble).click()
+        await close_sheet(page)
+        await open_doctored(page, bubble, "old")
         await expect(page.locator("#pd-fair")).to_have_text("not verifiable")
         await expect(fair).to_have_count(0)
         assert await contrast(page) == []
-        await page.keyboard.press("Escape")
-        await expect(page.locator("#packet-dialog")).not_to_be_visible()  # closed before what follows
+        await close_sheet(page)
         await page.evaluate("window.__doctor = null")
         await expect(page.locator(bubble)).to_be_focused()  # given back by the sheet as it closed
 
@@ -605,6 +594,18 @@ async def test_by_keyboard_alone_with_names_for_a_screen_reader_visible_focus_an
         await page.keyboard.press("Escape")
         await sender.close()
         await done_with(page)
+
+
+async def open_doctored(page: Page, bubble: str, doctor: str) -> None:
+    """Open the packet by its bubble, its view doctored as ``DOCTORED_OPEN`` says."""
+    await page.evaluate(f"window.__doctor = '{doctor}'")
+    await page.locator(bubble).click()
+
+
+async def close_sheet(page: Page) -> None:
+    """Escape, and wait until the sheet is closed: a Tab pressed before would go on inside it."""
+    await page.keyboard.press("Escape")
+    await expect(page.locator("#packet-dialog")).not_to_be_visible()
 
 
 # Another seed and its commitment: a one-share packet's split is the same from any seed, so a view showing

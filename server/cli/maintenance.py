@@ -102,7 +102,7 @@ async def verify(settings: Settings, packet_id: int, published: str | None = Non
     to check (no commitment: sent before packets were provably fair; or not revealed yet)."""
     from server.hub.requests import view_dict
     from server.ids import MAX_ID, PacketId
-    from server.money import fairness, grabs, queries
+    from server.money import fairness, grabs
     from server.money.packets import load_packet
 
     if not 1 <= packet_id <= MAX_ID:
@@ -112,11 +112,11 @@ async def verify(settings: Settings, packet_id: int, published: str | None = Non
     await check_services(settings, durability=False)
     async with open_core(settings) as core:
         pid = PacketId(packet_id)
-        found = await queries.packet_status(core.db, pid)
         packet = await load_packet(core, pid)
-        if found is None or packet is None:
+        if packet is None:
             raise OperatorError(f"packet {packet_id} does not exist", 2)
-        view = view_dict(await grabs.open_packet(core, packet_id=pid, group_id=found[0], user_id=None))
+        group = packet.group_id
+        view = view_dict(await grabs.open_packet(core, packet_id=pid, group_id=group, user_id=None))
         rows = await core.db.fetchall(
             "SELECT amount FROM red_packet_shares WHERE packet_id = %s ORDER BY seq", (pid,)
         )
