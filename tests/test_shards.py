@@ -251,6 +251,48 @@ async def test_a_send_killed_between_its_debit_and_its_packet_is_made_or_refunde
     assert (await reconcile(core)).ok
 
 
+class _Resumed:
+    """A Database whose every run is a run again after a lost COMMIT answer (``Tx.resumed``)."""
+
+    def __init__(self, db: Any) -> None:
+        self.db = db
+
+    async def run(self, work: Any, *, idempotent: bool) -> Any:
+        async def again(tx: Any) -> Any:
+            tx.resumed = True
+            return await work(tx)
+
+        return await self.db.run(again, idempotent=idempotent)
+
+
+@ON_SHARDS
+async def test_a_send_whose_packet_commit_answer_is_lost_knows_its_own_packet_by_its_seed(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The packet's step committed and its answer was lost: the run again finds the row and must tell
+    this call's (its seed) from another call's of the same request (a replay), or the sender is answered
+    "replay" for the packet just paid for, and it is not put up in Redis."""
+    real = shardsteps.create_packet
+    answers: list[bool] = []
+
+    async def answer_lost(db: Any, packet_id: Any, made_by: tuple[int, str, str], insert: Any) -> bool:
+        assert await real(db, packet_id, made_by, insert)  # committed: the answer never came back
+        answers.append(await real(_Resumed(db), packet_id, (made_by[0], made_by[1], "ab" * 32), insert))
+        answers.append(await real(_Resumed(db), packet_id, made_by, insert))
+        return answers[-1]
+
+    w = await make_world(core, members=3, admin_cents=10_000)
+    monkeypatch.setattr(shardsteps, "create_packet", answer_lost)
+    p = await packets.send_packet(
+        core, sender_id=w.admin, group_id=w.group, kind="lucky", total=600, count=3, request_id="r1"
+    )
+    assert answers == [False, True]  # another seed: another call's row; its own seed: this call's
+    assert not p.replay and p.published
+    got = await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
+    assert got.outcome == "won" and await ledger.balance(core.db, UserId(w.admin)) == 9_400
+    assert (await reconcile(core)).ok
+
+
 @ON_SHARDS
 @pytest.mark.parametrize("dies_before", ["pay", "close"])
 async def test_a_refund_killed_between_steps_pays_back_once(
