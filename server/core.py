@@ -30,7 +30,7 @@ from server.settings import Settings
 from server.store import keys, schema
 from server.store.batch import Batcher
 from server.store.db import Database, DatabaseError, OutcomeUnknown, RetryableError
-from server.store.engines import connect
+from server.store.engines import connect, when_ready
 from server.store.queue import make_queue
 from server.store.redisnodes import RedisNodes, moved
 from server.store.repair import Repairs
@@ -107,25 +107,34 @@ class Core:
         return Limits(s.max_count, s.max_total_cents, s.max_greeting_chars)
 
 
+async def _open_ledger(settings: Settings, migrate: bool) -> tuple[Database, str]:
+    """The database, migrated if asked, and the deployment's id (the one place it is decided: every
+    process reads it)."""
+    db = await connect(
+        settings.effective_database_url, settings.db_pool_size, settings.db_statement_timeout_ms / 1000
+    )
+    try:
+        if migrate:
+            await schema.migrate(db)
+        return db, await schema.deployment_id(db)
+    except BaseException:
+        await db.close()
+        raise
+
+
 @asynccontextmanager
 async def open_core(
     settings: Settings, rng: random.Random | None = None, migrate: bool = True
 ) -> AsyncIterator[Core]:
     """Connect to the database, Redis (one server or a cluster) and arq's queue server named by
     ``settings``; close them all on exit."""
-    db = await connect(
-        settings.effective_database_url, settings.db_pool_size, settings.db_statement_timeout_ms / 1000
-    )
     if not settings.redis_url:
-        await db.close()
         raise ValueError("no Redis URL: start the embedded Valkey first (see server.store.embedded)")
+    db, namespace = await when_ready(lambda: _open_ledger(settings, migrate))
     nodes = RedisNodes(settings.redis_url, settings.redis_pool_size)
     queue: ArqRedis | None = None
     claimed = False
     try:
-        if migrate:
-            await schema.migrate(db)
-        namespace = await schema.deployment_id(db)  # the one place it is decided: every process reads it
         keys.claim(namespace)
         claimed = True
         queue = make_queue(settings, queue_name(settings, namespace))

@@ -29,7 +29,7 @@ from server.settings import Settings
 from server.store import keys, redisnodes
 from server.store.scriptcalls import Once
 from server.tools.client import HubClient, HubError
-from tests.conftest import make_world
+from tests.conftest import grab_retrying, make_world
 from tests.hubtools import eventually, hub_process, worker_env
 from tests.redisproc import LocalCluster, RedisProcess, local_cluster, valkey_server
 from tests.test_credit import assert_books_balance, run_worker
@@ -551,7 +551,7 @@ async def test_aof_replica_waits_for_a_lost_replica_until_the_cluster_agrees_it_
             master = cl.master_of(shares)
             # Durable on the master's disk and its replica (retried as a client does: on a loaded machine
             # the first fsync and WAIT may take longer than the 300 ms the test allows them).
-            await _grab_retrying(c, p.packet_id, w.group, w.members[0])
+            await grab_retrying(c, p.packet_id, w.group, w.members[0])
             lost = _replica_of(cl, master)
             await lost.kill()
             killed = time.monotonic()
@@ -559,7 +559,7 @@ async def test_aof_replica_waits_for_a_lost_replica_until_the_cluster_agrees_it_
             node = c.nodes.node_client(shares)
             await eventually(lambda: c.nodes.look_first(node), timeout=5)  # the batcher's count is due
             early = not _agreed_failed(master)  # (a loaded machine may get here after the agreement)
-            got, tries = await _grab_retrying(c, p.packet_id, w.group, w.members[1])
+            got, tries = await grab_retrying(c, p.packet_id, w.group, w.members[1])
             answered = time.monotonic() - killed
             print(f"guard {guard}: its master answered won again {answered:.2f} s after a replica's kill")
             if guard == "off":
@@ -578,34 +578,18 @@ async def test_aof_replica_waits_for_a_lost_replica_until_the_cluster_agrees_it_
             back, longest = time.monotonic(), 0.0
             while c.nodes.replicas(node) != 1:  # one member asks again and again (each answer waits)
                 asked = time.monotonic()
-                _, tries = await _grab_retrying(c, p.packet_id, w.group, w.members[2])
+                _, tries = await grab_retrying(c, p.packet_id, w.group, w.members[2])
                 if tries > 1:
                     longest = max(longest, time.monotonic() - asked)
                 assert time.monotonic() - back < 60, "the replica back was never counted"
             asked = time.monotonic()
-            got, tries = await _grab_retrying(c, p.packet_id, w.group, w.members[3])
+            got, tries = await grab_retrying(c, p.packet_id, w.group, w.members[3])
             assert got.outcome == "won"
             if tries > 1:
                 longest = max(longest, time.monotonic() - asked)
             print(f"a replica's return refused its master's grabs for {longest:.2f} s at most")
             await sample(c, metrics)
             assert metrics.durability_degraded.labels(address)._value.get() == 0
-
-
-async def _grab_retrying(c: Core, packet: int, group: int, user: int) -> tuple[grabs.GrabResult, int]:
-    """A grab retried while it is answered ``redis_unavailable`` (for a minute at most), as a client
-    does; with the number of tries."""
-    started, tries = time.monotonic(), 0
-    while True:
-        tries += 1
-        try:
-            got = await grabs.grab(c, packet_id=packet, group_id=group, user_id=user)
-        except RedPacketError as e:
-            assert e.code == errors.REDIS_UNAVAILABLE, e
-            assert time.monotonic() - started < 60, "refused for a minute"
-            continue
-        assert got.outcome in ("won", "already")
-        return got, tries
 
 
 def _links(master: RedisProcess) -> int:

@@ -84,23 +84,28 @@ async def check_services(settings: Settings, redis_too: bool = True, durability:
 
 
 async def _check_database(settings: Settings) -> None:
-    from server.store.engines import connect
+    from server.store.engines import connect, when_ready
     from server.store.mysqlkit import PROBE_SECONDS, parse_url
 
     url = settings.effective_database_url
     # Each node of a cluster may be looked at in turn (a paused one for up to PROBE_SECONDS).
     nodes = len(parse_url(url).hosts) if url.startswith(("mysql", "mariadb")) else 1
-    try:
-        db = await asyncio.wait_for(
-            connect(url, 1, settings.db_statement_timeout_ms / 1000),
-            STARTUP_CHECK_SECONDS + (nodes - 1) * PROBE_SECONDS,
-        )
+
+    async def attempt() -> None:
+        try:
+            db = await asyncio.wait_for(
+                connect(url, 1, settings.db_statement_timeout_ms / 1000),
+                STARTUP_CHECK_SECONDS + (nodes - 1) * PROBE_SECONDS,
+            )
+        except TimeoutError:
+            raise OperatorError(
+                f"the database at {redact(settings.effective_database_url)} does not answer (timed out)"
+                " (check REDPACKET_DATABASE_URL)"
+            ) from None
         await db.close()
-    except TimeoutError:
-        raise OperatorError(
-            f"the database at {redact(settings.effective_database_url)} does not answer (timed out)"
-            " (check REDPACKET_DATABASE_URL)"
-        ) from None
+
+    try:
+        await when_ready(attempt)  # a cluster settling (a node lost as this starts) is waited for
     except DatabaseError as e:  # it says what is wrong: no such database, a refused user, no server
         raise OperatorError(f"{e} (check REDPACKET_DATABASE_URL)") from None
 

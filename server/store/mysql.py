@@ -30,7 +30,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 import aiomysql
 import pymysql
@@ -39,6 +40,7 @@ from server.store.db import (
     CommitUnknown,
     Database,
     DatabaseError,
+    NotReady,
     Params,
     RetryableError,
     Row,
@@ -65,6 +67,28 @@ from server.store.schema import now_ms
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class NodeProblem:
+    """Why a node cannot be the writer now, in one line. ``settling``: it answered but is not ready (not
+    synced in the primary component, or its causal read was not served): a cluster dropping or taking in
+    a node, ready again within seconds — unlike a node that is down, refuses us or lacks the database."""
+
+    text: str
+    settling: bool = False
+
+    def __str__(self) -> str:
+        return self.text
+
+
+# After a failure of the writer: still the writer, another node now, or none (settling: one answered).
+Move = Literal["stayed", "moved", "none", "settling"]
+
+
+def _no_writer(problems: list[NodeProblem]) -> DatabaseError:
+    text = "; ".join(map(str, problems))
+    return NotReady(text) if any(p.settling for p in problems) else DatabaseError(text)
 
 
 class TimedTx(Tx):
@@ -109,12 +133,12 @@ class MySQLDatabase(Database):
         problems = []
         for index in range(len(db.target.hosts)):
             problem = await db._take(index)
-            if not problem:
+            if problem is None:
                 if len(db.target.hosts) > 1:
                     await db._join_the_others()
                 return db
             problems.append(problem)
-        raise DatabaseError("; ".join(problems))
+        raise _no_writer(problems)
 
     async def _join_the_others(self) -> None:
         """Start on the node the deployment's other processes write through (``db_writer``, written by the
@@ -128,7 +152,7 @@ class MySQLDatabase(Database):
         if row is None or str(row[0]) == self.writer or str(row[0]) not in addresses:
             return
         problem = await self._take(addresses.index(str(row[0])), graceful=True)
-        if problem:
+        if problem is not None:
             log.warning("could not join the deployment's writer %s: %s", row[0], problem)
 
     async def _say_writer(self) -> None:
@@ -146,9 +170,9 @@ class MySQLDatabase(Database):
         except Exception as e:  # a hint only (the table may not be there yet): the next move writes it
             log.warning("could not record the database writer %s: %s", self.writer, e)
 
-    async def _probe(self, index: int) -> str:
-        """Why host ``index`` cannot be the writer (one line), or "" when it can: it answers, has the
-        database, and on Galera is synced in the primary component. A fresh connection, bounded in time."""
+    async def _probe(self, index: int) -> NodeProblem | None:
+        """Why host ``index`` cannot be the writer, or None when it can: it answers, has the database, and
+        on Galera is synced in the primary component. A fresh connection, bounded in time."""
         host, port = self.target.hosts[index]
         where = f"MySQL server on {self.target.address(index)}"
         name = self.target.database
@@ -186,10 +210,11 @@ class MySQLDatabase(Database):
                 finally:
                     conn.close()
         except TimeoutError:  # (before OSError: it is one)
-            return f"the {where} does not answer (no answer within {self._probe_s:g} s)"
+            return NodeProblem(f"the {where} does not answer (no answer within {self._probe_s:g} s)")
         except (pymysql.err.Error, OSError) as e:
             code = error_code(e)
             detail = e.args[1] if isinstance(e, pymysql.err.Error) and len(e.args) > 1 else str(e)
+            settling = False
             if code == 1049:
                 what = f"{where} has no database {name!r} (create it, or name another)"
             elif code in (1045, 1698):
@@ -200,9 +225,10 @@ class MySQLDatabase(Database):
                 what = f"the {where} does not answer"
             elif code in (1047, 1205):  # a Galera node out of the cluster, or not caught up with it
                 what = f"the Galera node {self.target.address(index)} cannot serve current reads"
+                settling = True
             else:
                 what = f"cannot connect to MySQL database {name!r} on {self.target.address(index)}"
-            return f"{what}: {detail}"
+            return NodeProblem(f"{what}: {detail}", settling)
         if galera:
             ready = state.get("wsrep_ready") == "ON"
             primary = state.get("wsrep_cluster_status") == "Primary"
@@ -210,9 +236,11 @@ class MySQLDatabase(Database):
             if not (ready and primary and synced):
                 shown = ", ".join(f"{k}={v}" for k, v in sorted(state.items()))
                 node = self.target.address(index)
-                return f"the Galera node {node} is not synced in the primary component ({shown})"
+                return NodeProblem(
+                    f"the Galera node {node} is not synced in the primary component ({shown})", True
+                )
         self._galera = galera
-        return ""
+        return None
 
     async def _use(self, index: int, graceful: bool = False) -> None:
         """Make host ``index`` the writer: a new pool to it. The old pool's connections are cut (its node
@@ -252,11 +280,11 @@ class MySQLDatabase(Database):
         except (StatementTimedOut, pymysql.err.Error, OSError):
             pool.terminate()
 
-    async def _node_failed(self, pool: Any) -> str:
+    async def _node_failed(self, pool: Any) -> Move:
         """The writer behind ``pool`` failed: look at it once more; if it is gone, move to the next host
         that can be the writer. ``moved`` (this process now writes elsewhere, or another task moved it),
-        ``stayed`` (a dropped connection, the node itself fine; or one host only: its pool reconnects) or
-        ``none`` (no host can be the writer now)."""
+        ``stayed`` (a dropped connection, the node itself fine; or one host only: its pool reconnects),
+        ``none`` (no host can be the writer now) or ``settling`` (none can, but one answered not ready)."""
         if len(self.target.hosts) == 1:
             return "stayed"
         async with self._switching:
@@ -266,37 +294,39 @@ class MySQLDatabase(Database):
             self._background(self._say_writer())
         return after
 
-    async def _move_on(self, pool: Any) -> str:
+    async def _move_on(self, pool: Any) -> Move:
         if pool is not self._pool:
             return "moved"  # another task has moved meanwhile
         problem = await self._probe(self._index)
-        if not problem:
+        if problem is None:
             return "stayed"
         problems = [problem]
         for step in range(1, len(self.target.hosts)):
             index = (self._index + step) % len(self.target.hosts)
             problem = await self._take(index)
-            if not problem:
+            if problem is None:
                 log.warning("database writer failed (%s): moved to %s", problems[0], self.writer)
                 self.health.failovers += 1
                 return "moved"
             problems.append(problem)
         log.warning(
-            "database writer %s failed and no node can take over: %s", self.writer, "; ".join(problems)
+            "database writer %s failed and no node can take over: %s",
+            self.writer,
+            "; ".join(map(str, problems)),
         )
-        return "none"
+        return "settling" if any(p.settling for p in problems) else "none"
 
-    async def _take(self, index: int, graceful: bool = False) -> str:
-        """Make host ``index`` the writer if it can be one (``_probe``, then ``_use``): "" when done, else
-        why not, in one line."""
+    async def _take(self, index: int, graceful: bool = False) -> NodeProblem | None:
+        """Make host ``index`` the writer if it can be one (``_probe``, then ``_use``): None when done,
+        else why not."""
         problem = await self._probe(index)
-        if problem:
+        if problem is not None:
             return problem
         try:
             await self._use(index, graceful)
         except (pymysql.err.Error, OSError) as e:  # (StatementTimedOut included)
-            return f"the MySQL server on {self.target.address(index)} took no pool: {e}"
-        return ""
+            return NodeProblem(f"the MySQL server on {self.target.address(index)} took no pool: {e}")
+        return None
 
     async def reset_writer(self) -> str:
         """Go back to the first host in the URL's order that can be the writer (an operator's choice, e.g.
@@ -305,7 +335,7 @@ class MySQLDatabase(Database):
             was = self._index
             for index in range(was):  # the hosts before this one, first first
                 problem = await self._take(index, graceful=True)
-                if not problem:
+                if problem is None:
                     break
                 log.warning("could not go back to %s: %s", self.target.address(index), problem)
         if self._index != was:
@@ -322,6 +352,8 @@ class MySQLDatabase(Database):
         after = await self._node_failed(pool) if node_lost(e) else "stayed"
         if after == "none":
             return Unreachable(f"no database node can take writes now ({e})")
+        if after == "settling":
+            return NotReady(f"no database node can take writes now: the cluster is settling ({e})")
         return as_ours(e, moved=after == "moved")
 
     @asynccontextmanager

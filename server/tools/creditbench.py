@@ -214,7 +214,8 @@ async def bench_storm(
     try:
         async with open_core(s) as core:
             admin, group, grabbers, pids = await bench_world(core, 1000, total * 10)
-            worker = start_worker(s)
+            worker_log = tmp / "worker.log"
+            worker = start_worker(s, worker_log)
             backlog: list[int] = []
             try:
                 start = time.perf_counter()
@@ -224,11 +225,15 @@ async def bench_storm(
                     grab_at(core, group, jobs, rate=rate, seconds=seconds, backlog=backlog), *beside
                 )
                 figures["achieved_grabs_per_s"] = round(total / (time.perf_counter() - start))
-                await until_credited(core, group, pids, total, backlog)
+                credited = await until_credited(core, group, pids, total, backlog, worker)
                 figures["drained_after_s"] = round(time.perf_counter() - start, 1)
             finally:
                 worker.terminate()
                 await asyncio.to_thread(worker.wait, 60)
+            if credited < total:  # what the worker said, to tell why (its exit code: None while it ran)
+                said = worker_log.read_text(errors="replace")[-6000:]
+                print(f"worker (exit {worker.returncode}) credited {credited:,} of {total:,}; its log ends:\n"
+                      f"{said}", file=sys.stderr, flush=True)  # fmt: skip
             samples = await lags(core, pids, backlog, figures)
             await forget(core, group, pids)
     finally:
@@ -242,8 +247,9 @@ async def bench_storm(
     )
 
 
-def start_worker(s: Settings) -> subprocess.Popen[bytes]:
-    """The ``redpacket worker`` under test, on the bench's Redis, database and queue."""
+def start_worker(s: Settings, log: Path) -> subprocess.Popen[bytes]:
+    """The ``redpacket worker`` under test, on the bench's Redis, database and queue; what it says goes
+    to ``log``."""
     env = child_env(
         REDPACKET_REDIS_URL=s.redis_url,
         REDPACKET_DATABASE_URL=s.database_url,
@@ -252,12 +258,10 @@ def start_worker(s: Settings) -> subprocess.Popen[bytes]:
         REDPACKET_GRAB_DURABILITY=s.grab_durability,
         REDPACKET_WORKER_METRICS_PORT="0",
     )
-    return subprocess.Popen(
-        [sys.executable, "-m", "server", "worker"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with log.open("ab") as out:  # (the child holds its own copy of the file)
+        return subprocess.Popen(
+            [sys.executable, "-m", "server", "worker"], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
 
 
 async def grab_at(
@@ -294,10 +298,17 @@ async def grab_at(
 
 
 async def until_credited(
-    core: Core, group: GroupId, pids: list[PacketId], total: int, backlog: list[int]
-) -> None:
-    """Wait (up to 300 s) for the worker to credit all ``total`` grabs; the backlog sampled each second."""
+    core: Core,
+    group: GroupId,
+    pids: list[PacketId],
+    total: int,
+    backlog: list[int],
+    worker: subprocess.Popen[bytes],
+) -> int:
+    """Wait (up to 300 s, or until ``worker`` has exited) for the worker to credit all ``total`` grabs;
+    the backlog sampled each second. How many it credited."""
     deadline = time.perf_counter() + 300
+    credited = 0
     with phase("crediting", total=total) as crediting:
         while time.perf_counter() < deadline:
             row = await core.db.fetchone(
@@ -307,10 +318,12 @@ async def until_credited(
             )
             depth = int(await core.redis.xlen(keys.outbox_for(group)))
             backlog.append(depth)
-            crediting.update(int(row[0]) if row else 0)
-            if row and int(row[0]) >= total:
+            credited = int(row[0]) if row else 0
+            crediting.update(credited)
+            if credited >= total or worker.poll() is not None:
                 break
             await asyncio.sleep(1)
+    return credited
 
 
 async def lags(
