@@ -30,8 +30,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import aiomysql
 import pymysql
@@ -53,13 +52,16 @@ from server.store.mysqlkit import (
     HEALTH,
     PROBE_SECONDS,
     SNAPSHOT_SECONDS,
+    Move,
     MySQLTarget,
+    NodeProblem,
     StatementTimedOut,
     as_ours,
     bounded,
     connect_cut,
     driver_error,
     error_code,
+    no_writer,
     node_lost,
     parse_url,
 )
@@ -67,28 +69,6 @@ from server.store.schema import now_ms
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class NodeProblem:
-    """Why a node cannot be the writer now, in one line. ``settling``: it answered but is not ready (not
-    synced in the primary component, or its causal read was not served): a cluster dropping or taking in
-    a node, ready again within seconds — unlike a node that is down, refuses us or lacks the database."""
-
-    text: str
-    settling: bool = False
-
-    def __str__(self) -> str:
-        return self.text
-
-
-# After a failure of the writer: still the writer, another node now, or none (settling: one answered).
-Move = Literal["stayed", "moved", "none", "settling"]
-
-
-def _no_writer(problems: list[NodeProblem]) -> DatabaseError:
-    text = "; ".join(map(str, problems))
-    return NotReady(text) if any(p.settling for p in problems) else DatabaseError(text)
 
 
 class TimedTx(Tx):
@@ -138,7 +118,7 @@ class MySQLDatabase(Database):
                     await db._join_the_others()
                 return db
             problems.append(problem)
-        raise _no_writer(problems)
+        raise no_writer(problems)
 
     async def _join_the_others(self) -> None:
         """Start on the node the deployment's other processes write through (``db_writer``, written by the

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 from urllib.parse import unquote, urlparse
 
 import pymysql
 
-from server.store.db import DatabaseError, RetryableError, Unreachable
+from server.store.db import DatabaseError, NotReady, RetryableError, Unreachable
 
 T = TypeVar("T")
 
@@ -119,6 +119,29 @@ def as_ours(e: BaseException, moved: bool) -> DatabaseError:
     if isinstance(e, pymysql.err.InterfaceError) or connect_cut(e):
         return RetryableError(str(e), reason="connection")
     return DatabaseError(str(e))
+
+
+@dataclass(frozen=True)
+class NodeProblem:
+    """Why a node cannot be the writer now, in one line. ``settling``: it answered but is not ready (not
+    synced in the primary component, or its causal read was not served): a cluster dropping or taking in
+    a node, ready again within seconds — unlike a node that is down, refuses us or lacks the database."""
+
+    text: str
+    settling: bool = False
+
+    def __str__(self) -> str:
+        return self.text
+
+
+# After a failure of the writer: still the writer, another node now, or none (settling: one answered).
+Move = Literal["stayed", "moved", "none", "settling"]
+
+
+def no_writer(problems: list[NodeProblem]) -> DatabaseError:
+    """The error when no node can be the writer: ``NotReady`` if one of them is settling."""
+    text = "; ".join(map(str, problems))
+    return NotReady(text) if any(p.settling for p in problems) else DatabaseError(text)
 
 
 class StatementTimedOut(TimeoutError):
