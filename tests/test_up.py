@@ -130,6 +130,8 @@ async def test_the_embedded_valkey_killed_during_grabs_is_started_again_and_ever
             for token, amount in told.items():
                 me = {"authorization": f"Bearer {token}"}
                 while (balance := (await http.get("/api/me", headers=me)).json()["balance"]) != amount:
+                    if time.monotonic() >= deadline:  # what `up` said, to tell why
+                        print("\n".join(said[-80:]))
                     assert time.monotonic() < deadline, (balance, amount)
                     await asyncio.sleep(0.1)
         assert sum(told.values()) == 1_200
