@@ -210,6 +210,21 @@ class SettingFields:
     # What a client may send: HTTP requests, websocket frames, how deeply a JSON or msgpack message nests.
     ws_compression: bool = setting(False, "permessage-deflate (halves fan-out throughput)")
     ws_max_frame_bytes: int = setting(64 * 1024, "larger frames close the socket (1009)")
+    ws_frames_per_second: int = setting(
+        50,
+        "ping, pong, close and continuation frames one websocket may send in a second (its messages count"
+        " against `REDPACKET_MSGS_PER_SECOND`); past it the socket is closed (1008 `frame_flood`)",
+    )
+    ws_bytes_per_second: int = setting(
+        1024 * 1024,
+        "bytes one websocket may send in a second; past it the hub reads no more of it until the second is"
+        " over",
+    )
+    ws_close_seconds: float = setting(
+        2.0,
+        "a websocket the hub (or the client) closed whose TCP connection is not gone this long after (a"
+        " peer that does not read) is cut, and the user's socket slot freed",
+    )
     max_head_bytes: int = setting(
         16 * 1024,
         "an HTTP request's line and headers together: over it, `431 request_too_large` and the connection"

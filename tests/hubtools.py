@@ -23,9 +23,8 @@ import uvicorn
 from starlette.applications import Starlette
 
 from server.core import Core
-from server.hub.app import create_app
+from server.hub.app import create_app, uvicorn_config
 from server.hub.hub import Hub
-from server.hub.wire import uvicorn_config
 from server.settings import Settings, child_env
 from server.tools.client import HubClient
 from worker.main import beside_hub

@@ -287,6 +287,7 @@ async def test_a_client_that_never_reads_is_dropped_and_the_room_gets_everything
         msgs_burst=10**6,
         user_msgs_per_second=1e6,
         user_msgs_burst=10**6,
+        ws_bytes_per_second=10**9,  # (its talker sends 7.6 MB as fast as the hub answers)
         send_queue_frames=64,
     )
     async with hub_in_process(s) as h:

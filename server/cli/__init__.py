@@ -30,7 +30,7 @@ from server.cli.parser import parser
 from server.cli.serve import demo_secret, listen, listen_metrics, on_sigterm, serve, serve_processes
 from server.cli.services import with_redis_url
 from server.cli.worker import run_worker, worker_healthy
-from server.hub.wire import UnsupportedUvicorn, check_uvicorn
+from server.hub.handshake import UnsupportedUvicorn, check_uvicorn
 from server.settings import Settings, is_loopback
 
 # What the commands around the system need beyond it (the `tools` extra of pyproject.toml).

@@ -17,7 +17,7 @@ import uvloop
 
 from server.cli.errors import OperatorError
 from server.cli.services import check_services
-from server.hub.wire import uvicorn_config
+from server.hub.app import uvicorn_config
 from server.settings import Settings, redact
 
 _stop_requested = False

@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 
+import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -29,12 +30,14 @@ from server.core import Core, open_core, reset_writer_when_told
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from server.hub import service
 from server.hub.gcpolicy import keep_collections_out_of_bursts
+from server.hub.handshake import HttpLimits, bounded_http, check_uvicorn
 from server.hub.httpkit import LocalOnly, SecurityHeaders, endpoint, error_response, id_of, json_body, path_id
 from server.hub.hub import Hub
 from server.hub.metrics import HubMetrics, serve_metrics
 from server.hub.requests import grab_dict, view_dict
 from server.hub.session import websocket_endpoint
 from server.hub.tokens import make_token
+from server.hub.wire import HubWebSocket
 from server.ids import GroupId, PacketId, UserId
 from server.money import grabs, groups, ledger, queries
 from server.settings import Settings
@@ -339,3 +342,37 @@ def create_app(
     )
     app.state.metrics_apart = bool(settings.metrics_port)
     return app
+
+
+def hub_websocket(settings: Settings) -> type[HubWebSocket]:
+    """The protocol class to give uvicorn (``ws=``), with the budgets the settings say."""
+    return type(
+        "HubWebSocket",
+        (HubWebSocket,),
+        {
+            "frames_per_second": settings.ws_frames_per_second,
+            "bytes_per_second": settings.ws_bytes_per_second,
+            "close_seconds": settings.ws_close_seconds,
+        },
+    )
+
+
+def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
+    """How the hub runs under uvicorn: bounded HTTP requests (``server.hub.handshake``), the hub's own
+    websocket protocol (``server.hub.wire``), no compression unless asked, frame cap, pings. Raises
+    ``UnsupportedUvicorn`` first if the installed uvicorn lacks what the HTTP side uses."""
+    check_uvicorn()
+    http = bounded_http(settings.handshake_seconds, HttpLimits.of(settings))
+    return uvicorn.Config(
+        # (uvicorn.Config types app as its ASGI protocol; Starlette's app is one, typed otherwise.)
+        app,  # type: ignore[arg-type]
+        http=http,
+        ws=hub_websocket(settings),
+        ws_per_message_deflate=settings.ws_compression,
+        ws_max_size=settings.ws_max_frame_bytes,
+        ws_ping_interval=settings.ws_ping_interval,
+        ws_ping_timeout=settings.ws_ping_timeout,
+        timeout_graceful_shutdown=settings.shutdown_seconds,
+        log_level="warning",
+        access_log=False,
+    )

@@ -1,4 +1,4 @@
-"""Bounded handshakes: uvicorn's HTTP and websocket protocols with two holes closed.
+"""Bounded HTTP requests: uvicorn's HTTP protocol with its holes closed.
 
 - **A request must arrive whole in time.** uvicorn waits for the first request of a connection (and for
   the next one after a response) for as long as the peer likes: a client that connects and sends
@@ -9,38 +9,38 @@
   (``431``, checked as the bytes arrive, so an endless header is never held whole), the number of its
   headers (``431``), its body — by ``Content-Length`` before anything is read (``413``), and as it arrives
   when chunked. The chat backend's routes (``/api/service/``) take larger bodies than a user's.
-- **An oversized upgrade request is answered.** websockets refuses a request line or header over 8 KB
-  (or more than 128 headers) and prepares an answer (414 / 431), but uvicorn's websockets-sansio
-  protocol never writes it and never closes the socket. Here it is answered and the socket closed.
-
 Every answer carries the HTTP API's JSON error (``request_timeout``, ``request_too_large``).
 
-What happens after the upgrade (the token check, the welcome) is bounded by the app itself
-(``server.hub.session``). These classes subclass uvicorn's own (``uvicorn.protocols``), which are not its
-public API: ``RELIED_ON`` names what they take from them, ``server.hub.wire.check_uvicorn`` refuses to
-start on a uvicorn without it or outside the tested versions (pyproject.toml pins the same range), and
-the tests in ``tests/test_hostile.py`` pin the behaviour.
+What happens after the upgrade is the hub's own websocket protocol's (``server.hub.wire``: an upgrade
+request websockets refuses is answered there) and the app's (the token check, the welcome:
+``server.hub.session``). ``BoundedHttp`` subclasses uvicorn's httptools protocol, which is not uvicorn's
+public API: ``RELIED_ON`` names what it takes from it, ``check_uvicorn`` (below) refuses to start
+on a uvicorn without it, and the tests in ``tests/test_hostile.py`` pin the behaviour.
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import inspect
 import json
+import re
+import textwrap
 from dataclasses import dataclass
 from http import HTTPStatus
+from importlib import metadata
+from types import CodeType, FunctionType
 from typing import Any, ClassVar
 
 import httptools
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
-from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
-from websockets.exceptions import SecurityError
-from websockets.server import ServerProtocol
 
 from server import errors
 from server.settings import Settings
 
 
-def _answer(status: int, code: str, message: str) -> bytes:
+def answer(status: int, code: str, message: str) -> bytes:
     """A complete HTTP/1.1 answer carrying the API's JSON error, after which the connection closes."""
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     head = (
@@ -50,7 +50,7 @@ def _answer(status: int, code: str, message: str) -> bytes:
     return head.encode() + body
 
 
-_TIMEOUT = _answer(408, errors.REQUEST_TIMEOUT, "the request did not arrive whole in time")
+_TIMEOUT = answer(408, errors.REQUEST_TIMEOUT, "the request did not arrive whole in time")
 SERVICE_PREFIX = b"/api/service/"
 # After a refusal, what the peer still sends is read and dropped for this long, or up to this much.
 LINGER_SECONDS = 2.0
@@ -101,6 +101,8 @@ class BoundedHttp(HttpToolsProtocol):
         self._body_limit = self.limits.body_bytes
         self._lingering = False
         self._lingered = 0
+        self._target = b""  # the request's target, as parsed (on_url may come in pieces)
+        self._length: bytes | None = None  # its Content-Length
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:  # refused: what the peer still sends is read and dropped, within a bound
@@ -119,7 +121,7 @@ class BoundedHttp(HttpToolsProtocol):
             self._refuse(e.__context__.answer)
             return
         except httptools.HttpParserError:  # the HTTP API's JSON error, like every other refusal here
-            self._refuse(_answer(400, errors.BAD_REQUEST, "the request is not valid HTTP/1.1"))
+            self._refuse(answer(400, errors.BAD_REQUEST, "the request is not valid HTTP/1.1"))
             return
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
@@ -129,7 +131,7 @@ class BoundedHttp(HttpToolsProtocol):
             return
         if self._in_head and self._head_bytes > self.limits.head_bytes:
             message = f"the request line and headers are over {self.limits.head_bytes} bytes"
-            self._refuse(_answer(431, errors.REQUEST_TOO_LARGE, message))
+            self._refuse(answer(431, errors.REQUEST_TOO_LARGE, message))
 
     def _refuse(self, answer: bytes) -> None:
         """Answer, read no more requests, and close once the peer stops sending (within ``LINGER_*``):
@@ -140,7 +142,7 @@ class BoundedHttp(HttpToolsProtocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.transport.resume_reading()  # (flow control may have paused it for a body)
-        self.loop.call_later(LINGER_SECONDS, self._close)
+        asyncio.get_running_loop().call_later(LINGER_SECONDS, self._close)
 
     def _close(self) -> None:
         if not self.transport.is_closing():
@@ -148,14 +150,16 @@ class BoundedHttp(HttpToolsProtocol):
 
     def _stop(self, status: int, message: str) -> None:
         """From a parser callback: stop parsing; the request is answered and the connection closed."""
-        raise _Refused(_answer(status, errors.REQUEST_TOO_LARGE, message))
+        raise _Refused(answer(status, errors.REQUEST_TOO_LARGE, message))
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._header_count, self._body_bytes, self._head_parsed = True, 0, 0, 0
+        self._target, self._length = b"", None
 
     def on_url(self, url: bytes) -> None:
         self._head_parsed += len(url)
+        self._target += url
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -166,15 +170,17 @@ class BoundedHttp(HttpToolsProtocol):
         self._head_parsed += len(name) + len(value) + 4
         if self._head_parsed > self.limits.head_bytes:
             self._stop(431, f"the request line and headers are over {self.limits.head_bytes} bytes")
+        if name.lower() == b"content-length":
+            self._length = value
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head, self._head_bytes = False, 0
-        service = self.url.startswith(SERVICE_PREFIX)
+        service = self._target.startswith(SERVICE_PREFIX)
         self._body_limit = self.limits.service_body_bytes if service else self.limits.body_bytes
-        for name, value in self.headers:
-            if name == b"content-length" and value.isdigit() and int(value) > self._body_limit:
-                self._stop(413, f"the body is over {self._body_limit} bytes")
+        length = self._length
+        if length is not None and length.isdigit() and int(length) > self._body_limit:
+            self._stop(413, f"the body is over {self._body_limit} bytes")
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -208,7 +214,7 @@ class BoundedHttp(HttpToolsProtocol):
 
     def _arm(self) -> None:
         self._disarm()
-        self._deadline = self.loop.call_later(self.deadline_seconds, self._expired)
+        self._deadline = asyncio.get_running_loop().call_later(self.deadline_seconds, self._expired)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -230,35 +236,13 @@ class BoundedHttp(HttpToolsProtocol):
             self._arm()  # the app is answering a complete request: not ours to cut
 
 
-class BoundedWebSocket(WebSocketsSansIOProtocol):
-    """uvicorn's websockets-sansio protocol that answers a refused upgrade request and closes."""
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.handshake_initiated or self.conn.handshake_exc is None or self.transport.is_closing():
-            return
-        # websockets refused an oversized request line (414) or headers (431), or could not parse it (400).
-        prepared = b"".join(self.conn.data_to_send())
-        refused = self.conn.handshake_exc
-        if isinstance(refused, SecurityError):
-            status = int(prepared.split(b" ", 2)[1]) if prepared.startswith(b"HTTP/1.1 4") else 431
-            answer = _answer(status, errors.REQUEST_TOO_LARGE, "the request line or headers are too large")
-        else:
-            answer = _answer(400, errors.BAD_REQUEST, "not a valid websocket upgrade request")
-        self.transport.write(answer)
-        self.transport.close()
-
-
-# What the classes above read, call or override of uvicorn's protocols (and of the websockets connection
-# uvicorn's websocket protocol holds as ``conn``): checked at start-up by ``server.hub.wire.check_uvicorn``.
+# What ``BoundedHttp`` reads, calls or overrides of uvicorn's httptools protocol: checked at start-up by
+# ``check_uvicorn`` (below).
 RELIED_ON: dict[type, tuple[str, ...]] = {
     HttpToolsProtocol: (
         "parser",
         "transport",
-        "loop",
         "cycle",
-        "url",
-        "headers",
         "_unset_keepalive_if_required",
         "_should_upgrade",
         "_unsupported_upgrade_warning",
@@ -275,18 +259,81 @@ RELIED_ON: dict[type, tuple[str, ...]] = {
         "on_response_complete",
     ),
     RequestResponseCycle: ("response_complete", "more_body"),
-    WebSocketsSansIOProtocol: ("data_received", "handshake_initiated", "conn", "transport"),
-    ServerProtocol: ("handshake_exc", "data_to_send"),
 }
 
 
-def bounded_protocols(
-    deadline_seconds: float, limits: HttpLimits | None = None
-) -> tuple[type[BoundedHttp], type[BoundedWebSocket]]:
-    """The HTTP and websocket protocol classes to give uvicorn (``http=``, ``ws=``)."""
-    http = type(
+def bounded_http(deadline_seconds: float, limits: HttpLimits | None = None) -> type[BoundedHttp]:
+    """The HTTP protocol class to give uvicorn (``http=``)."""
+    return type(
         "BoundedHttp",
         (BoundedHttp,),
         {"deadline_seconds": deadline_seconds, "limits": limits or BoundedHttp.limits},
     )
-    return http, BoundedWebSocket
+
+
+# The uvicorn versions the HTTP side was tested with, from the first on; a newer one is taken if
+# ``check_uvicorn`` finds every name ``RELIED_ON`` lists. pyproject.toml says the same.
+UVICORN_FROM = (0, 54)
+
+
+class UnsupportedUvicorn(RuntimeError):
+    """The installed uvicorn is older than the hub's HTTP side was tested with, or lacks something it uses:
+    the hub does not start. The message is one line."""
+
+
+def check_uvicorn() -> None:
+    """Raise ``UnsupportedUvicorn`` unless the installed uvicorn is at least ``UVICORN_FROM`` and its HTTP
+    protocol classes have every name ``server.hub.handshake.RELIED_ON`` lists: an attribute of the class or
+    of a base, or one a method of theirs assigns to ``self`` (read from their source as installed)."""
+    version = uvicorn.__version__
+    tested = f"uvicorn>={UVICORN_FROM[0]}.{UVICORN_FROM[1]}"
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) < UVICORN_FROM:
+        raise UnsupportedUvicorn(
+            f"uvicorn {version} is installed, but the hub's HTTP side needs {tested}"
+            " (server/hub/handshake.py): install a newer one"
+        )
+    for cls, names in RELIED_ON.items():
+        missing = _missing(cls, names)
+        if missing:
+            installed = f"uvicorn {version}, websockets {metadata.version('websockets')}"
+            raise UnsupportedUvicorn(
+                f"{cls.__module__}.{cls.__qualname__} has no {', '.join(missing)}, which"
+                f" server/hub/handshake.py uses ({installed}; tested from {tested})"
+            )
+
+
+def _missing(cls: type, names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` that ``cls`` and its bases neither define nor assign to ``self`` in a method."""
+    wanted = set(names) - {name for klass in cls.__mro__ for name in vars(klass)}
+    for klass in cls.__mro__:
+        for method in vars(klass).values():
+            # Only the methods whose code names one still wanted are parsed (the check runs at every start).
+            if wanted and inspect.isfunction(method) and wanted & _names_in(method.__code__):
+                wanted -= _assigned_to_self(method)
+    return sorted(wanted)
+
+
+def _names_in(code: CodeType) -> set[str]:
+    """The attribute and global names a function's code (and the code nested in it) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            names |= _names_in(const)
+    return names
+
+
+def _assigned_to_self(method: FunctionType) -> set[str]:
+    """The attributes a method assigns to ``self``, read from its source as installed."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+    except (OSError, TypeError, SyntaxError):
+        return set()  # no source to read (a compiled or generated method): not found there
+    return {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    }

@@ -58,6 +58,8 @@ class Hub:
         # Sockets being welcomed, per user: counted with the open ones against max_sockets_per_user, so
         # that sockets opened at once cannot all pass the check while the first waits on the database.
         self.arriving: dict[UserId, int] = {}
+        # Sockets of a user out of the rooms whose TCP connection is not gone yet: they still hold a slot.
+        self.leaving: dict[UserId, int] = {}
         # (group, user) → that user's local connections in the group: presence changes at 0 ↔ 1.
         self.local: dict[tuple[GroupId, UserId], int] = {}
         self.delivered: dict[GroupId, str] = {}

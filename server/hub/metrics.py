@@ -58,11 +58,12 @@ class HubMetrics:
         self.events_published = Counter("redpacket_events_published", "group events published", registry=r)
         self.limited = Counter(
             "redpacket_hub_limited",
-            "requests and sockets refused by a per-user or per-address limit or by Origin, by limit",
+            "requests and sockets refused by a per-user or per-address limit or by Origin, sockets closed"
+            " for a frame flood (frames) and throttled past their bytes a second (bytes), by limit",
             ["limit"],
             registry=r,
         )
-        for name in ("address", "user", "service_key", "sockets", "origin"):
+        for name in ("address", "user", "service_key", "sockets", "origin", "frames", "bytes"):
             self.limited.labels(name)  # each exported from the start, at 0
         self.service_key_failures = Counter(
             "redpacket_service_key_failures",

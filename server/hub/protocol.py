@@ -27,6 +27,9 @@ Format = Literal["msgpack", "json"]
 CLOSE_NORMAL = 1000
 CLOSE_TOO_BIG = 1009  # a frame over the size limit (sent by the server's websocket layer)
 CLOSE_POLICY = 1008  # refused before the upgrade (an Origin not allowed): the client sees HTTP 403
+# More ping, pong, close and continuation frames in a second than REDPACKET_WS_FRAMES_PER_SECOND (reason
+# "frame_flood"); the same code as a policy refusal, after the upgrade.
+CLOSE_FLOOD = 1008
 CLOSE_RESTART = 1012  # the hub is shutting down: reconnect, to another hub if you can
 CLOSE_TRY_AGAIN = 1013  # a backing service is down or slow: reconnect after a moment
 CLOSE_UNAUTHORIZED = 4001  # missing, malformed, tampered or expired token

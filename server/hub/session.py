@@ -30,7 +30,8 @@ from server.hub.protocol import Body, Message, ProtocolError, field_int
 from server.hub.ratelimit import TokenBucket
 from server.hub.requests import HANDLERS, Answer, Later
 from server.hub.tokens import TokenError
-from server.hub.wire import EXTENSION, HubWebSocket
+from server.hub.upgrade import EXTENSION
+from server.hub.wire import HubWebSocket
 from server.ids import GroupId
 from server.money import groups, ledger
 
@@ -92,6 +93,9 @@ class Session:
 
     def on_gone(self) -> None:
         self.conn.gone()
+
+    def on_limited(self, limit: str) -> None:
+        self.hub.metrics.limited.labels(limit).inc()
 
     def stop(self) -> None:
         """The socket is gone: frames not started are dropped (the one in flight finishes)."""
@@ -227,7 +231,8 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     except Unavailable as e:  # the backend's JWKS cannot be fetched: the token is not known bad
         await ws.close(protocol.CLOSE_TRY_AGAIN, e.code)
         return
-    if len(hub.by_user.get(user_id, ())) + hub.arriving.get(user_id, 0) >= core.settings.max_sockets_per_user:
+    held = len(hub.by_user.get(user_id, ())) + hub.arriving.get(user_id, 0) + hub.leaving.get(user_id, 0)
+    if held >= core.settings.max_sockets_per_user:
         hub.metrics.limited.labels("sockets").inc()
         await ws.close(protocol.CLOSE_TOO_MANY_SOCKETS, "too_many_sockets")
         return
@@ -249,20 +254,26 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         await asyncio.shield(conn.ended)  # the client went, or the hub closes it
     finally:
         session.stop()
+        # Out of the rooms now; the user's socket slot stays taken until the TCP connection is really
+        # gone (``wire.lost``, which the socket's close timeout bounds).
+        hub.leaving[user_id] = hub.leaving.get(user_id, 0) + 1
         await hub.leave(conn)
-        # A request already started finishes (nothing cancels it), then the socket closes.
-        while session.inflight is not None:  # a grab's turn, then its call to Redis
-            inflight = session.inflight
-            with contextlib.suppress(Exception):
-                await inflight
-            if session.inflight is inflight:
-                break
-        if conn.closing and not wire.disconnected and not wire.close_sent:
-            # Close with our code once what waits is written, unless the client stopped reading.
-            try:
-                await asyncio.wait_for(ws.close(conn.close_code, conn.close_reason), 1)
-            except Exception:
-                _abort(wire)
+        try:
+            # A request already started finishes (nothing cancels it), then the socket closes.
+            while session.inflight is not None:  # a grab's turn, then its call to Redis
+                inflight = session.inflight
+                with contextlib.suppress(Exception):
+                    await inflight
+                if session.inflight is inflight:
+                    break
+            # Closed with our code after what waits is written; cut if the client does not read it.
+            wire.close(conn.close_code if conn.closing else protocol.CLOSE_NORMAL, conn.close_reason)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(wire.lost), wire.close_seconds + 5)
+        finally:
+            hub.leaving[user_id] -= 1
+            if not hub.leaving[user_id]:
+                del hub.leaving[user_id]
 
 
 async def _welcome(ws: WebSocket, hub: Hub, conn: Connection) -> bool:
@@ -299,10 +310,3 @@ async def _welcome(ws: WebSocket, hub: Hub, conn: Connection) -> bool:
         }
     )
     return True
-
-
-def _abort(wire: HubWebSocket) -> None:
-    """Drop the TCP connection of a client that stopped reading. uvicorn waits for a writable transport
-    even to send a close frame, and a closing transport waits to flush, so such a socket would otherwise
-    stay open (holding its buffers) for as long as the peer keeps it."""
-    wire.transport.abort()

@@ -1,57 +1,55 @@
-"""The hub's websockets below ASGI: frames in by callback, frames out straight to the transport.
+"""The hub's websockets: its own asyncio protocol over websockets' public Sans-I/O ``ServerProtocol``,
+given to uvicorn as ``ws=`` (its public seam). The upgrade, the app and the keepalive are
+``server.hub.upgrade``'s; once the socket is open every byte is this module's:
 
-Through ASGI every frame costs a trip through a queue and a task switch each way, and uvicorn pauses and
-resumes reading the socket around every message. The hub's sockets skip that: ``HubWebSocket`` (the
-protocol class ``redpacket serve`` gives uvicorn) hands each complete message to the session's
-``on_message`` as it is parsed, and the hub writes each outgoing frame to the transport itself:
-
-- a server frame is never masked, so with no extension negotiated (compression off, the default) the
-  bytes of an event are the same for every socket and are framed once per fan-out (``data_frame``);
-- ``writable`` says whether the transport takes more now; when it does not (the peer reads slowly and
-  the kernel buffer is full) the caller keeps the frame and ``on_writable`` says when to go on.
-
-The handshake, pings, the close handshake and parsing stay uvicorn's and websockets'. The end of the
-socket (closed by the client, lost, timed out, or the server shutting down) is told to the listener
-too (``on_gone``), so the endpoint waits on one future, not on a task reading ASGI messages.
-
-**Why uvicorn is pinned.** ``HubWebSocket`` subclasses uvicorn's websockets-sansio protocol and reads its
-private state (``queue``, ``frames``, ``curr_msg_data_type``, ``read_paused``…), which any uvicorn release
-may change. The direct path is what makes the hub fast — measured in docs/benchmarks.md: hub CPU per ping
-42 → 25–31 µs when frames left ASGI, and 32.2 → 27.2 KB per idle connection once uvicorn's receive queue
-and the handshake's request and response are let go. So pyproject.toml pins the uvicorn versions this was
-tested with (``UVICORN_TESTED``), and ``check_uvicorn`` — run where the hub builds its uvicorn
-configuration — refuses, in one line, any other version or one whose classes lack what ``RELIED_ON`` here
-and in ``server.hub.handshake`` names (read from the installed uvicorn and websockets, not from the
-version string alone). websockets' public Sans-I/O ``ServerProtocol`` under an asyncio protocol of our own
-could replace uvicorn's class and the pin; that was not measured here.
+- **Frames in by callback.** Once the endpoint calls ``listen``, each message goes straight to
+  ``Listener.on_message`` as it is parsed: no ASGI queue, no task switch.
+- **Frames out straight to the transport.** A server frame is never masked: with no extension (no
+  compression, the default) an event is framed once per fan-out (``data_frame``). ``writable_now`` says
+  whether the transport takes more; if not, the caller keeps the frame until ``Listener.on_writable``.
+- **Every frame counted.** Ping, pong, close and continuation frames (what the request limit does not
+  see) count against ``frames_per_second``: past it, closed 1008 ``frame_flood``. Every byte read counts
+  against ``bytes_per_second``: past it, the socket is not read until its second is over.
+- **One socket never stalls the rest.** A turn parses at most ``TURN_BYTES`` (and stops past
+  ``TURN_FRAMES`` frames); the rest waits for a later turn (``call_soon``: after the other sockets read in
+  the same loop iteration). websockets parses in pure Python, ~5-10 µs a frame: a flood of 6-byte pings
+  read back to back under uvloop held a hub for seconds.
+- **Flow control.** While the transport's write buffer is above its high-water mark the socket is not
+  read, so the pongs websockets queues for each ping never pile up; reading resumes below the low mark.
+- **A close always ends.** However it closes, the TCP connection is aborted if not gone ``close_seconds``
+  later: a peer that never reads cannot keep a closed socket's buffers. ``lost`` resolves when the
+  transport is really gone (the endpoint keeps the user's socket slot until then).
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
-import re
+import asyncio
+import logging
 import struct
-import textwrap
-from importlib import metadata
-from types import CodeType, FunctionType
-from typing import Any, Protocol, cast
+from collections import deque
+from typing import Any, ClassVar, Protocol, cast
 
 import uvicorn
-from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
-from websockets.frames import Opcode
-from websockets.server import ServerProtocol
+from uvicorn.server import ServerState
+from websockets.exceptions import InvalidState
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Request
+from websockets.protocol import SEND_EOF
 
-from server.hub import handshake
-from server.hub.handshake import BoundedWebSocket, HttpLimits, bounded_protocols
-from server.settings import Settings
+from server.hub.protocol import CLOSE_FLOOD
+from server.hub.upgrade import EARLY_MESSAGES, Hold, Upgrade
 
-# The scope extension under which the endpoint finds its socket's protocol object.
-EXTENSION = "redpacket.wire"
+log = logging.getLogger(__name__)
 
-# The uvicorn versions the hub's protocol classes were tested with: from the first, up to (not
-# including) the second. pyproject.toml pins the same range.
-UVICORN_TESTED = ((0, 54), (0, 55))
+
+# One turn of parsing: at most this many bytes are given to the parser, and no more once this many
+# frames came out (the rest of what was read waits for the next turn).
+TURN_BYTES = 2048
+TURN_FRAMES = 64
+# After the end, what the peer still sends is read and dropped up to this much (then the connection is cut).
+LINGER_BYTES = 1024 * 1024
+# The frames the request limit does not see, and so are counted here.
+CONTROL = (Opcode.PING, Opcode.PONG, Opcode.CLOSE, Opcode.CONT)
 
 
 class Listener(Protocol):
@@ -60,6 +58,8 @@ class Listener(Protocol):
     def on_writable(self) -> None: ...
 
     def on_gone(self) -> None: ...
+
+    def on_limited(self, limit: str) -> None: ...
 
 
 def data_frame(payload: bytes | str) -> bytes:
@@ -76,93 +76,52 @@ def data_frame(payload: bytes | str) -> bytes:
     return struct.pack("!BBQ", first, 127, n) + body
 
 
-class _Unread:
-    """uvicorn's ASGI receive queue once the hub listens to a socket directly: what uvicorn still puts
-    there (a disconnect) is heard through ``Listener.on_gone`` instead."""
+class HubWebSocket(Upgrade):
+    """One websocket of the hub, from the upgrade request to the transport's end (the module's docstring).
+    Its budgets and timeouts are class attributes, set from the settings (``server.hub.app``)."""
 
-    def put_nowait(self, message: object) -> None:
-        pass
+    frames_per_second: ClassVar[int] = 50
+    bytes_per_second: ClassVar[int] = 1 << 20
+    close_seconds: ClassVar[float] = 2.0
 
-    def empty(self) -> bool:
-        return True
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.listener: Listener | None = None
+        self._parts: list[bytes] = []  # the message being assembled
+        self._text = False
+        self._holds: set[Hold] = set()
+        self._read_paused = False
+        self._backlog = b""  # read and not parsed yet
+        self._turn: asyncio.Handle | None = None
+        self._window = 0.0  # when the current second of the budgets began
+        self._frames = 0
+        self._bytes = 0
+        self._budget_timer: asyncio.TimerHandle | None = None
+        self._writes_paused = False
+        self._close_timer: asyncio.TimerHandle | None = None
+        self._lingered = 0
 
-    async def get(self) -> object:
-        raise RuntimeError("a hub socket is read by server.hub.wire, not through ASGI receive")
+    # -- what the hub's connection and session use ------------------------------------------------------
 
+    @property
+    def close_sent(self) -> bool:
+        """The socket is closing or gone: nothing more is sent on it."""
+        return self.phase in ("closing", "gone")
 
-class HubWebSocket(BoundedWebSocket):
-    """uvicorn's websockets-sansio protocol (with bounded handshakes) and a direct path for data."""
-
-    listener: Listener | None = None
-    _reading_held = False
-
-    def handle_connect(self, event: Any) -> None:
-        super().handle_connect(event)
-        scope = cast(dict[str, Any], getattr(self, "scope", None))
-        if scope is not None:
-            scope.setdefault("extensions", {})[EXTENSION] = self
-
-    def listen(self, listener: Listener) -> None:
-        """From now on every message goes to ``listener.on_message``; those that came before, waiting
-        for the app's ``receive``, are handed over first, in order."""
-        self.listener = listener
-        waiting = self.queue
-        # From here the ASGI side hears nothing more (the end comes through ``on_gone``): uvicorn's
-        # queue and the handshake's request and response are let go (a few KB a socket).
-        # (uvicorn's private attributes, typed for what uvicorn puts there: check_uvicorn pins them.)
-        self.queue = _Unread()  # type: ignore[assignment]
-        self.request = self.response = None  # type: ignore[assignment]
-        while not waiting.empty():
-            message = waiting.get_nowait()
-            if message["type"] == "websocket.receive":
-                data = message.get("bytes")
-                listener.on_message(data if data is not None else message.get("text") or "")
-        if self.read_paused:
-            self.read_paused = False
-            self.transport.resume_reading()
-
-    def send_receive_event_to_app(self) -> None:
-        listener = self.listener
-        if listener is None:
-            super().send_receive_event_to_app()
-            return
-        data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
-        self.frames = []
-        if self.close_sent:
-            return
-        if self.curr_msg_data_type == "text":
-            try:
-                listener.on_message(data.decode())
-            except UnicodeDecodeError:
-                self.conn.send_close(1007)
-                self.handle_parser_exception()
-        else:
-            listener.on_message(data)
-
-    # -- incoming flow control: the session holds reading while it has too many requests waiting ----
-
-    def hold_reading(self) -> None:
-        if not self._reading_held and not self.transport.is_closing():
-            self._reading_held = True
-            self.transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        if self._reading_held:
-            self._reading_held = False
-            if not self.transport.is_closing():
-                self.transport.resume_reading()
-
-    # -- outgoing ------------------------------------------------------------------------------------
+    @property
+    def disconnected(self) -> bool:
+        return self.phase == "gone"
 
     @property
     def writable_now(self) -> bool:
         """Open, and the transport's buffer below its high-water mark."""
-        return (
-            self.writable.is_set()
-            and not self.close_sent
-            and not self.disconnected
-            and not self.transport.is_closing()
-        )
+        return self.phase == "open" and not self._writes_paused and not self.transport.is_closing()
 
     @property
     def plain(self) -> bool:
@@ -184,148 +143,308 @@ class HubWebSocket(BoundedWebSocket):
         ``writable_now``; a transport that closed in between drops them."""
         self.transport.write(raw)
 
+    def listen(self, listener: Listener) -> None:
+        """From now on every message goes to ``listener.on_message``; those that came before, waiting
+        for the app's ``receive``, are handed over first, in order."""
+        self.listener = listener
+        early, self._inbox = self._inbox, deque()
+        for message in early:
+            if message["type"] == "websocket.receive":
+                data = message.get("bytes")
+                listener.on_message(data if data is not None else message.get("text") or "")
+            else:
+                self._inbox.append(message)  # (a disconnect: the app's receive still hears it)
+        self._release("early")
+
+    @property
+    def held_for(self) -> frozenset[str]:
+        """Why the socket is not read now (empty: it is): ``session``, ``early``, ``budget``, ``writes``,
+        ``turn``."""
+        return frozenset(self._holds)
+
+    def hold_reading(self) -> None:
+        """The session has too many requests waiting: read no more until ``resume_reading``."""
+        self._hold("session")
+
+    def resume_reading(self) -> None:
+        self._release("session")
+
+    def close(self, code: int, reason: str = "") -> None:
+        """Send a close frame (if the socket is open) and end the TCP connection once it is written, or
+        ``close_seconds`` from now at the latest (aborted then: a peer that does not read)."""
+        if self.phase == "open":
+            try:
+                self.conn.send_close(code, reason)
+            except InvalidState:
+                pass
+            self.close_code = code
+            self._flush()
+        # The TCP connection ends after the close frame, without waiting for the client's answer: what a
+        # flooding or silent client would send meanwhile is never read.
+        self._end()
+
+    # -- asyncio.Protocol -----------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.connections.add(self)
+        self._window = self.loop.time()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        was = self.phase
+        self.phase = "gone"
+        self.connections.discard(self)
+        self._stop_keepalive()
+        for timer in (self._close_timer, self._budget_timer, self._turn):
+            if timer is not None:
+                timer.cancel()
+        self._backlog = b""
+        self._deliver({"type": "websocket.disconnect", "code": 1005 if was != "handshake" else 1006})
+        if not self.lost.done():
+            self.lost.set_result(None)
+        self._gone()
+
+    def eof_received(self) -> bool | None:
+        if self.phase != "closing":
+            self.conn.receive_eof()
+            self._flush()
+        return None  # the transport closes itself
+
+    def pause_writing(self) -> None:
+        self._writes_paused = True
+        self._hold("writes")
+
     def resume_writing(self) -> None:
-        super().resume_writing()
-        if self.listener is not None:
+        self._writes_paused = False
+        self._release("writes")
+        if self.listener is not None and self.phase == "open":
             self.listener.on_writable()
 
-    # -- the end: every way uvicorn tells the app the socket is done also tells the listener ----------
+    def data_received(self, data: bytes) -> None:
+        if self.phase == "gone":
+            return
+        if self.phase == "closing":  # ended (``_end``): read and dropped, within a bound
+            self._lingered += len(data)
+            if self._lingered > LINGER_BYTES:
+                self.transport.abort()
+            return
+        self._spend(0, len(data))
+        if self._backlog or self._holds:
+            # (a read that came before a pause took effect, or while a turn is due: after what waits)
+            self._backlog += data
+            self._sync_reading()
+            return
+        self._parse_turn(data)
+
+    def shutdown(self) -> None:
+        """The server is stopping (uvicorn calls this on every connection)."""
+        if self.phase == "open":
+            self.close(1012)
+        elif self.phase != "gone":
+            if self.phase == "deciding" and self._response is not None:
+                self._respond(self.conn.reject(500, "Internal Server Error"))
+            self._end()
+
+    # -- reading: turns, budgets, holds ---------------------------------------------------------------
+
+    def _parse_turn(self, data: bytes) -> None:
+        """Parse at most ``TURN_BYTES`` of ``data`` (stopping early past ``TURN_FRAMES`` frames); keep the
+        rest for a later turn."""
+        frames = 0
+        while data and frames < TURN_FRAMES and not self._holds and self.phase != "gone":
+            chunk, data = data[:TURN_BYTES], data[TURN_BYTES:]
+            frames += self._parse(chunk)
+            if frames == 0 and len(chunk) == TURN_BYTES:
+                break  # (a large frame arriving: one chunk a turn keeps every turn short)
+        if data and self.phase != "gone":
+            self._backlog = data + self._backlog
+            self._sync_reading()
+            if not self._holds:
+                self._next_turn_soon()
+
+    def _next_turn_soon(self) -> None:
+        if self._turn is None:
+            self._turn = self.loop.call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        self._turn = None
+        if self._holds or self.phase == "gone":
+            return
+        data, self._backlog = self._backlog, b""
+        self._parse_turn(data)
+        self._sync_reading()
+
+    def _parse(self, chunk: bytes) -> int:
+        """Give ``chunk`` to the parser and act on what came out; the number of frames."""
+        self.conn.receive_data(chunk)
+        frames = 0
+        for event in self.conn.events_received():
+            if isinstance(event, Request):
+                self._on_request(event)
+                continue
+            if not isinstance(event, Frame):
+                continue  # (a Response: what a client parses, never a server)
+            frames += 1
+            self._on_frame(event)
+            if self.phase == "gone":
+                return frames
+        if self.phase == "handshake" and self.conn.handshake_exc is not None:
+            self._refuse_upgrade()
+            return frames
+        if self.conn.parser_exc is not None and self.close_code is None:
+            # websockets failed the connection (a frame too large: 1009, a protocol error: 1002): its
+            # close frame and end of stream are written below.
+            sent = self.conn.close_sent
+            self.close_code = sent.code if sent is not None else 1002
+        self._flush()
+        return frames
+
+    def _spend(self, frames: int, n: int) -> None:
+        """Count ``frames`` frames and ``n`` bytes against this second's budgets, acting on an overrun."""
+        now = self.loop.time()
+        if now - self._window >= 1.0:
+            self._window, self._frames, self._bytes = now, 0, 0
+        self._frames += frames
+        self._bytes += n
+        if self._frames > self.frames_per_second and self.phase == "open":
+            log.info("websocket closed: over %d control frames a second", self.frames_per_second)
+            self._limited("frames")
+            self.close(CLOSE_FLOOD, "frame_flood")
+        elif self._bytes > self.bytes_per_second and "budget" not in self._holds:
+            self._limited("bytes")
+            self._hold("budget")  # read again when this second is over
+            self._budget_timer = self.loop.call_at(self._window + 1.0, self._budget_renewed)
+
+    def _budget_renewed(self) -> None:
+        self._budget_timer = None
+        self._window, self._frames, self._bytes = self.loop.time(), 0, 0
+        self._release("budget")
+
+    def _hold(self, why: Hold) -> None:
+        self._holds.add(why)
+        self._sync_reading()
+
+    def _release(self, why: Hold) -> None:
+        if why in self._holds:
+            self._holds.discard(why)
+            self._sync_reading()
+            if not self._holds and self._backlog:
+                self._next_turn_soon()
+
+    def _sync_reading(self) -> None:
+        """Pause the transport's reading while any hold or a backlog is there; resume it otherwise."""
+        pause = bool(self._holds or self._backlog) and self.phase != "gone"
+        if pause != self._read_paused and self.transport is not None and not self.transport.is_closing():
+            self._read_paused = pause
+            (self.transport.pause_reading if pause else self.transport.resume_reading)()
+
+    # -- frames -----------------------------------------------------------------------------------------
+
+    def _on_frame(self, frame: Frame) -> None:
+        if frame.opcode in CONTROL:
+            self._spend(1, 0)
+        if self.phase == "gone":
+            return
+        match frame.opcode:
+            case Opcode.TEXT | Opcode.BINARY:
+                self._text = frame.opcode is Opcode.TEXT
+                self._parts = [bytes(frame.data)]
+                if frame.fin:
+                    self._message()
+            case Opcode.CONT:
+                self._parts.append(bytes(frame.data))
+                if frame.fin:
+                    self._message()
+            case Opcode.PING:
+                pass  # websockets queued the pong; written by _flush (not while writes are held)
+            case Opcode.PONG:
+                self._on_pong(bytes(frame.data))
+            case Opcode.CLOSE:  # websockets echoed it and marked the end of stream: written now
+                received = self.conn.close_rcvd
+                if self.close_code is None:
+                    self.close_code = received.code if received is not None else 1005
+                    self._deliver(
+                        {
+                            "type": "websocket.disconnect",
+                            "code": self.close_code,
+                            "reason": received.reason if received is not None else "",
+                        }
+                    )
+                self._flush()
+                self._end()
+
+    def _message(self) -> None:
+        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        self._parts = []
+        if self.phase != "open":
+            return  # closing: what the client still sends is dropped
+        if self._text:
+            try:
+                text = data.decode()
+            except UnicodeDecodeError:
+                self.conn.fail(1007, "invalid UTF-8")
+                self.close_code = 1007
+                self._flush()
+                self._end()
+                return
+            if self.listener is not None:
+                self.listener.on_message(text)
+            else:
+                self._early({"type": "websocket.receive", "text": text})
+        elif self.listener is not None:
+            self.listener.on_message(data)
+        else:
+            self._early({"type": "websocket.receive", "bytes": data})
+
+    def _early(self, message: dict[str, Any]) -> None:
+        """A message before the endpoint listens: for the app's ``receive`` (or ``listen``)."""
+        self._deliver(message)
+        if len(self._inbox) >= EARLY_MESSAGES:
+            self._hold("early")
+
+    def _flush(self) -> None:
+        """Write what websockets has to send (pongs, a close); its end-of-stream mark ends the connection.
+        Once ended, nothing more is written (what websockets still has, a pong, is dropped)."""
+        for data in self.conn.data_to_send():
+            if self.phase in ("closing", "gone"):
+                continue
+            if data is SEND_EOF or data == b"":
+                self._end()
+            elif not self.transport.is_closing():
+                self.transport.write(data)
+
+    def _end(self) -> None:
+        """End the TCP connection: our end of stream after what is buffered, then what the peer still sends
+        is read and dropped (``LINGER_BYTES`` at most) until it closes its side — closing on unread bytes
+        would reset the connection, and the close frame with it. Aborted if not gone ``close_seconds`` on
+        (a peer that reads nothing, or never closes)."""
+        if self.phase == "gone":
+            return
+        self.phase = "closing"
+        self._stop_keepalive()
+        for handle in (self._turn, self._budget_timer):
+            if handle is not None:
+                handle.cancel()
+        self._turn = self._budget_timer = None
+        self._backlog = b""
+        self._holds.clear()
+        if not self.transport.is_closing():
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self._sync_reading()  # (read again, to drop)
+            else:
+                self.transport.close()
+        self._arm_close()
+        self._gone()
+
+    def _arm_close(self) -> None:
+        if self._close_timer is None and self.phase != "gone":
+            self._close_timer = self.loop.call_later(self.close_seconds, self.transport.abort)
 
     def _gone(self) -> None:
         if self.listener is not None:
             self.listener.on_gone()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        self._gone()
-
-    def handle_close(self, event: Any) -> None:
-        super().handle_close(event)
-        self._gone()
-
-    def handle_parser_exception(self) -> None:
-        super().handle_parser_exception()
-        self._gone()
-
-    def keepalive_timeout(self) -> None:
-        super().keepalive_timeout()
-        self._gone()
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        self._gone()
-
-
-# What ``HubWebSocket`` reads, calls or overrides of uvicorn's websockets-sansio protocol, and of the
-# websockets connection it holds as ``conn`` (``server.hub.handshake.RELIED_ON`` has the handshake's).
-RELIED_ON: dict[type, tuple[str, ...]] = {
-    WebSocketsSansIOProtocol: (
-        "queue",
-        "frames",
-        "curr_msg_data_type",
-        "read_paused",
-        "close_sent",
-        "disconnected",
-        "writable",
-        "transport",
-        "conn",
-        "scope",
-        "request",
-        "response",
-        "handle_connect",
-        "send_receive_event_to_app",
-        "resume_writing",
-        "connection_lost",
-        "handle_close",
-        "handle_parser_exception",
-        "keepalive_timeout",
-        "shutdown",
-    ),
-    ServerProtocol: ("extensions", "send_text", "send_binary", "send_close", "data_to_send"),
-}
-
-
-class UnsupportedUvicorn(RuntimeError):
-    """The installed uvicorn is not one the hub's protocol classes were tested with, or lacks something
-    they use: the hub does not start. The message is one line."""
-
-
-def check_uvicorn() -> None:
-    """Raise ``UnsupportedUvicorn`` unless the installed uvicorn is in ``UVICORN_TESTED`` and its classes
-    (and websockets') have every name ``RELIED_ON`` lists, here and in ``server.hub.handshake``: an
-    attribute of the class or of a base, or one a method of theirs assigns to ``self`` (read from their
-    source as installed)."""
-    (low, high), version = UVICORN_TESTED, uvicorn.__version__
-    tested = f"uvicorn>={low[0]}.{low[1]},<{high[0]}.{high[1]}"
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found is None or not low <= (int(found[1]), int(found[2])) < high:
-        raise UnsupportedUvicorn(
-            f"uvicorn {version} is installed, but the hub's websockets were tested with {tested}"
-            " only (server/hub/wire.py): install that range"
-        )
-    for relied_on, where in ((handshake.RELIED_ON, "handshake.py"), (RELIED_ON, "wire.py")):
-        for cls, names in relied_on.items():
-            missing = _missing(cls, names)
-            if missing:
-                installed = f"uvicorn {version}, websockets {metadata.version('websockets')}"
-                raise UnsupportedUvicorn(
-                    f"{cls.__module__}.{cls.__qualname__} has no {', '.join(missing)}, which"
-                    f" server/hub/{where} uses ({installed}; tested with {tested})"
-                )
-
-
-def _missing(cls: type, names: tuple[str, ...]) -> list[str]:
-    """Those of ``names`` that ``cls`` and its bases neither define nor assign to ``self`` in a method."""
-    wanted = set(names) - {name for klass in cls.__mro__ for name in vars(klass)}
-    for klass in cls.__mro__:
-        for method in vars(klass).values():
-            # Only the methods whose code names one still wanted are parsed (the check runs at every start).
-            if wanted and inspect.isfunction(method) and wanted & _names_in(method.__code__):
-                wanted -= _assigned_to_self(method)
-    return sorted(wanted)
-
-
-def _names_in(code: CodeType) -> set[str]:
-    """The attribute and global names a function's code (and the code nested in it) uses."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, CodeType):
-            names |= _names_in(const)
-    return names
-
-
-def _assigned_to_self(method: FunctionType) -> set[str]:
-    """The attributes a method assigns to ``self``, read from its source as installed."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
-    except (OSError, TypeError, SyntaxError):
-        return set()  # no source to read (a compiled or generated method): not found there
-    return {
-        node.attr
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute)
-        and isinstance(node.ctx, ast.Store)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "self"
-    }
-
-
-def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
-    """How the hub runs under uvicorn: websockets-sansio with bounded handshakes (``server.hub.handshake``),
-    no compression unless asked, frame cap, pings. Raises ``UnsupportedUvicorn`` first if the installed
-    uvicorn is not one they were tested with (``check_uvicorn``)."""
-    check_uvicorn()
-    http, _ = bounded_protocols(settings.handshake_seconds, HttpLimits.of(settings))
-    return uvicorn.Config(
-        # (uvicorn.Config types app as its ASGI protocol; Starlette's app is one, typed otherwise.)
-        app,  # type: ignore[arg-type]
-        http=http,
-        ws=HubWebSocket,  # bounded handshakes, and the hub's frames below ASGI
-        ws_per_message_deflate=settings.ws_compression,
-        ws_max_size=settings.ws_max_frame_bytes,
-        ws_ping_interval=settings.ws_ping_interval,
-        ws_ping_timeout=settings.ws_ping_timeout,
-        timeout_graceful_shutdown=settings.shutdown_seconds,
-        log_level="warning",
-        access_log=False,
-    )
+    def _limited(self, limit: str) -> None:
+        if self.listener is not None:
+            self.listener.on_limited(limit)

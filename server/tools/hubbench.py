@@ -1,9 +1,9 @@
 """Hub benchmarks: ``redpacket bench hub-grab | fanout | hot``. Each prints a table and a JSON line.
 
 Every figure is compared with a baseline measured in the same run on the same machine: a bare Starlette
-websocket app under the same uvicorn settings (echo for round trips, an encode-once send loop for
-fan-out), driven by the same client code. Hubs run as separate ``redpacket serve`` processes on the
-configured Redis and a throw-away SQLite file.
+websocket app on stock uvicorn (its own default protocols, compression off as on the hub; echo for round
+trips, an encode-once send loop for fan-out), driven by the same client code. Hubs run as separate
+``redpacket serve`` processes on the configured Redis and a throw-away SQLite file.
 """
 
 from __future__ import annotations
@@ -131,6 +131,8 @@ def hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:
         REDPACKET_MSGS_BURST="1000000",
         REDPACKET_USER_MSGS_PER_SECOND="1000000",
         REDPACKET_USER_MSGS_BURST="1000000",
+        REDPACKET_WS_FRAMES_PER_SECOND="1000000",
+        REDPACKET_WS_BYTES_PER_SECOND=str(10**9),
         REDPACKET_SEND_QUEUE_FRAMES="100000",
         REDPACKET_PRESENCE_EVENT_LIMIT="0",
         **extra,
@@ -389,12 +391,18 @@ def _serve_bare(mode: str) -> None:
     import uvicorn
     import uvloop
 
-    from server.hub.wire import uvicorn_config
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     sock.listen(2048)
-    config = uvicorn_config(_bare_app(mode), Settings(ws_ping_interval=120))
+    # Stock uvicorn and Starlette: uvicorn's own default protocols (httptools, websockets-sansio), not the
+    # hub's; compression off as on the hub (uvicorn's default is on) and pings as rare.
+    config = uvicorn.Config(
+        _bare_app(mode),
+        ws_per_message_deflate=False,
+        ws_ping_interval=120,
+        log_level="warning",
+        access_log=False,
+    )
     print(f"bare on ws://127.0.0.1:{sock.getsockname()[1]}/ws", flush=True)
     uvloop.run(uvicorn.Server(config).serve(sockets=[sock]))
 

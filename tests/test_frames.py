@@ -1,0 +1,250 @@
+"""Every frame a stranger sends is counted, and one socket never holds the rest (``server.hub.wire``), on a
+real hub with raw TCP clients that write frames by hand and read only when told to:
+
+- ping, pong and continuation floods are closed 1008 ``frame_flood`` while another user is answered;
+- a socket past its bytes a second is read again after its second, its requests all answered;
+- a client that pings and never reads: the hub stops reading it once its pongs fill the write buffer,
+  which stays under the mark;
+- a socket the hub closed whose client never reads is cut after ``REDPACKET_WS_CLOSE_SECONDS``, and
+  its user's socket slot stays taken until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import socket
+import struct
+from urllib.parse import urlparse
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from server.hub import protocol
+from server.hub.connection import Connection
+from server.hub.wire import HubWebSocket
+from server.settings import Settings
+from server.tools.client import HubClient
+from tests.hubtools import HubUnderTest, eventually, hub_in_process
+from tests.test_hub import make_room
+
+PING, PONG, CONT, TEXT, CLOSE = 0x9, 0xA, 0x0, 0x1, 0x8
+
+
+def frame(opcode: int, payload: bytes = b"", fin: bool = True) -> bytes:
+    """A client frame (masked, as RFC 6455 requires of a client), payload under 64 KB."""
+    mask = os.urandom(4)
+    body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    first, n = (0x80 if fin else 0) | opcode, len(payload)
+    head = struct.pack("!BB", first, 0x80 | n) if n < 126 else struct.pack("!BBH", first, 0x80 | 126, n)
+    return head + mask + body
+
+
+class Raw:
+    """A websocket client over a plain TCP socket: upgraded, then frames written as they are given."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, h: HubUnderTest, token: str, rcvbuf: int = 0) -> Raw:
+        url = urlparse(h.ws)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf:  # a small receive window: a client that does not read fills it at once
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (url.hostname, url.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write(
+            f"GET /ws?token={token} HTTP/1.1\r\nHost: {url.netloc}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+            f"Sec-WebSocket-Protocol: {protocol.SUBPROTOCOL_JSON}\r\n\r\n".encode()
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        assert head.startswith(b"HTTP/1.1 101"), head
+        return cls(reader, writer)
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def read_frame(self) -> tuple[int, bytes]:
+        """The next frame from the server: its opcode and payload."""
+        first, second = await asyncio.wait_for(self.reader.readexactly(2), 30)
+        n = second & 0x7F
+        if n == 126:
+            (n,) = struct.unpack("!H", await self.reader.readexactly(2))
+        elif n == 127:
+            (n,) = struct.unpack("!Q", await self.reader.readexactly(8))
+        return first & 0x0F, await self.reader.readexactly(n)
+
+    async def close_frame(self) -> tuple[int, str]:
+        """Read until the server's close frame: its code and reason (pongs and messages skipped)."""
+        while True:
+            opcode, payload = await self.read_frame()
+            if opcode == CLOSE:
+                return struct.unpack("!H", payload[:2])[0], payload[2:].decode()
+
+    def drop(self) -> None:
+        self.writer.transport.abort()
+
+
+def _wire(h: HubUnderTest, user: int, sndbuf: int = 0) -> HubWebSocket:
+    """The hub's side of ``user``'s one socket; ``sndbuf``: its kernel send buffer made that small (the
+    buffers toward a client that does not read fill at once, and the rest waits in the hub's)."""
+    conns: set[Connection] = h.hub.by_user[user]
+    wire = next(iter(conns)).wire
+    if sndbuf:
+        wire.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    return wire
+
+
+def _limited(h: HubUnderTest, limit: str) -> float:
+    return float(h.hub.metrics.limited.labels(limit)._value.get())
+
+
+FLOODS = {
+    "empty pings": frame(PING) * 3000,
+    "125-byte pings": frame(PING, b"p" * 125) * 3000,
+    "unsolicited pongs": frame(PONG, b"x") * 3000,
+    "continuation frames": frame(TEXT, b"{", fin=False) + frame(CONT, b" ", fin=False) * 3000,
+}
+
+
+@pytest.mark.parametrize("flood", list(FLOODS))
+async def test_a_frame_flood_is_closed_1008_while_another_user_is_answered(
+    hub_settings: Settings, flood: str
+) -> None:
+    async with hub_in_process(hub_settings) as h:
+        room = await make_room(h, 2)
+        (flooder, flooder_token), (_, other_token) = room.members
+        other = await h.client(other_token)
+        raw = await Raw.open(h, flooder_token)
+        await eventually(lambda: flooder in h.hub.by_user, 30)  # welcomed: its frames are the session's
+        asked = asyncio.create_task(other.request("ping"))
+        await raw.send(FLOODS[flood])
+        assert await raw.close_frame() == (protocol.CLOSE_FLOOD, "frame_flood")
+        assert "ts" in await asked  # the other user was answered
+        assert "ts" in await other.request("ping")
+        assert _limited(h, "frames") == 1
+        await eventually(lambda: flooder not in h.hub.by_user, 30)
+        raw.drop()
+        await other.close()
+
+
+async def test_a_socket_past_its_bytes_a_second_is_read_after_it_and_answered(hub_settings: Settings) -> None:
+    async with hub_in_process(hub_settings.replace(ws_bytes_per_second=2048)) as h:
+        room = await make_room(h, 1)
+        (user, token) = room.members[0]
+        raw = await Raw.open(h, token)
+        await eventually(lambda: user in h.hub.by_user, 30)
+        pad = "x" * 300
+        asks = b"".join(
+            frame(TEXT, json.dumps({"id": i, "type": "ping", "p": pad}).encode()) for i in range(30)
+        )
+        assert len(asks) > 4 * 2048  # five seconds' worth at least (30 requests: under the request limit)
+        await raw.send(asks)
+        seen: set[int] = set()
+        while len(seen) < 30:  # every one answered, none refused, the socket open
+            opcode, payload = await raw.read_frame()
+            body = json.loads(payload)
+            assert opcode == TEXT and body.get("type") in ("reply", "welcome", "event"), body
+            if body.get("type") == "reply":
+                assert "error" not in body, body
+                seen.add(int(body["id"]))
+        assert _limited(h, "bytes") >= 1  # not read for the rest of a second, more than once
+        assert user in h.hub.by_user
+        raw.drop()
+
+
+async def test_a_pinger_that_never_reads_is_not_read_while_its_pongs_wait(hub_settings: Settings) -> None:
+    # (No frame budget here: what bounds this socket is the write buffer's mark alone.)
+    async with hub_in_process(
+        hub_settings.replace(ws_frames_per_second=10**9, ws_bytes_per_second=10**9)
+    ) as h:
+        room = await make_room(h, 1)
+        (user, token) = room.members[0]
+        raw = await Raw.open(h, token, rcvbuf=4096)
+        await eventually(lambda: user in h.hub.by_user, 30)
+        wire = _wire(h, user, sndbuf=4096)
+        pings = frame(PING, b"p" * 125) * 500
+
+        async def ping_for_ever() -> None:
+            while True:
+                await raw.send(pings)  # blocks once the hub stops reading and the buffers between fill
+
+        pinger = asyncio.create_task(ping_for_ever())
+        try:
+            # The state: the hub's buffer for this socket past its mark, and the socket no longer read.
+            await eventually(lambda: "writes" in wire.held_for, 60)
+            high = wire.transport.get_write_buffer_limits()[1]
+            for _ in range(50):  # while the client still tries to send
+                await asyncio.sleep(0.01)
+                assert wire.transport.get_write_buffer_size() <= high + 64 * 1024
+                assert not pinger.done()
+        finally:
+            pinger.cancel()
+            raw.drop()
+
+
+def _deaf_settings(hub_settings: Settings, close_seconds: float) -> Settings:
+    return hub_settings.replace(
+        max_sockets_per_user=1,
+        send_queue_frames=8,
+        ws_close_seconds=close_seconds,
+        msgs_per_second=1e6,
+        msgs_burst=10**6,
+        user_msgs_per_second=1e6,
+        user_msgs_burst=10**6,
+        ws_bytes_per_second=10**9,
+    )
+
+
+async def _closed_unread(h: HubUnderTest) -> tuple[int, str, Raw, HubWebSocket]:
+    """A member's socket that reads nothing, closed by the hub (4008: the room's chat overflowed its
+    send queue) with bytes it could not flush: its TCP connection still there."""
+    room = await make_room(h, 1)
+    (user, token) = room.members[0]
+    deaf = await Raw.open(h, token, rcvbuf=4096)
+    await eventually(lambda: user in h.hub.by_user, 30)
+    wire = _wire(h, user, sndbuf=4096)
+    sync = {"id": 1, "type": "sync", "groups": {str(room.group): None}}
+    await deaf.send(frame(TEXT, json.dumps(sync).encode()))
+    while json.loads((await deaf.read_frame())[1]).get("type") != "reply":  # (its events flow from here)
+        pass
+    # From here it reads nothing.
+    async with await h.client(room.admin_token) as talker:
+        while user in h.hub.by_user:
+            await talker.request("chat", group=room.group, text="x" * 400)
+    assert wire.close_code == protocol.CLOSE_SLOW_CONSUMER and wire.transport.get_write_buffer_size() > 0
+    return user, token, deaf, wire
+
+
+async def test_a_closed_socket_keeps_its_users_slot_until_its_tcp_connection_is_gone(
+    hub_settings: Settings,
+) -> None:
+    async with hub_in_process(_deaf_settings(hub_settings, close_seconds=120)) as h:
+        user, token, deaf, wire = await _closed_unread(h)
+        assert not wire.lost.done() and h.hub.leaving.get(user) == 1
+        with pytest.raises(ConnectionClosed) as refused:  # one socket a user: still taken
+            await HubClient.connect(h.ws, token, "json")
+        assert refused.value.rcvd is not None and refused.value.rcvd.code == protocol.CLOSE_TOO_MANY_SOCKETS
+        deaf.drop()  # the client goes: its slot is free
+        await eventually(lambda: wire.lost.done() and user not in h.hub.leaving, 30)
+        async with await HubClient.connect(h.ws, token, "json") as again:
+            assert "ts" in await again.request("ping")
+
+
+async def test_a_closed_socket_whose_client_never_reads_is_cut_after_the_close_timeout(
+    hub_settings: Settings,
+) -> None:
+    async with hub_in_process(_deaf_settings(hub_settings, close_seconds=0.5)) as h:
+        user, token, deaf, wire = await _closed_unread(h)
+        # Cut although the client neither reads nor closes: its buffers freed, its slot too.
+        await eventually(lambda: wire.lost.done() and user not in h.hub.leaving, 30)
+        async with await HubClient.connect(h.ws, token, "json") as again:
+            assert "ts" in await again.request("ping")
+        deaf.drop()
