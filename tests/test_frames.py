@@ -24,7 +24,7 @@ from websockets.exceptions import ConnectionClosed
 
 from server.hub import protocol
 from server.hub.connection import Connection
-from server.hub.wire import HubWebSocket
+from server.hub.wire import CHUNK_BYTES, MAX_FRAGMENTS, HubWebSocket
 from server.settings import Settings
 from server.tools.client import HubClient
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
@@ -115,7 +115,7 @@ FLOODS = {
 
 
 @pytest.mark.parametrize("flood", list(FLOODS))
-async def test_a_frame_flood_is_closed_1008_while_another_user_is_answered(
+async def test_a_frame_flood_is_closed_1008_and_nothing_after_its_budget_is_parsed(
     hub_settings: Settings, flood: str
 ) -> None:
     async with hub_in_process(hub_settings) as h:
@@ -124,15 +124,31 @@ async def test_a_frame_flood_is_closed_1008_while_another_user_is_answered(
         other = await h.client(other_token)
         raw = await Raw.open(h, flooder_token)
         await eventually(lambda: flooder in h.hub.by_user, 30)  # welcomed: its frames are the session's
-        asked = asyncio.create_task(other.request("ping"))
-        await raw.send(FLOODS[flood])
+        wire = _wire(h, flooder)
+        await raw.send(FLOODS[flood])  # 3,000 frames, read by the hub in a few large reads
         assert await raw.close_frame() == (protocol.CLOSE_FLOOD, "frame_flood")
-        assert "ts" in await asked  # the other user was answered
-        assert "ts" in await other.request("ping")
+        # Parsed: the budget, and the rest of the chunk it ran out in; the rest of the read is dropped.
+        budget = h.settings.ws_frames_per_second
+        assert budget < wire.frames_in <= budget + CHUNK_BYTES // 6 + 2, wire.frames_in
+        assert "ts" in await other.request("ping")  # the other user's socket serves on
         assert _limited(h, "frames") == 1
         await eventually(lambda: flooder not in h.hub.by_user, 30)
         raw.drop()
         await other.close()
+
+
+async def test_a_message_in_more_fragments_than_allowed_is_closed_1009(hub_settings: Settings) -> None:
+    # (No frame budget here: the fragments' own bound, not the rate of continuation frames.)
+    async with hub_in_process(hub_settings.replace(ws_frames_per_second=10**9)) as h:
+        room = await make_room(h, 1)
+        (user, token) = room.members[0]
+        raw = await Raw.open(h, token)
+        await eventually(lambda: user in h.hub.by_user, 30)
+        wire = _wire(h, user)
+        await raw.send(frame(TEXT, b"", fin=False) + frame(CONT, b"", fin=False) * (MAX_FRAGMENTS + 10))
+        assert await raw.close_frame() == (1009, "too many fragments")
+        assert wire.frames_in <= MAX_FRAGMENTS + 11
+        raw.drop()
 
 
 async def test_a_socket_past_its_bytes_a_second_is_read_after_it_and_answered(hub_settings: Settings) -> None:

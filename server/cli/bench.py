@@ -30,6 +30,10 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
         await run_db_read_bench(settings, plot=plot)
     elif what == "hub-grab":
         await hubbench.bench_hub_grab(settings, workers=args.workers, plot=plot, seconds=args.seconds)
+    elif what == "flood":
+        from server.tools.floodbench import bench_flood
+
+        await bench_flood(settings, seconds=args.seconds or 15.0)
     elif args.spider:
         await _on_spider(settings, args, plot)
     elif what in ("credit", "storm") and args.galera:

@@ -96,6 +96,7 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=[
             "grab",
             "hub-grab",
+            "flood",
             "fanout",
             "hot",
             "credit",
@@ -117,7 +118,7 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--seconds",
         type=float,
         help="how long the grabs go on (storm: 30 unless given); hub-grab: how long each phase runs"
-        " (unless given, 4,000 round trips)",
+        " (unless given, 4,000 round trips); flood: each flood's (15 unless given)",
     )
     bench.add_argument("--plot", metavar="DIR", help="write PNG plots of the run into DIR")
     bench.add_argument(

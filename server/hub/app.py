@@ -344,12 +344,20 @@ def create_app(
     return app
 
 
-def hub_websocket(settings: Settings) -> type[HubWebSocket]:
-    """The protocol class to give uvicorn (``ws=``), with the budgets the settings say."""
+def hub_websocket(settings: Settings, app: object = None) -> type[HubWebSocket]:
+    """The protocol class to give uvicorn (``ws=``), with the budgets the settings say; the limits it hits
+    counted in ``app``'s hub metrics (made by its lifespan, so looked for at each count)."""
+
+    def limited(limit: str) -> None:
+        metrics = getattr(getattr(app, "state", None), "metrics", None)
+        if isinstance(metrics, HubMetrics):
+            metrics.limited.labels(limit).inc()
+
     return type(
         "HubWebSocket",
         (HubWebSocket,),
         {
+            "on_limited": staticmethod(limited),
             "frames_per_second": settings.ws_frames_per_second,
             "bytes_per_second": settings.ws_bytes_per_second,
             "close_seconds": settings.ws_close_seconds,
@@ -367,7 +375,7 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
         # (uvicorn.Config types app as its ASGI protocol; Starlette's app is one, typed otherwise.)
         app,  # type: ignore[arg-type]
         http=http,
-        ws=hub_websocket(settings),
+        ws=hub_websocket(settings, app),
         ws_per_message_deflate=settings.ws_compression,
         ws_max_size=settings.ws_max_frame_bytes,
         ws_ping_interval=settings.ws_ping_interval,

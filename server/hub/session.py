@@ -79,6 +79,8 @@ class Session:
     # -- wire.Listener --------------------------------------------------------------------------------
 
     def on_message(self, frame: bytes | str) -> None:
+        if self.stopped or self.conn.closing:
+            return  # the hub is closing this socket: what it still sends is not handled
         if self.inflight is not None or self.waiting:
             if self.waiting is None:
                 self.waiting = deque()
@@ -93,9 +95,6 @@ class Session:
 
     def on_gone(self) -> None:
         self.conn.gone()
-
-    def on_limited(self, limit: str) -> None:
-        self.hub.metrics.limited.labels(limit).inc()
 
     def stop(self) -> None:
         """The socket is gone: frames not started are dropped (the one in flight finishes)."""

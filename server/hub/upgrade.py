@@ -1,6 +1,7 @@
-"""A hub websocket's way in and its app: the upgrade request answered by websockets' Sans-I/O
+"""A hub websocket's way in, its app and its way out: the upgrade request answered by websockets' Sans-I/O
 ``ServerProtocol`` (``accept``, ``reject``, ``send_response``), the ASGI scope, the app's ``receive`` and
-``send`` (accept, refuse with 403, close, send), and the keepalive pings. ``Upgrade`` is the base of the
+``send`` (accept, refuse with 403, close, send; an app that fails closes 1011), the keepalive pings, and
+the end (every close ends the TCP connection within ``close_seconds``). ``Upgrade`` is the base of the
 hub's protocol (``server.hub.wire.HubWebSocket``), which adds what happens to frames once the socket is
 open; the hooks at the end of the class are its.
 
@@ -18,12 +19,12 @@ import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 from urllib.parse import unquote
 
 import uvicorn
 from uvicorn.server import ServerState
-from websockets.exceptions import SecurityError
+from websockets.exceptions import InvalidState, SecurityError
 from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
 from websockets.http11 import Request, Response
 from websockets.server import ServerProtocol
@@ -41,7 +42,7 @@ EARLY_MESSAGES = 32
 
 Phase = Literal["handshake", "deciding", "open", "closing", "gone"]
 # Why the socket is not read now (it is read again when no reason is left).
-Hold = Literal["session", "early", "budget", "writes", "turn"]
+Hold = Literal["session", "early", "budget", "writes", "turn", "deciding"]
 
 
 def _address(info: Any) -> tuple[str, int] | None:
@@ -49,7 +50,9 @@ def _address(info: Any) -> tuple[str, int] | None:
 
 
 class Upgrade(asyncio.Protocol):
-    """The upgrade, the app and the keepalive of one websocket (the module's docstring)."""
+    """The upgrade, the app, the keepalive and the end of one websocket (the module's docstring)."""
+
+    close_seconds: ClassVar[float] = 2.0
 
     def __init__(
         self,
@@ -86,6 +89,8 @@ class Upgrade(asyncio.Protocol):
         self._ping_timer: asyncio.TimerHandle | None = None
         self._pong_timer: asyncio.TimerHandle | None = None
         self._ping_payload: bytes | None = None
+        self._close_timer: asyncio.TimerHandle | None = None
+        self._lingered = 0  # bytes read and dropped since the end
 
     # -- keepalive --------------------------------------------------------------------------------------
 
@@ -168,6 +173,7 @@ class Upgrade(asyncio.Protocol):
             "extensions": {EXTENSION: self},
         }
         self._deliver({"type": "websocket.connect"})
+        self._hold("deciding")  # (frames sent before the 101 wait for it)
         task = self.loop.create_task(self._run_app())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -193,16 +199,20 @@ class Upgrade(asyncio.Protocol):
         self._end()
 
     async def _run_app(self) -> None:
+        code = 1000  # the app returned with the socket open: closed normally
         try:
             await self.app(self.scope, self._receive, self._send)
+        except asyncio.CancelledError:
+            code = 1012  # the server is going away
+            raise
         except Exception:
             log.exception("exception in the websocket endpoint")
-            if self.phase == "deciding":
+            code = 1011
+        finally:
+            if self.phase == "open":
+                self.close(code)
+            elif self.phase == "deciding":
                 self._respond(self.conn.reject(500, "Internal Server Error"))
-        if self.phase == "open":
-            self.close(1000)
-        elif self.phase == "deciding":
-            self._respond(self.conn.reject(500, "Internal Server Error"))
 
     def _deliver(self, message: dict[str, Any]) -> None:
         self._inbox.append(message)
@@ -234,6 +244,7 @@ class Upgrade(asyncio.Protocol):
                 self._response = None
                 self._flush()
                 self._start_keepalive()
+                self._release("deciding")
             elif kind == "websocket.close":  # refused before the upgrade: 403
                 self._deliver({"type": "websocket.disconnect", "code": 1006})
                 self._respond(self.conn.reject(HTTPStatus.FORBIDDEN, ""))
@@ -250,10 +261,55 @@ class Upgrade(asyncio.Protocol):
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
 
-    # -- what the socket's protocol provides ----------------------------------------------------------------
+    # -- the end ----------------------------------------------------------------------------------------
 
     def close(self, code: int, reason: str = "") -> None:
-        raise NotImplementedError
+        """Send a close frame (if the socket is open) and end the TCP connection once it is written, or
+        ``close_seconds`` from now at the latest (aborted then: a peer that does not read)."""
+        if self.phase == "open":
+            try:
+                self.conn.send_close(code, reason)
+            except InvalidState:
+                pass
+            self.close_code = code
+            self._flush()
+        # The TCP connection ends after the close frame, without waiting for the client's answer: what a
+        # flooding or silent client would send meanwhile is never read.
+        self._end()
+
+    def shutdown(self) -> None:
+        """The server is stopping (uvicorn calls this on every connection)."""
+        if self.phase == "open":
+            self.close(1012)
+        elif self.phase != "gone":
+            if self.phase == "deciding" and self._response is not None:
+                self._respond(self.conn.reject(500, "Internal Server Error"))
+            self._end()
+
+    def _end(self) -> None:
+        """End the TCP connection: our end of stream after what is buffered, then what the peer still sends
+        is read and dropped (``LINGER_BYTES`` at most) until it closes its side — closing on unread bytes
+        would reset the connection, and the close frame with it. Aborted if not gone ``close_seconds`` on
+        (a peer that reads nothing, or never closes)."""
+        if self.phase == "gone":
+            return
+        self.phase = "closing"
+        self._stop_keepalive()
+        self._reading_ended()
+        if not self.transport.is_closing():
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self._sync_reading()  # (read again, to drop)
+            else:
+                self.transport.close()
+        self._arm_close()
+        self._gone()
+
+    def _arm_close(self) -> None:
+        if self._close_timer is None and self.phase != "gone":
+            self._close_timer = self.loop.call_later(self.close_seconds, self.transport.abort)
+
+    # -- what the socket's protocol provides ----------------------------------------------------------------
 
     def frame(self, payload: bytes | str) -> bytes:
         raise NotImplementedError
@@ -264,8 +320,17 @@ class Upgrade(asyncio.Protocol):
     def _flush(self) -> None:
         raise NotImplementedError
 
-    def _end(self) -> None:
+    def _hold(self, why: Hold) -> None:
         raise NotImplementedError
 
     def _release(self, why: Hold) -> None:
+        raise NotImplementedError
+
+    def _sync_reading(self) -> None:
+        raise NotImplementedError
+
+    def _reading_ended(self) -> None:
+        raise NotImplementedError
+
+    def _gone(self) -> None:
         raise NotImplementedError

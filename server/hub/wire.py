@@ -27,11 +27,11 @@ import asyncio
 import logging
 import struct
 from collections import deque
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, cast
 
 import uvicorn
 from uvicorn.server import ServerState
-from websockets.exceptions import InvalidState
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request
 from websockets.protocol import SEND_EOF
@@ -42,10 +42,16 @@ from server.hub.upgrade import EARLY_MESSAGES, Hold, Upgrade
 log = logging.getLogger(__name__)
 
 
-# One turn of parsing: at most this many bytes are given to the parser, and no more once this many
-# frames came out (the rest of what was read waits for the next turn).
-TURN_BYTES = 2048
+# One turn of parsing: at most this many bytes are given to the parser, a chunk at a time, and no more
+# chunk once this many frames came out (the rest of what was read waits for the next turn). A chunk of
+# 6-byte frames is ~340 of them: ~2-3 ms of websockets' parsing.
+TURN_BYTES = 8192
+CHUNK_BYTES = 2048
 TURN_FRAMES = 64
+# The phases in which what is read is parsed (after them it is read and dropped).
+READING = ("handshake", "deciding", "open")
+# A message may come in at most this many frames (more: closed 1009, as a message over the size limit).
+MAX_FRAGMENTS = 64
 # After the end, what the peer still sends is read and dropped up to this much (then the connection is cut).
 LINGER_BYTES = 1024 * 1024
 # The frames the request limit does not see, and so are counted here.
@@ -58,8 +64,6 @@ class Listener(Protocol):
     def on_writable(self) -> None: ...
 
     def on_gone(self) -> None: ...
-
-    def on_limited(self, limit: str) -> None: ...
 
 
 def data_frame(payload: bytes | str) -> bytes:
@@ -80,9 +84,10 @@ class HubWebSocket(Upgrade):
     """One websocket of the hub, from the upgrade request to the transport's end (the module's docstring).
     Its budgets and timeouts are class attributes, set from the settings (``server.hub.app``)."""
 
+    # Told of each limit hit (``frames``, ``bytes``), from the upgrade on (the hub's metrics).
+    on_limited: ClassVar[Callable[[str], None]] = staticmethod(lambda limit: None)
     frames_per_second: ClassVar[int] = 50
     bytes_per_second: ClassVar[int] = 1 << 20
-    close_seconds: ClassVar[float] = 2.0
 
     def __init__(
         self,
@@ -93,7 +98,9 @@ class HubWebSocket(Upgrade):
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self.listener: Listener | None = None
-        self._parts: list[bytes] = []  # the message being assembled
+        self._parts = bytearray()  # the message being assembled
+        self._fragments = 0
+        self.frames_in = 0  # frames parsed on this socket
         self._text = False
         self._holds: set[Hold] = set()
         self._read_paused = False
@@ -104,8 +111,6 @@ class HubWebSocket(Upgrade):
         self._bytes = 0
         self._budget_timer: asyncio.TimerHandle | None = None
         self._writes_paused = False
-        self._close_timer: asyncio.TimerHandle | None = None
-        self._lingered = 0
 
     # -- what the hub's connection and session use ------------------------------------------------------
 
@@ -169,20 +174,6 @@ class HubWebSocket(Upgrade):
     def resume_reading(self) -> None:
         self._release("session")
 
-    def close(self, code: int, reason: str = "") -> None:
-        """Send a close frame (if the socket is open) and end the TCP connection once it is written, or
-        ``close_seconds`` from now at the latest (aborted then: a peer that does not read)."""
-        if self.phase == "open":
-            try:
-                self.conn.send_close(code, reason)
-            except InvalidState:
-                pass
-            self.close_code = code
-            self._flush()
-        # The TCP connection ends after the close frame, without waiting for the client's answer: what a
-        # flooding or silent client would send meanwhile is never read.
-        self._end()
-
     # -- asyncio.Protocol -----------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -236,31 +227,29 @@ class HubWebSocket(Upgrade):
             return
         self._parse_turn(data)
 
-    def shutdown(self) -> None:
-        """The server is stopping (uvicorn calls this on every connection)."""
-        if self.phase == "open":
-            self.close(1012)
-        elif self.phase != "gone":
-            if self.phase == "deciding" and self._response is not None:
-                self._respond(self.conn.reject(500, "Internal Server Error"))
-            self._end()
-
     # -- reading: turns, budgets, holds ---------------------------------------------------------------
 
     def _parse_turn(self, data: bytes) -> None:
-        """Parse at most ``TURN_BYTES`` of ``data`` (stopping early past ``TURN_FRAMES`` frames); keep the
-        rest for a later turn."""
-        frames = 0
-        while data and frames < TURN_FRAMES and not self._holds and self.phase != "gone":
-            chunk, data = data[:TURN_BYTES], data[TURN_BYTES:]
+        """Parse at most ``TURN_BYTES`` of ``data``, in ``CHUNK_BYTES`` pieces, stopping past ``TURN_FRAMES``
+        frames (the frames of one piece are all handled); keep the rest for a later turn. Once the socket
+        ends, nothing more is parsed: the rest is dropped."""
+        at = frames = 0
+        while at < len(data) and at < TURN_BYTES and frames < TURN_FRAMES and not self._holds:
+            if self.phase not in READING:
+                break
+            chunk = data[at : at + CHUNK_BYTES]
+            at += len(chunk)
             frames += self._parse(chunk)
-            if frames == 0 and len(chunk) == TURN_BYTES:
-                break  # (a large frame arriving: one chunk a turn keeps every turn short)
-        if data and self.phase != "gone":
-            self._backlog = data + self._backlog
-            self._sync_reading()
-            if not self._holds:
-                self._next_turn_soon()
+        rest = data[at:]
+        if not rest or self.phase == "gone":
+            return
+        if self.phase not in READING:
+            self._lingered += len(rest)  # ended meanwhile: dropped
+            return
+        self._backlog = rest + self._backlog
+        self._sync_reading()
+        if not self._holds:
+            self._next_turn_soon()
 
     def _next_turn_soon(self) -> None:
         if self._turn is None:
@@ -268,7 +257,7 @@ class HubWebSocket(Upgrade):
 
     def _next_turn(self) -> None:
         self._turn = None
-        if self._holds or self.phase == "gone":
+        if self._holds or self.phase not in READING:
             return
         data, self._backlog = self._backlog, b""
         self._parse_turn(data)
@@ -285,6 +274,7 @@ class HubWebSocket(Upgrade):
             if not isinstance(event, Frame):
                 continue  # (a Response: what a client parses, never a server)
             frames += 1
+            self.frames_in += 1
             self._on_frame(event)
             if self.phase == "gone":
                 return frames
@@ -306,7 +296,7 @@ class HubWebSocket(Upgrade):
             self._window, self._frames, self._bytes = now, 0, 0
         self._frames += frames
         self._bytes += n
-        if self._frames > self.frames_per_second and self.phase == "open":
+        if self._frames > self.frames_per_second and self.phase in ("open", "deciding"):
             log.info("websocket closed: over %d control frames a second", self.frames_per_second)
             self._limited("frames")
             self.close(CLOSE_FLOOD, "frame_flood")
@@ -343,18 +333,24 @@ class HubWebSocket(Upgrade):
     def _on_frame(self, frame: Frame) -> None:
         if frame.opcode in CONTROL:
             self._spend(1, 0)
-        if self.phase == "gone":
+        if self.phase not in READING:
             return
         match frame.opcode:
             case Opcode.TEXT | Opcode.BINARY:
                 self._text = frame.opcode is Opcode.TEXT
-                self._parts = [bytes(frame.data)]
                 if frame.fin:
-                    self._message()
+                    self._message(bytes(frame.data))
+                else:
+                    self._parts, self._fragments = bytearray(frame.data), 1
             case Opcode.CONT:
-                self._parts.append(bytes(frame.data))
-                if frame.fin:
-                    self._message()
+                # (websockets caps the message's size, not its fragments: empty ones would be free.)
+                self._parts += frame.data
+                self._fragments += 1
+                if self._fragments > MAX_FRAGMENTS:
+                    self.close(1009, "too many fragments")
+                elif frame.fin:
+                    data, self._parts, self._fragments = bytes(self._parts), bytearray(), 0
+                    self._message(data)
             case Opcode.PING:
                 pass  # websockets queued the pong; written by _flush (not while writes are held)
             case Opcode.PONG:
@@ -373,11 +369,9 @@ class HubWebSocket(Upgrade):
                 self._flush()
                 self._end()
 
-    def _message(self) -> None:
-        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
-        self._parts = []
-        if self.phase != "open":
-            return  # closing: what the client still sends is dropped
+    def _message(self, data: bytes) -> None:
+        if self.phase not in ("open", "deciding"):
+            return  # closing: what the client still sends is dropped (before the accept: kept, early)
         if self._text:
             try:
                 text = data.decode()
@@ -404,47 +398,25 @@ class HubWebSocket(Upgrade):
 
     def _flush(self) -> None:
         """Write what websockets has to send (pongs, a close); its end-of-stream mark ends the connection.
-        Once ended, nothing more is written (what websockets still has, a pong, is dropped)."""
+        Only while open: before the 101 (a client that pings before it) and once ended, frames are dropped."""
         for data in self.conn.data_to_send():
-            if self.phase in ("closing", "gone"):
-                continue
             if data is SEND_EOF or data == b"":
                 self._end()
-            elif not self.transport.is_closing():
+            elif self.phase == "open" and not self.transport.is_closing():
                 self.transport.write(data)
 
-    def _end(self) -> None:
-        """End the TCP connection: our end of stream after what is buffered, then what the peer still sends
-        is read and dropped (``LINGER_BYTES`` at most) until it closes its side — closing on unread bytes
-        would reset the connection, and the close frame with it. Aborted if not gone ``close_seconds`` on
-        (a peer that reads nothing, or never closes)."""
-        if self.phase == "gone":
-            return
-        self.phase = "closing"
-        self._stop_keepalive()
+    def _reading_ended(self) -> None:
+        """Nothing more is parsed: the turn due, the budget's timer, what waits and every hold go."""
         for handle in (self._turn, self._budget_timer):
             if handle is not None:
                 handle.cancel()
         self._turn = self._budget_timer = None
         self._backlog = b""
         self._holds.clear()
-        if not self.transport.is_closing():
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-                self._sync_reading()  # (read again, to drop)
-            else:
-                self.transport.close()
-        self._arm_close()
-        self._gone()
-
-    def _arm_close(self) -> None:
-        if self._close_timer is None and self.phase != "gone":
-            self._close_timer = self.loop.call_later(self.close_seconds, self.transport.abort)
 
     def _gone(self) -> None:
         if self.listener is not None:
             self.listener.on_gone()
 
     def _limited(self, limit: str) -> None:
-        if self.listener is not None:
-            self.listener.on_limited(limit)
+        type(self).on_limited(limit)

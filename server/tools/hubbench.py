@@ -116,7 +116,8 @@ async def server_process(
 
 
 def hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:
-    return child_env(
+    """A bench hub's environment: its limits out of the way, then ``extra`` (which may put one back)."""
+    values = dict(
         REDPACKET_REDIS_URL=settings.redis_url,
         REDPACKET_QUEUE_REDIS_URL=settings.queue_redis_url,
         REDPACKET_GRAB_DURABILITY=settings.grab_durability,
@@ -135,8 +136,9 @@ def hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:
         REDPACKET_WS_BYTES_PER_SECOND=str(10**9),
         REDPACKET_SEND_QUEUE_FRAMES="100000",
         REDPACKET_PRESENCE_EVENT_LIMIT="0",
-        **extra,
     )
+    values.update(extra)
+    return child_env(**values)
 
 
 def hub_process(settings: Settings, db_url: str, workers: int = 1, **extra: str) -> Any:
