@@ -106,7 +106,7 @@ async def _flood(
             while time.perf_counter() < until and not ended.done():
                 writer.write(data)
                 await asyncio.wait({ended, asyncio.ensure_future(writer.drain())}, timeout=0.5)
-        except ConnectionError:
+        except (ConnectionError, RuntimeError):  # (uvloop: a write on a closed transport)
             pass
         writer.transport.abort()
         closes[await ended] += 1
@@ -155,7 +155,7 @@ async def _deaf_pinger(ws_url: str, token: str, megabytes: int) -> tuple[int, in
             writer.write(chunk)
             await asyncio.wait_for(writer.drain(), 5)
             sent += len(chunk)
-    except (ConnectionError, TimeoutError):
+    except (ConnectionError, TimeoutError, RuntimeError):  # (uvloop: a write on a closed transport)
         pass
     code = 1006
     if writer.transport.is_closing() or reader.at_eof():
@@ -173,7 +173,7 @@ async def _deaf_pingers(ws_url: str, token: str, megabytes: int, seconds: float)
         while time.perf_counter() < until:
             try:
                 await _deaf_pinger(ws_url, token, megabytes)
-            except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            except (OSError, TimeoutError, RuntimeError, asyncio.IncompleteReadError):
                 await asyncio.sleep(0.1)  # refused (its user's ten slots taken): again
             runs += 1
 
