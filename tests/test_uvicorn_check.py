@@ -41,8 +41,13 @@ def test_the_installed_uvicorn_passes_and_pyproject_asks_for_the_one_tested_or_n
     assert TESTED in dependencies  # and no upper bound: a newer one is taken when check_uvicorn passes
 
 
-@pytest.mark.parametrize("module", ["wire.py", "upgrade.py"])
-def test_the_websocket_side_imports_nothing_private_of_uvicorn(module: str) -> None:
+@pytest.mark.parametrize(
+    ("module", "imports", "attributes"),
+    [("wire.py", set(), set()), ("upgrade.py", {"uvicorn", "uvicorn.server.ServerState"}, {"Config"})],
+)
+def test_the_websocket_side_imports_nothing_private_of_uvicorn(
+    module: str, imports: set[str], attributes: set[str]
+) -> None:
     tree = ast.parse((ROOT / "server" / "hub" / module).read_text())
     taken = set()
     for node in ast.walk(tree):
@@ -50,9 +55,9 @@ def test_the_websocket_side_imports_nothing_private_of_uvicorn(module: str) -> N
             taken |= {a.name for a in node.names if a.name.split(".")[0] == "uvicorn"}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "uvicorn":
             taken |= {f"{node.module}.{a.name}" for a in node.names}
-    assert taken == {"uvicorn", "uvicorn.server.ServerState"}
+    assert taken == imports
     used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and _on(n, "uvicorn")}
-    assert used == {"Config"}
+    assert used == attributes
 
 
 def _on(node: ast.Attribute, name: str) -> bool:

@@ -30,8 +30,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, cast
 
-import uvicorn
-from uvicorn.server import ServerState
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request
 from websockets.protocol import SEND_EOF
@@ -89,14 +87,8 @@ class HubWebSocket(Upgrade):
     frames_per_second: ClassVar[int] = 50
     bytes_per_second: ClassVar[int] = 1 << 20
 
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        server_state: ServerState,
-        app_state: dict[str, Any],
-        _loop: asyncio.AbstractEventLoop | None = None,
-    ) -> None:
-        super().__init__(config, server_state, app_state, _loop)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # (what uvicorn gives a ws= class: Upgrade's arguments)
         self.listener: Listener | None = None
         self._parts = bytearray()  # the message being assembled
         self._fragments = 0
