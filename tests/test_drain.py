@@ -229,3 +229,40 @@ async def test_a_read_that_fails_on_one_shard_gives_back_what_the_others_gave(
     assert await CreditDrain(core, consumer="next").until_empty() == 5
     for user, amount in told.items():
         assert await ledger.balance(core.db, user) == amount
+
+
+async def test_an_acknowledgement_lost_as_redis_goes_leaves_no_entry_held_for_ever(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis goes away between a batch's payment and its acknowledgement, while the next batch has been
+    read ahead: the acknowledgement fails. Every entry must still be paid by a later look — none may stay
+    held (its lease renewed) by a renewer the failure left running. (Seen in `up` with its Valkey killed:
+    six grabs told "won" stayed pending under the live worker, renewed, unpaid, until it restarted.)"""
+    group, told = await _storm(core, 3)
+    real_finish = CreditDrain._finish
+    failed: list[int] = []
+
+    async def finish_failing_once(self: CreditDrain, taken: Any, outcomes: Any) -> None:
+        if not failed:
+            failed.append(len(taken))
+            raise ConnectionError("Redis went away before the acknowledgement")
+        await real_finish(self, taken, outcomes)
+
+    monkeypatch.setattr(CreditDrain, "_finish", finish_failing_once)
+    drain = CreditDrain(core, batch=1, lease_ms=300)  # one credit a batch: the next one is read ahead
+    running = asyncio.create_task(drain.run(idle_sleep=0.01))
+    try:
+        # The state: the acknowledgement failed with a batch paid and another read ahead.
+        await eventually(lambda: bool(failed), timeout=30)
+
+        # Every grab paid, and nothing left pending or held.
+        async def settled() -> bool:
+            balances = [await ledger.balance(core.db, u) for u in told]
+            return balances == list(told.values()) and await _pending(core, group) == 0
+
+        await eventually(settled, timeout=30)
+        assert not any(drain.holding.values())
+    finally:
+        running.cancel()
+        await asyncio.wait([running])
+    assert (await reconcile(core)).ok

@@ -136,22 +136,28 @@ class CreditDrain:
                     await finishing
                 finishing = asyncio.ensure_future(self._finish(taken, outcomes))
         finally:
-            # asyncio.wait, not ``await task`` under suppress(BaseException): a cancel of *this* task that
-            # arrives here must not be swallowed (it was, and a stopping worker then drained for ever).
-            if finishing is not None:
-                await asyncio.shield(finishing)
-            if not reading.done():
-                reading.cancel()
-            await asyncio.wait([reading])
-            if not reading.cancelled() and reading.exception() is None:
-                unpaid = reading.result()
-                if unpaid is not None:
-                    with contextlib.suppress(Exception):
-                        await self._release(unpaid)
-            renewing.cancel()
-            await asyncio.wait([renewing])
-            if not renewing.cancelled():
-                renewing.exception()  # retrieved: the renewer's end is not this batch's business
+            try:
+                # The last acknowledgement, shielded from a cancel of this task, which still propagates
+                # (swallowed, a stopping worker once drained for ever); its failure propagates too.
+                if finishing is not None:
+                    await asyncio.shield(finishing)
+            finally:
+                # Whatever that raised, the batch read ahead is given back and the renewer stops: left
+                # running (an acknowledgement lost as Redis restarted skipped this once), it renewed the
+                # read-ahead entries for ever, so no take-over ever found them idle, and grabs told "won"
+                # waited unpaid until the worker restarted.
+                if not reading.done():
+                    reading.cancel()
+                await asyncio.wait([reading])
+                if not reading.cancelled() and reading.exception() is None:
+                    unpaid = reading.result()
+                    if unpaid is not None:
+                        with contextlib.suppress(Exception):
+                            await self._release(unpaid)
+                renewing.cancel()
+                await asyncio.wait([renewing])
+                if not renewing.cancelled():
+                    renewing.exception()  # retrieved: the renewer's end is not this batch's business
 
     async def _make_groups(self) -> None:
         """The consumer group on every shard's outbox, from its first entry (idempotent)."""
@@ -342,9 +348,13 @@ class CreditDrain:
             run(self.core.batcher, self.core.scripts, AckCreditsCall(n, ids, dict(paid.get(n, {}))))
             for n, ids in acks.items()
         ]
-        await asyncio.gather(*calls)  # one pipeline per master
-        for n, ids in acks.items():
-            self.holding[n].difference_update(ids)
+        try:
+            await asyncio.gather(*calls)  # one pipeline per master
+        finally:
+            # Acknowledged, or not (Redis away): either way no longer renewed here. Unacknowledged, they
+            # fall idle and are taken over; the database pays nothing twice.
+            for n, ids in acks.items():
+                self.holding[n].difference_update(ids)
         if later:
             log.warning("%d credit(s) wait for their shard of the ledger: given back", len(later))
             await self._release(later)
