@@ -33,6 +33,10 @@ from server import errors
 from server.hub.handshake import answer
 
 log = logging.getLogger(__name__)
+# websockets' own lines: it says "connection open" at INFO for every socket (ten thousand a hub). Its
+# warnings and errors still show.
+websockets_log = logging.getLogger("server.hub.websockets")
+websockets_log.setLevel(logging.WARNING)
 
 # The scope extension under which the endpoint finds its socket's protocol object.
 EXTENSION = "redpacket.wire"
@@ -77,7 +81,7 @@ class Upgrade(asyncio.Protocol):
                     server_max_window_bits=12, client_max_window_bits=12, compress_settings={"memLevel": 5}
                 )
             ]
-        self.conn = ServerProtocol(extensions=extensions, max_size=config.ws_max_size, logger=log)
+        self.conn = ServerProtocol(extensions=extensions, max_size=config.ws_max_size, logger=websockets_log)
         self.transport: asyncio.Transport = cast(asyncio.Transport, None)
         self.scope: dict[str, Any] = {}
         self.phase: Phase = "handshake"
