@@ -21,11 +21,13 @@ Refused text moves nothing and gets the field's own error code.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 import unicodedata
 from typing import Any
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_PROBLEM = "a string holds a lone surrogate (\\ud800-\\udfff): not text"
 # Embeddings, overrides and isolates: they change how everything after them is drawn.
 _BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 _JOINERS = frozenset("\u200c\u200d")
@@ -41,18 +43,24 @@ def message_problem(value: Any, max_depth: int) -> str | None:
     """Why a decoded message (JSON or msgpack: an HTTP body, a websocket frame) is not one the system
     takes, or None: nested deeper than ``max_depth`` maps and lists, or a string (a key included) holding
     a lone surrogate. Walked without recursion: a message nested a thousand deep costs a loop, not a
-    stack."""
+    stack. (Every request passes here: an ASCII string, which cannot hold one, is not searched.)"""
     todo: list[tuple[Any, int]] = [(value, 1)]
     while todo:
         v, depth = todo.pop()
         if isinstance(v, str):
-            if _SURROGATE.search(v) is not None:
-                return "a string holds a lone surrogate (\\ud800-\\udfff): not text"
-        elif isinstance(v, dict | list | tuple):
-            if depth > max_depth:
-                return f"nested deeper than {max_depth} maps and lists"
-            items = [x for kv in v.items() for x in kv] if isinstance(v, dict) else v
-            todo.extend((x, depth + 1) for x in items)
+            if not v.isascii() and _SURROGATE.search(v) is not None:
+                return _SURROGATE_PROBLEM
+            continue
+        if not isinstance(v, dict | list | tuple):
+            continue
+        if depth > max_depth:
+            return f"nested deeper than {max_depth} maps and lists"
+        for x in itertools.chain(v.keys(), v.values()) if isinstance(v, dict) else v:
+            if isinstance(x, str):
+                if not x.isascii() and _SURROGATE.search(x) is not None:
+                    return _SURROGATE_PROBLEM
+            elif isinstance(x, dict | list | tuple):
+                todo.append((x, depth + 1))
     return None
 
 

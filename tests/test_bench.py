@@ -58,6 +58,15 @@ def test_the_token_bench_measures_each_kind_beside_the_old_check(redis_url: str,
     _png(tmp_path / "tokens-cpu.png")
 
 
+def test_the_frame_bench_measures_every_core_answering_every_request(redis_url: str) -> None:
+    """Pure CPU (no service): each side parsed every request frame and framed a reply (the bench refuses
+    figures otherwise), and says what a frame cost it."""
+    figures, _ = _bench(redis_url, "frames")
+    assert figures["frames"] == 50_000
+    for side in ("websockets", "wsproto", "hub"):
+        assert float(figures[f"{side}_cpu_us_per_frame"]) > 0, figures  # type: ignore[arg-type]
+
+
 def test_the_hub_grab_bench_runs_each_phase_for_the_seconds_given(redis_url: str) -> None:
     """--seconds: long enough to profile the hub. Each phase ran, every grab won (the bench checks each
     reply), and the hub's pid is said for a profiler to attach to."""

@@ -49,7 +49,9 @@ class Raw:
         self.reader, self.writer = reader, writer
 
     @classmethod
-    async def open(cls, h: HubUnderTest, token: str, rcvbuf: int = 0) -> Raw:
+    async def open(cls, h: HubUnderTest, token: str, rcvbuf: int = 0, then: bytes = b"") -> Raw:
+        """Upgraded; ``then``: bytes written in the same write as the upgrade request (frames a client
+        sends before it has the 101)."""
         url = urlparse(h.ws)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf:  # a small receive window: a client that does not read fills it at once
@@ -62,6 +64,7 @@ class Raw:
             f"GET /ws?token={token} HTTP/1.1\r\nHost: {url.netloc}\r\nUpgrade: websocket\r\n"
             f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
             f"Sec-WebSocket-Protocol: {protocol.SUBPROTOCOL_JSON}\r\n\r\n".encode()
+            + then
         )
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
         assert head.startswith(b"HTTP/1.1 101"), head
@@ -80,6 +83,18 @@ class Raw:
         elif n == 127:
             (n,) = struct.unpack("!Q", await self.reader.readexactly(8))
         return first & 0x0F, await self.reader.readexactly(n)
+
+    async def replies(self, n: int) -> list[int]:
+        """The ids of the next ``n`` replies, in the order they came (pongs, welcome and events skipped);
+        each must be a success."""
+        ids: list[int] = []
+        while len(ids) < n:
+            opcode, payload = await self.read_frame()
+            body = json.loads(payload) if opcode == TEXT else {}
+            if body.get("type") == "reply":
+                assert body["ok"], body
+                ids.append(int(body["id"]))
+        return ids
 
     async def close_frame(self) -> tuple[int, str]:
         """Read until the server's close frame: its code and reason (pongs and messages skipped)."""
@@ -264,3 +279,60 @@ async def test_a_closed_socket_whose_client_never_reads_is_cut_after_the_close_t
         async with await HubClient.connect(h.ws, token, "json") as again:
             assert "ts" in await again.request("ping")
         deaf.drop()
+
+
+def ping(i: int) -> bytes:
+    return frame(TEXT, json.dumps({"id": i, "type": "ping"}).encode())
+
+
+async def test_frames_split_anywhere_or_sent_before_the_101_are_each_answered_in_order(
+    hub_settings: Settings,
+) -> None:
+    """The hub delimits frames itself (``server.hub.frames``): a frame cut at every byte, frames in the
+    upgrade request's own write, and pings (websockets' to parse) between messages keep their order."""
+    async with hub_in_process(hub_settings) as h:
+        room = await make_room(h, 1)
+        (user, token) = room.members[0]
+        two = ping(2)
+        raw = await Raw.open(h, token, then=ping(1) + frame(PING, b"hi") + two[:3])
+        assert await raw.replies(1) == [1]
+        await raw.send(two[3:] + ping(3) + ping(4))
+        assert await raw.replies(3) == [2, 3, 4]
+        await eventually(lambda: user in h.hub.by_user, 30)
+        for byte in ping(5) + frame(PING) + ping(6):  # one byte a write, each read on its own
+            await raw.send(bytes([byte]))
+        assert await raw.replies(2) == [5, 6]
+        await raw.send(
+            ping(7) + frame(TEXT, b'{"id": 8,', fin=False) + frame(PING) + frame(CONT, b'"type":"ping"}')
+        )
+        assert await raw.replies(2) == [7, 8]
+        raw.drop()
+
+
+BROKEN = {
+    # An unmasked client frame (RFC 6455 5.1: the server must fail the connection).
+    "unmasked": (bytes([0x81, 2]) + b"{}", 1002),
+    # A whole message in the middle of a fragmented one.
+    "message inside a message": (frame(TEXT, b"{", fin=False) + ping(9), 1002),
+    # A reserved bit with no extension that gives it a meaning.
+    "reserved bit": (bytes([0xC1]) + frame(TEXT, b"{}")[1:], 1002),
+    # A message declared larger than the limit: failed on its header, its payload never awaited.
+    "declared too large": (bytes([0x82, 0xFF]) + (1 << 40).to_bytes(8, "big") + b"mask", 1009),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+async def test_a_frame_the_hub_does_not_take_itself_is_failed_as_websockets_would(
+    hub_settings: Settings, case: str
+) -> None:
+    async with hub_in_process(hub_settings) as h:
+        room = await make_room(h, 1)
+        (user, token) = room.members[0]
+        raw = await Raw.open(h, token)
+        await eventually(lambda: user in h.hub.by_user, 30)
+        data, code = BROKEN[case]
+        await raw.send(ping(1) + data + ping(2))
+        assert await raw.replies(1) == [1]
+        assert (await raw.close_frame())[0] == code  # and the ping after it never answered
+        await eventually(lambda: user not in h.hub.by_user, 30)
+        raw.drop()

@@ -11,9 +11,10 @@ from websockets.frames import Frame, Opcode
 
 from server.hub import protocol
 from server.hub.connection import Connection
+from server.hub.frames import data_frame
 from server.hub.hub import Hub
 from server.hub.metrics import HubMetrics
-from server.hub.wire import HubWebSocket, data_frame
+from server.hub.wire import HubWebSocket
 
 # Pure: no service, no subprocess (the fast tier, `pytest -m unit`).
 pytestmark = pytest.mark.unit

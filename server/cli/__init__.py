@@ -93,6 +93,11 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
 
         bench_tokens(plot=Path(args.plot) if args.plot else None)
         return 0
+    if command == "bench" and args.what == "frames":  # pure CPU too
+        from server.tools.framebench import bench_frames
+
+        bench_frames(plot=Path(args.plot) if args.plot else None)
+        return 0
     if command == "bench" and args.what == "split":  # pure CPU too
         from server.tools.splitbench import bench_split
 

@@ -97,6 +97,7 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "grab",
             "hub-grab",
             "flood",
+            "frames",
             "fanout",
             "hot",
             "credit",

@@ -123,9 +123,14 @@ class BoundedHttp(HttpToolsProtocol):
         except httptools.HttpParserError:  # the HTTP API's JSON error, like every other refusal here
             self._refuse(answer(400, errors.BAD_REQUEST, "the request is not valid HTTP/1.1"))
             return
-        except httptools.HttpParserUpgrade:
+        except httptools.HttpParserUpgrade as upgrade:
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
+                # What came after the request in the same read (httptools says where it ends) is the
+                # websocket's: frames a client sent before the 101. uvicorn's own handler drops them.
+                rest = data[upgrade.args[0] :] if upgrade.args else b""
+                if rest:
+                    self.transport.get_protocol().data_received(rest)  # type: ignore[attr-defined]
             else:
                 self._unsupported_upgrade_warning()
             return

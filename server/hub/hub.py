@@ -22,12 +22,12 @@ from server.core import Core, transient
 from server.hub import protocol
 from server.hub.announce import Announcer
 from server.hub.connection import Connection, OffsetKey
+from server.hub.frames import data_frame
 from server.hub.metrics import HubMetrics
 from server.hub.packetcache import PacketCache
 from server.hub.ratelimit import KeyedBuckets
 from server.hub.subscriber import Subscriber
 from server.hub.tokens import Rules, Tokens
-from server.hub.wire import data_frame
 from server.ids import GroupId, PacketId, UserId
 from server.live import events
 from server.live.bots import AttemptLog

@@ -3,7 +3,8 @@ given to uvicorn as ``ws=`` (its public seam). The upgrade, the app and the keep
 ``server.hub.upgrade``'s; once the socket is open every byte is this module's:
 
 - **Frames in by callback.** Once the endpoint calls ``listen``, each message goes straight to
-  ``Listener.on_message`` as it is parsed: no ASGI queue, no task switch.
+  ``Listener.on_message`` as it is parsed: no ASGI queue, no task switch. A whole message frame is
+  unmasked here, every other frame is websockets' to parse (``server.hub.frames``).
 - **Frames out straight to the transport.** A server frame is never masked: with no extension (no
   compression, the default) an event is framed once per fan-out (``data_frame``). ``writable_now`` says
   whether the transport takes more; if not, the caller keeps the frame until ``Listener.on_writable``.
@@ -12,8 +13,7 @@ given to uvicorn as ``ws=`` (its public seam). The upgrade, the app and the keep
   against ``bytes_per_second``: past it, the socket is not read until its second is over.
 - **One socket never stalls the rest.** A turn parses at most ``TURN_BYTES`` (and stops past
   ``TURN_FRAMES`` frames); the rest waits for a later turn (``call_soon``: after the other sockets read in
-  the same loop iteration). websockets parses in pure Python, ~5-10 µs a frame: a flood of 6-byte pings
-  read back to back under uvloop held a hub for seconds.
+  the same loop iteration): a flood of 6-byte pings read back to back under uvloop held a hub for seconds.
 - **Flow control.** While the transport's write buffer is above its high-water mark the socket is not
   read, so the pongs websockets queues for each ping never pile up; reading resumes below the low mark.
 - **A close always ends.** However it closes, the TCP connection is aborted if not gone ``close_seconds``
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, cast
@@ -34,6 +33,7 @@ from websockets.frames import Frame, Opcode
 from websockets.http11 import Request
 from websockets.protocol import SEND_EOF
 
+from server.hub.frames import Kind, data_frame, next_frame, unmask
 from server.hub.protocol import CLOSE_FLOOD
 from server.hub.upgrade import EARLY_MESSAGES, Hold, Upgrade
 
@@ -64,20 +64,6 @@ class Listener(Protocol):
     def on_gone(self) -> None: ...
 
 
-def data_frame(payload: bytes | str) -> bytes:
-    """A whole, unmasked server data frame: binary for bytes, text for str (RFC 6455 section 5.2)."""
-    if isinstance(payload, str):
-        body, first = payload.encode(), 0x80 | Opcode.TEXT
-    else:
-        body, first = payload, 0x80 | Opcode.BINARY
-    n = len(body)
-    if n < 126:
-        return struct.pack("!BB", first, n) + body
-    if n < 65536:
-        return struct.pack("!BBH", first, 126, n) + body
-    return struct.pack("!BBQ", first, 127, n) + body
-
-
 class HubWebSocket(Upgrade):
     """One websocket of the hub, from the upgrade request to the transport's end (the module's docstring).
     Its budgets and timeouts are class attributes, set from the settings (``server.hub.app``)."""
@@ -103,6 +89,9 @@ class HubWebSocket(Upgrade):
         self._bytes = 0
         self._budget_timer: asyncio.TimerHandle | None = None
         self._writes_paused = False
+        self._partial = bytearray()  # the start of a frame not all read yet
+        self._needed = 0  # the bytes that frame takes, once its header is read (else 0)
+        self._delimiting = True  # False once a frame could not be delimited: all bytes go to websockets
 
     # -- what the hub's connection and session use ------------------------------------------------------
 
@@ -256,7 +245,42 @@ class HubWebSocket(Upgrade):
         self._sync_reading()
 
     def _parse(self, chunk: bytes) -> int:
-        """Give ``chunk`` to the parser and act on what came out; the number of frames."""
+        """Act on the frames ``chunk`` completes (``server.hub.frames``): a whole message is unmasked here,
+        any other frame goes to websockets whole; the number of frames. A part of a frame waits for the
+        rest. The upgrade request is websockets' alone: uvicorn hands it over rebuilt, with nothing after it
+        (what followed it in the same read comes next, ``BoundedHttp``, and waits for the socket to open)."""
+        if self.phase == "handshake" or not self._delimiting:
+            return self._websockets(chunk)
+        buf: bytes | bytearray = chunk
+        if self._partial:  # (kept in a bytearray: a large frame read in many pieces is copied once)
+            self._partial += chunk
+            if len(self._partial) < self._needed:
+                return 0
+            buf, self._partial = self._partial, bytearray()
+        at = frames = 0
+        limit, ours = self.config.ws_max_size, self.phase == "open" and self.plain
+        while self.phase in READING:
+            kind, start, end = next_frame(buf, at, limit)
+            if kind is Kind.PARTIAL:
+                self._partial, self._needed = bytearray(buf[at:]), end - at
+                break
+            if kind is Kind.TOO_LARGE:  # websockets reads its header and fails the socket (1009)
+                self._delimiting = False
+                return frames + self._websockets(bytes(buf[at:]))
+            if ours and kind is not Kind.OTHER and not self._fragments:
+                self.frames_in += 1
+                self._text = kind is Kind.TEXT
+                self._message(unmask(buf, start, end))
+            else:  # (written at once: a pong, or the close that ends a socket websockets failed)
+                self._websockets(bytes(buf[at:end]))
+            frames += 1
+            at = end
+        if self.phase not in READING:
+            self._partial = bytearray()
+        return frames
+
+    def _websockets(self, chunk: bytes) -> int:
+        """Give ``chunk`` to websockets' parser and act on what came out; the number of frames."""
         self.conn.receive_data(chunk)
         frames = 0
         for event in self.conn.events_received():
@@ -403,7 +427,7 @@ class HubWebSocket(Upgrade):
             if handle is not None:
                 handle.cancel()
         self._turn = self._budget_timer = None
-        self._backlog = b""
+        self._backlog, self._partial = b"", bytearray()
         self._holds.clear()
 
     def _gone(self) -> None:
