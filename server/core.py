@@ -128,10 +128,10 @@ async def open_core(
 ) -> AsyncIterator[Core]:
     """Connect to the database, Redis (one server or a cluster) and arq's queue server named by
     ``settings``; close them all on exit."""
-    if not settings.redis_url:
+    if settings.embedded_redis:
         raise ValueError("no Redis URL: start the embedded Valkey first (see server.store.embedded)")
     db, namespace = await when_ready(lambda: _open_ledger(settings, migrate))
-    nodes = RedisNodes(settings.redis_url, settings.redis_pool_size)
+    nodes = RedisNodes(settings.redis_url, settings.redis_pool_size, settings.redis_command_seconds)
     queue: ArqRedis | None = None
     claimed = False
     try:

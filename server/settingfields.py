@@ -49,8 +49,9 @@ class SettingFields:
         "",
         "`redis://host:port/db` (or `rediss://`, `unix://`) for packets, grabs, membership cache, credit"
         " outboxes, events and arq's queue; or a Redis Cluster, `redis+cluster://host:port,host:port,…` (any"
-        " reachable nodes; the rest of the cluster is learnt from them)",
-        shown="*(empty: embedded Valkey)*",
+        " reachable nodes; the rest of the cluster is learnt from them); `embedded`: the data directory's own"
+        " Valkey (`up`'s default; `serve` and `worker` take it only by that name)",
+        shown="*(empty: embedded Valkey under `up`)*",
     )
     # arq's queue needs one server: by default the main one, required apart when that is a cluster.
     queue_redis_url: str = setting(
@@ -69,12 +70,19 @@ class SettingFields:
     durability_timeout_ms: int = setting(
         1000, "how long a grab waits for its durability before `redis_unavailable`"
     )
+    redis_timeout_ms: int = setting(
+        2000,
+        "how long any Redis command may go unanswered (a grab's wait for durability on top): then it fails"
+        " (`redis_unavailable`) and its connection is dropped, so a Redis that hangs (stopped, a network"
+        " that drops packets) is an error, not a wait; also the longest wait for a connection to it",
+        least=100,
+    )
     database_url: str = setting(
         "",
         "`mysql://user:pass@host:port/db` or `mariadb://…` (the database named: a URL without one is"
         " refused; several hosts, `host:port,host:port,…`, are a Galera cluster's nodes: one writer at a"
-        " time, the next live one when it fails) or `sqlite:///path`",
-        shown="*(empty: SQLite in the data dir)*",
+        " time, the next live one when it fails) or `sqlite:///path` (`serve` and `worker` need it set)",
+        shown="*(empty: SQLite in the data dir, under `up`)*",
     )
     shards: str = setting(
         "",

@@ -7,6 +7,7 @@ from those declarations.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import math
 import os
@@ -23,6 +24,11 @@ from server.settingfields import PREFIX, SettingFields, env_name
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
 DATABASE_SCHEMES = ("mysql://", "mariadb://", "sqlite:///")
+# REDPACKET_REDIS_URL's name for the data directory's own Valkey (what an empty URL means under `up`).
+EMBEDDED = "embedded"
+# REDPACKET_ names that are not settings, and so not refused: what `redpacket load` tells its Locust
+# processes, and the test suite's own (REDPACKET_TEST_REDIS_URL, …).
+NOT_SETTINGS = ("REDPACKET_LOAD_STAGES", "REDPACKET_TEST_")
 
 
 class Durability(StrEnum):
@@ -96,6 +102,23 @@ def redact(url: str) -> str:
     return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
+def _refuse_unknown(env: Mapping[str, str], names: set[str]) -> None:
+    unknown = sorted(
+        k for k in env if k.startswith(PREFIX) and k not in names and not k.startswith(NOT_SETTINGS)
+    )
+    if not unknown:
+        return
+    first = unknown[0]
+    bare = [n.removeprefix(PREFIX) for n in names]  # (the shared prefix would make every name look close)
+    close = difflib.get_close_matches(first.removeprefix(PREFIX), bare, n=1, cutoff=0.75)
+    hint = f" (did you mean {PREFIX}{close[0]}?)" if close else ""
+    more = f"; so are {', '.join(unknown[1:])}" if len(unknown) > 1 else ""
+    raise ValueError(
+        f"{first} is not a setting{hint}{more}: fix or unset it (every setting is in the README's"
+        " configuration table)"
+    )
+
+
 def child_env(**values: str) -> dict[str, str]:
     """The environment for a child process (a hub, a worker): this one's, without any REDPACKET_
     setting of its own, plus ``values`` (e.g. ``REDPACKET_REDIS_URL=...``)."""
@@ -108,7 +131,7 @@ def url_problem(url: str) -> str:
     """What is wrong with the shape of a Redis or database URL (a port that is not a number, a broken
     IPv6 address, a Redis database that is not a number, no host), or "" when nothing is (or it is
     empty). Whether anything answers there is for start-up to find."""
-    if not url or url.startswith(("unix://", "sqlite://")):
+    if not url or url == EMBEDDED or url.startswith(("unix://", "sqlite://")):
         return ""
     scheme, _, rest = url.partition("://")
     hosts, _, path = rest.partition("/")
@@ -138,7 +161,10 @@ class Settings(SettingFields):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings the environment gives; ``ValueError`` for a REDPACKET_ name that is no setting (a
+        misspelt one would leave its setting at its default: the demo's storage, every origin)."""
         env = os.environ if environ is None else environ
+        _refuse_unknown(env, {env_name(f.name) for f in fields(cls)})
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = env.get(env_name(f.name))
@@ -269,10 +295,10 @@ class Settings(SettingFields):
 
     def _check_urls(self) -> None:
         """The Redis and database URLs: their schemes and shapes, the queue's server, the durability."""
-        if self.redis_url and not self.redis_url.startswith(REDIS_SCHEMES):
+        if self.redis_url and not self.embedded_redis and not self.redis_url.startswith(REDIS_SCHEMES):
             raise ValueError(
                 f"{PREFIX}REDIS_URL must start with {', '.join(REDIS_SCHEMES)}"
-                f" (got {redact(self.redis_url)!r}); leave it empty for the embedded Valkey"
+                f" (got {redact(self.redis_url)!r}), or be {EMBEDDED!r} for the data directory's own Valkey"
             )
         if self.database_url and not self.database_url.startswith(DATABASE_SCHEMES):
             raise ValueError(
@@ -366,7 +392,16 @@ class Settings(SettingFields):
 
     @property
     def embedded_redis(self) -> bool:
-        return not self.redis_url
+        """Whether Redis is the data directory's own Valkey: asked for by name (``embedded``), or left
+        empty (which only ``up`` takes: ``server.cli``)."""
+        return self.redis_url in ("", EMBEDDED)
+
+    @property
+    def redis_command_seconds(self) -> float:
+        """How long a Redis command may go unanswered: ``redis_timeout_ms``, plus the wait for durability a
+        grab's pipeline ends with (the server answers that wait only when it is over)."""
+        waits = self.durability_timeout_ms if self.durability.waits else 0
+        return (self.redis_timeout_ms + waits) / 1000
 
     @property
     def queue_url(self) -> str:

@@ -23,7 +23,7 @@ import redis
 from server.settings import Settings, child_env
 from server.store import keys
 from tests.conftest import TEST_NAMESPACE, name_deployment
-from tests.hubtools import redpacket_up
+from tests.hubtools import hub_url, redpacket_up
 
 
 def redpacket(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
@@ -109,6 +109,73 @@ def test_operator_mistakes_are_one_line_and_an_exit_code(
     ]
     for args, env, code, word in cases:
         assert_one_line_error(redpacket(*args, REDPACKET_DATA_DIR=data, **env), code, word)
+    # A packet that is not there: exit 2, as `verify` says of it (the database's migrations may log first).
+    missing = redpacket("recover", str(2**62), REDPACKET_DATA_DIR=data, **ok_db, **ok_redis)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+    assert missing.stderr.splitlines()[-1].startswith(f"redpacket: packet {2**62}: "), missing.stderr
+
+
+def test_a_misspelt_setting_or_storage_not_named_is_refused_before_anything_starts(
+    tmp_path: Path, redis_url: str, mysql_url: str
+) -> None:
+    """A misspelt REDPACKET_ name would leave its setting at its default (the demo's storage, websockets
+    open to every site), and ``serve`` / ``worker`` with no storage named would each keep money of their
+    own: refused in one line (exit 2), with nothing made in the data directory."""
+    data = tmp_path / "data"
+    secret, ok_db, ok_redis = (
+        {"REDPACKET_SECRET": "s" * 32},
+        {"REDPACKET_DATABASE_URL": mysql_url},
+        {"REDPACKET_REDIS_URL": redis_url},
+    )
+    serve = ("serve", "--port", "0")
+    cases = [
+        (
+            serve,
+            {**secret, **ok_redis, "REDPACKET_DATABSE_URL": mysql_url},
+            "did you mean REDPACKET_DATABASE_URL?",
+        ),
+        (("worker",), {**ok_db, "REDPACKET_REDIS_ULR": redis_url}, "did you mean REDPACKET_REDIS_URL?"),
+        (serve, {**secret, **ok_db, **ok_redis, "REDPACKET_ALLOWED_ORIGIN": "https://a.example"}, "ORIGINS?"),
+        (
+            ("migrate",),
+            {"REDPACKET_NOTHING_LIKE_IT": "1", "REDPACKET_ZZZ": "2"},
+            "not a setting; so are REDPACKET_ZZZ",
+        ),
+        (serve, {**secret, **ok_redis}, "REDPACKET_DATABASE_URL is not set"),
+        (("worker",), ok_redis, "REDPACKET_DATABASE_URL is not set"),
+        (serve, {**secret, **ok_db}, "REDPACKET_REDIS_URL=embedded"),
+        (("worker",), ok_db, "REDPACKET_REDIS_URL=embedded"),
+    ]
+    for args, env, word in cases:
+        assert_one_line_error(redpacket(*args, REDPACKET_DATA_DIR=str(data), **env), 2, word)
+    assert not data.exists()  # no SQLite file, no embedded Valkey
+
+
+def test_serve_takes_the_embedded_valkey_and_a_sqlite_file_asked_for_by_name(tmp_path: Path) -> None:
+    sqlite = tmp_path / "ledger.sqlite3"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--port", "0"],
+        env=child_env(
+            REDPACKET_DATA_DIR=str(tmp_path / "data"),
+            REDPACKET_REDIS_URL="embedded",
+            REDPACKET_DATABASE_URL=f"sqlite:///{sqlite}",
+            REDPACKET_SECRET="s" * 32,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        url = hub_url(proc.stdout)
+        with urllib.request.urlopen(f"{url}/healthz", timeout=30) as r:
+            assert json.loads(r.read()) == {"ok": True}
+        assert sqlite.exists() and (tmp_path / "data").is_dir()  # the named file, the data dir's Valkey
+        said = [proc.stdout.readline() for _ in range(2)]
+        assert said[1].strip() == "grab durability aof (REDPACKET_GRAB_DURABILITY)", said
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
 
 
 def test_a_busy_port_is_one_line(tmp_path: Path) -> None:
@@ -143,6 +210,11 @@ def test_help_lists_every_command_with_help_and_no_markup() -> None:
     for command in ("up", "serve", "worker", "migrate", "reconcile", "blocks", "recover", "bench"):
         assert re.search(rf"^    {command}\b", top.stdout, re.MULTILINE), command
     assert "--lift USER  lift the block" in redpacket("blocks", "--help").stdout
+    # Each command's own page starts with what the list says of it.
+    assert (
+        "\nCheck every cent; print a report; exit 1 on any difference.\n"
+        in redpacket("reconcile", "--help").stdout
+    )
     up = redpacket("up", "--help").stdout
     assert "--host HOST  address to listen on" in up and "--port PORT  port to listen on" in up
     # Every positional argument and every flag docs/load.md names is described (they were not).

@@ -194,7 +194,7 @@ async def _credited_is(core: Core, n: int) -> bool:
 # ignores its warning) may hold a connection opened before the kill and idle since; that warns too, when
 # collected (collected below, while this filter holds).
 @pytest.mark.filterwarnings(
-    "ignore:unclosed Connection <server.store.redisnodes.PackedConnection:ResourceWarning"
+    "ignore:unclosed Connection <server.store.redisconn.PackedConnection:ResourceWarning"
 )
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)
 async def test_a_master_killed_mid_storm_loses_no_won_grab_with_replica_durability(

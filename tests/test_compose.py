@@ -239,7 +239,7 @@ def test_the_system_installs_without_the_tools_and_the_image_listens_on_its_netw
     (a newcomer's clone-to-serving went from 18.5 s to 86 s), the image carried them, and a `docker run`
     outside compose listened on the container's loopback."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    tools = {"locust", "matplotlib", "picows", "websocket-client", "rich"}
+    tools = {"locust", "matplotlib", "picows", "websocket-client", "rich", "wsproto"}
 
     def names(requirements: list[str]) -> set[str]:
         return {re.split(r"[<>=\[; ]", r, maxsplit=1)[0].lower() for r in requirements}

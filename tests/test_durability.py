@@ -21,7 +21,7 @@ from server.errors import RedPacketError
 from server.money import grabs, ledger, packets
 from server.money.reconcile import reconcile
 from server.settings import Durability
-from server.store import keys, redisnodes
+from server.store import keys, redisconn, redisnodes
 from server.store.batch import NotDurable, _shortfall, _waits, durability_problem
 from tests.conftest import grab_retrying, make_world
 from tests.hubtools import eventually, free_port
@@ -496,7 +496,8 @@ async def test_a_failover_back_to_a_server_already_known_is_noticed(
     hole — a server known by its run id alone: the share is handed out twice, and reconciliation says
     so."""
     if guard == "off":
-        monkeypatch.setattr(redisnodes, "data_id", lambda info: "")
+        for module in (redisnodes, redisconn):  # (a batcher's look, and a connection's first INFO)
+            monkeypatch.setattr(module, "data_id", lambda info: "")
     fast = ("--repl-diskless-sync-delay", "0")
     async with redis_process(tmp_path / "a", *fast) as a, redis_process(tmp_path / "b", *fast) as b:
         async with open_core(core.settings.replace(redis_url=a.url, grab_durability="none")) as c:

@@ -1,5 +1,6 @@
 """Provably fair packets, the pure part: the generator and split against the test vectors of
-docs/protocol.md, the split's statistics over 10^5 packets, and ``verify`` catching every kind of tamper."""
+docs/protocol.md, and ``verify`` catching every kind of tamper (the split's statistics over 10^5 packets:
+``tests/test_fairness_statistics.py``, out of the fast tier)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import fairness
 from server.money.fairness import Stream, commitment, fair_shares, verify
 from server.money.grabs import Grab, view_packet
-from server.money.split import double_average
 
 pytestmark = pytest.mark.unit
 
@@ -83,47 +83,6 @@ def test_the_seed_the_id_the_total_and_the_count_all_change_the_split() -> None:
     assert fair_shares(seed, 6, "lucky", 10_000, 20) != base
     assert fair_shares(seed, 5, "lucky", 10_001, 20) != base
     assert fair_shares(seed, 5, "lucky", 10_000, 19)[:5] != base[:5]
-
-
-SPLITS = 100_000
-
-
-def _unfair_positions(splits: list[list[int]], total: int, count: int) -> list[str]:
-    """The positions whose mean share, or whose chance of being the (first) largest, is off."""
-    n = len(splits)
-    best = [0] * count
-    for s in splits:
-        best[s.index(max(s))] += 1
-    off = []
-    for i in range(count):
-        mean = sum(s[i] for s in splits) / n
-        # A share's spread is under 60 cents: 4 standard errors of a mean of 10^5 is under 0.8 cent.
-        if abs(mean - total / count) >= 1.0:
-            off.append(f"position {i}: mean {mean:.2f}")
-        # 1 in 10 at every position: 6 standard errors of a proportion of 10^5 is under 0.006.
-        if abs(best[i] / n - 1 / count) >= 0.006:
-            off.append(f"position {i}: the largest {best[i] / n:.4f} of the time")
-    return off
-
-
-def _seed(i: int) -> bytes:
-    return hashlib.sha256(i.to_bytes(4, "big")).digest()
-
-
-def test_ten_to_the_fifth_splits_are_exact_and_fair_by_position() -> None:
-    total, count = 1_000, 10
-    splits = [fair_shares(_seed(i), i, "lucky", total, count) for i in range(SPLITS)]
-    assert all(sum(s) == total and min(s) >= 1 and len(s) == count for s in splits)
-    assert _unfair_positions(splits, total, count) == []
-
-
-def test_the_fairness_check_catches_a_split_left_unshuffled() -> None:
-    # The check above can fail: the double-average draws in their own order make the first and the
-    # last positions the likelier luckiest, which is why the split shuffles them.
-    total, count = 1_000, 10
-    splits = [double_average(total, count, Stream(_seed(i), i, total, count).below) for i in range(SPLITS)]
-    assert all(sum(s) == total for s in splits)
-    assert _unfair_positions(splits, total, count) != []
 
 
 # The example packet view of docs/protocol.md: a finished packet, with its proof.

@@ -93,7 +93,8 @@ def test_rediss_and_unix_urls_get_packed_connections_of_their_kind() -> None:
     """Before: the packed class replaced whatever redis-py chose, so rediss:// went without TLS."""
     from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
 
-    from server.store.redisnodes import PackedSSLConnection, PackedUnixConnection, RedisNodes, packed_pool
+    from server.store.redisconn import PackedSSLConnection, PackedUnixConnection, packed_pool
+    from server.store.redisnodes import RedisNodes
 
     for url, kind in (
         ("redis://127.0.0.1:6379/0", None),

@@ -4,10 +4,12 @@ moves no money; a packet whose announcement failed after it was paid for is anno
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from server.live import announce
 from server.money.ledger import now_ms
@@ -16,6 +18,7 @@ from server.store import keys
 from server.tools.client import HubClient, HubError
 from tests.hubtools import HubUnderTest, hub_in_process
 from tests.redisproc import needs_redis_server, redis_process
+from tests.test_cli import assert_one_line_error, redpacket
 from tests.test_hub import make_room
 
 
@@ -62,6 +65,82 @@ async def test_while_redis_is_down_requests_answer_redis_unavailable_and_move_no
         assert got["amount"] == 500
         for c in (admin, member):
             await c.close()
+
+
+@needs_redis_server
+async def test_while_redis_hangs_requests_and_healthz_answer_within_the_bound(
+    hub_settings: Settings, tmp_path: Path
+) -> None:
+    """A Redis that stops answering without closing (SIGSTOP: a stall, a network that drops packets) is an
+    error within ``REDPACKET_REDIS_TIMEOUT_MS``, not a wait: every answer below comes while it is still
+    stopped (without the bound, the grab waited for as long as Redis did)."""
+    settings = hub_settings.replace(redis_timeout_ms=500)
+    async with redis_process(tmp_path) as r, hub_in_process(settings.replace(redis_url=r.url)) as h:
+        room = await make_room(h, 1)
+        admin = await h.client(room.admin_token)
+        member = await h.client(room.members[0][1])
+        g = room.group
+        before = await admin.request("send", group=g, total=500, count=1)
+        assert r.proc is not None
+        r.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(redis.TimeoutError):  # the state: connected, and nothing answers
+                redis.Redis.from_url(r.url, socket_timeout=0.5).ping()
+            grab = {"group": g, "packet": before["packet_id"]}
+            assert await _code(member, "grab", **grab) == "redis_unavailable"
+            assert await _code(admin, "send", group=g, total=300, count=1) == "redis_unavailable"
+            assert (await member.request("ping"))["ts"] > 0
+            async with httpx.AsyncClient(base_url=h.http, timeout=10) as http:
+                health = await http.get("/healthz")
+            assert health.status_code == 503 and health.json()["error"]["code"] == "redis_unavailable"
+            with pytest.raises(redis.TimeoutError):  # all of it answered while Redis was still stopped
+                redis.Redis.from_url(r.url, socket_timeout=0.5).ping()
+        finally:
+            r.proc.send_signal(signal.SIGCONT)
+        got = await _retry(lambda: member.request("grab", group=g, packet=before["packet_id"]))
+        assert got["amount"] == 500 and got["outcome"] == "won"
+        for c in (admin, member):
+            await c.close()
+
+
+@needs_redis_server
+async def test_an_evicting_redis_is_refused_at_start_and_its_grabs_once_it_turns_so(
+    hub_settings: Settings, tmp_path: Path, mysql_url: str
+) -> None:
+    """Under any policy but noeviction, memory pressure drops keys: a packet's shares and grabs (they
+    expire, so volatile-* too) and credits not yet paid. A hub and a worker refuse to start on such a
+    master; one changed while they run gets no grab (answered ``redis_unavailable``), ``/healthz`` says
+    so and the gauge counts it, until it is noeviction again."""
+    async with redis_process(tmp_path, "--maxmemory-policy", "allkeys-lru") as r:
+        for command in (("serve", "--port", "0"), ("worker",)):
+            done = await asyncio.to_thread(
+                redpacket, *command, REDPACKET_REDIS_URL=r.url, REDPACKET_DATABASE_URL=mysql_url,
+                REDPACKET_SECRET="s" * 32, REDPACKET_DATA_DIR=str(tmp_path / "data"),
+            )  # fmt: skip
+            assert_one_line_error(done, 1, "maxmemory-policy is allkeys-lru", "noeviction")
+        raw = redis.Redis.from_url(r.url)
+        raw.config_set("maxmemory-policy", "noeviction")
+        async with hub_in_process(hub_settings.replace(redis_url=r.url)) as h:
+            room = await make_room(h, 2)
+            admin = await h.client(room.admin_token)
+            first, second = [await h.client(t) for _, t in room.members]
+            g = room.group
+            sent = await admin.request("send", group=g, total=500, count=2)
+            assert (await first.request("grab", group=g, packet=sent["packet_id"]))["outcome"] == "won"
+            raw.config_set("maxmemory-policy", "volatile-lru")
+            assert raw.config_get("maxmemory-policy") == {"maxmemory-policy": "volatile-lru"}  # the state
+            # (/healthz reads it now; a grab reads it before it goes, unless it was read in the last 10 ms)
+            async with httpx.AsyncClient(base_url=h.http, timeout=10) as http:
+                health = await http.get("/healthz")
+            assert health.status_code == 503 and "maxmemory-policy volatile-lru" in health.text
+            assert await _code(second, "grab", group=g, packet=sent["packet_id"]) == "redis_unavailable"
+            assert h.hub.metrics.redis_evicting.collect()[0].samples[0].value == 1
+            raw.config_set("maxmemory-policy", "noeviction")
+            got = await _retry(lambda: second.request("grab", group=g, packet=sent["packet_id"]))
+            assert got["outcome"] == "won"
+            for c in (admin, first, second):
+                await c.close()
+        raw.close()
 
 
 async def _retry(call: object, timeout: float = 30) -> dict[str, object]:

@@ -17,7 +17,7 @@ import pytest
 from server.core import Core
 from server.live.bots import list_blocks, now_ms, run_detector
 from server.live.botscore import Attempt, Rules, score
-from server.money import groups, ledger
+from server.money import groups
 from server.settings import Settings
 from server.store import keys
 from tests.hubtools import hub_in_process, redpacket_up
@@ -65,18 +65,26 @@ def test_try_it_runs_as_written(tmp_path: Path) -> None:
         assert m and 1 <= int(m[1]) <= 887, ran.stdout
 
 
-async def test_the_python_example_run_again_and_again_is_never_taken_for_a_bot(
+async def test_the_python_example_runs_again_and_again_and_is_never_taken_for_a_bot(
     hub_settings: Settings,
 ) -> None:
     """Before: each run of the README's script was throttled (`1 grab(s) faster than 100 ms`) and the
     fourth within a minute blocked li for an hour. Four runs, then the detector over them: no decision."""
     async with hub_in_process(hub_settings) as h:
+        script = block("try-python").replace("127.0.0.1:8000", h.http.removeprefix("http://"))
+        # Run before the curl lines made the group: one line, no traceback.
+        early = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await asyncio.wait_for(early.communicate(), 120)
+        assert early.returncode == 1 and err.decode().splitlines() == [
+            "try.py: wang has no group named family: run the curl lines above first"
+        ], err
         wang, _ = await h.login("wang")
         li, _ = await h.login("li")
-        await ledger.topup(h.core.db, wang, 100_000, "seed")
         family = await groups.create_group(h.core.db, wang, "family")
         await groups.add_members(h.core.db, h.core.membership, family, [li])
-        script = block("try-python").replace("127.0.0.1:8000", h.http.removeprefix("http://"))
+        # No money but what each run tops up itself: it runs however often a reader runs it.
         for _ in range(4):
             run = await asyncio.create_subprocess_exec(
                 sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT

@@ -15,7 +15,7 @@ from server.money.reconcile import reconcile
 from server.store import keys
 from server.store.db import Tx
 from server.store.records import GrabRecord
-from server.store.redisnodes import ServerChanged
+from server.store.redisconn import ServerChanged
 from tests.conftest import make_world, outbox
 from tests.hubtools import eventually
 from tests.redisproc import needs_redis_server, redis_process

@@ -121,3 +121,26 @@ def test_what_each_durability_waits_for() -> None:
         Durability.REPLICA: (True, False, True, False),
         Durability.AOF_REPLICA: (True, True, True, True),
     }
+
+
+def test_a_name_that_is_no_setting_is_refused_with_the_nearest_one() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^REDPACKET_DATABSE_URL is not a setting \(did you mean REDPACKET_DATABASE_URL\?\): fix",
+    ):
+        Settings.from_env({"REDPACKET_DATABSE_URL": "mysql://x/y"})
+    with pytest.raises(ValueError, match=r"^REDPACKET_COLOUR is not a setting: fix or unset it"):
+        Settings.from_env({"REDPACKET_COLOUR": "red"})
+    # What is not a setting by design: the load tool's stages for Locust, the test suite's own names.
+    taken = Settings.from_env(
+        {"REDPACKET_LOAD_STAGES": "10:5", "REDPACKET_TEST_REDIS_URL": "redis://x", "HOME": "/"}
+    )
+    assert taken == Settings()
+
+
+def test_the_embedded_valkey_is_named_or_left_empty() -> None:
+    assert Settings(redis_url="embedded").embedded_redis and Settings().embedded_redis
+    assert not Settings(redis_url="redis://127.0.0.1:6379/0").embedded_redis
+    Settings(redis_url="embedded").check()
+    with pytest.raises(ValueError, match="or be 'embedded'"):
+        Settings(redis_url="embeded").check()

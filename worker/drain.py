@@ -27,7 +27,7 @@ import os
 import socket
 import time
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 LEASE_MS = 5_000
 TAKEOVER_EVERY = 1.0
 PAY_AT_ONCE = 500
+# Entry ids a drain remembers having read (``_take_over`` tells its own from another worker's).
+SEEN_AT_MOST = 100_000
 
 
 @dataclass
@@ -85,26 +87,32 @@ class CreditDrain:
         self.processed = 0  # outbox entries acknowledged (credited, already paid, or refused)
         self._groups_made = False
         self._last_takeover = 0.0
+        # Entries this worker read (the latest ``SEEN_AT_MOST``): taken back after an outage, they are its
+        # own, not "left unpaid by another worker".
+        self._seen: OrderedDict[tuple[int, bytes], None] = OrderedDict()
 
     async def run(self, idle_sleep: float = 0.05) -> None:
         """Drain until cancelled, riding out Redis and database outages (retrying with back-off).
         Cancelled mid-batch: its entries stay pending under this consumer, fall idle, and are paid by
         whoever takes them over; the database pays nothing twice."""
         failures = 0
+        said = False  # a failure that is no service away was said (its end is said too)
         while True:
             try:
                 await self._drain()
-                if failures:
+                if said:
                     log.warning("credit drain working again after %d failed attempt(s)", failures)
-                failures = 0
+                failures, said = 0, False
                 await asyncio.sleep(idle_sleep)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 failures += 1
                 self.metrics.drain_failures.inc()
-                if failures == 1:
+                # Redis or the database away: said once for the whole worker (``worker.outages``).
+                if not self.metrics.outages.failed("credit drain", e) and not said:
                     log.warning("credit drain failed (%s); retrying with back-off", e)
+                    said = True
                 self._groups_made = False  # Redis may have come back without them
                 await asyncio.sleep(min(0.1 * 2**failures, 2.0))
 
@@ -249,19 +257,21 @@ class CreditDrain:
             ),
             durable=True,
         )
-        taken = 0
+        taken = others = 0
         for n, result in enumerate(results):
             if isinstance(result, Exception):
                 continue  # NOGROUP after a restart: the group is made again; nothing was pending there
             entries = result[1] if len(result) > 1 else []
             deleted = result[2] if len(result) > 2 else []
             taken += len(entries)
+            others += sum(1 for entry_id, _ in entries if (n, entry_id) not in self._seen)
             self._add(batch, n, entries)
             if deleted:
                 batch.deleted.setdefault(n, []).extend(deleted)
         if taken:
             self.metrics.takeovers.inc(taken)
-            log.warning("took over %d credit(s) another worker left unpaid", taken)
+        if others:
+            log.warning("took over %d credit(s) another worker left unpaid", others)
 
     def _add(self, batch: Batch, n: int, entries: list[Any]) -> None:
         for entry_id, fields in entries:
@@ -270,6 +280,9 @@ class CreditDrain:
                 continue
             batch.items.append((n, entry_id, CreditEntry.parse(fields[b"c"])))
             self.holding[n].add(entry_id)
+            self._seen[(n, entry_id)] = None
+            if len(self._seen) > SEEN_AT_MOST:
+                self._seen.popitem(last=False)
 
     async def _pay(self, taken: Batch) -> list[str]:
         credits = [c for _, _, c in taken.items]

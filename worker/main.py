@@ -20,14 +20,16 @@ from arq import Worker
 from arq.cron import cron
 from prometheus_client import CollectorRegistry
 
-from server.core import Core, transient
+from server.core import Core
 from server.settings import Durability
 from server.store import keys
 from server.store.batch import fsync_problem
+from server.store.identities import eviction_problem
 from server.store.queue import job_deserializer, job_serializer
 from server.store.redisnodes import MasterUsage
 from worker.drain import CreditDrain
 from worker.metrics import WorkerMetrics
+from worker.outages import DATABASE, REDIS
 from worker.settle import (
     Ctx,
     announce_job,
@@ -70,18 +72,18 @@ def cron_jobs(namespace: str) -> list[Any]:
 
 
 def transient_is_a_line(job: Callable[[Ctx], Awaitable[object]]) -> Any:
-    """``job``, whose failure on Redis or the database being away (a restart, a failover) is one log line
-    and no result: the next run of the cron tries again. Any other failure is arq's to report."""
+    """``job``, whose failure on Redis or the database being away (a restart, a failover) is counted in the
+    outage (``worker.outages``: one line when it starts, one when it ends) and no result: the next run of
+    the cron tries again. Any other failure is arq's to report."""
 
     @functools.wraps(job)
     async def run(ctx: Ctx) -> object:
         try:
             return await job(ctx)
         except Exception as e:
-            if not transient(e):
+            if not ctx["metrics"].outages.failed(job.__name__, e):
                 raise
-            log.warning("%s left for its next run: %s", job.__name__, e)
-            return None
+            return None  # (said once for the outage: left for the next run)
 
     return run
 
@@ -136,13 +138,22 @@ async def heartbeat(core: Core, metrics: WorkerMetrics) -> None:
     read the credit backlog and each Redis master's CPU, memory and durability for the metrics."""
     degraded: dict[str, str] = {}
     while True:
-        try:
-            await core.redis.ping()
-            await core.db.fetchone("SELECT 1")
+        reached = 0
+        for service, probe in ((REDIS, core.redis.ping), (DATABASE, lambda: core.db.fetchone("SELECT 1"))):
+            try:
+                await probe()
+            except Exception as e:
+                if not metrics.outages.failed("heartbeat", e):
+                    log.warning("heartbeat: %s did not answer: %s", service, e)
+            else:
+                metrics.outages.reached(service)  # (says it is back, if it was away)
+                reached += 1
+        if reached == 2:
             metrics.healthy_at.set(time.time())
-            degraded = await sample(core, metrics, degraded)
-        except Exception as e:
-            log.debug("heartbeat skipped: %s", e)
+            try:
+                degraded = await sample(core, metrics, degraded)
+            except Exception as e:
+                log.debug("metrics sample skipped: %s", e)
         await asyncio.sleep(BEAT_SECONDS)
 
 
@@ -167,6 +178,7 @@ async def sample(core: Core, metrics: WorkerMetrics, said: dict[str, str] | None
             metrics.redis_memory,
             metrics.redis_replicas,
             metrics.durability_degraded,
+            metrics.redis_evicting,
         ):
             gauge.remove(gone)
     metrics.masters = set(usage)
@@ -176,12 +188,15 @@ async def sample(core: Core, metrics: WorkerMetrics, said: dict[str, str] | None
         metrics.redis_replicas.labels(address).set(master.replicas)
         problem = durability_degraded(level, master)
         metrics.durability_degraded.labels(address).set(int(problem is not None))
+        evicting = eviction_problem(master.eviction)
+        metrics.redis_evicting.labels(address).set(int(evicting is not None))
+        problem = "; ".join(p for p in (evicting, problem) if p is not None) or None
         if problem is not None:
             degraded[address] = problem
             if (said or {}).get(address) != problem:
                 log.error("Redis master %s: %s", address, problem)
         elif address in (said or {}):
-            log.warning("Redis master %s keeps grabs as durable as asked again", address)
+            log.warning("Redis master %s keeps grabs as asked again", address)
     return degraded
 
 

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from server.live.dbmetrics import DatabaseCollector
+from worker.outages import Outages
 
 
 class RedisCpu(Collector):
@@ -96,6 +97,8 @@ class WorkerMetrics:
         """``own_process``: this registry also reports the process (not under ``redpacket up``, where
         the hub's registry does, on the same page)."""
         r = self.registry = CollectorRegistry()
+        # What the worker's loops met of Redis and the database being away (its log lines, not a gauge).
+        self.outages = Outages()
         # The database's retries and failovers, of its own process (under `redpacket up`: the hub's page).
         self.database = DatabaseCollector()
         if own_process:
@@ -153,7 +156,14 @@ class WorkerMetrics:
             ["server"],
             registry=r,
         )
-        self.masters: set[str] = set()  # the masters the four gauges above have a series of
+        self.redis_evicting = Gauge(
+            "redpacket_redis_evicting",
+            "1 while a master's maxmemory-policy is not noeviction: under memory pressure it would drop a"
+            " packet's shares and grabs or a credit not yet paid (hubs refuse grabs to it; read every 5 s)",
+            ["server"],
+            registry=r,
+        )
+        self.masters: set[str] = set()  # the masters the five gauges above have a series of
         self.healthy_at = Gauge(
             "redpacket_worker_healthy_at_seconds",
             "unix time of the last heartbeat that reached both Redis and the database",

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from server.core import Core, transient
+from server.core import Core
 from server.money import deliveries, events
 from server.money.ledger import now_ms
 from worker.metrics import WorkerMetrics
@@ -97,10 +97,8 @@ class Dispatcher:
                     busy = await self.round()
                     failures = 0
                 except Exception as e:
-                    if not transient(e):
+                    if not self.metrics.outages.failed("webhook dispatcher", e):
                         log.exception("webhook round failed")
-                    elif failures == 0:
-                        log.warning("webhook dispatcher waiting for the database: %s", e)
                     failures += 1
                     busy = False
                     await asyncio.sleep(min(0.1 * 2**failures, 5.0))

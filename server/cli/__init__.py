@@ -69,6 +69,8 @@ def _refuse(args: argparse.Namespace, settings: Settings) -> None:
         )
     if command == "serve" and not 1 <= args.workers <= 64:
         raise OperatorError("--workers is 1 to 64 (hub processes on this machine, one core each)", 2)
+    if command in ("serve", "worker"):
+        _refuse_unnamed_storage(command, settings)
     sqlite = settings.effective_database_url.removeprefix("sqlite:///")
     if command in READERS and sqlite != settings.effective_database_url and not Path(sqlite).exists():
         # A command that reads never creates: a fresh SQLite file would be reconciled "no difference".
@@ -76,6 +78,26 @@ def _refuse(args: argparse.Namespace, settings: Settings) -> None:
             f"no database at {Path(sqlite).resolve()}: `redpacket {command}` reads the one"
             " `redpacket up` or `serve` made — run it in the same directory, or set REDPACKET_DATA_DIR or"
             " REDPACKET_DATABASE_URL"
+        )
+
+
+def _refuse_unnamed_storage(command: str, settings: Settings) -> None:
+    """``serve`` and ``worker`` keep money where they are told, never in the demo's storage by default: with
+    ``--workers N`` or several machines, each would have its own ledger."""
+    if not settings.database_url:
+        raise OperatorError(
+            f"REDPACKET_DATABASE_URL is not set: `redpacket {command}` keeps the ledger in the database it"
+            " names, the same for every hub and worker (mysql://user:password@host:3306/redpacket); for one"
+            f" machine alone, name a SQLite file: REDPACKET_DATABASE_URL=sqlite:///{settings.sqlite_path.resolve()}"
+            " (what `redpacket up` uses)",
+            2,
+        )
+    if not settings.redis_url:
+        raise OperatorError(
+            f"REDPACKET_REDIS_URL is not set: `redpacket {command}` needs the Redis every hub and worker"
+            " shares (redis://host:6379/0); REDPACKET_REDIS_URL=embedded runs the data directory's own"
+            " Valkey (what `redpacket up` uses)",
+            2,
         )
 
 
@@ -134,7 +156,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         elif command == "blocks":
             uvloop.run(maintenance.blocks(s, args.lift))
         elif command == "recover":
-            uvloop.run(maintenance.recover(s, args.packet_ids))
+            return uvloop.run(maintenance.recover(s, args.packet_ids))
         elif command == "verify":
             return uvloop.run(maintenance.verify(s, args.packet_id, args.commitment))
         elif command == "reconcile":

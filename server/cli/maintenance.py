@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import sys
 import time
 
 from redis.exceptions import RedisError
@@ -74,7 +75,11 @@ async def reconcile(settings: Settings) -> bool:
     return report.ok
 
 
-async def recover(settings: Settings, packet_ids: list[int]) -> None:
+async def recover(settings: Settings, packet_ids: list[int]) -> int:
+    """``redpacket recover PACKET_ID…``: each packet's Redis state rebuilt from the database. Exit 0 when
+    every one was; 2 when one could not be (no such packet, or one that cannot be recovered), as
+    ``verify`` says of a missing packet; 1 when Redis went away under it (run it again). Each failure
+    is a line on stderr; the others go on."""
     from server.errors import RedPacketError
     from server.ids import MAX_ID, PacketId
     from server.money.packets import recover_packet
@@ -82,17 +87,21 @@ async def recover(settings: Settings, packet_ids: list[int]) -> None:
     if bad := [p for p in packet_ids if not 1 <= p <= MAX_ID]:
         raise OperatorError(f"no packet can have the id {bad[0]}", 2)
     await check_services(settings)
+    code = 0
     async with open_core(settings) as core:
         for pid in packet_ids:
             try:
                 r = await recover_packet(core, PacketId(pid))
             except RedPacketError as e:
-                print(f"packet {pid}: {e.message}")
+                print(f"redpacket: packet {pid}: {e.message}", file=sys.stderr)
+                code = max(code, 2)
                 continue
             except RedisError as e:  # Redis restarted under the command: said, and the next one goes on
-                print(f"packet {pid}: Redis is unavailable ({e}); run it again")
+                print(f"redpacket: packet {pid}: Redis is unavailable ({e}); run it again", file=sys.stderr)
+                code = code or 1
                 continue
             print(f"packet {pid}: {r.shares_left} shares left, {r.grabs_known} grabs known")
+    return code
 
 
 async def verify(settings: Settings, packet_id: int, published: str | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 
 def parser() -> argparse.ArgumentParser:
@@ -11,36 +12,37 @@ def parser() -> argparse.ArgumentParser:
         prog="redpacket",
         description="Live red packets in group chat: the hub, the worker, and the operator's tools.",
         epilog="Settings come from REDPACKET_* environment variables (README: Configuration). Without"
-        " REDPACKET_REDIS_URL and REDPACKET_DATABASE_URL everything runs on an embedded Valkey and a"
-        " SQLite file under REDPACKET_DATA_DIR (.redpacket).",
+        " REDPACKET_REDIS_URL and REDPACKET_DATABASE_URL, `up` and the operator's commands run on an"
+        " embedded Valkey and a SQLite file under REDPACKET_DATA_DIR (.redpacket); `serve` and `worker`"
+        " need both named (REDPACKET_REDIS_URL=embedded and a sqlite:/// URL for those).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _system(sub)
-    sub.add_parser("migrate", help="apply database migrations (every start does this too)")
-    sub.add_parser("reconcile", help="check every cent; print a report; exit 1 on any difference")
-    blocks = sub.add_parser("blocks", help="list the users the bot detector blocked, and why and until when")
+    _add(sub, "migrate", help="apply database migrations (every start does this too)")
+    _add(sub, "reconcile", help="check every cent; print a report; exit 1 on any difference")
+    blocks = _add(sub, "blocks", help="list the users the bot detector blocked, and why and until when")
     blocks.add_argument(
         "--lift", type=int, metavar="USER", help="lift the block (and throttle) of this user id"
     )
-    hooks = sub.add_parser("webhooks", help="the webhook queue: how far each URL is; replay events")
+    hooks = _add(sub, "webhooks", help="the webhook queue: how far each URL is; replay events")
     hooks_sub = hooks.add_subparsers(dest="webhooks_command", required=True, metavar="ACTION")
-    hooks_sub.add_parser("status", help="per URL: deliveries pending, failed, the oldest pending")
-    replay = hooks_sub.add_parser(
-        "replay", help="send events again to every URL (the same ids: a receiver drops those it has)"
+    _add(hooks_sub, "status", help="per URL: deliveries pending, failed, the oldest pending")
+    replay = _add(
+        hooks_sub,
+        "replay",
+        help="send events again to every URL (the same ids: a receiver drops those it has)",
     )
     since = replay.add_mutually_exclusive_group(required=True)
     since.add_argument(
         "--since", metavar="TIME", help="events created at or after TIME (ISO 8601, e.g. 2026-12-01T08:00Z)"
     )
     since.add_argument("--after", type=int, metavar="EVENT_ID", help="events after this event id")
-    rec = sub.add_parser(
-        "recover", help="rebuild packets' Redis state from the database (safe while grabs go on)"
-    )
+    rec = _add(sub, "recover", help="rebuild packets' Redis state from the database (safe while grabs go on)")
     rec.add_argument(
         "packet_ids", type=int, nargs="+", metavar="PACKET_ID", help="a packet whose Redis state to rebuild"
     )
-    ver = sub.add_parser(
-        "verify", help="check a packet's proof of a fair split (docs/protocol.md, Provably fair packets)"
+    ver = _add(
+        sub, "verify", help="check a packet's proof of a fair split (docs/protocol.md, Provably fair packets)"
     )
     ver.add_argument("packet_id", type=int, metavar="PACKET_ID", help="the packet to check")
     ver.add_argument(
@@ -49,13 +51,22 @@ def parser() -> argparse.ArgumentParser:
         help="the commitment a member kept from the send (reply or packet event): checked against it",
     )
     # Parsed by server.tools.load (every flag it does not know goes to Locust): listed here for --help only.
-    sub.add_parser(
+    _add(
+        sub,
         "load",
         add_help=False,
         help="Locust step-up load against a hub (redpacket load --help; docs/load.md)",
     )
     _bench(sub)
     return parser
+
+
+def _add(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, **options: Any
+) -> argparse.ArgumentParser:
+    """A subcommand whose own ``--help`` starts with what the list of commands says of it."""
+    what = str(options.get("help", ""))
+    return sub.add_parser(name, description=what[:1].upper() + what[1:] + ".", **options)
 
 
 def _listen_options(p: argparse.ArgumentParser) -> None:
@@ -68,11 +79,9 @@ def _listen_options(p: argparse.ArgumentParser) -> None:
 def _system(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The commands that run the system: ``up``, ``serve`` and ``worker``."""
     _listen_options(
-        sub.add_parser("up", help="the hub and a worker in one process, dev login and demo money on (a demo)")
+        _add(sub, "up", help="the hub and a worker in one process, dev login and demo money on (a demo)")
     )
-    serve = sub.add_parser(
-        "serve", help="the hub only (production; needs REDPACKET_SECRET; run workers apart)"
-    )
+    serve = _add(sub, "serve", help="the hub only (production; needs REDPACKET_SECRET; run workers apart)")
     _listen_options(serve)
     serve.add_argument(
         "--workers",
@@ -81,8 +90,8 @@ def _system(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="N",
         help="hub processes sharing the listening socket, one core each (default 1)",
     )
-    wk = sub.add_parser(
-        "worker", help="the worker: credits, refunds, announcements, sweeper, reconciliation, bots"
+    wk = _add(
+        sub, "worker", help="the worker: credits, refunds, announcements, sweeper, reconciliation, bots"
     )
     wk.add_argument(
         "--check", action="store_true", help="exit 0 if this host's worker is healthy (its metrics port)"
@@ -90,7 +99,7 @@ def _system(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    bench = sub.add_parser("bench", help="print benchmark figures and a JSON line (docs/benchmarks.md)")
+    bench = _add(sub, "bench", help="print benchmark figures and a JSON line (docs/benchmarks.md)")
     bench.add_argument(
         "what",
         choices=[

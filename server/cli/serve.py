@@ -111,6 +111,7 @@ def _banner(settings: Settings, port: int, workers: int = 1, up: bool = False) -
     print(f"redpacket hub on http://{settings.host}:{port}  websocket ws://{settings.host}:{port}/ws")
     processes = f", {workers} hub processes" if workers > 1 else ""
     print(f"  Redis {redact(settings.redis_url)}, database {redact(db)}{processes}", flush=True)
+    print(f"  grab durability {settings.durability} (REDPACKET_GRAB_DURABILITY)", flush=True)
     if settings.metrics_port:
         last = settings.metrics_port + workers - 1
         ports = (

@@ -17,6 +17,7 @@ from server.settings import Settings, redact
 from server.store.batch import durability_problem
 from server.store.db import DatabaseError
 from server.store.embedded import EmbeddedError, embedded_valkey
+from server.store.identities import eviction_problem
 from server.store.redisnodes import RedisNodes
 
 log = logging.getLogger("redpacket")
@@ -29,7 +30,7 @@ STARTUP_CHECK_SECONDS = 5.0
 def with_redis_url(settings: Settings, command: str) -> Iterator[Settings]:
     """The settings with a Redis URL: the configured one, or the data directory's embedded Valkey (the
     one a running ``redpacket`` process serves, or one started now)."""
-    if settings.redis_url:
+    if not settings.embedded_redis:
         yield settings
         return
     # The embedded Valkey makes grabs durable on its disk unless told otherwise: appendfsync always
@@ -70,6 +71,9 @@ async def check_services(settings: Settings, redis_too: bool = True, durability:
             " (check REDPACKET_REDIS_URL)"
         ) from None
     try:
+        for name, policy in nodes.identities.evicting().items() if durability else ():
+            # (read as each master was met: its first connection's INFO)
+            raise OperatorError(f"Redis at {name} cannot keep grabs: {eviction_problem(policy)}")
         for name, client in masters if durability else ():
             try:
                 await asyncio.wait_for(_check_durability(settings, name, client), STARTUP_CHECK_SECONDS)

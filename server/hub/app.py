@@ -199,20 +199,31 @@ async def my_packets(request: Request, core: Core, user: UserId) -> dict[str, ob
     return await queries.sent_and_received(core.db, user)
 
 
+# /healthz answers within this long whatever hangs behind it: a balancer must tell "Redis away" from "hub
+# dead" (each service's check is bounded by it, and they run at once).
+HEALTH_SECONDS = 0.8
+
+
 async def healthz(request: Request) -> Response:
-    """Whether this hub reaches Redis and the database. Anyone may ask: the answer says which is down,
-    never the error's text (hosts, users), which goes to the log."""
+    """Whether this hub reaches Redis and the database, and Redis keeps what it is given (every master's
+    eviction policy, read now). Anyone may ask: the answer says which is wrong, never the error's text
+    (hosts, users), which goes to the log."""
     core: Core = request.app.state.core
-    for code, check in (
-        (errors.REDIS_UNAVAILABLE, core.redis.ping),
-        (errors.DATABASE_UNAVAILABLE, lambda: core.db.fetchone("SELECT 1")),
-    ):
-        try:
-            await check()
-        except Exception as e:
-            what = "Redis" if code == errors.REDIS_UNAVAILABLE else "the database"
-            log.warning("health check: %s is unavailable: %s", what, e)
-            return error_response(code, f"{what} is unavailable", 503)
+    redis, db = await asyncio.gather(
+        core.nodes.read_policies(HEALTH_SECONDS),
+        asyncio.wait_for(core.db.fetchone("SELECT 1"), HEALTH_SECONDS),
+        return_exceptions=True,
+    )
+    if isinstance(redis, BaseException):
+        log.warning("health check: Redis is unavailable: %s", redis or "it does not answer")
+        return error_response(errors.REDIS_UNAVAILABLE, "Redis is unavailable", 503)
+    if redis:
+        policy = next(iter(redis.values()))
+        message = f"a Redis master may drop keys (maxmemory-policy {policy}): grabs are refused"
+        return error_response(errors.REDIS_UNAVAILABLE, message, 503)
+    if isinstance(db, BaseException):
+        log.warning("health check: the database is unavailable: %s", db or "it does not answer")
+        return error_response(errors.DATABASE_UNAVAILABLE, "the database is unavailable", 503)
     return JSONResponse({"ok": True})
 
 
@@ -287,6 +298,7 @@ def create_app(
         async with open_core(settings) as core, Hub(core, hub_metrics) as hub:
             app.state.core, app.state.hub = core, hub
             hub_metrics.read_pools(core.nodes.connections_in_use, core.db.connections_in_use)
+            hub_metrics.read_evicting(lambda: len(core.nodes.identities.evicting()))
             hub_metrics.database.watch(core.db)
             hub_metrics.read_hot(hub.packet_cache.hottest)
             background = [asyncio.create_task(hub_metrics.watch_loop())]

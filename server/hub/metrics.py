@@ -76,6 +76,11 @@ class HubMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
             registry=r,
         )
+        self.redis_evicting = Gauge(
+            "redpacket_hub_redis_evicting",
+            "Redis masters whose maxmemory-policy may drop keys, as last read (grabs to them are refused)",
+            registry=r,
+        )
         self.gc_pause_max = Gauge(
             "redpacket_hub_gc_pause_max_seconds", "the longest garbage collection so far", registry=r
         )
@@ -135,6 +140,10 @@ class HubMetrics:
         """Pool use, read when scraped."""
         self.redis_in_use.set_function(redis)
         self.db_in_use.set_function(db)
+
+    def read_evicting(self, evicting: Callable[[], float]) -> None:
+        """Masters that may drop keys, as last read (``Identities.evicting``), read when scraped."""
+        self.redis_evicting.set_function(evicting)
 
     def read_hot(self, hottest: Callable[[], tuple[int, int, int]]) -> None:
         """The storm admission's state (``PacketCache.hottest``), read when scraped."""

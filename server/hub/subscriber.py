@@ -23,7 +23,8 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from server.store.redisnodes import Packed, RedisNodes
+from server.store.redisconn import Packed
+from server.store.redisnodes import RedisNodes
 
 log = logging.getLogger(__name__)
 

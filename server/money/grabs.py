@@ -25,7 +25,7 @@ from server.money.membership import not_member
 from server.money.packets import PACKET_COLUMNS, packet_from_row, recover_packet
 from server.store import keys
 from server.store.records import GrabRecord
-from server.store.redisnodes import ServerChanged
+from server.store.redisconn import ServerChanged
 from server.store.scriptcalls import GrabCall, GrabRate, GrabReply, GrabStatus, run
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from server.money.split import PacketRequest, validate_request
 from server.store import keys
 from server.store.db import IntegrityError, Tx
 from server.store.records import CreditEntry, DroppedEntry, GrabRecord, ShareEntry
-from server.store.redisnodes import ServerChanged
+from server.store.redisconn import ServerChanged
 from server.store.scriptcalls import LoadPacketCall, run_alone
 
 __all__ = ["PACKET_COLUMNS", "Packet", "load_packet", "packet_from_row", "recover_packet", "send_packet"]

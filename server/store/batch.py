@@ -36,7 +36,8 @@ from redis.exceptions import NoScriptError, RedisError
 from server import errors
 from server.errors import Unavailable
 from server.settings import Durability
-from server.store.redisnodes import RedisNodes, ServerChanged, moved
+from server.store.redisconn import ServerChanged
+from server.store.redisnodes import Evicting, RedisNodes, moved
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,16 @@ class Batcher:
         wait = self.durability.waits and watch
         look = self._nodes.look_first(node) or (self._counts and self._nodes.replicas(node) is None)
         if watch and look and not await self._looked(node, batch):
+            return
+        policy = self._nodes.evicting(node) if watch else None
+        if policy is not None:  # (read at its last look, its connection or the worker's usage read)
+            failure = Evicting(
+                f"a Redis master may drop keys (maxmemory-policy {policy}): no grab goes to it"
+            )
+            for c in batch:
+                if not c.future.done():
+                    c.future.set_exception(failure)
+            self._nodes.look_again(node)  # (its policy is read again before the next grab)
             return
         try:
             async with node.pipeline(transaction=False) as pipe:

@@ -33,6 +33,27 @@ class Identities:
     replicas: dict[str, int] = field(default_factory=dict)
     # When each address's data id was last read (monotonic seconds).
     looked: dict[str, float] = field(default_factory=dict)
+    # Each address's ``maxmemory-policy``, as it last said (``eviction_problem``).
+    policies: dict[str, str] = field(default_factory=dict)
+
+    def saw_policy(self, address: str, info: bytes | str) -> None:
+        """Record the eviction policy an ``INFO`` answer with its memory section gives (a warning line when
+        it turns into one that may drop keys)."""
+        text = info.decode() if isinstance(info, bytes) else info
+        policy = info_field(text, "maxmemory_policy:")
+        if not policy:
+            return  # (no memory section in this answer)
+        before = self.policies.get(address)
+        self.policies[address] = policy
+        problem = eviction_problem(policy)
+        if problem is not None and before is not None and policy != before:  # (start-up says the first)
+            log.warning("Redis at %s: %s; grabs to it are refused", address, problem)
+        elif problem is None and before is not None and eviction_problem(before) is not None:
+            log.warning("Redis at %s: maxmemory-policy is %s again: grabs to it go on", address, policy)
+
+    def evicting(self) -> dict[str, str]:
+        """The addresses whose last known policy may drop keys, with that policy."""
+        return {a: p for a, p in self.policies.items() if eviction_problem(p) is not None}
 
     def saw(
         self, address: str, run_id: str | None = None, data: str | None = None, look: bool = True
@@ -61,9 +82,25 @@ class Identities:
         return False
 
 
-# How the batcher reads a server's data id before a pipeline with a grab in it. Under this two-word name
-# redis-py applies no reply callback: the answer stays the raw text ``data_id`` reads two fields of.
-DATA_ID_COMMAND = "INFO REPLICATION"
+# How the batcher reads a server's data id (and its eviction policy) before a pipeline with a grab in it.
+# Under this name of several words redis-py applies no reply callback: the answer stays the raw text
+# ``data_id`` and ``Identities.saw_policy`` read.
+DATA_ID_COMMAND = "INFO REPLICATION MEMORY"
+
+
+def eviction_problem(policy: str) -> str | None:
+    """Why a master whose ``maxmemory-policy`` is ``policy`` cannot keep grabs, or None. Only ``noeviction``
+    can: under memory pressure it refuses writes (a grab answered ``redis_unavailable``), where every
+    other policy drops keys to make room — ``allkeys-*`` any key, ``volatile-*`` the keys that expire,
+    which a packet's shares and grabs are. A dropped packet is rebuilt from the database and its shares
+    handed out again: a winner already told "won" is never paid, and nothing is left to show it."""
+    if policy == "noeviction":
+        return None
+    return (
+        f"maxmemory-policy is {policy}: under memory pressure Redis drops keys (a packet's shares and grabs"
+        " expire, so volatile-* drops them too), and a grab answered won could go unpaid; set it to"
+        " noeviction (CONFIG SET maxmemory-policy noeviction, and in its configuration)"
+    )
 
 
 # A pipeline with a grab in it, to a server whose data id was read longer ago than this, reads it first

@@ -10,7 +10,7 @@ import msgpack
 from arq.connections import ArqRedis
 
 from server.settings import Settings
-from server.store.redisnodes import packed_pool
+from server.store.redisconn import packed_pool
 
 
 def job_serializer(obj: dict[str, Any]) -> bytes:

@@ -19,21 +19,21 @@ Cluster (``redis+cluster://host:port,host:port,…``), chosen by URL; the same c
   (``server.store.batch``), so a change on a connection already open is seen before a grab runs on the
   new data. What each answer says (run id, data id, replicas) is read in ``server.store.identities``.
 
-Every connection packs commands with hiredis (C) instead of redis-py's Python packer.
+Every connection packs commands with hiredis (C) and reads the server's identity as it connects
+(``server.store.redisconn``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlparse
 
-import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
@@ -47,14 +47,14 @@ from server.store.identities import (
     info_field,
     replicas_to_wait_for,
 )
+from server.store.redisconn import Packed, PackedConnection, address_of, packed_class, packed_pool
 
 CLUSTER_SCHEME = "redis+cluster://"
 
 
-class ServerChanged(RedisConnectionError):
-    """A new connection found another server at an address (another run id), or the same server with other
-    data (role, replication id): nothing was sent on it, and the generation has risen. Check what must be
-    checked against the database, then send again (the next connection goes through)."""
+class Evicting(RedisConnectionError):
+    """A master that may drop keys under memory pressure (``identities.eviction_problem``): nothing that
+    holds a grab is sent to it, answered ``redis_unavailable`` until its policy is ``noeviction``."""
 
 
 @dataclass(frozen=True)
@@ -65,82 +65,7 @@ class MasterUsage:
     memory: int  # bytes used
     replicas: int  # replicas that could take its place (``replicas_to_wait_for``)
     appendfsync: str  # its setting ("" when CONFIG is refused)
-
-
-class _Packing:
-    """A Redis connection that packs commands with hiredis (under a grab storm redis-py's own packer was a
-    third of the hub's time; same bytes on the wire; multi-word command names are split as redis-py does)
-    and reports the run id of the server it connected to before it is used."""
-
-    def __init__(self, *args: Any, identities: Identities | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._identities = identities
-
-    def _where(self) -> str:
-        raise NotImplementedError
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        head = args[0]
-        if isinstance(head, str) and " " in head:
-            args = (*head.split(), *args[1:])
-        elif isinstance(head, bytes) and b" " in head:
-            args = (*head.split(), *args[1:])
-        return [hiredis.pack_command(args)]
-
-    async def on_connect(self) -> None:
-        # (redis-py's connection classes are partly annotated: these methods are its own, untyped.)
-        await super().on_connect()  # type: ignore[misc]
-        if self._identities is not None:
-            await self.send_command("INFO", "server", "replication")  # type: ignore[attr-defined]
-            info = await self.read_response()  # type: ignore[attr-defined]
-            text = info.decode() if isinstance(info, bytes) else str(info)
-            run_id = next((line[7:].strip() for line in text.splitlines() if line.startswith("run_id:")), "")
-            address = self._where()
-            if self._identities.saw(address, run_id, data_id(text), look=False):
-                # Not a command goes out on it: what it would carry (a grab) was made for the data before.
-                raise ServerChanged(f"Redis at {address} restarted or failed over: checked, then sent again")
-
-
-class PackedConnection(_Packing, Connection):
-    """``_Packing`` over TCP."""
-
-    def _where(self) -> str:
-        return address_of(self.host, self.port)
-
-
-class PackedUnixConnection(_Packing, UnixDomainSocketConnection):
-    """``_Packing`` over a Unix socket (``unix://`` URLs)."""
-
-    def _where(self) -> str:
-        return str(self.path)
-
-
-class PackedSSLConnection(_Packing, SSLConnection):
-    """``_Packing`` over TLS (``rediss://`` URLs)."""
-
-    def _where(self) -> str:
-        return address_of(self.host, self.port)
-
-
-Packed = PackedConnection | PackedUnixConnection | PackedSSLConnection
-
-
-def packed_pool(url: str, **kwargs: Any) -> BlockingConnectionPool:
-    """A blocking pool of packed connections to one server's URL (``redis://``, ``rediss://``, ``unix://``):
-    the class ``from_url`` chose for the URL (plain, TLS or Unix socket; it puts its own over the one it
-    is given), packed."""
-    pool = BlockingConnectionPool.from_url(url, **kwargs)
-    pool.connection_class = packed_class(pool.connection_class)
-    return pool
-
-
-def packed_class(base: type) -> type[Packed]:
-    """The packed connection class for redis-py's ``base`` class: over TCP, TLS or a Unix socket."""
-    if issubclass(base, SSLConnection):  # (before Connection, of which it is one)
-        return PackedSSLConnection
-    if issubclass(base, UnixDomainSocketConnection):
-        return PackedUnixConnection
-    return PackedConnection
+    eviction: str  # its maxmemory-policy (``identities.eviction_problem``)
 
 
 class _Snapshots(dict[str, ClusterNode]):
@@ -152,11 +77,6 @@ class _Snapshots(dict[str, ClusterNode]):
     # (a narrower return than the dict's own values(): the cluster client reads it as a list.)
     def values(self) -> list[ClusterNode]:  # type: ignore[override]
         return list(super().values())
-
-
-def address_of(host: str, port: int) -> str:
-    """How a server is named in ``Identities``: ``host:port``, as its connections were told."""
-    return f"{host}:{port}"
 
 
 def is_cluster_url(url: str) -> bool:
@@ -175,16 +95,17 @@ def _cluster_nodes(url: str) -> list[tuple[str, int]]:
 class RedisNodes:
     """The Redis (or Redis Cluster) of one URL for this process. Use ``await open()`` / ``aclose()``."""
 
-    def __init__(self, url: str, pool_size: int) -> None:
+    def __init__(self, url: str, pool_size: int, timeout: float = 5.0) -> None:
+        """``timeout``: seconds any command may go unanswered before it fails and its connection is dropped
+        (a Redis that hangs: stopped, or a network that drops packets), and the longest wait for a
+        connection or a connect (a Redis that is down refuses at once; an unreachable one would hang
+        for the OS's minutes-long connect timeout)."""
         self.url = url
         self.pool_size = pool_size
+        self.timeout = timeout
         self.identities = Identities()
         self.cluster = is_cluster_url(url)
-        common: dict[str, Any] = {
-            # A Redis that is down refuses at once; an unreachable one must not hang a request for the
-            # OS's minutes-long connect timeout.
-            "socket_connect_timeout": 5,
-        }
+        common: dict[str, Any] = {"socket_connect_timeout": timeout, "socket_timeout": timeout}
         self._nodes: dict[str, Redis] = {}
         self._refreshing = asyncio.Lock()
         self._refreshed = 0.0
@@ -210,7 +131,11 @@ class RedisNodes:
             self.client: Redis = cast(Redis, cluster)
         else:
             pool = packed_pool(
-                url, max_connections=pool_size, timeout=10, identities=self.identities, **common
+                url,
+                max_connections=pool_size,
+                timeout=math.ceil(timeout),
+                identities=self.identities,
+                **common,
             )
             self.client = Redis(connection_pool=pool)
 
@@ -235,6 +160,7 @@ class RedisNodes:
             else:
                 self.identities.replicas[address] = count
         self.identities.saw(address, data=data_id(answers[0]))
+        self.identities.saw_policy(address, answers[0])
 
     def data_stamp(self, key: str) -> str:
         """The server that owns ``key``'s slot as this process last met it — its run id and data id — or ""
@@ -250,6 +176,28 @@ class RedisNodes:
         """How many replicas could take this server's place at the last look that counted them (None:
         not counted yet)."""
         return self.identities.replicas.get(self._address(client))
+
+    async def read_policies(self, timeout: float) -> dict[str, str]:
+        """Ask every master its eviction policy now, all at once, each within ``timeout`` seconds; the
+        masters whose policy may drop keys, with it (``Identities.evicting``). Raises what the first
+        failed with when none answers (on a cluster, one master failing over leaves the rest serving)."""
+
+        async def ask(address: str, client: Redis) -> None:
+            # (one word with its section: the raw text, no reply callback)
+            info = await asyncio.wait_for(client.execute_command("INFO MEMORY"), timeout)  # type: ignore[no-untyped-call]
+            self.identities.saw_policy(address, info)
+
+        answers = await asyncio.gather(
+            *(ask(a, c) for a, c in self.masters().items()), return_exceptions=True
+        )
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        if failed and len(failed) == len(answers):
+            raise failed[0] if isinstance(failed[0], Exception) else RedisConnectionError("cancelled")
+        return self.identities.evicting()
+
+    def evicting(self, client: Redis) -> str | None:
+        """This master's eviction policy if it may drop keys (as it last said), else None."""
+        return self.identities.evicting().get(self._address(client))
 
     def look_first(self, client: Redis) -> bool:
         """Whether this server's data id was last read longer ago than ``LOOK_FIRST_AFTER``."""
@@ -302,10 +250,11 @@ class RedisNodes:
                 host=host,
                 port=port,
                 max_connections=self.pool_size,
-                timeout=10,
+                timeout=math.ceil(self.timeout),  # (redis-py takes whole seconds here)
                 connection_class=PackedConnection,
                 identities=self.identities,
-                socket_connect_timeout=5,
+                socket_connect_timeout=self.timeout,
+                socket_timeout=self.timeout,
             )
             client = self._nodes[name] = Redis(connection_pool=pool)
         return client
@@ -355,6 +304,7 @@ class RedisNodes:
                 if isinstance(answer, Exception):
                     raise answer
             text = info.decode()
+            self.identities.saw_policy(address, text)
             # CONFIG renamed or refused (a managed server): what it is set to is unknown ("").
             fsync_value = fsync[1].decode() if isinstance(fsync, list) and len(fsync) == 2 else ""
             replicas = replicas_to_wait_for(text, nodes[0] if nodes else None)
@@ -365,6 +315,7 @@ class RedisNodes:
                 memory=int(info_field(text, "used_memory:")),
                 replicas=replicas,
                 appendfsync=fsync_value,
+                eviction=info_field(text, "maxmemory_policy:"),
             )
         return out
 
@@ -385,6 +336,8 @@ class RedisNodes:
             cluster = cast(RedisCluster, self.client)
             node = cluster.nodes_manager.get_node_from_slot(cluster.keyslot(key))
             kwargs = {**cluster.nodes_manager.connection_kwargs, "host": node.host, "port": node.port}
+        # (a subscriber's reads wait for whatever is published: its own pings find a silent server)
+        kwargs["socket_timeout"] = None
         for k in ("max_connections", "response_callbacks"):
             kwargs.pop(k, None)
         # The class its pool makes (plain, TLS or Unix socket), packed: ``connect_dedicated`` uses it.

@@ -345,6 +345,15 @@ def _locust(
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             command += [flag, value]
+    if not worker and "--headless" not in rest and not any(a.startswith("--web-host") for a in rest):
+        # Without --headless, Locust's web UI starts the run and nothing happens until someone does: on
+        # this machine only unless --web-host says otherwise (its default is every interface).
+        command += ["--web-host", "127.0.0.1"]
+        print(
+            "redpacket load: waiting for a start in Locust's web UI, http://127.0.0.1:8089"
+            " (--headless runs at once, without it)",
+            file=sys.stderr,
+        )
     env = dict(os.environ)
     env.pop(STAGES_ENV, None)
     if step_up is not None:

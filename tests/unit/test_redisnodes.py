@@ -16,17 +16,15 @@ from redis.exceptions import ResponseError
 
 from server.store import identities, redisnodes
 from server.store.identities import LOOK_FIRST_AFTER, Identities, data_id
-from server.store.redisnodes import (
+from server.store.redisconn import (
     PackedConnection,
     PackedSSLConnection,
     PackedUnixConnection,
-    RedisNodes,
     ServerChanged,
     address_of,
-    is_cluster_url,
-    moved,
     packed_class,
 )
+from server.store.redisnodes import RedisNodes, is_cluster_url, moved
 from tests.unit.fakes import Clock
 
 pytestmark = pytest.mark.unit
