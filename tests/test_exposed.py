@@ -703,6 +703,8 @@ def test_a_busy_metrics_port_is_one_line_and_an_exit_code(tmp_path: Path) -> Non
             env=child_env(
                 REDPACKET_SECRET="s" * 32,
                 REDPACKET_DATA_DIR=str(tmp_path),
+                REDPACKET_REDIS_URL="embedded",  # (refused before it would start)
+                REDPACKET_DATABASE_URL=f"sqlite:///{tmp_path / 'ledger.sqlite3'}",
                 REDPACKET_METRICS_PORT=str(busy.getsockname()[1]),
             ),
             capture_output=True,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import os
 import socket
@@ -24,6 +25,7 @@ from websockets.exceptions import ConnectionClosed
 
 from server.hub import protocol
 from server.hub.connection import Connection
+from server.hub.handshake import BoundedHttp
 from server.hub.wire import CHUNK_BYTES, MAX_FRAGMENTS, HubWebSocket
 from server.settings import Settings
 from server.tools.client import HubClient
@@ -336,3 +338,33 @@ async def test_a_frame_the_hub_does_not_take_itself_is_failed_as_websockets_woul
         assert (await raw.close_frame())[0] == code  # and the ping after it never answered
         await eventually(lambda: user not in h.hub.by_user, 30)
         raw.drop()
+
+
+def _alive(*kinds: type) -> dict[str, int]:
+    """Objects of each kind the collector tracks now: those in use, and any garbage not yet collected."""
+    return {k.__name__: sum(issubclass(type(o), k) for o in gc.get_objects()) for k in kinds}
+
+
+async def test_a_closed_socket_is_freed_as_it_ends_not_left_to_a_full_collection(
+    hub_settings: Settings,
+) -> None:
+    """A socket's protocol objects hold no reference cycle once it is gone: reference counting frees them
+    as it ends. The hub freezes what lives every 5 s and collects in full only when quiet
+    (``server.hub.gcpolicy``): a cycle of a busy hub's closed socket would stay for up to ten minutes —
+    measured, 18 MB more in two minutes of sockets reopened in a loop."""
+    async with hub_in_process(hub_settings) as h:
+        room = await make_room(h, 1)
+        (user, token) = room.members[0]
+        gc.collect()
+        gc.disable()  # (nothing collects cycles from here: what is not freed stays)
+        try:
+            before = _alive(HubWebSocket, BoundedHttp)
+            for _ in range(10):
+                async with await HubClient.connect(h.ws, token, "json") as c:
+                    assert "ts" in await c.request("ping")
+                await eventually(lambda: user not in h.hub.by_user and user not in h.hub.leaving, 30)
+            await eventually(
+                lambda: all(n <= before[k] for k, n in _alive(HubWebSocket, BoundedHttp).items()), 30
+            )
+        finally:
+            gc.enable()

@@ -216,6 +216,9 @@ class BoundedHttp(HttpToolsProtocol):
     def handle_websocket_upgrade(self) -> None:
         self._disarm()  # the websocket protocol takes the connection over
         super().handle_websocket_upgrade()
+        # This protocol is done with: its parser holds it (for its callbacks) and it holds the parser, a
+        # cycle only a full collection would free — never, under the gc policy, while the hub is busy.
+        self.parser = None  # type: ignore[assignment]
 
     def _arm(self) -> None:
         self._disarm()

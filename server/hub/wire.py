@@ -175,6 +175,9 @@ class HubWebSocket(Upgrade):
         if not self.lost.done():
             self.lost.set_result(None)
         self._gone()
+        # What refers back to this protocol goes (the session, the scope's extension): the socket's
+        # objects are freed now by reference counting, not left to a full collection (gcpolicy).
+        self.listener, self.scope = None, {}
 
     def eof_received(self) -> bool | None:
         if self.phase != "closing":
