@@ -51,9 +51,9 @@ class Raw:
         self.reader, self.writer = reader, writer
 
     @classmethod
-    async def open(cls, h: HubUnderTest, token: str, rcvbuf: int = 0, then: bytes = b"") -> Raw:
+    async def open(cls, h: HubUnderTest, token: str, rcvbuf: int = 0, then: bytes = b"", pad: int = 0) -> Raw:
         """Upgraded; ``then``: bytes written in the same write as the upgrade request (frames a client
-        sends before it has the 101)."""
+        sends before it has the 101); ``pad``: about that many bytes more of headers in the request."""
         url = urlparse(h.ws)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf:  # a small receive window: a client that does not read fills it at once
@@ -62,9 +62,10 @@ class Raw:
         await asyncio.get_running_loop().sock_connect(sock, (url.hostname, url.port))
         reader, writer = await asyncio.open_connection(sock=sock)
         key = base64.b64encode(os.urandom(16)).decode()
+        padding = "".join(f"X-Pad-{i}: {'p' * 4000}\r\n" for i in range(pad // 4000))
         writer.write(
             f"GET /ws?token={token} HTTP/1.1\r\nHost: {url.netloc}\r\nUpgrade: websocket\r\n"
-            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n{padding}"
             f"Sec-WebSocket-Protocol: {protocol.SUBPROTOCOL_JSON}\r\n\r\n".encode()
             + then
         )
@@ -300,6 +301,12 @@ async def test_frames_split_anywhere_or_sent_before_the_101_are_each_answered_in
         assert await raw.replies(1) == [1]
         await raw.send(two[3:] + ping(3) + ping(4))
         assert await raw.replies(3) == [2, 3, 4]
+        # An upgrade request longer than a parsing turn (8 KB), frames in its write: still in order.
+        big = await Raw.open(h, token, pad=12_000, then=ping(1) + frame(PING, b"hi") + ping(2))
+        assert await big.replies(2) == [1, 2]
+        await big.send(ping(3))
+        assert await big.replies(1) == [3]
+        big.drop()
         await eventually(lambda: user in h.hub.by_user, 30)
         for byte in ping(5) + frame(PING) + ping(6):  # one byte a write, each read on its own
             await raw.send(bytes([byte]))

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from server.live import announce
+from server.money import ledger
 from server.money.ledger import now_ms
 from server.settings import Settings
 from server.store import keys
@@ -20,6 +21,7 @@ from tests.hubtools import HubUnderTest, hub_in_process
 from tests.redisproc import needs_redis_server, redis_process
 from tests.test_cli import assert_one_line_error, redpacket
 from tests.test_hub import make_room
+from worker.drain import CreditDrain
 
 
 async def _code(c: HubClient, kind: str, **fields: object) -> str:
@@ -126,14 +128,18 @@ async def test_an_evicting_redis_is_refused_at_start_and_its_grabs_once_it_turns
             first, second = [await h.client(t) for _, t in room.members]
             g = room.group
             sent = await admin.request("send", group=g, total=500, count=2)
-            assert (await first.request("grab", group=g, packet=sent["packet_id"]))["outcome"] == "won"
+            won = await first.request("grab", group=g, packet=sent["packet_id"])
+            assert won["outcome"] == "won"
             raw.config_set("maxmemory-policy", "volatile-lru")
             assert raw.config_get("maxmemory-policy") == {"maxmemory-policy": "volatile-lru"}  # the state
-            # (/healthz reads it now; a grab reads it before it goes, unless it was read in the last 10 ms)
+            h.core.nodes.look_again(h.core.nodes.client)  # (as 10 ms after its last look: it reads first)
+            assert await _code(second, "grab", group=g, packet=sent["packet_id"]) == "redis_unavailable"
             async with httpx.AsyncClient(base_url=h.http, timeout=10) as http:
                 health = await http.get("/healthz")
             assert health.status_code == 503 and "maxmemory-policy volatile-lru" in health.text
-            assert await _code(second, "grab", group=g, packet=sent["packet_id"]) == "redis_unavailable"
+            # What pays out goes on: the first winner's credit is paid from the evicting master.
+            assert await CreditDrain(h.core).until_empty() == 1
+            assert await ledger.balance(h.core.db, room.members[0][0]) == won["amount"]
             assert h.hub.metrics.redis_evicting.collect()[0].samples[0].value == 1
             raw.config_set("maxmemory-policy", "noeviction")
             got = await _retry(lambda: second.request("grab", group=g, packet=sent["packet_id"]))

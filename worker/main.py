@@ -139,9 +139,9 @@ async def heartbeat(core: Core, metrics: WorkerMetrics) -> None:
     degraded: dict[str, str] = {}
     while True:
         reached = 0
-        for service, probe in ((REDIS, core.redis.ping), (DATABASE, lambda: core.db.fetchone("SELECT 1"))):
+        for service in (REDIS, DATABASE):
             try:
-                await probe()
+                await (_every_master(core) if service == REDIS else core.db.fetchone("SELECT 1"))
             except Exception as e:
                 if not metrics.outages.failed("heartbeat", e):
                     log.warning("heartbeat: %s did not answer: %s", service, e)
@@ -155,6 +155,11 @@ async def heartbeat(core: Core, metrics: WorkerMetrics) -> None:
             except Exception as e:
                 log.debug("metrics sample skipped: %s", e)
         await asyncio.sleep(BEAT_SECONDS)
+
+
+async def _every_master(core: Core) -> None:
+    """Redis is reached when every master answers (on a cluster, one failing over is Redis still away)."""
+    await asyncio.gather(*(client.ping() for client in core.nodes.masters().values()))
 
 
 async def sample(core: Core, metrics: WorkerMetrics, said: dict[str, str] | None = None) -> dict[str, str]:

@@ -14,6 +14,8 @@ from typing import Literal
 
 from server import errors
 from server.core import transient, unavailable
+from server.store.batch import NotDurable
+from server.store.redisnodes import Evicting
 
 log = logging.getLogger("worker")
 
@@ -23,9 +25,10 @@ DATABASE: Service = "the database"
 
 
 def service_of(e: BaseException) -> Service | None:
-    """The service whose being away ``e`` shows (``server.core.transient``), or None: a bug, or a refusal
-    that is an answer."""
-    if not transient(e):
+    """The service whose being away ``e`` shows (``server.core.transient``), or None: a bug, a refusal that
+    is an answer, or Redis answering but not as asked (a grab's durability short, a master evicting) —
+    what its loop says itself, as Redis is there for the heartbeat to reach."""
+    if not transient(e) or isinstance(e, Evicting | NotDurable):
         return None
     down = unavailable(e)
     return REDIS if down is not None and down.code == errors.REDIS_UNAVAILABLE else DATABASE

@@ -19,7 +19,7 @@ from arq.connections import RedisSettings
 
 from server.core import open_core
 from server.core import queue_name as deployment_queue
-from server.settings import Settings
+from server.settings import EMBEDDED, Settings
 from server.store.engines import connect
 from server.store.queue import job_deserializer, job_serializer
 from server.store.schema import deployment_id, migrate
@@ -63,11 +63,20 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
     await ctx["stack"].aclose()
 
 
+def _arq_redis_url(settings: Settings) -> str:
+    """arq's command connects by itself: to the URL named (the embedded Valkey is `redpacket worker`'s)."""
+    if settings.redis_url == EMBEDDED:
+        raise ValueError(
+            "REDPACKET_REDIS_URL=embedded is for `redpacket worker`: arq's own command needs a Redis URL"
+        )
+    return settings.redis_url or "redis://127.0.0.1:6379/0"
+
+
 class WorkerSettings:
     functions: ClassVar[list[Any]] = []
     cron_jobs = cron_jobs(_namespace_now)
     queue_name = deployment_queue(_settings, _namespace_now)
-    redis_settings = RedisSettings.from_dsn(_settings.redis_url or "redis://127.0.0.1:6379/0")
+    redis_settings = RedisSettings.from_dsn(_arq_redis_url(_settings))
     job_serializer = staticmethod(job_serializer)
     job_deserializer = staticmethod(job_deserializer)
     on_startup = _startup

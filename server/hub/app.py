@@ -298,7 +298,7 @@ def create_app(
         async with open_core(settings) as core, Hub(core, hub_metrics) as hub:
             app.state.core, app.state.hub = core, hub
             hub_metrics.read_pools(core.nodes.connections_in_use, core.db.connections_in_use)
-            hub_metrics.read_evicting(lambda: len(core.nodes.identities.evicting()))
+            hub_metrics.read_evicting(lambda: len(core.nodes.evicting_masters()))
             hub_metrics.database.watch(core.db)
             hub_metrics.read_hot(hub.packet_cache.hottest)
             background = [asyncio.create_task(hub_metrics.watch_loop())]

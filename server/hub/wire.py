@@ -131,7 +131,9 @@ class HubWebSocket(Upgrade):
 
     def listen(self, listener: Listener) -> None:
         """From now on every message goes to ``listener.on_message``; those that came before, waiting
-        for the app's ``receive``, are handed over first, in order."""
+        for the app's ``receive``, are handed over first, in order. (Gone already: nothing is.)"""
+        if self.phase == "gone":
+            return  # (the session would only hold this protocol, and it the session, for nothing)
         self.listener = listener
         early, self._inbox = self._inbox, deque()
         for message in early:
@@ -221,7 +223,9 @@ class HubWebSocket(Upgrade):
         while at < len(data) and at < TURN_BYTES and frames < TURN_FRAMES and not self._holds:
             if self.phase not in READING:
                 break
-            chunk = data[at : at + CHUNK_BYTES]
+            # (the upgrade request, bounded by the HTTP side's head limit, goes to websockets whole: a part
+            # of it left for a later turn would come back with the frames sent behind it)
+            chunk = data[at:] if self.phase == "handshake" else data[at : at + CHUNK_BYTES]
             at += len(chunk)
             frames += self._parse(chunk)
         rest = data[at:]

@@ -60,6 +60,7 @@ class _Call:
     durable: Durable
     script: AsyncScript | None = None  # the script an EVALSHA call runs (loaded again after NOSCRIPT)
     hops: int = 0  # times it was sent again after a MOVED or NOSCRIPT answer
+    guarded: bool = False  # a grab: never sent to a master that may drop keys
 
     def needs_wait(self, answer: Any) -> bool:
         return self.durable(answer) if callable(self.durable) else self.durable
@@ -93,14 +94,21 @@ class Batcher:
         return self.durability.degrades
 
     async def call(
-        self, queue: Queue, key: str, durable: Durable = False, script: AsyncScript | None = None
+        self,
+        queue: Queue,
+        key: str,
+        durable: Durable = False,
+        script: AsyncScript | None = None,
+        guarded: bool = False,
     ) -> Any:
         """Queue one command (``queue(pipe)`` adds it to a pipeline) for the master that owns ``key``, and
         wait for its own result. ``durable``: not answered until the configured durability is reached
-        (or only the answers it accepts, if it is a test of the answer)."""
+        (or only the answers it accepts, if it is a test of the answer). ``guarded``: a grab, which fails
+        with ``Evicting`` rather than go to a master whose eviction policy may drop keys (the share it
+        takes and its credit could vanish); what pays money out (the worker's reads) goes on."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._queue(self._nodes.node_client(key), _Call(queue, fut, durable, script))
+        self._queue(self._nodes.node_client(key), _Call(queue, fut, durable, script, guarded=guarded))
         return await fut
 
     def _queue(self, node: Redis, call: _Call) -> None:
@@ -113,13 +121,19 @@ class Batcher:
             asyncio.get_running_loop().call_soon(self._flush)
 
     async def script(
-        self, script: AsyncScript, keys: list[str], args: list[Any], durable: Durable = False
+        self,
+        script: AsyncScript,
+        keys: list[str],
+        args: list[Any],
+        durable: Durable = False,
+        guarded: bool = False,
     ) -> Any:
-        """EVALSHA ``script`` in the next batch. After a SCRIPT FLUSH, a restart or a failover the first
-        answer is NOSCRIPT (the script did not run): it is loaded on that server and sent again."""
+        """EVALSHA ``script`` in the next batch (``durable``, ``guarded``: as ``call``). After a SCRIPT FLUSH,
+        a restart or a failover the first answer is NOSCRIPT (the script did not run): it is loaded on
+        that server and sent again."""
         sha = script.sha
         return await self.call(
-            lambda pipe: pipe.evalsha(sha, len(keys), *keys, *args), keys[0], durable, script
+            lambda pipe: pipe.evalsha(sha, len(keys), *keys, *args), keys[0], durable, script, guarded
         )
 
     def _flush(self) -> None:
@@ -158,16 +172,18 @@ class Batcher:
         look = self._nodes.look_first(node) or (self._counts and self._nodes.replicas(node) is None)
         if watch and look and not await self._looked(node, batch):
             return
-        policy = self._nodes.evicting(node) if watch else None
-        if policy is not None:  # (read at its last look, its connection or the worker's usage read)
+        policy = self._nodes.evicting(node) if any(c.guarded for c in batch) else None
+        if policy is not None:  # (read at its last look, its connections' first INFO, a usage read)
             failure = Evicting(
                 f"a Redis master may drop keys (maxmemory-policy {policy}): no grab goes to it"
             )
             for c in batch:
-                if not c.future.done():
+                if c.guarded and not c.future.done():
                     c.future.set_exception(failure)
             self._nodes.look_again(node)  # (its policy is read again before the next grab)
-            return
+            batch = [c for c in batch if not c.guarded]
+            if not batch:
+                return
         try:
             async with node.pipeline(transaction=False) as pipe:
                 for c in batch:

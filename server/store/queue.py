@@ -4,6 +4,7 @@ its jobs."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
@@ -26,7 +27,14 @@ def make_queue(settings: Settings, queue_name: str) -> ArqRedis:
     """A client of arq's queue server, on the queue named so. Opens no connection yet."""
     if not settings.queue_url:
         raise ValueError("no Redis URL: start the embedded Valkey first (see server.store.embedded)")
-    pool = packed_pool(settings.queue_url, max_connections=16, timeout=10, socket_connect_timeout=5)
+    bound = settings.redis_command_seconds  # (arq reads nothing that blocks: every command is bounded)
+    pool = packed_pool(
+        settings.queue_url,
+        max_connections=16,
+        timeout=math.ceil(bound),
+        socket_connect_timeout=bound,
+        socket_timeout=bound,
+    )
     return ArqRedis(
         pool_or_conn=pool,
         job_serializer=job_serializer,

@@ -187,13 +187,18 @@ class RedisNodes:
             info = await asyncio.wait_for(client.execute_command("INFO MEMORY"), timeout)  # type: ignore[no-untyped-call]
             self.identities.saw_policy(address, info)
 
-        answers = await asyncio.gather(
-            *(ask(a, c) for a, c in self.masters().items()), return_exceptions=True
-        )
+        masters = self.masters()
+        answers = await asyncio.gather(*(ask(a, c) for a, c in masters.items()), return_exceptions=True)
         failed = [a for a in answers if isinstance(a, BaseException)]
         if failed and len(failed) == len(answers):
             raise failed[0] if isinstance(failed[0], Exception) else RedisConnectionError("cancelled")
-        return self.identities.evicting()
+        return self.evicting_masters()
+
+    def evicting_masters(self) -> dict[str, str]:
+        """The masters of now whose last known policy may drop keys, with it (a server that was a master
+        once and is gone is not counted)."""
+        masters = self.masters()
+        return {a: p for a, p in self.identities.evicting().items() if a in masters}
 
     def evicting(self, client: Redis) -> str | None:
         """This master's eviction policy if it may drop keys (as it last said), else None."""

@@ -62,6 +62,9 @@ class Call(ABC, Generic[R]):
     """One call of ``lua/<SCRIPT>.lua``."""
 
     SCRIPT: ClassVar[str]
+    # A grab: refused on a master whose eviction policy may drop keys (``Batcher.call``), where the share
+    # it takes and its credit could vanish; what pays money out goes on.
+    GUARDED: ClassVar[bool] = False
 
     @abstractmethod
     def keys(self) -> list[str]: ...
@@ -84,7 +87,9 @@ class Call(ABC, Generic[R]):
 async def run(batcher: Batcher, scripts: Scripts, call: Call[R]) -> R:
     """The call in the batcher's next pipeline to its slot's master; its parsed reply."""
     script = scripts.get(call.SCRIPT)
-    reply = await batcher.script(script, call.keys(), call.argv(), durable=call.durability())
+    reply = await batcher.script(
+        script, call.keys(), call.argv(), durable=call.durability(), guarded=call.GUARDED
+    )
     return call.parse(reply)
 
 
@@ -140,6 +145,7 @@ class GrabCall(Call[GrabReply]):
     """Take one share of a packet for a user (``lua/grab.lua``)."""
 
     SCRIPT = "grab"
+    GUARDED = True
     user_id: UserId
     group_id: GroupId
     packet_id: PacketId

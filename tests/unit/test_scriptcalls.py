@@ -182,14 +182,20 @@ def test_only_a_grab_and_a_refunds_close_wait_for_durability() -> None:
 
 async def test_run_hands_the_batcher_each_calls_own_durability() -> None:
     """run() passes the call's durability as it is: a publish goes out as not durable (once a bound method
-    went instead, truthy for every call, and every pipeline read the data id and waited for WAITAOF)."""
+    went instead, truthy for every call, and every pipeline read the data id and waited for WAITAOF).
+    Only a grab is guarded (refused on an evicting master): a publish is not."""
     sent: list[object] = []
 
     class Batcher:
         async def script(
-            self, script: object, keys_: list[str], args: list[object], durable: object = False
+            self,
+            script: object,
+            keys_: list[str],
+            args: list[object],
+            durable: object = False,
+            guarded: bool = False,
         ) -> object:
-            sent.append(durable)
+            sent.append((durable, guarded))
             return b"7-0"
 
     class Scripts:
@@ -198,4 +204,5 @@ async def test_run_hands_the_batcher_each_calls_own_durability() -> None:
 
     publish = PublishEventCall(group_id=G, payload=b"p", max_length=1, ttl_seconds=1, once=None)
     assert await run(Batcher(), Scripts(), publish) == "7-0"  # type: ignore[arg-type]
-    assert sent == [False]
+    assert sent == [(False, False)]
+    assert GrabCall.GUARDED and not PublishEventCall.GUARDED
