@@ -20,6 +20,7 @@ import socket
 import struct
 from urllib.parse import urlparse
 
+import msgpack
 import pytest
 from websockets.exceptions import ConnectionClosed
 
@@ -32,12 +33,13 @@ from server.tools.client import HubClient
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
 from tests.test_hub import make_room
 
-PING, PONG, CONT, TEXT, CLOSE = 0x9, 0xA, 0x0, 0x1, 0x8
+PING, PONG, CONT, TEXT, BINARY, CLOSE = 0x9, 0xA, 0x0, 0x1, 0x2, 0x8
 
 
-def frame(opcode: int, payload: bytes = b"", fin: bool = True) -> bytes:
-    """A client frame (masked, as RFC 6455 requires of a client), payload under 64 KB."""
-    mask = os.urandom(4)
+def frame(opcode: int, payload: bytes = b"", fin: bool = True, mask: bytes | None = None) -> bytes:
+    """A client frame (masked, as RFC 6455 requires of a client; a random mask unless given), payload
+    under 64 KB."""
+    mask = os.urandom(4) if mask is None else mask
     body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
     first, n = (0x80 if fin else 0) | opcode, len(payload)
     head = struct.pack("!BB", first, 0x80 | n) if n < 126 else struct.pack("!BBH", first, 0x80 | 126, n)
@@ -301,8 +303,11 @@ async def test_frames_split_anywhere_or_sent_before_the_101_are_each_answered_in
         assert await raw.replies(1) == [1]
         await raw.send(two[3:] + ping(3) + ping(4))
         assert await raw.replies(3) == [2, 3, 4]
-        # An upgrade request longer than a parsing turn (8 KB), frames in its write: still in order.
-        big = await Raw.open(h, token, pad=12_000, then=ping(1) + frame(PING, b"hi") + ping(2))
+        # An upgrade request longer than a parsing turn (8 KB), frames in its write, the first of them
+        # across where the next turn's pieces end: still in order. (Its payload, unmasked by a zero mask,
+        # reads at any byte as the header of a 65 KB frame: a splitter put down in its middle waits.)
+        long = frame(BINARY, msgpack.packb({"id": 1, "type": "ping", "p": b"\xfe" * 3000}), mask=bytes(4))
+        big = await Raw.open(h, token, pad=12_000, then=long + frame(PING, b"hi") + ping(2))
         assert await big.replies(2) == [1, 2]
         await big.send(ping(3))
         assert await big.replies(1) == [3]
