@@ -239,7 +239,9 @@ class Database:
                 if attempt == attempts or isinstance(e, Unreachable):
                     raise
                 self.health.retries[e.reason] += 1
-                log.warning("transaction retried after %s (attempt %d): %s", e.reason, attempt, e)
+                # (counted: redpacket_db_retries; a line each would be dozens in an outage, which the
+                # process says once as it starts and once as it ends)
+                log.debug("transaction retried after %s (attempt %d): %s", e.reason, attempt, e)
                 # Exponential back-off with full jitter: conflicting writers do not meet again in step.
                 await asyncio.sleep(random.uniform(0, backoff_window(attempt, loop.time() - began)))
         raise AssertionError("unreachable")
