@@ -314,8 +314,16 @@ def test_commands_beside_a_running_up_use_its_valkey(up: tuple[Path, subprocess.
     assert redpacket("migrate", REDPACKET_DATA_DIR=str(fresh)).returncode == 0
     assert not (fresh / "valkey").exists() and not (fresh / "valkey.json").exists()
     # Reconciliation reads what Redis told grabbers too: on a directory of its own, its own Valkey.
-    assert redpacket("reconcile", REDPACKET_DATA_DIR=str(fresh)).returncode == 0
+    done = redpacket("reconcile", REDPACKET_DATA_DIR=str(fresh))
+    assert done.returncode == 0
     assert not (fresh / "valkey.json").exists()  # stopped with the command
+    # What it is doing, as it goes (a big ledger takes minutes): on stderr, the report on stdout.
+    said = [line for line in done.stderr.splitlines() if line.startswith("reconcile: ")]
+    assert [re.sub(r" \(\d+\.\d s\)$", "", line) for line in said] == [
+        "reconcile: reading the ledger (one snapshot)",
+        "reconcile: read 0 accounts and 0 packets",
+        "reconcile: comparing",
+    ], done.stderr
 
 
 def test_a_valkey_orphaned_by_a_killed_up_is_shut_down_before_another_opens_its_files(

@@ -69,8 +69,13 @@ async def reconcile(settings: Settings) -> bool:
 
     # Redis too: what it told grabbers is checked against the ledger.
     await check_services(settings, durability=False)
+    started = time.monotonic()
+
+    def progress(what: str) -> None:
+        print(f"reconcile: {what} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
+
     async with open_core(settings) as core:
-        report = await reconcile(core)
+        report = await reconcile(core, progress=progress)
     print(render(report))
     return report.ok
 

@@ -26,6 +26,7 @@ from Redis (what it told grabbers). Zero tolerance: any difference is reported.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from redis.exceptions import RedisError
@@ -214,24 +215,38 @@ def _redis_differences(books: Books) -> list[Difference]:
     return diffs
 
 
-async def gather(core: Core, now: int | None = None) -> Books:
+# Told what a reconciliation is doing, as it goes (the command says it on stderr: a big ledger takes minutes).
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+async def gather(core: Core, now: int | None = None, progress: Progress = _quiet) -> Books:
     """Every figure: the database's read in one snapshot (credits and top-ups committed meanwhile are all
     in or all out — read apart, they made a reconciliation under load report differences that were not
     there), then the grabs Redis holds for the packets not settled long ago."""
     now = now_ms() if now is None else now
+    progress("reading the ledger (one snapshot)")
     books, live = await _gather_db(core.db, now)
+    progress(f"read {len(books.accounts):,} accounts and {len(books.packets):,} packets")
     try:
-        redis_grabs = await _redis_grabs(core, live)
+        redis_grabs = await _redis_grabs(core, live, progress)
     except RedisError as e:
         return replace(books, redis_error=f"cannot read Redis: {e}")
     return replace(books, redis_grabs=redis_grabs)
 
 
-async def _redis_grabs(core: Core, packets: dict[int, int]) -> dict[int, list[GrabRow]]:
+async def _redis_grabs(
+    core: Core, packets: dict[int, int], progress: Progress = _quiet
+) -> dict[int, list[GrabRow]]:
     """packet → the grabs its Redis hash holds, read 500 packets a pipeline."""
     out: dict[int, list[GrabRow]] = {}
     items = sorted(packets.items())
     for i in range(0, len(items), 500):
+        if i % 50_000 == 0:
+            progress(f"reading what Redis holds of {len(items):,} packets: {i:,} so far")
         chunk = items[i : i + 500]
         async with core.redis.pipeline(transaction=False) as pipe:
             for pid, gid in chunk:
@@ -408,16 +423,18 @@ def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]
     return result, live
 
 
-async def reconcile(core: Core, now: int | None = None) -> Report:
+async def reconcile(core: Core, now: int | None = None, progress: Progress = _quiet) -> Report:
     """``check`` of ``gather``. On a sharded ledger the shards are read one after another, not in one
     snapshot: a money move between its steps can show as a difference once, so a report with differences
     is read again and keeps those found both times (``reconcilereport.confirmed``); the per-shard figures
     are added."""
     now = now_ms() if now is None else now  # (one time for both reads: "expired N s ago" stays the same)
-    books = await gather(core, now)
+    books = await gather(core, now, progress)
+    progress("comparing")
     report = check(books)
     if core.db.shards and not report.ok:
-        report = confirmed(report, check(await gather(core, now)))
+        progress("differences on a sharded ledger: reading it again, to keep those found both times")
+        report = confirmed(report, check(await gather(core, now, progress)))
     held = [(p.packet_id, max(p.outstanding, 0)) for p in books.packets]
     shards = per_shard(held, [(u, b) for u, b, _ in books.accounts], report, core.db.shards)
     return replace(report, shards=shards)
