@@ -11,7 +11,8 @@ to share a type.
 
 from __future__ import annotations
 
-from typing import NewType
+import re
+from typing import Any, NewType
 
 MAX_ID = 2**63 - 1
 
@@ -20,3 +21,76 @@ GroupId = NewType("GroupId", int)
 PacketId = NewType("PacketId", int)
 # A share's place in its packet's split, 1 … count: the order the shares were drawn and are handed out.
 ShareSeq = NewType("ShareSeq", int)
+
+
+# -- ids as text --------------------------------------------------------------------------------------------
+#
+# A JavaScript program reads a JSON number into a double, exact only up to 2^53 - 1: a chat backend's 64-bit
+# snowflake ids come out changed. So a client may ask for every user, group and packet id as its decimal
+# string (the websocket's ``redpacket.v2.*`` subprotocols; the HTTP API's ``Redpacket-Ids: string``
+# header), as Discord's API and Twitter's ``id_str`` do. Which fields are ids is decided here, once, by
+# name — the same name is never an id in one message and something else in another, which
+# ``tests/unit/test_ids.py`` holds to the documents (docs/asyncapi.yaml, docs/openapi.json):
+
+# A field whose value is an id (or a list of ids) wherever it appears. (``by``: who changed a group's
+# members, 0 for the chat backend.)
+ID_FIELDS = frozenset(
+    {"by", "group", "group_id", "packet", "packet_id", "sender", "sender_id", "target", "user", "user_id"}
+)
+# A field that holds a list of ids, and elsewhere a count or a flag (``members: 3``, ``online: true``):
+# only its lists are ids.
+ID_LIST_FIELDS = frozenset({"members", "admins", "added", "removed", "roles_changed", "online", "user_ids"})
+# Not ids, so numbers in every format: request ids (echoed as the client sent them), event and journal
+# numbers (``id``, ``after``: cursors), versions, amounts, sequence numbers and times.
+
+_DIGITS = re.compile(r"0|[1-9][0-9]{0,19}", re.ASCII)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def ids_as_text(value: Any) -> Any:
+    """``value`` (a message: maps, lists, scalars) with every id as its decimal string; other values as
+    they were. A copy: the message may be encoded for other connections too."""
+    if isinstance(value, dict):
+        out: dict[Any, Any] = {}
+        for k, v in value.items():
+            if k in ID_FIELDS and _is_int(v):
+                out[k] = str(v)
+            elif (k in ID_FIELDS or k in ID_LIST_FIELDS) and isinstance(v, list) and all(map(_is_int, v)):
+                out[k] = [str(i) for i in v]
+            else:
+                out[k] = ids_as_text(v)
+        return out
+    if isinstance(value, list):
+        return [ids_as_text(v) for v in value]
+    return value
+
+
+def _id_from_text(name: str, value: object) -> object:
+    if isinstance(value, str):
+        if _DIGITS.fullmatch(value) is None:
+            raise ValueError(f"{name} must be an id: an integer, or its decimal digits as a string")
+        return int(value)
+    return value
+
+
+def ids_from_text(value: Any) -> Any:
+    """A request as a client that sends ids as decimal strings wrote it, with those ids as integers (an
+    integer id is taken as it is). A string under an id's name that is not the decimal digits of a whole
+    number (``"07"``, ``" 7"``, ``"7.0"``) raises ``ValueError`` saying so: the caller answers
+    ``bad_request``. The ids are then checked as every id is (``server.hub.protocol.field_id``)."""
+    if isinstance(value, dict):
+        out: dict[Any, Any] = {}
+        for k, v in value.items():
+            if k in ID_FIELDS and not isinstance(v, list | dict):
+                out[k] = _id_from_text(k, v)
+            elif (k in ID_FIELDS or k in ID_LIST_FIELDS) and isinstance(v, list):
+                out[k] = [_id_from_text(k, i) for i in v]
+            else:
+                out[k] = ids_from_text(v)
+        return out
+    if isinstance(value, list):
+        return [ids_from_text(v) for v in value]
+    return value

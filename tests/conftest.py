@@ -25,6 +25,7 @@ import redis
 from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError
+from server.ids import MAX_ID
 from server.money import grabs, ledger
 from server.settings import Settings
 from server.store.db import Database
@@ -303,6 +304,37 @@ async def hub_settings(redis_url: str, mysql_url: str) -> AsyncIterator[Settings
     finally:
         await db.close()
     yield s
+
+
+# The database's counters of user, group and packet ids in ``big_ids``: far beyond 2^53 (where a JavaScript
+# number is no longer exact), with room for 2^20 more.
+BIG_IDS = MAX_ID - 2**20
+
+
+@pytest.fixture
+async def big_ids(hub_settings: Settings) -> AsyncIterator[int]:
+    """Every user, group and packet the test's hubs make has an id beyond 2^53 (the MariaDB database's
+    counters start at ``BIG_IDS``, the value given); back to the lowest free after the test."""
+
+    async def start_at(n: int) -> None:
+        db = await connect(hub_settings.database_url, 1)
+        try:
+            async with db.transaction() as tx:
+                for table in ("users", "chat_groups", "red_packets"):
+                    await tx.execute(f"ALTER TABLE {table} AUTO_INCREMENT = {n}")
+        finally:
+            await db.close()
+
+    await start_at(BIG_IDS)
+    try:
+        yield BIG_IDS
+    finally:
+        db = await connect(hub_settings.database_url)
+        try:
+            await _clean(db)  # (a counter goes back only past the rows there are)
+        finally:
+            await db.close()
+        await start_at(1)
 
 
 async def block(core: Core, user: int, seconds: int = 60, action: str = "block") -> None:

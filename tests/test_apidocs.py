@@ -32,6 +32,7 @@ from websockets.typing import Subprotocol
 from server import errors
 from server.hub import protocol
 from server.hub.app import create_app
+from server.ids import ID_FIELDS, ID_LIST_FIELDS, ids_as_text
 from server.settings import Settings
 from tests.conftest import name_deployment
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
@@ -65,6 +66,11 @@ def at(doc: dict[str, Any], pointer: str) -> Any:
 
 def deref(doc: dict[str, Any], node: Any) -> Any:
     return at(doc, node["$ref"]) if isinstance(node, dict) and "$ref" in node else node
+
+
+def params_of(op: dict[str, Any]) -> list[dict[str, Any]]:
+    """An operation's parameters, each one's ``$ref`` (the shared ``Redpacket-Ids`` header) resolved."""
+    return [deref(OPENAPI, p) for p in op.get("parameters", [])]
 
 
 def validator(doc: dict[str, Any], pointer: str) -> Draft202012Validator:
@@ -139,7 +145,7 @@ def test_every_openapi_operation_is_whole() -> None:
         for method, op in item.items():
             assert method in METHODS, (path, method)
             ids.append(op["operationId"])
-            declared = {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
+            declared = {p["name"] for p in params_of(op) if p["in"] == "path"}
             assert declared == set(re.findall(r"{(\w+)}", path)), (path, method)
             assert "200" in op["responses"], (path, method)
             for status, response in op["responses"].items():
@@ -260,12 +266,18 @@ def expected_status(op: dict[str, Any], name: str) -> str:
 
 
 async def send(
-    hub: HubUnderTest, path: str, method: str, token: str | None, ids: dict[str, int] | None = None
+    hub: HubUnderTest,
+    path: str,
+    method: str,
+    token: str | None,
+    ids: dict[str, int] | None = None,
+    text_ids: bool = False,
 ) -> dict[str, Any]:
     """Every request example of an operation, sent as written (path ids from ``ids``, else the document's);
-    each answer checked against the documented response. The last answer's body."""
+    each answer checked against the documented response. The last answer's body. ``text_ids``: asked
+    with ``Redpacket-Ids: string``, the body's ids sent as strings, and every id answered must be one."""
     op = operation(path, method)
-    params = op.get("parameters", [])
+    params = params_of(op)
     url = path.format(
         **{p["name"]: (ids or {}).get(p["name"], p["example"]) for p in params if p["in"] == "path"}
     )
@@ -274,8 +286,12 @@ async def send(
     body: Any = None
     for name, example in (bodies or {"": {"value": None}}).items():
         headers = {"authorization": f"Bearer {token}"} if token else {}
+        value = example["value"]
+        if text_ids:
+            headers["redpacket-ids"] = "string"
+            value = ids_as_text(value)
         async with httpx.AsyncClient(base_url=hub.http, timeout=30) as http:
-            r = await http.request(method, url, params=query, json=example["value"], headers=headers)
+            r = await http.request(method, url, params=query, json=value, headers=headers)
         status = str(r.status_code)
         assert status == expected_status(op, name), (method, url, name, r.text)
         response = op["responses"][status]
@@ -286,27 +302,56 @@ async def send(
         )
         body = r.json()
         check(OPENAPI, f"{pointer}/content/application~1json/schema", body)
+        assert text_ids == ids_are_text(body) or not any_ids(body), body
     return body  # type: ignore[no-any-return]
+
+
+def _ids(value: Any) -> Iterator[object]:
+    """Every id in a message (``server.ids``' fields)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k in ID_FIELDS and not isinstance(v, dict | list) and v is not None:
+                yield v
+            elif k in ID_FIELDS or (k in ID_LIST_FIELDS and isinstance(v, list)):
+                yield from (i for i in v if not isinstance(i, dict)) if isinstance(v, list) else ()
+                yield from _ids(v)
+            else:
+                yield from _ids(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _ids(v)
+
+
+def any_ids(value: Any) -> bool:
+    return next(_ids(value), None) is not None
+
+
+def ids_are_text(value: Any) -> bool:
+    """Every id in the message is a string of digits (and none an integer)."""
+    return all(isinstance(i, str) and i.isdigit() for i in _ids(value))
 
 
 def tagged(tag: str) -> set[tuple[str, str]]:
     return {(p, m) for p, item in OPENAPI["paths"].items() for m, op in item.items() if tag in op["tags"]}
 
 
-async def test_the_user_routes_examples_on_a_live_hub(hubs: tuple[HubUnderTest, HubUnderTest]) -> None:
+@pytest.mark.parametrize("text_ids", [False, True], ids=["ids-number", "ids-string"])
+async def test_the_user_routes_examples_on_a_live_hub(
+    hubs: tuple[HubUnderTest, HubUnderTest], text_ids: bool
+) -> None:
     demo, _ = hubs
     done: set[tuple[str, str]] = set()
 
     async def run(path: str, method: str, token: str | None, **ids: int) -> dict[str, Any]:
         done.add((path, method))
-        return await send(demo, path, method, token, ids)
+        return await send(demo, path, method, token, ids, text_ids)
 
     wang = (await run("/api/login", "post", None))["token"]
     li_id, li = await demo.login("li")
     zhao_id, _ = await demo.login("zhao")
     await run("/api/me", "get", wang)
     await run("/api/topup", "post", wang)
-    group = (await run("/api/groups", "post", wang))["group_id"]
+    group = int((await run("/api/groups", "post", wang))["group_id"])
     await demo.api("POST", f"/api/groups/{group}/members", wang, user_ids=[li_id])
     await run("/api/groups/{group_id}/members", "post", wang, group_id=group)
     await run("/api/groups/{group_id}/members", "get", wang, group_id=group)
@@ -320,7 +365,10 @@ async def test_the_user_routes_examples_on_a_live_hub(hubs: tuple[HubUnderTest, 
     assert done == tagged("user")
 
 
-async def test_the_service_routes_examples_on_a_live_hub(hubs: tuple[HubUnderTest, HubUnderTest]) -> None:
+@pytest.mark.parametrize("text_ids", [False, True], ids=["ids-number", "ids-string"])
+async def test_the_service_routes_examples_on_a_live_hub(
+    hubs: tuple[HubUnderTest, HubUnderTest], text_ids: bool
+) -> None:
     _, backend = hubs
     async with httpx.AsyncClient(base_url=backend.http, headers={"authorization": f"Bearer {KEY}"}) as http:
         for user, name in ((1002, "li"), (1003, "zhao")):  # the group example's members
@@ -330,10 +378,10 @@ async def test_the_service_routes_examples_on_a_live_hub(hubs: tuple[HubUnderTes
         (p, m) for p, item in OPENAPI["paths"].items() for m in item
     ]:  # in the document's order
         if (path, method) in tagged("service"):
-            await send(backend, path, method, KEY)
+            await send(backend, path, method, KEY, text_ids=text_ids)
             done.add((path, method))
     assert done == tagged("service")
-    page = await send(backend, "/api/service/events", "get", KEY)
+    page = await send(backend, "/api/service/events", "get", KEY, text_ids=text_ids)
     assert {"account.topup", "account.withdrawn", "hold.created"} <= {e["type"] for e in page["events"]}
 
 
@@ -346,7 +394,7 @@ async def test_every_described_route_answers(hubs: tuple[HubUnderTest, HubUnderT
     for path, item in OPENAPI["paths"].items():
         for method, op in item.items():
             hub, auth = (backend, KEY) if "service" in op["tags"] else (demo, token)
-            params = op.get("parameters", [])
+            params = params_of(op)
             url = path.format(**{p["name"]: p["example"] for p in params if p["in"] == "path"})
             bodies = (
                 op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("examples", {})
@@ -370,18 +418,18 @@ async def test_every_described_route_answers(hubs: tuple[HubUnderTest, HubUnderT
 class Socket:
     """A raw websocket in one encoding: every frame it got, decoded, in order."""
 
-    def __init__(self, ws: ClientConnection, fmt: str) -> None:
-        self.ws, self.fmt = ws, fmt
+    def __init__(self, ws: ClientConnection, sub: str) -> None:
+        self.ws, self.sub = ws, sub
+        self.fmt = protocol.DIALECTS[sub].format
         self.frames: list[dict[str, Any]] = []
         self.reader = asyncio.create_task(self._read())
 
     @classmethod
-    async def open(cls, hub: HubUnderTest, token: str, fmt: str) -> Socket:
-        sub = protocol.SUBPROTOCOL_JSON if fmt == "json" else protocol.SUBPROTOCOL_MSGPACK
+    async def open(cls, hub: HubUnderTest, token: str, sub: str) -> Socket:
         offered = [Subprotocol(sub), Subprotocol(f"bearer.{token}")]
         ws = await connect(hub.ws, subprotocols=offered, compression=None)
         assert ws.subprotocol == sub
-        return cls(ws, fmt)
+        return cls(ws, sub)
 
     async def _read(self) -> None:
         async for frame in self.ws:
@@ -398,13 +446,16 @@ class Socket:
         await self.reader
 
 
-def live(value: Any, group: int, packet: int) -> Any:
-    """An example with the ids a live hub gave (``group: 1``, ``packet: 9``, a sync's ``"1"``)."""
+def live(value: Any, group: int, packet: int, text_ids: bool = False) -> Any:
+    """An example with the ids a live hub gave (``group: 1``, ``packet: 9``, a sync's ``"1"``); with
+    ``text_ids``, every id as a string (as a version 2 client sends them)."""
     out = dict(value)
     if out.get("group") == 1:
         out["group"] = group
     if out.get("packet") == 9:
         out["packet"] = packet
+    if text_ids:
+        out = ids_as_text(out)
     if isinstance(out.get("groups"), dict):
         out["groups"] = {str(group) if k == "1" else k: v for k, v in out["groups"].items()}
     return out
@@ -434,7 +485,9 @@ async def ask_every_request_example(s: Socket, group: int) -> int:
             continue
         for ref in op["messages"]:
             for ex in message_named(ref)[1]["examples"]:
-                reply = await s.ask(live(ex["payload"], group, packet))
+                text_ids = protocol.DIALECTS[s.sub].text_ids
+                reply = await s.ask(live(ex["payload"], group, packet, text_ids))
+                assert not any_ids(reply) or ids_are_text(reply) == text_ids, reply
                 paired = [
                     (name, m, e)
                     for name, m in map(message_named, op["reply"]["messages"])
@@ -447,22 +500,23 @@ async def ask_every_request_example(s: Socket, group: int) -> int:
                 if not reply["ok"]:
                     assert reply["error"]["code"] == example["payload"]["error"]["code"]
                 if ex["payload"]["type"] == "send" and reply["ok"]:
-                    packet = reply["data"]["packet_id"]
+                    packet = int(reply["data"]["packet_id"])
     return packet
 
 
-@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+@pytest.mark.parametrize("sub", list(protocol.DIALECTS))
 async def test_the_websocket_examples_on_a_live_hub(
-    hubs: tuple[HubUnderTest, HubUnderTest], fmt: str
+    hubs: tuple[HubUnderTest, HubUnderTest], sub: str
 ) -> None:
     demo, _ = hubs
+    fmt = sub.replace(".", "-")
     wang_id, wang = await demo.login(f"wang-{fmt}")
     li_id, li = await demo.login(f"li-{fmt}")
     zhao_id, _ = await demo.login(f"zhao-{fmt}")
     await demo.api("POST", "/api/topup", wang, amount=10_000, request_id="seed")
     group = (await demo.api("POST", "/api/groups", wang, name="family"))["group_id"]
     await demo.api("POST", f"/api/groups/{group}/members", wang, user_ids=[li_id, zhao_id])
-    admin, member = await Socket.open(demo, wang, fmt), await Socket.open(demo, li, fmt)
+    admin, member = await Socket.open(demo, wang, sub), await Socket.open(demo, li, sub)
     try:
         await member.ask({"id": "sync", "type": "sync", "groups": {str(group): None}})
         assert await ask_every_request_example(admin, group)
@@ -483,10 +537,14 @@ async def test_the_websocket_examples_on_a_live_hub(
                 == notices - {"gapNotice"}
             )
         )
+        text_ids = protocol.DIALECTS[sub].text_ids
         for frame in admin.frames + member.frames:
             if frame["type"] != "reply":
                 check(ASYNCAPI, f"/components/messages/{kind_of(frame)}/payload", frame)
-        assert admin.frames[0]["type"] == "welcome" and admin.frames[0]["user"] == wang_id
+            assert not any_ids(frame) or ids_are_text(frame) == text_ids, frame
+        welcome = admin.frames[0]
+        assert welcome["type"] == "welcome" and welcome["version"] == protocol.DIALECTS[sub].version
+        assert welcome["user"] == (str(wang_id) if text_ids else wang_id)
     finally:
         await admin.close()
         await member.close()

@@ -4,7 +4,9 @@ A real hub (uvicorn in this process, the credit worker beside it, real Redis and
 group and money made over the HTTP API; then the package's ``npm test`` command (``node --test``) runs
 ``clients/js/test/`` with the hub's address and the users' tokens in its environment. A control port lets
 those tests make the hub act on its side: close a user's sockets with a close code (a real server-side
-close: the client sees the hub's code), or send a ``gap`` notice. Without Node.js 20 or later (its
+close: the client sees the hub's code), or send a ``gap`` notice. Every user, group and packet id is beyond
+2^53 (the database's counters start near 2^63), where a JavaScript number would not hold it exactly: the
+client must carry each as the string protocol version 2 makes it. Without Node.js 20 or later (its
 WebSocket) the test skips and says why, unless REDPACKET_TEST_REQUIRE_NODE=1 (CI sets it): then it fails."""
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ async def _control(hub: HubUnderTest, reader: asyncio.StreamReader, writer: asyn
     writer.close()
 
 
-async def test_the_javascript_client_passes_its_node_tests_against_a_live_hub(hub_settings: Settings) -> None:
+async def test_the_javascript_client_passes_its_node_tests_against_a_live_hub(
+    hub_settings: Settings, big_ids: int
+) -> None:
     node = node_20()
     # A few sockets per user: the client's test of a refused socket (4030) opens one too many.
     async with hub_in_process(hub_settings.replace(max_sockets_per_user=3), run_worker=True) as hub:
@@ -68,6 +72,7 @@ async def test_the_javascript_client_passes_its_node_tests_against_a_live_hub(hu
         carol, carol_token = await hub.login("carol")
         await hub.api("POST", "/api/topup", alice_token, amount=100_000, request_id="js-topup")
         group = (await hub.api("POST", "/api/groups", alice_token, name="js"))["group_id"]
+        assert min(alice, bob, carol, group) >= big_ids > 2**53, "the ids are not the big ones"
         await hub.api("POST", f"/api/groups/{group}/members", alice_token, user_ids=[bob, carol])
         now = int(time.time())
         expired = make_token(hub.settings.secret.encode(), bob, now - 7200, 3600)

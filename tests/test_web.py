@@ -157,14 +157,16 @@ async def test_the_page_checks_find_what_they_look_for(browser: Browser) -> None
 
 
 async def test_a_packet_opens_as_a_card_then_開_then_the_amount_and_the_room_says_who_opened_whose(
-    browser: Browser, hub_settings: Settings
+    browser: Browser, hub_settings: Settings, big_ids: int
 ) -> None:
+    # Every id of this test is beyond 2^53: the page must carry each exactly (it gets them as strings).
     async with hub_in_process(hub_settings, run_worker=True) as hub:
         admin = await open_page(browser, hub.http, DESKTOP)
         member = await open_page(browser, hub.http, PHONE, hold_grabs=True)
         await log_in(admin, "alice")
         await log_in(member, "bob")
         bob_id = int(await member.evaluate("state.me.user_id"))
+        assert bob_id > big_ids > 2**53 and await member.evaluate("typeof state.me.user_id") == "string"
 
         # The admin tops up, creates a group and adds members, all through the page. A name that never
         # logged in is refused by name, saying what to do, and nobody of that request is added.

@@ -111,7 +111,7 @@ const timeEl = (ms) => el("time", { datetime: new Date(ms).toISOString(), title:
 const state = {
   token: sessionStorage.getItem("rp.token"),
   me: null, // {user_id, name, balance, groups}
-  groups: new Map(), // id → {info, offset, members: Map id→{name, role}, online: Set, items: [], packets: Map, unread}
+  groups: new Map(), // id (every id is its decimal string: redpacket.v2) → {info, offset, members: Map id→{name, role}, online: Set, items: [], packets: Map, unread}
   current: null,
   client: null, // the RedPacketClient of this log-in
   connState: "offline",
@@ -141,7 +141,8 @@ const nameOf = (user) => (user === me() ? "You" : state.names.get(user) || `user
 // ---- HTTP ----------------------------------------------------------------------------------------------
 
 async function api(method, path, body) {
-  const headers = { "content-type": "application/json" };
+  // Ids as strings, as the websocket's (redpacket.v2) are: exact beyond 2^53, and one type for the Maps' keys.
+  const headers = { "content-type": "application/json", "redpacket-ids": "string" };
   if (state.token) headers.authorization = `Bearer ${state.token}`;
   let r;
   try {
@@ -277,13 +278,13 @@ async function onWelcome(msg) {
 function onSynced({ groups, reason }) {
   for (const [key, res] of Object.entries(groups)) {
     if (res.error) continue;
-    const g = group(Number(key));
+    const g = group(key);
     if (!g.synced) {
       g.synced = true;
       g.unread = 0;
     }
-    loadMembers(Number(key)).catch(() => {});
-    presence(Number(key));
+    loadMembers(key).catch(() => {});
+    presence(key);
   }
   renderGroups();
   if (state.current !== null) renderChat();
@@ -319,7 +320,7 @@ function presence(id) {
 function addGrabs(g, d, ms, added) {
   if (d.more) added.push({ kind: "system", ms, text: `${d.more} more ${d.more === 1 ? "person" : "people"} opened red packets` });
   for (const [pid, left] of Object.entries(d.remaining || {})) {
-    const p = g.packets.get(Number(pid));
+    const p = g.packets.get(pid);
     if (p) p.remaining = Math.min(p.remaining, left);
   }
   for (const x of d.grabs || []) {
@@ -820,7 +821,7 @@ async function sendPacket(ev) {
     err.textContent = say({ code: "count_invalid" });
     return;
   }
-  const target = kind === "exclusive" ? Number($("send-target").value) : undefined;
+  const target = kind === "exclusive" ? $("send-target").value : undefined;
   const btn = $("send-submit");
   btn.disabled = true;
   try {

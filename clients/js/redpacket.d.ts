@@ -1,8 +1,8 @@
 // Types of the redpacket hub's JavaScript client (redpacket.js). The protocol: docs/protocol.md.
 
 export declare const VERSION: string;
-export declare const SUBPROTOCOL_JSON: "redpacket.v1.json";
-export declare const SUBPROTOCOL_MSGPACK: "redpacket.v1.msgpack";
+export declare const SUBPROTOCOL_JSON: "redpacket.v2.json";
+export declare const SUBPROTOCOL_MSGPACK: "redpacket.v2.msgpack";
 /** Close codes after which the client does not reconnect by itself: 4001 (once retried with refreshToken)
  * and 4004. After 4029 and 4030 it reconnects after its longest back-off (maxDelayMs × 0.5–1). */
 export declare const FINAL_CLOSE_CODES: readonly number[];
@@ -10,8 +10,12 @@ export declare const EVENT_TYPES: readonly EventType[];
 /** How many packets' commitments a client keeps (10,000): past it the oldest go. */
 export declare const COMMITMENTS_KEPT: number;
 
-/** An id of a user, group or packet: 1 to 2⁶³−1 (a BigInt from msgpack only beyond 2⁵³). */
-export type Id = number;
+/** An id of a user, group or packet, 1 to 2⁶³−1, as every id arrives (protocol version 2, both formats): its
+ * decimal string, exact beyond 2⁵³ where a number is not. Compare ids as strings. */
+export type Id = string;
+/** An id given to a method: its decimal string (as it arrived), a BigInt, or a number up to 2⁵³ − 1 (a
+ * larger number is not exact: RangeError). */
+export type IdInput = string | bigint | number;
 /** An event's position in its group: "<ms>-<seq>". */
 export type Offset = string;
 
@@ -163,7 +167,7 @@ export interface EventData {
     grabs?: EventData["grabs"]["grabs"]; more?: number;
   };
   presence: { user: Id; online: boolean };
-  member_added: { user: Id; role: string; by: Id };
+  member_added: { user: Id; role: string; /** "0": the chat backend */ by: Id };
   member_removed: { user: Id; by: Id };
   member_role: { user: Id; role: string; by: Id };
 }
@@ -227,13 +231,13 @@ export declare class RedPacketClient {
   /** Drop the socket as a lost network would, and reconnect. */
   reconnectNow(): void;
   request<T = unknown>(type: string, fields?: Record<string, unknown>, options?: { timeoutMs?: number }): Promise<T>;
-  sync(groups?: Id[], reason?: string): Promise<Record<string, SyncResult>>;
+  sync(groups?: IdInput[], reason?: string): Promise<Record<string, SyncResult>>;
   ping(): Promise<{ ts: number }>;
-  chat(group: Id, text: string): Promise<{ offset: Offset }>;
-  send(group: Id, packet: NewPacket): Promise<SentPacket>;
-  grab(group: Id, packet: Id): Promise<GrabReply>;
-  open(group: Id, packet: Id): Promise<PacketView>;
-  presence(group: Id): Promise<{ group: Id; online: Id[] }>;
+  chat(group: IdInput, text: string): Promise<{ offset: Offset }>;
+  send(group: IdInput, packet: NewPacket): Promise<SentPacket>;
+  grab(group: IdInput, packet: IdInput): Promise<GrabReply>;
+  open(group: IdInput, packet: IdInput): Promise<PacketView>;
+  presence(group: IdInput): Promise<{ group: Id; online: Id[] }>;
   /** The last offset seen per group (group id as a string → offset). */
   lastOffsets(): Record<string, Offset>;
   /** Each packet's commitment as this client heard it before the seed was shown (from `packet` events,
@@ -244,8 +248,11 @@ export declare class RedPacketClient {
   commitment(packet: PacketIdInput): string | undefined;
   /** Opens the packet and checks it with verifyPacket against the commitment kept (`againstSend` says
    * whether there was one). */
-  verify(group: Id, packet: Id): Promise<FairVerdict>;
+  verify(group: IdInput, packet: IdInput): Promise<FairVerdict>;
 }
+
+/** An id as the hub takes it: `idText("group", 7)` is "7"; a number beyond 2⁵³ throws a RangeError. */
+export declare function idText(name: string, id: IdInput): Id;
 
 export declare function isNewer(a: Offset, b: Offset | null | undefined): boolean;
 export declare function encodeMsgpack(value: unknown): Uint8Array;

@@ -15,9 +15,11 @@
 // published)`: the check that a finished packet's shares were the ones drawn from the seed committed to at
 // send (synchronous); the client keeps each packet's commitment as it hears it, for `client.verify`.
 
-export const VERSION = "1.0.0";
-export const SUBPROTOCOL_JSON = "redpacket.v1.json";
-export const SUBPROTOCOL_MSGPACK = "redpacket.v1.msgpack";
+export const VERSION = "2.0.0";
+// Protocol version 2: every user, group and packet id is its decimal string, both ways, in both formats —
+// exact where a JavaScript number is not (beyond 2⁵³; chat backends' ids are 64-bit). docs/protocol.md, "Ids".
+export const SUBPROTOCOL_JSON = "redpacket.v2.json";
+export const SUBPROTOCOL_MSGPACK = "redpacket.v2.msgpack";
 
 // Close codes after which reconnecting as before cannot help (docs/protocol.md, "Close codes"). 4001 is
 // retried once with a token from `refreshToken`, when there is one; 4004 needs the backend to put the user
@@ -287,7 +289,7 @@ export class RedPacketClient {
       throw new TypeError("no WebSocket: pass options.WebSocket (on Node 20: run with --experimental-websocket)");
     }
     this.token = typeof options.token === "function" ? null : options.token || null;
-    this.offsets = new Map(Object.entries(options.offsets || {}).map(([g, o]) => [Number(g), o]));
+    this.offsets = new Map(Object.entries(options.offsets || {}).map(([g, o]) => [idText("group", g), o]));
     this.status = "idle"; // idle, connecting, online, reconnecting, closed
     this.welcome = null;
     this.ws = null;
@@ -544,7 +546,7 @@ export class RedPacketClient {
         this.onEvent(msg);
         break;
       case "removed":
-        this.offsets.delete(msg.group);
+        this.offsets.delete(String(msg.group));
         this.emit("removed", { group: msg.group });
         break;
       case "added":
@@ -579,7 +581,7 @@ export class RedPacketClient {
     }
     if (this.ws !== ws) return; // lost meanwhile: the next welcome syncs
     // The hub holds a group's events until it is synced: every group of the welcome, from its last offset.
-    const ids = msg.groups.map((g) => g.group_id);
+    const ids = msg.groups.map((g) => String(g.group_id)); // (offsets are kept by the id's decimal)
     for (const id of [...this.offsets.keys()]) if (!ids.includes(id)) this.offsets.delete(id);
     try {
       await this.sync(ids, reconnect ? "reconnect" : "welcome");
@@ -610,8 +612,8 @@ export class RedPacketClient {
 
   onEvent(msg) {
     // Each event once: a replay after a reconnect may overlap what was seen (docs/protocol.md, "Recovery").
-    if (!isNewer(msg.offset, this.offsets.get(msg.group))) return;
-    this.offsets.set(msg.group, msg.offset);
+    if (!isNewer(msg.offset, this.offsets.get(String(msg.group)))) return;
+    this.offsets.set(String(msg.group), msg.offset);
     if (msg.event === "packet") this.keepCommitment(msg.data);
     this.emit("event", msg);
     if (EVENT_TYPES.includes(msg.event)) this.emit(msg.event, msg);
@@ -643,17 +645,17 @@ export class RedPacketClient {
    * delivered before this resolves; a group the hub no longer holds enough of gets a "reset" event with its
    * open packets. Resolves with the reply's `groups`. */
   async sync(groups, reason = "manual") {
-    const ids = groups || (this.welcome ? this.welcome.groups.map((g) => g.group_id) : []);
+    const ids = (groups || (this.welcome ? this.welcome.groups.map((g) => g.group_id) : [])).map((g) => idText("group", g));
     const wanted = {};
     const previous = new Map();
     for (const id of ids) {
       previous.set(id, this.offsets.get(id) ?? null);
-      wanted[String(id)] = this.offsets.get(id) ?? this.options.firstOffset;
+      wanted[id] = this.offsets.get(id) ?? this.options.firstOffset;
     }
     const data = await this.request("sync", { groups: wanted });
     let replayed = 0;
     for (const [key, res] of Object.entries(data.groups)) {
-      const id = Number(key);
+      const id = key;
       if (res.error) {
         this.offsets.delete(id);
         continue;
@@ -679,25 +681,26 @@ export class RedPacketClient {
     return this.request("ping");
   }
 
-  chat(group, text) {
-    return this.request("chat", { group, text });
+  async chat(group, text) {
+    return this.request("chat", { group: idText("group", group), text });
   }
 
   /** send: `packet` is {kind, total, count, greeting, target, request_id}; pass a request_id to retry safely. */
-  send(group, packet) {
-    return this.request("send", { ...packet, group });
+  async send(group, packet) {
+    const target = packet?.target == null ? packet?.target : idText("target", packet.target);
+    return this.request("send", { ...packet, ...(target === undefined ? {} : { target }), group: idText("group", group) });
   }
 
-  grab(group, packet) {
-    return this.request("grab", { group, packet });
+  async grab(group, packet) {
+    return this.request("grab", { group: idText("group", group), packet: idText("packet", packet) });
   }
 
-  open(group, packet) {
-    return this.request("open", { group, packet });
+  async open(group, packet) {
+    return this.request("open", { group: idText("group", group), packet: idText("packet", packet) });
   }
 
-  presence(group) {
-    return this.request("presence", { group });
+  async presence(group) {
+    return this.request("presence", { group: idText("group", group) });
   }
 
   /** The packet's commitment as this client heard it before its seed was shown (a `packet` event, a send
@@ -729,6 +732,16 @@ export class RedPacketClient {
   lastOffsets() {
     return Object.fromEntries([...this.offsets].map(([g, o]) => [String(g), o]));
   }
+}
+
+/** An id as the hub's version 2 takes it: its decimal string. A string is sent as it is (the hub refuses
+ * one that is no id's digits); a BigInt as its decimal; a number only while exact — beyond 2⁵³ it has
+ * already lost its digits (JSON.parse rounds it), and throws a RangeError rather than name another id. */
+export function idText(name, id) {
+  if (typeof id === "string") return id;
+  if (typeof id === "bigint") return id.toString();
+  if (typeof id === "number" && Number.isSafeInteger(id)) return String(id);
+  throw new RangeError(`${name} ${id} is not an exact id: pass ids as strings (or BigInts)`);
 }
 
 /** A packet id as the key of the commitments kept: its decimal (a number, a BigInt or a decimal string

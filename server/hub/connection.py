@@ -8,7 +8,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from server.hub import protocol
-from server.hub.protocol import Format
+from server.hub.protocol import Dialect
 from server.hub.wire import HubWebSocket
 from server.ids import GroupId, PacketId, UserId
 
@@ -27,15 +27,17 @@ class Connection:
 
     # Ten thousand of these live in a hub: no per-instance dict, queues made only when needed.
     __slots__ = (
-        "_events", "_replies", "announced", "close_code", "close_reason", "closing", "device", "ended",
-        "fmt", "groups", "held", "hub", "id", "last", "user_id", "wire",
+        "_events", "_replies", "announced", "close_code", "close_reason", "closing", "device", "dialect",
+        "ended", "groups", "held", "hub", "id", "last", "user_id", "wire",
     )  # fmt: skip
 
-    def __init__(self, hub: Hub, wire: HubWebSocket, user_id: UserId, fmt: Format, device: str = "") -> None:
+    def __init__(
+        self, hub: Hub, wire: HubWebSocket, user_id: UserId, dialect: Dialect, device: str = ""
+    ) -> None:
         self.hub = hub
         self.wire = wire
         self.user_id = user_id
-        self.fmt: Format = fmt
+        self.dialect = dialect
         self.id = f"{hub.id[:6]}{next(hub.serial) & 0xFFFFFF:06x}"
         # Framed bytes waiting for the transport: replies go out before events (a grab's reply does not
         # wait behind the room's announcements); each kind keeps its own order.
@@ -89,12 +91,12 @@ class Connection:
 
     def reply(self, message: dict[str, Any]) -> None:
         """Send a reply: ahead of any events still waiting for the transport."""
-        if self._write(self.wire.frame(protocol.encode(self.fmt, message)), True):
+        if self._write(self.wire.frame(protocol.encode(self.dialect, message)), True):
             self.hub.metrics.frames_out.inc()
 
     def send(self, message: dict[str, Any]) -> None:
         """Send a frame in order with the events (a sync's reply after the events it replayed)."""
-        if self.push(protocol.encode(self.fmt, message)):
+        if self.push(protocol.encode(self.dialect, message)):
             self.hub.metrics.frames_out.inc()
 
     def on_writable(self) -> None:

@@ -20,7 +20,7 @@ from server.core import Core, unavailable
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, RedPacketError, TooMany, Unavailable
 from server.hub.ratelimit import KeyedBuckets
 from server.hub.tokens import TokenError, Tokens
-from server.ids import MAX_ID, UserId
+from server.ids import MAX_ID, UserId, ids_as_text, ids_from_text
 from server.money import ledger
 from server.settings import is_loopback
 
@@ -92,16 +92,20 @@ def endpoint(
 
     async def run(request: Request) -> Response:
         core: Core = request.app.state.core
+        text = False
         try:
+            text = text_ids(request)
             if not service:  # (the chat backend's routes are limited by their key: ``server.hub.service``)
                 limit(request, "address", request.app.state.hub.http_by_address, client_address(request))
             # A public route names no user: its handler is given NO_USER.
             user = NO_USER if public else await known_user(core, await user_of(request))
             if not public:
                 limit(request, "user", request.app.state.hub.http_by_user, user)
-            return JSONResponse(await handler(request, core, user))
+            answer = await handler(request, core, user)
+            return JSONResponse(ids_as_text(answer) if text else answer)
         except RedPacketError as e:
-            return error_response(e.code, e.message, _STATUS.get(type(e), 400), e.details)
+            details = ids_as_text(e.details) if text and e.details else e.details
+            return error_response(e.code, e.message, _STATUS.get(type(e), 400), details)
         except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
             return error_response(errors.BAD_REQUEST, f"malformed request: {e}", 400)
         except ClientDisconnect:  # the caller went (or its body was refused as too large): nobody to answer
@@ -115,8 +119,23 @@ def endpoint(
     return run
 
 
+# The request header by which a caller asks for every user, group and packet id as its decimal string, in
+# answers and in bodies (``server.ids``): ``number`` (the default) or ``string``.
+IDS_HEADER = "redpacket-ids"
+
+
+def text_ids(request: Request) -> bool:
+    """Whether the caller asked for ids as text (``Redpacket-Ids: string``); another value than the two
+    is ``bad_request``, never taken for the default."""
+    value = request.headers.get(IDS_HEADER, "number").strip().lower()
+    if value not in ("number", "string"):
+        raise InvalidRequest(errors.BAD_REQUEST, "Redpacket-Ids is number (the default) or string")
+    return value == "string"
+
+
 async def json_body(request: Request) -> dict[str, Any]:
-    """The request's JSON object (the body's size is bounded before it is read: ``server.hub.handshake``)."""
+    """The request's JSON object (the body's size is bounded before it is read: ``server.hub.handshake``),
+    its ids as integers if they came as text (``Redpacket-Ids: string``)."""
     try:
         data = json.loads(await request.body())
     except RecursionError:  # (the C parser's own depth guard) nested past any bound: one answer, no trace
@@ -126,12 +145,18 @@ async def json_body(request: Request) -> dict[str, Any]:
     problem = text.message_problem(data, request.app.state.core.settings.max_nesting)
     if problem is not None:
         raise InvalidRequest(errors.BAD_REQUEST, problem)
+    if text_ids(request):
+        try:
+            return dict(ids_from_text(data))
+        except ValueError as e:
+            raise InvalidRequest(errors.BAD_REQUEST, str(e)) from None
     return data
 
 
 def id_of(value: object, unknown: str, what: str) -> int:
-    """An id from a body: ``bad_request`` unless it is a JSON integer (a string of digits is refused: an id
-    that moves money is typed as documented), ``unknown`` (not found) when no id can be that number."""
+    """An id from a body: ``bad_request`` unless it is a JSON integer (a string of digits only with
+    ``Redpacket-Ids: string``, which ``json_body`` has made an integer: an id that moves money is typed as
+    the caller said), ``unknown`` (not found) when no id can be that number."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidRequest(errors.BAD_REQUEST, f"{what} must be a whole number")
     if not 1 <= value <= MAX_ID:

@@ -336,11 +336,11 @@ class Hub:
                     conn.announced[job.packet] = shown
                     if len(conn.announced) > 256:  # keep the recent packets only
                         del conn.announced[next(iter(conn.announced))]
-                pair = job.frames.get(conn.fmt)
+                pair = job.frames.get(conn.dialect)
                 if pair is None:
                     # Encoded once per format, framed once per format for every plain socket.
-                    payload = protocol.encode(conn.fmt, job.message)
-                    pair = job.frames[conn.fmt] = (payload, data_frame(payload))
+                    payload = protocol.encode(conn.dialect, job.message)
+                    pair = job.frames[conn.dialect] = (payload, data_frame(payload))
                 sent += conn.deliver(job.group, job.key, pair[0], pair[1])
             budget -= end - job.done
             job.done = end
@@ -370,4 +370,4 @@ class _FanOut:
         self.conns = conns
         self.packet = packet
         self.done = 0
-        self.frames: dict[str, tuple[bytes | str, bytes]] = {}
+        self.frames: dict[protocol.Dialect, tuple[bytes | str, bytes]] = {}

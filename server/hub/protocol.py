@@ -16,12 +16,41 @@ import msgpack
 
 from server import errors, text
 from server.errors import NotFound, RedPacketError
-from server.ids import MAX_ID
+from server.ids import MAX_ID, ids_as_text, ids_from_text
 
-VERSION = 1
 SUBPROTOCOL_MSGPACK = "redpacket.v1.msgpack"
 SUBPROTOCOL_JSON = "redpacket.v1.json"
+# Version 2: the same messages, with every user, group and packet id a decimal string (``server.ids``).
+SUBPROTOCOL_MSGPACK_V2 = "redpacket.v2.msgpack"
+SUBPROTOCOL_JSON_V2 = "redpacket.v2.json"
 Format = Literal["msgpack", "json"]
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """What one connection speaks, chosen by subprotocol at connect: its encoding and its protocol
+    version (1: ids are integers; 2: ids are decimal strings both ways, exact in any language)."""
+
+    format: Format
+    version: Literal[1, 2]
+    subprotocol: str | None
+
+    @property
+    def text_ids(self) -> bool:
+        return self.version == 2
+
+
+DIALECTS = {
+    d.subprotocol: d
+    for d in (
+        Dialect("msgpack", 1, SUBPROTOCOL_MSGPACK),
+        Dialect("json", 1, SUBPROTOCOL_JSON),
+        Dialect("msgpack", 2, SUBPROTOCOL_MSGPACK_V2),
+        Dialect("json", 2, SUBPROTOCOL_JSON_V2),
+    )
+}
+# A client that offers none of ours: msgpack, version 1 (what the hub always spoke to it).
+NO_SUBPROTOCOL = Dialect("msgpack", 1, None)
 
 # Close codes (1xxx from RFC 6455, 4xxx ours).
 CLOSE_NORMAL = 1000
@@ -61,15 +90,14 @@ class Request:
     body: Body
 
 
-def choose_format(offered: list[str]) -> tuple[Format, str | None]:
-    """The format for a connection from the subprotocols the client offered (msgpack unless it asks
-    for JSON), and the subprotocol to accept (None if it offered none of ours)."""
+def choose_dialect(offered: list[str]) -> Dialect:
+    """The dialect for a connection: the first of ours the client offered (``NO_SUBPROTOCOL`` if none;
+    its ``subprotocol`` is the one to accept)."""
     for sub in offered:
-        if sub == SUBPROTOCOL_MSGPACK:
-            return "msgpack", sub
-        if sub == SUBPROTOCOL_JSON:
-            return "json", sub
-    return "msgpack", None
+        dialect = DIALECTS.get(sub)
+        if dialect is not None:
+            return dialect
+    return NO_SUBPROTOCOL
 
 
 # A token offered as a subprotocol (a browser cannot set a header on a websocket, and a URL is logged):
@@ -110,15 +138,18 @@ def decode(frame: bytes | str) -> object:
         raise ProtocolError(errors.BAD_FRAME, "the frame is not valid msgpack or JSON") from e
 
 
-def encode(fmt: Format, message: Message) -> bytes | str:
-    if fmt == "msgpack":
+def encode(dialect: Dialect, message: Message) -> bytes | str:
+    if dialect.text_ids:
+        message = ids_as_text(message)
+    if dialect.format == "msgpack":
         return msgpack.packb(message, use_bin_type=True)
     return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
 
 
-def parse_request(message: object, max_depth: int) -> Request:
+def parse_request(message: object, max_depth: int, text_ids: bool = False) -> Request:
     """Validate the envelope of a request; the fields of each type are checked by its handler. A message
-    nested deeper than ``max_depth``, or with a lone surrogate in a string, is a bad request."""
+    nested deeper than ``max_depth``, or with a lone surrogate in a string, is a bad request. ``text_ids``
+    (version 2): ids may come as decimal strings, and are integers to the handlers."""
     if not isinstance(message, dict):
         raise ProtocolError(errors.BAD_REQUEST, "a request is a map")
     if request_id_of(message) is None:
@@ -132,7 +163,13 @@ def parse_request(message: object, max_depth: int) -> Request:
     kind = message.get("type")
     if kind not in REQUEST_TYPES:
         raise ProtocolError(errors.UNKNOWN_TYPE, f"unknown request type {kind!r}")
-    return Request(rid, str(kind), message)
+    body: Body = message
+    if text_ids:
+        try:
+            body = ids_from_text(message)
+        except ValueError as e:
+            raise ProtocolError(errors.BAD_REQUEST, str(e)) from None
+    return Request(rid, str(kind), body)
 
 
 def request_id_of(message: object) -> int | str | None:

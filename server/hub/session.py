@@ -162,7 +162,9 @@ class Session:
             return False
         self.strikes = 0
         try:
-            req = protocol.parse_request(protocol.decode(frame), self.core.settings.max_nesting)
+            req = protocol.parse_request(
+                protocol.decode(frame), self.core.settings.max_nesting, self.conn.dialect.text_ids
+            )
         except ProtocolError as e:
             rid = protocol.request_id_of(_try_decode(frame))
             self.conn.reply(protocol.reply_error(rid, e.code, e.message))
@@ -220,8 +222,8 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         await ws.close(protocol.CLOSE_POLICY)  # before the upgrade: answered 403
         return
     offered = list(ws.scope.get("subprotocols", []))
-    fmt, subprotocol = protocol.choose_format(offered)
-    await ws.accept(subprotocol=subprotocol)
+    dialect = protocol.choose_dialect(offered)
+    await ws.accept(subprotocol=dialect.subprotocol)
     try:
         user_id = await hub.tokens.user(protocol.offered_token(offered) or ws.query_params.get("token"))
     except TokenError as e:
@@ -236,7 +238,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         await ws.close(protocol.CLOSE_TOO_MANY_SOCKETS, "too_many_sockets")
         return
     hub.arriving[user_id] = hub.arriving.get(user_id, 0) + 1  # (no await since the check)
-    conn = Connection(hub, wire, user_id, fmt, device=text.device_id(ws.query_params.get("device", "")))
+    conn = Connection(hub, wire, user_id, dialect, device=text.device_id(ws.query_params.get("device", "")))
     try:
         welcomed = await _welcome(ws, hub, conn)
     finally:
@@ -296,7 +298,7 @@ async def _welcome(ws: WebSocket, hub: Hub, conn: Connection) -> bool:
     conn.send(
         {
             "type": "welcome",
-            "version": protocol.VERSION,
+            "version": conn.dialect.version,
             "user": conn.user_id,
             "connection": conn.id,
             "hub": hub.id,

@@ -19,6 +19,9 @@ from server.ids import MAX_ID
 
 pytestmark = pytest.mark.unit
 
+MSGPACK = protocol.DIALECTS[protocol.SUBPROTOCOL_MSGPACK]
+JSON = protocol.DIALECTS[protocol.SUBPROTOCOL_JSON]
+
 
 def refused(message: Any, max_depth: int = 8) -> str:
     with pytest.raises(ProtocolError) as e:
@@ -27,12 +30,18 @@ def refused(message: Any, max_depth: int = 8) -> str:
 
 
 def test_msgpack_unless_json_is_asked_for_and_only_our_subprotocol_is_accepted() -> None:
-    assert protocol.choose_format([]) == ("msgpack", None)
-    assert protocol.choose_format(["chat", "bearer.abc"]) == ("msgpack", None)
-    assert protocol.choose_format(["bearer.abc", "redpacket.v1.json"]) == ("json", "redpacket.v1.json")
+    def chosen(offered: list[str]) -> tuple[str, int, str | None]:
+        d = protocol.choose_dialect(offered)
+        return d.format, d.version, d.subprotocol
+
+    assert chosen([]) == ("msgpack", 1, None)
+    assert chosen(["chat", "bearer.abc"]) == ("msgpack", 1, None)
+    assert chosen(["bearer.abc", "redpacket.v1.json"]) == ("json", 1, "redpacket.v1.json")
     both = ["redpacket.v1.json", "redpacket.v1.msgpack"]
-    assert protocol.choose_format(both) == ("json", "redpacket.v1.json")  # the client's first choice
-    assert protocol.choose_format(both[::-1]) == ("msgpack", "redpacket.v1.msgpack")
+    assert chosen(both) == ("json", 1, "redpacket.v1.json")  # the client's first choice
+    assert chosen(both[::-1]) == ("msgpack", 1, "redpacket.v1.msgpack")
+    assert chosen(["redpacket.v3.json", "redpacket.v2.json"]) == ("json", 2, "redpacket.v2.json")
+    assert chosen(["redpacket.v2.msgpack", "redpacket.v1.json"]) == ("msgpack", 2, "redpacket.v2.msgpack")
 
 
 def test_a_token_offered_as_a_subprotocol_is_read_and_an_empty_one_is_none() -> None:
@@ -63,9 +72,9 @@ def test_which_pages_may_open_a_socket(
 
 def test_frames_decode_by_their_kind_and_a_bad_one_is_bad_frame() -> None:
     message = {"id": 1, "type": "ping", "text": "红包"}
-    assert protocol.decode(protocol.encode("msgpack", message)) == message
-    assert protocol.decode(protocol.encode("json", message)) == message
-    assert protocol.encode("json", message) == '{"id":1,"type":"ping","text":"红包"}'  # compact, not escaped
+    assert protocol.decode(protocol.encode(MSGPACK, message)) == message
+    assert protocol.decode(protocol.encode(JSON, message)) == message
+    assert protocol.encode(JSON, message) == '{"id":1,"type":"ping","text":"红包"}'  # compact, not escaped
     for bad in (b"\xc1", "{", "", b"", msgpack.packb({1: "int key"})):
         with pytest.raises(ProtocolError) as e:
             protocol.decode(bad)
@@ -147,7 +156,7 @@ def test_replies_and_events_have_one_shape() -> None:
         "event": "chat",
         "data": {"t": "hi"},
     }
-    assert json.loads(str(protocol.encode("json", detailed)))["error"]["limit"] == 100
+    assert json.loads(str(protocol.encode(JSON, detailed)))["error"]["limit"] == 100
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ test("the token goes as a subprotocol beside the format, the device in the URL",
   const client = new RedPacketClient({ ...quick, token: "t0k", device: "phone-1", WebSocket: hub.WebSocket });
   const welcome = await client.connect();
   assert.equal(welcome.user, 7);
-  assert.deepEqual(hub.last.protocols, ["redpacket.v1.json", "bearer.t0k"]);
+  assert.deepEqual(hub.last.protocols, ["redpacket.v2.json", "bearer.t0k"]);
   assert.equal(new URL(hub.last.url).searchParams.get("device"), "phone-1");
   assert.deepEqual(hub.last.sent[0], { id: 1, type: "sync", groups: { 1: null } });
   client.close();
@@ -119,7 +119,7 @@ test("an error reply rejects with the protocol's code and its extra fields", asy
   const sending = client.send(1, { total: 30_000, count: 2 });
   await new Promise((r) => setTimeout(r, 5));
   const send = hub.last.sent.find((m) => m.type === "send");
-  assert.deepEqual(send, { id: send.id, type: "send", group: 1, total: 30_000, count: 2 });
+  assert.deepEqual(send, { id: send.id, type: "send", group: "1", total: 30_000, count: 2 }); // (ids go as text)
   hub.last.deliver({ type: "reply", id: send.id, ok: false, error: { code: "amount_too_large", message: "m", limit: 20_000 } });
   await assert.rejects(sending, (e) => e.code === "amount_too_large" && e.details.limit === 20_000);
   client.close();
@@ -210,7 +210,7 @@ test("4001 with refreshToken: one more try with a new token; a second 4001 befor
   await client.connect();
   hub.last.hubCloses(4001, "token_expired");
   while (client.status !== "online") await new Promise((r) => setTimeout(r, 1));
-  assert.deepEqual(hub.last.protocols, ["redpacket.v1.json", "bearer.new1"]);
+  assert.deepEqual(hub.last.protocols, ["redpacket.v2.json", "bearer.new1"]);
   // Refused again and again: once more after the first, then no more.
   const closes = [];
   client.on("close", (c) => closes.push(c.willRetry));

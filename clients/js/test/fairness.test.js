@@ -262,7 +262,7 @@ test("the client keeps each commitment heard before the seed: events, send, open
     sync: () => ({ groups: { 1: { offset: "5-0", replayed: 0, too_old: false,
       packets: [active(21, C(21)), { ...VIEW, packet_id: 22, commitment: C(22), seed: VIEW.seed }] } } }),
     send: () => ({ packet_id: 30, sender: 8, kind: "lucky", total: 888, count: 2, commitment: C(30), offset: "6-0" }),
-    open: (msg) => (msg.packet === 31 ? active(31, C(31)) : opened),
+    open: (msg) => (msg.packet === "31" ? active(31, C(31)) : opened), // (ids go as text)
   });
   const client = new RedPacketClient({ url: "ws://hub.invalid/ws", token: "t", WebSocket: hub.WebSocket });
   const resets = [];

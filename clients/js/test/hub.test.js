@@ -10,8 +10,10 @@ import { RedPacketClient, RedPacketError } from "../redpacket.js";
 const env = process.env;
 const live = Boolean(env.RP_WS);
 const skip = live ? false : "no hub: run through tests/test_js_client.py";
-const GROUP = Number(env.RP_GROUP);
-const BOB = Number(env.RP_BOB);
+// Ids as the hub gives them (protocol version 2): decimal strings. tests/test_js_client.py makes every id
+// beyond 2⁵³, where Number() would change it.
+const GROUP = env.RP_GROUP;
+const BOB = env.RP_BOB;
 const clients = [];
 
 // Every client of a test closed after it, passed or failed: the hub allows a user few sockets here.
@@ -59,7 +61,12 @@ test("connects with its token, is welcomed and synced; requests are answered by 
   const synced = bob.once("synced");
   const welcome = await bob.connect();
   assert.equal(welcome.user, BOB);
+  assert.equal(typeof welcome.user, "string");
+  assert.ok(BigInt(welcome.user) > 2n ** 53n, "the ids of this run are beyond a number's exact range");
   assert.ok(welcome.groups.some((g) => g.group_id === GROUP));
+  // A number id beyond 2⁵³ has already lost its digits: refused here, never sent as another id.
+  await assert.rejects(bob.grab(Number(GROUP), "1"), RangeError);
+  await assert.rejects(bob.grab(BigInt(GROUP), 999_999_999), { code: "packet_not_found" });
   assert.equal((await synced).reason, "welcome");
   assert.equal(bob.status, "online");
   // Many requests in flight at once, each its own reply.
@@ -103,7 +110,7 @@ test("send, grab, open: packet, grabs and finished events, in JSON and in msgpac
   for (const name of ["alice", "bob"]) {
     await until(() => seen[name].finished.length === 1, 10_000, `${name}'s finished event`);
     const grabs = seen[name].grabs.flatMap((e) => e.data.grabs);
-    assert.deepEqual(grabs.map((g) => [g.user, g.amount]).sort(), [[BOB, bobs.amount], [Number(env.RP_ALICE), alices.amount]].sort());
+    assert.deepEqual(grabs.map((g) => [g.user, g.amount]).sort(), [[BOB, bobs.amount], [env.RP_ALICE, alices.amount]].sort());
     const finished = seen[name].finished[0].data;
     assert.equal(finished.packet_id, packet.packet_id);
     assert.equal(finished.best_luck.amount, Math.max(bobs.amount, alices.amount));
@@ -288,7 +295,7 @@ test("too many sockets (4030): retried after the longest back-off, in once anoth
   carols[0].close();
   await until(() => extra.status === "online", 10_000, "the extra socket online");
   const welcome = await connecting;
-  assert.equal(welcome.user, Number(env.RP_CAROL));
+  assert.equal(welcome.user, env.RP_CAROL);
   assert.equal(syncs[0].reason, "welcome");
   assert.ok(closes.every((c) => c.code === 4030 && c.willRetry), JSON.stringify(closes));
   assert.ok(!statuses.some((s) => s.status === "closed"));
