@@ -43,7 +43,8 @@ ID_LIST_FIELDS = frozenset({"members", "admins", "added", "removed", "roles_chan
 # Not ids, so numbers in every format: request ids (echoed as the client sent them), event and journal
 # numbers (``id``, ``after``: cursors), versions, amounts, sequence numbers and times.
 
-_DIGITS = re.compile(r"0|[1-9][0-9]{0,19}", re.ASCII)
+# (Up to 40 digits: a number no id can be is then answered not found, as an integer would be.)
+_DIGITS = re.compile(r"0|[1-9][0-9]{0,39}", re.ASCII)
 
 
 def _is_int(value: object) -> bool:

@@ -50,7 +50,8 @@ def _connection(queue_frames: int) -> tuple[Connection, _Wire]:
     )
     hub.metrics = HubMetrics()
     wire = _Wire()
-    return Connection(cast(Hub, hub), cast(HubWebSocket, wire), 7, "json"), wire
+    dialect = protocol.DIALECTS[protocol.SUBPROTOCOL_JSON]
+    return Connection(cast(Hub, hub), cast(HubWebSocket, wire), 7, dialect), wire
 
 
 def _said(wire: _Wire) -> list[str]:

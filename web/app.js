@@ -821,7 +821,7 @@ async function sendPacket(ev) {
     err.textContent = say({ code: "count_invalid" });
     return;
   }
-  const target = kind === "exclusive" ? $("send-target").value : undefined;
+  const target = kind === "exclusive" ? $("send-target").value || undefined : undefined;
   const btn = $("send-submit");
   btn.disabled = true;
   try {

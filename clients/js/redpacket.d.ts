@@ -64,7 +64,8 @@ export interface GroupInfo {
 
 export interface Welcome {
   type: "welcome";
-  version: 1;
+  /** The protocol version this client speaks: 2 (ids as strings). */
+  version: 2;
   user: Id;
   connection: string;
   hub: string;
@@ -137,7 +138,7 @@ export interface NewPacket {
   total: number;
   count?: number;
   greeting?: string;
-  target?: Id;
+  target?: IdInput;
   /** Makes a retried send pay once (1 to 64 characters). */
   request_id?: string;
 }
@@ -260,9 +261,8 @@ export declare function decodeMsgpack(bytes: Uint8Array | ArrayBuffer): unknown;
 
 // ---- provably fair packets (docs/protocol.md, "Provably fair packets"): synchronous, no crypto.subtle ----
 
-/** A packet id for the generator's message, which needs its exact decimal: a number (up to 2⁵³ − 1), a
- * decimal string or a BigInt. JSON.parse rounds integers beyond 2⁵³, so such ids must arrive as a string
- * or a BigInt (the msgpack format decodes them as BigInt); a number beyond 2⁵³ throws a RangeError. */
+/** A packet id for the generator's message, which needs its exact decimal: a decimal string (as every id
+ * arrives from the hub), a BigInt or a number up to 2⁵³ − 1; a number beyond 2⁵³ throws a RangeError. */
 export type PacketIdInput = number | string | bigint;
 
 export type FairStatus = "verified" | "mismatch" | "not_verifiable" | "not_revealed";
