@@ -97,6 +97,7 @@ METHOD_NOT_ALLOWED = "method_not_allowed"
 MANAGED_BY_BACKEND = "managed_by_backend"
 ID_TAKEN = "id_taken"
 NOT_LOCAL = "not_local"
+ORIGIN_NOT_ALLOWED = "origin_not_allowed"
 HOLD_NOT_FOUND = "hold_not_found"
 HOLD_CLOSED = "hold_closed"
 

@@ -301,8 +301,9 @@ class SettingFields:
         "",
         "the web pages (`Origin` header) whose websockets the hub takes, comma-separated:"
         " `https://chat.example.com` (scheme, host, port if not the default), `self` for the hub's own"
-        " pages; another page's upgrade is answered 403. Programs that send no `Origin` are not affected"
-        " ([docs/protocol.md](docs/protocol.md#connecting))",
+        " pages; another page's upgrade is answered 403. The listed pages may also call the HTTP API's user"
+        " routes and import `/client/redpacket.js` (CORS, no cookies; never the `/api/service/` routes)."
+        " Programs that send no `Origin` are not affected ([docs/protocol.md](docs/protocol.md#connecting))",
         shown="*(empty: any; `up`: `self`)*",
     )
     bot_exempt_users: str = setting(

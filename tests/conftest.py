@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pymysql
 import pytest
@@ -31,6 +32,9 @@ from server.settings import Settings
 from server.store.db import Database
 from server.store.engines import connect
 from server.store.schema import migrate
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser
 
 TABLES = (
     "request_claims",
@@ -404,3 +408,24 @@ async def any_hub_settings(
     assert isinstance(cluster, LocalCluster)
     cluster.flush()
     return hub_settings.replace(redis_url=cluster.url, queue_redis_url=redis_url)
+
+
+@pytest.fixture(scope="module")
+async def browser() -> AsyncIterator[Browser]:
+    """Headless Chromium for a module's browser tests (``tests/webtools.py``): skipped without it, unless
+    REDPACKET_TEST_REQUIRE_BROWSER=1 (CI), when that fails."""
+    from playwright.async_api import async_playwright
+
+    from tests.webtools import CHROMIUM_FLAGS, REQUIRED, chromium
+
+    exe = chromium()
+    if exe is None:
+        if REQUIRED:
+            pytest.fail("Chromium is required (REDPACKET_TEST_REQUIRE_BROWSER=1): apt-get install chromium")
+        pytest.skip("no Chromium: apt-get install chromium")
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=exe, args=CHROMIUM_FLAGS)
+        try:
+            yield b
+        finally:
+            await b.close()

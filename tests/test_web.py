@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
-import pytest
-from playwright.async_api import Browser, Page, async_playwright, expect
+from playwright.async_api import Browser, Page, expect
 
 from server.ids import UserId
 from server.money import ledger
@@ -31,8 +29,8 @@ from tests.hubtools import HubUnderTest, eventually, hub_in_process
 from tests.webtools import (
     DESKTOP,
     PHONE,
+    REQUIRED,
     WAIT_MS,
-    chromium,
     cjk_font_installed,
     contrast,
     focus_ring,
@@ -44,32 +42,6 @@ from tests.webtools import (
     tab_to,
     unnamed_controls,
 )
-
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-REQUIRED = os.environ.get("REDPACKET_TEST_REQUIRE_BROWSER") == "1"
-
-
-@pytest.fixture(scope="module")
-async def browser() -> AsyncIterator[Browser]:
-    exe = chromium()
-    if exe is None:
-        if REQUIRED:
-            pytest.fail("Chromium is required (REDPACKET_TEST_REQUIRE_BROWSER=1): apt-get install chromium")
-        pytest.skip("no Chromium: apt-get install chromium")
-    async with async_playwright() as pw:
-        b = await pw.chromium.launch(executable_path=exe, args=CHROMIUM_FLAGS)
-        try:
-            yield b
-        finally:
-            await b.close()
 
 
 async def log_in(page: Page, name: str) -> None:

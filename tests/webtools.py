@@ -5,6 +5,7 @@ all is well) so that a test's failure names the element."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -44,6 +45,18 @@ PAGE_CHECKS = (Path(__file__).parent / "pagechecks.js").read_text()
 
 def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+REQUIRED = os.environ.get("REDPACKET_TEST_REQUIRE_BROWSER") == "1"
 
 
 def cjk_font_installed() -> bool:

@@ -31,7 +31,17 @@ from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from server.hub import service
 from server.hub.gcpolicy import keep_collections_out_of_bursts
 from server.hub.handshake import HttpLimits, bounded_http, check_uvicorn
-from server.hub.httpkit import LocalOnly, SecurityHeaders, endpoint, error_response, id_of, json_body, path_id
+from server.hub.httpkit import (
+    CrossOrigin,
+    LocalOnly,
+    SecurityHeaders,
+    cross_origins,
+    endpoint,
+    error_response,
+    id_of,
+    json_body,
+    path_id,
+)
 from server.hub.hub import Hub
 from server.hub.metrics import HubMetrics, serve_metrics
 from server.hub.requests import grab_dict, view_dict
@@ -324,6 +334,7 @@ def create_app(
                 if apart is not None:
                     apart.close()
 
+    origins = cross_origins(settings.allowed_origin_list)
     app = Starlette(
         routes=[
             WebSocketRoute("/ws", websocket_endpoint),
@@ -350,7 +361,9 @@ def create_app(
         exception_handlers={HTTPException: http_error, Exception: server_error},
         # (The demo's conveniences, when on, for this machine alone: server.hub.httpkit.LocalOnly.)
         middleware=[Middleware(SecurityHeaders)]
-        + ([Middleware(LocalOnly)] if settings.dev_login or settings.demo_topup else []),
+        + ([Middleware(LocalOnly)] if settings.dev_login or settings.demo_topup else [])
+        # Pages of the allowed origins may use the HTTP API (server.hub.httpkit.CrossOrigin).
+        + ([Middleware(CrossOrigin, origins=origins)] if origins else []),
     )
     app.state.metrics_apart = bool(settings.metrics_port)
     return app

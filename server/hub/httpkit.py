@@ -11,6 +11,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -185,6 +187,52 @@ SECURITY_HEADERS: list[tuple[bytes, bytes]] = [
     (b"x-content-type-options", b"nosniff"),
     (b"referrer-policy", b"no-referrer"),
 ]
+
+
+# What a page of another origin may send the HTTP API (the CORS preflight's answer).
+CORS_METHODS = ("GET", "POST", "PUT", "DELETE")
+CORS_HEADERS = ("authorization", "content-type", IDS_HEADER)
+
+
+class CrossOrigin:
+    """ASGI middleware: the pages of ``REDPACKET_ALLOWED_ORIGINS`` (the chat app's own web client, on its
+    own origin) may import ``/client/redpacket.js`` and call the user routes of the HTTP API; Starlette's
+    ``CORSMiddleware`` answers their preflights and marks their answers. No credentials: the hub sets and
+    reads no cookie, a page sends its user's token in ``Authorization`` (so ``Access-Control-Allow-
+    Credentials`` is never sent, and a page cannot make a user's browser call the hub with a login of its
+    own). A preflight from an origin not listed is 403 ``origin_not_allowed``; the chat backend's
+    ``/api/service/`` routes take no cross-origin call at all (its key never belongs in a browser)."""
+
+    def __init__(self, app: ASGIApp, origins: tuple[str, ...]) -> None:
+        self.app = app
+        self.origins = frozenset(origins)
+        self.cors = CORSMiddleware(
+            app,
+            allow_origins=sorted(origins),
+            allow_methods=CORS_METHODS,
+            allow_headers=CORS_HEADERS,
+            allow_credentials=False,
+            max_age=600,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"].startswith("/api/service/"):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
+        preflight = scope["method"] == "OPTIONS" and "access-control-request-method" in headers
+        if preflight and origin is not None and origin.lower().rstrip("/") not in self.origins:
+            refusal = f"pages of {origin} may not call this hub (REDPACKET_ALLOWED_ORIGINS)"
+            await error_response(errors.ORIGIN_NOT_ALLOWED, refusal, 403)(scope, receive, send)
+            return
+        await self.cors(scope, receive, send)
+
+
+def cross_origins(allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """The origins whose pages may call the HTTP API: ``REDPACKET_ALLOWED_ORIGINS`` but ``self`` (the
+    hub's own pages need no CORS)."""
+    return tuple(o for o in allowed if o != "self")
 
 
 class SecurityHeaders:
