@@ -161,6 +161,13 @@ class SettingFields:
         " characters, compared in constant time",
         shown="*(none: off)*",
     )
+    service_key_previous: str = setting(
+        "",
+        "the service key being rolled out, still taken beside `REDPACKET_SERVICE_KEY` while the backend"
+        " moves to the new one (at least 32 characters, not the same); which of the two each call used"
+        " counts in `redpacket_service_key_uses_total{key}` " + LINK_INTEGRATION,
+        shown="*(none)*",
+    )
     service_key_failures_per_minute: int = setting(
         10,
         "wrong service keys from one address before its wrong keys are answered `429 rate_limited` instead"
@@ -177,6 +184,13 @@ class SettingFields:
     webhook_secret: str = setting(
         "",
         "the key of the webhooks' HMAC-SHA256 signature: at least 32 characters; required with webhook URLs",
+        shown="*(none)*",
+    )
+    webhook_secret_previous: str = setting(
+        "",
+        "the webhook secret being rolled out: while set, every delivery is signed with both (two `v1=` in"
+        " `Redpacket-Signature`), so receivers still holding it verify until they move to the new one"
+        " (at least 32 characters, not the same) " + LINK_INTEGRATION,
         shown="*(none)*",
     )
     webhook_timeout_ms: int = setting(10_000, "how long one delivery waits for the receiver's answer")

@@ -292,6 +292,15 @@ class Settings(SettingFields):
             raise ValueError(
                 f"{PREFIX}SERVICE_KEY is too short: at least 32 characters, e.g. `openssl rand -hex 32`"
             )
+        for name, current, previous in (
+            ("SERVICE_KEY", self.service_key, self.service_key_previous),
+            ("WEBHOOK_SECRET", self.webhook_secret, self.webhook_secret_previous),
+        ):
+            if previous and (not current or previous == current or len(previous) < 32):
+                raise ValueError(
+                    f"{PREFIX}{name}_PREVIOUS is the {name.lower().replace('_', ' ')} being rolled out:"
+                    f" at least 32 characters, beside a new {PREFIX}{name} that is not the same"
+                )
 
     def _check_urls(self) -> None:
         """The Redis and database URLs: their schemes and shapes, the queue's server, the durability."""

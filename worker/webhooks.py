@@ -44,10 +44,16 @@ OBSERVE_S = 2.0
 WARN_EVERY_S = 60.0
 
 
-def sign(secret: str, body: bytes, t: int) -> str:
-    """The ``Redpacket-Signature`` header's value for ``body`` sent at unix second ``t``."""
-    mac = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
-    return f"t={t},v1={mac}"
+def sign(secret: str, body: bytes, t: int, previous: str = "") -> str:
+    """The ``Redpacket-Signature`` header's value for ``body`` sent at unix second ``t``; with the
+    ``previous`` secret of a roll, a second ``v1=`` made with it (as Stripe signs during a roll), so a
+    receiver holding either secret verifies."""
+    macs = [
+        hmac.new(s.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+        for s in (secret, previous)
+        if s
+    ]
+    return f"t={t}," + ",".join(f"v1={mac}" for mac in macs)
 
 
 def retry_after_ms(attempts: int, base_ms: int, rng: random.Random) -> int:
@@ -126,7 +132,9 @@ class Dispatcher:
         headers = {
             "Content-Type": "application/json",
             "User-Agent": "redpacket-webhooks/1",
-            SIGNATURE_HEADER: sign(self.settings.webhook_secret, body, int(time.time())),
+            SIGNATURE_HEADER: sign(
+                self.settings.webhook_secret, body, int(time.time()), self.settings.webhook_secret_previous
+            ),
             "Redpacket-Event-Id": str(c.seq),
             "Redpacket-Event-Type": c.event["type"],
         }

@@ -65,6 +65,15 @@ class HubMetrics:
         )
         for name in ("address", "user", "service_key", "sockets", "origin", "frames", "bytes"):
             self.limited.labels(name)  # each exported from the start, at 0
+        self.service_key_uses = Counter(
+            "redpacket_service_key_uses",
+            "Service API calls taken, by the key they came with: current, or previous while"
+            " REDPACKET_SERVICE_KEY_PREVIOUS is set (a roll is done when previous stops counting)",
+            ["key"],
+            registry=r,
+        )
+        for key in ("current", "previous"):
+            self.service_key_uses.labels(key)
         self.service_key_failures = Counter(
             "redpacket_service_key_failures",
             "calls to the chat backend's API with a wrong or missing key (alert on a rise)",

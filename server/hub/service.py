@@ -41,13 +41,18 @@ def _require_key(request: Request, core: Core) -> None:
     backend's own address (a proxy, a NAT) must not lock the backend out. Wrong keys are counted (a metric
     to alert on), and an address past ``REDPACKET_SERVICE_KEY_FAILURES_PER_MINUTE`` of them is answered
     429 instead of 401 until its allowance refills (a key of 32+ random characters is not guessed)."""
-    key = core.settings.service_key
+    key, previous = core.settings.service_key, core.settings.service_key_previous
     if not key:
         raise Forbidden(errors.DISABLED, "the service API is off on this hub: set REDPACKET_SERVICE_KEY")
-    given = bearer(request) or ""
-    if hmac.compare_digest(given.encode(), key.encode()):
-        return
+    given = (bearer(request) or "").encode()
     hub: Hub = request.app.state.hub
+    # Both compared, always: how long it takes says nothing of which one (or whether) it matched.
+    current_ok = hmac.compare_digest(given, key.encode())
+    previous_ok = hmac.compare_digest(given, (previous or key).encode()) and bool(previous)
+    if current_ok or previous_ok:
+        # During a roll (REDPACKET_SERVICE_KEY_PREVIOUS): once "previous" stops counting, drop it.
+        hub.metrics.service_key_uses.labels("current" if current_ok else "previous").inc()
+        return
     address, now = client_address(request), time.monotonic()
     hub.metrics.service_key_failures.inc()
     if not hub.service_key_failures.allows(address, now):
