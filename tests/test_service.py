@@ -239,3 +239,67 @@ async def test_a_big_group_is_put_in_one_call(hub: HubUnderTest) -> None:
     assert len(put["added"]) == 1_500
     trimmed = await b.ok("PUT", path, name="everyone", members=people[1:1_000], admins=people[:1], version=2)
     assert trimmed["removed"] == sorted(people[1_000:])
+
+
+async def test_the_backend_sends_for_a_user_and_from_its_own_account_paid_once_and_seen_live(
+    hub: HubUnderTest,
+) -> None:
+    b = Backend(hub)
+    for n, name in ((1, "admin"), (2, "member"), (9, "promotions")):
+        await b.ok("PUT", f"/api/service/users/{b.id(n)}", name=f"{name}{b.base}")
+    group = b.id(100)
+    members = dict(members=[b.id(2)], admins=[b.id(1)], version=1)
+    await b.ok("PUT", f"/api/service/groups/{group}", name="g", **members)
+    for n in (1, 9):  # the admin's money, and the promotions account the backend funds
+        fund = f"fund-{b.base}-{n}"
+        await b.ok("POST", "/api/service/topup", user_id=b.id(n), amount=5_000, request_id=fund)
+    member = await HubClient.connect(hub.ws, b.token(2))
+    await member.sync()
+    try:
+        # For a user (who may send here), retried at once by a backend that lost the answer: paid once.
+        body = dict(sender_id=b.id(1), group_id=group, total=300, count=2, greeting="恭喜", request_id="p1")
+        answers = await asyncio.gather(*(b.ok("POST", "/api/service/packets", **body) for _ in range(5)))
+        assert sorted(a["replay"] for a in answers) == [False] + [True] * 4
+        assert len({a["packet_id"] for a in answers}) == 1 and answers[0]["group_id"] == group
+        # From the backend's own account, no member of the group: a promotion.
+        promo = await b.ok(
+            "POST", "/api/service/packets", sender_id=b.id(9), group_id=group, total=200, count=1,
+            request_id="spring", system=True,
+        )  # fmt: skip
+        # Members online see both arrive, as any send.
+        seen = await events_of(member, "packet", 2)
+        assert {e["data"]["packet_id"] for e in seen} == {answers[0]["packet_id"], promo["packet_id"]}
+        assert {e["data"]["sender"] for e in seen} == {b.id(1), b.id(9)}
+        won = await member.request("grab", group=group, packet=promo["packet_id"])
+        assert (won["outcome"], won["amount"]) == ("won", 200)
+
+        # The rules of a send stand: the member may not send here, the account is not in the group
+        # without `system`, no money, an unknown sender; nothing of these moves money.
+        for fields, status, code in [
+            ({"sender_id": b.id(2)}, 403, "not_admin"),
+            ({"sender_id": b.id(9)}, 403, "not_member"),
+            ({"sender_id": b.id(9), "system": True, "total": 20_000, "count": 1}, 409, "insufficient_funds"),
+            ({"sender_id": b.id(7), "system": True}, 404, "user_not_found"),
+            ({"sender_id": b.id(1), "request_id": None}, 400, "bad_request"),
+            ({"sender_id": b.id(1), "system": "yes"}, 400, "bad_request"),
+        ]:
+            sent = {"group_id": group, "total": 100, "count": 1, "request_id": f"r-{code}", **fields}
+            given = {k: v for k, v in sent.items() if v is not None}
+            got = await b.call("POST", "/api/service/packets", **given)
+            assert (got[0], got[1]["error"]["code"]) == (status, code), fields
+        balances = [(await b.ok("GET", f"/api/service/accounts/{b.id(n)}"))["balance"] for n in (1, 9)]
+        assert balances == [5_000 - 300, 5_000 - 200]
+    finally:
+        await member.close()
+    async with open_core(hub.settings) as core:
+        assert (await reconcile(core)).ok
+
+
+async def events_of(client: HubClient, kind: str, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` group events of ``kind`` the client gets (each within the hub's bound)."""
+    got: list[dict[str, Any]] = []
+    while len(got) < n:
+        message = await asyncio.wait_for(client.events.get(), 30)
+        if message.get("event") == kind:
+            got.append(message)
+    return got

@@ -24,6 +24,7 @@ from server.live.events import offset_key
 from server.money import grabs, packets, queries
 
 if TYPE_CHECKING:
+    from server.hub.hub import Hub
     from server.hub.session import Session
 
 log = logging.getLogger(__name__)
@@ -147,11 +148,17 @@ async def on_send(s: Session, body: Body) -> Message:
         target_user_id=body.get("target"),
         request_id=request_id,
     )
-    # Paid for and saved: announced now, or (offset null) by a retry or a worker once Redis is back.
-    s.hub.packet_cache.mark_known(group_id=group, packet_id=p.packet_id)
-    offset = await announce.announce_packet(s.core, p)
+    return await announce_sent(s.hub, p)
+
+
+async def announce_sent(hub: Hub, p: packets.Packet) -> Message:
+    """A packet just paid for and saved (by a user's socket, or the chat backend's
+    ``POST /api/service/packets``), announced in its room now — or, offset null, by a retry or a worker
+    once Redis is back; the send's answer."""
+    hub.packet_cache.mark_known(group_id=p.group_id, packet_id=p.packet_id)
+    offset = await announce.announce_packet(hub.core, p)
     if offset is not None and not p.replay:
-        s.hub.metrics.events_published.inc()
+        hub.metrics.events_published.inc()
     return {**announce.packet_event(p), "offset": offset, "replay": p.replay}
 
 

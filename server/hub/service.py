@@ -22,12 +22,13 @@ from starlette.routing import Route
 
 from server import errors
 from server.core import Core
-from server.errors import Forbidden, InvalidRequest, TooMany
+from server.errors import Forbidden, InvalidRequest, NotFound, TooMany
 from server.hub.httpkit import Handler, bearer, client_address, endpoint, id_of, json_body, path_id
 from server.hub.hub import Hub
+from server.hub.requests import announce_sent
 from server.hub.tokens import TokenError
 from server.ids import GroupId, UserId
-from server.money import events, groups, ledger, payouts
+from server.money import events, groups, ledger, packets, payouts
 from server.money.groups import Role
 
 BY_BACKEND = 0  # the `by` of an event caused through this API
@@ -253,6 +254,37 @@ async def journal(request: Request, core: Core, _: UserId) -> dict[str, object]:
     }
 
 
+async def send(request: Request, core: Core, _: UserId) -> dict[str, object]:
+    """``POST /api/service/packets``: a packet sent by the chat backend — on behalf of ``sender_id`` (who
+    must be allowed to send in the group, as on the websocket) or, with ``system``, from an account of
+    the backend's own that need not be a member. The same limits and checks as any send, paid from the
+    sender's balance, announced in the room as any send; ``request_id`` is required (the sender's, as a
+    send's from a socket: a retry answers the same packet and pays once)."""
+    body = await json_body(request)
+    sender = UserId(id_of(body.get("sender_id"), errors.USER_NOT_FOUND, "sender_id"))
+    group = GroupId(id_of(body.get("group_id"), errors.GROUP_NOT_FOUND, "group_id"))
+    request_id, system = body.get("request_id"), body.get("system", False)
+    if not isinstance(request_id, str):
+        raise InvalidRequest(errors.BAD_REQUEST, "request_id is required, a string: a retried send pays once")
+    if not isinstance(system, bool):
+        raise InvalidRequest(errors.BAD_REQUEST, "system is true or false")
+    if not await ledger.user_exists(core.db, sender):
+        raise NotFound(errors.USER_NOT_FOUND, f"no user {sender}: put it first")
+    p = await packets.send_packet(
+        core,
+        sender_id=sender,
+        group_id=group,
+        kind=body.get("kind", "lucky"),
+        total=body.get("total"),
+        count=body.get("count"),
+        greeting=body.get("greeting", ""),
+        target_user_id=body.get("target"),
+        request_id=request_id,
+        system=system,
+    )
+    return {**await announce_sent(request.app.state.hub, p), "group_id": group}
+
+
 def routes() -> list[Route]:
     def public(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         """The route for ``handler``, behind the service key (no user's token: ``public`` to endpoint)."""
@@ -272,6 +304,7 @@ def routes() -> list[Route]:
         Route("/api/service/withdraw", public(withdraw), methods=["POST"]),
         Route("/api/service/holds", public(hold), methods=["POST"]),
         Route("/api/service/holds/confirm", public(confirm_hold), methods=["POST"]),
+        Route("/api/service/packets", public(send), methods=["POST"]),
         Route("/api/service/holds/release", public(release_hold), methods=["POST"]),
         Route("/api/service/events", public(event_page), methods=["GET"]),
         Route("/api/service/accounts/{user_id}", public(account), methods=["GET"]),

@@ -94,8 +94,11 @@ async def send_packet(
     greeting: object = "",
     target_user_id: object = None,
     request_id: str | None = None,
+    system: bool = False,
 ) -> Packet:
-    """Debit the sender and create a packet with its shares; then publish it to Redis.
+    """Debit the sender and create a packet with its shares; then publish it to Redis. ``system``: the
+    chat backend sends from an account of its own that is no member of the group (a promotion): the
+    group's rules of who sends are not asked, every other rule is.
 
     Bad input raises ``InvalidRequest`` before anything is written. The debit, the packet, its shares
     and the journal row commit together or not at all. Every send is keyed before its transaction: by
@@ -114,7 +117,7 @@ async def send_packet(
     await _require_redis(core, group_id)
 
     async def work(tx: Tx) -> Packet:
-        await _may_send(tx, req, sender_id=sender_id, group_id=group_id)
+        await _may_send(tx, req, sender_id=sender_id, group_id=group_id, system=system)
         exists = await tx.fetchone(
             "SELECT 1 FROM red_packets WHERE sender_id = %s AND request_id = %s", (sender_id, key)
         )
@@ -149,13 +152,17 @@ async def send_packet(
     return packet
 
 
-async def _may_send(tx: Tx, req: PacketRequest, *, sender_id: UserId, group_id: GroupId) -> None:
-    """Refuse the send unless the sender may send here, the group has enough members for the shares and
-    the target (if any) is another member."""
+async def _may_send(
+    tx: Tx, req: PacketRequest, *, sender_id: UserId, group_id: GroupId, system: bool = False
+) -> None:
+    """Refuse the send unless the sender may send here (any group for a ``system`` sender: the chat
+    backend's own account), the group has enough members for the shares and the target (if any) is
+    another member."""
     role, members_can_send = await groups.role_of(tx, group_id=group_id, user_id=sender_id)
-    if role is None:
+    # (A system sender is asked nothing of the group: it exists, or role_of said not found.)
+    if not system and role is None:
         raise Forbidden(errors.NOT_MEMBER, f"user {sender_id} is not a member of group {group_id}")
-    if role != "admin" and not members_can_send:
+    if not system and role != "admin" and not members_can_send:
         raise Forbidden(errors.NOT_ADMIN, "only group admins send packets here")
     size = await tx.fetchone("SELECT COUNT(*) FROM group_members WHERE group_id = %s", (group_id,))
     if size is not None and req.count > int(size[0]):
