@@ -98,6 +98,8 @@ MANAGED_BY_BACKEND = "managed_by_backend"
 ID_TAKEN = "id_taken"
 NOT_LOCAL = "not_local"
 ORIGIN_NOT_ALLOWED = "origin_not_allowed"
+DENIED_BY_BACKEND = "denied_by_backend"
+HOOK_UNAVAILABLE = "hook_unavailable"
 HOLD_NOT_FOUND = "hold_not_found"
 HOLD_CLOSED = "hold_closed"
 

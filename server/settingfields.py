@@ -205,6 +205,32 @@ class SettingFields:
         " dashboard; `redpacket webhooks replay` sends it again); at least 24",
         least=24,
     )
+    hook_url: str = setting(
+        "",
+        "the chat backend's say before money moves: hubs POST each send and each withdrawal or hold there"
+        " first (signed with `REDPACKET_HOOK_SECRET`) and do what it answers — allow, deny with a reason"
+        " shown to the user, or allow with a changed greeting (`https://`, `http://` only to this machine) "
+        + LINK_INTEGRATION,
+        shown="*(none: off)*",
+    )
+    hook_secret: str = setting(
+        "",
+        "the key of the hook calls' HMAC-SHA256 signature: at least 32 characters; required with a hook URL",
+        shown="*(none)*",
+    )
+    hook_timeout_ms: int = setting(
+        1_000,
+        "how long a send or a withdrawal waits for the hook's answer; past it (or with the hook down) a"
+        " withdrawal or hold is refused `hook_unavailable`, a send as `REDPACKET_HOOK_SENDS_WHEN_DOWN` says",
+        least=50,
+        most=10_000,
+    )
+    hook_sends_when_down: str = setting(
+        "deny",
+        "what a send does when the hook does not answer in time or answers nonsense: `deny`"
+        " (`hook_unavailable`, nothing paid) or `allow` (sent unchecked, counted); money out is always"
+        " denied",
+    )
     token_ttl_seconds: int = setting(86_400, "lifetime of a token from `/api/login`")
     # Demos only: ``check`` refuses them unless the hub listens on loopback with no chat backend.
     dev_login: bool = setting(

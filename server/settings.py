@@ -274,6 +274,24 @@ class Settings(SettingFields):
                     f"{PREFIX}JWKS_URL must be https (plain http only to this machine): the keys that say"
                     f" who every user is must not be swappable on the way (got {self.jwks_url!r})"
                 )
+        if self.hook_url:
+            u = urlparse(self.hook_url)
+            if not u.hostname or not (
+                u.scheme == "https" or (u.scheme == "http" and is_loopback(u.hostname))
+            ):
+                raise ValueError(
+                    f"{PREFIX}HOOK_URL: an https:// URL (plain http only to this machine): it is told who"
+                    f" pays what and decides it (got {self.hook_url!r})"
+                )
+            if len(self.hook_secret) < 32:
+                raise ValueError(
+                    f"{PREFIX}HOOK_SECRET is required with a hook URL, at least 32 characters, e.g."
+                    " `openssl rand -hex 32`: the backend checks every call's signature with it"
+                )
+        if self.hook_sends_when_down not in ("deny", "allow"):
+            raise ValueError(
+                f"{PREFIX}HOOK_SENDS_WHEN_DOWN is deny or allow (got {self.hook_sends_when_down!r})"
+            )
         for url in self.webhook_url_list:
             u = urlparse(url)
             if not u.hostname or not (

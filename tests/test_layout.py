@@ -33,6 +33,7 @@ SHARED = {
     "server.errors",
     "server.text",
     "server.ids",
+    "server.signing",
     "server.core",
     "server",
 }

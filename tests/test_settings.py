@@ -89,7 +89,8 @@ def test_every_number_is_held_to_its_declared_bounds(f: dataclasses.Field[Any]) 
             Settings().replace(**{f.name: 0}).check()
     if most is not None:
         Settings().replace(**{f.name: most}).check()
-        with pytest.raises(ValueError, match=f"{env_name(f.name)} must be a port number, 0 to {most}"):
+        what = "a port number" if f.name.endswith("port") else "a number"
+        with pytest.raises(ValueError, match=f"{env_name(f.name)} must be {what}, {least} to {most}"):
             Settings().replace(**{f.name: most + 1}).check()
 
 

@@ -16,8 +16,6 @@ than 5 minutes from its clock), ``Redpacket-Event-Id`` and ``Redpacket-Event-Typ
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
 import random
@@ -29,11 +27,11 @@ import httpx
 from server.core import Core
 from server.money import deliveries, events
 from server.money.ledger import now_ms
+from server.signing import SIGNATURE_HEADER, sign
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-SIGNATURE_HEADER = "Redpacket-Signature"
 # Deliveries claimed per URL per round (sent concurrently), and the pause when there was nothing to do.
 PER_ROUND = 50
 IDLE_S = 0.2
@@ -42,18 +40,6 @@ MAX_RETRY_MS = 3_600_000
 OBSERVE_S = 2.0
 # A failing URL is said in the log at most this often.
 WARN_EVERY_S = 60.0
-
-
-def sign(secret: str, body: bytes, t: int, previous: str = "") -> str:
-    """The ``Redpacket-Signature`` header's value for ``body`` sent at unix second ``t``; with the
-    ``previous`` secret of a roll, a second ``v1=`` made with it (as Stripe signs during a roll), so a
-    receiver holding either secret verifies."""
-    macs = [
-        hmac.new(s.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
-        for s in (secret, previous)
-        if s
-    ]
-    return f"t={t}," + ",".join(f"v1={mac}" for mac in macs)
 
 
 def retry_after_ms(attempts: int, base_ms: int, rng: random.Random) -> int:

@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # arq writes a line per periodic job run (several a minute); its warnings and errors still show.
     logging.getLogger("arq.worker").setLevel(logging.WARNING)
+    # httpx writes a line per request with its whole URL, credentials and query included (a hook's, a
+    # webhook's): a line per delivery and per send, and a secret in the log. Its warnings still show.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     # uvicorn drains on SIGTERM, then raises the signal again; end with a clean exit instead, so the
     # cleanup below (the embedded Valkey's shutdown) still runs.
     signal.signal(signal.SIGTERM, on_sigterm)

@@ -44,6 +44,10 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
         await bench_storm(settings, args.rate, _storm_seconds(args), plot=plot)
     elif what == "fanout":
         await hubbench.bench_fanout(settings, plot=plot)
+    elif what == "hook":
+        from server.tools.hookbench import bench_hook
+
+        await bench_hook(settings, plot=plot)
     else:
         await hotbench.bench_hot(
             settings, args.clients, workers=args.workers, client_procs=args.client_procs, plot=plot

@@ -115,6 +115,7 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "tokens",
             "split",
             "grab-script",
+            "hook",
         ],
     )
     bench.add_argument("--grabs", type=int, default=20_000, help="grabs per measured mode (grab)")

@@ -23,6 +23,7 @@ from server.hub import protocol
 from server.hub.announce import Announcer
 from server.hub.connection import Connection, OffsetKey
 from server.hub.frames import data_frame
+from server.hub.hooks import Hooks
 from server.hub.metrics import HubMetrics
 from server.hub.packetcache import PacketCache
 from server.hub.ratelimit import KeyedBuckets
@@ -51,6 +52,8 @@ class Hub:
         self.metrics = metrics
         # Who a token names (with the JWKS cache, when the backend publishes its keys).
         self.tokens = Tokens(Rules.from_settings(core.settings))
+        # The chat backend's say before money moves (REDPACKET_HOOK_URL; off without it).
+        self.hooks = Hooks(core, metrics)
         self.id = uuid.uuid4().hex[:12]
         self.serial = itertools.count(1)
         self.by_group: dict[GroupId, set[Connection]] = {}
@@ -84,6 +87,7 @@ class Hub:
 
     async def __aenter__(self) -> Hub:
         self.metrics.watch_gc()
+        await self.hooks.__aenter__()
         if self.tokens.jwks is not None:  # the backend's keys, before the first token needs them
             with contextlib.suppress(Exception):  # (said in a warning line; tried again on demand)
                 await self.tokens.jwks.refresh()
@@ -103,6 +107,7 @@ class Hub:
         self.metrics.unwatch_gc()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.hooks.__aexit__()
 
     def spawn(self, work: Awaitable[Any]) -> None:
         """Run background work (announcements, presence) that must not hold up a reply; kept until done."""

@@ -65,20 +65,7 @@ class HubMetrics:
         )
         for name in ("address", "user", "service_key", "sockets", "origin", "frames", "bytes"):
             self.limited.labels(name)  # each exported from the start, at 0
-        self.service_key_uses = Counter(
-            "redpacket_service_key_uses",
-            "Service API calls taken, by the key they came with: current, or previous while"
-            " REDPACKET_SERVICE_KEY_PREVIOUS is set (a roll is done when previous stops counting)",
-            ["key"],
-            registry=r,
-        )
-        for key in ("current", "previous"):
-            self.service_key_uses.labels(key)
-        self.service_key_failures = Counter(
-            "redpacket_service_key_failures",
-            "calls to the chat backend's API with a wrong or missing key (alert on a rise)",
-            registry=r,
-        )
+        self._backend(r)
         self.gc_pauses = Histogram(
             "redpacket_hub_gc_pause_seconds",
             "how long each garbage collection held the hub's event loop",
@@ -126,6 +113,37 @@ class HubMetrics:
         )
         self._gc_started = 0.0
         self._gc_max = 0.0
+
+    def _backend(self, r: CollectorRegistry) -> None:
+        """What the chat backend's side of the hub counts: its hook, its service keys."""
+        self.hook_seconds = Histogram(
+            "redpacket_hook_seconds",
+            "how long the chat backend's hook (REDPACKET_HOOK_URL) took to answer, by what was asked",
+            ["type"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.hook_answers = Counter(
+            "redpacket_hook_answers",
+            "the hook's answers by what was asked (send, withdraw, hold) and answer: allowed, changed (a"
+            " send's greeting), denied, no_answer (late, down or nonsense)",
+            ["type", "answer"],
+            registry=r,
+        )
+        self.service_key_uses = Counter(
+            "redpacket_service_key_uses",
+            "Service API calls taken, by the key they came with: current, or previous while"
+            " REDPACKET_SERVICE_KEY_PREVIOUS is set (a roll is done when previous stops counting)",
+            ["key"],
+            registry=r,
+        )
+        for key in ("current", "previous"):
+            self.service_key_uses.labels(key)
+        self.service_key_failures = Counter(
+            "redpacket_service_key_failures",
+            "calls to the chat backend's API with a wrong or missing key (alert on a rise)",
+            registry=r,
+        )
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":

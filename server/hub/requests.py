@@ -147,6 +147,7 @@ async def on_send(s: Session, body: Body) -> Message:
         greeting=body.get("greeting", ""),
         target_user_id=body.get("target"),
         request_id=request_id,
+        approve=s.hub.hooks.approve_send,
     )
     return await announce_sent(s.hub, p)
 

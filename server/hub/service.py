@@ -165,7 +165,8 @@ async def withdraw(request: Request, core: Core, _: UserId) -> dict[str, object]
     body = await json_body(request)
     user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
     amount, request_id = body.get("amount"), body.get("request_id")
-    paid = await payouts.withdraw(core.db, user_id, amount, request_id)
+    approve = request.app.state.hub.hooks.approve_payout
+    paid = await payouts.withdraw(core.db, user_id, amount, request_id, approve)
     return await _money_answer(core, user_id, amount, request_id, paid)
 
 
@@ -191,7 +192,12 @@ async def hold(request: Request, core: Core, _: UserId) -> dict[str, object]:
     body = await json_body(request)
     user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
     made = await payouts.hold(
-        core.db, user_id, body.get("amount"), body.get("request_id"), body.get("expires_in_s")
+        core.db,
+        user_id,
+        body.get("amount"),
+        body.get("request_id"),
+        body.get("expires_in_s"),
+        request.app.state.hub.hooks.approve_payout,
     )
     return await _hold_answer(core, made)
 
@@ -281,6 +287,7 @@ async def send(request: Request, core: Core, _: UserId) -> dict[str, object]:
         target_user_id=body.get("target"),
         request_id=request_id,
         system=system,
+        approve=request.app.state.hub.hooks.approve_send,
     )
     return {**await announce_sent(request.app.state.hub, p), "group_id": group}
 

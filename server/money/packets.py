@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 from redis.exceptions import RedisError
 
@@ -35,7 +35,7 @@ from server.money.packetrows import (
 )
 from server.money.split import PacketRequest, validate_request
 from server.store import keys
-from server.store.db import IntegrityError, Tx
+from server.store.db import Database, IntegrityError, Tx
 from server.store.records import CreditEntry, DroppedEntry, GrabRecord, ShareEntry
 from server.store.redisconn import ServerChanged
 from server.store.scriptcalls import LoadPacketCall, run_alone
@@ -95,10 +95,13 @@ async def send_packet(
     target_user_id: object = None,
     request_id: str | None = None,
     system: bool = False,
+    approve: SendApproval | None = None,
 ) -> Packet:
     """Debit the sender and create a packet with its shares; then publish it to Redis. ``system``: the
     chat backend sends from an account of its own that is no member of the group (a promotion): the
-    group's rules of who sends are not asked, every other rule is.
+    group's rules of who sends are not asked, every other rule is. ``approve``: the chat backend's say
+    (``server.hub.hooks``), asked once the request is known good and before any money moves; a greeting
+    it changed is checked as any.
 
     Bad input raises ``InvalidRequest`` before anything is written. The debit, the packet, its shares
     and the journal row commit together or not at all. Every send is keyed before its transaction: by
@@ -111,6 +114,10 @@ async def send_packet(
     """
     req = validate_request(kind, total, count, greeting, target_user_id, core.limits)
     key = new_request_id() if request_id is None else check_request_id(request_id)
+    if approve is not None:
+        changed = await approve(req, key, sender_id=sender_id, group_id=group_id)
+        if changed is not None:
+            req = validate_request(req.kind, req.total, req.count, changed, req.target_user_id, core.limits)
     # The shares are drawn from it once the packet has its id (server.money.fairness); only its
     # commitment is shown until the packet is finished or refunded.
     seed = core.rng.randbytes(SEED_BYTES)
@@ -150,6 +157,23 @@ async def send_packet(
         )
         return dataclasses.replace(packet, published=False)
     return packet
+
+
+class SendApproval(Protocol):
+    """The chat backend's say on a send known good (``server.hub.hooks.Hooks.approve_send``): None, or
+    the greeting it changed; it raises to refuse."""
+
+    async def __call__(
+        self, req: PacketRequest, request_id: str, *, sender_id: UserId, group_id: GroupId
+    ) -> str | None: ...
+
+
+async def sent_before(db: Database, sender_id: UserId, request_id: str) -> bool:
+    """Whether ``sender_id`` has a packet sent with ``request_id`` (a retry: it answers that one)."""
+    row = await db.fetchone(
+        "SELECT 1 FROM red_packets WHERE sender_id = %s AND request_id = %s", (sender_id, request_id)
+    )
+    return row is not None
 
 
 async def _may_send(

@@ -16,6 +16,7 @@ money in = balances + held in packets + withdrawn + on hold (``server.money.outf
 from __future__ import annotations
 
 import functools
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
@@ -49,10 +50,27 @@ class Hold:
         return asdict(self)
 
 
-async def withdraw(db: Database, user_id: UserId, amount: object, request_id: object) -> bool:
-    """Debit ``amount`` from the account once per ``request_id``; False on a replay."""
+# The chat backend's say on money leaving (``server.hub.hooks.Hooks.approve_payout``): it raises to refuse.
+PayoutApproval = Callable[[Literal["withdraw", "hold"], UserId, int, str], Awaitable[None]]
+
+
+async def paid_out_before(db: Database, user_id: UserId, kind: Literal["withdraw", "hold"], rid: str) -> bool:
+    """Whether the withdrawal or hold ``rid`` of ``user_id`` was made (a retry: it answers that one)."""
+    row = await db.fetchone(
+        "SELECT 1 FROM journal WHERE account_id = %s AND idem_key = %s", (user_id, f"{kind}:{rid}")
+    )
+    return row is not None
+
+
+async def withdraw(
+    db: Database, user_id: UserId, amount: object, request_id: object, approve: PayoutApproval | None = None
+) -> bool:
+    """Debit ``amount`` from the account once per ``request_id``; False on a replay. ``approve``: the
+    chat backend's say, asked once the request is known good and before any money moves."""
     cents = check_cents(amount, "an amount out")
     rid = check_request_id(request_id, "a withdrawal's request_id")
+    if approve is not None:
+        await approve("withdraw", user_id, cents, rid)
     key = f"withdraw:{rid}"
     data: dict[str, object] = {"user_id": user_id, "amount": cents, "request_id": rid}
 
@@ -106,12 +124,20 @@ def _data(h: Hold) -> dict[str, object]:
 
 
 async def hold(
-    db: Database, user_id: UserId, amount: object, request_id: object, expires_in_s: object = None
+    db: Database,
+    user_id: UserId,
+    amount: object,
+    request_id: object,
+    expires_in_s: object = None,
+    approve: PayoutApproval | None = None,
 ) -> Hold:
-    """Take ``amount`` off the balance and hold it, once per ``request_id``."""
+    """Take ``amount`` off the balance and hold it, once per ``request_id`` (``approve``: as
+    ``withdraw``'s)."""
     cents = check_cents(amount, "an amount out")
     rid = check_request_id(request_id, "a hold's request_id")
     life_s = check_expiry(expires_in_s)
+    if approve is not None:
+        await approve("hold", user_id, cents, rid)
 
     async def work(tx: Tx) -> Hold:
         prior = await _locked(tx, rid)

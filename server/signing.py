@@ -1,0 +1,22 @@
+"""The signature of what redpacket POSTs to the chat backend — webhooks (``worker.webhooks``) and hooks
+(``server.hub.hooks``) alike: ``Redpacket-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>." +
+the raw body>``, as Stripe signs, so its receivers' code (and docs/integration.md's) checks both."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+SIGNATURE_HEADER = "Redpacket-Signature"
+
+
+def sign(secret: str, body: bytes, t: int, previous: str = "") -> str:
+    """The ``Redpacket-Signature`` header's value for ``body`` sent at unix second ``t``; with the
+    ``previous`` secret of a roll, a second ``v1=`` made with it (as Stripe signs during a roll), so a
+    receiver holding either secret verifies."""
+    macs = [
+        hmac.new(s.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+        for s in (secret, previous)
+        if s
+    ]
+    return f"t={t}," + ",".join(f"v1={mac}" for mac in macs)
