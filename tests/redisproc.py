@@ -279,6 +279,14 @@ class LocalCluster:
 
     def master_of(self, key: str) -> RedisProcess:
         """The node that owns ``key``'s slot now."""
+        owner = self.owner_of(key)
+        if owner is None:
+            raise AssertionError(f"no node owns the slot of {key}")
+        return owner
+
+    def owner_of(self, key: str) -> RedisProcess | None:
+        """The node that owns ``key``'s slot now, or None while none does (mid-failover, the node asked
+        may list the slot nowhere for a moment)."""
         c = redis.Redis(port=next(n.port for n in self.nodes if n.proc and n.proc.poll() is None))
         try:
             slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
@@ -288,7 +296,7 @@ class LocalCluster:
                     return next(n for n in self.nodes if n.port == port)
         finally:
             c.close()
-        raise AssertionError(f"no node owns the slot of {key}")
+        return None
 
     async def stop(self) -> None:
         await asyncio.gather(*(n.stop() for n in self.nodes))
