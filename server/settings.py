@@ -281,7 +281,7 @@ class Settings(SettingFields):
             ):
                 raise ValueError(
                     f"{PREFIX}HOOK_URL: an https:// URL (plain http only to this machine): it is told who"
-                    f" pays what and decides it (got {self.hook_url!r})"
+                    f" pays what and decides it (got {u.scheme}://{u.hostname or ''}…)"
                 )
             if len(self.hook_secret) < 32:
                 raise ValueError(

@@ -103,6 +103,9 @@ async def test_a_page_of_an_allowed_origin_uses_the_hub_and_another_origin_gets_
                     script = await http.get("/client/redpacket.js", headers={"origin": origin})
                     assert script.status_code == 200
                     assert (script.headers.get("access-control-allow-origin") == origin) is marked, origin
+                # Nothing but the user routes, the client and the API's description: not the metrics.
+                metrics = await http.get("/metrics", headers={"origin": chat_app})
+                assert "access-control-allow-origin" not in metrics.headers
                 # The chat backend's routes answer no page, listed or not: its key never belongs in a browser.
                 service = await http.options("/api/service/topup", headers={"origin": chat_app, **ask})
                 assert "access-control-allow-origin" not in service.headers

@@ -138,6 +138,9 @@ async def test_the_guides_receiver_allows_denies_and_changes_and_no_refusal_move
             assert sent["greeting"] == "恭喜"
             changed = await w.send("s2", greeting="see http://spam.example")
             assert changed["greeting"] == "恭喜发财"
+            # Its retry (a client that lost the answer sends the same frame): the packet that was sent.
+            again = await w.send("s2", greeting="see http://spam.example")
+            assert (again["packet_id"], again["replay"]) == (changed["packet_id"], True)
             assert await w.balance() == 90_000 - 600
             # Over the limit, and a user who must verify first: refused with the backend's reason.
             status, refused = await w.withdraw(60_000, "w-big")

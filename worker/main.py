@@ -248,26 +248,6 @@ async def running_worker(core: Core, metrics: WorkerMetrics | None = None) -> As
     try:
         yield metrics
     finally:
-        await stop(tasks)
-
-
-async def stop(tasks: list[asyncio.Task[None]], patience_s: float = 10.0) -> None:
-    """Cancel ``tasks`` and wait for them to end. One that swallowed its cancellation — seen in arq's
-    loop, cancelled mid-poll: the process then hung on Ctrl-C until killed — is cancelled again every
-    second; one still running after ``patience_s`` is left, said in the log: a shutdown never waits for
-    ever."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + patience_s
-    pending = set(tasks)
-    while pending and loop.time() < deadline:
-        for task in pending:
+        for task in tasks:
             task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=min(1.0, deadline - loop.time()))
-    for task in tasks:
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            log.debug("a worker task ended with %r", task.exception())
-    if pending:
-        names = ", ".join(sorted(t.get_coro().__qualname__ for t in pending))  # type: ignore[union-attr]
-        log.warning(
-            "worker tasks still running %.0f s after they were cancelled, left: %s", patience_s, names
-        )
+        await asyncio.gather(*tasks, return_exceptions=True)

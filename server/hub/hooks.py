@@ -1,6 +1,7 @@
 """The chat backend's say before money moves (``REDPACKET_HOOK_URL``): risk control, KYC, spending limits.
 
-Before a send (from a socket or ``POST /api/service/packets``) and before a withdrawal or a hold, the hub
+Before a send (from a socket or ``POST /api/service/packets``) and before a withdrawal or a hold — once
+its fields are checked, before the balance and membership checks and any money moving — the hub
 POSTs what is asked to the hook — ``{"type": "send" | "withdraw" | "hold", "user_id", ...}``, signed as
 webhooks are (``server.signing``) — and waits at most ``REDPACKET_HOOK_TIMEOUT_MS`` for its answer:
 
@@ -69,7 +70,7 @@ def read_answer(status: int, body: bytes) -> Verdict:
         return NoAnswer(f"HTTP {status}")
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the parser's depth: no verdict either)
         return NoAnswer("not JSON")
     if not isinstance(data, dict) or not isinstance(data.get("allow"), bool):
         return NoAnswer('no boolean "allow"')
@@ -147,9 +148,13 @@ class Hooks:
     ) -> str | None:
         """Ask the hook about a send already checked (``packets.send_packet`` calls it before any money
         moves): None to go on as asked, a changed greeting, or raise ``denied_by_backend`` /
-        ``hook_unavailable``. A send done before with this request id is not asked again."""
-        if self.client is None or await packets.sent_before(self.core.db, sender_id, request_id):
+        ``hook_unavailable``. A send done before with this request id is not asked again: it is answered
+        as it was sent, with the greeting the hook may have given it then."""
+        if self.client is None:
             return None
+        earlier = await packets.greeting_sent_before(self.core.db, sender_id, request_id)
+        if earlier is not None:
+            return earlier
         question = {
             "user_id": sender_id,
             "group_id": group_id,

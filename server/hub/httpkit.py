@@ -192,6 +192,9 @@ SECURITY_HEADERS: list[tuple[bytes, bytes]] = [
 # What a page of another origin may send the HTTP API (the CORS preflight's answer).
 CORS_METHODS = ("GET", "POST", "PUT", "DELETE")
 CORS_HEADERS = ("authorization", "content-type", IDS_HEADER)
+# What such a page may use: the user routes, the JS client, the API's description (not the metrics, the
+# health check or the demo page).
+CORS_PATHS = ("/api/", "/client/", "/openapi.json")
 
 
 class CrossOrigin:
@@ -216,8 +219,9 @@ class CrossOrigin:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].startswith("/api/service/"):
-            await self.app(scope, receive, send)
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if not path.startswith(CORS_PATHS) or path.startswith("/api/service/"):
+            await self.app(scope, receive, send)  # (no CORS: the page gets nothing it may read)
             return
         headers = Headers(scope=scope)
         origin = headers.get("origin")

@@ -35,7 +35,7 @@ from server.money.packetrows import (
 )
 from server.money.split import PacketRequest, validate_request
 from server.store import keys
-from server.store.db import Database, IntegrityError, Tx
+from server.store.db import Database, IntegrityError, Tx, as_text
 from server.store.records import CreditEntry, DroppedEntry, GrabRecord, ShareEntry
 from server.store.redisconn import ServerChanged
 from server.store.scriptcalls import LoadPacketCall, run_alone
@@ -134,7 +134,9 @@ async def send_packet(
 
     try:
         if core.db.shards:
-            packet = await _send_sharded(core, req, key, seed, sender_id=sender_id, group_id=group_id)
+            packet = await _send_sharded(
+                core, req, key, seed, sender_id=sender_id, group_id=group_id, system=system
+            )
         else:
             packet = await core.db.run(work, idempotent=True)
     except _Replay:
@@ -168,12 +170,13 @@ class SendApproval(Protocol):
     ) -> str | None: ...
 
 
-async def sent_before(db: Database, sender_id: UserId, request_id: str) -> bool:
-    """Whether ``sender_id`` has a packet sent with ``request_id`` (a retry: it answers that one)."""
+async def greeting_sent_before(db: Database, sender_id: UserId, request_id: str) -> str | None:
+    """The greeting of ``sender_id``'s packet sent with ``request_id`` (a retry: it answers that one,
+    whose greeting the chat backend's hook may have changed), or None if there is none."""
     row = await db.fetchone(
-        "SELECT 1 FROM red_packets WHERE sender_id = %s AND request_id = %s", (sender_id, request_id)
+        "SELECT greeting FROM red_packets WHERE sender_id = %s AND request_id = %s", (sender_id, request_id)
     )
-    return row is not None
+    return None if row is None else as_text(row[0])
 
 
 async def _may_send(
@@ -223,7 +226,14 @@ async def _insert_packet(
 
 
 async def _send_sharded(
-    core: Core, req: PacketRequest, key: str, seed: bytes, *, sender_id: UserId, group_id: GroupId
+    core: Core,
+    req: PacketRequest,
+    key: str,
+    seed: bytes,
+    *,
+    sender_id: UserId,
+    group_id: GroupId,
+    system: bool = False,
 ) -> Packet:
     """The send on a sharded ledger (``server.money.shardsteps``): the debit on the sender's shard, keyed
     by the request, then the packet, with the debit's id, on its own shard."""
@@ -235,7 +245,7 @@ async def _send_sharded(
         sender_id,
         debit,
         req.total,
-        lambda tx: _may_send(tx, req, sender_id=sender_id, group_id=group_id),
+        lambda tx: _may_send(tx, req, sender_id=sender_id, group_id=group_id, system=system),
         lambda pid: sent_data(PacketId(pid), req, sender_id, group_id, expires),
     )
 
