@@ -12,6 +12,7 @@ to share a type.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, NewType
 
 MAX_ID = 2**63 - 1
@@ -51,22 +52,32 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def ids_as_text(value: Any) -> Any:
-    """``value`` (a message: maps, lists, scalars) with every id as its decimal string; other values as
-    they were. A copy: the message may be encoded for other connections too."""
+def _map_ids(value: Any, one: Callable[[str, object], object]) -> Any:
+    """``value`` (a message: maps, lists, scalars) copied, with ``one(field, value)`` made of every scalar
+    under an id's name (each item of a list of them; maps and lists inside are walked as any)."""
     if isinstance(value, dict):
         out: dict[Any, Any] = {}
         for k, v in value.items():
-            if k in ID_FIELDS and _is_int(v):
-                out[k] = str(v)
-            elif (k in ID_FIELDS or k in ID_LIST_FIELDS) and isinstance(v, list) and all(map(_is_int, v)):
-                out[k] = [str(i) for i in v]
+            if isinstance(v, list) and (k in ID_FIELDS or k in ID_LIST_FIELDS):
+                out[k] = [_map_ids(i, one) if isinstance(i, dict | list) else one(k, i) for i in v]
+            elif k in ID_FIELDS and not isinstance(v, dict):
+                out[k] = one(k, v)
             else:
-                out[k] = ids_as_text(v)
+                out[k] = _map_ids(v, one)
         return out
     if isinstance(value, list):
-        return [ids_as_text(v) for v in value]
+        return [_map_ids(v, one) for v in value]
     return value
+
+
+def _id_as_text(name: str, value: object) -> object:
+    return str(value) if _is_int(value) else value
+
+
+def ids_as_text(value: Any) -> Any:
+    """``value`` (a message) with every id as its decimal string; other values as they were. A copy: the
+    message may be encoded for other connections too."""
+    return _map_ids(value, _id_as_text)
 
 
 def _id_from_text(name: str, value: object) -> object:
@@ -82,16 +93,4 @@ def ids_from_text(value: Any) -> Any:
     integer id is taken as it is). A string under an id's name that is not the decimal digits of a whole
     number (``"07"``, ``" 7"``, ``"7.0"``) raises ``ValueError`` saying so: the caller answers
     ``bad_request``. The ids are then checked as every id is (``server.hub.protocol.field_id``)."""
-    if isinstance(value, dict):
-        out: dict[Any, Any] = {}
-        for k, v in value.items():
-            if k in ID_FIELDS and not isinstance(v, list | dict):
-                out[k] = _id_from_text(k, v)
-            elif (k in ID_FIELDS or k in ID_LIST_FIELDS) and isinstance(v, list):
-                out[k] = [_id_from_text(k, i) for i in v]
-            else:
-                out[k] = ids_from_text(v)
-        return out
-    if isinstance(value, list):
-        return [ids_from_text(v) for v in value]
-    return value
+    return _map_ids(value, _id_from_text)

@@ -17,7 +17,7 @@ from server import errors, text
 from server.errors import InvalidRequest, RedPacketError
 from server.hub import protocol
 from server.hub.protocol import Body, Message, field_id
-from server.ids import GroupId, PacketId
+from server.ids import GroupId, PacketId, UserId
 from server.live import announce, events
 from server.live.botscore import Attempt
 from server.live.events import offset_key
@@ -137,25 +137,35 @@ async def on_send(s: Session, body: Body) -> Message:
     request_id = body.get("request_id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidRequest(errors.BAD_REQUEST, "request_id must be a string")
+    return await send(s.hub, body, sender_id=s.conn.user_id, group_id=group, request_id=request_id)
+
+
+async def send(
+    hub: Hub,
+    body: Body,
+    *,
+    sender_id: UserId,
+    group_id: GroupId,
+    request_id: str | None,
+    system: bool = False,
+) -> Message:
+    """A send from a request's fields (a user's socket, or the chat backend's
+    ``POST /api/service/packets``): paid for and saved with the backend's say (``server.hub.hooks``),
+    then announced in its room now — or, offset null, by a retry or a worker once Redis is back; the
+    send's answer."""
     p = await packets.send_packet(
-        s.core,
-        sender_id=s.conn.user_id,
-        group_id=group,
+        hub.core,
+        sender_id=sender_id,
+        group_id=group_id,
         kind=body.get("kind", "lucky"),
         total=body.get("total"),
         count=body.get("count"),
         greeting=body.get("greeting", ""),
         target_user_id=body.get("target"),
         request_id=request_id,
-        approve=s.hub.hooks.approve_send,
+        system=system,
+        approve=hub.hooks.approve_send,
     )
-    return await announce_sent(s.hub, p)
-
-
-async def announce_sent(hub: Hub, p: packets.Packet) -> Message:
-    """A packet just paid for and saved (by a user's socket, or the chat backend's
-    ``POST /api/service/packets``), announced in its room now — or, offset null, by a retry or a worker
-    once Redis is back; the send's answer."""
     hub.packet_cache.mark_known(group_id=p.group_id, packet_id=p.packet_id)
     offset = await announce.announce_packet(hub.core, p)
     if offset is not None and not p.replay:

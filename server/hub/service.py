@@ -23,12 +23,12 @@ from starlette.routing import Route
 from server import errors
 from server.core import Core
 from server.errors import Forbidden, InvalidRequest, NotFound, TooMany
+from server.hub import requests
 from server.hub.httpkit import Handler, bearer, client_address, endpoint, id_of, json_body, path_id
 from server.hub.hub import Hub
-from server.hub.requests import announce_sent
 from server.hub.tokens import TokenError
 from server.ids import GroupId, UserId
-from server.money import events, groups, ledger, packets, payouts
+from server.money import events, groups, ledger, payouts
 from server.money.groups import Role
 
 BY_BACKEND = 0  # the `by` of an event caused through this API
@@ -276,20 +276,11 @@ async def send(request: Request, core: Core, _: UserId) -> dict[str, object]:
         raise InvalidRequest(errors.BAD_REQUEST, "system is true or false")
     if not await ledger.user_exists(core.db, sender):
         raise NotFound(errors.USER_NOT_FOUND, f"no user {sender}: put it first")
-    p = await packets.send_packet(
-        core,
-        sender_id=sender,
-        group_id=group,
-        kind=body.get("kind", "lucky"),
-        total=body.get("total"),
-        count=body.get("count"),
-        greeting=body.get("greeting", ""),
-        target_user_id=body.get("target"),
-        request_id=request_id,
-        system=system,
-        approve=request.app.state.hub.hooks.approve_send,
+    hub: Hub = request.app.state.hub
+    sent = await requests.send(
+        hub, body, sender_id=sender, group_id=group, request_id=request_id, system=system
     )
-    return {**await announce_sent(request.app.state.hub, p), "group_id": group}
+    return {**sent, "group_id": group}
 
 
 def routes() -> list[Route]:
