@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+import worker.main as worker_main
 from server.core import Core
 from server.money import grabs, packets
 from server.money.ledger import balance
@@ -179,3 +180,29 @@ async def test_a_database_outage_is_two_lines_of_the_workers_log(
 
 async def all_paid(core: Core, users: list[int], cents: int) -> bool:
     return all([await _balance_is(core, u, cents) for u in users])
+
+
+async def test_the_worker_stops_when_arqs_loop_swallows_a_cancel(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Python 3.11 a cancel that meets one of redis-py's read timeouts is taken for the timeout and
+    swallowed; arq's loop then polls on, and ``redpacket up`` hung on Ctrl-C (seen three times under load).
+    Here arq's start-up swallows the cancel on purpose: the worker must stop all the same."""
+    swallowed = asyncio.Event()
+    waiting = asyncio.Event()
+
+    async def stubborn_startup(ctx: dict[str, Any]) -> None:
+        try:
+            waiting.set()
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            swallowed.set()  # and arq's loop goes on to poll, as after the swallowed timeout
+
+    real = worker_main.make_worker
+    monkeypatch.setattr(worker_main, "make_worker", lambda c, m: real(c, m, on_startup=stubborn_startup))
+    task = asyncio.create_task(worker_main.run_arq(core, WorkerMetrics(own_process=False)))
+    await asyncio.wait_for(waiting.wait(), 30)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=30)
+    assert swallowed.is_set()  # the dangerous state: a cancel arq's loop did not take
+    assert done == {task} and task.cancelled()

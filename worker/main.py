@@ -113,9 +113,13 @@ async def run_arq(core: Core, metrics: WorkerMetrics) -> None:
     while True:
         worker = make_worker(core, metrics)
         started = time.monotonic()
+        loop = asyncio.create_task(worker.async_run())
         try:
-            await worker.async_run()
+            await asyncio.shield(loop)
             return
+        except asyncio.CancelledError:
+            await stop_arq(loop)
+            raise
         except Exception as e:
             if time.monotonic() - started > 30:
                 failures = 0  # it ran for a while: this is a new outage
@@ -131,6 +135,22 @@ async def run_arq(core: Core, metrics: WorkerMetrics) -> None:
                 t.cancel()
             await asyncio.gather(*running, return_exceptions=True)
         await asyncio.sleep(min(0.1 * 2 ** (failures - 1), 5.0))
+
+
+STOP_TRIES = 50  # cancels of arq's loop, 0.1 s apart, before giving up on it
+
+
+async def stop_arq(loop: asyncio.Task[None]) -> None:
+    """Cancel arq's loop until it has stopped. Once is not always enough: on Python 3.11 a cancel that
+    arrives as one of redis-py's read timeouts expires is taken for the timeout (``asyncio.timeout``
+    swallows it), arq carries on polling, and a shutdown that waited on it hung (seen under load in
+    ``redpacket up`` and the hub's tests). After ``STOP_TRIES`` the loop is left, said in a line."""
+    for _ in range(STOP_TRIES):
+        loop.cancel()
+        done, _pending = await asyncio.wait({loop}, timeout=0.1)
+        if done:
+            return
+    log.error("arq's loop did not stop after %d cancels; leaving it", STOP_TRIES)
 
 
 async def heartbeat(core: Core, metrics: WorkerMetrics) -> None:
