@@ -45,7 +45,15 @@ class Conflict(RedPacketError):
 
 
 class TooMany(RedPacketError):
-    pass
+    """A limit reached: ``retry_after_s`` until the next request would be taken, ``allowance`` the requests
+    the limit takes at once (HTTP answers say both: ``Retry-After``, ``RateLimit-*``)."""
+
+    def __init__(
+        self, code: str, message: str = "", *, retry_after_s: float = 1.0, allowance: int = 1, **details: Any
+    ) -> None:
+        super().__init__(code, message, **details)
+        self.retry_after_s = retry_after_s
+        self.allowance = allowance
 
 
 class Unavailable(RedPacketError):
@@ -102,6 +110,7 @@ DENIED_BY_BACKEND = "denied_by_backend"
 HOOK_UNAVAILABLE = "hook_unavailable"
 HOLD_NOT_FOUND = "hold_not_found"
 HOLD_CLOSED = "hold_closed"
+WEBHOOK_NOT_FOUND = "webhook_not_found"
 
 # Every code above, read from this module: a code added above is in it, with nothing else to edit.
 ALL_CODES: tuple[str, ...] = tuple(

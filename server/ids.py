@@ -37,12 +37,13 @@ ShareSeq = NewType("ShareSeq", int)
 # members, 0 for the chat backend.)
 ID_FIELDS = frozenset(
     {"by", "group", "group_id", "packet", "packet_id", "sender", "sender_id", "target", "user", "user_id"}
+    | {"next"}  # a list's cursor (``server.hub.httpkit.page``): a packet's id on some lists
 )
 # A field that holds a list of ids, and elsewhere a count or a flag (``members: 3``, ``online: true``):
 # only its lists are ids.
 ID_LIST_FIELDS = frozenset({"members", "admins", "added", "removed", "roles_changed", "online", "user_ids"})
 # Not ids, so numbers in every format: request ids (echoed as the client sent them), event and journal
-# numbers (``id``, ``after``: cursors), versions, amounts, sequence numbers and times.
+# numbers (``id``, ``after``), versions, amounts, sequence numbers and times.
 
 # (Up to 40 digits: a number no id can be is then answered not found, as an integer would be.)
 _DIGITS = re.compile(r"0|[1-9][0-9]{0,39}", re.ASCII)

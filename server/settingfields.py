@@ -193,6 +193,14 @@ class SettingFields:
         " (at least 32 characters, not the same) " + LINK_INTEGRATION,
         shown="*(none)*",
     )
+    webhook_endpoints: str = setting(
+        "",
+        "webhook URLs each with its own secret, its own roll and the event types it is sent: a JSON list of"
+        ' `{"url", "secret", "secret_previous", "events"}` objects, or a file holding it (`secret` left'
+        " out: `REDPACKET_WEBHOOK_SECRET` and its `_PREVIOUS`; `events` left out: every type); checked at"
+        " start-up " + LINK_INTEGRATION,
+        shown="*(none)*",
+    )
     webhook_timeout_ms: int = setting(10_000, "how long one delivery waits for the receiver's answer")
     webhook_retry_ms: int = setting(
         1_000,
@@ -345,6 +353,14 @@ class SettingFields:
         " routes and import `/client/redpacket.js` (CORS, no cookies; never the `/api/service/` routes)."
         " Programs that send no `Origin` are not affected ([docs/protocol.md](docs/protocol.md#connecting))",
         shown="*(empty: any; `up`: `self`)*",
+    )
+    trusted_proxies: str = setting(
+        "",
+        "the proxies (addresses or networks, comma-separated: `10.0.0.7,172.28.0.0/24`) whose"
+        " `X-Forwarded-For` names the client, for the per-address limits; from any other peer the header is"
+        " ignored, loopback included (a peer naming its own address would take a fresh allowance per"
+        " request). uvicorn's `FORWARDED_ALLOW_IPS` is refused: name the proxies here",
+        shown="*(empty: none)*",
     )
     bot_exempt_users: str = setting(
         "",

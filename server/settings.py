@@ -14,12 +14,12 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, fields, replace
-from enum import StrEnum
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from server.durability import DURABILITY, Durability
 from server.settingfields import PREFIX, SettingFields, env_name
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
@@ -29,41 +29,6 @@ EMBEDDED = "embedded"
 # REDPACKET_ names that are not settings, and so not refused: what `redpacket load` tells its Locust
 # processes, and the test suite's own (REDPACKET_TEST_REDIS_URL, …).
 NOT_SETTINGS = ("REDPACKET_LOAD_STAGES", "REDPACKET_TEST_")
-
-
-class Durability(StrEnum):
-    """What a grab answered "won" survives (``REDPACKET_GRAB_DURABILITY``; the README says what each
-    level waits for). Resolved once, by ``Settings.durability``."""
-
-    NONE = "none"
-    AOF = "aof"
-    REPLICA = "replica"
-    AOF_REPLICA = "aof+replica"
-
-    @property
-    def waits(self) -> bool:
-        """Whether a grab's answer waits for anything (every level but none)."""
-        return self is not Durability.NONE
-
-    @property
-    def fsyncs(self) -> bool:
-        """Whether a grab waits for the master's fsync (WAITAOF; appendfsync always)."""
-        return self in (Durability.AOF, Durability.AOF_REPLICA)
-
-    @property
-    def wants_replica(self) -> bool:
-        """Whether a grab waits for a replica (``aof+replica``: while one could take the master's place)."""
-        return self in (Durability.REPLICA, Durability.AOF_REPLICA)
-
-    @property
-    def degrades(self) -> bool:
-        """Whether a grab goes on without a replica while its master has none that could take its place
-        (``aof+replica``: on the master's fsync alone meanwhile)."""
-        return self is Durability.AOF_REPLICA
-
-
-# Every level, in the order the README lists them.
-DURABILITY: tuple[Durability, ...] = tuple(Durability)
 
 
 def _number(name: str, raw: str, kind: type[int] | type[float]) -> int | float:
@@ -165,6 +130,10 @@ class Settings(SettingFields):
         misspelt one would leave its setting at its default: the demo's storage, every origin)."""
         env = os.environ if environ is None else environ
         _refuse_unknown(env, {env_name(f.name) for f in fields(cls)})
+        if "FORWARDED_ALLOW_IPS" in env:  # (uvicorn's own, which the hub would silently not read)
+            raise ValueError(
+                f"FORWARDED_ALLOW_IPS is not read by the hub: name the proxies in {PREFIX}TRUSTED_PROXIES"
+            )
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = env.get(env_name(f.name))
@@ -195,6 +164,11 @@ class Settings(SettingFields):
     def allowed_origin_list(self) -> tuple[str, ...]:
         """``REDPACKET_ALLOWED_ORIGINS``, each lower-cased without a trailing slash."""
         return tuple(o.strip().lower().rstrip("/") for o in self.allowed_origins.split(",") if o.strip())
+
+    @property
+    def trusted_proxy_list(self) -> tuple[str, ...]:
+        """``REDPACKET_TRUSTED_PROXIES``: each address or network as written."""
+        return tuple(p.strip() for p in self.trusted_proxies.split(",") if p.strip())
 
     @property
     def bot_exempt_user_ids(self) -> frozenset[int]:
@@ -299,7 +273,7 @@ class Settings(SettingFields):
             ):
                 raise ValueError(
                     f"{PREFIX}WEBHOOK_URLS: each is an https:// URL (plain http only to this machine): the"
-                    f" events carry who was paid what (got {url!r})"
+                    f" events carry who was paid what (got {u.scheme}://{u.hostname or ''}…)"
                 )
         if self.webhook_url_list and len(self.webhook_secret) < 32:
             raise ValueError(
@@ -401,6 +375,14 @@ class Settings(SettingFields):
                     f"{PREFIX}ALLOWED_ORIGINS holds origins such as https://chat.example.com (scheme, host,"
                     f" port if not the default; no path), or self (got {origin!r})"
                 )
+        for proxy in self.trusted_proxy_list:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"{PREFIX}TRUSTED_PROXIES holds addresses or networks such as 10.0.0.7 or"
+                    f" 172.28.0.0/24, comma-separated (got {proxy!r}; names are not resolved)"
+                ) from None
         if not re.fullmatch(r"(\d{1,19}(,\d{1,19})*)?", self.bot_exempt_users.replace(" ", "")):
             raise ValueError(
                 f"{PREFIX}BOT_EXEMPT_USERS is user ids separated by commas (got {self.bot_exempt_users!r})"

@@ -90,7 +90,11 @@ async def test_a_client_moves_to_the_other_hub_when_its_hub_stops(
     # Hubs as deployed: no dev login (a demo hub answers this machine only, never a proxy's requests),
     # and a small allowance of HTTP requests per client address.
     settings = hub_settings.replace(dev_login=False, demo_topup=False)
-    limits = {"REDPACKET_HTTP_PER_ADDRESS_PER_SECOND": "0.001", "REDPACKET_HTTP_PER_ADDRESS_BURST": "5"}
+    limits = {
+        "REDPACKET_HTTP_PER_ADDRESS_PER_SECOND": "0.001",
+        "REDPACKET_HTTP_PER_ADDRESS_BURST": "5",
+        "REDPACKET_TRUSTED_PROXIES": "127.0.0.1",  # the balancer, on this machine
+    }
     db = await connect(settings.database_url)
     try:
         user = await ledger.create_user(db, "li")

@@ -3,6 +3,7 @@ Dockerfile's install step run as plain shell into a throw-away virtualenv."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import shutil
 import subprocess
@@ -282,9 +283,14 @@ def test_hub_and_worker_replicas_publish_no_port_and_sit_behind_the_balancer() -
     config = (ROOT / "deploy" / "haproxy.cfg").read_text()
     assert "server-template hub" in config and "hub:8000" in config  # every replica, by the service's name
     assert "option httpchk GET /healthz" in config and "option forwardfor" in config
-    # The hubs trust X-Forwarded-For from anyone in the network: the balancer drops a client's own.
+    # The hubs trust X-Forwarded-For from the balancer alone, by its fixed address; it drops a client's own.
     assert "http-request del-header X-Forwarded-For" in config
-    assert services["hub"]["environment"]["FORWARDED_ALLOW_IPS"] == "*"  # the hubs read who the client is
+    lb_address = lb["networks"]["default"]["ipv4_address"]
+    assert services["hub"]["environment"]["REDPACKET_TRUSTED_PROXIES"] == lb_address
+    network = _compose()["networks"]["default"]["ipam"]["config"][0]
+    assert ipaddress.ip_address(lb_address) in ipaddress.ip_network(network["subnet"])
+    # Outside the range the others are given theirs from: no container (a scaled hub) can take it first.
+    assert ipaddress.ip_address(lb_address) not in ipaddress.ip_network(network["ip_range"])
 
 
 def _flags(command: list[str]) -> dict[str, str]:

@@ -17,10 +17,10 @@ from redis.asyncio import Redis
 
 from server import errors
 from server.core import Core, open_core
+from server.durability import Durability
 from server.errors import RedPacketError
 from server.money import grabs, ledger, packets
 from server.money.reconcile import reconcile
-from server.settings import Durability
 from server.store import keys, redisconn, redisnodes
 from server.store.batch import NotDurable, _shortfall, _waits, durability_problem
 from tests.conftest import grab_retrying, make_world

@@ -170,7 +170,8 @@ async def test_a_token_for_a_user_never_made_is_refused_everywhere(demo: HubUnde
     async with httpx.AsyncClient(base_url=demo.http, timeout=10, headers=headers) as http:
         for method, path, body in (
             ("GET", "/api/me", None),
-            ("GET", "/api/me/packets", None),
+            ("GET", "/api/me/packets/sent", None),
+            ("GET", "/api/me/packets/received", None),
             ("POST", "/api/groups", {"name": "ghost"}),
             ("POST", "/api/topup", {"amount": 100, "request_id": "ghost"}),
         ):
@@ -677,7 +678,11 @@ async def test_healthz_says_what_is_down_never_the_errors_text(
     async with httpx.AsyncClient(base_url=demo.http, timeout=10) as http:
         r = await http.get("/healthz")
     assert r.status_code == 503
-    assert r.json()["error"] == {"code": "database_unavailable", "message": "the database is unavailable"}
+    assert r.json()["error"] == {
+        "code": "database_unavailable",
+        "message": "the database is unavailable",
+        "request_id": r.headers["x-request-id"],
+    }
     assert "10.1.2.3" not in r.text
     assert any(secret in rec.getMessage() for rec in caplog.records)  # the operator still reads it
 

@@ -236,7 +236,7 @@ async def _socket_story(h: HubUnderTest, caplog: pytest.LogCaptureFixture) -> No
         seen.append(await c.request("grab", group=room.group, packet=pid))
         seen.append(await c.request("open", group=room.group, packet=pid))
     seen.append(await h.api("GET", f"/api/packets/{pid}", room.admin_token))
-    seen.append(await h.api("GET", "/api/me/packets", room.admin_token))
+    seen.append(await h.api("GET", "/api/me/packets/sent", room.admin_token))
     seen.append(await members[0].request("sync", groups={str(room.group): None}))
     async with httpx.AsyncClient(base_url=h.http, timeout=30) as http:
         seen.append((await http.get("/metrics")).text)

@@ -224,7 +224,9 @@ async def test_every_http_error_is_the_documented_json(
 
         monkeypatch.setattr("server.money.ledger.balance", broken)
         r = await http.get("/api/me", headers=auth)
-    assert r.status_code == 500 and r.json() == {"error": {"code": "internal", "message": "internal error"}}
+    rid = r.headers["x-request-id"]
+    assert r.status_code == 500
+    assert r.json() == {"error": {"code": "internal", "message": "internal error", "request_id": rid}}
     assert "a bug" in caplog.text  # the operator still sees the traceback
 
 

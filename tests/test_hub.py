@@ -545,11 +545,11 @@ async def test_what_a_client_words_its_messages_with(hub_settings: Settings) -> 
         mine: dict[str, Any] = {}
 
         async def credited() -> bool:  # a grab is listed once the worker has credited it
-            mine.update(await h.api("GET", "/api/me/packets", member_token))
-            return bool(mine["received"])
+            mine.update(await h.api("GET", "/api/me/packets/received", member_token))
+            return bool(mine["packets"])
 
         await eventually(credited)
-        assert mine["received"][0] == {
+        assert mine["packets"][0] == {
             "status": "credited",
             "packet_id": sent["packet_id"],
             "group_id": room.group,

@@ -34,6 +34,7 @@ SHARED = {
     "server.text",
     "server.ids",
     "server.signing",
+    "server.durability",
     "server.core",
     "server",
 }

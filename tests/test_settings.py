@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from server.durability import Durability
 from server.settingfields import env_name, settings_table
-from server.settings import Durability, Settings
+from server.settings import Settings
 
 pytestmark = pytest.mark.unit
 

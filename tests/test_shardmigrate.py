@@ -25,6 +25,7 @@ from server.tools.spider import SpiderCluster
 from tests import test_shards
 
 SEED = "ab" * 32
+NEXT = schema.LATEST + 1  # a migration of a test's own, after every real one
 
 
 @pytest.mark.unit
@@ -37,6 +38,8 @@ def test_every_migration_statement_has_a_place_on_a_sharded_ledger() -> None:
     assert not runs_on_head("CREATE INDEX red_packets_status ON red_packets (status, expires_ms)")
     assert written_table("DELETE FROM `journal` WHERE id = 1") == "journal"
     assert written_table("DROP INDEX holds_due ON holds") == "holds"
+    index = "CREATE INDEX IF NOT EXISTS grab_records_user_packet ON grab_records (user_id, packet_id)"
+    assert placed[index] == "grab_records" and not runs_on_head(index)
 
 
 @pytest.mark.unit
@@ -169,10 +172,11 @@ async def test_a_ledger_at_version_10_is_brought_to_the_latest_with_its_rows(
         assert there == ([(SEED,)] if shard == 7 % 3 else []), shard
     assert (await _ids_through_head(cluster, name))[-1] == (7, SEED)
     assert [line.rsplit(": ", 1)[1] for line in lines if line.startswith("shard ")] == [
-        "migrations applied [11]"
+        "migrations applied [11, 12]"
     ] * 3
     assert "head: red_packets made again over the backends' new definition" in lines
-    assert lines[-1] == "head: migrations applied [11]" and len(lines) == 5, lines  # red_packets only
+    assert "head: grab_records made again over the backends' new definition" in lines  # (an index: 12)
+    assert lines[-1] == "head: migrations applied [11, 12]" and len(lines) == 6, lines
 
     # Run again: nothing changes.
     before = await _head_tables(cluster, name)
@@ -196,7 +200,7 @@ async def test_a_run_stopped_half_way_is_run_again_to_the_end(
 
     with pytest.raises(DatabaseError, match="backend 2"):
         await _make(cluster, name, third_unreachable)
-    assert await _pending_everywhere(cluster, name) == [[11], [], [], [11]]
+    assert await _pending_everywhere(cluster, name) == [[11, 12], [], [], [11, 12]]
     # Meanwhile the head's old definitions still read every shard (the new column is not theirs).
     assert await _ids_through_head_old(cluster, name) == list(range(1, 7))
 
@@ -211,7 +215,7 @@ async def test_a_run_stopped_half_way_is_run_again_to_the_end(
         m.setattr(shards, "migrate", head_lost)
         with pytest.raises(DatabaseError, match="head's connection"):
             await _make(cluster, name)
-    assert await _pending_everywhere(cluster, name) == [[11], [], [], []]
+    assert await _pending_everywhere(cluster, name) == [[11, 12], [], [], []]
     assert "`seed`" in await _create(cluster.head_url(name), "red_packets")  # made again, not recorded
     # And a swap stopped between making its new table and the RENAME.
     backend_create = await _create(urls[0], "red_packets")
@@ -223,7 +227,7 @@ async def test_a_run_stopped_half_way_is_run_again_to_the_end(
 
     lines = await _make(cluster, name)
     assert "head: red_packets made again over the backends' new definition" in lines
-    assert lines[-1] == "head: migrations applied [11]", lines
+    assert lines[-1] == "head: migrations applied [11, 12]", lines
     assert await _pending_everywhere(cluster, name) == [[]] * 4
     assert await _ids_through_head(cluster, name) == [(i, None) for i in range(1, 7)]
     left = await _on(
@@ -242,9 +246,9 @@ async def test_a_data_update_of_a_sharded_table_runs_once_on_each_row(
     await _make(cluster, name)
     await _six_packets(cluster, name)
     more = "UPDATE red_packets SET share_count = share_count + 1"  # not idempotent: run twice, shows
-    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, (12, "one share more", [more])])
+    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, (NEXT, "one share more", [more])])
     lines = await _make(cluster, name)
-    assert lines[-1] == "head: migrations applied [12]", lines
+    assert lines[-1] == f"head: migrations applied [{NEXT}]", lines
     counts = await _on(cluster.head_url(name), "SELECT id, share_count FROM red_packets ORDER BY id")
     assert [(int(i), int(n)) for i, n in counts] == [(i, 3) for i in range(1, 7)]
 
@@ -256,9 +260,9 @@ async def test_a_migration_that_cannot_be_placed_is_refused_before_any_backend_c
     await cluster.create_database(name)
     await _make(cluster, name)
     joined = "UPDATE red_packets JOIN users ON users.id = red_packets.sender_id SET greeting = users.name"
-    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, (12, "a join", [joined])])
+    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, (NEXT, "a join", [joined])])
     with pytest.raises(
-        DatabaseError, match=r"^migration 12: cannot tell which table .*UPDATE red_packets JOIN"
+        DatabaseError, match=rf"^migration {NEXT}: cannot tell which table .*UPDATE red_packets JOIN"
     ):
         await _make(cluster, name)
-    assert await _pending_everywhere(cluster, name) == [[12]] * 4
+    assert await _pending_everywhere(cluster, name) == [[NEXT]] * 4

@@ -258,6 +258,27 @@ def _worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
 
 
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)
+async def test_a_receiver_that_does_not_answer_delays_no_other_url(core: Core) -> None:
+    """Before: one round went over the URLs one after another, so a receiver holding its answer held back
+    every other URL's deliveries until its timeout. Now each URL has a loop of its own."""
+    async with receiving(Receiver(script=["hold"])) as stuck, receiving(Receiver()) as fine:
+        settings = core.settings.replace(
+            webhook_urls=f"{stuck.url},{fine.url}", webhook_secret=SECRET, webhook_timeout_ms=120_000
+        )
+        user = await ledger.create_user(core.db, "stuck")
+        async with open_core(settings) as c:
+            dispatcher = asyncio.create_task(Dispatcher(c).run())
+            try:
+                for i in range(3):
+                    await ledger.topup(core.db, user, 10 + i, f"s{i}")
+                await asyncio.wait_for(stuck.holding.wait(), 30)  # the state: a delivery held unanswered
+                await eventually(lambda: len(fine.accepted) == 3, 30)
+                assert not stuck.release.is_set() and stuck.seen[0][1] == "hold"
+            finally:
+                dispatcher.cancel()
+                await asyncio.gather(dispatcher, return_exceptions=True)
+
+
 async def test_two_dispatchers_never_both_acknowledge_one_delivery(core: Core) -> None:
     """Two dispatchers race over 120 events of 12 users: each delivery is acknowledged by one of them,
     and with no failure each event is sent once."""
@@ -425,13 +446,15 @@ async def test_replay_sends_events_again_and_status_says_how_far_each_url_is(hub
             assert done.returncode == 0 and done.stdout.startswith("3 deliveries"), done.stdout + done.stderr
             await eventually(lambda: len(rx.seen) == 8, timeout=60)
             done = await asyncio.to_thread(redpacket, "webhooks", "status", **env)
+            shown = f"{label(rx.url)} ({deliveries.endpoint_id(rx.url)})"  # never the URL's secrets
             assert (
-                done.returncode == 0 and done.stdout.strip() == f"{rx.url}: 0 pending (oldest none), 0 failed"
+                done.returncode == 0 and done.stdout.strip() == f"{shown}: 0 pending (oldest none), 0 failed"
             )
             other = {**env, "REDPACKET_WEBHOOK_URLS": "https://other.example/hooks"}
             done = await asyncio.to_thread(redpacket, "webhooks", "status", **other)
             said = "no worker has run with this URL yet (nothing queued for it)"
-            assert done.stdout.strip() == f"https://other.example/hooks: {said}", done.stdout + done.stderr
+            shown = f"other.example/hooks ({deliveries.endpoint_id('https://other.example/hooks')})"
+            assert done.stdout.strip() == f"{shown}: {said}", done.stdout + done.stderr
             bad = await asyncio.to_thread(redpacket, "webhooks", "replay", "--since", "yesterday", **env)
             assert_one_line_error(bad, 2, "ISO 8601")
             off = {**env, "REDPACKET_WEBHOOK_URLS": ""}

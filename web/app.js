@@ -918,7 +918,9 @@ const SENT_STATUS = { finished: "all paid out", refunding: "expired, refund unde
 async function showHistory() {
   let data;
   try {
-    data = await api("GET", "/api/me/packets");
+    // The first page of each list: the newest 50 (docs/integration.md, "Lists").
+    const [sent, received] = await Promise.all([api("GET", "/api/me/packets/sent"), api("GET", "/api/me/packets/received")]);
+    data = { sent: sent.packets, received: received.packets };
   } catch (e) {
     showError(e);
     return;

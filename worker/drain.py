@@ -43,7 +43,7 @@ from server.money.shardsteps import LATER
 from server.store import keys
 from server.store.records import CreditEntry
 from server.store.scriptcalls import AckCreditsCall, run
-from worker.metrics import WorkerMetrics
+from worker.metrics import CREDIT_OUTCOMES, WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ class CreditDrain:
             lambda: defaultdict(list)
         )
         # Counted per batch, not per credit: a labelled counter's labels() and inc() cost 1.5 us a call.
-        counts = {"credited": 0, "already": 0, "refused": 0}
+        counts = dict.fromkeys(CREDIT_OUTCOMES, 0)
         lag = self.metrics.credit_lag
         later = Batch()  # a sharded ledger's credits whose shard was away: given back, paid later
         for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):

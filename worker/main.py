@@ -21,7 +21,8 @@ from arq.cron import cron
 from prometheus_client import CollectorRegistry
 
 from server.core import Core
-from server.settings import Durability
+from server.durability import Durability
+from server.money import endpoints
 from server.store import keys
 from server.store.batch import fsync_problem
 from server.store.identities import eviction_problem
@@ -240,8 +241,8 @@ def durability_degraded(level: Durability, master: MasterUsage) -> str | None:
 
 
 def webhook_tasks(core: Core, metrics: WorkerMetrics) -> list[asyncio.Task[None]]:
-    """The webhook dispatcher, when ``REDPACKET_WEBHOOK_URLS`` names any."""
-    if not core.settings.webhook_url_list:
+    """The webhook dispatcher, when any webhook endpoint is configured (``server.money.endpoints``)."""
+    if not endpoints.configured(core.settings):
         return []
     return [asyncio.create_task(Dispatcher(core, metrics).run())]
 

@@ -9,7 +9,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from server.live.dbmetrics import DatabaseCollector
+from server.money.settlement import REFUND_OUTCOMES
 from worker.outages import Outages
+
+# How the drain counts a credit it committed (``redpacket_credits``): paid now, paid before, refused.
+CREDIT_OUTCOMES = ("credited", "already", "refused")
 
 
 class RedisCpu(Collector):
@@ -122,6 +126,8 @@ class WorkerMetrics:
             ["outcome"],
             registry=r,
         )
+        for outcome in CREDIT_OUTCOMES:
+            self.credits.labels(outcome)  # at 0 from the start: a dashboard's panel has a series
         self.drain_failures = Counter(
             "redpacket_credit_drain_failures", "credit batches that failed and are retried", registry=r
         )
@@ -170,6 +176,8 @@ class WorkerMetrics:
             registry=r,
         )
         self.refunds = Counter("redpacket_refunds", "refund attempts by outcome", ["outcome"], registry=r)
+        for outcome in REFUND_OUTCOMES:
+            self.refunds.labels(outcome)
         self.refund_failures = Counter("redpacket_refund_failures", "refunds that raised", registry=r)
         self.reconciled = Reconciled()
         r.register(self.reconciled)

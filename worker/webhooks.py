@@ -1,4 +1,5 @@
-"""The webhook dispatcher: every event of the outbox POSTed to each of ``REDPACKET_WEBHOOK_URLS``, signed.
+"""The webhook dispatcher: every event of the outbox POSTed to each webhook endpoint that takes its type
+(``server.money.endpoints``: ``REDPACKET_WEBHOOK_URLS`` and ``REDPACKET_WEBHOOK_ENDPOINTS``), signed.
 
 Runs in every worker; the database's queue (``server.money.deliveries``) hands each delivery to one of
 them at a time, in order per user. A round: number the new events (``events.sequence``), queue them for
@@ -9,23 +10,34 @@ until ``REDPACKET_WEBHOOK_GIVE_UP_HOURS`` after its event: then ``failed`` (coun
 
 A request: ``POST`` of the event (``{"id", "type", "created_ms", "user_id", "data"}``, JSON) with
 ``Redpacket-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>." + body, keyed by
-REDPACKET_WEBHOOK_SECRET>`` (docs/integration.md shows how a receiver checks it, and refuses a ``t`` more
+the endpoint's secret>`` (docs/integration.md shows how a receiver checks it, and refuses a ``t`` more
 than 5 minutes from its clock), ``Redpacket-Event-Id`` and ``Redpacket-Event-Type``.
+
+**A receiver cannot take the worker down** (the worker pays credits too): of its answer only the status
+is used. The request asks for ``identity``; the answer is streamed, and at most ``ANSWER_BYTES`` of its
+raw bytes are read (never decompressed: a gzip bomb stays 200 KB on the wire), all within the request's
+one timeout, so a receiver that trickles its answer is cut off with the rest. Memory per request in
+flight is bounded by one socket read, whatever the receiver sends. A URL's secrets (its
+``user:password@``, its query) are never logged nor stored: it is named by its ``label``, and an error's
+text is scrubbed of them (``server.money.endpoints``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import time
-from urllib.parse import urlsplit
+from collections.abc import AsyncGenerator
+from typing import cast
 
 import httpx
 
 from server.core import Core
 from server.money import deliveries, events
+from server.money.endpoints import Endpoint, configured, label, scrub
 from server.money.ledger import now_ms
 from server.signing import SIGNATURE_HEADER, sign
 from worker.metrics import WorkerMetrics
@@ -40,6 +52,9 @@ MAX_RETRY_MS = 3_600_000
 OBSERVE_S = 2.0
 # A failing URL is said in the log at most this often.
 WARN_EVERY_S = 60.0
+# The most of an answer's body read (raw, as it came): enough for a short answer to end, so its
+# connection is kept for the next request; a longer one is cut (its connection closed).
+ANSWER_BYTES = 4096
 
 
 def retry_after_ms(attempts: int, base_ms: int, rng: random.Random) -> int:
@@ -47,12 +62,6 @@ def retry_after_ms(attempts: int, base_ms: int, rng: random.Random) -> int:
     (so deliveries that failed together do not all come back together)."""
     ceiling = int(min(MAX_RETRY_MS, base_ms * 2 ** min(max(attempts - 1, 0), 32)))
     return ceiling // 2 + rng.randrange(ceiling // 2 + 1)
-
-
-def label(url: str) -> str:
-    """A URL as metrics name it: host and path, never its query (which may hold a token)."""
-    u = urlsplit(url)
-    return f"{u.hostname or ''}{f':{u.port}' if u.port else ''}{u.path or '/'}"
 
 
 def encode(event: events.Event) -> bytes:
@@ -66,73 +75,96 @@ class Dispatcher:
         self.core = core
         self.settings = core.settings
         self.metrics = metrics or WorkerMetrics()
-        self.urls = {deliveries.endpoint_id(u): u for u in self.settings.webhook_url_list}
+        self.endpoints = {e.id: e for e in configured(self.settings)}
         self.client = client
         self.rng = random.Random()
         # How long a claimed delivery is this dispatcher's: past it, another may send it again. Twice the
         # answer's timeout and a second: a request still in flight has been given up by then.
         self.lease_ms = 2 * self.settings.webhook_timeout_ms + 1000
-        self.observed: dict[str, float] = {}
-        self.warned: dict[
-            str, float
-        ] = {}  # endpoint → when its last failure was logged  # endpoint → when its gauges were last read
+        self.observed: dict[str, float] = {}  # endpoint → when its gauges were last read
+        self.warned: dict[str, float] = {}  # endpoint → when its last failure was logged
 
     async def run(self) -> None:
-        """Deliver until cancelled, riding out database outages with back-off."""
+        """Deliver until cancelled: each URL in a loop of its own (a receiver that answers slowly delays
+        only its own deliveries), each riding out database outages with back-off."""
         timeout = httpx.Timeout(self.settings.webhook_timeout_ms / 1000)
-        limits = httpx.Limits(max_connections=PER_ROUND * max(len(self.urls), 1))
+        limits = httpx.Limits(max_connections=PER_ROUND * max(len(self.endpoints), 1))
         async with httpx.AsyncClient(timeout=timeout, limits=limits, follow_redirects=False) as client:
             self.client = self.client or client
-            failures = 0
-            while True:
-                try:
-                    busy = await self.round()
-                    failures = 0
-                except Exception as e:
-                    if not self.metrics.outages.failed("webhook dispatcher", e):
-                        log.exception("webhook round failed")
-                    failures += 1
-                    busy = False
-                    await asyncio.sleep(min(0.1 * 2**failures, 5.0))
-                if not busy:
-                    await asyncio.sleep(IDLE_S)
+            await asyncio.gather(*(self.deliver_to(endpoint) for endpoint in self.endpoints))
 
-    async def round(self) -> bool:
-        """One round over every URL; True if anything was sent (another round at once)."""
+    async def deliver_to(self, endpoint: str) -> None:
+        failures = 0
+        while True:
+            try:
+                busy = await self.round(only=endpoint)
+                failures = 0
+            except Exception as e:
+                if not self.metrics.outages.failed("webhook dispatcher", e):
+                    log.exception("webhook round failed")
+                failures += 1
+                busy = False
+                await asyncio.sleep(min(0.1 * 2**failures, 5.0))
+            if not busy:
+                await asyncio.sleep(IDLE_S)
+
+    async def round(self, only: str | None = None) -> bool:
+        """One round over every URL (or ``only`` that one); True if anything was sent (another round at
+        once)."""
         db = self.core.db
         await events.sequence(db)
         sent = False
-        for endpoint, url in self.urls.items():
+        for endpoint, e in self.endpoints.items():
+            if only is not None and endpoint != only:
+                continue
             now = now_ms()
-            await deliveries.queue(db, endpoint, now)
+            await deliveries.queue(db, endpoint, now, e.events)
             token, claimed = await deliveries.claim(db, endpoint, now, self.lease_ms, PER_ROUND)
             if claimed:
                 sent = True
-                await asyncio.gather(*(self.deliver(endpoint, url, token, c) for c in claimed))
+                await asyncio.gather(*(self.deliver(e, token, c) for c in claimed))
             if time.monotonic() - self.observed.get(endpoint, 0.0) >= OBSERVE_S:
-                await self.observe(endpoint, url)
+                await self.observe(endpoint, e.url)
         return sent
 
-    async def deliver(self, endpoint: str, url: str, token: int, c: deliveries.Claimed) -> None:
-        body = encode(c.event)
+    async def status_of(self, url: str, body: bytes, headers: dict[str, str]) -> int:
+        """POST ``body`` and return the answer's status, having read at most ``ANSWER_BYTES`` of the answer
+        raw (never decoded). Cancelling it closes the answer and its connection."""
+        assert self.client is not None
+        request = self.client.build_request("POST", url, content=body, headers=headers)
+        answer = await self.client.send(request, stream=True)
+        try:
+            read = 0
+            # (aiter_raw is an async generator, typed as an iterator: closed here, not left to the GC.)
+            raw = cast(AsyncGenerator[bytes, None], answer.aiter_raw())
+            async with contextlib.aclosing(raw) as chunks:
+                async for chunk in chunks:
+                    read += len(chunk)
+                    if read >= ANSWER_BYTES:
+                        break
+        finally:
+            await answer.aclose()
+        return answer.status_code
+
+    async def deliver(self, e: Endpoint, token: int, c: deliveries.Claimed) -> None:
+        endpoint, body = e.id, encode(c.event)
         headers = {
             "Content-Type": "application/json",
             "User-Agent": "redpacket-webhooks/1",
-            SIGNATURE_HEADER: sign(
-                self.settings.webhook_secret, body, int(time.time()), self.settings.webhook_secret_previous
-            ),
+            "Accept-Encoding": "identity",
+            SIGNATURE_HEADER: sign(e.secret, body, int(time.time()), e.secret_previous),
             "Redpacket-Event-Id": str(c.seq),
             "Redpacket-Event-Type": c.event["type"],
         }
-        name = label(url)
+        name = e.label
         error = ""
-        assert self.client is not None
         try:
-            # httpx's timeout bounds each phase (connect, write, each read); the whole request is bounded
-            # here, so one never outlives its lease (a receiver trickling its answer included).
+            # httpx's timeout bounds each phase (connect, write, each read); the whole request, its
+            # answer's reading included, is bounded here, so one never outlives its lease (a receiver
+            # trickling its answer included).
             async with asyncio.timeout(self.settings.webhook_timeout_ms / 1000):
-                answer = await self.client.post(url, content=body, headers=headers)
-            if 200 <= answer.status_code < 300:
+                status = await self.status_of(e.url, body, headers)
+            if 200 <= status < 300:
                 now = now_ms()
                 if await deliveries.ack(self.core.db, endpoint, c.seq, token, now):
                     self.metrics.webhooks.deliveries.labels(name, "delivered").inc()
@@ -140,11 +172,12 @@ class Dispatcher:
                 else:
                     self.metrics.webhooks.deliveries.labels(name, "lease_lost").inc()
                 return
-            error = f"HTTP {answer.status_code}"
+            error = f"HTTP {status}"
         except (httpx.TimeoutException, TimeoutError):
             error = "timed out"
-        except httpx.HTTPError as e:
-            error = f"{type(e).__name__}: {e}"[:200]
+        except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError) as x:
+            # (An httpx error's text may quote the URL: its secrets are taken out before it is kept.)
+            error = scrub(f"{type(x).__name__}: {x}", e.url)[:200]
         now = now_ms()
         give_up = now - c.first_ms >= self.settings.webhook_give_up_hours * 3_600_000
         wait = retry_after_ms(c.attempts, self.settings.webhook_retry_ms, self.rng)

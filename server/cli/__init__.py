@@ -31,6 +31,7 @@ from server.cli.serve import demo_secret, listen, listen_metrics, on_sigterm, se
 from server.cli.services import with_redis_url
 from server.cli.worker import run_worker, worker_healthy
 from server.hub.handshake import UnsupportedUvicorn, check_uvicorn
+from server.money import endpoints
 from server.settings import Settings, is_loopback
 
 # What the commands around the system need beyond it (the `tools` extra of pyproject.toml).
@@ -237,6 +238,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         if args.command == "up" and not settings.allowed_origins:
             settings = settings.replace(allowed_origins="self")  # the demo page's websockets, no other site's
         settings.check()
+        endpoints.configured(settings)  # REDPACKET_WEBHOOK_ENDPOINTS read and checked, as the rest
     except ValueError as e:  # a setting that cannot be read as written
         raise OperatorError(str(e), 2) from None
     return settings

@@ -176,34 +176,40 @@ def since_ms(text: str) -> int:
 
 
 async def webhooks(settings: Settings, since: str | None, after: int | None) -> None:
-    """``status`` (neither given) or ``replay`` from a time or an event id."""
+    """``status`` (neither given) or ``replay`` from a time or an event id. A URL is shown by its label
+    alone (``server.money.endpoints``: no ``user:password@``, no query) and its id."""
     from server.money import deliveries, events
+    from server.money.endpoints import configured
     from server.money.ledger import now_ms
 
-    urls = settings.webhook_url_list
-    if not urls:
-        raise OperatorError("no webhook URLs: set REDPACKET_WEBHOOK_URLS (as the workers have it)", 2)
+    hooks = configured(settings)
+    if not hooks:
+        raise OperatorError(
+            "no webhook URLs: set REDPACKET_WEBHOOK_URLS or REDPACKET_WEBHOOK_ENDPOINTS (as the workers"
+            " have them)",
+            2,
+        )
     if after is not None and after < 0:
         raise OperatorError("--after is an event id, 0 or more", 2)
     start = None if since is None else since_ms(since)
     await check_services(settings, redis_too=False)
     db = await _database(settings)
     try:
-        ids = [deliveries.endpoint_id(u) for u in urls]
         if since is None and after is None:
-            for url, endpoint in zip(urls, ids, strict=True):
-                q = await deliveries.state(db, endpoint)
+            for e in hooks:
+                q = await deliveries.state(db, e.id)
                 oldest = (
                     "none" if q.oldest_pending_ms is None else f"{(now_ms() - q.oldest_pending_ms) // 1000} s"
                 )
                 if not q.queued:
-                    print(f"{url}: no worker has run with this URL yet (nothing queued for it)")
+                    print(f"{e.label} ({e.id}): no worker has run with this URL yet (nothing queued for it)")
                     continue
-                print(f"{url}: {q.pending} pending (oldest {oldest}), {q.failed} failed")
+                print(f"{e.label} ({e.id}): {q.pending} pending (oldest {oldest}), {q.failed} failed")
             return
         first = after if after is not None else await events.seq_at(db, start or 0)
-        n = await deliveries.replay(db, ids, first, now_ms())
-        print(f"{n} deliveries of events after id {first} due again, to {len(urls)} URL(s)")
+        types = {e.id: e.events for e in hooks}
+        n = await deliveries.replay(db, [e.id for e in hooks], first, now_ms(), types)
+        print(f"{n} deliveries of events after id {first} due again, to {len(hooks)} URL(s)")
     finally:
         await db.close()
 

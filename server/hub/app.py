@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import logging
 import socket
-import time
 from collections.abc import AsyncIterator, Callable
 
 import uvicorn
@@ -27,29 +28,20 @@ from starlette.types import Scope
 
 from server import errors
 from server.core import Core, open_core, reset_writer_when_told
-from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
-from server.hub import service
+from server.hub import service, userapi
 from server.hub.gcpolicy import keep_collections_out_of_bursts
 from server.hub.handshake import HttpLimits, bounded_http, check_uvicorn
 from server.hub.httpkit import (
     CrossOrigin,
+    EveryAnswer,
     LocalOnly,
-    SecurityHeaders,
     cross_origins,
-    endpoint,
     error_response,
-    id_of,
-    json_body,
-    path_id,
 )
 from server.hub.hub import Hub
 from server.hub.metrics import HubMetrics, serve_metrics
-from server.hub.requests import grab_dict, view_dict
 from server.hub.session import websocket_endpoint
-from server.hub.tokens import make_token
 from server.hub.wire import HubWebSocket
-from server.ids import GroupId, PacketId, UserId
-from server.money import grabs, groups, ledger, queries
 from server.settings import Settings
 from server.store.assets import asset_dir
 
@@ -61,152 +53,6 @@ WEB_DIR = asset_dir("web")
 CLIENT_DIR = asset_dir("clients/js")
 # The HTTP API described in OpenAPI 3.1, served as /openapi.json.
 API_DOC = asset_dir("docs") / "openapi.json"
-
-
-def _demo(core: Core, what: str, on: bool) -> None:
-    """Refuse a demo convenience that is off, or that a chat backend makes meaningless (its users log in
-    through it; ``Settings.check`` refuses the combination at start-up too)."""
-    if not on:
-        raise Forbidden(errors.DISABLED, f"{what} is disabled on this hub")
-    if core.settings.backend:
-        raise Forbidden(errors.DISABLED, f"{what} is off beside a chat backend")
-
-
-async def login(request: Request, core: Core, _: UserId) -> dict[str, object]:
-    """Dev login by name (creates the user on first use). Off unless REDPACKET_DEV_LOGIN=1 or `up`, on a
-    hub listening on loopback only, and never for a user the chat backend made."""
-    _demo(core, "dev login", core.settings.dev_login)
-    if not request.app.state.hub.tokens.rules.hmac:
-        raise Forbidden(errors.DISABLED, "dev login issues HS256 tokens; this hub takes RS256/ES256 only")
-    name = (await json_body(request)).get("name")
-    if not isinstance(name, str):
-        raise InvalidRequest(errors.NAME_INVALID, "name is required")
-    found = await ledger.user_by_name(core.db, name, with_origin=True)
-    if found is None:
-        try:
-            user_id = await ledger.create_user(core.db, name)
-        except Conflict:  # created by a concurrent login
-            found = await ledger.user_by_name(core.db, name, with_origin=True)
-            if found is None:
-                raise Conflict(errors.NAME_TAKEN, "try again") from None
-    if found is not None:
-        user_id, origin = found
-        if origin == "backend":
-            raise Forbidden(errors.MANAGED_BY_BACKEND, "this user logs in through the chat backend")
-    token = make_token(
-        core.settings.secret.encode(), user_id, int(time.time()), core.settings.token_ttl_seconds
-    )
-    return {"user_id": user_id, "name": name.strip(), "token": token}
-
-
-async def me(request: Request, core: Core, user: UserId) -> dict[str, object]:
-    name = await ledger.user_name(core.db, user)
-    if name is None:
-        raise NotFound(errors.USER_NOT_FOUND, "no such user")
-    return {
-        "user_id": user,
-        "name": name,
-        "balance": await ledger.balance(core.db, user),
-        "groups": await groups.groups_of(core.db, user),
-    }
-
-
-async def topup(request: Request, core: Core, user: UserId) -> dict[str, object]:
-    _demo(core, "demo top-up", core.settings.demo_topup)
-    body = await json_body(request)
-    await ledger.topup(core.db, user, body.get("amount"), body.get("request_id"))
-    return {"user_id": user, "balance": await ledger.balance(core.db, user)}
-
-
-async def _users_may_change(core: Core, group: GroupId | None = None) -> None:
-    """Group management by users: off when the chat backend manages groups (REDPACKET_USER_GROUPS), and
-    never on a group the backend made."""
-    if not core.settings.users_manage_groups:
-        raise Forbidden(errors.DISABLED, "groups and their members are managed by the chat backend here")
-    if group is not None:
-        await groups.require_maker(core.db, group, backend=False)
-
-
-async def create_group(request: Request, core: Core, user: UserId) -> dict[str, object]:
-    await _users_may_change(core)
-    body = await json_body(request)
-    gid = await groups.create_group(
-        core.db,
-        user,
-        str(body.get("name") or ""),
-        bool(body.get("members_can_send")),
-        per_minute=core.settings.groups_per_user_per_minute,
-    )
-    await core.membership.changed(gid, [user], "added")
-    return {"group_id": gid}
-
-
-async def list_members(request: Request, core: Core, user: UserId) -> dict[str, object]:
-    gid = GroupId(path_id(request, "group_id"))
-    await core.membership.require(group_id=gid, user_id=user)
-    return {"group_id": gid, "members": await groups.members_of(core.db, gid)}
-
-
-async def add_members(request: Request, core: Core, user: UserId) -> dict[str, object]:
-    gid = GroupId(path_id(request, "group_id"))
-    await _users_may_change(core, gid)
-    await groups.require_admin(core.db, group_id=gid, user_id=user)
-    body = await json_body(request)
-    user_ids, names = body.get("user_ids", []), body.get("names", [])
-    most = core.settings.max_users_per_request
-    if not isinstance(user_ids, list) or not isinstance(names, list) or len(user_ids) + len(names) > most:
-        raise InvalidRequest(errors.BAD_REQUEST, f"user_ids and names are lists of at most {most} together")
-    ids = [UserId(id_of(u, errors.USER_NOT_FOUND, "user")) for u in user_ids]
-    by_name = await ledger.users_by_name(core.db, names)
-    unknown = [n for n in names if n not in by_name]
-    ids += [by_name[n] for n in names if n in by_name]
-    if unknown:
-        # Every unknown name at once, and nobody added: the admin fixes the list and sends it again.
-        raise NotFound(errors.USER_NOT_FOUND, f"no user named {', '.join(unknown)}", names=unknown)
-    role = body.get("role", "member")
-    added = await groups.add_members(core.db, core.membership, gid, ids, role)
-    hub: Hub = request.app.state.hub
-    for u in ids:
-        await hub.publish(gid, "member_added", {"user": u, "role": role, "by": user})
-    return {"group_id": gid, "added": added}
-
-
-async def remove_member(request: Request, core: Core, user: UserId) -> dict[str, object]:
-    gid = GroupId(path_id(request, "group_id"))
-    target = UserId(path_id(request, "user_id"))
-    await _users_may_change(core, gid)
-    if target != user:  # anyone may leave; only admins remove others
-        await groups.require_admin(core.db, group_id=gid, user_id=user)
-    removed = await groups.remove_member(core.db, core.membership, group_id=gid, user_id=target)
-    if removed:
-        await request.app.state.hub.publish(gid, "member_removed", {"user": target, "by": user})
-    return {"group_id": gid, "removed": removed}
-
-
-async def make_admin(request: Request, core: Core, user: UserId) -> dict[str, object]:
-    gid = GroupId(path_id(request, "group_id"))
-    target = UserId(path_id(request, "user_id"))
-    await _users_may_change(core, gid)
-    await groups.require_admin(core.db, group_id=gid, user_id=user)
-    await groups.set_role(core.db, core.membership, "admin", group_id=gid, user_id=target)
-    await request.app.state.hub.publish(gid, "member_role", {"user": target, "role": "admin", "by": user})
-    return {"group_id": gid, "user_id": target, "role": "admin"}
-
-
-async def packet_detail(request: Request, core: Core, user: UserId) -> dict[str, object]:
-    pid = PacketId(path_id(request, "packet_id"))
-    found = await queries.packet_status(core.db, pid)
-    if found is None:
-        raise NotFound(errors.PACKET_NOT_FOUND, "no such packet")
-    group, status = found
-    view = await grabs.open_packet(core, packet_id=pid, group_id=group, user_id=user)
-    credited = await queries.grab_states(core.db, pid)
-    listed = [{**grab_dict(g), "status": credited.get(g.user_id, "grabbed")} for g in view.grabs]
-    return {**view_dict(view), "grabs": listed, "status": status}
-
-
-async def my_packets(request: Request, core: Core, user: UserId) -> dict[str, object]:
-    return await queries.sent_and_received(core.db, user)
 
 
 # /healthz answers within this long whatever hangs behind it: a balancer must tell "Redis away" from "hub
@@ -244,13 +90,20 @@ async def http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (no such route or file, wrong method) as the documented JSON error."""
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
-    return error_response(_HTTP_CODES.get(status, errors.BAD_REQUEST), str(detail), status)
+    answer = error_response(_HTTP_CODES.get(status, errors.BAD_REQUEST), str(detail), status)
+    if status == 405:  # RFC 9110: a 405 says what the path takes (every route of the path, not only one)
+        # (A static file's refusal says its own: StaticFiles' GET, HEAD.)
+        theirs = (getattr(exc, "headers", None) or {}).get("Allow", "")
+        answer.headers["allow"] = ", ".join(allowed_methods(request)) or theirs
+    return answer
 
 
-async def server_error(request: Request, exc: Exception) -> Response:
-    """A bug: logged with its traceback; the caller gets the documented JSON error, never a text page."""
-    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return error_response(errors.INTERNAL, "internal error", 500)
+def allowed_methods(request: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in request.app.routes:
+        if isinstance(route, Route) and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods or set()
+    return sorted(methods)
 
 
 def metrics_page(app: Starlette) -> bytes:
@@ -277,9 +130,21 @@ class Pages(Mount):
         return super().matches(scope)
 
 
+@functools.cache
+def _api_doc_around_servers() -> tuple[bytes, bytes]:
+    """docs/openapi.json as the bytes before and after its ``servers`` value, read once."""
+    doc = {**json.loads(API_DOC.read_bytes()), "servers": None}
+    before, _, after = json.dumps(doc, ensure_ascii=False).encode().partition(b'"servers": null')
+    return before + b'"servers": ', after
+
+
 async def openapi(request: Request) -> Response:
-    """docs/openapi.json, the HTTP API's description, as the file says it."""
-    return Response(API_DOC.read_bytes(), media_type="application/json")
+    """docs/openapi.json, the HTTP API's description, its ``servers`` saying where this hub is (as the
+    caller reached it: a client generated from it calls this hub, not the file's default address)."""
+    before, after = _api_doc_around_servers()
+    servers = json.dumps([{"url": str(request.base_url).rstrip("/")}]).encode()
+    # (Built from the request's Host: a cache in front must keep one answer per host.)
+    return Response(before + servers + after, media_type="application/json", headers={"vary": "Host"})
 
 
 async def metrics(request: Request) -> Response:
@@ -341,26 +206,18 @@ def create_app(
             Route("/healthz", healthz),
             Route("/metrics", metrics),
             Route("/openapi.json", openapi),
-            Route("/api/login", endpoint(login, public=True), methods=["POST"]),
-            Route("/api/me", endpoint(me)),
-            Route("/api/me/packets", endpoint(my_packets)),
-            Route("/api/topup", endpoint(topup), methods=["POST"]),
-            Route("/api/groups", endpoint(create_group), methods=["POST"]),
-            Route("/api/groups/{group_id}/members", endpoint(list_members), methods=["GET"]),
-            Route("/api/groups/{group_id}/members", endpoint(add_members), methods=["POST"]),
-            Route("/api/groups/{group_id}/members/{user_id}", endpoint(remove_member), methods=["DELETE"]),
-            Route("/api/groups/{group_id}/admins/{user_id}", endpoint(make_admin), methods=["POST"]),
-            Route("/api/packets/{packet_id}", endpoint(packet_detail)),
-            # The chat backend's API, behind REDPACKET_SERVICE_KEY (docs/integration.md).
+            # The user routes (a user's token), and the chat backend's API behind REDPACKET_SERVICE_KEY
+            # (docs/integration.md).
+            *userapi.routes(),
             *service.routes(),
             Mount("/client", StaticFiles(directory=CLIENT_DIR, check_dir=False), name="client"),
             # The demo page: static files, no build step (web/README.md).
             Pages("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),
         ],
         lifespan=lifespan,
-        exception_handlers={HTTPException: http_error, Exception: server_error},
+        exception_handlers={HTTPException: http_error},
         # (The demo's conveniences, when on, for this machine alone: server.hub.httpkit.LocalOnly.)
-        middleware=[Middleware(SecurityHeaders)]
+        middleware=[Middleware(EveryAnswer)]
         + ([Middleware(LocalOnly)] if settings.dev_login or settings.demo_topup else [])
         # Pages of the allowed origins may use the HTTP API (server.hub.httpkit.CrossOrigin).
         + ([Middleware(CrossOrigin, origins=origins)] if origins else []),
@@ -408,4 +265,7 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
         timeout_graceful_shutdown=settings.shutdown_seconds,
         log_level="warning",
         access_log=False,
+        # X-Forwarded-For from the proxies named, never from another peer (loopback included).
+        proxy_headers=bool(settings.trusted_proxy_list),
+        forwarded_allow_ips=list(settings.trusted_proxy_list),
     )

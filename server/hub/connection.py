@@ -126,8 +126,8 @@ class Connection:
         self.last[group] = key
         return self.push(frame, raw)
 
-    def release(self, group: GroupId, floor: OffsetKey) -> None:
-        """End holding a group after a sync up to ``floor``: send the held events newer than it."""
+    def release(self, group: GroupId, floor: OffsetKey) -> int:
+        """End holding a group after a sync up to ``floor``: send the held events newer than it; how many."""
         self.last[group] = max(floor, self.last.get(group, (0, 0)))
         sent = 0
         for key, frame in self.held.pop(group, []):
@@ -135,6 +135,7 @@ class Connection:
                 self.last[group] = key
                 sent += self.push(frame)
         self.hub.metrics.frames_out.inc(sent)
+        return sent
 
     def close(self, code: int, reason: str) -> None:
         """The hub closes this socket with ``code`` (after what is queued, if the client reads)."""

@@ -5,10 +5,16 @@ stable code and its status, the caller's user from a bearer token."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ipaddress
 import json
+import logging
+import math
+import re
+import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -26,6 +32,8 @@ from server.ids import MAX_ID, UserId, ids_as_text, ids_from_text
 from server.money import ledger
 from server.settings import is_loopback
 
+log = logging.getLogger(__name__)
+
 _STATUS = {
     TooMany: 429,
     InvalidRequest: 400,
@@ -40,10 +48,25 @@ Handler = Callable[[Request, Core, UserId], Awaitable[Any]]
 NO_USER = UserId(0)
 
 
+def come_back(e: TooMany) -> dict[str, str]:
+    """What a 429 says of when to come back: ``Retry-After`` (RFC 9110, whole seconds) and the
+    ``RateLimit-Limit``, ``-Remaining`` and ``-Reset`` fields of the IETF's RateLimit header draft."""
+    seconds = str(max(1, math.ceil(e.retry_after_s)))
+    return {
+        "retry-after": seconds,
+        "ratelimit-limit": str(e.allowance),
+        "ratelimit-remaining": "0",
+        "ratelimit-reset": seconds,
+    }
+
+
 def error_response(
     code: str, message: str, status: int, details: dict[str, Any] | None = None
 ) -> JSONResponse:
-    return JSONResponse({"error": {**(details or {}), "code": code, "message": message}}, status_code=status)
+    error = {**(details or {}), "code": code, "message": message}
+    if rid := request_id.get():  # (set for every HTTP request: ``EveryAnswer``)
+        error["request_id"] = rid
+    return JSONResponse({"error": error}, status_code=status)
 
 
 def bearer(request: Request) -> str | None:
@@ -59,7 +82,7 @@ async def user_of(request: Request) -> UserId:
 
 def client_address(request: Request) -> str:
     """Who is calling, as far as this hub can tell: the peer's address (behind a proxy, the proxy's;
-    a trusted proxy's X-Forwarded-For, uvicorn's FORWARDED_ALLOW_IPS). An IPv6 peer counts as its /64:
+    the X-Forwarded-For of a proxy named in REDPACKET_TRUSTED_PROXIES). An IPv6 peer counts as its /64:
     one machine is handed a whole /64 and could otherwise take a fresh allowance per address."""
     host = request.client.host if request.client else ""
     if ":" in host:
@@ -70,9 +93,15 @@ def client_address(request: Request) -> str:
 
 def limit(request: Request, name: str, buckets: KeyedBuckets, key: object) -> None:
     """One request against ``buckets``' ``key``: 429 ``rate_limited`` past it."""
-    if not buckets.take(key, time.monotonic()):
+    now = time.monotonic()
+    if not buckets.take(key, now):
         request.app.state.hub.metrics.limited.labels(name).inc()
-        raise TooMany(errors.RATE_LIMITED, f"too many requests from this {name}: slow down")
+        raise TooMany(
+            errors.RATE_LIMITED,
+            f"too many requests from this {name}: slow down",
+            retry_after_s=buckets.wait(key, now),
+            allowance=buckets.burst,
+        )
 
 
 async def known_user(core: Core, user: UserId) -> UserId:
@@ -107,7 +136,10 @@ def endpoint(
             return JSONResponse(ids_as_text(answer) if text else answer)
         except RedPacketError as e:
             details = ids_as_text(e.details) if text and e.details else e.details
-            return error_response(e.code, e.message, _STATUS.get(type(e), 400), details)
+            answer = error_response(e.code, e.message, _STATUS.get(type(e), 400), details)
+            if isinstance(e, TooMany):
+                answer.headers.update(come_back(e))
+            return answer
         except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
             return error_response(errors.BAD_REQUEST, f"malformed request: {e}", 400)
         except ClientDisconnect:  # the caller went (or its body was refused as too large): nobody to answer
@@ -135,11 +167,26 @@ def text_ids(request: Request) -> bool:
     return value == "string"
 
 
+def _not_whole(number: str) -> float:
+    """No field of the API is a fraction, and JSON Schema's ``integer`` also matches ``2147.0``: a number
+    written with a fraction or an exponent is refused by what it is, never rounded (money never moves on a
+    float, and ``9007199254740993.0`` is not the integer it looks like)."""
+    raise InvalidRequest(
+        errors.BAD_REQUEST,
+        f"{number[:40]} is not a JSON integer: amounts, ids and counts are written without a fraction or an"
+        " exponent (2147, not 2147.0)",
+    )
+
+
+def _not_json(constant: str) -> float:
+    raise InvalidRequest(errors.BAD_REQUEST, f"{constant} is not JSON")
+
+
 async def json_body(request: Request) -> dict[str, Any]:
     """The request's JSON object (the body's size is bounded before it is read: ``server.hub.handshake``),
     its ids as integers if they came as text (``Redpacket-Ids: string``)."""
     try:
-        data = json.loads(await request.body())
+        data = json.loads(await request.body(), parse_float=_not_whole, parse_constant=_not_json)
     except RecursionError:  # (the C parser's own depth guard) nested past any bound: one answer, no trace
         raise InvalidRequest(errors.BAD_REQUEST, "the body is nested too deeply") from None
     if not isinstance(data, dict):
@@ -153,6 +200,24 @@ async def json_body(request: Request) -> dict[str, Any]:
         except ValueError as e:
             raise InvalidRequest(errors.BAD_REQUEST, str(e)) from None
     return data
+
+
+IDEMPOTENCY_HEADER = "idempotency-key"
+
+
+async def keyed_body(request: Request) -> dict[str, Any]:
+    """``json_body`` of a call that moves money once per ``request_id``: the ``Idempotency-Key`` header
+    (what generic HTTP retry logic sends) is taken as the ``request_id`` when the body has none; both given
+    must be equal (``bad_request`` otherwise: which one a retry would be keyed by is not guessed)."""
+    body = await json_body(request)
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is None:
+        return body
+    if "request_id" in body and body["request_id"] != key:
+        raise InvalidRequest(
+            errors.BAD_REQUEST, "Idempotency-Key and request_id differ: give one, or the same in both"
+        )
+    return {**body, "request_id": key}
 
 
 def id_of(value: object, unknown: str, what: str) -> int:
@@ -174,6 +239,50 @@ def path_id(request: Request, name: str) -> int:
     return id_of(value, unknown.get(name, errors.PACKET_NOT_FOUND), name)
 
 
+# Every list of the HTTP API is paged the same way (docs/integration.md, "Lists"): ``?after=<cursor>&
+# limit=<n>`` in, ``{<items>: [...], "next": <cursor>, "more": <bool>}`` out. The cursor is the id of the
+# last item given (``next``: ``after`` again on an empty page, never null); ``more`` says whether a next
+# page has any item; a cursor past every item the list can have is ``bad_request`` on every list (a reader
+# that stored a wrong cursor would otherwise skip what comes after it).
+
+
+@dataclass(frozen=True)
+class PageAsk:
+    after: int
+    limit: int
+
+
+def page_ask(request: Request, *, default: int, most: int) -> PageAsk:
+    """The page a list's query asks for: ``after`` 0 (from the start) up to 2^63 - 1, ``limit`` 1 to
+    ``most`` (``default`` when not given)."""
+    try:
+        after = int(request.query_params.get("after", "0"))
+        limit = int(request.query_params.get("limit", str(default)))
+    except ValueError:
+        raise InvalidRequest(errors.BAD_REQUEST, "after and limit are whole numbers") from None
+    if not 0 <= after <= MAX_ID or not 1 <= limit <= most:
+        raise InvalidRequest(errors.BAD_REQUEST, f"after is 0 to {MAX_ID}, limit 1 to {most}")
+    return PageAsk(after, limit)
+
+
+def page(
+    name: str,
+    found: Sequence[Mapping[str, Any]],
+    ask: PageAsk,
+    *,
+    cursor: str = "id",
+    newest: int | None = None,
+) -> dict[str, object]:
+    """The answer for one page of ``name``: ``found`` is what the query read with ``limit + 1`` (the one
+    more says whether there is a next page). ``newest`` is the largest cursor the list has now (None when
+    the list is read newest first, where ``after`` counts down and any cursor is inside it): an ``after``
+    past it with nothing found is ``bad_request``."""
+    if not found and newest is not None and ask.after > newest:
+        raise InvalidRequest(errors.BAD_REQUEST, f"after is past the last item of the list ({newest})")
+    items = list(found[: ask.limit])
+    return {name: items, "next": items[-1][cursor] if items else ask.after, "more": len(found) > ask.limit}
+
+
 # What every HTTP answer carries (the demo page above all): its scripts and styles from its own files only
 # (it has no inline script or style), its sockets to this hub only, never framed by another site, its
 # types as declared, no address sent on to other sites.
@@ -191,7 +300,9 @@ SECURITY_HEADERS: list[tuple[bytes, bytes]] = [
 
 # What a page of another origin may send the HTTP API (the CORS preflight's answer).
 CORS_METHODS = ("GET", "POST", "PUT", "DELETE")
-CORS_HEADERS = ("authorization", "content-type", IDS_HEADER)
+CORS_HEADERS = ("authorization", "content-type", IDS_HEADER, IDEMPOTENCY_HEADER, "x-request-id")
+# What such a page may read of an answer beyond the simple headers: its request id, when to come back.
+CORS_EXPOSED = ("x-request-id", "retry-after", "ratelimit-limit", "ratelimit-remaining", "ratelimit-reset")
 # What such a page may use: the user routes, the JS client, the API's description (not the metrics, the
 # health check or the demo page).
 CORS_PATHS = ("/api/", "/client/", "/openapi.json")
@@ -214,6 +325,7 @@ class CrossOrigin:
             allow_origins=sorted(origins),
             allow_methods=CORS_METHODS,
             allow_headers=CORS_HEADERS,
+            expose_headers=CORS_EXPOSED,
             allow_credentials=False,
             max_age=600,
         )
@@ -239,8 +351,22 @@ def cross_origins(allowed: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(o for o in allowed if o != "self")
 
 
-class SecurityHeaders:
-    """ASGI middleware: ``SECURITY_HEADERS`` on every HTTP response."""
+# Every HTTP answer names its request (``X-Request-Id``; an error's body too, ``request_id``), so a support
+# ticket leads to the hub's log line: the caller's own id when it sent a plain one (a proxy's, say), else one
+# made here.
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+
+
+def new_request_id(given: str | None) -> str:
+    return given if given is not None and _REQUEST_ID.fullmatch(given) else secrets.token_hex(8)
+
+
+class EveryAnswer:
+    """ASGI middleware: ``SECURITY_HEADERS`` and the request's id on every HTTP answer, ``Cache-Control:
+    no-store`` on every answer of the API (a token, a balance, a journal: nothing a cache may keep), and
+    the answer to a request that failed on a bug."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -249,13 +375,36 @@ class SecurityHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        rid = new_request_id(Headers(scope=scope).get(REQUEST_ID_HEADER))
+        request_id.set(rid)
+        extra = [*SECURITY_HEADERS, (REQUEST_ID_HEADER.encode(), rid.encode())]
+        if scope["path"].startswith("/api/"):
+            extra.append((b"cache-control", b"no-store"))
+
+        status = 0
+        began = time.perf_counter()
 
         async def send_with_headers(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
-        await self.app(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Exception:
+            # A bug: logged with its traceback and the request's id; the caller gets the documented JSON
+            # error (with these headers too), never a text page.
+            log.exception("%s %s failed (request %s)", scope["method"], scope["path"], rid)
+            if status:
+                raise
+            await error_response(errors.INTERNAL, "internal error", 500)(scope, receive, send_with_headers)
+        finally:
+            if scope["path"].startswith("/api/") and status:
+                route = getattr(scope.get("route"), "path", "unmatched")
+                metrics = scope["app"].state.hub.metrics
+                metrics.http_answered(route, scope["method"], status, time.perf_counter() - began)
 
 
 def _local_request(scope: Scope) -> bool:

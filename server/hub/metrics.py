@@ -24,6 +24,9 @@ from server.live.dbmetrics import DatabaseCollector
 log = logging.getLogger(__name__)
 
 
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+
+
 class HubMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -44,6 +47,8 @@ class HubMetrics:
             ["outcome"],
             registry=r,
         )
+        for outcome in ("won", "already", "empty", "expired"):
+            self.grab_outcomes.labels(outcome)  # at 0 from the start: a dashboard's panel has a series
         self.grabs_answered_locally = Counter(
             "redpacket_grabs_answered_locally",
             "grabs of packets this hub knew closed (or unknown) answered without Redis",
@@ -144,6 +149,25 @@ class HubMetrics:
             "calls to the chat backend's API with a wrong or missing key (alert on a rise)",
             registry=r,
         )
+        self.http_requests = Counter(
+            "redpacket_http_requests",
+            "HTTP API requests answered (/api/...), by route (as declared: /api/service/accounts/{user_id};"
+            " unmatched for no route), method and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.http_seconds = Histogram(
+            "redpacket_http_request_seconds",
+            "how long HTTP API requests took to answer, by route",
+            ["route"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            registry=r,
+        )
+
+    def http_answered(self, route: str, method: str, status: int, seconds: float) -> None:
+        method = method if method in HTTP_METHODS else "other"  # (a label's values stay few)
+        self.http_requests.labels(route, method, str(status)).inc()
+        self.http_seconds.labels(route).observe(seconds)
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -70,6 +71,8 @@ CLOSE_TOO_MANY_SOCKETS = 4030  # this user has REDPACKET_MAX_SOCKETS_PER_USER so
 
 REQUEST_TYPES = ("ping", "sync", "chat", "send", "grab", "open", "presence")
 MAX_TEXT_CHARS = 2000
+# At most this much of a value the client sent is quoted back in an error message (``quoted``).
+QUOTED_CHARS = 64
 
 
 # A request's body as decoded from the wire: each field is checked where it is read (``field_int``,
@@ -162,7 +165,7 @@ def parse_request(message: object, max_depth: int, text_ids: bool = False) -> Re
     rid = message["id"]
     kind = message.get("type")
     if kind not in REQUEST_TYPES:
-        raise ProtocolError(errors.UNKNOWN_TYPE, f"unknown request type {kind!r}")
+        raise ProtocolError(errors.UNKNOWN_TYPE, f"unknown request type {quoted(kind)}")
     body: Body = message
     if text_ids:
         try:
@@ -170,6 +173,17 @@ def parse_request(message: object, max_depth: int, text_ids: bool = False) -> Re
         except ValueError as e:
             raise ProtocolError(errors.BAD_REQUEST, str(e)) from None
     return Request(rid, str(kind), body)
+
+
+def quoted(value: object) -> str:
+    """A value the client sent, as an error message names it: its ``repr`` in at most ``QUOTED_CHARS``
+    characters, then "… (truncated)" if it was cut — a 60 KB ``type`` is not echoed whole (nor its
+    escapes, four times that). The work is bounded too, however big the value."""
+    if isinstance(value, str | bytes):
+        whole = repr(value[: QUOTED_CHARS + 1])
+    else:
+        whole = reprlib.repr(value)  # a container or a number: reprlib elides what is long
+    return whole if len(whole) <= QUOTED_CHARS else f"{whole[:QUOTED_CHARS]}… (truncated)"
 
 
 def request_id_of(message: object) -> int | str | None:

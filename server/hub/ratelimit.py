@@ -23,6 +23,11 @@ class TokenBucket:
             return True
         return False
 
+    def wait(self, now: float) -> float:
+        """Seconds from ``now`` until ``take`` would succeed (0: it would now)."""
+        tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        return 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+
 
 class KeyedBuckets:
     """A ``TokenBucket`` per key, made full on first use. At most ``most`` keys are kept: the one used
@@ -40,6 +45,11 @@ class KeyedBuckets:
         if bucket is None:
             return self.burst >= 1
         return min(bucket.burst, bucket.tokens + (now - bucket.last) * bucket.rate) >= 1
+
+    def wait(self, key: object, now: float) -> float:
+        """Seconds from ``now`` until ``take`` of ``key`` would succeed (what a 429 says: Retry-After)."""
+        bucket = self._buckets.get(key)
+        return 0.0 if bucket is None else bucket.wait(now)
 
     def take(self, key: object, now: float) -> bool:
         bucket = self._buckets.get(key)

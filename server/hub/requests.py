@@ -71,7 +71,9 @@ def _group_key(raw: object) -> GroupId | None:
 
 async def on_sync(s: Session, body: Body) -> Message:
     """Per group: replay what the client missed since its offset, or the current state when it has none
-    or the stream no longer holds the gap. Replayed events are sent before this reply."""
+    or the stream no longer holds the gap. Every event this sync sends (replayed, held since the welcome,
+    or come while it ran) goes before this reply, and the reply accounts for them: its ``offset`` is
+    never older than one of them, its ``replayed`` counts them."""
     wanted = body.get("groups")
     if not isinstance(wanted, dict):
         raise InvalidRequest(errors.BAD_REQUEST, "groups must map group id to the last offset seen (or null)")
@@ -83,40 +85,60 @@ async def on_sync(s: Session, body: Body) -> Message:
     # missed a removal's note does not replay the group to its removed member (``Session.member_now``).
     user = s.conn.user_id
     await s.hub.recheck_members([(g, user) for _, g, _ in asked if g is not None and g in s.conn.groups])
-    for raw_group, group, since in asked:
-        if group is None or group not in s.conn.groups:
-            out[str(raw_group)] = {"error": errors.NOT_MEMBER}
-            continue
-        holding = group not in s.conn.held
-        if holding:
-            s.conn.held[group] = []  # a second sync of the same group holds live events again meanwhile
-        try:
-            latest = await events.latest_offset(s.core, group)
-            missed = await events.since(s.core, group, since, s.core.settings.sync_limit) if since else None
-        except BaseException:
-            if holding:  # this sync failed (Redis is down): the group goes on live as before
-                s.conn.release(group, s.conn.last.get(group, (0, 0)))
-            raise
-        if since is None or missed is None or missed.too_old:
-            # What was held since the welcome is sent first (a fresh start loses nothing that happened
-            # while the client was unsynced); what this socket already had is not sent again.
-            s.conn.release(group, (0, 0))
-            out[str(group)] = {
-                "offset": latest,
-                "too_old": since is not None,
-                "packets": await _open_packets(s, group),
-            }
-            continue
-        # Never send again what this socket already received: a second sync only adds what is newer.
-        s.conn.last[group] = max(offset_key(since), s.conn.last.get(group, (0, 0)))
-        for offset, kind, data in missed.events:
-            key = offset_key(offset)
-            if key > s.conn.last[group]:
-                s.conn.last[group] = key
-                s.conn.send(protocol.event(group, offset, kind, data))
-        s.conn.release(group, s.conn.last[group])
-        out[str(group)] = {"offset": latest, "replayed": len(missed.events), "too_old": False}
+    # The groups this sync releases, with the events it sent each. All stay held until the reply is
+    # made: an event that comes while a later group is read is sent with the rest and counted, never
+    # slipped in between them and the reply.
+    sent: dict[GroupId, int] = {}
+    synced: dict[GroupId, tuple[Message, str]] = {}
+    try:
+        for raw_group, group, since in asked:
+            if group is None or group not in s.conn.groups:
+                out[str(raw_group)] = {"error": errors.NOT_MEMBER}
+                continue
+            if group not in s.conn.held:  # live: held again meanwhile, and live again even if this fails
+                s.conn.held[group] = []
+                sent[group] = 0
+            entry, latest, replayed = await _sync_group(s, group, since)
+            sent[group] = sent.get(group, 0) + replayed
+            out[str(group)] = entry
+            synced[group] = (entry, latest)
+    finally:
+        # A group this sync could not read (Redis is down) goes on as before: live if it was, else held
+        # until a sync succeeds. Each group read is sent what was held after what it replayed.
+        for group in sent:
+            sent[group] += s.conn.release(group, s.conn.last.get(group, (0, 0)))
+    for group, (entry, latest) in synced.items():
+        newest = s.conn.last.get(group, (0, 0))
+        if newest > offset_key(latest):
+            entry["offset"] = f"{newest[0]}-{newest[1]}"
+        if "replayed" in entry:
+            entry["replayed"] = sent[group]
     return {"groups": out}
+
+
+async def _sync_group(s: Session, group: GroupId, since: str | None) -> tuple[Message, str, int]:
+    """One group of a sync, held meanwhile: its reply entry, its newest offset, and how many events were
+    replayed to this socket (those it already had are not sent again)."""
+    latest = await events.latest_offset(s.core, group)
+    missed = await events.since(s.core, group, since, s.core.settings.sync_limit) if since else None
+    if since is None or missed is None or missed.too_old:
+        # What was held since the welcome is sent at the release (a fresh start loses nothing that
+        # happened while the client was unsynced); what this socket already had is not sent again.
+        return (
+            {"offset": latest, "too_old": since is not None, "packets": await _open_packets(s, group)},
+            latest,
+            0,
+        )
+    # Never send again what this socket already received: a second sync only adds what is newer.
+    s.conn.last[group] = max(offset_key(since), s.conn.last.get(group, (0, 0)))
+    replayed = 0
+    for offset, kind, data in missed.events:
+        key = offset_key(offset)
+        if key > s.conn.last[group]:
+            s.conn.last[group] = key
+            s.conn.send(protocol.event(group, offset, kind, data))
+            replayed += 1
+    return {"offset": latest, "replayed": replayed, "too_old": False}, latest, replayed
 
 
 async def on_chat(s: Session, body: Body) -> Message:

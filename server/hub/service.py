@@ -23,12 +23,23 @@ from starlette.routing import Route
 from server import errors
 from server.core import Core
 from server.errors import Forbidden, InvalidRequest, NotFound, TooMany
-from server.hub import requests
-from server.hub.httpkit import Handler, bearer, client_address, endpoint, id_of, json_body, path_id
+from server.hub import requests, webhookapi
+from server.hub.httpkit import (
+    Handler,
+    bearer,
+    client_address,
+    endpoint,
+    id_of,
+    json_body,
+    keyed_body,
+    page,
+    page_ask,
+    path_id,
+)
 from server.hub.hub import Hub
 from server.hub.tokens import TokenError
 from server.ids import GroupId, UserId
-from server.money import events, groups, ledger, payouts
+from server.money import events, groups, ledger, payouts, queries
 from server.money.groups import Role
 
 BY_BACKEND = 0  # the `by` of an event caused through this API
@@ -58,7 +69,12 @@ def _require_key(request: Request, core: Core) -> None:
     hub.metrics.service_key_failures.inc()
     if not hub.service_key_failures.allows(address, now):
         hub.metrics.limited.labels("service_key").inc()
-        raise TooMany(errors.RATE_LIMITED, "too many wrong service keys from this address: wait a minute")
+        raise TooMany(
+            errors.RATE_LIMITED,
+            "too many wrong service keys from this address: wait a minute",
+            retry_after_s=hub.service_key_failures.wait(address, now),
+            allowance=hub.service_key_failures.burst,
+        )
     hub.service_key_failures.take(address, now)
     raise TokenError(errors.TOKEN_INVALID, "the service API takes REDPACKET_SERVICE_KEY as its bearer token")
 
@@ -153,7 +169,7 @@ async def remove_member(request: Request, core: Core, _: UserId) -> dict[str, ob
 
 async def topup(request: Request, core: Core, _: UserId) -> dict[str, object]:
     """Fund an account from the app's wallet: paid once per ``request_id``, whoever asks how often."""
-    body = await json_body(request)
+    body = await keyed_body(request)
     user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
     amount, request_id = body.get("amount"), body.get("request_id")
     paid = await ledger.topup(core.db, user_id, amount, request_id, service=True)
@@ -162,7 +178,7 @@ async def topup(request: Request, core: Core, _: UserId) -> dict[str, object]:
 
 async def withdraw(request: Request, core: Core, _: UserId) -> dict[str, object]:
     """Take money out of an account to pay it out: debited once per ``request_id``, never below zero."""
-    body = await json_body(request)
+    body = await keyed_body(request)
     user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
     amount, request_id = body.get("amount"), body.get("request_id")
     approve = request.app.state.hub.hooks.approve_payout
@@ -189,7 +205,7 @@ async def _hold_answer(core: Core, hold: payouts.Hold) -> dict[str, object]:
 
 async def hold(request: Request, core: Core, _: UserId) -> dict[str, object]:
     """The first step of a payout that can fail: the money leaves the balance and waits."""
-    body = await json_body(request)
+    body = await keyed_body(request)
     user_id = UserId(id_of(body.get("user_id"), errors.USER_NOT_FOUND, "user_id"))
     made = await payouts.hold(
         core.db,
@@ -215,20 +231,11 @@ async def release_hold(request: Request, core: Core, _: UserId) -> dict[str, obj
 
 
 async def event_page(request: Request, core: Core, _: UserId) -> dict[str, object]:
-    """The events webhooks carry, for a backend that pulls: ``?after=<event id>&limit=<n>``, oldest first."""
-    try:
-        after = int(request.query_params.get("after", "0"))
-        limit = int(request.query_params.get("limit", str(EVENTS_PAGE)))
-    except ValueError:
-        raise InvalidRequest(errors.BAD_REQUEST, "after and limit are whole numbers") from None
-    if not 0 <= after < 2**63 or not 1 <= limit <= events.MAX_PAGE:
-        raise InvalidRequest(errors.BAD_REQUEST, f"after >= 0, limit 1 to {events.MAX_PAGE}")
-    found = await events.page(core.db, after=after, limit=limit + 1)
-    if not found and after > (newest := await events.last_seq(core.db)):
-        # A cursor no event had: a reader that stored a wrong one would otherwise skip what comes next.
-        raise InvalidRequest(errors.BAD_REQUEST, f"after is past the newest event id ({newest})")
-    page = found[:limit]
-    return {"events": page, "next": page[-1]["id"] if page else after, "more": len(found) > limit}
+    """The events webhooks carry, for a backend that pulls, oldest first (the one page convention:
+    ``server.hub.httpkit.page``)."""
+    ask = page_ask(request, default=EVENTS_PAGE, most=events.MAX_PAGE)
+    found = await events.page(core.db, after=ask.after, limit=ask.limit + 1)
+    return page("events", found, ask, newest=None if found else await events.last_seq(core.db))
 
 
 async def account(request: Request, core: Core, _: UserId) -> dict[str, object]:
@@ -242,22 +249,13 @@ async def account(request: Request, core: Core, _: UserId) -> dict[str, object]:
 
 
 async def journal(request: Request, core: Core, _: UserId) -> dict[str, object]:
-    """An account's journal, oldest first, in pages: ``?after=<id>&limit=<n>`` (n up to 500)."""
+    """An account's journal, oldest first, in pages (the one page convention: ``server.hub.httpkit.page``)."""
     user_id = UserId(path_id(request, "user_id"))
-    try:
-        after = int(request.query_params.get("after", "0"))
-        limit = int(request.query_params.get("limit", str(JOURNAL_PAGE)))
-    except ValueError:
-        raise InvalidRequest(errors.BAD_REQUEST, "after and limit are whole numbers") from None
-    if after < 0 or not 1 <= limit <= JOURNAL_PAGE:
-        raise InvalidRequest(errors.BAD_REQUEST, f"after >= 0, limit 1 to {JOURNAL_PAGE}")
+    ask = page_ask(request, default=JOURNAL_PAGE, most=JOURNAL_PAGE)
     await ledger.balance(core.db, user_id)  # user_not_found for an unknown account
-    entries = await ledger.journal_page(core.db, user_id, after=after, limit=limit)
-    return {
-        "user_id": user_id,
-        "entries": entries,
-        "next": entries[-1]["id"] if len(entries) == limit else None,
-    }
+    found = await ledger.journal_page(core.db, user_id, after=ask.after, limit=ask.limit + 1)
+    newest = None if found else await queries.last_journal_id(core.db, user_id)
+    return {"user_id": user_id, **page("entries", found, ask, newest=newest)}
 
 
 async def send(request: Request, core: Core, _: UserId) -> dict[str, object]:
@@ -266,7 +264,7 @@ async def send(request: Request, core: Core, _: UserId) -> dict[str, object]:
     the backend's own that need not be a member. The same limits and checks as any send, paid from the
     sender's balance, announced in the room as any send; ``request_id`` is required (the sender's, as a
     send's from a socket: a retry answers the same packet and pays once)."""
-    body = await json_body(request)
+    body = await keyed_body(request)
     sender = UserId(id_of(body.get("sender_id"), errors.USER_NOT_FOUND, "sender_id"))
     group = GroupId(id_of(body.get("group_id"), errors.GROUP_NOT_FOUND, "group_id"))
     request_id, system = body.get("request_id"), body.get("system", False)
@@ -307,4 +305,13 @@ def routes() -> list[Route]:
         Route("/api/service/events", public(event_page), methods=["GET"]),
         Route("/api/service/accounts/{user_id}", public(account), methods=["GET"]),
         Route("/api/service/accounts/{user_id}/journal", public(journal), methods=["GET"]),
+        Route("/api/service/webhooks", public(webhookapi.endpoint_page), methods=["GET"]),
+        Route(
+            "/api/service/webhooks/{endpoint}/deliveries", public(webhookapi.delivery_page), methods=["GET"]
+        ),
+        Route(
+            "/api/service/webhooks/{endpoint}/deliveries/{event_id}",
+            public(webhookapi.delivery),
+            methods=["GET"],
+        ),
     ]

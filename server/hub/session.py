@@ -292,7 +292,12 @@ async def _welcome(ws: WebSocket, hub: Hub, conn: Connection) -> bool:
         if down is None and not isinstance(e, TimeoutError):
             raise
         await hub.leave(conn)
-        log.warning("connection of user %d refused: %s", conn.user_id, down.message if down else "timed out")
+        why = down.message if down else "timed out"
+        if conn.wire.disconnected or conn.wire.close_sent:
+            # The client went away meanwhile: nobody to answer, nothing to warn of (and no traceback).
+            log.info("user %d left before its welcome (%s)", conn.user_id, why)
+            return False
+        log.warning("connection of user %d refused: %s", conn.user_id, why)
         await ws.close(protocol.CLOSE_TRY_AGAIN, down.code if down else "timeout")
         return False
     conn.send(

@@ -1,7 +1,8 @@
 """The webhook deliveries' queue, in the database beside the events it delivers.
 
 Per webhook URL (``endpoint``: a hash of it), ``queue`` copies every new event (by seq, after the URL's
-cursor) into a delivery row. A dispatcher ``claim``s due rows under a lease: a conditional UPDATE that
+cursor) into a delivery row — of the event types the URL takes only (``server.money.endpoints``): the others
+are never queued for it. A dispatcher ``claim``s due rows under a lease: a conditional UPDATE that
 one dispatcher wins per row, so two never both send one event in one round; ``ack`` marks a row
 delivered only while the claim's lease token is still its own, so a dispatcher that lost its lease (it
 stalled past it and another took the row) never acknowledges it. A dispatcher killed mid-delivery leaves
@@ -17,7 +18,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import secrets
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from server.money import events
 from server.store.db import Database, Tx
@@ -39,10 +42,11 @@ class Claimed:
     event: events.Event
 
 
-async def queue(db: Database, endpoint: str, now: int) -> int:
-    """Copy events past ``endpoint``'s cursor into its deliveries; returns how many. A URL seen for the
-    first time starts from the first event: a backend that adds webhooks later is sent the history first
-    (it dedupes by id what it has), and no event made before a worker ran with the URL is skipped."""
+async def queue(db: Database, endpoint: str, now: int, types: Collection[str] | None = None) -> int:
+    """Copy events past ``endpoint``'s cursor into its deliveries (of ``types`` only, when given; the
+    cursor passes the others all the same); returns how many. A URL seen for the first time starts from
+    the first event: a backend that adds webhooks later is sent the history first (it dedupes by id what it
+    has), and no event made before a worker ran with the URL is skipped."""
 
     async def work(tx: Tx) -> int:
         row = await tx.fetchone(
@@ -61,22 +65,27 @@ async def queue(db: Database, endpoint: str, now: int) -> int:
             assert row is not None
         after = int(row[0])
         new = await tx.fetchall(
-            "SELECT seq, user_id FROM events WHERE seq > %s" + events.SEQUENCED + " ORDER BY seq LIMIT %s",
+            "SELECT seq, user_id, type FROM events WHERE seq > %s"
+            + events.SEQUENCED
+            + " ORDER BY seq LIMIT %s",
             (after, QUEUE_BATCH),
         )
         if not new:
             return 0
-        await _add(tx, endpoint, new, now)
+        wanted = [(s, u) for s, u, t in new if types is None or str(t) in types]
+        await _add(tx, endpoint, wanted, now)
         await tx.execute(
             "UPDATE webhook_cursors SET after_seq = %s WHERE endpoint = %s", (int(new[-1][0]), endpoint)
         )
-        return len(new)
+        return len(wanted)
 
     return await db.run(work, idempotent=True)
 
 
-async def _add(tx: Tx, endpoint: str, events_: list[tuple[object, ...]], now: int) -> None:
+async def _add(tx: Tx, endpoint: str, events_: Sequence[tuple[object, ...]], now: int) -> None:
     """New deliveries, due now, of these events (``(seq, user_id)`` rows) to ``endpoint``."""
+    if not events_:
+        return
     await tx.executemany(
         "INSERT INTO webhook_deliveries (endpoint, seq, user_id, state, attempts, next_ms, lease_ms,"
         " lease_token, first_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",  # (one multi-row INSERT)
@@ -162,38 +171,59 @@ async def retry_later(
     return await db.run(work, idempotent=True) == 1
 
 
-async def replay(db: Database, endpoints: list[str], after_seq: int, now: int) -> int:
-    """Every event after ``after_seq`` due again for each endpoint (delivered, failed or never queued):
-    the same event ids, so a receiver that has some already drops them. A delivery in flight loses its
-    lease (its answer no longer acknowledges it: it is sent again). In transactions of ``QUEUE_BATCH``
-    events, so the dispatchers are not held up. Returns deliveries made due."""
+async def replay(
+    db: Database,
+    endpoints: list[str],
+    after_seq: int,
+    now: int,
+    types: Mapping[str, Collection[str] | None] | None = None,
+) -> int:
+    """Every event after ``after_seq`` due again for each endpoint (delivered, failed or never queued) —
+    of the endpoint's ``types`` only, when given: the same event ids, so a receiver that has some
+    already drops them. A delivery in flight loses its lease (its answer no longer acknowledges it: it
+    is sent again). In transactions of ``QUEUE_BATCH`` events, so the dispatchers are not held up.
+    Returns deliveries made due."""
     total = 0
     for endpoint in endpoints:
-        await queue(db, endpoint, now)  # the cursor exists
+        only = (types or {}).get(endpoint)
+        await queue(db, endpoint, now, only)  # the cursor exists
         cursor = await db.fetchone("SELECT after_seq FROM webhook_cursors WHERE endpoint = %s", (endpoint,))
         last = int(cursor[0]) if cursor else 0
         start = after_seq
         while start < last:
             end = min(start + QUEUE_BATCH, last)
             total += await db.run(
-                functools.partial(_replay_batch, endpoint=endpoint, after=start, upto=end, now=now),
+                functools.partial(
+                    _replay_batch, endpoint=endpoint, after=start, upto=end, now=now, types=only
+                ),
                 idempotent=True,
             )
             start = end
     return total
 
 
-async def _replay_batch(tx: Tx, *, endpoint: str, after: int, upto: int, now: int) -> int:
+async def _replay_batch(
+    tx: Tx, *, endpoint: str, after: int, upto: int, now: int, types: Collection[str] | None
+) -> int:
+    # (Only the types the URL takes now: a row of a type it took once stays as it was.)
+    marks = ", ".join(["%s"] * len(types)) if types else ""
+    of_types = (
+        f" AND seq IN (SELECT seq FROM events WHERE seq > %s AND seq <= %s AND type IN ({marks}))"
+        if types
+        else ""
+    )
     changed = await tx.execute(
         "UPDATE webhook_deliveries SET state = 'pending', next_ms = %s, lease_ms = 0, lease_token = 0,"
-        " done_ms = NULL, attempts = 0, first_ms = %s WHERE endpoint = %s AND seq > %s AND seq <= %s",
-        (now, now, endpoint, after, upto),
+        " done_ms = NULL, attempts = 0, first_ms = %s WHERE endpoint = %s AND seq > %s AND seq <= %s"
+        + of_types,
+        (now, now, endpoint, after, upto, *((after, upto, *types) if types else ())),
     )
     # Events before the URL's cursor that were never queued for it (made before its queue existed).
     missing = await tx.fetchall(
         "SELECT e.seq, e.user_id FROM events e LEFT JOIN webhook_deliveries d"
-        " ON d.endpoint = %s AND d.seq = e.seq WHERE e.seq > %s AND e.seq <= %s AND d.seq IS NULL",
-        (endpoint, after, upto),
+        " ON d.endpoint = %s AND d.seq = e.seq WHERE e.seq > %s AND e.seq <= %s AND d.seq IS NULL"
+        + (f" AND e.type IN ({marks})" if types else ""),
+        (endpoint, after, upto, *(types or ())),
     )
     await _add(tx, endpoint, [tuple(r) for r in missing], now)
     return changed + len(missing)
@@ -217,3 +247,49 @@ async def state(db: Database, endpoint: str) -> QueueState:
     pending = by.get("pending", (0, None))
     cursor = await db.fetchone("SELECT 1 FROM webhook_cursors WHERE endpoint = %s", (endpoint,))
     return QueueState(pending[0], by.get("failed", (0, None))[0], pending[1], cursor is not None)
+
+
+Status = Literal["pending", "delivered", "failed"]
+STATUSES: tuple[Status, ...] = ("pending", "delivered", "failed")
+_VIEW = (
+    "SELECT d.seq, e.type, d.state, d.attempts, d.last_error, d.next_ms, d.first_ms, d.done_ms"
+    " FROM webhook_deliveries d JOIN events e ON e.seq = d.seq WHERE d.endpoint = %s"
+)
+
+
+def _view(row: tuple[Any, ...]) -> dict[str, Any]:
+    seq, type_, state, attempts, error, next_ms, first_ms, done_ms = row
+    return {
+        "event_id": int(seq),
+        "type": str(type_),
+        "status": str(state),
+        "attempts": int(attempts),
+        "last_error": None if error is None else str(error),
+        "next_try_ms": int(next_ms) if state == "pending" else None,
+        "first_try_ms": int(first_ms),
+        "done_ms": None if done_ms is None else int(done_ms),
+    }
+
+
+async def listing(
+    db: Database, endpoint: str, *, after: int, limit: int, status: Status | None = None
+) -> list[dict[str, Any]]:
+    """``endpoint``'s deliveries after event id ``after``, oldest first, at most ``limit`` (of one
+    ``status`` when given), as the service API shows them."""
+    rows = await db.fetchall(
+        _VIEW + (" AND d.state = %s" if status else "") + " AND d.seq > %s ORDER BY d.seq LIMIT %s",
+        (endpoint, *((status,) if status else ()), after, limit),
+    )
+    return [_view(tuple(r)) for r in rows]
+
+
+async def one(db: Database, endpoint: str, seq: int) -> dict[str, Any] | None:
+    """The delivery of event ``seq`` to ``endpoint``, or None (not queued for it: yet, or not its type)."""
+    row = await db.fetchone(_VIEW + " AND d.seq = %s", (endpoint, seq))
+    return None if row is None else _view(tuple(row))
+
+
+async def last_queued(db: Database, endpoint: str) -> int:
+    """The newest event id ``endpoint``'s queue has looked at (0 before its first ``queue``)."""
+    row = await db.fetchone("SELECT after_seq FROM webhook_cursors WHERE endpoint = %s", (endpoint,))
+    return int(row[0]) if row else 0

@@ -37,7 +37,10 @@ async def create_group(
             )
             if row is not None and int(row[0]) >= per_minute:
                 raise TooMany(
-                    errors.RATE_LIMITED, f"at most {per_minute} new groups a minute: try again later"
+                    errors.RATE_LIMITED,
+                    f"at most {per_minute} new groups a minute: try again later",
+                    retry_after_s=60,
+                    allowance=per_minute,
                 )
         await tx.execute(
             "INSERT INTO chat_groups (name, owner_id, members_can_send, created_ms) VALUES (%s, %s, %s, %s)",

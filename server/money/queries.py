@@ -1,16 +1,14 @@
 """Reads of the packet tables the hub and the workers make beyond sending, grabbing and settling: a
-packet's status and where each of its grabs stands in the ledger, a user's packets sent and received, the
-open packets of a group, and the packets whose ``packet`` event is still to be published (with the mark
-that it was)."""
+packet's status and where each of its grabs stands in the ledger, a user's packets sent and received (in
+pages), the open packets of a group, the newest journal row of an account, and the packets whose
+``packet`` event is still to be published (with the mark that it was)."""
 
 from __future__ import annotations
 
-from server.ids import GroupId, PacketId, UserId
+from server.ids import MAX_ID, GroupId, PacketId, UserId
 from server.money.ledger import now_ms
 from server.store.db import Database, Tx
 
-# Rows per list: a person's recent history, not an export.
-HISTORY_ROWS = 100
 _SENT = "packet_id group_id kind total count greeting status created_ms paid_out".split()
 _RECEIVED = "packet_id group_id amount status grabbed_ms sender_id sender_name kind greeting".split()
 
@@ -28,25 +26,35 @@ async def grab_states(db: Database, packet_id: PacketId) -> dict[UserId, str]:
     return {UserId(int(r[0])): str(r[1]) for r in rows}
 
 
-async def sent_and_received(db: Database, user_id: UserId) -> dict[str, object]:
-    """The user's newest packets sent (with what has been paid out of each) and shares received."""
-    sent = await db.fetchall(
+async def sent_page(db: Database, user_id: UserId, *, before: int, limit: int) -> list[dict[str, object]]:
+    """The user's packets sent, newest first, with what has been paid out of each: those with an id below
+    ``before`` (0: from the newest), at most ``limit``."""
+    rows = await db.fetchall(
         "SELECT p.id, p.group_id, p.kind, p.total, p.share_count, p.greeting, p.status, p.created_ms,"
         " (SELECT COUNT(*) FROM grab_records g WHERE g.packet_id = p.id)"
-        " FROM red_packets p WHERE p.sender_id = %s ORDER BY p.id DESC LIMIT %s",
-        (user_id, HISTORY_ROWS),
+        " FROM red_packets p WHERE p.sender_id = %s AND p.id < %s ORDER BY p.id DESC LIMIT %s",
+        (user_id, before or MAX_ID, limit),
     )
-    got = await db.fetchall(
+    return [dict(zip(_SENT, r, strict=True)) for r in rows]
+
+
+async def received_page(db: Database, user_id: UserId, *, before: int, limit: int) -> list[dict[str, object]]:
+    """The user's shares received, newest packet first: of packets with an id below ``before`` (0: from
+    the newest), at most ``limit``."""
+    rows = await db.fetchall(
         "SELECT g.packet_id, p.group_id, g.amount, g.status, g.grabbed_ms, p.sender_id, u.name, p.kind,"
         " p.greeting FROM grab_records g JOIN red_packets p ON p.id = g.packet_id"
         " JOIN users u ON u.id = p.sender_id"
-        " WHERE g.user_id = %s ORDER BY g.grabbed_ms DESC LIMIT %s",
-        (user_id, HISTORY_ROWS),
+        " WHERE g.user_id = %s AND g.packet_id < %s ORDER BY g.packet_id DESC LIMIT %s",
+        (user_id, before or MAX_ID, limit),
     )
-    return {
-        "sent": [dict(zip(_SENT, r, strict=True)) for r in sent],
-        "received": [dict(zip(_RECEIVED, r, strict=True)) for r in got],
-    }
+    return [dict(zip(_RECEIVED, r, strict=True)) for r in rows]
+
+
+async def last_journal_id(db: Database, user_id: UserId) -> int:
+    """The id of the account's newest journal row (0: none yet)."""
+    row = await db.fetchone("SELECT MAX(id) FROM journal WHERE account_id = %s", (user_id,))
+    return 0 if row is None or row[0] is None else int(row[0])
 
 
 async def mark_announced(db: Database, packet_id: PacketId) -> None:

@@ -112,10 +112,15 @@ async def settle(core: Core, p: Packet, seen: Seen, older_than_ms: int | None = 
     return Settled(credited, refused)
 
 
+# What a refund run can come to: refunded, finished (nothing was left), taken (another worker has it),
+# not_due.
+REFUND_OUTCOMES = ("refunded", "finished", "taken", "not_due")
+
+
 @dataclass(frozen=True)
 class Refund:
     packet_id: int
-    outcome: str  # "refunded", "finished", "taken" (another worker has it), "not_due"
+    outcome: str  # one of REFUND_OUTCOMES
     amount: int = 0
 
 

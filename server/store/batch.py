@@ -34,8 +34,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from server import errors
+from server.durability import Durability
 from server.errors import Unavailable
-from server.settings import Durability
 from server.store.redisconn import ServerChanged
 from server.store.redisnodes import Evicting, RedisNodes, moved
 

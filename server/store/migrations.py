@@ -304,4 +304,16 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        12,
+        "a person's packets sent and received, paged by packet id (GET /api/me/packets/sent, /received)",
+        [
+            # (IF NOT EXISTS: MariaDB commits each on its own, so a migration stopped half-way runs again.)
+            "CREATE INDEX IF NOT EXISTS red_packets_sender ON red_packets (sender_id, id)",
+            "CREATE INDEX IF NOT EXISTS grab_records_user_packet ON grab_records (user_id, packet_id)",
+        ],
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]

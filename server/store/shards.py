@@ -107,7 +107,7 @@ def spider_table(create: str, table: str, column: str, servers: list[str], *, na
 # guessed at.
 _WRITES = re.compile(
     r"""\s*(?:(?:CREATE|ALTER|DROP)\s+TABLE(?:\s+IF\s+(?:NOT\s+)?EXISTS)?
-          |(?:CREATE\s+(?:UNIQUE\s+)?|DROP\s+)INDEX\s+`?\w+`?\s+ON
+          |(?:CREATE\s+(?:UNIQUE\s+)?|DROP\s+)INDEX(?:\s+IF\s+(?:NOT\s+)?EXISTS)?\s+`?\w+`?\s+ON
           |INSERT\s+(?:IGNORE\s+)?INTO|UPDATE|DELETE\s+FROM)
         \s+`?(\w+)`?(?=\s*(?:\(|(?:SET|WHERE|SELECT|VALUES|ADD|MODIFY|CHANGE|ALTER|DROP)\s|$))""",
     re.IGNORECASE | re.VERBOSE,

@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from server.core import Core, open_core
+from server.durability import DURABILITY
 from server.errors import RedPacketError
 from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import grabs, groups, ledger, packets
 from server.money.membership import Membership
-from server.settings import DURABILITY, Settings
+from server.settings import Settings
 from server.store import keys
 from server.store.batch import Batcher, durability_problem
 from server.store.records import CreditEntry, ShareEntry

@@ -28,13 +28,14 @@ V2_MSGPACK = protocol.DIALECTS[protocol.SUBPROTOCOL_MSGPACK_V2]
 
 
 ID_REF = "#/components/schemas/Id"
+CURSOR_REF = "#/components/schemas/Cursor"  # (an id, or 0 before the first page)
 
 
 def _is_id(schema: Any) -> bool:
     """An id's schema in our documents: ``Id`` (nullable or not), or a list of them."""
     if not isinstance(schema, dict):
         return False
-    if schema.get("$ref") == ID_REF or any(
+    if schema.get("$ref") in (ID_REF, CURSOR_REF) or any(
         _is_id(s) for s in schema.get("oneOf", []) + schema.get("allOf", [])
     ):
         return True
