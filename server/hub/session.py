@@ -298,7 +298,9 @@ async def _welcome(ws: WebSocket, hub: Hub, conn: Connection) -> bool:
             log.info("user %d left before its welcome (%s)", conn.user_id, why)
             return False
         log.warning("connection of user %d refused: %s", conn.user_id, why)
-        await ws.close(protocol.CLOSE_TRY_AGAIN, down.code if down else "timeout")
+        # (Gone between the look above and this close: uvicorn's ClientDisconnected, an OSError.)
+        with contextlib.suppress(OSError):
+            await ws.close(protocol.CLOSE_TRY_AGAIN, down.code if down else "timeout")
         return False
     conn.send(
         {
