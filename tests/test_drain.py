@@ -266,3 +266,20 @@ async def test_an_acknowledgement_lost_as_redis_goes_leaves_no_entry_held_for_ev
         running.cancel()
         await asyncio.wait([running])
     assert (await reconcile(core)).ok
+
+
+async def test_an_outcome_the_drain_does_not_know_acknowledges_nothing(core: Core) -> None:
+    """Before: ``_finish`` took any outcome it did not recognise for a refusal and acknowledged its entry:
+    a new or misspelt outcome dropped a credit from Redis with no payment and no refusal row. Now the
+    outcome is a closed type matched by name, and an unknown one stops the batch before any ack."""
+    group, _ = await _storm(core, 3)
+    drain = CreditDrain(core)
+    await drain._make_groups()
+    taken = await drain._read()
+    assert taken is not None and len(taken) == 3 and await _pending(core, group) == 3
+    misspelt: list[Any] = ["credited", "credted", "already"]  # (mypy refuses it typed as an Outcome)
+    with pytest.raises(AssertionError):
+        await drain._finish(taken, misspelt)
+    assert await _pending(core, group) == 3  # every entry still held: paid by a drain that knows better
+    rows = await core.db.fetchone("SELECT COUNT(*) FROM credit_refusals")
+    assert rows is not None and int(rows[0]) == 0

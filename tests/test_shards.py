@@ -26,7 +26,7 @@ from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.ids import ShareSeq, UserId
-from server.money import grabs, ledger, packets, settlement, shardsteps
+from server.money import creditrules, grabs, ledger, packets, settlement, shardsteps
 from server.money import reconcile as reconciling
 from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
@@ -178,7 +178,7 @@ async def test_the_drain_pays_the_shards_it_reaches_and_gives_back_the_credits_o
     with monkeypatch.context() as m:
         m.setattr(shardsteps, "_pay", pay)
         got = await credit_many(core.db, credits, partial=True)  # (the drain's call)
-    assert got == [shardsteps.LATER if c.user_id % 3 == away else "credited" for c in credits]
+    assert got == [creditrules.LATER if c.user_id % 3 == away else "credited" for c in credits]
     paid = {c.user_id: c.amount for c in credits if c.user_id % 3 != away}
     assert await _balances(core, [c.user_id for c in credits]) == {
         c.user_id: paid.get(c.user_id, 0) for c in credits

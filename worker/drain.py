@@ -30,7 +30,7 @@ import uuid
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
@@ -38,8 +38,8 @@ from redis.exceptions import ResponseError
 from server.core import Core
 from server.ids import GroupId, PacketId
 from server.money.crediting import credit_many
+from server.money.creditrules import Outcome, Refusal
 from server.money.ledger import now_ms
-from server.money.shardsteps import LATER
 from server.store import keys
 from server.store.records import CreditEntry
 from server.store.scriptcalls import AckCreditsCall, run
@@ -284,10 +284,10 @@ class CreditDrain:
             if len(self._seen) > SEEN_AT_MOST:
                 self._seen.popitem(last=False)
 
-    async def _pay(self, taken: Batch) -> list[str]:
+    async def _pay(self, taken: Batch) -> list[Outcome]:
         credits = [c for _, _, c in taken.items]
         try:
-            outcomes: list[str] = []
+            outcomes: list[Outcome] = []
             for i in range(0, len(credits), PAY_AT_ONCE):
                 outcomes += await credit_many(self.core.db, credits[i : i + PAY_AT_ONCE], partial=True)
             return outcomes
@@ -324,7 +324,7 @@ class CreditDrain:
             if isinstance(answer, Exception):
                 raise answer
 
-    async def _finish(self, taken: Batch, outcomes: list[str]) -> None:
+    async def _finish(self, taken: Batch, outcomes: list[Outcome]) -> None:
         finished = now_ms()
         self.metrics.batch_size.observe(len(taken.items))
         acks: dict[int, list[bytes]] = {n: list(ids) for n, ids in taken.deleted.items()}
@@ -337,26 +337,31 @@ class CreditDrain:
         lag = self.metrics.credit_lag
         later = Batch()  # a sharded ledger's credits whose shard was away: given back, paid later
         for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):
-            if outcome == LATER:
-                later.items.append((n, entry_id, c))
-                continue
+            # Every outcome by name (mypy holds the match to the closed type): an entry is acknowledged
+            # only once the ledger has paid it or recorded why it never will.
+            match outcome:
+                case "later":
+                    later.items.append((n, entry_id, c))
+                    continue
+                case "credited":
+                    counts["credited"] += 1
+                    lag.observe(max(0, finished - c.grabbed_ms) / 1000)
+                    paid[n][(c.group_id, c.packet_id)].append(c)
+                case "already":
+                    counts["already"] += 1
+                    paid[n][(c.group_id, c.packet_id)].append(c)
+                case Refusal():
+                    # Recorded in credit_refusals by the transaction that refused it (reconciliation
+                    # reports it); retrying cannot fix it. Never pay on a guess.
+                    counts["refused"] += 1
+                    log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
+                case _:
+                    assert_never(outcome)
             acks.setdefault(n, []).append(entry_id)
-            if outcome == "credited":
-                counts["credited"] += 1
-                lag.observe(max(0, finished - c.grabbed_ms) / 1000)
-            elif outcome == "already":
-                counts["already"] += 1
-            else:
-                # Recorded in credit_refusals by the transaction that refused it (reconciliation reports
-                # it); retrying cannot fix it. Never pay on a guess.
-                counts["refused"] += 1
-                log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
-                continue
-            paid[n][(c.group_id, c.packet_id)].append(c)
         self.credited += counts["credited"]
-        for outcome, k in counts.items():
+        for counted, k in counts.items():
             if k:
-                self.metrics.credits.labels(outcome).inc(k)
+                self.metrics.credits.labels(counted).inc(k)
         calls = [
             run(self.core.batcher, self.core.scripts, AckCreditsCall(n, ids, dict(paid.get(n, {}))))
             for n, ids in acks.items()

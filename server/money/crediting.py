@@ -22,7 +22,6 @@ from collections import defaultdict
 from server.errors import RedPacketError
 from server.money import events, shardsteps
 from server.money.creditrules import (
-    REFUSALS,
     Outcome,
     RefusedBy,
     add_to_balances,
@@ -31,6 +30,8 @@ from server.money.creditrules import (
     per_account,
     read_held,
     record_refusals,
+    refusal_of,
+    refused,
 )
 from server.money.ledger import credit_grab, finish_paid, grab_key, now_ms
 from server.store.db import Database, IntegrityError, Tx, as_text
@@ -46,7 +47,7 @@ async def credit_many(
     Cancelled before the commit: nothing is written and every grab can be credited again later. Run
     again after a lost COMMIT answer, a grab the first run paid still counts as ``credited``. ``partial``
     (the drain): on a sharded ledger, the credits of a shard that cannot be reached now come out
-    ``later`` (``shardsteps.LATER``) and the rest are paid.
+    ``later`` (``creditrules.LATER``) and the rest are paid.
     """
     if not credits:
         return []
@@ -70,9 +71,9 @@ async def credit_or_record(db: Database, c: CreditEntry, refused_by: RefusedBy) 
     try:
         return await credit_grab(db, c)
     except RedPacketError as e:
-        if e.code not in REFUSALS:
+        code = refusal_of(e.code)
+        if code is None:
             raise  # the database away, say: nothing decided, try again later
-        code = e.code
     await db.run(lambda tx: record_refusals(tx, [(c, code)], refused_by), idempotent=True)
     return code
 
@@ -173,8 +174,7 @@ async def _decide(
             (ts, c.packet_id, c.seq),
         )
     await _post(tx, inserts + updates, ts)
-    refused = [(c, o) for c, o in zip(credits, out, strict=True) if o not in ("credited", "already")]
-    await record_refusals(tx, refused, refused_by)
+    await record_refusals(tx, refused(credits, out), refused_by)
     return out
 
 

@@ -6,31 +6,53 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Literal
 
 from server import errors
 from server.errors import RedPacketError
-from server.money.ledger import now_ms
+from server.money.ledger import CreditOutcome, now_ms
 from server.store.db import Tx
 from server.store.records import CreditEntry
 
-Outcome = str  # "credited", "already", or the error code that refused it
+
+class Refusal(StrEnum):
+    """Why the ledger will never pay a credit (its code: ``credit_refusals.code``). Any other error is
+    worth another try."""
+
+    SHARE_CONFLICT = errors.SHARE_CONFLICT
+    PACKET_EXPIRED = errors.PACKET_EXPIRED
+    PACKET_NOT_FOUND = errors.PACKET_NOT_FOUND
+    USER_NOT_FOUND = errors.USER_NOT_FOUND
+    IDEMPOTENCY_KEY_REUSED = errors.IDEMPOTENCY_KEY_REUSED
+
+
+# The outcome of a credit whose shard of the ledger could not be reached this time (``credit_many(...,
+# partial=True)`` on a sharded ledger): nothing final was decided; its outbox entry is to be paid later.
+Later = Literal["later"]
+LATER: Later = "later"
+
+# What became of one credit, a closed type every caller handles exhaustively (``match`` + ``assert_never``):
+# paid now (``credited``) or before (``already``: ``ledger.CreditOutcome``), not decided (``later``), or
+# refused for good (a ``Refusal``, recorded in ``credit_refusals`` by the transaction that decided it).
+Outcome = CreditOutcome | Later | Refusal
+REFUSALS = frozenset(Refusal)
+
 # Who refused a grab: the credit drain, a settlement (refund, sweeper), or a repair that dropped it.
 RefusedBy = Literal["drain", "settle", "repair"]
 
-# The codes that say the ledger will never pay a credit (anything else is worth another try).
-REFUSALS = frozenset(
-    {
-        errors.SHARE_CONFLICT,
-        errors.PACKET_EXPIRED,
-        errors.PACKET_NOT_FOUND,
-        errors.USER_NOT_FOUND,
-        errors.IDEMPOTENCY_KEY_REUSED,
-    }
-)
+
+def refusal_of(code: str) -> Refusal | None:
+    """The ``Refusal`` an error's code is, or None: the error is worth another try."""
+    return Refusal(code) if code in REFUSALS else None
 
 
-async def record_refusals(tx: Tx, refused: list[tuple[CreditEntry, str]], refused_by: RefusedBy) -> None:
+def refused(credits: list[CreditEntry], outcomes: list[Outcome]) -> list[tuple[CreditEntry, Refusal]]:
+    """The credits ``outcomes`` refuse, each with its refusal."""
+    return [(c, o) for c, o in zip(credits, outcomes, strict=True) if isinstance(o, Refusal)]
+
+
+async def record_refusals(tx: Tx, refused: list[tuple[CreditEntry, Refusal]], refused_by: RefusedBy) -> None:
     """Keep each (credit, code) in ``credit_refusals``, in the caller's transaction; a grab already
     recorded keeps its first record."""
     ts = now_ms()
@@ -39,7 +61,7 @@ async def record_refusals(tx: Tx, refused: list[tuple[CreditEntry, str]], refuse
         " (packet_id, user_id, seq, amount, grabbed_ms, code, refused_by, refused_ms)"
         " VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
         [
-            (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, code, refused_by, ts)
+            (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, str(code), refused_by, ts)
             for c, code in refused
         ],
     )
@@ -111,27 +133,27 @@ def decide(
     for c in credits:
         seq_key, user_key = (c.packet_id, c.seq), (c.packet_id, c.user_id)
         if c.packet_id not in status:
-            out.append(errors.PACKET_NOT_FOUND)
+            out.append(Refusal.PACKET_NOT_FOUND)
         elif held.shares.get(seq_key) != c.amount:
-            out.append(errors.SHARE_CONFLICT)
+            out.append(Refusal.SHARE_CONFLICT)
         elif seq_key in by_seq:
             holder, st = by_seq[seq_key]
             if holder != c.user_id:
-                out.append(errors.SHARE_CONFLICT)
+                out.append(Refusal.SHARE_CONFLICT)
             elif st == "credited":
                 out.append("credited" if seq_key in mine else "already")
             elif st != "crediting" and status[c.packet_id] == "refunded":
-                out.append(errors.PACKET_EXPIRED)
+                out.append(Refusal.PACKET_EXPIRED)
             else:
                 updates.append(c)
                 by_seq[seq_key] = (c.user_id, "credited")
                 out.append("credited")
         elif user_key in by_user:
-            out.append(errors.SHARE_CONFLICT)
+            out.append(Refusal.SHARE_CONFLICT)
         elif status[c.packet_id] == "refunded":
-            out.append(errors.PACKET_EXPIRED)
+            out.append(Refusal.PACKET_EXPIRED)
         elif users is not None and c.user_id not in users:
-            out.append(errors.USER_NOT_FOUND)
+            out.append(Refusal.USER_NOT_FOUND)
         else:
             inserts.append(c)
             by_seq[seq_key] = (c.user_id, "credited")

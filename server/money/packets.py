@@ -22,7 +22,7 @@ from server.core import Core
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unavailable
 from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import groups, shardsteps
-from server.money.creditrules import record_refusals
+from server.money.creditrules import Refusal, record_refusals
 from server.money.fairness import SEED_BYTES
 from server.money.ledger import check_request_id, now_ms, post_event
 from server.money.packetrows import (
@@ -367,7 +367,7 @@ async def recover_packet(core: Core, packet_id: PacketId) -> Recovered:
     if dropped:
         # Kept in Redis too (keys.packet_dropped) until the packet's keys go: a failure here loses nothing.
         await core.db.run(
-            lambda tx: record_refusals(tx, [(c, errors.SHARE_CONFLICT) for c in dropped], "repair"),
+            lambda tx: record_refusals(tx, [(c, Refusal.SHARE_CONFLICT) for c in dropped], "repair"),
             idempotent=True,
         )
         log.error(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import assert_never
 
 from redis.exceptions import RedisError
 
@@ -23,7 +24,7 @@ from server.errors import RedPacketError, Unavailable
 from server.ids import PacketId
 from server.money import shardsteps
 from server.money.crediting import credit_or_record
-from server.money.creditrules import record_refusals
+from server.money.creditrules import Refusal, record_refusals
 from server.money.ledger import finish_paid, finished_event, now_ms, post_event
 from server.money.packets import (
     PACKET_COLUMNS,
@@ -97,16 +98,21 @@ async def settle(core: Core, p: Packet, seen: Seen, older_than_ms: int | None = 
         if c.user_id in paid or (older_than_ms is not None and c.grabbed_ms >= older_than_ms):
             continue
         outcome = await credit_or_record(core.db, c, "settle")
-        if outcome == "credited":
-            credited += 1
-        elif outcome != "already":
-            refused += 1
-            log.error(
-                "packet %d: grab of user %d share %d refused: %s", p.packet_id, c.user_id, c.seq, outcome
-            )
+        match outcome:
+            case "credited":
+                credited += 1
+            case "already" | "later":  # (paid before; or its shard away: the next run tries again)
+                pass
+            case Refusal():
+                refused += 1
+                log.error(
+                    "packet %d: grab of user %d share %d refused: %s", p.packet_id, c.user_id, c.seq, outcome
+                )
+            case _:
+                assert_never(outcome)
     if seen.dropped:
         await core.db.run(
-            lambda tx: record_refusals(tx, [(c, errors.SHARE_CONFLICT) for c in seen.dropped], "repair"),
+            lambda tx: record_refusals(tx, [(c, Refusal.SHARE_CONFLICT) for c in seen.dropped], "repair"),
             idempotent=True,
         )
     return Settled(credited, refused)

@@ -40,6 +40,7 @@ from server.ids import PacketId
 from server.money import events
 from server.money.accounts import ensure_accounts
 from server.money.creditrules import (
+    LATER,
     Outcome,
     RefusedBy,
     add_to_balances,
@@ -48,6 +49,7 @@ from server.money.creditrules import (
     per_account,
     read_held,
     record_refusals,
+    refused,
 )
 from server.money.ledger import finish_paid, finished_event, grab_key, now_ms, post, post_event
 from server.store.db import Database, IntegrityError, RetryableError, Tx, as_text
@@ -68,11 +70,6 @@ def _groups(
     return [groups[s] for s in sorted(groups)]
 
 
-# The outcome of a credit whose shard could not be reached this time (``credit_many(..., partial=True)``):
-# nothing final was decided for it; its outbox entry is to be paid later, by any worker.
-LATER = "later"
-
-
 async def credit_many(
     db: Database, credits: list[CreditEntry], refused_by: RefusedBy, partial: bool = False
 ) -> list[Outcome]:
@@ -81,7 +78,7 @@ async def credit_many(
     (recorded in step 1). ``partial``: a shard that cannot be reached now (a backend down) makes its
     credits ``later`` while the others are paid (the drain then acknowledges only those); otherwise, or
     when no credit could be paid, its error is raised."""
-    out: list[Outcome] = [""] * len(credits)
+    out: list[Outcome] = [LATER] * len(credits)  # (each is decided by step 1, or stays later)
     failed: list[RetryableError] = []
 
     async def each(idxs: list[int], step: Callable[[Tx, list[CreditEntry]], Awaitable[T]]) -> T | None:
@@ -141,8 +138,7 @@ async def _claim(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy) -> l
         " VALUES (%s, %s, %s, %s, %s, %s, %s)",
         [(c.packet_id, c.user_id, c.seq, c.amount, "crediting", c.grabbed_ms, None) for c in inserts],
     )
-    refused = [(c, o) for c, o in zip(credits, out, strict=True) if o not in ("credited", "already")]
-    await record_refusals(tx, refused, refused_by)
+    await record_refusals(tx, refused(credits, out), refused_by)
     return out
 
 
