@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import pytest
 
 from server.live.dbmetrics import DatabaseCollector
-from server.money import ledger
+from server.money import journal, ledger
 from server.settings import url_problem
 from server.store.db import Database, RetryableError, Tx, Unreachable
 from server.store.engines import connect
@@ -130,7 +130,7 @@ async def test_a_writer_killed_mid_work_moves_the_process_to_the_next_and_it_sta
         async def held(tx: Tx) -> bool:
             started.set()
             await release.wait()
-            return await ledger.post(tx, user, 100, "topup", "held")
+            return await journal.post(tx, user, 100, "topup", "held")
 
         work = asyncio.create_task(db.run(held, idempotent=True))
         await started.wait()
@@ -180,7 +180,7 @@ async def test_a_connection_lost_on_a_live_writer_does_not_move_the_process(
                 assert row is not None
                 killed.append(int(row[0]))
                 await db_admin_kill(migrated, killed[0])
-            return await ledger.post(tx, user, 100, "topup", "blip")
+            return await journal.post(tx, user, 100, "topup", "blip")
 
         assert await db.run(held, idempotent=True) is True
         assert db.writer == f"127.0.0.1:{a.port}" and db.health.failovers == 0
@@ -260,7 +260,7 @@ async def test_work_waiting_for_a_connection_when_the_writer_dies_goes_on_on_the
             if held == 2:
                 holding.set()
             await release.wait()
-            return await ledger.post(tx, user, 100, "topup", f"hold{held}-{tx.token}")
+            return await journal.post(tx, user, 100, "topup", f"hold{held}-{tx.token}")
 
         holders = [asyncio.create_task(db.run(hold, idempotent=True)) for _ in range(2)]
         await holding.wait()

@@ -29,7 +29,7 @@ from websockets.exceptions import ConnectionClosed
 
 from server import errors
 from server.core import open_core
-from server.money import ledger
+from server.money import journal, ledger
 from server.money.reconcile import reconcile
 from server.settings import Settings, child_env
 from server.store.db import Database, DatabaseError, NotReady, RetryableError
@@ -430,7 +430,7 @@ async def test_two_writers_conflicts_are_retried_counted_and_nothing_is_lost(gal
         conflicts = one.health.retries["deadlock"] + other.health.retries["deadlock"]
         assert conflicts > 0, (one.health.retries, other.health.retries)
         print(f"certification conflicts retried: {conflicts} in 400 top-ups; asked again: {asked_again}")
-        assert await ledger.balance(one, user) == 400 == await ledger.journal_sum(other, user)
+        assert await ledger.balance(one, user) == 400 == await journal.journal_sum(other, user)
         row = await one.fetchone("SELECT COUNT(*) FROM journal WHERE account_id = %s", (user,))
         assert row is not None and int(row[0]) == 400
     finally:
@@ -502,7 +502,7 @@ async def test_one_url_to_haproxy_in_front_of_the_cluster_keeps_working_through_
         for i in range(5):  # as a client does: asked again (same request id) on database_unavailable
             await eventually(lambda i=i: _topped_up(db, user, f"after{i}"), 60)
         assert db.health.failovers == 0 and db.writer == f"127.0.0.1:{port}"
-        assert await ledger.balance(db, user) == 1_000 == await ledger.journal_sum(db, user)
+        assert await ledger.balance(db, user) == 1_000 == await journal.journal_sum(db, user)
         served = await db.fetchone("SELECT @@port")
         assert served is not None and int(served[0]) != galera.nodes[0].port  # a backup node answered
     finally:

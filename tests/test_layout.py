@@ -18,6 +18,7 @@ reaching into another's private names. (docs/architecture.md draws the same pict
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -278,3 +279,18 @@ def test_sql_on_money_tables_lives_in_money_and_the_store() -> None:
         for line, text in sql_on_money_tables(path.read_text())
     ]
     assert found == []
+
+
+def test_the_journal_and_the_balances_have_one_writer() -> None:
+    """Before (issue 44): raw ``INSERT INTO journal`` in three modules and balance updates in two more,
+    while the ledger said it had one writer. Every journal row and balance change is written by
+    ``server.money.journal`` (the benchmarks' raw baseline, on a throw-away database, excepted)."""
+    writes = re.compile(r"INSERT\s+INTO\s+journal\b|UPDATE\s+accounts\s+SET\s+balance", re.IGNORECASE)
+    found = sorted(
+        f"{path.relative_to(ROOT)}:{line}"
+        for module, path in KNOWN.items()
+        if not module.startswith("server.tools")
+        for line, text in sql_on_money_tables(path.read_text())
+        if writes.search(text)
+    )
+    assert found and all(f.startswith("server/money/journal.py:") for f in found), found

@@ -7,7 +7,7 @@ import pytest
 from server import errors
 from server.core import Core
 from server.errors import Conflict, InvalidRequest, RedPacketError
-from server.money import ledger, packets
+from server.money import journal, ledger, packets
 from server.store.db import Database, Tx
 from tests.conftest import make_world
 
@@ -24,7 +24,7 @@ async def test_topup_is_idempotent_and_journal_sums_to_balance(core: Core) -> No
     assert await ledger.topup(core.db, u, 500, "r1") is False
     assert await ledger.topup(core.db, u, 250, "r2") is True
     assert await ledger.balance(core.db, u) == 750
-    assert await ledger.journal_sum(core.db, u) == 750
+    assert await journal.journal_sum(core.db, u) == 750
     assert await _journal_rows(core.db) == 2
 
 
@@ -52,7 +52,7 @@ async def test_a_debit_below_zero_rolls_back_its_journal_row(core: Core) -> None
     await ledger.topup(core.db, u, 100, "r1")
 
     async def overdraw(tx: object) -> bool:
-        return await ledger.post(tx, u, -101, "send", "overdraw")  # type: ignore[arg-type]
+        return await journal.post(tx, u, -101, "send", "overdraw")  # type: ignore[arg-type]
 
     with pytest.raises(Conflict) as e:
         await core.db.run(overdraw, idempotent=True)
@@ -81,7 +81,7 @@ async def test_keys_that_differ_only_by_trailing_spaces_are_different_keys(core:
     u = await ledger.create_user(core.db, "li")
 
     async def posts(tx: Tx) -> list[bool]:
-        return [await ledger.post(tx, u, 5, "topup", key) for key in ("k", "k ", " k")]
+        return [await journal.post(tx, u, 5, "topup", key) for key in ("k", "k ", " k")]
 
     assert await core.db.run(posts, idempotent=True) == [True, True, True]
     assert await ledger.balance(core.db, u) == 15

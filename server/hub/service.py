@@ -41,6 +41,7 @@ from server.hub.tokens import TokenError
 from server.ids import GroupId, UserId
 from server.money import events, groups, ledger, payouts, queries
 from server.money.groups import Role
+from server.money.journal import journal_page, journal_sum
 
 BY_BACKEND = 0  # the `by` of an event caused through this API
 MAX_MEMBERS = 100_000
@@ -244,7 +245,7 @@ async def account(request: Request, core: Core, _: UserId) -> dict[str, object]:
     return {
         "user_id": user_id,
         "balance": await ledger.balance(core.db, user_id),
-        "journal_sum": await ledger.journal_sum(core.db, user_id),
+        "journal_sum": await journal_sum(core.db, user_id),
     }
 
 
@@ -253,7 +254,7 @@ async def journal(request: Request, core: Core, _: UserId) -> dict[str, object]:
     user_id = UserId(path_id(request, "user_id"))
     ask = page_ask(request, default=JOURNAL_PAGE, most=JOURNAL_PAGE)
     await ledger.balance(core.db, user_id)  # user_not_found for an unknown account
-    found = await ledger.journal_page(core.db, user_id, after=ask.after, limit=ask.limit + 1)
+    found = await journal_page(core.db, user_id, after=ask.after, limit=ask.limit + 1)
     newest = None if found else await queries.last_journal_id(core.db, user_id)
     return {"user_id": user_id, **page("entries", found, ask, newest=newest)}
 

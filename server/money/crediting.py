@@ -24,15 +24,13 @@ from server.money import events, shardsteps
 from server.money.creditrules import (
     Outcome,
     RefusedBy,
-    add_to_balances,
     decide,
-    marks,
-    per_account,
     read_held,
     record_refusals,
     refusal_of,
     refused,
 )
+from server.money.journal import Posting, marks, post_many
 from server.money.ledger import credit_grab, finish_paid, grab_key, now_ms
 from server.store.db import Database, IntegrityError, Tx, as_text
 from server.store.records import CreditEntry
@@ -143,15 +141,11 @@ async def _insert_records(tx: Tx, credits: list[CreditEntry], ts: int) -> None:
 async def _post(tx: Tx, paid: list[CreditEntry], ts: int) -> None:
     """The journal rows and balances of ``paid`` (their grab records written), and the packets they
     finish."""
-    await tx.executemany(
-        "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms, tx)"
-        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-        [
-            (c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id, ts, tx.token)
-            for c in paid
-        ],
+    await post_many(
+        tx,
+        [Posting(c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id) for c in paid],
+        ts,
     )
-    await add_to_balances(tx, per_account(paid), ts)
     # After the accounts' locks: a user's events are numbered in the order the user's changes commit.
     await events.record_many(tx, [events.share_credited(c, grab_key(c.packet_id, c.seq)) for c in paid], ts)
     await finish_paid(tx, [c.packet_id for c in paid])

@@ -4,14 +4,13 @@ decision needs, the decision itself (pure), and the balance update of many accou
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
 from server import errors
-from server.errors import RedPacketError
-from server.money.ledger import CreditOutcome, now_ms
+from server.money.journal import marks, now_ms
+from server.money.ledger import CreditOutcome
 from server.store.db import Tx
 from server.store.records import CreditEntry
 
@@ -65,10 +64,6 @@ async def record_refusals(tx: Tx, refused: list[tuple[CreditEntry, Refusal]], re
             for c, code in refused
         ],
     )
-
-
-def marks(n: int) -> str:
-    return ", ".join(["%s"] * n)
 
 
 @dataclass
@@ -160,27 +155,3 @@ def decide(
             by_user[user_key] = c.seq
             out.append("credited")
     return out, inserts, updates
-
-
-async def add_to_balances(tx: Tx, amounts: dict[int, int], ts: int) -> None:
-    """One UPDATE for many accounts (a CASE per account), rows locked in user-id order by the engine's
-    index scan, so two batches never wait on each other in a cycle."""
-    if not amounts:
-        return
-    users = sorted(amounts)
-    cases = " ".join(["WHEN %s THEN %s"] * len(users))
-    params: list[int] = [v for u in users for v in (u, amounts[u])]
-    changed = await tx.execute(
-        f"UPDATE accounts SET balance = balance + CASE user_id {cases} END, updated_ms = %s"
-        f" WHERE user_id IN ({marks(len(users))})",
-        [*params, ts, *users],
-    )
-    if changed != len(users):
-        raise RedPacketError(errors.USER_NOT_FOUND, "a credited user has no account")
-
-
-def per_account(paid: list[CreditEntry]) -> dict[int, int]:
-    sums: dict[int, int] = defaultdict(int)
-    for c in paid:
-        sums[c.user_id] += c.amount
-    return dict(sums)

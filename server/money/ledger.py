@@ -1,96 +1,27 @@
-"""The ledger: users, accounts and the append-only journal, and the credit of one grab.
+"""The ledger: users and their names, accounts and their balances, top-ups, and the credit of one grab.
 
-Every balance change goes through ``post``: one journal row with a unique idempotency key and the
-matching balance update, in the caller's transaction. For every account the journal sums to the balance.
+Every balance change is a journal row written by ``server.money.journal`` (``post``, ``post_many``): one
+row with a unique idempotency key and the matching balance update, in the caller's transaction.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Literal, TypedDict, overload
+from typing import Literal, overload
 
 from server import errors, text
 from server.errors import Conflict, InvalidRequest, NotFound
 from server.ids import PacketId, ShareSeq, UserId
 from server.money import events
 from server.money.accounts import claim_request, ensure_accounts, open_accounts
-from server.store.db import Database, IntegrityError, Tx, as_text
+from server.money.journal import now_ms as now_ms  # (the ledger's clock, as every caller imports it)
+from server.money.journal import post_event
+from server.store.db import Database, IntegrityError, Tx
 from server.store.records import CreditEntry
-
-JournalKind = Literal["topup", "send", "grab", "refund", "withdraw", "hold", "release"]
 
 # A demo top-up is play money; this only keeps a typo from minting a fortune.
 MAX_TOPUP_CENTS = 100_000_000
 # A client's request id (an idempotency key), in characters.
 MAX_REQUEST_ID_CHARS = 64
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-async def post(
-    tx: Tx,
-    account_id: int,
-    amount: int,
-    kind: JournalKind,
-    idem_key: str,
-    packet_id: int | None = None,
-) -> bool:
-    """Append one journal row and apply it to the balance, inside ``tx``.
-
-    Returns ``True`` when this call posted it: now, or in a run of the same ``Database.run`` whose
-    COMMIT answer was lost (the row carries the call's ``tx.token``). Returns ``False`` and changes
-    nothing when another call posted ``idem_key`` before with the same account and amount (a replay).
-    Raises ``Conflict(insufficient_funds)`` if a debit would take the balance below zero, and
-    ``Conflict(idempotency_key_reused)`` if the key was posted with other content; either way the caller's
-    transaction must roll back, which undoes the journal row.
-    """
-    ts = now_ms()
-    try:
-        await tx.execute(
-            "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms, tx)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-            (account_id, amount, kind, idem_key, packet_id, ts, tx.token),
-        )
-    except IntegrityError:
-        prior = await tx.fetchone(
-            "SELECT account_id, amount, tx FROM journal WHERE idem_key = %s" + tx.dialect.share_lock,
-            (idem_key,),
-        )
-        if prior is not None and (int(prior[0]), int(prior[1])) == (account_id, amount):
-            return tx.resumed and prior[2] is not None and int(prior[2]) == tx.token
-        raise Conflict(errors.IDEMPOTENCY_KEY_REUSED, f"{idem_key} was already used") from None
-    changed = await tx.execute(
-        "UPDATE accounts SET balance = balance + %s, updated_ms = %s"
-        " WHERE user_id = %s AND balance + %s >= 0",
-        (amount, ts, account_id, amount),
-    )
-    if changed == 1:
-        return True
-    exists = await tx.fetchone("SELECT 1 FROM accounts WHERE user_id = %s", (account_id,))
-    if exists is None:
-        raise NotFound(errors.USER_NOT_FOUND, f"no account for user {account_id}")
-    raise Conflict(errors.INSUFFICIENT_FUNDS, "the balance is too low")
-
-
-async def post_event(
-    tx: Tx,
-    account_id: int,
-    amount: int,
-    kind: JournalKind,
-    idem_key: str,
-    event: events.EventType,
-    data: dict[str, object],
-    packet_id: int | None = None,
-) -> bool:
-    """``post``, and when this call posted it, its event (``server.money.events``): the same key, account
-    and amount, in the same transaction — every balance change the backend is told of goes through here
-    (the batch credit writes both in bulk, ``server.money.crediting``)."""
-    if not await post(tx, account_id, amount, kind, idem_key, packet_id):
-        return False
-    await events.record(tx, event, idem_key, account_id, amount, data, now_ms())
-    return True
 
 
 def check_cents(amount: object, what: str) -> int:
@@ -274,43 +205,9 @@ async def balance(db: Database, user_id: UserId) -> int:
     return int(row[0])
 
 
-class JournalEntry(TypedDict):
-    id: int
-    amount: int
-    kind: str
-    key: str
-    packet_id: int | None
-    created_ms: int
-
-
-async def journal_page(db: Database, user_id: UserId, *, after: int, limit: int) -> list[JournalEntry]:
-    """An account's journal rows after row ``after``, oldest first, at most ``limit``."""
-    rows = await db.fetchall(
-        "SELECT id, amount, kind, idem_key, packet_id, created_ms FROM journal"
-        " WHERE account_id = %s AND id > %s ORDER BY id LIMIT %s",
-        (user_id, after, limit),
-    )
-    return [
-        JournalEntry(
-            id=int(r[0]),
-            amount=int(r[1]),
-            kind=str(r[2]),
-            key=as_text(r[3]),
-            packet_id=None if r[4] is None else int(r[4]),
-            created_ms=int(r[5]),
-        )
-        for r in rows
-    ]
-
-
 async def user_name(db: Database, user_id: UserId) -> str | None:
     row = await db.fetchone("SELECT name FROM users WHERE id = %s", (user_id,))
     return None if row is None else str(row[0])
-
-
-async def journal_sum(db: Database, user_id: UserId) -> int:
-    row = await db.fetchone("SELECT COALESCE(SUM(amount), 0) FROM journal WHERE account_id = %s", (user_id,))
-    return int(row[0]) if row else 0
 
 
 async def topup(

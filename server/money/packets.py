@@ -24,7 +24,8 @@ from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import groups, shardsteps
 from server.money.creditrules import Refusal, record_refusals
 from server.money.fairness import SEED_BYTES
-from server.money.ledger import check_request_id, now_ms, post_event
+from server.money.journal import post_event
+from server.money.ledger import check_request_id, now_ms
 from server.money.packetrows import (
     PACKET_COLUMNS,
     Packet,

@@ -25,7 +25,8 @@ from server.errors import Conflict, InvalidRequest, NotFound
 from server.ids import UserId
 from server.money import events
 from server.money.accounts import claim_request
-from server.money.ledger import check_cents, check_request_id, now_ms, post_event, posted_by_this_call
+from server.money.journal import post_event
+from server.money.ledger import check_cents, check_request_id, now_ms, posted_by_this_call
 from server.store.db import Database, Tx, as_text
 
 HoldState = Literal["held", "confirmed", "released", "expired"]

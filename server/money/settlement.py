@@ -25,7 +25,8 @@ from server.ids import PacketId
 from server.money import shardsteps
 from server.money.crediting import credit_or_record
 from server.money.creditrules import Refusal, record_refusals
-from server.money.ledger import finish_paid, finished_event, now_ms, post_event
+from server.money.journal import post_event
+from server.money.ledger import finish_paid, finished_event, now_ms
 from server.money.packets import (
     PACKET_COLUMNS,
     Packet,

@@ -43,15 +43,13 @@ from server.money.creditrules import (
     LATER,
     Outcome,
     RefusedBy,
-    add_to_balances,
     decide,
-    marks,
-    per_account,
     read_held,
     record_refusals,
     refused,
 )
-from server.money.ledger import finish_paid, finished_event, grab_key, now_ms, post, post_event
+from server.money.journal import Posting, marks, post, post_event, post_many
+from server.money.ledger import finish_paid, finished_event, grab_key, now_ms
 from server.store.db import Database, IntegrityError, RetryableError, Tx, as_text
 from server.store.records import CreditEntry
 from server.store.shards import shard_of
@@ -156,12 +154,9 @@ async def _pay(tx: Tx, credits: list[CreditEntry]) -> set[Pair]:
     )
     there = {as_text(r[0]): r[1] for r in rows}
     new = [c for k, c in keys.items() if k not in there]
-    await tx.executemany(
-        "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms, tx)"
-        " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-        [(c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id, ts, tx.token) for c in new],
+    await post_many(
+        tx, [Posting(c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id) for c in new], ts
     )
-    await add_to_balances(tx, per_account(new), ts)
     await events.record_many(tx, [events.share_credited(c, grab_key(c.packet_id, c.seq)) for c in new], ts)
     mine = [keys[k] for k, t in there.items() if tx.resumed and t is not None and int(t) == tx.token]
     return {(c.packet_id, c.seq) for c in [*new, *mine]}

@@ -21,7 +21,7 @@ from server.core import Core, open_core
 from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import grabs, groups, ledger, packets
 from server.money.crediting import credit_many
-from server.money.creditrules import add_to_balances
+from server.money.journal import add_to_balances
 from server.money.ledger import credit_grab
 from server.settings import Settings, child_env
 from server.store import keys
