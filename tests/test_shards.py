@@ -464,3 +464,92 @@ async def test_a_storm_with_a_backend_killed_and_started_again_credits_every_won
 
 async def _credited_is(core: Core, n: int) -> bool:
     return await _credited(core.db) == n
+
+
+async def _unclaimed_share(core: Core, packet_id: int, user: int) -> CreditEntry:
+    """A credit of a share nobody was paid, for ``user``: what a credit still in flight brings."""
+    taken = {
+        int(r[0])
+        for r in await core.db.fetchall("SELECT seq FROM grab_records WHERE packet_id = %s", (packet_id,))
+    }
+    rows = await core.db.fetchall(
+        "SELECT seq, amount FROM red_packet_shares WHERE packet_id = %s ORDER BY seq", (packet_id,)
+    )
+    seq, amount = next((int(s), int(a)) for s, a in rows if int(s) not in taken)
+    return CreditEntry(packet_id, UserId(user), ShareSeq(seq), amount, 1)
+
+
+async def _paid_out(core: Core, packet_id: int) -> int:
+    """Everything the journal paid out of the packet: its shares credited and its refund."""
+    row = await core.db.fetchone(
+        "SELECT COALESCE(SUM(amount), 0) FROM journal WHERE packet_id = %s AND kind IN ('grab', 'refund')",
+        (packet_id,),
+    )
+    return int(row[0]) if row else 0
+
+
+@ON_SHARDS
+async def test_a_sharded_refund_counts_a_credit_half_way_as_paid(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Audit of issue 44: with the refund's ``crediting`` removed from what it counts as paid, all 25
+    sharded tests passed. A credit decided on the packet's shard (its record ``crediting``) but not yet
+    posted when the refund decides: the refund must leave its share out, or the share is paid twice."""
+    w = await make_world(core, members=3, admin_cents=10_000)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=3)
+    await core.db.run(
+        lambda tx: tx.execute("UPDATE red_packets SET status = 'refunding' WHERE id = %s", (p.packet_id,)),
+        idempotent=True,
+    )
+    half_way = await _unclaimed_share(core, p.packet_id, w.members[0])
+    with monkeypatch.context() as m:  # a worker dies after step 1 of the credit
+        m.setattr(shardsteps, "_pay", killed)
+        with pytest.raises(Killed):
+            await credit_many(core.db, [half_way])
+    rows = await core.db.fetchall("SELECT status FROM grab_records WHERE packet_id = %s", (p.packet_id,))
+    assert [r[0] for r in rows] == ["crediting"]  # the dangerous state, while the refund decides
+    r = await shardsteps.refund(core.db, p.packet_id, p.expires_ms + 1)
+    assert (r.outcome, r.amount) == ("refunded", 900 - half_way.amount)
+    assert await credit_many(core.db, [half_way]) == ["credited"]  # another worker finishes the credit
+    assert await _paid_out(core, p.packet_id) == 900
+    assert (await reconcile(core, now=p.expires_ms + 1)).ok
+
+
+@ON_SHARDS
+async def test_a_decided_sharded_refund_refuses_a_credit_that_comes_after(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Audit of issue 44: with the refund's decision (``finished_ms`` on a ``refunding`` packet) not taken
+    as ``refunded`` by a credit's first step, all 15 sharded tests passed. A credit that reaches the
+    packet's shard after the refund decided what is left must be refused (and recorded), or its share is
+    paid to the grabber and paid back to the sender."""
+    w = await make_world(core, members=3, admin_cents=10_000)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=3)
+    await core.db.run(
+        lambda tx: tx.execute("UPDATE red_packets SET status = 'refunding' WHERE id = %s", (p.packet_id,)),
+        idempotent=True,
+    )
+    real_run, steps = core.db.run, []
+
+    async def dying_run(work: Any, *, idempotent: bool, attempts: int = 8) -> Any:
+        steps.append(getattr(work, "__name__", ""))
+        if steps[-1] == "pay":
+            raise Killed  # the refund's worker dies once the refund is decided
+        return await real_run(work, idempotent=idempotent, attempts=attempts)
+
+    with monkeypatch.context() as m:
+        m.setattr(core.db, "run", dying_run)
+        with pytest.raises(Killed):
+            await shardsteps.refund(core.db, p.packet_id, p.expires_ms + 1)
+    decided = await core.db.fetchone(
+        "SELECT status, finished_ms FROM red_packets WHERE id = %s", (p.packet_id,)
+    )
+    assert decided is not None and decided[0] == "refunding" and decided[1] is not None  # the state
+    late = await _unclaimed_share(core, p.packet_id, w.members[0])
+    assert await credit_many(core.db, [late]) == [errors.PACKET_EXPIRED]
+    r = await shardsteps.refund(core.db, p.packet_id, p.expires_ms + 1)  # the refund's next run
+    assert (r.outcome, r.amount) == ("refunded", 900)
+    assert await ledger.balance(core.db, UserId(w.members[0])) == 0
+    assert await _paid_out(core, p.packet_id) == 900
+    refused = await core.db.fetchone("SELECT code FROM credit_refusals WHERE packet_id = %s", (p.packet_id,))
+    assert refused is not None and refused[0] == errors.PACKET_EXPIRED
