@@ -553,3 +553,38 @@ async def test_a_decided_sharded_refund_refuses_a_credit_that_comes_after(
     assert await _paid_out(core, p.packet_id) == 900
     refused = await core.db.fetchone("SELECT code FROM credit_refusals WHERE packet_id = %s", (p.packet_id,))
     assert refused is not None and refused[0] == errors.PACKET_EXPIRED
+
+
+@ON_SHARDS
+async def test_a_sharded_refund_finishes_a_packet_only_once_its_last_share_is_paid(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Audit of issue 44: a refund with nothing to pay back marked the packet ``finished`` and published
+    ``packet.finished`` while a share was still on its way (its record ``crediting``). Now the refund
+    leaves it ``refunding`` until the share is paid, and its next run finishes it."""
+    w = await make_world(core, members=3, admin_cents=10_000)
+    credits = await _grabbed(core, w)
+    assert await credit_many(core.db, credits[:2]) == ["credited"] * 2
+    with monkeypatch.context() as m:  # the last credit's worker dies after step 1
+        m.setattr(shardsteps, "_pay", killed)
+        with pytest.raises(Killed):
+            await credit_many(core.db, credits[2:])
+    pid = credits[0].packet_id
+    await core.db.run(
+        lambda tx: tx.execute("UPDATE red_packets SET status = 'refunding' WHERE id = %s", (pid,)),
+        idempotent=True,
+    )
+    on_way = await core.db.fetchone(
+        "SELECT status FROM grab_records WHERE packet_id = %s AND seq = %s", (pid, credits[2].seq)
+    )
+    assert on_way is not None and on_way[0] == "crediting"  # the state
+    r = await shardsteps.refund(core.db, pid, 1)
+    assert r.outcome == "not_due" and (await packets.load_packet(core, pid)).status == "refunding"  # type: ignore[union-attr]
+    said = await core.db.fetchone("SELECT COUNT(*) FROM events WHERE idem_key = %s", (f"finished:{pid}",))
+    assert said is not None and int(said[0]) == 0  # not told finished while a share is unpaid
+    assert await credit_many(core.db, credits[2:]) == ["credited"]
+    assert (await shardsteps.refund(core.db, pid, 1)).outcome == "finished"
+    assert (await packets.load_packet(core, pid)).status == "finished"  # type: ignore[union-attr]
+    said = await core.db.fetchone("SELECT COUNT(*) FROM events WHERE idem_key = %s", (f"finished:{pid}",))
+    assert said is not None and int(said[0]) == 1
+    assert (await reconcile(core)).ok

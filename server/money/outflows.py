@@ -39,7 +39,7 @@ _SINCE = "(SELECT journal_from FROM event_counter WHERE name = 'events')"
 def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
     """Every read, by name (keys built in SQL as ``server.money.payouts`` and ``ledger`` build them)."""
     hold_key, release_key = d.concat("'hold:'", "h.request_id"), d.concat("'release:'", "h.request_id")
-    send_key, finished_key = d.concat("'send:'", "p.id"), d.concat("'finished:'", "p.id")
+    finished_key = d.concat("'finished:'", "p.id")
     confirm_key = d.concat("'confirm:'", "h.request_id")
     fitting = " OR ".join(
         f"(j.kind = '{kind}' AND e.type IN ({', '.join(repr(t) for t in types)}))"
@@ -95,7 +95,8 @@ def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
         ),
         "finish_unannounced": (
             "SELECT p.id, p.sender_id FROM red_packets p"
-            f" JOIN journal s ON s.idem_key = {send_key}"
+            # (By the debit's packet, not its key: a sharded send's key is send:<sender>:<request>.)
+            " JOIN journal s ON s.packet_id = p.id AND s.kind = 'send'"
             f" LEFT JOIN events e ON e.idem_key = {finished_key}"
             f" WHERE p.status = 'finished' AND s.id > {_SINCE} AND e.id IS NULL",
             (),

@@ -219,7 +219,7 @@ async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None)
         await core.redis.delete(*keys.packet_keys(group_id=p.group_id, packet_id=packet_id))
     except RedisError as e:
         log.warning("packet %d settled; its Redis keys stay until they expire (%s)", packet_id, e)
-    if result.outcome != "taken":
+    if result.outcome not in ("taken", "not_due"):
         log.info("packet %d %s, %d cents back to the sender", packet_id, result.outcome, result.amount)
     return result
 

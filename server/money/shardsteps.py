@@ -193,7 +193,7 @@ async def complete_stranded(db: Database, older_than_ms: int, limit: int = 500) 
 
 @dataclass(frozen=True)
 class RefundSteps:
-    outcome: str  # "refunded", "finished", "taken"
+    outcome: str  # "refunded", "finished", "taken", "not_due" (a share still on its way: finished later)
     amount: int = 0
 
 
@@ -242,19 +242,27 @@ async def refund(db: Database, packet_id: PacketId, now: int) -> RefundSteps:
 
         posted = await db.run(pay, idempotent=True)
 
-    async def close(tx: Tx) -> bool:
+    async def close(tx: Tx) -> bool | None:
         row = await tx.fetchone(
             "SELECT total FROM red_packets WHERE id = %s AND status = 'refunding'" + tx.dialect.for_update,
             (packet_id,),
         )
         if row is None:
             return False  # closed by another run
+        if status == "finished" and await tx.fetchone(
+            "SELECT 1 FROM grab_records WHERE packet_id = %s AND status = 'crediting'", (packet_id,)
+        ):
+            # Nothing to pay back, but a share is still on its way (its record crediting): "finished"
+            # and its event wait until it is paid; the next run of the refund finishes the packet.
+            return None
         await tx.execute("UPDATE red_packets SET status = %s WHERE id = %s", (status, packet_id))
         if status == "finished":
             await finished_event(tx, packet_id, sender, group, int(row[0]), count, now_ms())
         return True
 
     closed = await db.run(close, idempotent=True)
+    if closed is None:
+        return RefundSteps("not_due")
     return RefundSteps(status if closed or posted else "taken", left)
 
 
