@@ -280,6 +280,9 @@ async def test_an_outcome_the_drain_does_not_know_acknowledges_nothing(core: Cor
     misspelt: list[Any] = ["credited", "credted", "already"]  # (mypy refuses it typed as an Outcome)
     with pytest.raises(AssertionError):
         await drain._finish(taken, misspelt)
-    assert await _pending(core, group) == 3  # every entry still held: paid by a drain that knows better
+    assert await _pending(core, group) == 3  # nothing acknowledged
     rows = await core.db.fetchone("SELECT COUNT(*) FROM credit_refusals")
     assert rows is not None and int(rows[0]) == 0
+    assert not any(drain.holding.values())  # given back, not renewed: another drain takes them at once
+    assert await CreditDrain(core, consumer="knows-better").until_empty() == 3
+    assert await _pending(core, group) == 0 and (await reconcile(core)).ok

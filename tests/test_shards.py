@@ -26,7 +26,7 @@ from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.ids import ShareSeq, UserId
-from server.money import creditrules, grabs, ledger, packets, settlement, shardsteps
+from server.money import creditrules, grabs, journal, ledger, packets, settlement, shardsteps
 from server.money import reconcile as reconciling
 from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
@@ -579,7 +579,7 @@ async def test_a_sharded_refund_finishes_a_packet_only_once_its_last_share_is_pa
     )
     assert on_way is not None and on_way[0] == "crediting"  # the state
     r = await shardsteps.refund(core.db, pid, 1)
-    assert r.outcome == "not_due" and (await packets.load_packet(core, pid)).status == "refunding"  # type: ignore[union-attr]
+    assert r.outcome == "waiting" and (await packets.load_packet(core, pid)).status == "refunding"  # type: ignore[union-attr]
     said = await core.db.fetchone("SELECT COUNT(*) FROM events WHERE idem_key = %s", (f"finished:{pid}",))
     assert said is not None and int(said[0]) == 0  # not told finished while a share is unpaid
     assert await credit_many(core.db, credits[2:]) == ["credited"]
@@ -588,3 +588,21 @@ async def test_a_sharded_refund_finishes_a_packet_only_once_its_last_share_is_pa
     said = await core.db.fetchone("SELECT COUNT(*) FROM events WHERE idem_key = %s", (f"finished:{pid}",))
     assert said is not None and int(said[0]) == 1
     assert (await reconcile(core)).ok
+
+
+@ON_SHARDS
+async def test_reconciliation_reports_a_sharded_packet_paid_out_twice(core: Core) -> None:
+    """What either refund guard above prevents, made by hand: every share credited and the whole packet
+    paid back too. Reconciliation names the packet overpaid, on the sharded ledger as on one database."""
+    w = await make_world(core, members=3, admin_cents=10_000)
+    credits = await _grabbed(core, w)
+    assert await credit_many(core.db, credits) == ["credited"] * 3
+    assert (await reconcile(core)).ok
+    pid = credits[0].packet_id
+    await core.db.run(
+        lambda tx: journal.post(tx, w.admin, 900, "refund", f"refund:{pid}", pid), idempotent=True
+    )
+    assert await _paid_out(core, pid) == 1_800  # the damage
+    report = await reconcile(core)
+    assert "packet_overpaid" in report.checks(), report
+    assert f"packet {pid}" in [d.subject for d in report.differences if d.check == "packet_overpaid"]

@@ -336,28 +336,35 @@ class CreditDrain:
         counts = dict.fromkeys(CREDIT_OUTCOMES, 0)
         lag = self.metrics.credit_lag
         later = Batch()  # a sharded ledger's credits whose shard was away: given back, paid later
-        for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):
-            # Every outcome by name (mypy holds the match to the closed type): an entry is acknowledged
-            # only once the ledger has paid it or recorded why it never will.
-            match outcome:
-                case "later":
-                    later.items.append((n, entry_id, c))
-                    continue
-                case "credited":
-                    counts["credited"] += 1
-                    lag.observe(max(0, finished - c.grabbed_ms) / 1000)
-                    paid[n][(c.group_id, c.packet_id)].append(c)
-                case "already":
-                    counts["already"] += 1
-                    paid[n][(c.group_id, c.packet_id)].append(c)
-                case Refusal():
-                    # Recorded in credit_refusals by the transaction that refused it (reconciliation
-                    # reports it); retrying cannot fix it. Never pay on a guess.
-                    counts["refused"] += 1
-                    log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
-                case _:
-                    assert_never(outcome)
-            acks.setdefault(n, []).append(entry_id)
+        try:
+            for (n, entry_id, c), outcome in zip(taken.items, outcomes, strict=True):
+                # Every outcome by name (mypy holds the match to the closed type): an entry is acknowledged
+                # only once the ledger has paid it or recorded why it never will.
+                match outcome:
+                    case "later":
+                        later.items.append((n, entry_id, c))
+                        continue
+                    case "credited":
+                        counts["credited"] += 1
+                        lag.observe(max(0, finished - c.grabbed_ms) / 1000)
+                        paid[n][(c.group_id, c.packet_id)].append(c)
+                    case "already":
+                        counts["already"] += 1
+                        paid[n][(c.group_id, c.packet_id)].append(c)
+                    case Refusal():
+                        # Recorded in credit_refusals by the transaction that refused it (reconciliation
+                        # reports it); retrying cannot fix it. Never pay on a guess.
+                        counts["refused"] += 1
+                        log.error("credit of packet %d share %d refused: %s", c.packet_id, c.seq, outcome)
+                    case _:
+                        assert_never(outcome)
+                acks.setdefault(n, []).append(entry_id)
+        except BaseException:
+            # An outcome this drain does not know: nothing acknowledged, and the batch given back at once
+            # (not renewed here), for a worker that knows better.
+            with contextlib.suppress(Exception):
+                await self._release(taken)
+            raise
         self.credited += counts["credited"]
         for counted, k in counts.items():
             if k:

@@ -125,6 +125,14 @@ async def post_many(tx: Tx, credits: Sequence[Posting], ts: int) -> None:
     await add_to_balances(tx, dict(sums), ts)
 
 
+async def set_packet(tx: Tx, account_id: int, row_id: int, packet_id: int) -> None:
+    """Name the packet of journal row ``row_id`` (a sharded send's debit, whose id becomes its packet's:
+    ``server.money.shardsteps.debit_send``). The one change a journal row ever takes."""
+    await tx.execute(
+        "UPDATE journal SET packet_id = %s WHERE account_id = %s AND id = %s", (packet_id, account_id, row_id)
+    )
+
+
 def marks(n: int) -> str:
     return ", ".join(["%s"] * n)
 

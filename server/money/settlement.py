@@ -102,8 +102,12 @@ async def settle(core: Core, p: Packet, seen: Seen, older_than_ms: int | None = 
         match outcome:
             case "credited":
                 credited += 1
-            case "already" | "later":  # (paid before; or its shard away: the next run tries again)
+            case "already":
                 pass
+            case "later":  # (nothing decided: never refund around it; the next run settles it)
+                raise Unavailable(
+                    errors.DATABASE_UNAVAILABLE, f"packet {p.packet_id}: a share's shard is away"
+                )
             case Refusal():
                 refused += 1
                 log.error(
@@ -120,8 +124,8 @@ async def settle(core: Core, p: Packet, seen: Seen, older_than_ms: int | None = 
 
 
 # What a refund run can come to: refunded, finished (nothing was left), taken (another worker has it),
-# not_due.
-REFUND_OUTCOMES = ("refunded", "finished", "taken", "not_due")
+# not_due, waiting (nothing to pay back, but a share still on its way: its next run finishes it).
+REFUND_OUTCOMES = ("refunded", "finished", "taken", "not_due", "waiting")
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,9 @@ async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None)
         await core.redis.delete(*keys.packet_keys(group_id=p.group_id, packet_id=packet_id))
     except RedisError as e:
         log.warning("packet %d settled; its Redis keys stay until they expire (%s)", packet_id, e)
-    if result.outcome not in ("taken", "not_due"):
+    if result.outcome == "waiting":
+        log.warning("packet %d: nothing to pay back, a share still on its way: finished later", packet_id)
+    elif result.outcome != "taken":
         log.info("packet %d %s, %d cents back to the sender", packet_id, result.outcome, result.amount)
     return result
 

@@ -48,7 +48,7 @@ from server.money.creditrules import (
     record_refusals,
     refused,
 )
-from server.money.journal import Posting, marks, post, post_event, post_many
+from server.money.journal import Posting, marks, post, post_event, post_many, set_packet
 from server.money.ledger import finish_paid, finished_event, grab_key, now_ms
 from server.store.db import Database, IntegrityError, RetryableError, Tx, as_text
 from server.store.records import CreditEntry
@@ -193,7 +193,7 @@ async def complete_stranded(db: Database, older_than_ms: int, limit: int = 500) 
 
 @dataclass(frozen=True)
 class RefundSteps:
-    outcome: str  # "refunded", "finished", "taken", "not_due" (a share still on its way: finished later)
+    outcome: str  # "refunded", "finished", "taken", "waiting" (a share still on its way: finished later)
     amount: int = 0
 
 
@@ -262,7 +262,7 @@ async def refund(db: Database, packet_id: PacketId, now: int) -> RefundSteps:
 
     closed = await db.run(close, idempotent=True)
     if closed is None:
-        return RefundSteps("not_due")
+        return RefundSteps("waiting")
     return RefundSteps(status if closed or posted else "taken", left)
 
 
@@ -293,10 +293,7 @@ async def debit_send(
         packet_id = PacketId(int(row[0]))
         if not posted:
             return packet_id
-        await tx.execute(
-            "UPDATE journal SET packet_id = %s WHERE account_id = %s AND id = %s",
-            (packet_id, sender_id, packet_id),
-        )
+        await set_packet(tx, sender_id, packet_id, packet_id)
         data = event(packet_id)
         await events.record(tx, "packet.sent", key, sender_id, -total, data, now_ms())
         return packet_id
