@@ -310,9 +310,9 @@ async def _open_from_database(
     core: Core, *, packet_id: PacketId, group_id: GroupId, user_id: UserId | None
 ) -> PacketView:
     row = await core.db.fetchone(f"SELECT {PACKET_COLUMNS} FROM red_packets WHERE id = %s", (packet_id,))
-    if row is None or int(row[2]) != group_id:
+    p = None if row is None else packet_from_row(row)
+    if p is None or p.group_id != group_id:
         raise NotFound(errors.PACKET_NOT_FOUND, "no such packet in this group")
-    p = packet_from_row(row)
     rows = await core.db.fetchall(
         "SELECT user_id, seq, amount, grabbed_ms FROM grab_records WHERE packet_id = %s", (packet_id,)
     )
@@ -329,7 +329,7 @@ async def _open_from_database(
         "greeting": p.greeting,
         "created_ms": str(p.created_ms),
         "expires_ms": str(p.expires_ms),
-        "finished_ms": "" if row[12] is None else str(row[12]),
+        "finished_ms": "" if p.finished_ms is None else str(p.finished_ms),
         "closed": "1" if p.status in ("refunding", "refunded") else "",
         "seed": "" if p.seed is None else p.seed.hex(),
     }

@@ -11,10 +11,12 @@ from server.money.fairness import commitment, fair_shares
 from server.money.split import Kind, PacketRequest
 from server.store.db import Row, Tx
 
-PACKET_COLUMNS = (
-    "id, sender_id, group_id, kind, total, share_count, greeting, target_user_id, status, request_id,"
-    " created_ms, expires_ms, finished_ms, announced_ms, seed"
-)
+# A packet's columns as ``packet_from_row`` reads them, by name (a query selects ``PACKET_COLUMNS``).
+_COLUMNS = (
+    "id sender_id group_id kind total share_count greeting target_user_id status request_id created_ms"
+    " expires_ms finished_ms announced_ms seed"
+).split()
+PACKET_COLUMNS = ", ".join(_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class Packet:
     # What its shares were drawn from (``server.money.fairness``); None for a packet sent before packets
     # were provably fair. Secret while the packet is active: never in a repr, a log or a reply.
     seed: bytes | None = field(default=None, repr=False)
+    # When its last share was grabbed (finished), or its refund decided; None while it is open.
+    finished_ms: int | None = None
 
     @property
     def commitment(self) -> str | None:
@@ -54,20 +58,23 @@ class Packet:
 
 
 def packet_from_row(row: Row) -> Packet:
+    """The packet a row of ``SELECT {PACKET_COLUMNS}`` holds, read by column name."""
+    r = dict(zip(_COLUMNS, row, strict=True))
     return Packet(
-        packet_id=PacketId(int(row[0])),
-        sender_id=UserId(int(row[1])),
-        group_id=GroupId(int(row[2])),
-        kind=row[3],
-        total=int(row[4]),
-        count=int(row[5]),
-        greeting=str(row[6]),
-        target_user_id=None if row[7] is None else UserId(int(row[7])),
-        status=str(row[8]),
-        created_ms=int(row[10]),
-        expires_ms=int(row[11]),
-        announced_ms=None if row[13] is None else int(row[13]),
-        seed=None if row[14] is None else bytes.fromhex(str(row[14])),
+        packet_id=PacketId(int(r["id"])),
+        sender_id=UserId(int(r["sender_id"])),
+        group_id=GroupId(int(r["group_id"])),
+        kind=r["kind"],
+        total=int(r["total"]),
+        count=int(r["share_count"]),
+        greeting=str(r["greeting"]),
+        target_user_id=None if r["target_user_id"] is None else UserId(int(r["target_user_id"])),
+        status=str(r["status"]),
+        created_ms=int(r["created_ms"]),
+        expires_ms=int(r["expires_ms"]),
+        announced_ms=None if r["announced_ms"] is None else int(r["announced_ms"]),
+        seed=None if r["seed"] is None else bytes.fromhex(str(r["seed"])),
+        finished_ms=None if r["finished_ms"] is None else int(r["finished_ms"]),
     )
 
 
