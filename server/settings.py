@@ -62,6 +62,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def sealed(url: str) -> bool:
+    """Whether what goes to ``url`` cannot be read or changed on the way: ``https://``, or plain
+    ``http://`` to this machine."""
+    u = urlparse(url)
+    return u.scheme == "https" or (u.scheme == "http" and is_loopback(u.hostname or ""))
+
+
 def redact(url: str) -> str:
     """A URL fit to print: its password replaced by ``***``."""
     return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
@@ -242,17 +249,14 @@ class Settings(SettingFields):
                     f"{PREFIX}JWT_PUBLIC_KEY does not hold a PEM public key (-----BEGIN PUBLIC KEY-----): {e}"
                 ) from None
         if self.jwks_url:
-            u = urlparse(self.jwks_url)
-            if not (u.scheme == "https" or (u.scheme == "http" and is_loopback(u.hostname or ""))):
+            if not sealed(self.jwks_url):
                 raise ValueError(
                     f"{PREFIX}JWKS_URL must be https (plain http only to this machine): the keys that say"
                     f" who every user is must not be swappable on the way (got {self.jwks_url!r})"
                 )
         if self.hook_url:
             u = urlparse(self.hook_url)
-            if not u.hostname or not (
-                u.scheme == "https" or (u.scheme == "http" and is_loopback(u.hostname))
-            ):
+            if not u.hostname or not sealed(self.hook_url):
                 raise ValueError(
                     f"{PREFIX}HOOK_URL: an https:// URL (plain http only to this machine): it is told who"
                     f" pays what and decides it (got {u.scheme}://{u.hostname or ''}…)"
@@ -268,9 +272,7 @@ class Settings(SettingFields):
             )
         for url in self.webhook_url_list:
             u = urlparse(url)
-            if not u.hostname or not (
-                u.scheme == "https" or (u.scheme == "http" and is_loopback(u.hostname or ""))
-            ):
+            if not u.hostname or not sealed(url):
                 raise ValueError(
                     f"{PREFIX}WEBHOOK_URLS: each is an https:// URL (plain http only to this machine): the"
                     f" events carry who was paid what (got {u.scheme}://{u.hostname or ''}…)"

@@ -97,7 +97,8 @@ class Dispatcher:
         failures = 0
         while True:
             try:
-                busy = await self.round(only=endpoint)
+                await events.sequence(self.core.db)  # (one at a time holds the counter: cheap when none)
+                busy = await self.deliver_round(endpoint, self.endpoints[endpoint])
                 failures = 0
             except Exception as e:
                 if not self.metrics.outages.failed("webhook dispatcher", e):
@@ -108,24 +109,23 @@ class Dispatcher:
             if not busy:
                 await asyncio.sleep(IDLE_S)
 
-    async def round(self, only: str | None = None) -> bool:
-        """One round over every URL (or ``only`` that one); True if anything was sent (another round at
-        once)."""
+    async def round(self) -> bool:
+        """One round over every URL; True if anything was sent (another round at once)."""
+        await events.sequence(self.core.db)
+        sent = [await self.deliver_round(endpoint, e) for endpoint, e in self.endpoints.items()]
+        return any(sent)
+
+    async def deliver_round(self, endpoint: str, e: Endpoint) -> bool:
+        """One round of one URL: queue its new events, send what is due; True if anything was sent."""
         db = self.core.db
-        await events.sequence(db)
-        sent = False
-        for endpoint, e in self.endpoints.items():
-            if only is not None and endpoint != only:
-                continue
-            now = now_ms()
-            await deliveries.queue(db, endpoint, now, e.events)
-            token, claimed = await deliveries.claim(db, endpoint, now, self.lease_ms, PER_ROUND)
-            if claimed:
-                sent = True
-                await asyncio.gather(*(self.deliver(e, token, c) for c in claimed))
-            if time.monotonic() - self.observed.get(endpoint, 0.0) >= OBSERVE_S:
-                await self.observe(endpoint, e.url)
-        return sent
+        now = now_ms()
+        await deliveries.queue(db, endpoint, now, e.events)
+        token, claimed = await deliveries.claim(db, endpoint, now, self.lease_ms, PER_ROUND)
+        if claimed:
+            await asyncio.gather(*(self.deliver(e, token, c) for c in claimed))
+        if time.monotonic() - self.observed.get(endpoint, 0.0) >= OBSERVE_S:
+            await self.observe(endpoint, e.url)
+        return bool(claimed)
 
     async def status_of(self, url: str, body: bytes, headers: dict[str, str]) -> int:
         """POST ``body`` and return the answer's status, having read at most ``ANSWER_BYTES`` of the answer

@@ -378,7 +378,8 @@ class EveryAnswer:
         rid = new_request_id(Headers(scope=scope).get(REQUEST_ID_HEADER))
         request_id.set(rid)
         extra = [*SECURITY_HEADERS, (REQUEST_ID_HEADER.encode(), rid.encode())]
-        if scope["path"].startswith("/api/"):
+        api = scope["path"].startswith("/api/")
+        if api:
             extra.append((b"cache-control", b"no-store"))
 
         status = 0
@@ -401,7 +402,7 @@ class EveryAnswer:
                 raise
             await error_response(errors.INTERNAL, "internal error", 500)(scope, receive, send_with_headers)
         finally:
-            if scope["path"].startswith("/api/") and status:
+            if api and status:
                 route = getattr(scope.get("route"), "path", "unmatched")
                 metrics = scope["app"].state.hub.metrics
                 metrics.http_answered(route, scope["method"], status, time.perf_counter() - began)

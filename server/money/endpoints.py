@@ -26,7 +26,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from server.money import deliveries, events
 from server.settingfields import env_name
-from server.settings import Settings, is_loopback
+from server.settings import Settings, sealed
 
 NAME = env_name("webhook_endpoints")
 KEYS = ("url", "secret", "secret_previous", "events")
@@ -159,7 +159,7 @@ def _endpoint(item: object, n: int, default: str, default_previous: str) -> Endp
         raise ValueError(f"{where}: needs a url, a string")
     where = f"{where} ({label(url)})"
     u = urlsplit(url)
-    if not u.hostname or not (u.scheme == "https" or (u.scheme == "http" and is_loopback(u.hostname))):
+    if not u.hostname or not sealed(url):
         raise ValueError(
             f"{where}: an https:// URL (plain http only to this machine): the events carry who was paid what"
         )
