@@ -234,7 +234,15 @@ def redpacket_up(
             proc.kill()  # not left running into the next test; what it said (stacks included) is shown
             proc.wait(timeout=30)
             drain.join(timeout=30)
-            raise AssertionError("redpacket up did not stop on Ctrl-C:\n" + "".join(said)[-20000:]) from None
+            proc.stdout.close()
+            text = "".join(said)
+            at = text.find("still running after the drain budget")  # one line per task: first, whole
+            raise AssertionError(
+                "redpacket up did not stop on Ctrl-C; where its tasks waited:\n"
+                + (text[at : at + 6000] if at >= 0 else "(not said)")
+                + "\n--- the end of what it said:\n"
+                + text[-12000:]
+            ) from None
         drain.join(timeout=30)
         proc.stdout.close()
 

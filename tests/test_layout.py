@@ -12,7 +12,8 @@ reaching into another's private names. (docs/architecture.md draws the same pict
 - ``server.cli``: the ``redpacket`` command, a package of one module per command; it composes
   everything, and nothing of the system imports it.
 - Shared by all: ``server.settings`` (with ``server.settingfields``), ``server.errors``, ``server.text``,
-  ``server.ids`` and ``server.core`` (the context every layer is handed).
+  ``server.ids``, ``server.stopping`` (how background tasks stop) and ``server.core`` (the context every
+  layer is handed).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ SHARED = {
     "server.ids",
     "server.signing",
     "server.durability",
+    "server.stopping",
     "server.core",
     "server",
 }

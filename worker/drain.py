@@ -40,6 +40,7 @@ from server.ids import GroupId, PacketId
 from server.money.crediting import credit_many
 from server.money.creditrules import Outcome, Refusal
 from server.money.ledger import now_ms
+from server.stopping import check_cancelled, stop
 from server.store import keys
 from server.store.records import CreditEntry
 from server.store.scriptcalls import AckCreditsCall, run
@@ -98,6 +99,7 @@ class CreditDrain:
         failures = 0
         said = False  # a failure that is no service away was said (its end is said too)
         while True:
+            check_cancelled()
             try:
                 await self._drain()
                 if said:
@@ -131,6 +133,7 @@ class CreditDrain:
         paid = False
         try:
             while True:
+                check_cancelled()
                 taken = await reading
                 if taken is None and paid:
                     # That read ran while the last batch was being paid: look again for what came since.
@@ -154,18 +157,13 @@ class CreditDrain:
                 # running (an acknowledgement lost as Redis restarted skipped this once), it renewed the
                 # read-ahead entries for ever, so no take-over ever found them idle, and grabs told "won"
                 # waited unpaid until the worker restarted.
-                if not reading.done():
-                    reading.cancel()
-                await asyncio.wait([reading])
-                if not reading.cancelled() and reading.exception() is None:
+                await stop([reading], "the credit drain's read-ahead")
+                if reading.done() and not reading.cancelled() and reading.exception() is None:
                     unpaid = reading.result()
                     if unpaid is not None:
                         with contextlib.suppress(Exception):
                             await self._release(unpaid)
-                renewing.cancel()
-                await asyncio.wait([renewing])
-                if not renewing.cancelled():
-                    renewing.exception()  # retrieved: the renewer's end is not this batch's business
+                await stop([renewing], "the credit drain's lease renewer")
 
     async def _make_groups(self) -> None:
         """The consumer group on every shard's outbox, from its first entry (idempotent)."""
@@ -203,6 +201,7 @@ class CreditDrain:
 
     async def _renew_leases(self) -> None:
         while True:
+            check_cancelled()
             await asyncio.sleep(self.lease_ms / 4000)
             held: dict[int, list[Any]] = {n: sorted(ids) for n, ids in self.holding.items() if ids}
             if held:

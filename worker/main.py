@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from server.core import Core
 from server.durability import Durability
 from server.money import endpoints
+from server.stopping import check_cancelled, stop
 from server.store import keys
 from server.store.batch import fsync_problem
 from server.store.identities import eviction_problem
@@ -119,7 +120,8 @@ async def run_arq(core: Core, metrics: WorkerMetrics) -> None:
             await asyncio.shield(loop)
             return
         except asyncio.CancelledError:
-            await stop_arq(loop)
+            # arq's loop checks nothing: cancelled until it ends (a cancel it swallows: server.stopping).
+            await stop([loop], "arq's loop", again_every=0.1)
             raise
         except Exception as e:
             if time.monotonic() - started > 30:
@@ -131,27 +133,8 @@ async def run_arq(core: Core, metrics: WorkerMetrics) -> None:
                 )
         finally:
             # Its running jobs (a refund half-way, say) are idempotent: cancelled now, run again later.
-            running = [t for t in worker.tasks.values() if not t.done()]
-            for t in running:
-                t.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
+            await stop(worker.tasks.values(), "arq's jobs")
         await asyncio.sleep(min(0.1 * 2 ** (failures - 1), 5.0))
-
-
-STOP_TRIES = 50  # cancels of arq's loop, 0.1 s apart, before giving up on it
-
-
-async def stop_arq(loop: asyncio.Task[None]) -> None:
-    """Cancel arq's loop until it has stopped. Once is not always enough: on Python 3.11 a cancel that
-    arrives as one of redis-py's read timeouts expires is taken for the timeout (``asyncio.timeout``
-    swallows it), arq carries on polling, and a shutdown that waited on it hung (seen under load in
-    ``redpacket up`` and the hub's tests). After ``STOP_TRIES`` the loop is left, said in a line."""
-    for _ in range(STOP_TRIES):
-        loop.cancel()
-        done, _pending = await asyncio.wait({loop}, timeout=0.1)
-        if done:
-            return
-    log.error("arq's loop did not stop after %d cancels; leaving it", STOP_TRIES)
 
 
 async def heartbeat(core: Core, metrics: WorkerMetrics) -> None:
@@ -159,6 +142,7 @@ async def heartbeat(core: Core, metrics: WorkerMetrics) -> None:
     read the credit backlog and each Redis master's CPU, memory and durability for the metrics."""
     degraded: dict[str, str] = {}
     while True:
+        check_cancelled()
         reached = 0
         for service in (REDIS, DATABASE):
             try:
@@ -269,6 +253,4 @@ async def running_worker(core: Core, metrics: WorkerMetrics | None = None) -> As
     try:
         yield metrics
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop(tasks, "the worker")

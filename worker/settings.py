@@ -20,6 +20,7 @@ from arq.connections import RedisSettings
 from server.core import open_core
 from server.core import queue_name as deployment_queue
 from server.settings import EMBEDDED, Settings
+from server.stopping import stop
 from server.store.engines import connect
 from server.store.queue import job_deserializer, job_serializer
 from server.store.schema import deployment_id, migrate
@@ -57,9 +58,7 @@ async def _startup(ctx: dict[str, Any]) -> None:
 
 
 async def _shutdown(ctx: dict[str, Any]) -> None:
-    for task in ctx["tasks"]:
-        task.cancel()
-    await asyncio.gather(*ctx["tasks"], return_exceptions=True)
+    await stop(ctx["tasks"], "the worker")
     await ctx["stack"].aclose()
 
 

@@ -40,6 +40,7 @@ from server.money import deliveries, events
 from server.money.endpoints import Endpoint, configured, label, scrub
 from server.money.ledger import now_ms
 from server.signing import SIGNATURE_HEADER, sign
+from server.stopping import check_cancelled
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class Dispatcher:
     async def deliver_to(self, endpoint: str) -> None:
         failures = 0
         while True:
+            check_cancelled()
             try:
                 await events.sequence(self.core.db)  # (one at a time holds the counter: cheap when none)
                 busy = await self.deliver_round(endpoint, self.endpoints[endpoint])

@@ -47,11 +47,38 @@ class _Server(uvicorn.Server):
 
 def _print_tasks() -> None:
     tasks = asyncio.all_tasks()
-    print(f"still running after the drain budget: {len(tasks)} task(s)", file=sys.stderr)
+    print(
+        f"still running after the drain budget: {len(tasks)} task(s), each where it waits:", file=sys.stderr
+    )
+    for task in tasks:  # one line each first: a log cut short still shows every task
+        print(f"  {task.get_name()}: {waits_at(task)}", file=sys.stderr)
     for task in tasks:
         print(f"--- {task!r}", file=sys.stderr)
         task.print_stack(limit=12, file=sys.stderr)
     sys.stderr.flush()
+
+
+def waits_at(task: asyncio.Task[object]) -> str:
+    """The chain of coroutines ``task`` is suspended in, outermost first, through ``async with`` blocks
+    of ``contextlib.asynccontextmanager`` (``Task.print_stack`` shows only the outermost frame)."""
+    parts: list[str] = []
+    coro: object = task.get_coro()
+    frame: FrameType | None = None
+    while coro is not None and len(parts) < 30:
+        if getattr(coro, "cr_frame", None) is None and getattr(coro, "ag_frame", None) is None:
+            # An async generator's step (``asend``) shows nothing: the generator is the context manager's.
+            gen = getattr(frame.f_locals.get("self"), "gen", None) if frame is not None else None
+            if gen is None or getattr(gen, "ag_frame", None) is None:
+                break
+            coro = gen
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        assert frame is not None
+        where = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        parts.append(f"{getattr(coro, '__qualname__', '?')} {where}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    if coro is not None:
+        parts.append(type(coro).__name__)
+    return " → ".join(parts) or repr(task)
 
 
 def demo_secret(settings: Settings) -> Settings:

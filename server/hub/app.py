@@ -43,6 +43,7 @@ from server.hub.metrics import HubMetrics, serve_metrics
 from server.hub.session import websocket_endpoint
 from server.hub.wire import HubWebSocket
 from server.settings import Settings
+from server.stopping import stop
 from server.store.assets import asset_dir
 
 log = logging.getLogger(__name__)
@@ -193,9 +194,7 @@ def create_app(
                 else:
                     yield
             finally:
-                for task in background:
-                    task.cancel()
-                await asyncio.gather(*background, return_exceptions=True)
+                await stop(background, "the hub's timers")
                 if apart is not None:
                     apart.close()
 

@@ -35,6 +35,7 @@ from server.live.bots import AttemptLog
 from server.live.events import offset_key
 from server.money.groups import MemberCounts
 from server.money.membership import parse_change
+from server.stopping import STOP_SECONDS, check_cancelled, stop
 from server.store import keys
 from server.store.scriptcalls import Once, PresenceAction, PresenceCall, run
 
@@ -100,13 +101,12 @@ class Hub:
         await self.announcer.close(min(5.0, self.core.settings.shutdown_seconds / 4))
         await self.attempts.close()
         if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+            await stop([self._refresher], "the hub's presence refresher")
         await self.subscriber.close()
         self.metrics.unwatch_gc()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:  # (each is one announcement or presence change, retried within the budget above)
+            _done, left = await asyncio.wait(self._tasks, timeout=STOP_SECONDS)
+            await stop(left, "the hub's background work", within=0.5)
         await self.hooks.__aexit__()
 
     def spawn(self, work: Awaitable[Any]) -> None:
@@ -268,6 +268,7 @@ class Hub:
         """Keep this hub's users online while connected; a crashed hub's entries lapse on their own."""
         every = max(1.0, self.core.settings.presence_lapse_seconds / 3)
         while True:
+            check_cancelled()
             await asyncio.sleep(every)
             users: dict[GroupId, list[UserId]] = {}
             for g, user in list(self.local):

@@ -23,6 +23,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from server.stopping import check_cancelled, stop
 from server.store.redisconn import Packed
 from server.store.redisnodes import RedisNodes
 
@@ -90,6 +91,7 @@ class _Link:
         """Subscribed connections get no replies when nothing is published: ping, and drop a connection
         that stays silent (a dead peer that never closed)."""
         while True:
+            check_cancelled()
             await asyncio.sleep(PING_EVERY)
             if time.monotonic() - self.heard > SILENT_FOR and self.conn is not None:
                 log.warning("sharded pub/sub to %s went silent; reconnecting", self.address)
@@ -126,11 +128,14 @@ class Subscriber:
         await asyncio.wait_for(asyncio.gather(*(link.up.wait() for link in self.links.values())), 10)
 
     async def close(self) -> None:
-        for task in (self._runner, self._filler, *(link.task for link in self.links.values())):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        await stop(
+            [
+                t
+                for t in (self._runner, self._filler, *(link.task for link in self.links.values()))
+                if t is not None
+            ],
+            "the hub's pub/sub",
+        )
 
     async def add(self, channel: str) -> None:
         name = channel.encode()
@@ -184,6 +189,7 @@ class Subscriber:
         and once they are all up let the hub fill the gap."""
         backoff = 0.05
         while True:
+            check_cancelled()
             self._wake.clear()
             for link in self.links.values():
                 if link.task is None:

@@ -1,0 +1,67 @@
+"""Stopping background tasks, with a bound.
+
+One cancel is not always the end of a task on Python 3.11: ``asyncio.wait_for`` returns its inner result
+when a cancel arrives in the same turn as that result (``except CancelledError: if fut.done(): return
+fut.result()``), and redis-py sends every command through ``wait_for`` once a socket timeout is set (ours
+always are). A loop that goes round again after that ran for ever, and so did the shutdown waiting on it:
+``redpacket up`` did not stop on Ctrl-C in CI, its worker's tasks still running 45 s later. The cancel is
+still counted on the task (``Task.cancelling()``), so every loop of ours that runs until cancelled calls
+``check_cancelled()`` each round, and every stop is bounded and names what did not stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STOP_SECONDS = 5.0  # how long a stop waits for the tasks it cancelled before saying so and going on
+
+
+def check_cancelled() -> None:
+    """Raise ``CancelledError`` if this task was asked to stop and is still running (its cancel swallowed
+    on the way: see the module's note). Called at the top of each round of a loop that runs until
+    cancelled."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def stop(
+    tasks: Iterable[asyncio.Future[Any]],
+    what: str,
+    within: float = STOP_SECONDS,
+    again_every: float | None = None,
+) -> bool:
+    """Cancel ``tasks`` and wait until they have ended, at most ``within`` seconds; True if they all did.
+    Those still running then are named in a line and left. ``again_every``: cancel those still running
+    again at that interval, for code not ours that checks nothing (arq's loop); our own loops are
+    cancelled once, so a cleanup of theirs in a ``finally`` is never interrupted. Their exceptions are
+    retrieved (a stopped task's end is not the stopper's business)."""
+    tasks = list(tasks)
+    pending = {t for t in tasks if not t.done()}
+    for t in pending:
+        t.cancel()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while pending and (left := deadline - loop.time()) > 0:
+        _done, pending = await asyncio.wait(
+            pending, timeout=left if again_every is None else min(left, again_every)
+        )
+        if again_every is not None:
+            for t in pending:
+                t.cancel()
+    for t in tasks:
+        if t.done() and not t.cancelled():
+            t.exception()
+    if pending:
+        log.error(
+            "%s: %d task(s) still running %g s after being cancelled; left: %s",
+            what,
+            len(pending),
+            within,
+            ", ".join(sorted(repr(t) for t in pending)),
+        )
+    return not pending
