@@ -9,7 +9,7 @@ import pytest
 from server import errors
 from server.core import Core
 from server.errors import Conflict
-from server.money import grabs, ledger, packets
+from server.money import crediting, grabs, ledger, packets
 from server.store import keys
 from server.store.records import CreditEntry, GrabRecord
 from server.store.scriptcalls import run_alone
@@ -111,8 +111,8 @@ async def test_a_credit_run_twice_pays_once(core: Core) -> None:
     p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=1)
     g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     c = CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
-    assert await ledger.credit_grab(core.db, c) == "credited"
-    assert await ledger.credit_grab(core.db, c) == "already"
+    assert await crediting.credit_grab(core.db, c) == "credited"
+    assert await crediting.credit_grab(core.db, c) == "already"
     assert await run_worker(core) == 1  # the recorded credit is handled too, and pays nothing more
     assert await ledger.balance(core.db, w.members[0]) == 500
     row = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'grab'")
@@ -125,7 +125,7 @@ async def test_concurrent_duplicate_credits_pay_once(core: Core) -> None:
     p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="equal", total=700, count=1)
     g = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     c = CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
-    outcomes = await asyncio.gather(*(ledger.credit_grab(core.db, c) for _ in range(8)))
+    outcomes = await asyncio.gather(*(crediting.credit_grab(core.db, c) for _ in range(8)))
     assert sorted(outcomes) == ["already"] * 7 + ["credited"]
     assert await ledger.balance(core.db, w.members[0]) == 700
 
@@ -138,14 +138,14 @@ async def test_the_database_refuses_what_redis_cannot_prove(core: Core, lie: str
     )
     a = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     b = (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[1])).grab
-    await ledger.credit_grab(core.db, CreditEntry(p.packet_id, a.user_id, a.seq, a.amount, a.grabbed_ms))
+    await crediting.credit_grab(core.db, CreditEntry(p.packet_id, a.user_id, a.seq, a.amount, a.grabbed_ms))
     bad = {
         "amount": CreditEntry(p.packet_id, b.user_id, b.seq, b.amount + 1, b.grabbed_ms),
         "seq_of_other": CreditEntry(p.packet_id, b.user_id, a.seq, a.amount, b.grabbed_ms),
         "user_of_other": CreditEntry(p.packet_id, a.user_id, b.seq, b.amount, b.grabbed_ms),
     }[lie]
     with pytest.raises(Conflict) as e:
-        await ledger.credit_grab(core.db, bad)
+        await crediting.credit_grab(core.db, bad)
     assert e.value.code == errors.SHARE_CONFLICT
     assert await ledger.balance(core.db, w.members[1]) == 0
     assert await ledger.balance(core.db, w.members[0]) == a.amount
@@ -161,7 +161,9 @@ async def test_no_credit_lands_on_a_refunded_packet(core: Core) -> None:
         idempotent=True,
     )
     with pytest.raises(Conflict) as e:
-        await ledger.credit_grab(core.db, CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms))
+        await crediting.credit_grab(
+            core.db, CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms)
+        )
     assert e.value.code == errors.PACKET_EXPIRED
     assert await ledger.balance(core.db, w.members[0]) == 0
 
@@ -188,7 +190,7 @@ async def test_a_packet_is_finished_by_the_transaction_that_credits_its_last_sha
         assert await credit_many(core.db, credits[:2]) == ["credited", "credited"]
         assert await _status(core, p.packet_id) == ("active", None)
         if last_alone:
-            assert await ledger.credit_grab(core.db, credits[2]) == "credited"
+            assert await crediting.credit_grab(core.db, credits[2]) == "credited"
         else:
             assert await credit_many(core.db, credits) == ["already", "already", "credited"]
         # "finished" means every share paid, from the commit that paid the last one; finished_ms is when
@@ -234,7 +236,9 @@ async def test_the_last_shares_paid_at_once_finish_the_packet_in_the_commit_of_t
         seen: list[tuple[str, int]] = []
         reader = asyncio.create_task(_look(core, p.packet_id, paid, seen))
         try:
-            await asyncio.gather(ledger.credit_grab(core.db, credits[4]), credit_many(core.db, credits[5:]))
+            await asyncio.gather(
+                crediting.credit_grab(core.db, credits[4]), credit_many(core.db, credits[5:])
+            )
         finally:
             paid.set()
             await asyncio.wait_for(reader, 30)

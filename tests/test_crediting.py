@@ -10,7 +10,7 @@ import pytest
 
 from server import errors
 from server.core import Core
-from server.money import grabs, ledger, packets
+from server.money import crediting, grabs, ledger, packets
 from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.store.db import Tx
@@ -35,7 +35,7 @@ async def _grabs(core: Core, members: int, total: int) -> tuple[int, list[Credit
 async def test_a_mixed_batch_pays_each_share_once(core: Core) -> None:
     pid, credits, _ = await _grabs(core, 6, 6_000)
     first, second, third, *rest = credits
-    await ledger.credit_grab(core.db, first)  # already paid one by one
+    await crediting.credit_grab(core.db, first)  # already paid one by one
     batch = [
         first,  # already
         second,

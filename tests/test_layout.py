@@ -298,3 +298,18 @@ def test_the_journal_and_the_balances_have_one_writer() -> None:
         if writes.search(text)
     )
     assert found and all(f.startswith("server/money/journal.py:") for f in found), found
+
+
+def test_statuses_are_named_only_by_their_enums() -> None:
+    """Before (issue 44): ``'credited'`` 37 times, ``'refunded'`` 15, ``'active'`` 14 as literals in SQL,
+    where a misspelt one matches nothing and says nothing. Packet and grab-record statuses are named in
+    ``server.money.statuses`` alone; SQL spells them through the enums (the benchmarks excepted)."""
+    literal = re.compile(r"'(active|refunding|refunded|finished|void|crediting|credited)'")
+    found = sorted(
+        f"{path.relative_to(ROOT)}:{n}"
+        for module, path in KNOWN.items()
+        if not module.startswith("server.tools") and module != "server.money.statuses"
+        for n, text in enumerate(path.read_text().splitlines(), 1)
+        if literal.search(text)
+    )
+    assert found == []

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from server.core import Core, transient
-from server.money import grabs, groups, ledger, packets, settlement
+from server.money import crediting, grabs, groups, ledger, packets, settlement
 from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.store import keys
@@ -154,9 +154,9 @@ async def test_a_single_credit_whose_commit_answer_is_lost_counts_as_credited(
     g = (await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])).grab
     credit = CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, w.group)
     proxy.lose_commit_answers(1)
-    assert await ledger.credit_grab(c.db, credit) == "credited"  # this call paid it
+    assert await crediting.credit_grab(c.db, credit) == "credited"  # this call paid it
     assert proxy.lost == 1
-    assert await ledger.credit_grab(c.db, credit) == "already"  # another call finds it paid
+    assert await crediting.credit_grab(c.db, credit) == "already"  # another call finds it paid
     assert await ledger.balance(c.db, g.user_id) == g.amount
 
 

@@ -62,6 +62,7 @@ def test_books_in_order_have_no_difference() -> None:
         ({"p_debited": 200}, "packet_debit"),
         ({"p_status": "refunding", "p_expires_ms": NOW - LATE_MS - 1}, "packet_stuck"),
         ({"p_status": "active", "p_expires_ms": NOW - LATE_MS - 1}, "packet_stuck"),
+        ({"p_status": "actve"}, "packet_status"),  # a status no code of ours writes
         ({"wrong_account": [Posting(7, "refund", 2, 40, 1)]}, "posting_account"),
         ({"grab_postings_unmatched": [GrabRow(7, 3, 0, 60)]}, "grab_posting"),
         ({"records_unposted": [GrabRow(7, 2, 1, 60)]}, "grab_posting"),

@@ -1,14 +1,13 @@
-"""Batched crediting: many grabs paid in one transaction, exactly once; and the record of those never paid.
-
-The same rules as ``ledger.credit_grab`` (the share must be the one the database pre-split, one share
-per user, one user per share, nothing on a refunded packet), decided for a whole batch, then written as
-multi-row inserts and one balance update per account, accounts in a fixed order so two batches never
-deadlock. The usual batch (every grab new) is decided from the packets' rows and one count of its
-shares, and its grab records are simply inserted: the unique keys refuse a share or a user already held,
-and then that insert is undone and every credit is decided from the grab records read (``_decide``). If
-another worker credited one of these grabs after that read the batch rolls back on the unique keys and
-falls back to crediting one by one; either way each grab is paid once. (The packet row lock each credit
-takes first makes that clash rare: only a payer that skipped the lock meets it.)
+"""Crediting grabs exactly once: many in one transaction (``credit_many``), or one alone (``credit_grab``,
+``credit_or_record``: a batch of one). Every rule is ``server.money.creditrules``'s; here is how a batch
+is written. The usual batch (every grab new) is decided by those rules as if no record were held, after one
+count says each share is the database's, and its grab records are simply inserted: the unique keys refuse
+a share or a user already held, and then that insert is undone and every credit is decided from the grab
+records read (``_decide``). If another worker credited one of these grabs after that read the batch rolls
+back on the unique keys and falls back to crediting one by one; either way each grab is paid once. (The
+packet row lock each credit takes first makes that clash rare: only a payer that skipped the lock meets
+it.) Then multi-row inserts and one balance update per account, accounts in a fixed order so two batches
+never deadlock. On a sharded ledger the same rules run in steps (``server.money.shardsteps``).
 
 A credit refused (its grabber was told "won", or can read it with ``open``, and the ledger will not pay it)
 is never only logged: it is a row of ``credit_refusals``, written in the transaction that decided it, and
@@ -17,21 +16,28 @@ reconciliation reports every one not paid since (``server.money.reconcile``).
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
+from typing import assert_never
 
 from server.errors import RedPacketError
 from server.money import events, shardsteps
 from server.money.creditrules import (
+    Held,
     Outcome,
+    Refusal,
     RefusedBy,
     decide,
+    lock_packets,
     read_held,
     record_refusals,
+    refusal_error,
     refusal_of,
     refused,
 )
 from server.money.journal import Posting, marks, post_many
-from server.money.ledger import credit_grab, finish_paid, grab_key, now_ms
+from server.money.ledger import CreditOutcome, finish_paid, grab_key, now_ms
+from server.money.statuses import PacketStatus, RecordStatus
 from server.store.db import Database, IntegrityError, Tx, as_text
 from server.store.records import CreditEntry
 
@@ -62,45 +68,71 @@ async def credit_many(
         return out
 
 
+async def credit_grab(db: Database, c: CreditEntry) -> CreditOutcome:
+    """Pay one grab alone — its grab record, journal row and balance change in one transaction — by the
+    batch's rules for a batch of one: ``credited`` (by this call, even one run again after a lost COMMIT
+    answer) or ``already``. A refusal raises its error (``creditrules.refusal_error``: the share not this
+    user's or not this amount, the packet refunded or unknown) and records nothing. Cancelled before the
+    commit: nothing is written."""
+    outcome = await _alone(db, c, None)
+    match outcome:
+        case "credited":
+            return "credited"
+        case "already":
+            return "already"
+        case "later":  # (a whole ledger is asked: nothing is left for later)
+            raise RuntimeError(f"credit of share {c.seq} of packet {c.packet_id} left for later")
+        case Refusal():
+            raise refusal_error(outcome, c)
+        case _:
+            assert_never(outcome)
+
+
 async def credit_or_record(db: Database, c: CreditEntry, refused_by: RefusedBy) -> Outcome:
-    """``ledger.credit_grab``, and a refusal recorded (``record_refusals``) before its code is returned."""
+    """One grab alone, by the batch's rules; a refusal recorded (``record_refusals``) before its code is
+    returned."""
+    return await _alone(db, c, refused_by)
+
+
+ALONE_TRIES = 3  # a batch of one that meets another payer's row between its read and its write
+
+
+async def _alone(db: Database, c: CreditEntry, refused_by: RefusedBy | None) -> Outcome:
     if db.shards:
         return (await shardsteps.credit_many(db, [c], refused_by))[0]
-    try:
-        return await credit_grab(db, c)
-    except RedPacketError as e:
-        code = refusal_of(e.code)
-        if code is None:
-            raise  # the database away, say: nothing decided, try again later
-    await db.run(lambda tx: record_refusals(tx, [(c, code)], refused_by), idempotent=True)
-    return code
+    for attempt in range(ALONE_TRIES):
+        try:
+            return (await db.run(lambda tx: _batch(tx, [c], refused_by), idempotent=True))[0]
+        except IntegrityError:
+            if attempt == ALONE_TRIES - 1:  # (the rows it met are read and decided on the next try)
+                raise
+        except RedPacketError as e:
+            code = refusal_of(e.code)  # (a grabber with no account: met by the balance update)
+            if code is None:
+                raise  # the database away, say: nothing decided, try again later
+            record = functools.partial(record_refusals, refused=[(c, code)], refused_by=refused_by)
+            await db.run(record, idempotent=True)
+            return code
+    raise AssertionError("unreachable")
 
 
-async def _batch(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy) -> list[Outcome]:
-    pids = sorted({c.packet_id for c in credits})
-    # Exclusive, in id order: this batch may finish these packets, and two batches lock them in one order.
-    status = {
-        int(r[0]): str(r[1])
-        for r in await tx.fetchall(
-            f"SELECT id, status FROM red_packets WHERE id IN ({marks(len(pids))}){tx.dialect.for_update}",
-            pids,
-        )
-    }
+async def _batch(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy | None) -> list[Outcome]:
+    status = await lock_packets(tx, sorted({c.packet_id for c in credits}))
     if await _all_new(tx, credits, status):
         return ["credited"] * len(credits)
     return await _decide(tx, credits, status, refused_by)
 
 
-async def _all_new(tx: Tx, credits: list[CreditEntry], status: dict[int, str]) -> bool:
-    """The usual batch, paid without reading a grab record: every packet there and not refunded, no share
-    or user twice in the batch, every share the database pre-split (one count), and the grab records
-    written at once. A record already held (the unique keys refuse the insert, which is undone to the
-    savepoint) or any other doubt: False, nothing written, and ``_decide`` reads and decides each one."""
-    if len({(c.packet_id, c.seq) for c in credits}) != len(credits):
-        return False
-    if len({(c.packet_id, c.user_id) for c in credits}) != len(credits):
-        return False
-    if any(status.get(c.packet_id, "refunded") == "refunded" for c in credits):
+async def _all_new(tx: Tx, credits: list[CreditEntry], status: dict[int, PacketStatus]) -> bool:
+    """The usual batch, paid without reading a grab record: one count says every share is the one the
+    database pre-split, the rules (``creditrules.decide``) pay every credit as if no record were held, and
+    the grab records are written at once. A record already held (the unique keys refuse the insert, which
+    is undone to the savepoint) or any other doubt: False, nothing written, and ``_decide`` reads and
+    decides each one."""
+    _, inserts, _ = decide(
+        credits, status, Held(shares={(c.packet_id, c.seq): c.amount for c in credits}), set()
+    )
+    if len(inserts) != len(credits):  # a refusal, or a share or user twice in the batch
         return False
     # (packet, seq) is the key and no pair repeats, so each credit counts at most one row. Per packet,
     # (seq, amount) pairs: a third fewer values to send and to parse than (packet, seq, amount) triples.
@@ -134,7 +166,7 @@ async def _insert_records(tx: Tx, credits: list[CreditEntry], ts: int) -> None:
     await tx.executemany(
         "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
         " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-        [(c.packet_id, c.user_id, c.seq, c.amount, "credited", c.grabbed_ms, ts) for c in credits],
+        [(c.packet_id, c.user_id, c.seq, c.amount, RecordStatus.CREDITED, c.grabbed_ms, ts) for c in credits],
     )
 
 
@@ -152,7 +184,7 @@ async def _post(tx: Tx, paid: list[CreditEntry], ts: int) -> None:
 
 
 async def _decide(
-    tx: Tx, credits: list[CreditEntry], status: dict[int, str], refused_by: RefusedBy
+    tx: Tx, credits: list[CreditEntry], status: dict[int, PacketStatus], refused_by: RefusedBy | None
 ) -> list[Outcome]:
     """Each credit decided from what the database holds (``creditrules.decide``); the refused recorded."""
     held = await read_held(tx, credits)
@@ -164,7 +196,8 @@ async def _decide(
     await _insert_records(tx, inserts, ts)
     for c in updates:
         await tx.execute(
-            "UPDATE grab_records SET status = 'credited', credited_ms = %s WHERE packet_id = %s AND seq = %s",
+            f"UPDATE grab_records SET status = '{RecordStatus.CREDITED}', credited_ms = %s WHERE packet_id"
+            " = %s AND seq = %s",
             (ts, c.packet_id, c.seq),
         )
     await _post(tx, inserts + updates, ts)

@@ -1,16 +1,24 @@
-"""What decides a credit, shared by the one-transaction batch (``server.money.crediting``) and the
-shard-local steps (``server.money.shardsteps``): the refusal codes, the record of a refusal, the reads a
-decision needs, the decision itself (pure), and the balance update of many accounts."""
+"""Every rule of a credit, in one place: a grab paid one at a time, in a batch (the fast path included) or
+in the shard-local steps (``server.money.crediting``, ``server.money.shardsteps``) is decided here, and
+only here. The rules (``decide``, pure): the packet must exist and its refund not be decided (its status
+for a credit: ``lock_packets``); the share must be the one the database pre-split (``read_held``); one
+share per user and one user per share; a share already paid is ``already`` (or ``credited`` to the call
+that paid it before a lost COMMIT answer); a record a shard-local credit left half-way is paid whatever
+the packet's status. Also here: the refusal codes, the record of a refusal, and the reads a decision
+needs."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
+from typing import Literal, assert_never
 
 from server import errors
+from server.errors import Conflict, NotFound, RedPacketError
 from server.money.journal import marks, now_ms
 from server.money.ledger import CreditOutcome
+from server.money.statuses import PacketStatus, RecordStatus
 from server.store.db import Tx
 from server.store.records import CreditEntry
 
@@ -51,9 +59,29 @@ def refused(credits: list[CreditEntry], outcomes: list[Outcome]) -> list[tuple[C
     return [(c, o) for c, o in zip(credits, outcomes, strict=True) if isinstance(o, Refusal)]
 
 
-async def record_refusals(tx: Tx, refused: list[tuple[CreditEntry, Refusal]], refused_by: RefusedBy) -> None:
+def refusal_error(code: Refusal, c: CreditEntry) -> RedPacketError:
+    """The error a refusal is to a caller that pays one grab and raises (``crediting.credit_grab``)."""
+    match code:
+        case Refusal.PACKET_NOT_FOUND | Refusal.USER_NOT_FOUND:
+            return NotFound(code, f"{code.replace('_', ' ')}: packet {c.packet_id}, user {c.user_id}")
+        case Refusal.SHARE_CONFLICT:
+            return Conflict(code, f"share {c.seq} of packet {c.packet_id} is not {c.amount} to this user")
+        case Refusal.PACKET_EXPIRED:
+            return Conflict(code, f"packet {c.packet_id} was refunded before this credit")
+        case Refusal.IDEMPOTENCY_KEY_REUSED:
+            return Conflict(code, f"the key of share {c.seq} of packet {c.packet_id} was used otherwise")
+        case _:
+            assert_never(code)
+
+
+async def record_refusals(
+    tx: Tx, refused: list[tuple[CreditEntry, Refusal]], refused_by: RefusedBy | None
+) -> None:
     """Keep each (credit, code) in ``credit_refusals``, in the caller's transaction; a grab already
-    recorded keeps its first record."""
+    recorded keeps its first record. ``refused_by`` None: the caller raises instead (and records
+    nothing)."""
+    if refused_by is None:
+        return
     ts = now_ms()
     await tx.executemany(
         f"{tx.dialect.insert_ignore} INTO credit_refusals"
@@ -66,13 +94,31 @@ async def record_refusals(tx: Tx, refused: list[tuple[CreditEntry, Refusal]], re
     )
 
 
+async def lock_packets(tx: Tx, pids: Sequence[int]) -> dict[int, PacketStatus]:
+    """The packets' rows locked (exclusive: a credit may finish its packet, and a shared lock upgraded
+    later deadlocks), in id order (two batches lock them in one order); each one's status for a credit:
+    ``refunded`` from the moment its refund is decided (``finished_ms`` set on a ``refunding`` packet: the
+    sharded refund's first step; on one database the refund sets both at once)."""
+    rows = await tx.fetchall(
+        f"SELECT id, status, finished_ms FROM red_packets WHERE id IN ({marks(len(pids))}) ORDER BY id"
+        + tx.dialect.for_update,
+        list(pids),
+    )
+    return {
+        int(r[0]): PacketStatus.REFUNDED
+        if r[1] == PacketStatus.REFUNDING and r[2] is not None
+        else PacketStatus(r[1])
+        for r in rows
+    }
+
+
 @dataclass
 class Held:
     """What the database holds about a batch's credits: the shares it pre-split, and the grab records
     holding their shares or their users (``read_held``)."""
 
     shares: dict[tuple[int, int], int] = field(default_factory=dict)  # (packet, seq) → amount
-    by_seq: dict[tuple[int, int], tuple[int, str]] = field(default_factory=dict)  # → (user, status)
+    by_seq: dict[tuple[int, int], tuple[int, RecordStatus]] = field(default_factory=dict)  # → (user, status)
     by_user: dict[tuple[int, int], int] = field(default_factory=dict)  # (packet, user) → seq
 
 
@@ -101,14 +147,14 @@ async def read_held(tx: Tx, credits: list[CreditEntry]) -> Held:
     )
     for pid, uid, seq, st in rows:
         if (int(pid), int(seq)) in seq_pairs or (int(pid), int(uid)) in user_pairs:
-            held.by_seq[(int(pid), int(seq))] = (int(uid), str(st))
+            held.by_seq[(int(pid), int(seq))] = (int(uid), RecordStatus(st))
             held.by_user[(int(pid), int(uid))] = int(seq)
     return held
 
 
 def decide(
     credits: list[CreditEntry],
-    status: dict[int, str],
+    status: dict[int, PacketStatus],
     held: Held,
     mine: set[tuple[int, int]],
     users: set[int] | None = None,
@@ -135,23 +181,23 @@ def decide(
             holder, st = by_seq[seq_key]
             if holder != c.user_id:
                 out.append(Refusal.SHARE_CONFLICT)
-            elif st == "credited":
+            elif st is RecordStatus.CREDITED:
                 out.append("credited" if seq_key in mine else "already")
-            elif st != "crediting" and status[c.packet_id] == "refunded":
+            elif st is not RecordStatus.CREDITING and status[c.packet_id] is PacketStatus.REFUNDED:
                 out.append(Refusal.PACKET_EXPIRED)
             else:
                 updates.append(c)
-                by_seq[seq_key] = (c.user_id, "credited")
+                by_seq[seq_key] = (c.user_id, RecordStatus.CREDITED)
                 out.append("credited")
         elif user_key in by_user:
             out.append(Refusal.SHARE_CONFLICT)
-        elif status[c.packet_id] == "refunded":
+        elif status[c.packet_id] is PacketStatus.REFUNDED:
             out.append(Refusal.PACKET_EXPIRED)
         elif users is not None and c.user_id not in users:
             out.append(Refusal.USER_NOT_FOUND)
         else:
             inserts.append(c)
-            by_seq[seq_key] = (c.user_id, "credited")
+            by_seq[seq_key] = (c.user_id, RecordStatus.CREDITED)
             by_user[user_key] = c.seq
             out.append("credited")
     return out, inserts, updates

@@ -23,6 +23,7 @@ from server.money import queries
 from server.money.fairness import commitment
 from server.money.membership import not_member
 from server.money.packets import PACKET_COLUMNS, packet_from_row, recover_packet
+from server.money.statuses import PacketStatus
 from server.store import keys
 from server.store.records import GrabRecord
 from server.store.redisconn import ServerChanged
@@ -183,7 +184,7 @@ def grab_call(
 
 async def _recover_if_live(core: Core, *, packet_id: PacketId, group_id: GroupId) -> bool:
     found = await queries.packet_status(core.db, packet_id)
-    if found is None or found[0] != group_id or found[1] == "refunded":
+    if found is None or found[0] != group_id or found[1] == PacketStatus.REFUNDED:
         return False
     await recover_packet(core, packet_id)
     return True
@@ -330,7 +331,7 @@ async def _open_from_database(
         "created_ms": str(p.created_ms),
         "expires_ms": str(p.expires_ms),
         "finished_ms": "" if p.finished_ms is None else str(p.finished_ms),
-        "closed": "1" if p.status in ("refunding", "refunded") else "",
+        "closed": "1" if p.status in (PacketStatus.REFUNDING, PacketStatus.REFUNDED) else "",
         "seed": "" if p.seed is None else p.seed.hex(),
     }
     return view_packet(meta, records, p.count - len(records), packet_id=packet_id, user_id=user_id)

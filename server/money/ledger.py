@@ -15,8 +15,8 @@ from server.money import events
 from server.money.accounts import claim_request, ensure_accounts, open_accounts
 from server.money.journal import now_ms as now_ms  # (the ledger's clock, as every caller imports it)
 from server.money.journal import post_event
+from server.money.statuses import PacketStatus, RecordStatus
 from server.store.db import Database, IntegrityError, Tx
-from server.store.records import CreditEntry
 
 # A demo top-up is play money; this only keeps a typo from minting a fortune.
 MAX_TOPUP_CENTS = 100_000_000
@@ -257,15 +257,17 @@ async def finish_paid(tx: Tx, packet_ids: list[PacketId]) -> int:
     # the packets found paid, not for every batch.)
     done = await tx.fetchall(
         "SELECT id, sender_id, group_id, total, share_count FROM red_packets"
-        f" WHERE id IN ({marks}) AND status = 'active' AND share_count = (SELECT COUNT(*)"
-        " FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = 'credited')",
+        f" WHERE id IN ({marks}) AND status = '{PacketStatus.ACTIVE}' AND share_count = (SELECT COUNT(*)"
+        f" FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = '{RecordStatus.CREDITED}')",
         ids,
     )
     ts = now_ms()
     for pid, sender, group, total, count in done:
         if await tx.execute(
-            "UPDATE red_packets SET status = 'finished', finished_ms = (SELECT MAX(g.grabbed_ms)"
-            " FROM grab_records g WHERE g.packet_id = red_packets.id) WHERE id = %s AND status = 'active'",
+            f"UPDATE red_packets SET status = '{PacketStatus.FINISHED}', finished_ms = (SELECT"
+            " MAX(g.grabbed_ms)"
+            " FROM grab_records g WHERE g.packet_id = red_packets.id) WHERE id = %s AND status ="
+            f" '{PacketStatus.ACTIVE}'",
             (pid,),
         ):
             await finished_event(tx, PacketId(int(pid)), int(sender), int(group), int(total), int(count), ts)
@@ -286,62 +288,3 @@ async def posted_by_this_call(tx: Tx, idem_key: str) -> bool:
         return False
     row = await tx.fetchone("SELECT tx FROM journal WHERE idem_key = %s", (idem_key,))
     return row is not None and row[0] is not None and int(row[0]) == tx.token
-
-
-async def credit_grab(db: Database, c: CreditEntry) -> CreditOutcome:
-    """Pay one grab: its grab record, its journal row and the balance change, in one transaction.
-
-    Idempotent: the unique keys on grab_records (packet, user) and (packet, seq) and on the journal key
-    decide, so running it twice credits once. The amount must match the share the database pre-split at
-    send; a mismatch, or the share taken by another user, raises ``Conflict(share_conflict)`` and pays
-    nothing. A credit never lands on a refunded packet. Cancelled before commit: nothing is written.
-    """
-
-    async def work(tx: Tx) -> CreditOutcome:
-        # Exclusive: the credit may finish the packet, and a shared lock upgraded later deadlocks.
-        packet = await tx.fetchone(
-            "SELECT status FROM red_packets WHERE id = %s" + tx.dialect.for_update, (c.packet_id,)
-        )
-        if packet is None:
-            raise NotFound(errors.PACKET_NOT_FOUND, f"packet {c.packet_id} does not exist")
-        share = await tx.fetchone(
-            "SELECT amount FROM red_packet_shares WHERE packet_id = %s AND seq = %s", (c.packet_id, c.seq)
-        )
-        if share is None or int(share[0]) != c.amount:
-            raise Conflict(errors.SHARE_CONFLICT, f"share {c.seq} of packet {c.packet_id} is not {c.amount}")
-        ts = now_ms()
-        try:
-            await tx.execute(
-                "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
-                " VALUES (%s, %s, %s, %s, 'credited', %s, %s)",
-                (c.packet_id, c.user_id, c.seq, c.amount, c.grabbed_ms, ts),
-            )
-        except IntegrityError:
-            rows = await tx.fetchall(
-                "SELECT user_id, seq, status FROM grab_records"
-                " WHERE packet_id = %s AND (user_id = %s OR seq = %s)" + tx.dialect.share_lock,
-                (c.packet_id, c.user_id, c.seq),
-            )
-            if len(rows) != 1 or (int(rows[0][0]), int(rows[0][1])) != (c.user_id, c.seq):
-                raise Conflict(
-                    errors.SHARE_CONFLICT, "that share or that user is paid to another grab"
-                ) from None
-            if rows[0][2] == "credited":
-                return (
-                    "credited" if await posted_by_this_call(tx, grab_key(c.packet_id, c.seq)) else "already"
-                )
-            await tx.execute(
-                "UPDATE grab_records SET status = 'credited', credited_ms = %s"
-                " WHERE packet_id = %s AND seq = %s",
-                (ts, c.packet_id, c.seq),
-            )
-        if packet[0] == "refunded":
-            raise Conflict(errors.PACKET_EXPIRED, f"packet {c.packet_id} was refunded before this credit")
-        key = grab_key(c.packet_id, c.seq)
-        r = events.share_credited(c, key)
-        posted = await post_event(tx, c.user_id, c.amount, "grab", key, r["type"], r["data"], c.packet_id)
-        if posted:
-            await finish_paid(tx, [c.packet_id])
-        return "credited" if posted else "already"
-
-    return await db.run(work, idempotent=True)

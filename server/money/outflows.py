@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.money.statuses import PacketStatus
 from server.store.db import Row, as_text
 from server.store.dialect import Dialect
 
@@ -85,7 +86,8 @@ def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
             f" LEFT JOIN holds h ON e.idem_key = {confirm_key} AND h.state = 'confirmed'"
             " WHERE e.type = 'hold.confirmed' AND h.request_id IS NULL"
             " UNION ALL SELECT e.idem_key, e.user_id, e.type FROM events e"
-            f" LEFT JOIN red_packets p ON e.idem_key = {finished_key} AND p.status = 'finished'"
+            f" LEFT JOIN red_packets p ON e.idem_key = {finished_key} AND p.status ="
+            f" '{PacketStatus.FINISHED}'"
             " WHERE e.type = 'packet.finished' AND p.id IS NULL"
             " UNION ALL SELECT e.idem_key, e.user_id, e.type FROM events e"
             " WHERE e.amount IS NULL AND e.type NOT IN ('hold.confirmed', 'packet.finished')"
@@ -98,7 +100,7 @@ def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
             # (By the debit's packet, not its key: a sharded send's key is send:<sender>:<request>.)
             " JOIN journal s ON s.packet_id = p.id AND s.kind = 'send'"
             f" LEFT JOIN events e ON e.idem_key = {finished_key}"
-            f" WHERE p.status = 'finished' AND s.id > {_SINCE} AND e.id IS NULL",
+            f" WHERE p.status = '{PacketStatus.FINISHED}' AND s.id > {_SINCE} AND e.id IS NULL",
             (),
         ),
         "confirm_unannounced": (

@@ -9,6 +9,7 @@ from typing import cast
 from server.ids import GroupId, PacketId, UserId
 from server.money.fairness import commitment, fair_shares
 from server.money.split import Kind, PacketRequest
+from server.money.statuses import PacketStatus
 from server.store.db import Row, Tx
 
 # A packet's columns as ``packet_from_row`` reads them, by name (a query selects ``PACKET_COLUMNS``).
@@ -29,7 +30,7 @@ class Packet:
     count: int
     greeting: str
     target_user_id: UserId | None
-    status: str
+    status: PacketStatus
     created_ms: int
     expires_ms: int
     # False when Redis could not be reached at send: the money is safe in the database and
@@ -69,7 +70,7 @@ def packet_from_row(row: Row) -> Packet:
         count=int(r["share_count"]),
         greeting=str(r["greeting"]),
         target_user_id=None if r["target_user_id"] is None else UserId(int(r["target_user_id"])),
-        status=str(r["status"]),
+        status=PacketStatus(r["status"]),
         created_ms=int(r["created_ms"]),
         expires_ms=int(r["expires_ms"]),
         announced_ms=None if r["announced_ms"] is None else int(r["announced_ms"]),
@@ -95,7 +96,7 @@ async def packet_rows(
     await tx.execute(
         f"INSERT INTO red_packets ({given}sender_id, group_id, kind, total, share_count, greeting,"
         " target_user_id, status, request_id, created_ms, expires_ms, seed)"
-        f" VALUES ({given and '%s, '}%s, %s, %s, %s, %s, %s, %s, 'active', %s, %s, %s, %s)",
+        f" VALUES ({given and '%s, '}%s, %s, %s, %s, %s, %s, %s, '{PacketStatus.ACTIVE}', %s, %s, %s, %s)",
         (
             *([packet_id] if packet_id else []),
             *(sender_id, group_id, req.kind, req.total, req.count, req.greeting, req.target_user_id),
@@ -149,7 +150,7 @@ def new_packet(
         count=req.count,
         greeting=req.greeting,
         target_user_id=target,
-        status="active",
+        status=PacketStatus.ACTIVE,
         created_ms=created,
         expires_ms=expires,
         seed=seed,

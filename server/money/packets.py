@@ -35,6 +35,7 @@ from server.money.packetrows import (
     sent_data,
 )
 from server.money.split import PacketRequest, validate_request
+from server.money.statuses import PacketStatus
 from server.store import keys
 from server.store.db import Database, IntegrityError, Tx, as_text
 from server.store.records import CreditEntry, DroppedEntry, GrabRecord, ShareEntry
@@ -294,7 +295,7 @@ async def _load(
         meta["seed"] = p.seed.hex()  # shown by a view once the packet is finished or closed (never before)
     if finished_ms is not None:
         meta["finished_ms"] = finished_ms
-    if p.status == "refunding":
+    if p.status is PacketStatus.REFUNDING:
         meta["closed"] = 1  # its refund has begun: no grab may start again, whatever Redis lost
     meta_key = keys.packet_meta(group_id=p.group_id, packet_id=p.packet_id)
     call = LoadPacketCall(
@@ -346,7 +347,7 @@ async def recover_packet(core: Core, packet_id: PacketId) -> Recovered:
 
     async def work(tx: Tx) -> tuple[Packet, int, int, list[CreditEntry]]:
         p = await _locked(tx, packet_id)
-        if p.status in ("refunded", "void"):  # (void: a send never made, ``server.money.shardsteps``)
+        if p.status in (PacketStatus.REFUNDED, PacketStatus.VOID):  # (void: a send never made: shardsteps)
             raise Conflict(errors.PACKET_EXPIRED, f"packet {packet_id} was refunded")
         generation = core.repairs.generation
         rows = await tx.fetchall(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from server.ids import MAX_ID, GroupId, PacketId, UserId
 from server.money.ledger import now_ms
+from server.money.statuses import PacketStatus
 from server.store.db import Database, Tx
 
 _SENT = "packet_id group_id kind total count greeting status created_ms paid_out".split()
@@ -73,7 +74,7 @@ async def unannounced(db: Database, now: int, *, created_before: int, limit: int
     """Live packets saved before ``created_before`` whose event was never published, oldest first."""
     rows = await db.fetchall(
         "SELECT id FROM red_packets WHERE announced_ms IS NULL AND created_ms <= %s"
-        " AND status = 'active' AND expires_ms > %s ORDER BY id LIMIT %s",
+        f" AND status = '{PacketStatus.ACTIVE}' AND expires_ms > %s ORDER BY id LIMIT %s",
         (created_before, now, limit),
     )
     return [PacketId(int(r[0])) for r in rows]
@@ -82,7 +83,8 @@ async def unannounced(db: Database, now: int, *, created_before: int, limit: int
 async def open_in_group(db: Database, group_id: GroupId, now: int, limit: int = 20) -> list[PacketId]:
     """The group's newest packets that are active and not expired, newest first."""
     rows = await db.fetchall(
-        "SELECT id FROM red_packets WHERE group_id = %s AND status = 'active' AND expires_ms > %s"
+        f"SELECT id FROM red_packets WHERE group_id = %s AND status = '{PacketStatus.ACTIVE}' AND"
+        " expires_ms > %s"
         " ORDER BY id DESC LIMIT %s",
         (group_id, now, limit),
     )

@@ -37,6 +37,7 @@ from server.money import outflows
 from server.money.ledger import now_ms
 from server.money.outflows import OutBooks
 from server.money.reconcilereport import Difference, Report, confirmed, per_shard
+from server.money.statuses import OPEN, SETTLED, PacketStatus, RecordStatus
 from server.store import keys
 from server.store.db import Database, Row
 from server.store.dialect import Dialect
@@ -118,6 +119,9 @@ def _grab_name(g: GrabRow) -> str:
     return f"packet {g.packet_id} user {g.user_id} share {g.seq}"
 
 
+KNOWN_STATUSES = frozenset(s.value for s in PacketStatus)
+
+
 def check(books: Books) -> Report:
     """Every difference in ``books``. Pure."""
     diffs: list[Difference] = []
@@ -125,15 +129,17 @@ def check(books: Books) -> Report:
         name = f"packet {p.packet_id}"
         if p.debited != p.total:
             diffs.append(Difference("packet_debit", name, p.total, p.debited))
-        if p.status != "void" and (p.shares_total, p.shares_count) != (p.total, p.count):
+        if p.status not in KNOWN_STATUSES:  # written by no code of ours: nothing below can judge it
+            diffs.append(Difference("packet_status", f"{name} status {p.status!r}", 0, p.outstanding))
+        if p.status != PacketStatus.VOID and (p.shares_total, p.shares_count) != (p.total, p.count):
             diffs.append(Difference("packet_shares", name + " shares sum", p.total, p.shares_total))
         if p.outstanding < 0:
             diffs.append(Difference("packet_overpaid", name, p.total, p.credited + p.refunded))
-        elif p.status in ("finished", "refunded", "void") and p.outstanding != 0:
+        elif p.status in SETTLED and p.outstanding != 0:
             diffs.append(Difference("packet_unsettled", name, 0, p.outstanding))
         if p.credited != p.credited_records:
             diffs.append(Difference("packet_credit_records", name, p.credited, p.credited_records))
-        if p.status in ("active", "refunding") and p.expires_ms and p.expires_ms < books.now_ms - LATE_MS:
+        if p.status in OPEN and p.expires_ms and p.expires_ms < books.now_ms - LATE_MS:
             late_s = (books.now_ms - p.expires_ms) // 1000
             diffs.append(
                 Difference("packet_stuck", f"{name} {p.status}, expired {late_s} s ago", 0, p.outstanding)
@@ -276,7 +282,8 @@ def _queries(dialect: Dialect, now: int) -> dict[str, tuple[str, tuple[object, .
             (),
         ),
         "records": (
-            "SELECT packet_id, SUM(amount) FROM grab_records WHERE status = 'credited' GROUP BY packet_id",
+            f"SELECT packet_id, SUM(amount) FROM grab_records WHERE status = '{RecordStatus.CREDITED}'"
+            " GROUP BY packet_id",
             (),
         ),
         "shares": (
@@ -301,7 +308,8 @@ def _queries(dialect: Dialect, now: int) -> dict[str, tuple[str, tuple[object, .
         "unmatched": (
             "SELECT j.packet_id, j.account_id, j.amount FROM journal j"
             " LEFT JOIN grab_records g ON g.packet_id = j.packet_id AND g.user_id = j.account_id"
-            f" AND g.amount = j.amount AND g.status IN ('credited', 'crediting') AND j.idem_key = {grab_key}"
+            f" AND g.amount = j.amount AND g.status IN ('{RecordStatus.CREDITED}',"
+            f" '{RecordStatus.CREDITING}') AND j.idem_key = {grab_key}"
             " WHERE j.kind = 'grab' AND g.id IS NULL",
             (),
         ),
@@ -309,14 +317,15 @@ def _queries(dialect: Dialect, now: int) -> dict[str, tuple[str, tuple[object, .
             "SELECT g.packet_id, g.user_id, g.seq, g.amount FROM grab_records g"
             f" LEFT JOIN journal j ON j.idem_key = {grab_key} AND j.account_id = g.user_id"
             " AND j.amount = g.amount"
-            " WHERE g.status = 'credited' AND j.id IS NULL",
+            f" WHERE g.status = '{RecordStatus.CREDITED}' AND j.id IS NULL",
             (),
         ),
         # A shard-local credit between its steps (server.money.shardsteps): posted or not yet.
         "crediting": (
             "SELECT g.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms, COUNT(j.id) FROM grab_records g"
             f" LEFT JOIN journal j ON j.idem_key = {grab_key} AND j.account_id = g.user_id"
-            " WHERE g.status = 'crediting' GROUP BY g.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms",
+            f" WHERE g.status = '{RecordStatus.CREDITING}' GROUP BY g.packet_id, g.user_id, g.seq,"
+            " g.amount, g.grabbed_ms",
             (),
         ),
         "off_share": (
@@ -328,7 +337,7 @@ def _queries(dialect: Dialect, now: int) -> dict[str, tuple[str, tuple[object, .
         "refused": (
             "SELECT r.packet_id, r.user_id, r.seq, r.amount, r.code, r.refused_by FROM credit_refusals r"
             " LEFT JOIN grab_records g ON g.packet_id = r.packet_id AND g.user_id = r.user_id"
-            " AND g.seq = r.seq AND g.status = 'credited'"
+            f" AND g.seq = r.seq AND g.status = '{RecordStatus.CREDITED}'"
             " WHERE g.id IS NULL",
             (),
         ),
@@ -341,7 +350,8 @@ def _queries(dialect: Dialect, now: int) -> dict[str, tuple[str, tuple[object, .
         "compared": (
             "SELECT g.packet_id, g.user_id, g.seq, g.amount FROM grab_records g"
             " JOIN red_packets p ON p.id = g.packet_id"
-            " WHERE p.status IN ('active', 'refunding') OR (p.status = 'finished' AND p.finished_ms >= %s)",
+            f" WHERE p.status IN ('{PacketStatus.ACTIVE}', '{PacketStatus.REFUNDING}') OR (p.status ="
+            f" '{PacketStatus.FINISHED}' AND p.finished_ms >= %s)",
             (now - RECENT_MS,),
         ),
     }
@@ -397,8 +407,8 @@ def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]
     live = {
         int(pid): int(group)
         for pid, status, _, _, _, group, finished in packets
-        if status in ("active", "refunding")
-        or (status == "finished" and finished is not None and int(finished) >= now - RECENT_MS)
+        if status in OPEN
+        or (status == PacketStatus.FINISHED and finished is not None and int(finished) >= now - RECENT_MS)
     }
     result = Books(
         books,

@@ -35,6 +35,7 @@ from server.money.packets import (
     packet_from_row,
     recover_packet,
 )
+from server.money.statuses import PacketStatus, RecordStatus
 from server.store import keys
 from server.store.db import Tx
 from server.store.records import CreditEntry
@@ -91,7 +92,8 @@ async def settle(core: Core, p: Packet, seen: Seen, older_than_ms: int | None = 
     Cancelled half-way: the credits already committed stand; running it again pays the rest once.
     """
     rows = await core.db.fetchall(
-        "SELECT user_id FROM grab_records WHERE packet_id = %s AND status = 'credited'", (p.packet_id,)
+        f"SELECT user_id FROM grab_records WHERE packet_id = %s AND status = '{RecordStatus.CREDITED}'",
+        (p.packet_id,),
     )
     paid = {int(r[0]) for r in rows}
     credited = refused = 0
@@ -149,8 +151,8 @@ async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None)
 
     async def claim(tx: Tx) -> int:
         return await tx.execute(
-            "UPDATE red_packets SET status = 'refunding'"
-            " WHERE id = %s AND status = 'active' AND expires_ms <= %s",
+            f"UPDATE red_packets SET status = '{PacketStatus.REFUNDING}'"
+            f" WHERE id = %s AND status = '{PacketStatus.ACTIVE}' AND expires_ms <= %s",
             (packet_id, now),
         )
 
@@ -158,8 +160,8 @@ async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None)
     p = await load_packet(core, packet_id)
     if p is None:
         return Refund(packet_id, "taken")
-    if claimed == 0 and p.status != "refunding":
-        return Refund(packet_id, "not_due" if p.status == "active" else "taken")
+    if claimed == 0 and p.status is not PacketStatus.REFUNDING:
+        return Refund(packet_id, "not_due" if p.status is PacketStatus.ACTIVE else "taken")
     # The packet's Redis state checked against the database first (rebuilt if its keys were lost, with
     # the credits still in the outbox), loaded closed; then closed and read durably: no grab after this.
     for _ in range(2):
@@ -185,17 +187,18 @@ async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None)
         )
         if row is None:
             return Refund(packet_id, "taken")
-        if row[2] != "refunding":
+        if row[2] != PacketStatus.REFUNDING:
             return await _settled_before(tx, packet_id, str(row[2]))
         sender, total, group = int(row[0]), int(row[1]), int(row[3])
         paid = await tx.fetchone(
-            "SELECT COALESCE(SUM(amount), 0) FROM grab_records WHERE packet_id = %s AND status = 'credited'",
+            "SELECT COALESCE(SUM(amount), 0) FROM grab_records WHERE packet_id = %s AND status ="
+            f" '{RecordStatus.CREDITED}'",
             (packet_id,),
         )
         left = total - int(paid[0] if paid else 0)
         if left < 0:
             raise RuntimeError(f"packet {packet_id} paid out more than its total")
-        status = "refunded" if left else "finished"
+        status = PacketStatus.REFUNDED if left else PacketStatus.FINISHED
         if left:
             data: dict[str, object] = {
                 "packet_id": packet_id,
@@ -234,9 +237,9 @@ async def _settled_before(tx: Tx, packet_id: PacketId, status: str) -> Refund:
     """The pay-back found the packet settled: by this very call, in a run whose COMMIT answer was lost
     (its refund row carries the call's token; only a refund finishes a ``refunding`` packet), or by
     another worker."""
-    if tx.resumed and status == "finished":
+    if tx.resumed and status == PacketStatus.FINISHED:
         return Refund(packet_id, "finished")
-    if tx.resumed and status == "refunded":
+    if tx.resumed and status == PacketStatus.REFUNDED:
         row = await tx.fetchone(
             "SELECT amount, tx FROM journal WHERE idem_key = %s", (f"refund:{packet_id}",)
         )
@@ -249,9 +252,10 @@ async def due_for_refund(core: Core, now: int | None = None, limit: int = 500) -
     """Packets past their expiry not yet settled, and refunds a dead worker left half-way."""
     now = now_ms() if now is None else now
     rows = await core.db.fetchall(
-        "SELECT id FROM red_packets WHERE (status = 'active' AND expires_ms <= %s) OR status = 'refunding'"
+        f"SELECT id FROM red_packets WHERE (status = '{PacketStatus.ACTIVE}' AND expires_ms <= %s) OR"
+        f" status = '{PacketStatus.REFUNDING}'"
         # Newly due first: a refund waiting for its Redis (``refunding``) must not hold up the others.
-        " ORDER BY status = 'refunding', expires_ms LIMIT %s",
+        f" ORDER BY status = '{PacketStatus.REFUNDING}', expires_ms LIMIT %s",
         (now, limit),
     )
     return [PacketId(int(r[0])) for r in rows]
@@ -261,8 +265,9 @@ async def mark_finished(core: Core) -> int:
     """Active packets whose every share is credited become ``finished``; returns how many. (Crediting
     the last share does this already; this catches packets credited before it did.)"""
     rows = await core.db.fetchall(
-        "SELECT id FROM red_packets WHERE status = 'active' AND share_count = (SELECT COUNT(*)"
-        " FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = 'credited')"
+        f"SELECT id FROM red_packets WHERE status = '{PacketStatus.ACTIVE}' AND share_count = (SELECT"
+        " COUNT(*)"
+        f" FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = '{RecordStatus.CREDITED}')"
     )
     done = 0
     for ids in by_shard([int(r[0]) for r in rows], core.db.shards).values():  # (one shard a transaction)
@@ -284,7 +289,7 @@ async def sweep(core: Core, now: int | None = None, window_ms: int = 26 * 3600 *
             log.warning("%d send(s) debited and never made: refunded to their senders", voided)
     rows = await core.db.fetchall(
         f"SELECT {PACKET_COLUMNS} FROM red_packets"
-        " WHERE status IN ('active', 'refunding') AND created_ms >= %s",
+        f" WHERE status IN ('{PacketStatus.ACTIVE}', '{PacketStatus.REFUNDING}') AND created_ms >= %s",
         (now - window_ms,),
     )
     for p in map(packet_from_row, rows):

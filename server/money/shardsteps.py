@@ -30,7 +30,7 @@ ever loaded into Redis.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -44,12 +44,14 @@ from server.money.creditrules import (
     Outcome,
     RefusedBy,
     decide,
+    lock_packets,
     read_held,
     record_refusals,
     refused,
 )
 from server.money.journal import Posting, marks, post, post_event, post_many, set_packet
 from server.money.ledger import finish_paid, finished_event, grab_key, now_ms
+from server.money.statuses import PacketStatus, RecordStatus
 from server.store.db import Database, IntegrityError, RetryableError, Tx, as_text
 from server.store.records import CreditEntry
 from server.store.shards import shard_of
@@ -69,7 +71,7 @@ def _groups(
 
 
 async def credit_many(
-    db: Database, credits: list[CreditEntry], refused_by: RefusedBy, partial: bool = False
+    db: Database, credits: list[CreditEntry], refused_by: RefusedBy | None, partial: bool = False
 ) -> list[Outcome]:
     """Credit ``credits`` in the three steps, one transaction per shard and step; one outcome per credit:
     ``credited`` when this call posted it, ``already`` when another had, or the code that refused it
@@ -110,20 +112,9 @@ async def credit_many(
     return out
 
 
-async def _lock_packets(tx: Tx, pids: Sequence[int]) -> dict[int, str]:
-    """The packets' rows locked in id order; each one's status for a credit (``refunded`` from the moment
-    its refund is decided)."""
-    rows = await tx.fetchall(
-        f"SELECT id, status, finished_ms FROM red_packets WHERE id IN ({marks(len(pids))}) ORDER BY id"
-        + tx.dialect.for_update,
-        pids,
-    )
-    return {int(r[0]): "refunded" if r[1] == "refunding" and r[2] is not None else str(r[1]) for r in rows}
-
-
-async def _claim(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy) -> list[Outcome]:
+async def _claim(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy | None) -> list[Outcome]:
     """Step 1, on the packets' shard: decide each credit; write the new grab records ``crediting``."""
-    status = await _lock_packets(tx, sorted({c.packet_id for c in credits}))
+    status = await lock_packets(tx, sorted({c.packet_id for c in credits}))
     held = await read_held(tx, credits)
     uids = sorted({c.user_id for c in credits})
     users = {
@@ -134,7 +125,10 @@ async def _claim(tx: Tx, credits: list[CreditEntry], refused_by: RefusedBy) -> l
         # (Every value a placeholder: only then does the driver send one multi-row INSERT, not one each.)
         "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
         " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-        [(c.packet_id, c.user_id, c.seq, c.amount, "crediting", c.grabbed_ms, None) for c in inserts],
+        [
+            (c.packet_id, c.user_id, c.seq, c.amount, RecordStatus.CREDITING, c.grabbed_ms, None)
+            for c in inserts
+        ],
     )
     await record_refusals(tx, refused(credits, out), refused_by)
     return out
@@ -165,13 +159,13 @@ async def _pay(tx: Tx, credits: list[CreditEntry]) -> set[Pair]:
 async def _close(tx: Tx, credits: list[CreditEntry]) -> None:
     """Step 3, on the packets' shard: the records ``credited``; the packets they finish ``finished``."""
     pids = sorted({c.packet_id for c in credits})
-    await _lock_packets(tx, pids)
+    await lock_packets(tx, pids)
     ts = now_ms()
     for pid in pids:
         seqs = sorted({c.seq for c in credits if c.packet_id == pid})
         await tx.execute(
-            "UPDATE grab_records SET status = 'credited', credited_ms = %s"
-            f" WHERE packet_id = %s AND seq IN ({marks(len(seqs))}) AND status = 'crediting'",
+            f"UPDATE grab_records SET status = '{RecordStatus.CREDITED}', credited_ms = %s"
+            f" WHERE packet_id = %s AND seq IN ({marks(len(seqs))}) AND status = '{RecordStatus.CREDITING}'",
             [ts, pid, *seqs],
         )
     await finish_paid(tx, [PacketId(p) for p in pids])
@@ -182,7 +176,7 @@ async def complete_stranded(db: Database, older_than_ms: int, limit: int = 500) 
     or late): steps 2 and 3 again, from the record alone. Returns how many this call posted."""
     rows = await db.fetchall(
         "SELECT packet_id, user_id, seq, amount, grabbed_ms FROM grab_records"
-        " WHERE status = 'crediting' AND grabbed_ms < %s ORDER BY packet_id LIMIT %s",
+        f" WHERE status = '{RecordStatus.CREDITING}' AND grabbed_ms < %s ORDER BY packet_id LIMIT %s",
         (older_than_ms, limit),
     )
     stranded = [CreditEntry(*(int(v) for v in r)) for r in rows]  # type: ignore[arg-type]
@@ -207,20 +201,26 @@ async def refund(db: Database, packet_id: PacketId, now: int) -> RefundSteps:
             + tx.dialect.for_update,
             (packet_id,),
         )
-        if row is None or row[2] != "refunding":
+        if row is None or row[2] != PacketStatus.REFUNDING:
             return None
         await tx.execute(
             "UPDATE red_packets SET finished_ms = %s WHERE id = %s AND finished_ms IS NULL", (now, packet_id)
         )
         paid = await tx.fetchone(
             "SELECT COALESCE(SUM(amount), 0) FROM grab_records WHERE packet_id = %s"
-            " AND status IN ('crediting', 'credited')",
+            f" AND status IN ('{RecordStatus.CREDITING}', '{RecordStatus.CREDITED}')",
             (packet_id,),
         )
         left = int(row[1]) - int(paid[0] if paid else 0)
         if left < 0:
             raise RuntimeError(f"packet {packet_id} paid out more than its total")
-        return int(row[0]), left, int(row[3]), int(row[4]), "refunded" if left else "finished"
+        return (
+            int(row[0]),
+            left,
+            int(row[3]),
+            int(row[4]),
+            PacketStatus.REFUNDED if left else PacketStatus.FINISHED,
+        )
 
     decided = await db.run(decide_left, idempotent=True)
     if decided is None:
@@ -244,19 +244,21 @@ async def refund(db: Database, packet_id: PacketId, now: int) -> RefundSteps:
 
     async def close(tx: Tx) -> bool | None:
         row = await tx.fetchone(
-            "SELECT total FROM red_packets WHERE id = %s AND status = 'refunding'" + tx.dialect.for_update,
+            f"SELECT total FROM red_packets WHERE id = %s AND status = '{PacketStatus.REFUNDING}'"
+            + tx.dialect.for_update,
             (packet_id,),
         )
         if row is None:
             return False  # closed by another run
-        if status == "finished" and await tx.fetchone(
-            "SELECT 1 FROM grab_records WHERE packet_id = %s AND status = 'crediting'", (packet_id,)
+        if status is PacketStatus.FINISHED and await tx.fetchone(
+            f"SELECT 1 FROM grab_records WHERE packet_id = %s AND status = '{RecordStatus.CREDITING}'",
+            (packet_id,),
         ):
             # Nothing to pay back, but a share is still on its way (its record crediting): "finished"
             # and its event wait until it is paid; the next run of the refund finishes the packet.
             return None
         await tx.execute("UPDATE red_packets SET status = %s WHERE id = %s", (status, packet_id))
-        if status == "finished":
+        if status is PacketStatus.FINISHED:
             await finished_event(tx, packet_id, sender, group, int(row[0]), count, now_ms())
         return True
 
@@ -343,7 +345,7 @@ async def create_packet(
 
 # The status of a packet row that only says its send was abandoned: its debit is refunded, and it is never
 # made, loaded or grabbed. How long after its debit a send with no packet is taken for abandoned:
-VOID = "void"
+VOID = PacketStatus.VOID
 UNSENT_MS = 10 * 60 * 1000
 
 
@@ -360,7 +362,8 @@ async def void_unsent(db: Database, older_than_ms: int, since_ms: int, limit: in
         (older_than_ms, since_ms, limit),
     )
     unpaid = await db.fetchall(
-        "SELECT p.sender_id, p.id, -p.total FROM red_packets p WHERE p.status = 'void' AND NOT EXISTS"
+        f"SELECT p.sender_id, p.id, -p.total FROM red_packets p WHERE p.status = '{PacketStatus.VOID}' AND"
+        " NOT EXISTS"
         f" (SELECT 1 FROM journal j WHERE j.account_id = p.sender_id AND j.packet_id = p.id"
         f" AND j.idem_key = {refund_key}) LIMIT %s",
         (limit,),
@@ -375,7 +378,7 @@ async def void_unsent(db: Database, older_than_ms: int, since_ms: int, limit: in
             await tx.execute(
                 f"{tx.dialect.insert_ignore} INTO red_packets (id, sender_id, group_id, kind, total,"
                 " share_count, greeting, status, created_ms, expires_ms, finished_ms)"
-                " VALUES (%s, %s, 0, 'void', %s, 1, '', %s, %s, 0, %s)",
+                f" VALUES (%s, %s, 0, '{PacketStatus.VOID}', %s, 1, '', %s, %s, 0, %s)",
                 (packet_id, sender, total, VOID, now_ms(), now_ms()),
             )
             row = await tx.fetchone("SELECT status FROM red_packets WHERE id = %s", (packet_id,))

@@ -20,9 +20,8 @@ from typing import Any
 from server.core import Core, open_core
 from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import grabs, groups, ledger, packets
-from server.money.crediting import credit_many
+from server.money.crediting import credit_grab, credit_many
 from server.money.journal import add_to_balances
-from server.money.ledger import credit_grab
 from server.settings import Settings, child_env
 from server.store import keys
 from server.store.records import CreditEntry

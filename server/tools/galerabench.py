@@ -30,8 +30,7 @@ from typing import Any
 from server.core import Core, open_core
 from server.ids import GroupId, ShareSeq, UserId
 from server.money import ledger, packets
-from server.money.crediting import credit_many
-from server.money.ledger import credit_grab
+from server.money.crediting import credit_grab, credit_many
 from server.settings import Settings
 from server.store.engines import connect
 from server.store.records import CreditEntry
