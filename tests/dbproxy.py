@@ -31,6 +31,9 @@ class MySQLProxy:
         self.holding = False
         self.cut_on: bytes | None = None  # a statement holding this closes its connection, and the proxy
         self.refusing = False  # ...then refuses every connection until ``restore()``
+        self.slowing: tuple[bytes, bytes] | None = None  # (after, until): ``slow_commit``
+        self._kept: list[tuple[bytes, bytes, asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.released = 0  # slow COMMITs passed on after the statement they waited for
         self._flowing = asyncio.Event()  # cleared: answers nothing (connections accepted, statements kept)
         self._flowing.set()
         self._server: asyncio.Server | None = None
@@ -43,6 +46,13 @@ class MySQLProxy:
         self.armed += n
         self.after = after
         self.down_after_loss = then_down
+
+    def slow_commit(self, after: bytes, until: bytes) -> None:
+        """The next COMMIT of a transaction that sent a statement holding ``after`` is kept from the server
+        (its transaction stays open, its locks held) and its client's connection is closed, as when the
+        answer of a slow COMMIT is given up on; it reaches the server, and commits, just after a statement
+        holding ``until`` does on another connection (``released`` counts those)."""
+        self.slowing = (after, until)
 
     def hold_commit_answer(self) -> None:
         """The next COMMIT reaches the server, which commits; its answer, and everything after it, is
@@ -101,7 +111,7 @@ class MySQLProxy:
             client_w.close()
             return
         losing = asyncio.Event()  # the next answer of the server is to be lost
-        up = asyncio.create_task(self._upstream(client_r, server_w, losing))
+        up = asyncio.create_task(self._upstream(client_r, server_w, losing, server_r))
         down = asyncio.create_task(self._downstream(server_r, client_w, losing))
         for t in (up, down):
             self._tasks.add(t)
@@ -111,13 +121,19 @@ class MySQLProxy:
         finally:
             for t in (up, down):
                 t.cancel()
-            for w in (client_w, server_w):
-                w.close()
+            client_w.close()
+            if not any(kept[3] is server_w for kept in self._kept):  # (a slow COMMIT's: kept open)
+                server_w.close()
 
     async def _upstream(
-        self, client_r: asyncio.StreamReader, server_w: asyncio.StreamWriter, losing: asyncio.Event
+        self,
+        client_r: asyncio.StreamReader,
+        server_w: asyncio.StreamWriter,
+        losing: asyncio.Event,
+        server_r: asyncio.StreamReader,
     ) -> None:
         marked = False  # this connection's transaction sent the statement ``after`` names
+        slow_marked = False  # ... the statement ``slow_commit``'s ``after`` names
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 header = await client_r.readexactly(4)
@@ -128,7 +144,21 @@ class MySQLProxy:
                     return
                 await self._flowing.wait()  # hung: the statement never reaches the server
                 marked = marked or (self.after is not None and self.after in query)
+                slow_marked = slow_marked or (self.slowing is not None and self.slowing[0] in query)
                 commit = query.strip().upper() == b"COMMIT"
+                if commit and slow_marked and self.slowing is not None:
+                    self._kept.append((self.slowing[1], header + payload, server_r, server_w))
+                    self.slowing = None
+                    self.lost += 1  # its client gives up on it now; it commits later
+                    return  # (the client's connection closes; the server's stays open, the COMMIT kept)
+                for kept in [k for k in self._kept if k[0] in query]:
+                    self._kept.remove(kept)
+                    server_w.write(header + payload)  # this statement first (it waits on the kept locks)
+                    await server_w.drain()
+                    header = payload = b""
+                    release = asyncio.get_running_loop().create_task(self._release(*kept[1:]))
+                    self._tasks.add(release)
+                    release.add_done_callback(self._tasks.discard)
                 if commit and self.armed and (self.after is None or marked):
                     self.armed -= 1
                     losing.set()  # before the COMMIT goes: its answer is the next thing the server sends
@@ -137,10 +167,22 @@ class MySQLProxy:
                 if commit and self.holding:
                     self.holding = False
                     self.hang()  # the COMMIT goes on; its answer waits at the downstream copy
-                server_w.write(header + payload)
-                await server_w.drain()
+                if header:
+                    server_w.write(header + payload)
+                    await server_w.drain()
                 if losing.is_set():
                     await asyncio.Future()  # the downstream copy ends the connection
+
+    async def _release(
+        self, commit: bytes, server_r: asyncio.StreamReader, server_w: asyncio.StreamWriter
+    ) -> None:
+        """A kept slow COMMIT goes to the server; its answer is read (it committed); its connection closes."""
+        with contextlib.suppress(ConnectionError):
+            server_w.write(commit)
+            await server_w.drain()
+            await server_r.read(65536)
+            self.released += 1
+        server_w.close()
 
     async def _downstream(
         self, server_r: asyncio.StreamReader, client_w: asyncio.StreamWriter, losing: asyncio.Event

@@ -209,3 +209,24 @@ async def test_a_database_that_refuses_connections_is_a_service_away_not_a_bug(
     with pytest.raises(DatabaseError) as answer:
         await core.db.fetchone("SELECT no_such_column FROM users")
     assert not isinstance(answer.value, RetryableError) and not transient(answer.value)
+
+
+async def test_a_send_whose_commit_is_slow_is_its_own_callers_and_put_up_in_redis(
+    lossy: tuple[Core, MySQLProxy],
+) -> None:
+    """The COMMIT of a send reaches the server late, after its client gave up on it: the run again does
+    not see the packet yet, its insert waits on the first run's locks and then meets its key. It is still
+    this call's own packet (not ``replay``), and this call puts it up in Redis: it can be grabbed at once.
+    (Before: answered ``replay: true`` to its own caller and left for a repair to bring up.)"""
+    c, proxy = lossy
+    w = await make_world(c, members=3, admin_cents=10_000)
+    proxy.slow_commit(after=b"INSERT INTO red_packets", until=b"INSERT INTO red_packets")
+    p = await packets.send_packet(
+        c, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=2, request_id="tap-slow"
+    )
+    assert (proxy.lost, proxy.released) == (1, 1)  # given up on, then committed under the run again
+    assert not p.replay and p.published
+    assert await ledger.balance(c.db, w.admin) == 9_500
+    got = await grabs.grab(c, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
+    assert got.outcome == "won"
+    assert (await reconcile(c)).ok

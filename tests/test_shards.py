@@ -26,13 +26,13 @@ from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError
 from server.ids import ShareSeq, UserId
-from server.money import creditrules, grabs, journal, ledger, packets, settlement, shardsteps
+from server.money import creditrules, grabs, journal, ledger, packets, payouts, settlement, shardsteps
 from server.money import reconcile as reconciling
 from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.settings import Settings
 from server.store import shards
-from server.store.db import Unreachable
+from server.store.db import DatabaseError, Unreachable
 from server.store.engines import connect
 from server.store.records import CreditEntry
 from server.store.shards import make_sharded, shard_of, spider_table
@@ -387,6 +387,52 @@ async def _sharded_database(cluster: SpiderCluster, name: str) -> str:
         await head.close()
     await name_deployment(cluster.head_url(name))
     return cluster.head_url(name)
+
+
+async def test_holds_go_on_on_the_backends_that_answer_while_another_is_down(
+    cluster: SpiderCluster, hub_settings: Settings
+) -> None:
+    """Before: every hold, confirm, release, look-up and expiry found its hold by request id alone, which
+    the head asks of every backend (holds are partitioned by user) — one backend down stopped holds for
+    everyone. Each now names its user's shard (from the request id's claim on the head)."""
+    url = await _sharded_database(cluster, "holds")
+    async with open_core(hub_settings.replace(database_url=url), migrate=False) as core:
+        users = await ledger.create_users(core.db, [f"holder{i}" for i in range(9)])
+        for u in users:
+            await ledger.topup(core.db, u, 1_000, f"holder-topup-{u}")
+        down = 1
+        here = next(u for u in users if shard_of(u, core.db.shards) != down)
+        there = next(u for u in users if shard_of(u, core.db.shards) == down)
+        await payouts.hold(core.db, here, 100, "hold-due")  # its time over: found expired while down
+        await core.db.run(
+            lambda tx: tx.execute(
+                "UPDATE holds SET expires_ms = %s WHERE request_id = %s AND user_id = %s",
+                (ledger.now_ms() - 1, "hold-due", here),
+            ),
+            idempotent=True,
+        )
+        doomed = cluster.backends[down]
+        doomed.kill()
+        try:
+            with pytest.raises(DatabaseError):  # the backend is down: its users' holds cannot be made
+                await payouts.hold(core.db, there, 100, "hold-there")
+            await payouts.hold(core.db, here, 200, "hold-1")
+            assert (await payouts.settle_hold(core.db, "hold-1", "confirmed")).state == "confirmed"
+            await payouts.hold(core.db, here, 300, "hold-2")
+            assert (await payouts.settle_hold(core.db, "hold-2", "released")).state == "released"
+            assert (await payouts.get_hold(core.db, "hold-1")).state == "confirmed"
+            with pytest.raises(RedPacketError) as none:
+                await payouts.get_hold(core.db, "hold-never")
+            assert none.value.code == errors.HOLD_NOT_FOUND
+            with pytest.raises(RedPacketError) as late:  # a confirm too late: the expiry is kept
+                await payouts.settle_hold(core.db, "hold-due", "confirmed")
+            assert late.value.code == errors.HOLD_CLOSED
+            assert (await payouts.get_hold(core.db, "hold-due")).state == "expired"
+        finally:
+            await doomed.start()
+        assert await payouts.expire_due(core.db) == 0  # (its scan reads every backend: run once all answer)
+        assert await ledger.balance(core.db, here) == 1_000 - 200  # the confirmed hold has left
+        assert (await reconcile(core)).ok
 
 
 async def test_a_storm_with_a_backend_killed_and_started_again_credits_every_won_once(

@@ -130,21 +130,22 @@ async def send_packet(
         exists = await tx.fetchone(
             "SELECT 1 FROM red_packets WHERE sender_id = %s AND request_id = %s", (sender_id, key)
         )
-        if exists:
-            return await _earlier_send(tx, req, key, sender_id=sender_id, group_id=group_id)
-        return await _insert_packet(core, tx, req, key, seed, sender_id=sender_id, group_id=group_id)
+        if not exists:
+            try:
+                return await _insert_packet(core, tx, req, key, seed, sender_id=sender_id, group_id=group_id)
+            except _Replay:
+                # Its key committed meanwhile (read committed: seen now). In this same run, whose token
+                # and ``resumed`` say whether it was this very call's earlier run — a slow COMMIT given up
+                # on — or another call's.
+                pass
+        return await _earlier_send(tx, req, key, sender_id=sender_id, group_id=group_id)
 
-    try:
-        if core.db.shards:
-            packet = await _send_sharded(
-                core, req, key, seed, sender_id=sender_id, group_id=group_id, system=system
-            )
-        else:
-            packet = await core.db.run(work, idempotent=True)
-    except _Replay:
-        packet = await core.db.run(
-            lambda tx: _earlier_send(tx, req, key, sender_id=sender_id, group_id=group_id), idempotent=True
+    if core.db.shards:
+        packet = await _send_sharded(
+            core, req, key, seed, sender_id=sender_id, group_id=group_id, system=system
         )
+    else:
+        packet = await core.db.run(work, idempotent=True)
     if packet.replay:
         return packet
     try:

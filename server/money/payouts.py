@@ -113,10 +113,30 @@ def _hold(row: tuple[object, ...], replay: bool = False) -> Hold:
     )
 
 
-async def _locked(tx: Tx, rid: str) -> Hold | None:
-    row = await tx.fetchone(
-        f"SELECT {_COLUMNS} FROM holds WHERE request_id = %s" + tx.dialect.for_update, (rid,)
-    )
+def _where(rid: str, user: UserId | None) -> tuple[str, list[object]]:
+    """The rows of hold ``rid``: by its user too when known, so that a sharded ledger reads and locks the
+    user's backend alone (``_owner``)."""
+    if user is None:
+        return "request_id = %s", [rid]
+    return "request_id = %s AND user_id = %s", [rid, user]
+
+
+async def _owner(db: Database, rid: str) -> UserId | None:
+    """Whose hold ``rid`` is, from its claim on a sharded ledger's head (``claim_request``): holds are
+    partitioned by user, and a look-up by request id alone read and locked every backend — one backend
+    down stopped every hold, confirm, release and expiry. None on one database (the request id finds
+    it). No claim, no hold: ``hold_not_found``."""
+    if not db.shards:
+        return None
+    row = await db.fetchone("SELECT user_id FROM request_claims WHERE idem_key = %s", (f"hold:{rid}",))
+    if row is None:
+        raise NotFound(errors.HOLD_NOT_FOUND, f"no hold {rid}")
+    return UserId(int(row[0]))
+
+
+async def _locked(tx: Tx, rid: str, user: UserId | None) -> Hold | None:
+    where, params = _where(rid, user)
+    row = await tx.fetchone(f"SELECT {_COLUMNS} FROM holds WHERE {where}" + tx.dialect.for_update, params)
     return None if row is None else _hold(tuple(row))
 
 
@@ -141,7 +161,7 @@ async def hold(
         await approve("hold", user_id, cents, rid)
 
     async def work(tx: Tx) -> Hold:
-        prior = await _locked(tx, rid)
+        prior = await _locked(tx, rid, user_id)
         if prior is None:
             ts = now_ms()
             h = Hold(rid, user_id, cents, "held", ts, ts + life_s * 1000, None)
@@ -152,7 +172,7 @@ async def hold(
                     (rid, user_id, cents, "held", ts, h.expires_ms, None),
                 )
                 return h
-            prior = await _locked(tx, rid)  # a concurrent call with this request id committed first
+            prior = await _locked(tx, rid, user_id)  # a concurrent call with this request id committed first
             if prior is None:
                 raise RuntimeError(f"hold {rid}'s journal row is there and the hold is not")
         if (prior.user_id, prior.amount) != (user_id, cents):
@@ -170,8 +190,8 @@ async def _close(tx: Tx, h: Hold, state: HoldState, ts: int) -> Hold:
     """Close a held hold as ``state``: a release or an expiry pays the money back."""
     await tx.execute(
         "UPDATE holds SET state = %s, closed_ms = %s, closed_tx = %s"
-        " WHERE request_id = %s AND state = 'held'",
-        (state, ts, tx.token, h.request_id),
+        " WHERE request_id = %s AND user_id = %s AND state = 'held'",
+        (state, ts, tx.token, h.request_id, h.user_id),
     )
     closed = Hold(h.request_id, h.user_id, h.amount, state, h.created_ms, h.expires_ms, ts)
     if state == "confirmed":
@@ -192,16 +212,17 @@ async def settle_hold(db: Database, request_id: object, outcome: Literal["confir
     """Confirm or release a hold. Again with the same outcome: the same answer, ``replay`` true. The other
     outcome, or a confirm of an expired hold: ``hold_closed``."""
     rid = check_request_id(request_id)
+    user = await _owner(db, rid)
 
     async def work(tx: Tx) -> Hold:
-        h = await _locked(tx, rid)
+        h = await _locked(tx, rid, user)
         if h is None:
             raise NotFound(errors.HOLD_NOT_FOUND, f"no hold {rid}")
         ts = now_ms()
         if h.state == "held" and h.expires_ms <= ts:
             h = await _close(tx, h, "expired", ts)  # its time is over, whether or not the job ran yet
         if h.state == outcome:
-            return replace(h, replay=not await _closed_by_this_call(tx, rid))
+            return replace(h, replay=not await _closed_by_this_call(tx, rid, user))
         if h.state != "held":
             raise Conflict(errors.HOLD_CLOSED, f"hold {rid} is {h.state}", state=h.state)
         return await _close(tx, h, outcome, ts)
@@ -212,20 +233,21 @@ async def settle_hold(db: Database, request_id: object, outcome: Literal["confir
         if e.code != errors.HOLD_CLOSED:
             raise
         # An expiry found by this call is kept, though the call is refused: committed apart.
-        await db.run(functools.partial(_expire, rid=rid), idempotent=True)
+        await db.run(functools.partial(_expire, rid=rid, user=user), idempotent=True)
         raise
 
 
-async def _closed_by_this_call(tx: Tx, rid: str) -> bool:
+async def _closed_by_this_call(tx: Tx, rid: str, user: UserId | None) -> bool:
     """Whether this ``Database.run`` call closed the hold, in a run whose COMMIT answer was lost."""
     if not tx.resumed:
         return False
-    row = await tx.fetchone("SELECT closed_tx FROM holds WHERE request_id = %s", (rid,))
+    where, params = _where(rid, user)
+    row = await tx.fetchone(f"SELECT closed_tx FROM holds WHERE {where}", params)
     return row is not None and row[0] is not None and int(row[0]) == tx.token
 
 
-async def _expire(tx: Tx, *, rid: str) -> None:
-    h = await _locked(tx, rid)
+async def _expire(tx: Tx, *, rid: str, user: UserId | None) -> None:
+    h = await _locked(tx, rid, user)
     ts = now_ms()
     if h is not None and h.state == "held" and h.expires_ms <= ts:
         await _close(tx, h, "expired", ts)
@@ -238,12 +260,13 @@ async def expire_due(db: Database, now: int | None = None, limit: int = 500) -> 
     done = 0
     while True:
         rows = await db.fetchall(
-            "SELECT request_id FROM holds WHERE state = 'held' AND expires_ms <= %s"
+            "SELECT request_id, user_id FROM holds WHERE state = 'held' AND expires_ms <= %s"
             " ORDER BY expires_ms LIMIT %s",
             (now, limit),
         )
-        for (rid,) in rows:
-            await db.run(functools.partial(_expire, rid=as_text(rid)), idempotent=True)
+        for rid, user in rows:
+            expire = functools.partial(_expire, rid=as_text(rid), user=UserId(int(user)))
+            await db.run(expire, idempotent=True)
         done += len(rows)
         if len(rows) < limit:
             return done
@@ -251,7 +274,8 @@ async def expire_due(db: Database, now: int | None = None, limit: int = 500) -> 
 
 async def get_hold(db: Database, request_id: object) -> Hold:
     rid = check_request_id(request_id)
-    row = await db.fetchone(f"SELECT {_COLUMNS} FROM holds WHERE request_id = %s", (rid,))
+    where, params = _where(rid, await _owner(db, rid))
+    row = await db.fetchone(f"SELECT {_COLUMNS} FROM holds WHERE {where}", params)
     if row is None:
         raise NotFound(errors.HOLD_NOT_FOUND, f"no hold {rid}")
     return _hold(tuple(row))
