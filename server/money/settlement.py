@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import assert_never
+from typing import Literal, assert_never
 
 from redis.exceptions import RedisError
 
@@ -35,6 +35,7 @@ from server.money.packets import (
     packet_from_row,
     recover_packet,
 )
+from server.money.shardsteps import StepsOutcome
 from server.money.statuses import PacketStatus, RecordStatus
 from server.store import keys
 from server.store.db import Tx
@@ -127,13 +128,14 @@ async def settle(core: Core, p: Packet, seen: Seen, older_than_ms: int | None = 
 
 # What a refund run can come to: refunded, finished (nothing was left), taken (another worker has it),
 # not_due, waiting (nothing to pay back, but a share still on its way: its next run finishes it).
-REFUND_OUTCOMES = ("refunded", "finished", "taken", "not_due", "waiting")
+RefundOutcome = StepsOutcome | Literal["not_due"]
+REFUND_OUTCOMES: tuple[RefundOutcome, ...] = ("refunded", "finished", "taken", "not_due", "waiting")
 
 
 @dataclass(frozen=True)
 class Refund:
     packet_id: int
-    outcome: str  # one of REFUND_OUTCOMES
+    outcome: RefundOutcome
     amount: int = 0
 
 
@@ -214,7 +216,7 @@ async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None)
         await tx.execute(
             "UPDATE red_packets SET status = %s, finished_ms = %s WHERE id = %s", (status, now, packet_id)
         )
-        return Refund(packet_id, status, left)
+        return Refund(packet_id, "refunded" if left else "finished", left)
 
     if core.db.shards:  # the pay-back as shard-local steps (server.money.shardsteps)
         steps = await shardsteps.refund(core.db, packet_id, now)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from server import errors
 from server.errors import Conflict
@@ -185,9 +185,14 @@ async def complete_stranded(db: Database, older_than_ms: int, limit: int = 500) 
     return sum(o == "credited" for o in await credit_many(db, stranded, "settle"))
 
 
+# What the sharded refund's steps came to: refunded, finished (nothing was left), taken (another run has
+# it), waiting (nothing to pay back, but a share still on its way: the next run finishes the packet).
+StepsOutcome = Literal["refunded", "finished", "taken", "waiting"]
+
+
 @dataclass(frozen=True)
 class RefundSteps:
-    outcome: str  # "refunded", "finished", "taken", "waiting" (a share still on its way: finished later)
+    outcome: StepsOutcome
     amount: int = 0
 
 
@@ -265,7 +270,7 @@ async def refund(db: Database, packet_id: PacketId, now: int) -> RefundSteps:
     closed = await db.run(close, idempotent=True)
     if closed is None:
         return RefundSteps("waiting")
-    return RefundSteps(status if closed or posted else "taken", left)
+    return RefundSteps(("refunded" if left else "finished") if closed or posted else "taken", left)
 
 
 async def debit_send(
