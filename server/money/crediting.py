@@ -150,13 +150,17 @@ async def _all_new(tx: Tx, credits: list[CreditEntry], status: dict[int, PacketS
     if int(matching) != len(credits):
         return False
     ts = now_ms()
-    await tx.execute("SAVEPOINT credit_batch")
+    # (A failed statement of one row wrote nothing on any engine: a credit alone needs no savepoint.)
+    alone = len(credits) == 1
+    if not alone:
+        await tx.execute("SAVEPOINT credit_batch")
     try:
         await _insert_records(tx, credits, ts)
     except IntegrityError:
         # Another payer holds one of these shares or users (or a run before a lost COMMIT answer paid
         # them): undo this statement's rows only (SQLite's executemany may have written some).
-        await tx.execute("ROLLBACK TO SAVEPOINT credit_batch")
+        if not alone:
+            await tx.execute("ROLLBACK TO SAVEPOINT credit_batch")
         return False
     await _post(tx, credits, ts)
     return True
