@@ -253,9 +253,17 @@ async def _answer(host: str, port: int, request: bytes, then_wait: bool = False)
 
 
 def _status_and_code(answer: bytes) -> tuple[int, str]:
-    """An HTTP answer's status and the code of its JSON error body."""
+    """An HTTP answer's status and the code of its JSON error body; the answer names its request as every
+    answer does (``X-Request-Id``, and the same id in the error), a refusal before the app included."""
     head, _, body = answer.partition(b"\r\n\r\n")
-    return int(head.split(b" ")[1]), json.loads(body)["error"]["code"]
+    error = json.loads(body)["error"]
+    ids = [
+        line.split(b":", 1)[1].strip().decode()
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"x-request-id:")
+    ]
+    assert ids == [error.get("request_id")] and ids[0], head
+    return int(head.split(b" ")[1]), error["code"]
 
 
 def _upgrade(path: str, extra: str = "") -> bytes:
