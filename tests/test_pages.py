@@ -101,6 +101,18 @@ async def test_every_list_pages_one_way(hub: HubUnderTest) -> None:  # noqa: F81
         assert (status, past["error"]["code"]) == (400, "bad_request"), past
     status, oldest = await user2(f"/api/me/packets/received?after={min(sent)}")
     assert (status, oldest) == (200, {"packets": [], "next": min(sent), "more": False})
-    for query in ("after=-1", "limit=0", "limit=201", "after=x", f"after={2**63}"):
+    # (Whatever Python's int() would also read is not a number: a sign, spaces, underscores, other digits.)
+    for query in (
+        "after=-1",
+        "limit=0",
+        "limit=201",
+        "after=x",
+        f"after={2**63}",
+        "limit=%2B5",
+        "limit=%205",
+        "limit=5_0",
+        "limit=%D9%A5",
+        "after=1" + "0" * 30,
+    ):
         status, bad = await user2(f"/api/me/packets/received?{query}")
         assert (status, bad["error"]["code"]) == (400, "bad_request"), query

@@ -255,11 +255,12 @@ class PageAsk:
 def page_ask(request: Request, *, default: int, most: int) -> PageAsk:
     """The page a list's query asks for: ``after`` 0 (from the start) up to 2^63 - 1, ``limit`` 1 to
     ``most`` (``default`` when not given)."""
-    try:
-        after = int(request.query_params.get("after", "0"))
-        limit = int(request.query_params.get("limit", str(default)))
-    except ValueError:
-        raise InvalidRequest(errors.BAD_REQUEST, "after and limit are whole numbers") from None
+    given = (request.query_params.get("after", "0"), request.query_params.get("limit", str(default)))
+    # Plain ASCII digits only, at most 19 (what ``int`` would also take — "+5", " 5", "5_0", "٥" — is not a
+    # number a cursor ever was).
+    if not all(v.isascii() and v.isdigit() and len(v) <= 19 for v in given):
+        raise InvalidRequest(errors.BAD_REQUEST, "after and limit are whole numbers, in decimal digits")
+    after, limit = int(given[0]), int(given[1])
     if not 0 <= after <= MAX_ID or not 1 <= limit <= most:
         raise InvalidRequest(errors.BAD_REQUEST, f"after is 0 to {MAX_ID}, limit 1 to {most}")
     return PageAsk(after, limit)
