@@ -250,6 +250,18 @@ def test_a_url_is_shown_without_its_secrets() -> None:
     assert label("http://127.0.0.1:notaport/h") == "127.0.0.1/h"
 
 
+def test_a_token_in_a_urls_path_is_not_shown() -> None:
+    """Slack's and Discord's webhook URLs carry their token in the path: a long path segment is shown as
+    ``***`` and hunted through a text like a query's token; the short segments (ids, names) stay readable."""
+    token = secrets.token_urlsafe(18)  # (24 characters, as Slack's)
+    url = f"https://hooks.slack.com/services/T0AB12CD3/B0EF45GH6/{token}"
+    assert label(url) == "hooks.slack.com/services/T0AB12CD3/B0EF45GH6/***"
+    said = f"POST {url.replace('https', 'http')} failed; {token}; {token.replace('-', '%2D')}"
+    text = scrub(said, url)
+    assert token not in text and "T0AB12CD3" in text, text
+    assert label("https://rx.example/webhooks/redpacket") == "rx.example/webhooks/redpacket"
+
+
 async def test_no_secret_of_a_url_in_up_its_log_its_errors_its_cli_or_its_api(tmp_path: Path) -> None:
     """``redpacket up`` (its worker in the hub's process) delivers to a receiver that takes the event,
     one whose answer makes httpx quote the request line (its query) in its error, and a closed port:

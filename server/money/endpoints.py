@@ -33,15 +33,26 @@ KEYS = ("url", "secret", "secret_previous", "events")
 MIN_SECRET = 32
 
 
+# A path segment this long may be a token: Slack's and Discord's webhook URLs carry theirs in the path
+# (``/services/T0…/B0…/<24 characters>``, ``/api/webhooks/<id>/<68 characters>``). Shown as ``***``.
+SECRET_SEGMENT = 16
+
+
+def _secret_segments(path: str) -> list[str]:
+    return [seg for seg in path.split("/") if len(seg) >= SECRET_SEGMENT]
+
+
 def label(url: str) -> str:
     """A URL as it is shown (metrics, logs, the CLI, the service API): host, port and path — never its
-    ``user:password@`` or its query, either of which may hold a token."""
+    ``user:password@``, its query or a path segment of ``SECRET_SEGMENT`` characters or more, any of
+    which may hold a token."""
     u = urlsplit(url)
     try:
         port = u.port
     except ValueError:  # (a port that is no number: shown without one)
         port = None
-    return f"{u.hostname or ''}{f':{port}' if port else ''}{u.path or '/'}"
+    path = "/".join("***" if len(seg) >= SECRET_SEGMENT else seg for seg in u.path.split("/"))
+    return f"{u.hostname or ''}{f':{port}' if port else ''}{path or '/'}"
 
 
 def _encoded(text: str) -> str:
@@ -62,10 +73,12 @@ _ALONE = 8
 def scrub(text: str, url: str) -> str:
     """``text`` (an error's, a log line's) with none of ``url``'s secrets: the URL itself shown as its
     ``label``; any URL's ``user:password@`` and query, in whatever spelling a library quotes them; and
-    ``url``'s user, password and query values where they appear alone, raw, decoded or re-encoded."""
+    ``url``'s user, password, query values and long path segments where they appear alone, raw, decoded
+    or re-encoded."""
     text = _QUERY.sub("?***", _USERINFO.sub("***@", text.replace(url, label(url))))
     u = urlsplit(url)
     raw = {u.username or "", u.password or ""} | {kv.partition("=")[2] for kv in u.query.split("&")}
+    raw |= set(_secret_segments(u.path))
     parts = raw | {v for _, v in parse_qsl(u.query, keep_blank_values=True)} | {unquote(p) for p in raw}
     parts |= {quote(p, safe="") for p in parts} | {_encoded(p) for p in parts}
     for part in sorted((p for p in parts if len(p) >= _ALONE), key=len, reverse=True):
