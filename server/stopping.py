@@ -44,6 +44,7 @@ async def stop(
     pending = {t for t in tasks if not t.done()}
     for t in pending:
         t.cancel()
+        t.add_done_callback(_retrieve)  # (also when this stop is itself cancelled before they end)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while pending and (left := deadline - loop.time()) > 0:
@@ -54,8 +55,7 @@ async def stop(
             for t in pending:
                 t.cancel()
     for t in tasks:
-        if t.done() and not t.cancelled():
-            t.exception()
+        _retrieve(t)
     if pending:
         log.error(
             "%s: %d task(s) still running %g s after being cancelled; left: %s",
@@ -65,3 +65,8 @@ async def stop(
             ", ".join(sorted(repr(t) for t in pending)),
         )
     return not pending
+
+
+def _retrieve(t: asyncio.Future[Any]) -> None:
+    if t.done() and not t.cancelled():
+        t.exception()

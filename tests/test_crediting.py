@@ -329,3 +329,35 @@ async def _share(core: Core, packet_id: int, seq: int) -> int:
     )
     assert row is not None
     return int(row[0])
+
+
+@pytest.mark.parametrize("core", ["sqlite", "mysql"], indirect=True)
+async def test_a_grab_key_taken_in_the_journal_is_refused_and_the_rest_of_the_batch_is_paid(
+    core: Core,
+) -> None:
+    """A grab's journal key (``grab:<packet>:<seq>``) already posted to another account: that credit is
+    refused (``idempotency_key_reused``, recorded, reconciliation reports it) and the batch's other
+    credits are paid — not a batch that fails on the key for ever and holds the drain. The same key
+    posted to the grabber for that amount is a credit paid before: ``already``, not posted twice."""
+    pid, credits, _ = await _grabs(core, members=3, total=300)
+    poisoned, same, good = credits
+    stranger = await ledger.create_user(core.db, "stranger")
+
+    async def take_keys(tx: Tx) -> None:
+        await tx.execute(  # (stray rows, as no code of ours writes them)
+            "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms)"
+            " VALUES (%s, %s, 'grab', %s, %s, 0), (%s, %s, 'grab', %s, %s, 0)",
+            (
+                *(stranger, poisoned.amount, ledger.grab_key(pid, poisoned.seq), pid),
+                *(same.user_id, same.amount, ledger.grab_key(pid, same.seq), pid),
+            ),
+        )
+
+    await core.db.run(take_keys, idempotent=False)
+    got = await credit_many(core.db, credits)
+    assert (str(got[0]), got[1], got[2]) == (errors.IDEMPOTENCY_KEY_REUSED, "already", "credited")
+    assert await ledger.balance(core.db, good.user_id) == good.amount
+    assert await ledger.balance(core.db, poisoned.user_id) == 0
+    row = await core.db.fetchone("SELECT code FROM credit_refusals WHERE seq = %s", (poisoned.seq,))
+    assert row is not None and row[0] == errors.IDEMPOTENCY_KEY_REUSED
+    assert not (await reconcile(core)).ok  # a stray journal row: reported

@@ -220,3 +220,34 @@ async def test_ten_concurrent_sends_with_one_request_id_pay_once(
         )
     assert e.value.code == errors.IDEMPOTENCY_KEY_REUSED
     assert await ledger.balance(core.db, w.admin) == 9_400
+
+
+async def test_a_send_whose_shares_insert_fails_writes_nothing_and_is_no_replay(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the packet row's own key makes a send a replay. A failure of its shares' insert (a key or a
+    check refusing a row) was once taken for one: the row this very transaction had just written was
+    found, answered ``replay: true`` and committed — a packet with no debit and no shares, whose refund
+    then paid its total to the sender out of nothing. Now the send fails and writes nothing (on a sharded
+    ledger the debit, on its own shard first, waits for ``void_unsent`` as any unmade send's)."""
+    w = await make_world(core, members=3, admin_cents=10_000)
+    real_executemany = Tx.executemany
+    refused: list[str] = []
+
+    async def executemany(tx: Tx, statement: str, rows: object) -> int:
+        if statement.startswith("INSERT INTO red_packet_shares"):
+            refused.append(statement)
+            raise IntegrityError("a share refused (as a CHECK or a key would)")
+        return await real_executemany(tx, statement, rows)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Tx, "executemany", executemany)
+    with pytest.raises(IntegrityError):
+        await packets.send_packet(
+            core, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=3, request_id="s-1"
+        )
+    assert refused  # the dangerous state: the packet's row written, its shares refused
+    monkeypatch.undo()
+    row = await core.db.fetchone("SELECT COUNT(*) FROM red_packets WHERE sender_id = %s", (w.admin,))
+    assert row is not None and int(row[0]) == 0
+    if not core.db.shards:
+        assert await ledger.balance(core.db, w.admin) == 10_000

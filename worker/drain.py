@@ -157,13 +157,15 @@ class CreditDrain:
                 # running (an acknowledgement lost as Redis restarted skipped this once), it renewed the
                 # read-ahead entries for ever, so no take-over ever found them idle, and grabs told "won"
                 # waited unpaid until the worker restarted.
-                await stop([reading], "the credit drain's read-ahead")
-                if reading.done() and not reading.cancelled() and reading.exception() is None:
-                    unpaid = reading.result()
-                    if unpaid is not None:
-                        with contextlib.suppress(Exception):
-                            await self._release(unpaid)
-                await stop([renewing], "the credit drain's lease renewer")
+                try:
+                    await stop([reading], "the credit drain's read-ahead")
+                    if reading.done() and not reading.cancelled() and reading.exception() is None:
+                        unpaid = reading.result()
+                        if unpaid is not None:
+                            with contextlib.suppress(Exception):
+                                await self._release(unpaid)
+                finally:  # (cancelled again meanwhile: the renewer is still cancelled, first thing)
+                    await stop([renewing], "the credit drain's lease renewer")
 
     async def _make_groups(self) -> None:
         """The consumer group on every shard's outbox, from its first entry (idempotent)."""

@@ -22,7 +22,6 @@ from server.ids import GroupId, PacketId, UserId
 from server.live.announce import packet_lifetime
 from server.money import grabs
 from server.money.grabs import Grab
-from server.stopping import check_cancelled
 from server.store.scriptcalls import Once
 
 if TYPE_CHECKING:
@@ -160,7 +159,6 @@ class Announcer:
         backoff = 0.05
         failures = 0
         while True:
-            check_cancelled()
             try:
                 return await attempt()
             except RedisError as e:

@@ -27,9 +27,11 @@ from server.money.creditrules import (
     Outcome,
     Refusal,
     RefusedBy,
+    against_journal,
     decide,
     lock_packets,
     read_held,
+    read_posted,
     record_refusals,
     refusal_error,
     refusal_of,
@@ -150,19 +152,16 @@ async def _all_new(tx: Tx, credits: list[CreditEntry], status: dict[int, PacketS
     if int(matching) != len(credits):
         return False
     ts = now_ms()
-    # (A failed statement of one row wrote nothing on any engine: a credit alone needs no savepoint.)
-    alone = len(credits) == 1
-    if not alone:
-        await tx.execute("SAVEPOINT credit_batch")
+    await tx.execute("SAVEPOINT credit_batch")
     try:
         await _insert_records(tx, credits, ts)
+        await _post(tx, credits, ts)
     except IntegrityError:
         # Another payer holds one of these shares or users (or a run before a lost COMMIT answer paid
-        # them): undo this statement's rows only (SQLite's executemany may have written some).
-        if not alone:
-            await tx.execute("ROLLBACK TO SAVEPOINT credit_batch")
+        # them), or a grab key is in the journal already: undo the batch's rows (SQLite's executemany may
+        # have written some) and decide each one on what is there.
+        await tx.execute("ROLLBACK TO SAVEPOINT credit_batch")
         return False
-    await _post(tx, credits, ts)
     return True
 
 
@@ -196,6 +195,11 @@ async def _decide(
     # call's token) are still this call's credits, not another worker's.
     mine = await _paid_by_this_call(tx, credits) if tx.resumed else set()
     out, inserts, updates = decide(credits, status, held, mine)
+    out, there, taken = against_journal(
+        credits, out, inserts + updates, await read_posted(tx, inserts + updates)
+    )
+    inserts = [c for c in inserts if (c.packet_id, c.seq) not in taken]
+    updates = [c for c in updates if (c.packet_id, c.seq) not in taken]
     ts = now_ms()
     await _insert_records(tx, inserts, ts)
     for c in updates:
@@ -204,7 +208,7 @@ async def _decide(
             " = %s AND seq = %s",
             (ts, c.packet_id, c.seq),
         )
-    await _post(tx, inserts + updates, ts)
+    await _post(tx, [c for c in inserts + updates if (c.packet_id, c.seq) not in there], ts)
     await record_refusals(tx, refused(credits, out), refused_by)
     return out
 

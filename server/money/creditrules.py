@@ -17,9 +17,9 @@ from typing import Literal, assert_never
 from server import errors
 from server.errors import Conflict, NotFound, RedPacketError
 from server.money.journal import marks, now_ms
-from server.money.ledger import CreditOutcome
+from server.money.ledger import CreditOutcome, grab_key
 from server.money.statuses import PacketStatus, RecordStatus
-from server.store.db import Tx
+from server.store.db import Tx, as_text
 from server.store.records import CreditEntry
 
 
@@ -150,6 +150,47 @@ async def read_held(tx: Tx, credits: list[CreditEntry]) -> Held:
             held.by_seq[(int(pid), int(seq))] = (int(uid), RecordStatus(st))
             held.by_user[(int(pid), int(uid))] = int(seq)
     return held
+
+
+async def read_posted(tx: Tx, credits: list[CreditEntry]) -> dict[tuple[int, int], tuple[int, int]]:
+    """The journal rows already under the grab keys of ``credits`` (``ledger.grab_key``): (packet, seq) →
+    (account, amount). On one database a grab's row and its record commit together, so one found for a
+    credit ``decide`` would pay means the key was taken some other way."""
+    if not credits:
+        return {}
+    keys = {grab_key(c.packet_id, c.seq): (c.packet_id, c.seq) for c in credits}
+    rows = await tx.fetchall(
+        f"SELECT idem_key, account_id, amount FROM journal WHERE idem_key IN ({marks(len(keys))})", list(keys)
+    )
+    return {keys[as_text(r[0])]: (int(r[1]), int(r[2])) for r in rows}
+
+
+def against_journal(
+    credits: list[CreditEntry],
+    out: list[Outcome],
+    pay: list[CreditEntry],
+    posted: dict[tuple[int, int], tuple[int, int]],
+) -> tuple[list[Outcome], set[tuple[int, int]], set[tuple[int, int]]]:
+    """The rule of a grab's journal key, for the credits ``decide`` would pay (``pay``): its key already
+    posted to this user for this amount is a credit paid before (``already``: its record is written, it is
+    not posted again); posted to another account or amount, the key is not this credit's to use
+    (``idempotency_key_reused``, refused and recorded). Returns the outcomes and the (packet, seq) of each
+    kind. Pure."""
+    there: set[tuple[int, int]] = {
+        (c.packet_id, c.seq) for c in pay if posted.get((c.packet_id, c.seq)) == (c.user_id, c.amount)
+    }
+    met: set[tuple[int, int]] = {(c.packet_id, c.seq) for c in pay if (c.packet_id, c.seq) in posted}
+    taken = met - there
+    changed: list[Outcome] = []
+    for c, o in zip(credits, out, strict=True):
+        k = (c.packet_id, c.seq)
+        if o == "credited" and k in taken:
+            changed.append(Refusal.IDEMPOTENCY_KEY_REUSED)
+        elif o == "credited" and k in there:
+            changed.append("already")
+        else:
+            changed.append(o)
+    return changed, there, taken
 
 
 def decide(

@@ -10,7 +10,7 @@ from server.ids import GroupId, PacketId, UserId
 from server.money.fairness import commitment, fair_shares
 from server.money.split import Kind, PacketRequest
 from server.money.statuses import PacketStatus
-from server.store.db import Row, Tx
+from server.store.db import IntegrityError, Row, Tx
 
 # A packet's columns as ``packet_from_row`` reads them, by name (a query selects ``PACKET_COLUMNS``).
 _COLUMNS = (
@@ -79,6 +79,12 @@ def packet_from_row(row: Row) -> Packet:
     )
 
 
+class PacketKeyTaken(Exception):
+    """The packet's own row met a unique key: its id, or its sender's request id, is another row's (a
+    call of the same request, or a ``void`` row). Only this: a failure of its shares' insert is no such
+    thing, and must not be taken for a row made elsewhere (the row this transaction just wrote is there)."""
+
+
 async def packet_rows(
     tx: Tx,
     req: PacketRequest,
@@ -93,16 +99,20 @@ async def packet_rows(
     """Insert the packet's row (with ``packet_id``, or a new id) and its shares, drawn from ``seed`` once
     the id is known (``server.money.fairness``); return its id."""
     given = "id, " if packet_id else ""
-    await tx.execute(
-        f"INSERT INTO red_packets ({given}sender_id, group_id, kind, total, share_count, greeting,"
-        " target_user_id, status, request_id, created_ms, expires_ms, seed)"
-        f" VALUES ({given and '%s, '}%s, %s, %s, %s, %s, %s, %s, '{PacketStatus.ACTIVE}', %s, %s, %s, %s)",
-        (
-            *([packet_id] if packet_id else []),
-            *(sender_id, group_id, req.kind, req.total, req.count, req.greeting, req.target_user_id),
-            *(key, created, expires, seed.hex()),
-        ),
-    )
+    try:
+        await tx.execute(
+            f"INSERT INTO red_packets ({given}sender_id, group_id, kind, total, share_count, greeting,"
+            " target_user_id, status, request_id, created_ms, expires_ms, seed)"
+            f" VALUES ({given and '%s, '}%s, %s, %s, %s, %s, %s, %s, '{PacketStatus.ACTIVE}',"
+            " %s, %s, %s, %s)",
+            (
+                *([packet_id] if packet_id else []),
+                *(sender_id, group_id, req.kind, req.total, req.count, req.greeting, req.target_user_id),
+                *(key, created, expires, seed.hex()),
+            ),
+        )
+    except IntegrityError:
+        raise PacketKeyTaken from None
     if packet_id is None and tx.lastrowid is None:
         raise RuntimeError("the database returned no id for the new packet")
     pid = packet_id or PacketId(cast(int, tx.lastrowid))

@@ -29,6 +29,7 @@ from server.money.ledger import check_request_id, now_ms
 from server.money.packetrows import (
     PACKET_COLUMNS,
     Packet,
+    PacketKeyTaken,
     new_packet,
     packet_from_row,
     packet_rows,
@@ -37,7 +38,7 @@ from server.money.packetrows import (
 from server.money.split import PacketRequest, validate_request
 from server.money.statuses import PacketStatus
 from server.store import keys
-from server.store.db import Database, IntegrityError, Tx, as_text
+from server.store.db import Database, Tx, as_text
 from server.store.records import CreditEntry, DroppedEntry, GrabRecord, ShareEntry
 from server.store.redisconn import ServerChanged
 from server.store.scriptcalls import LoadPacketCall, run_alone
@@ -45,10 +46,6 @@ from server.store.scriptcalls import LoadPacketCall, run_alone
 __all__ = ["PACKET_COLUMNS", "Packet", "load_packet", "packet_from_row", "recover_packet", "send_packet"]
 
 log = logging.getLogger(__name__)
-
-
-class _Replay(Exception):
-    pass
 
 
 def new_request_id() -> str:
@@ -133,7 +130,7 @@ async def send_packet(
         if not exists:
             try:
                 return await _insert_packet(core, tx, req, key, seed, sender_id=sender_id, group_id=group_id)
-            except _Replay:
+            except PacketKeyTaken:
                 # Its key committed meanwhile (read committed: seen now). In this same run, whose token
                 # and ``resumed`` say whether it was this very call's earlier run — a slow COMMIT given up
                 # on — or another call's.
@@ -219,10 +216,7 @@ async def _insert_packet(
     """The packet's row, its shares and the sender's debit, in the caller's transaction."""
     created = now_ms()
     expires = created + core.settings.packet_ttl_seconds * 1000
-    try:
-        packet_id = await packet_rows(tx, req, key, seed, sender_id, group_id, created, expires)
-    except IntegrityError:
-        raise _Replay from None  # the same request id committed meanwhile
+    packet_id = await packet_rows(tx, req, key, seed, sender_id, group_id, created, expires)
     data = sent_data(packet_id, req, sender_id, group_id, expires)
     await post_event(tx, sender_id, -req.total, "send", f"send:{packet_id}", "packet.sent", data, packet_id)
     return new_packet(packet_id, req, sender_id, group_id, created, expires, seed)

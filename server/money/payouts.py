@@ -125,13 +125,11 @@ async def _owner(db: Database, rid: str) -> UserId | None:
     """Whose hold ``rid`` is, from its claim on a sharded ledger's head (``claim_request``): holds are
     partitioned by user, and a look-up by request id alone read and locked every backend — one backend
     down stopped every hold, confirm, release and expiry. None on one database (the request id finds
-    it). No claim, no hold: ``hold_not_found``."""
+    it), and for a hold with no claim (made before claims were kept): found by request id alone."""
     if not db.shards:
         return None
     row = await db.fetchone("SELECT user_id FROM request_claims WHERE idem_key = %s", (f"hold:{rid}",))
-    if row is None:
-        raise NotFound(errors.HOLD_NOT_FOUND, f"no hold {rid}")
-    return UserId(int(row[0]))
+    return None if row is None else UserId(int(row[0]))
 
 
 async def _locked(tx: Tx, rid: str, user: UserId | None) -> Hold | None:

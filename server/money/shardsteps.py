@@ -51,8 +51,9 @@ from server.money.creditrules import (
 )
 from server.money.journal import Posting, marks, post, post_event, post_many, set_packet
 from server.money.ledger import finish_paid, finished_event, grab_key, now_ms
+from server.money.packetrows import PacketKeyTaken
 from server.money.statuses import PacketStatus, RecordStatus
-from server.store.db import Database, IntegrityError, RetryableError, Tx, as_text
+from server.store.db import Database, RetryableError, Tx, as_text
 from server.store.records import CreditEntry
 from server.store.shards import shard_of
 
@@ -328,7 +329,7 @@ async def create_packet(
             try:
                 await insert(tx)
                 return "made"
-            except IntegrityError:  # made meanwhile: by a retry of this send, or voided
+            except PacketKeyTaken:  # made meanwhile: by a retry of this send, or voided
                 row = await tx.fetchone(look, (packet_id,))
         if row is None:
             raise RuntimeError(f"packet {packet_id}'s key refused it and its row is not there")
