@@ -4,7 +4,8 @@ only here. The rules (``decide``, pure): the packet must exist and its refund no
 for a credit: ``lock_packets``); the share must be the one the database pre-split (``read_held``); one
 share per user and one user per share; a share already paid is ``already`` (or ``credited`` to the call
 that paid it before a lost COMMIT answer); a record a shard-local credit left half-way is paid whatever
-the packet's status. Also here: the refusal codes, the record of a refusal, and the reads a decision
+the packet's status; a grab's journal key already posted is a credit paid before, or, to anyone else, not
+this credit's (``against_journal``). Also here: the refusal codes, the record of a refusal, and the reads a decision
 needs."""
 
 from __future__ import annotations
