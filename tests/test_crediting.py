@@ -354,10 +354,32 @@ async def test_a_grab_key_taken_in_the_journal_is_refused_and_the_rest_of_the_ba
         )
 
     await core.db.run(take_keys, idempotent=False)
-    got = await credit_many(core.db, credits)
-    assert (str(got[0]), got[1], got[2]) == (errors.IDEMPOTENCY_KEY_REUSED, "already", "credited")
+    got = await credit_many(core.db, [poisoned, poisoned, same, good])  # (a copy of the refused one too)
+    assert [str(o) for o in got] == [errors.IDEMPOTENCY_KEY_REUSED] * 2 + ["already", "credited"]
     assert await ledger.balance(core.db, good.user_id) == good.amount
     assert await ledger.balance(core.db, poisoned.user_id) == 0
     row = await core.db.fetchone("SELECT code FROM credit_refusals WHERE seq = %s", (poisoned.seq,))
     assert row is not None and row[0] == errors.IDEMPOTENCY_KEY_REUSED
     assert not (await reconcile(core)).ok  # a stray journal row: reported
+
+
+@pytest.mark.parametrize("core", ["sqlite", "mysql"], indirect=True)
+async def test_a_last_share_found_paid_in_the_journal_still_finishes_its_packet(core: Core) -> None:
+    """The last share's credit found its journal row there (``already``: its record written, nothing
+    posted twice): the packet is finished by that transaction all the same, not left active until its
+    refund."""
+    pid, credits, _ = await _grabs(core, members=3, total=300)
+    assert await credit_many(core.db, credits[:2]) == ["credited", "credited"]
+    last = credits[2]
+
+    async def post_it(tx: Tx) -> None:
+        await tx.execute(
+            "INSERT INTO journal (account_id, amount, kind, idem_key, packet_id, created_ms)"
+            " VALUES (%s, %s, 'grab', %s, %s, 0)",
+            (last.user_id, last.amount, ledger.grab_key(pid, last.seq), pid),
+        )
+
+    await core.db.run(post_it, idempotent=False)
+    assert await credit_many(core.db, [last]) == ["already"]
+    row = await core.db.fetchone("SELECT status FROM red_packets WHERE id = %s", (pid,))
+    assert row is not None and row[0] == "finished"

@@ -21,6 +21,7 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
+from server import errors
 from server.hub import protocol
 from server.hub.tokens import make_token
 from server.money import groups, ledger
@@ -124,7 +125,16 @@ async def test_a_demo_hub_answers_this_machine_only(demo: HubUnderTest) -> None:
         await websockets.connect(
             f"{demo.ws}?token={token}", additional_headers={"Host": f"rebound.example:{port}"}
         )
-    assert refused.value.response.status_code == 403
+    _refused_as(refused.value, 403, errors.NOT_LOCAL)
+
+
+def _refused_as(refused: websockets.InvalidStatus, status: int, code: str) -> None:
+    """A websocket refused before it opened is answered as any HTTP error: the API's JSON error with its
+    code, naming its request (``X-Request-Id``, and the same id in the error)."""
+    r = refused.response
+    error = json.loads(r.body)["error"]
+    assert (r.status_code, error["code"]) == (status, code), r.body
+    assert error["request_id"] and r.headers["x-request-id"] == error["request_id"]
 
 
 # -- users: who made them ---------------------------------------------------------------------------------
@@ -609,7 +619,7 @@ async def test_an_origin_allow_list_keeps_other_sites_pages_out(hub_settings: Se
         for origin in ("https://evil.example", "http://chat.example.com", "https://chat.example.com.evil.io"):
             with pytest.raises(websockets.InvalidStatus) as refused:
                 await websockets.connect(url, additional_headers={"Origin": origin})
-            assert refused.value.response.status_code == 403, origin
+            _refused_as(refused.value, 403, errors.ORIGIN_NOT_ALLOWED)
         async with httpx.AsyncClient(timeout=10) as http:
             metrics = (await http.get(f"{h.http}/metrics")).text
         assert 'redpacket_hub_limited_total{limit="origin"} 3.0' in metrics
@@ -626,7 +636,7 @@ async def test_up_lets_only_its_own_page_connect(tmp_path: Path) -> None:
             assert protocol.decode(await asyncio.wait_for(ws.recv(), 10))["type"] == "welcome"
         with pytest.raises(websockets.InvalidStatus) as refused:
             await websockets.connect(ws_url, additional_headers={"Origin": "https://evil.example"})
-        assert refused.value.response.status_code == 403
+        _refused_as(refused.value, 403, errors.ORIGIN_NOT_ALLOWED)
 
 
 async def test_the_token_can_travel_as_a_subprotocol_never_echoed(demo: HubUnderTest) -> None:

@@ -287,6 +287,11 @@ async def test_an_oversized_upgrade_request_is_answered_and_closed(h: HubUnderTe
     many = "".join(f"X-{i}: y\r\n" for i in range(200))
     answer = await _answer(host, int(port), _upgrade("/ws?token=x", many))
     assert _status_and_code(answer) == (431, "request_too_large"), answer[:100]
+    # An upgrade websockets refuses (no key; another version) is answered as any API error too.
+    keyless = _upgrade("/ws?token=x").replace(b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n", b"")
+    assert _status_and_code(await _answer(host, int(port), keyless)) == (400, "bad_request")
+    other = _upgrade("/ws?token=x").replace(b"Version: 13", b"Version: 8")
+    assert _status_and_code(await _answer(host, int(port), other))[1] == "bad_request"
     # The hub is fine afterwards.
     _, token = await h.login("li")
     c = await h.client(token)

@@ -260,6 +260,13 @@ def test_a_token_in_a_urls_path_is_not_shown() -> None:
     text = scrub(said, url)
     assert token not in text and "T0AB12CD3" in text, text
     assert label("https://rx.example/webhooks/redpacket") == "rx.example/webhooks/redpacket"
+    # Discord's: its id (all digits) stays, so two endpoints keep two labels; its token does not.
+    discord = f"https://discord.com/api/webhooks/123456789012345678/{secrets.token_urlsafe(51)}"
+    assert label(discord) == "discord.com/api/webhooks/123456789012345678/***"
+    # A library's lower-case escapes of the token are found too.
+    odd = "Tok_en-abcdefghijkl"
+    text = scrub(f"failed: {odd.replace('_', '%5f').replace('-', '%2d')}", f"https://rx.example/in/{odd}")
+    assert "abcdefghijkl" not in text, text
 
 
 async def test_no_secret_of_a_url_in_up_its_log_its_errors_its_cli_or_its_api(tmp_path: Path) -> None:

@@ -219,7 +219,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         ws.headers.get("origin"), ws.headers.get("host"), core.settings.allowed_origin_list
     ):
         hub.metrics.limited.labels("origin").inc()
-        await ws.close(protocol.CLOSE_POLICY)  # before the upgrade: answered 403
+        await ws.close(protocol.CLOSE_POLICY, errors.ORIGIN_NOT_ALLOWED)  # before the upgrade: answered 403
         return
     offered = list(ws.scope.get("subprotocols", []))
     dialect = protocol.choose_dialect(offered)

@@ -18,7 +18,6 @@ import logging
 import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable
-from http import HTTPStatus
 from typing import Any, ClassVar, Literal, cast
 from urllib.parse import unquote
 
@@ -145,8 +144,9 @@ class Upgrade(asyncio.Protocol):
 
     def _on_request(self, request: Request) -> None:
         response = self.conn.accept(request)
-        if response.status_code != 101:
-            self._respond(response)
+        if response.status_code != 101:  # (no key, another version: websockets' own words say why)
+            said = response.body.decode("utf-8", "replace").strip() or "not a valid websocket upgrade request"
+            self._answer(answer(response.status_code, errors.BAD_REQUEST, said))
             return
         self._response = response
         self.phase = "deciding"
@@ -194,12 +194,11 @@ class Upgrade(asyncio.Protocol):
         self.transport.write(reply)
         self._end()
 
-    def _respond(self, response: Response) -> None:
-        """An HTTP answer instead of the upgrade, then the end."""
-        self.conn.send_response(response)
-        for data in self.conn.data_to_send():
-            if data and not self.transport.is_closing():
-                self.transport.write(data)
+    def _answer(self, reply: bytes) -> None:
+        """An HTTP answer instead of the upgrade (the API's JSON error, naming its request as every answer
+        does: ``handshake.answer``), then the end."""
+        if not self.transport.is_closing():
+            self.transport.write(reply)
         self._end()
 
     async def _run_app(self) -> None:
@@ -216,7 +215,7 @@ class Upgrade(asyncio.Protocol):
             if self.phase == "open":
                 self.close(code)
             elif self.phase == "deciding":
-                self._respond(self.conn.reject(500, "Internal Server Error"))
+                self._answer(answer(500, errors.INTERNAL, "internal error"))
 
     def _deliver(self, message: dict[str, Any]) -> None:
         self._inbox.append(message)
@@ -251,7 +250,9 @@ class Upgrade(asyncio.Protocol):
                 self._release("deciding")
             elif kind == "websocket.close":  # refused before the upgrade: 403
                 self._deliver({"type": "websocket.disconnect", "code": 1006})
-                self._respond(self.conn.reject(HTTPStatus.FORBIDDEN, ""))
+                reason = str(message.get("reason") or "")
+                code = reason if reason in errors.ALL_CODES else errors.ORIGIN_NOT_ALLOWED
+                self._answer(answer(403, code, "the websocket was refused before it opened"))
             else:
                 raise RuntimeError(f"expected websocket.accept or websocket.close, got {kind!r}")
         elif kind == "websocket.send":
@@ -287,7 +288,7 @@ class Upgrade(asyncio.Protocol):
             self.close(1012)
         elif self.phase != "gone":
             if self.phase == "deciding" and self._response is not None:
-                self._respond(self.conn.reject(500, "Internal Server Error"))
+                self._answer(answer(500, errors.INTERNAL, "internal error"))
             self._end()
 
     def _end(self) -> None:

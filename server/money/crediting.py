@@ -21,6 +21,7 @@ from collections import defaultdict
 from typing import assert_never
 
 from server.errors import RedPacketError
+from server.ids import PacketId
 from server.money import events, shardsteps
 from server.money.creditrules import (
     Held,
@@ -209,6 +210,8 @@ async def _decide(
             (ts, c.packet_id, c.seq),
         )
     await _post(tx, [c for c in inserts + updates if (c.packet_id, c.seq) not in there], ts)
+    if there:  # (their records are written now: one may be its packet's last share)
+        await finish_paid(tx, sorted({PacketId(pid) for pid, _ in there}))
     await record_refusals(tx, refused(credits, out), refused_by)
     return out
 

@@ -5,8 +5,8 @@ for a credit: ``lock_packets``); the share must be the one the database pre-spli
 share per user and one user per share; a share already paid is ``already`` (or ``credited`` to the call
 that paid it before a lost COMMIT answer); a record a shard-local credit left half-way is paid whatever
 the packet's status; a grab's journal key already posted is a credit paid before, or, to anyone else, not
-this credit's (``against_journal``). Also here: the refusal codes, the record of a refusal, and the reads a decision
-needs."""
+this credit's (``against_journal``). Also here: the refusal codes, the record of a refusal, and the reads
+a decision needs."""
 
 from __future__ import annotations
 
@@ -83,6 +83,9 @@ async def record_refusals(
     nothing)."""
     if refused_by is None:
         return
+    # One row a grab: a copy of a credit in its batch is refused with it (a statement that met its own
+    # key twice warns, and warnings are errors here).
+    refused = list({(c.packet_id, c.user_id, c.seq): (c, code) for c, code in refused}.values())
     ts = now_ms()
     await tx.executemany(
         f"{tx.dialect.insert_ignore} INTO credit_refusals"
@@ -185,7 +188,7 @@ def against_journal(
     changed: list[Outcome] = []
     for c, o in zip(credits, out, strict=True):
         k = (c.packet_id, c.seq)
-        if o == "credited" and k in taken:
+        if o in ("credited", "already") and k in taken:  # (a copy of it in the batch is refused too)
             changed.append(Refusal.IDEMPOTENCY_KEY_REUSED)
         elif o == "credited" and k in there:
             changed.append("already")

@@ -34,12 +34,17 @@ MIN_SECRET = 32
 
 
 # A path segment this long may be a token: Slack's and Discord's webhook URLs carry theirs in the path
-# (``/services/T0…/B0…/<24 characters>``, ``/api/webhooks/<id>/<68 characters>``). Shown as ``***``.
+# (``/services/T0…/B0…/<24 characters>``, ``/api/webhooks/<id>/<68 characters>``). Shown as ``***`` —
+# unless it is all digits (Discord's id): two endpoints must not share one label in the metrics.
 SECRET_SEGMENT = 16
 
 
+def _secret(segment: str) -> bool:
+    return len(segment) >= SECRET_SEGMENT and not (segment.isascii() and segment.isdigit())
+
+
 def _secret_segments(path: str) -> list[str]:
-    return [seg for seg in path.split("/") if len(seg) >= SECRET_SEGMENT]
+    return [seg for seg in path.split("/") if _secret(seg)]
 
 
 def label(url: str) -> str:
@@ -51,7 +56,7 @@ def label(url: str) -> str:
         port = u.port
     except ValueError:  # (a port that is no number: shown without one)
         port = None
-    path = "/".join("***" if len(seg) >= SECRET_SEGMENT else seg for seg in u.path.split("/"))
+    path = "/".join("***" if _secret(seg) else seg for seg in u.path.split("/"))
     return f"{u.hostname or ''}{f':{port}' if port else ''}{path or '/'}"
 
 
@@ -81,6 +86,7 @@ def scrub(text: str, url: str) -> str:
     raw |= set(_secret_segments(u.path))
     parts = raw | {v for _, v in parse_qsl(u.query, keep_blank_values=True)} | {unquote(p) for p in raw}
     parts |= {quote(p, safe="") for p in parts} | {_encoded(p) for p in parts}
+    parts |= {re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), p) for p in parts}  # (%2d as %2D)
     for part in sorted((p for p in parts if len(p) >= _ALONE), key=len, reverse=True):
         text = text.replace(part, "***")
     return text
