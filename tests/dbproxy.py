@@ -176,12 +176,14 @@ class MySQLProxy:
     async def _release(
         self, commit: bytes, server_r: asyncio.StreamReader, server_w: asyncio.StreamWriter
     ) -> None:
-        """A kept slow COMMIT goes to the server; its answer is read (it committed); its connection closes."""
+        """A kept slow COMMIT goes to the server (counted as it is written: the statement waiting on its
+        locks cannot end before, so a test that saw that statement end sees the count); its answer is read
+        and its connection closed."""
         with contextlib.suppress(ConnectionError):
             server_w.write(commit)
+            self.released += 1
             await server_w.drain()
             await server_r.read(65536)
-            self.released += 1
         server_w.close()
 
     async def _downstream(
