@@ -143,10 +143,18 @@ class Tx:
         """One call to the driver (bounded in time where the driver has no timeout of its own)."""
         return await step
 
+    async def _send(self, statement: str, params: Params) -> None:
+        """One statement and its values to the driver (MySQL's transaction writes the values itself)."""
+        await self._run(self._cur.execute(self.dialect.sql(statement), tuple(params)))
+
+    async def _send_many(self, statement: str, rows: Sequence[Params]) -> int:
+        await self._run(self._cur.executemany(self.dialect.sql(statement), [tuple(r) for r in rows]))
+        return int(self._cur.rowcount)
+
     async def execute(self, statement: str, params: Params = ()) -> int:
         """Run one statement; return the number of rows it changed."""
         try:
-            await self._run(self._cur.execute(self.dialect.sql(statement), tuple(params)))
+            await self._send(statement, params)
         except (pymysql.err.IntegrityError, sqlite3.IntegrityError) as e:
             raise IntegrityError(str(e)) from e
         self.lastrowid = self._cur.lastrowid
@@ -157,18 +165,17 @@ class Tx:
         if not rows:
             return 0
         try:
-            await self._run(self._cur.executemany(self.dialect.sql(statement), [tuple(r) for r in rows]))
+            return await self._send_many(statement, rows)
         except (pymysql.err.IntegrityError, sqlite3.IntegrityError) as e:
             raise IntegrityError(str(e)) from e
-        return int(self._cur.rowcount)
 
     async def fetchone(self, statement: str, params: Params = ()) -> Row | None:
-        await self._run(self._cur.execute(self.dialect.sql(statement), tuple(params)))
+        await self._send(statement, params)
         row: Any = await self._cur.fetchone()
         return None if row is None else tuple(row)
 
     async def fetchall(self, statement: str, params: Params = ()) -> list[Row]:
-        await self._run(self._cur.execute(self.dialect.sql(statement), tuple(params)))
+        await self._send(statement, params)
         rows: Any = await self._cur.fetchall()
         return [tuple(r) for r in rows]
 

@@ -65,21 +65,11 @@ from server.store.mysqlkit import (
     node_lost,
     parse_url,
 )
+from server.store.mysqltx import TimedTx, bind
 from server.store.schema import now_ms
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class TimedTx(Tx):
-    """A transaction whose every statement is bounded in time."""
-
-    def __init__(self, cursor: Any, timeout: float) -> None:
-        super().__init__(MYSQL, cursor)
-        self._timeout = timeout
-
-    async def _run(self, step: Awaitable[T]) -> T:
-        return await bounded(step, self._timeout)
 
 
 class MySQLDatabase(Database):
@@ -423,7 +413,7 @@ class MySQLDatabase(Database):
 
     async def _read_once(self, statement: str, params: Params) -> list[Row]:
         async with self._connection() as (conn, _), conn.cursor() as cur:
-            await bounded(cur.execute(self.dialect.sql(statement), tuple(params)), self._timeout)
+            await bounded(cur.execute(bind(conn, statement, params)), self._timeout)
             rows: Any = await cur.fetchall()
         return [tuple(r) for r in rows]
 
