@@ -141,6 +141,7 @@ SHARDED_SUITE = {
     "test_payouts",
     "test_shards",
     "test_fair",
+    "test_event_rows",
 }
 
 

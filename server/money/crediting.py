@@ -22,7 +22,7 @@ from typing import assert_never
 
 from server.errors import RedPacketError
 from server.ids import PacketId
-from server.money import events, shardsteps
+from server.money import shardsteps
 from server.money.creditrules import (
     Held,
     Outcome,
@@ -182,8 +182,6 @@ async def _post(tx: Tx, paid: list[CreditEntry], ts: int) -> None:
         [Posting(c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id) for c in paid],
         ts,
     )
-    # After the accounts' locks: a user's events are numbered in the order the user's changes commit.
-    await events.record_many(tx, [events.share_credited(c, grab_key(c.packet_id, c.seq)) for c in paid], ts)
     await finish_paid(tx, [c.packet_id for c in paid])
 
 

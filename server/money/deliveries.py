@@ -64,32 +64,27 @@ async def queue(db: Database, endpoint: str, now: int, types: Collection[str] | 
             )
             assert row is not None
         after = int(row[0])
-        new = await tx.fetchall(
-            "SELECT seq, user_id, type FROM events WHERE seq > %s"
-            + events.SEQUENCED
-            + " ORDER BY seq LIMIT %s",
-            (after, QUEUE_BATCH),
-        )
+        new = await events.read_after(tx, after, QUEUE_BATCH)
         if not new:
             return 0
-        wanted = [(s, u) for s, u, t in new if types is None or str(t) in types]
+        wanted = [e for e in new if types is None or e["type"] in types]
         await _add(tx, endpoint, wanted, now)
         await tx.execute(
-            "UPDATE webhook_cursors SET after_seq = %s WHERE endpoint = %s", (int(new[-1][0]), endpoint)
+            "UPDATE webhook_cursors SET after_seq = %s WHERE endpoint = %s", (new[-1]["id"], endpoint)
         )
         return len(wanted)
 
     return await db.run(work, idempotent=True)
 
 
-async def _add(tx: Tx, endpoint: str, events_: Sequence[tuple[object, ...]], now: int) -> None:
-    """New deliveries, due now, of these events (``(seq, user_id)`` rows) to ``endpoint``."""
+async def _add(tx: Tx, endpoint: str, events_: Sequence[events.Event], now: int) -> None:
+    """New deliveries, due now, of these events to ``endpoint``."""
     if not events_:
         return
     await tx.executemany(
-        "INSERT INTO webhook_deliveries (endpoint, seq, user_id, state, attempts, next_ms, lease_ms,"
-        " lease_token, first_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",  # (one multi-row INSERT)
-        [(endpoint, int(str(s)), int(str(u)), "pending", 0, now, 0, 0, now) for s, u in events_],
+        "INSERT INTO webhook_deliveries (endpoint, seq, user_id, type, state, attempts, next_ms, lease_ms,"
+        " lease_token, first_ms) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",  # (one multi-row INSERT)
+        [(endpoint, e["id"], e["user_id"], e["type"], "pending", 0, now, 0, 0, now) for e in events_],
     )
 
 
@@ -207,25 +202,26 @@ async def _replay_batch(
 ) -> int:
     # (Only the types the URL takes now: a row of a type it took once stays as it was.)
     marks = ", ".join(["%s"] * len(types)) if types else ""
-    of_types = (
-        f" AND seq IN (SELECT seq FROM events WHERE seq > %s AND seq <= %s AND type IN ({marks}))"
-        if types
-        else ""
-    )
     changed = await tx.execute(
         "UPDATE webhook_deliveries SET state = 'pending', next_ms = %s, lease_ms = 0, lease_token = 0,"
         " done_ms = NULL, attempts = 0, first_ms = %s WHERE endpoint = %s AND seq > %s AND seq <= %s"
-        + of_types,
-        (now, now, endpoint, after, upto, *((after, upto, *types) if types else ())),
+        + (f" AND type IN ({marks})" if types else ""),
+        (now, now, endpoint, after, upto, *(types or ())),
     )
     # Events before the URL's cursor that were never queued for it (made before its queue existed).
-    missing = await tx.fetchall(
-        "SELECT e.seq, e.user_id FROM events e LEFT JOIN webhook_deliveries d"
-        " ON d.endpoint = %s AND d.seq = e.seq WHERE e.seq > %s AND e.seq <= %s AND d.seq IS NULL"
-        + (f" AND e.type IN ({marks})" if types else ""),
-        (endpoint, after, upto, *(types or ())),
-    )
-    await _add(tx, endpoint, [tuple(r) for r in missing], now)
+    queued = {
+        int(r[0])
+        for r in await tx.fetchall(
+            "SELECT seq FROM webhook_deliveries WHERE endpoint = %s AND seq > %s AND seq <= %s",
+            (endpoint, after, upto),
+        )
+    }
+    missing = [
+        e
+        for e in await events.read_after(tx, after, upto - after)
+        if e["id"] <= upto and e["id"] not in queued and (types is None or e["type"] in types)
+    ]
+    await _add(tx, endpoint, missing, now)
     return changed + len(missing)
 
 
@@ -252,8 +248,8 @@ async def state(db: Database, endpoint: str) -> QueueState:
 Status = Literal["pending", "delivered", "failed"]
 STATUSES: tuple[Status, ...] = ("pending", "delivered", "failed")
 _VIEW = (
-    "SELECT d.seq, e.type, d.state, d.attempts, d.last_error, d.next_ms, d.first_ms, d.done_ms"
-    " FROM webhook_deliveries d JOIN events e ON e.seq = d.seq WHERE d.endpoint = %s"
+    "SELECT d.seq, d.type, d.state, d.attempts, d.last_error, d.next_ms, d.first_ms, d.done_ms"
+    " FROM webhook_deliveries d WHERE d.endpoint = %s"
 )
 
 

@@ -6,24 +6,35 @@ when the change does: a rolled-back send leaves no ``packet.sent``, and a commit
 ``share.credited``. A money event's key is its journal row's idempotency key (and its ``amount`` the
 row's), so reconciliation matches the two one for one.
 
+**The credits of a batch are one row** (``record_credits``, written by ``journal.post_many`` beside their
+journal rows): ``n`` events, keyed ``credits:<token>`` by the transaction's token, which each of its grab
+journal rows carries too. They are read back one event per journal row, in the rows' id order, from the
+journal itself (``_read``): the event of a credit says what its journal row says, and a 500-credit batch
+writes one event row instead of 500 (that row was a fifth of the batch's time: ``docs/benchmarks.md``).
+
 An event's public id is ``seq``, given by ``sequence`` after commit, in the order events are found
 committed. Auto-increment ids are not that: a transaction that took id 10 may commit after one that took
 id 11, and a reader who had paged past 11 would never see 10. A seq is only given to committed rows, one
 batch at a time under a lock, so every later seq is larger than every earlier one: paging ``after`` a seq
-never skips an event. Per user, the events of balance changes get their seqs in the order the changes
-committed (a change locks the user's account row, and its event is written after the lock).
+never skips an event. A row of ``n`` events takes ``n`` seqs, and its ``seq`` column holds the last of
+them (``seq - n + 1`` … ``seq``). Per user, the events of balance changes get their seqs in the order the
+changes committed (a change locks the user's account row, and its event is written after the lock).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import weakref
-from typing import Any, Literal, TypedDict
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, TypedDict
 
-from server.store.db import Database, Tx, as_text
-from server.store.records import CreditEntry
+from server.ids import PacketId, ShareSeq
+from server.store.db import Database, Row, Tx, as_text
 from server.store.shards import shard_of
+
+log = logging.getLogger(__name__)
 
 EventType = Literal[
     "packet.sent",
@@ -53,20 +64,20 @@ class Event(TypedDict):
     data: dict[str, Any]
 
 
-class Record(TypedDict):
-    """An event to write: what ``record_many`` takes."""
-
-    type: EventType
-    key: str
-    user_id: int
-    amount: int | None
-    data: dict[str, Any]
+def grab_key(packet_id: PacketId, seq: ShareSeq) -> str:
+    """A grab's credit's journal key: one share of one packet paid once (``reconcile`` builds it in SQL;
+    ``share_of`` reads it back)."""
+    return f"grab:{packet_id}:{seq}"
 
 
-def share_credited(c: CreditEntry, key: str) -> Record:
-    """The event of a grab's credit (``key``: its journal row's, ``server.money.ledger.grab_key``)."""
-    data = {"packet_id": c.packet_id, "user_id": c.user_id, "seq": c.seq, "amount": c.amount}
-    return Record(type="share.credited", key=key, user_id=c.user_id, amount=c.amount, data=data)
+def share_of(key: str) -> int:
+    """The share seq a grab key names (``grab_key``'s last part)."""
+    return int(key.rsplit(":", 1)[1])
+
+
+def credits_key(token: int) -> str:
+    """The key of the event row of the credits a transaction posts: its token's (``Tx.token``)."""
+    return f"credits:{token}"
 
 
 def body(data: dict[str, Any]) -> str:
@@ -94,18 +105,15 @@ async def record(
     )
 
 
-async def record_many(tx: Tx, records: list[Record], ts: int) -> None:
-    """Many new events in one statement, in the caller's transaction (the credit batch: its keys are new,
-    as its journal rows are, or the batch fails with them)."""
-    if records:
-        await tx.executemany(
-            "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms, shard_id)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-            [
-                (r["type"], r["key"], r["user_id"], r["amount"], body(r["data"]), ts, r["user_id"])
-                for r in records
-            ],
-        )
+async def record_credits(tx: Tx, n: int, total: int, ts: int, shard_id: int) -> None:
+    """The ``share.credited`` events of the ``n`` grab journal rows (``total`` cents) this transaction
+    posts, as one row, in the caller's transaction (``journal.post_many``: once per transaction, or
+    its key is met again and the transaction rolls back)."""
+    await tx.execute(
+        "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms, shard_id, n, tx)"
+        " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+        ("share.credited", credits_key(tx.token), 0, total, "{}", ts, shard_id, n, tx.token),
+    )
 
 
 # What a reader may see: events whose seq the counter has reached (on a sharded ledger, seqs are written
@@ -131,18 +139,24 @@ async def _sequence_batch(tx: Tx) -> int:
     )
     if row is None:
         raise RuntimeError("event_counter has no row: run `redpacket migrate`")
-    last = int(row[0])
-    ids = [
-        int(r[0])
-        for r in await tx.fetchall(
-            "SELECT id FROM events WHERE seq IS NULL ORDER BY id LIMIT %s", (SEQUENCE_BATCH,)
-        )
-    ]
-    if not ids:
+    rows = await tx.fetchall(
+        "SELECT id, n FROM events WHERE seq IS NULL ORDER BY id LIMIT %s", (SEQUENCE_BATCH,)
+    )
+    if not rows:
         return 0
-    await _number(tx, {id_: last + i for i, id_ in enumerate(ids, start=1)})
-    await tx.execute("UPDATE event_counter SET last_seq = %s WHERE name = 'events'", (last + len(ids),))
-    return len(ids)
+    seqs, last = _seqs(int(row[0]), rows)
+    await _number(tx, seqs)
+    await tx.execute("UPDATE event_counter SET last_seq = %s WHERE name = 'events'", (last,))
+    return len(rows)
+
+
+def _seqs(last: int, rows: Sequence[Row]) -> tuple[dict[int, int], int]:
+    """Each ``(id, n)`` row's seq (its last event's), numbering on from ``last``; and the new last."""
+    seqs: dict[int, int] = {}
+    for id_, n in rows:
+        last += int(n)
+        seqs[int(id_)] = last
+    return seqs, last
 
 
 # One sequencing at a time per process on a sharded ledger: each holds the counter's row on one
@@ -171,20 +185,18 @@ async def _sequence_shards(db: Database) -> int:
         top = await hold.fetchone("SELECT MAX(seq) FROM events")
         last = max(int(row[0]), int(top[0]) if top and top[0] is not None else 0)
         rows = await hold.fetchall(
-            "SELECT id, shard_id FROM events WHERE seq IS NULL ORDER BY id LIMIT %s", (SEQUENCE_BATCH,)
+            "SELECT id, n, shard_id FROM events WHERE seq IS NULL ORDER BY id LIMIT %s", (SEQUENCE_BATCH,)
         )
-        numbered = {int(r[0]): last + i for i, r in enumerate(rows, start=1)}
+        numbered, top_seq = _seqs(last, [r[:2] for r in rows])
         shards: dict[int, list[tuple[int, int]]] = {}
         for r in rows:
-            shards.setdefault(shard_of(int(r[1] or 0), db.shards), []).append((int(r[0]), int(r[1] or 0)))
+            shards.setdefault(shard_of(int(r[2] or 0), db.shards), []).append((int(r[0]), int(r[2] or 0)))
         for pairs in shards.values():
             seqs = {i: numbered[i] for i, _ in pairs}
             on = sorted({k for _, k in pairs})  # (names the shard column: Spider sends it to one backend)
             await db.run(lambda tx, seqs=seqs, on=on: _number(tx, seqs, on), idempotent=True)  # type: ignore[misc]
         if rows:
-            await hold.execute(
-                "UPDATE event_counter SET last_seq = %s WHERE name = 'events'", (last + len(rows),)
-            )
+            await hold.execute("UPDATE event_counter SET last_seq = %s WHERE name = 'events'", (top_seq,))
         return len(rows)
 
 
@@ -202,39 +214,88 @@ async def _number(tx: Tx, seqs: dict[int, int], shard_ids: list[int] | None = No
         raise RuntimeError(f"sequenced {changed} of {len(seqs)} events: another sequencer ran unlocked")
 
 
-def _event(row: tuple[Any, ...]) -> Event:
-    seq, type_, user, data, created = row
-    return Event(
-        id=int(seq),
-        type=str(type_),
-        created_ms=int(created),
-        user_id=int(user),
-        data=json.loads(as_text(data)),
+# An event row as read: its last seq, how many events it holds, and the rest.
+_COLUMNS = "seq, n, type, user_id, body, created_ms, tx"
+
+
+class Reader(Protocol):
+    async def fetchall(self, statement: str, params: Sequence[Any] = ...) -> list[Row]: ...
+
+
+async def _read(reader: Reader, rows: Sequence[Row]) -> list[Event]:
+    """The events of these rows, in seq order: a row of one event as written; a row of credits one
+    event per grab journal row its transaction posted, in id order, from the journal."""
+    tokens = sorted({int(r[6]) for r in rows if r[6] is not None})
+    posted: dict[int, list[Row]] = {}
+    if tokens:
+        for r in await reader.fetchall(
+            "SELECT tx, account_id, amount, packet_id, idem_key FROM journal"
+            f" WHERE tx IN ({', '.join(['%s'] * len(tokens))}) AND kind = 'grab' ORDER BY id",
+            tokens,
+        ):
+            posted.setdefault(int(r[0]), []).append(r)
+    out: list[Event] = []
+    for seq, n, type_, user, data, created, token in rows:
+        if token is None:
+            e = Event(id=int(seq), type=str(type_), created_ms=int(created), user_id=int(user), data={})
+            e["data"] = json.loads(as_text(data))
+            out.append(e)
+            continue
+        credits = posted.get(int(token), [])
+        if len(credits) != int(n):  # (reconcile reports it: event_credits)
+            log.error("credits:%s holds %s events; its transaction posted %s", token, n, len(credits))
+        first = int(seq) - int(n) + 1
+        out += [_credit(first + i, int(created), r) for i, r in enumerate(credits[: int(n)])]
+    return out
+
+
+def _credit(seq: int, created_ms: int, row: Row) -> Event:
+    """The ``share.credited`` event of a grab journal row (tx, account, amount, packet, key)."""
+    _, account, amount, packet, key = row
+    user = int(account)
+    data = {"amount": int(amount), "packet_id": int(packet), "seq": share_of(as_text(key)), "user_id": user}
+    return Event(id=seq, type="share.credited", created_ms=created_ms, user_id=user, data=data)
+
+
+async def read_after(reader: Reader, after: int, limit: int) -> list[Event]:
+    """The sequenced events after seq ``after``, oldest first, at most ``limit`` (only the rows that hold
+    them are read back)."""
+    rows = await reader.fetchall(
+        f"SELECT {_COLUMNS} FROM events WHERE seq > %s" + SEQUENCED + " ORDER BY seq LIMIT %s",
+        (after, limit),
     )
+    held, count = [], 0
+    for r in rows:
+        held.append(r)
+        count += min(int(r[1]), int(r[0]) - after)
+        if count >= limit:
+            break
+    return [e for e in await _read(reader, held) if e["id"] > after][:limit]
 
 
 async def page(db: Database, *, after: int, limit: int) -> list[Event]:
     """The events after seq ``after``, oldest first, at most ``limit`` (everything committed is sequenced
     first, so a reader is not made to wait for a worker)."""
     await sequence(db)
-    rows = await db.fetchall(
-        "SELECT seq, type, user_id, body, created_ms FROM events WHERE seq > %s"
-        + SEQUENCED
-        + " ORDER BY seq LIMIT %s",
-        (after, limit),
-    )
-    return [_event(tuple(r)) for r in rows]
+    return await read_after(db, after, limit)
 
 
 async def by_seq(db: Database, seqs: list[int]) -> dict[int, Event]:
-    """Events by their seqs (the dispatcher's claimed deliveries)."""
-    if not seqs:
-        return {}
-    marks = ", ".join(["%s"] * len(seqs))
-    rows = await db.fetchall(
-        f"SELECT seq, type, user_id, body, created_ms FROM events WHERE seq IN ({marks})", seqs
-    )
-    return {int(r[0]): _event(tuple(r)) for r in rows}
+    """Events by their seqs (the dispatcher's claimed deliveries). The row holding seq ``s`` is the first
+    whose last seq is ``s`` or more; one read finds the rows of seqs close together."""
+    wanted = sorted(set(seqs))
+    found: dict[int, Event] = {}
+    while wanted:
+        rows = await db.fetchall(
+            f"SELECT {_COLUMNS} FROM events WHERE seq >= %s ORDER BY seq LIMIT %s", (wanted[0], len(wanted))
+        )
+        if not rows:
+            break
+        for e in await _read(db, rows):
+            found[e["id"]] = e
+        last = int(rows[-1][0])  # (seqs are dense: the rows read hold every seq up to their last)
+        wanted = [s for s in wanted if s > last]
+    return {s: found[s] for s in sorted(set(seqs)) if s in found}
 
 
 async def last_seq(db: Database) -> int:
@@ -246,6 +307,6 @@ async def seq_at(db: Database, since_ms: int) -> int:
     """The seq before the first event created at or after ``since_ms`` (for a replay from a time)."""
     await sequence(db)
     row = await db.fetchone(
-        "SELECT MIN(seq) FROM events WHERE created_ms >= %s AND seq IS NOT NULL", (since_ms,)
+        "SELECT MIN(seq - n + 1) FROM events WHERE created_ms >= %s AND seq IS NOT NULL", (since_ms,)
     )
     return int(row[0]) - 1 if row and row[0] is not None else await last_seq(db)

@@ -111,11 +111,13 @@ async def post_event(
 
 
 async def post_many(tx: Tx, credits: Sequence[Posting], ts: int) -> None:
-    """Append ``credits`` (money in: every amount positive, every key new — the caller decided that under
-    its locks) and add them to their balances: one insert, one update. A key met again raises
-    ``IntegrityError`` and the caller's transaction rolls back."""
-    if any(p.amount <= 0 for p in credits):
-        raise ValueError("post_many adds money: a debit goes through post, which checks the balance")
+    """Append the grab credits ``credits`` (money in: every amount positive, every key new — the caller
+    decided that under its locks), add them to their balances, and write their ``share.credited`` events
+    as one row (``events.record_credits``): one insert, one update, one event row, once per transaction
+    (all on the shard of the first account: a sharded ledger's caller posts one shard's users). A key met
+    again raises ``IntegrityError`` and the caller's transaction rolls back."""
+    if any(p.amount <= 0 or p.kind != "grab" for p in credits):
+        raise ValueError("post_many pays grabs: any other change goes through post, one at a time")
     if not credits:
         return
     await _append(tx, credits, ts)
@@ -123,6 +125,8 @@ async def post_many(tx: Tx, credits: Sequence[Posting], ts: int) -> None:
     for p in credits:
         sums[p.account_id] += p.amount
     await add_to_balances(tx, dict(sums), ts)
+    # After the accounts' locks: a user's events are numbered in the order the user's changes commit.
+    await events.record_credits(tx, len(credits), sum(sums.values()), ts, credits[0].account_id)
 
 
 async def set_packet(tx: Tx, account_id: int, row_id: int, packet_id: int) -> None:

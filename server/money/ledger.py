@@ -10,9 +10,10 @@ from typing import Literal, overload
 
 from server import errors, text
 from server.errors import Conflict, InvalidRequest, NotFound
-from server.ids import PacketId, ShareSeq, UserId
+from server.ids import PacketId, UserId
 from server.money import events
 from server.money.accounts import claim_request, ensure_accounts, open_accounts
+from server.money.events import grab_key as grab_key  # (the journal key's format lives with its reader)
 from server.money.journal import now_ms as now_ms  # (the ledger's clock, as every caller imports it)
 from server.money.journal import post_event
 from server.money.statuses import PacketStatus, RecordStatus
@@ -237,11 +238,6 @@ async def topup(
 
 
 CreditOutcome = Literal["credited", "already"]
-
-
-def grab_key(packet_id: PacketId, seq: ShareSeq) -> str:
-    """A grab's credit's journal key: one share of one packet paid once (``reconcile`` builds it in SQL)."""
-    return f"grab:{packet_id}:{seq}"
 
 
 async def finish_paid(tx: Tx, packet_ids: list[PacketId]) -> int:

@@ -7,10 +7,12 @@
                  paid it back, to that user; a journal hold or release row has its hold; a hold held
                  past LATE_MS after its expiry is stuck (the expiry job is not running)
     events:      every journal row (since events were written) has its event, with the same key, user and
-                 amount; every money event has its journal row; every finished packet sent since has its
-                 ``packet.finished``, every confirmed hold its ``hold.confirmed``; and no event says what
-                 the ledger does not (a confirmation of a hold not confirmed, the end of a packet not
-                 finished, a money event of another kind than its journal row)
+                 amount (a grab's: its transaction's row of credits, which holds as many events and cents
+                 as the transaction's grab rows); every money event has its journal row; every finished
+                 packet sent since has its ``packet.finished``, every confirmed hold its
+                 ``hold.confirmed``; and no event says what the ledger does not (a confirmation of a hold
+                 not confirmed, the end of a packet not finished, a money event of another kind than its
+                 journal row, a row of credits of another type)
 
 The arithmetic is pure (``differences``); the reads are ``queries``, run in reconcile's snapshot.
 """
@@ -41,6 +43,7 @@ def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
     """Every read, by name (keys built in SQL as ``server.money.payouts`` and ``ledger`` build them)."""
     hold_key, release_key = d.concat("'hold:'", "h.request_id"), d.concat("'release:'", "h.request_id")
     finished_key = d.concat("'finished:'", "p.id")
+    credits_key = d.concat("'credits:'", "j.tx")
     confirm_key = d.concat("'confirm:'", "h.request_id")
     fitting = " OR ".join(
         f"(j.kind = '{kind}' AND e.type IN ({', '.join(repr(t) for t in types)}))"
@@ -67,16 +70,27 @@ def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
             " WHERE j.kind IN ('hold', 'release') AND h.request_id IS NULL",
             (),
         ),
+        # A grab journal row's event may be its transaction's row of credits (server.money.events).
         "event_missing": (
             "SELECT j.idem_key, j.account_id, j.amount FROM journal j LEFT JOIN events e"
             " ON e.idem_key = j.idem_key AND e.user_id = j.account_id AND e.amount = j.amount"
-            f" WHERE j.id > {_SINCE} AND e.id IS NULL",
+            f" LEFT JOIN events c ON j.kind = 'grab' AND c.idem_key = {credits_key}"
+            " AND c.type = 'share.credited'"
+            f" WHERE j.id > {_SINCE} AND e.id IS NULL AND c.id IS NULL",
             (),
         ),
         "event_unbacked": (
             "SELECT e.idem_key, e.user_id, e.amount FROM events e LEFT JOIN journal j"
             " ON j.idem_key = e.idem_key AND j.account_id = e.user_id AND j.amount = e.amount"
-            " WHERE e.amount IS NOT NULL AND j.id IS NULL",
+            " WHERE e.amount IS NOT NULL AND e.tx IS NULL AND j.id IS NULL",
+            (),
+        ),
+        # A row of credits holds as many events, of as many cents, as its transaction's grab journal rows.
+        "event_credits": (
+            "SELECT c.idem_key, c.n, c.amount, COUNT(j.id), COALESCE(SUM(j.amount), 0) FROM events c"
+            " LEFT JOIN journal j ON j.tx = c.tx AND j.kind = 'grab' WHERE c.tx IS NOT NULL"
+            " GROUP BY c.id, c.idem_key, c.n, c.amount"
+            " HAVING COUNT(j.id) <> c.n OR COALESCE(SUM(j.amount), 0) <> c.amount",
             (),
         ),
         # Events that move no money say something of a hold or a packet: it must be so. A money event
@@ -91,6 +105,8 @@ def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
             " WHERE e.type = 'packet.finished' AND p.id IS NULL"
             " UNION ALL SELECT e.idem_key, e.user_id, e.type FROM events e"
             " WHERE e.amount IS NULL AND e.type NOT IN ('hold.confirmed', 'packet.finished')"
+            " UNION ALL SELECT e.idem_key, e.user_id, e.type FROM events e"
+            " WHERE e.tx IS NOT NULL AND e.type <> 'share.credited'"
             " UNION ALL SELECT e.idem_key, e.user_id, e.type FROM events e"
             f" JOIN journal j ON j.idem_key = e.idem_key WHERE NOT ({fitting})",
             (),
@@ -131,6 +147,8 @@ class OutBooks:
     orphans: list[tuple[str, int, int]] = field(default_factory=list)  # (key, account, amount)
     event_missing: list[tuple[str, int, int]] = field(default_factory=list)
     event_unbacked: list[tuple[str, int, int]] = field(default_factory=list)
+    # (key, events it says, cents it says, grab journal rows of its transaction, their cents)
+    event_credits: list[tuple[str, int, int, int, int]] = field(default_factory=list)
     unannounced: list[str] = field(default_factory=list)
     untrue: list[tuple[str, int, str]] = field(default_factory=list)  # (key, user, type)
 
@@ -153,6 +171,9 @@ def books(rows: dict[str, list[Row]]) -> OutBooks:
         orphans=[(as_text(k), int(a), int(m)) for k, a, m in rows["hold_orphans"]],
         event_missing=[(as_text(k), int(a), int(m)) for k, a, m in rows["event_missing"]],
         event_unbacked=[(as_text(k), int(a), int(m)) for k, a, m in rows["event_unbacked"]],
+        event_credits=[
+            (as_text(k), int(n), int(a), int(c), int(s)) for k, n, a, c, s in rows["event_credits"]
+        ],
         untrue=[(as_text(k), int(u), str(t)) for k, u, t in rows["event_untrue"]],
         unannounced=[f"packet {int(p)} finished" for p, _ in rows["finish_unannounced"]]
         + [f"hold {as_text(r)} confirmed" for r, _, _ in rows["confirm_unannounced"]],
@@ -179,6 +200,20 @@ def differences(b: OutBooks, now_ms: int) -> list[tuple[str, str, int, int]]:
         diffs.append(("event_missing", f"{key} to account {account} has no event", amount, 0))
     for key, account, amount in b.event_unbacked:
         diffs.append(("event_unbacked", f"event {key} for user {account} has no journal row", 0, amount))
+    for key, n, amount, rows_, cents in b.event_credits:
+        if rows_ != n:
+            diffs.append(
+                ("event_credits", f"event {key} holds {n} credits; its transaction posted {rows_}", n, rows_)
+            )
+        if cents != amount:
+            diffs.append(
+                (
+                    "event_credits",
+                    f"event {key} says {amount} cents; its transaction posted {cents}",
+                    amount,
+                    cents,
+                )
+            )
     for key, user, type_ in b.untrue:
         diffs.append(
             ("event_untrue", f"event {key} ({type_}) for user {user} says what the ledger does not", 0, 1)

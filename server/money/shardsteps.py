@@ -152,7 +152,6 @@ async def _pay(tx: Tx, credits: list[CreditEntry]) -> set[Pair]:
     await post_many(
         tx, [Posting(c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id) for c in new], ts
     )
-    await events.record_many(tx, [events.share_credited(c, grab_key(c.packet_id, c.seq)) for c in new], ts)
     mine = [keys[k] for k, t in there.items() if tx.resumed and t is not None and int(t) == tx.token]
     return {(c.packet_id, c.seq) for c in [*new, *mine]}
 

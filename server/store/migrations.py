@@ -316,4 +316,32 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        13,
+        "a credit batch's events in one row, read back from its journal rows",
+        [
+            # A row of ``n`` events takes seqs seq - n + 1 … seq; a credit batch's row (``tx``: the token
+            # its grab journal rows carry) is read back one event per row (server.money.events).
+            # (IF NOT EXISTS: MariaDB commits each on its own, so a migration stopped half-way runs again.)
+            {
+                "mysql": "ALTER TABLE events ADD COLUMN IF NOT EXISTS n INT NOT NULL DEFAULT 1",
+                "sqlite": "ALTER TABLE events ADD COLUMN n INT NOT NULL DEFAULT 1",
+            },
+            {
+                "mysql": "ALTER TABLE events ADD COLUMN IF NOT EXISTS tx BIGINT NULL",
+                "sqlite": "ALTER TABLE events ADD COLUMN tx BIGINT NULL",
+            },
+            "CREATE INDEX IF NOT EXISTS journal_tx ON journal (tx)",
+            # A delivery names its event's type (a delivery of a credit has no event row of its own seq).
+            {
+                "mysql": "ALTER TABLE webhook_deliveries ADD COLUMN IF NOT EXISTS type VARCHAR(24) NULL",
+                "sqlite": "ALTER TABLE webhook_deliveries ADD COLUMN type VARCHAR(24) NULL",
+            },
+            "UPDATE webhook_deliveries SET type = (SELECT e.type FROM events e"
+            " WHERE e.seq = webhook_deliveries.seq) WHERE type IS NULL",
+        ],
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]
