@@ -249,11 +249,13 @@ async def finish_paid(tx: Tx, packet_ids: list[PacketId]) -> int:
     if not ids:
         return 0
     marks = ", ".join(["%s"] * len(ids))
-    # (Counted on the index, as the packets' rows are locked: the last grab's time is read only for
-    # the packets found paid, not for every batch.)
+    # (As the packets' rows are locked. A packet with fewer records than shares is not paid: that count
+    # is the index's alone, a third of the one that reads each record's status, which runs only once
+    # every share has a record. The last grab's time is read only for the packets found paid.)
     done = await tx.fetchall(
         "SELECT id, sender_id, group_id, total, share_count FROM red_packets"
         f" WHERE id IN ({marks}) AND status = '{PacketStatus.ACTIVE}' AND share_count = (SELECT COUNT(*)"
+        " FROM grab_records g WHERE g.packet_id = red_packets.id) AND share_count = (SELECT COUNT(*)"
         f" FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = '{RecordStatus.CREDITED}')",
         ids,
     )
