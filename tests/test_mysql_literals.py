@@ -63,6 +63,25 @@ async def test_every_value_is_bound_as_the_driver_mogrifies_it(db: Database) -> 
         for v in VALUES:
             assert mysqltx.bind(cur.connection, "SELECT %s", (v,)) == cur.mogrify("SELECT %s", (v,)), v
         assert mysqltx.bind(cur.connection, "SELECT '100%%', %s", (1,)) == "SELECT '100%', 1"
+        row = "(" + ",".join(["%s"] * len(VALUES)) + ")"
+        assert mysqltx.insert_statements(cur.connection, f"INSERT INTO t VALUES {row}", [VALUES]) == [
+            "INSERT INTO t VALUES " + cur.mogrify(row, VALUES)
+        ]
+
+
+async def test_strings_follow_the_sessions_quoting_mode(db: Database) -> None:
+    """With NO_BACKSLASH_ESCAPES a backslash is a plain character and only quotes are doubled: the
+    connection knows the mode from the server's answer, and a bound INSERT follows it."""
+    texts = ["back\\slash", "it's", "\\'"]
+    async with db.transaction() as tx:
+        await tx.execute("SET SESSION sql_mode = CONCAT(@@sql_mode, ',NO_BACKSLASH_ESCAPES')")
+        try:
+            assert "\\\\" not in mysqltx.bind(tx._cur.connection, "SELECT %s", (texts[0],))
+            await tx.executemany("INSERT INTO literal_check (id, t) VALUES (%s, %s)", list(enumerate(texts)))
+            back = [r[0] for r in await tx.fetchall("SELECT t FROM literal_check ORDER BY id")]
+        finally:
+            await tx.execute("SET SESSION sql_mode = REPLACE(@@sql_mode, 'NO_BACKSLASH_ESCAPES', '')")
+    assert back == texts
 
 
 async def test_bound_statements_read_back_what_was_written(db: Database) -> None:

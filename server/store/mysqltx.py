@@ -35,6 +35,21 @@ def literal(conn: Any, value: object) -> str:
     return str(value) if type(value) is int else str(conn.escape(value))
 
 
+def _row(conn: Any, row: Params) -> str:
+    """One row of values, ``(…)``: ``literal`` of each, a ``str`` quoted by the connection's own
+    ``escape_string`` as its ``escape`` does (a third of a row's time, inlined)."""
+    parts: list[str] = []
+    for v in row:
+        t = type(v)
+        if t is int:
+            parts.append(str(v))
+        elif t is str:
+            parts.append("'" + conn.escape_string(v) + "'")
+        else:
+            parts.append(str(conn.escape(v)))
+    return "(" + ",".join(parts) + ")"
+
+
 def bind(conn: Any, statement: str, params: Params) -> str:
     """``statement`` with its ``%s`` replaced by ``params``' literals (``%%`` becomes ``%``), as the driver
     would: ``Cursor.mogrify``'s result."""
@@ -55,7 +70,7 @@ def insert_statements(conn: Any, statement: str, rows: Sequence[Params]) -> list
     for r in rows:
         if len(r) != width:
             raise ValueError(f"a row of {len(r)} values for an INSERT of {width} columns")
-        v = "(" + ",".join([literal(conn, x) for x in r]) + ")"
+        v = _row(conn, r)
         if values and size + len(v) + 1 > MAX_STATEMENT:
             out.append(head + ",".join(values) + tail)
             values, size = [], len(head) + len(tail)
