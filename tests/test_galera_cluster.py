@@ -237,6 +237,10 @@ async def test_a_node_killed_with_kill_9_leaves_two_that_commit_and_rejoins(gale
     first, second, victim = galera.nodes
     await sql(first, "CREATE TABLE crash (id BIGINT AUTO_INCREMENT PRIMARY KEY, node INT)")
     await sql(first, "INSERT INTO crash (node) VALUES (0)")
+    # The victim has applied both before it dies. Killed while it applied the CREATE TABLE (a hog run
+    # starved it that long), it came back Synced at a position past a table it did not have, and went
+    # Inconsistent at the first row of it: a crash inside DDL, not the crash this test is about.
+    assert await sql(victim, "SELECT node FROM crash") == [(0,)]
     old_pid = victim.pid
     victim.kill()
     assert victim.pid is None and await victim.status() == {}
