@@ -10,17 +10,20 @@ from typing import Any
 import pytest
 
 from server.core import Core
-from server.money import deliveries, events, packets
+from server.money import deliveries, events, ledger, packets
 from server.money.crediting import credit_many
+from server.money.events import grab_key
 from server.money.reconcile import reconcile
+from server.store.db import as_text
 from server.store.records import CreditEntry
 from server.store.shards import shard_of
-from tests.conftest import make_world
+from tests.conftest import World, make_world
 
 
-async def _credited(core: Core, count: int = 5) -> tuple[int, list[CreditEntry]]:
-    """A packet of ``count`` shares, every share credited in one batch; (its packet, the credits)."""
-    w = await make_world(core, members=count)
+async def _credited(core: Core, count: int = 5, w: World | None = None) -> tuple[int, list[CreditEntry]]:
+    """A packet of ``count`` shares in ``w`` (a world of its own if None), every share credited in one
+    batch; (its packet, the credits)."""
+    w = w or await make_world(core, members=count)
     p = await packets.send_packet(
         core, sender_id=w.admin, group_id=w.group, kind="lucky", total=1_000, count=count
     )
@@ -111,3 +114,59 @@ async def test_reconcile_names_a_row_of_credits_that_disagrees_with_its_journal_
     await core.db.run(lambda tx: tx.execute(tamper), idempotent=False)
     report = await reconcile(core)
     assert check in report.checks(), report.differences
+
+
+async def test_older_grab_rows_carrying_the_same_token_are_not_this_rows_events(core: Core) -> None:
+    """A token is random: once in 2^63 an older transaction's grab rows (from before credits were one
+    row, each with its own event) carry it too. Matched by token and time, the row reads back its own."""
+    w = await make_world(core, members=3)
+    _, older = await _credited(core, 3, w)  # (made first: its journal rows come first by id)
+    _, mine = await _credited(core, 3, w)
+    rows = await core.db.fetchall("SELECT tx, created_ms FROM events WHERE tx IS NOT NULL ORDER BY id")
+    (old_token, _), (token, _) = rows[0], rows[-1]
+    if core.db.shards:
+        pytest.skip("a sharded batch is one row per users' shard: the rows of one token are chosen here")
+
+    async def as_before_credits_were_one_row(tx: Any) -> None:
+        await tx.execute("DELETE FROM events WHERE tx = %s", (old_token,))
+        posted = await tx.fetchall(
+            "SELECT idem_key, account_id, amount FROM journal WHERE tx = %s AND kind = 'grab'", (old_token,)
+        )
+        for key, account, amount in posted:  # each credit its own event, as migration 12's code wrote
+            await tx.execute(
+                "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms, shard_id)"
+                " VALUES ('share.credited', %s, %s, %s, '{}', 1, %s)",
+                (as_text(key), account, amount, account),
+            )
+        await tx.execute("UPDATE journal SET tx = %s, created_ms = 1 WHERE tx = %s", (token, old_token))
+
+    await core.db.run(as_before_credits_were_one_row, idempotent=False)
+    report = await reconcile(core)
+    assert report.ok, report.differences
+    credited = [e for e in await events.page(core.db, after=0, limit=500) if e["type"] == "share.credited"]
+    from_row = [(e["data"]["packet_id"], e["user_id"], e["data"]["seq"]) for e in credited if e["data"]]
+    assert from_row == [(c.packet_id, c.user_id, c.seq) for c in mine]
+    assert len(credited) == 6 and len(older) == 3
+    # And an older row's own event lost is still missed: the row of the same token is not its event.
+    lost = grab_key(older[0].packet_id, older[0].seq)
+    await core.db.run(
+        lambda tx: tx.execute("DELETE FROM events WHERE idem_key = %s", (lost,)), idempotent=False
+    )
+    assert [d.check for d in (await reconcile(core)).differences] == ["event_missing"]
+
+
+async def test_a_row_whose_journal_rows_are_gone_does_not_stop_the_readers_after_it(core: Core) -> None:
+    w = await make_world(core, members=3)
+    await _credited(core, 3, w)
+    await core.db.run(
+        lambda tx: tx.execute("UPDATE events SET tx = tx + 1 WHERE tx IS NOT NULL"), idempotent=False
+    )
+    await ledger.topup(core.db, w.admin, 100, "after-the-broken-row")
+    await events.sequence(core.db)
+    last = await events.last_seq(core.db)
+    [(first,)] = await core.db.fetchall("SELECT MIN(seq - n) FROM events WHERE tx IS NOT NULL")
+    after_it = [e["type"] for e in await events.page(core.db, after=int(first), limit=3)]
+    assert after_it == ["packet.finished", "account.topup"]  # (the credits' events cannot be read)
+    assert await deliveries.queue(core.db, "after", 1, ["account.topup"]) == 2  # the seed's and this one
+    assert await deliveries.last_queued(core.db, "after") == last
+    assert "event_credits" in (await reconcile(core)).checks()

@@ -76,6 +76,30 @@ async def test_migrations_run_once(sqlite_db: Database) -> None:
     assert await migrate(sqlite_db) == []
 
 
+async def test_a_program_older_than_the_schema_does_not_start_on_it(sqlite_db: Database) -> None:
+    """An old process would read rows it does not know as rows it does (a credit batch's one event row
+    as one event): refused, naming the versions, and nothing changed."""
+    from server.store.db import DatabaseError
+    from server.store.schema import LATEST, migrate
+
+    newer = LATEST + 1
+    await sqlite_db.run(
+        lambda tx: tx.execute(
+            "INSERT INTO schema_migrations (version, name, applied_ms) VALUES (%s, 'from the future', 0)",
+            (newer,),
+        ),
+        idempotent=False,
+    )
+    try:
+        with pytest.raises(DatabaseError, match=rf"migration\(s\) \[{newer}\], newer than this program"):
+            await migrate(sqlite_db)
+    finally:
+        await sqlite_db.run(
+            lambda tx: tx.execute("DELETE FROM schema_migrations WHERE version = %s", (newer,)),
+            idempotent=False,
+        )
+
+
 async def test_keys_that_differ_only_by_trailing_spaces_are_different_keys(core: Core) -> None:
     """MariaDB's utf8mb4_bin pads with spaces ("r1" = "r1 "); the keys are bytes there, as in SQLite."""
     u = await ledger.create_user(core.db, "li")

@@ -4,7 +4,7 @@
 An event is written by ``record`` in the very transaction of the change it reports, so it exists exactly
 when the change does: a rolled-back send leaves no ``packet.sent``, and a committed credit always has its
 ``share.credited``. A money event's key is its journal row's idempotency key (and its ``amount`` the
-row's), so reconciliation matches the two one for one.
+row's), so reconciliation matches the two one for one — but a credit batch's, below.
 
 **The credits of a batch are one row** (``record_credits``, written by ``journal.post_many`` beside their
 journal rows): ``n`` events, keyed ``credits:<token>`` by the transaction's token, which each of its grab
@@ -49,7 +49,8 @@ EventType = Literal[
     "hold.expired",
 ]
 TYPES: tuple[EventType, ...] = EventType.__args__  # type: ignore[attr-defined]
-# The most events one sequencing transaction numbers, and one page of the events API holds.
+# The most event rows one sequencing transaction numbers (a row of credits holds many events), and the
+# most events one page of the events API holds.
 SEQUENCE_BATCH = 1000
 MAX_PAGE = 500
 
@@ -108,7 +109,9 @@ async def record(
 async def record_credits(tx: Tx, n: int, total: int, ts: int, shard_id: int) -> None:
     """The ``share.credited`` events of the ``n`` grab journal rows (``total`` cents) this transaction
     posts, as one row, in the caller's transaction (``journal.post_many``: once per transaction, or
-    its key is met again and the transaction rolls back)."""
+    its key is met again and the transaction rolls back). Its events are the grab journal rows carrying
+    the transaction's token and written at ``ts`` (a random token alone might, once in 2^63, be another
+    transaction's too: an older one, or one on another shard, where this key is not unique)."""
     await tx.execute(
         "INSERT INTO events (type, idem_key, user_id, amount, body, created_ms, shard_id, n, tx)"
         " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
@@ -226,14 +229,14 @@ async def _read(reader: Reader, rows: Sequence[Row]) -> list[Event]:
     """The events of these rows, in seq order: a row of one event as written; a row of credits one
     event per grab journal row its transaction posted, in id order, from the journal."""
     tokens = sorted({int(r[6]) for r in rows if r[6] is not None})
-    posted: dict[int, list[Row]] = {}
+    posted: dict[tuple[int, int], list[Row]] = {}  # (token, created_ms) → its grab journal rows
     if tokens:
         for r in await reader.fetchall(
-            "SELECT tx, account_id, amount, packet_id, idem_key FROM journal"
+            "SELECT tx, account_id, amount, packet_id, idem_key, created_ms FROM journal"
             f" WHERE tx IN ({', '.join(['%s'] * len(tokens))}) AND kind = 'grab' ORDER BY id",
             tokens,
         ):
-            posted.setdefault(int(r[0]), []).append(r)
+            posted.setdefault((int(r[0]), int(r[5])), []).append(r[:5])
     out: list[Event] = []
     for seq, n, type_, user, data, created, token in rows:
         if token is None:
@@ -241,7 +244,7 @@ async def _read(reader: Reader, rows: Sequence[Row]) -> list[Event]:
             e["data"] = json.loads(as_text(data))
             out.append(e)
             continue
-        credits = posted.get(int(token), [])
+        credits = posted.get((int(token), int(created)), [])
         if len(credits) != int(n):  # (reconcile reports it: event_credits)
             log.error("credits:%s holds %s events; its transaction posted %s", token, n, len(credits))
         first = int(seq) - int(n) + 1
@@ -260,17 +263,23 @@ def _credit(seq: int, created_ms: int, row: Row) -> Event:
 async def read_after(reader: Reader, after: int, limit: int) -> list[Event]:
     """The sequenced events after seq ``after``, oldest first, at most ``limit`` (only the rows that hold
     them are read back)."""
-    rows = await reader.fetchall(
-        f"SELECT {_COLUMNS} FROM events WHERE seq > %s" + SEQUENCED + " ORDER BY seq LIMIT %s",
-        (after, limit),
-    )
-    held, count = [], 0
-    for r in rows:
-        held.append(r)
-        count += min(int(r[1]), int(r[0]) - after)
-        if count >= limit:
-            break
-    return [e for e in await _read(reader, held) if e["id"] > after][:limit]
+    while True:
+        rows = await reader.fetchall(
+            f"SELECT {_COLUMNS} FROM events WHERE seq > %s" + SEQUENCED + " ORDER BY seq LIMIT %s",
+            (after, limit),
+        )
+        held, count = [], 0
+        for r in rows:
+            held.append(r)
+            count += min(int(r[1]), int(r[0]) - after)
+            if count >= limit:
+                break
+        found = [e for e in await _read(reader, held) if e["id"] > after][:limit]
+        if found or not held:
+            return found
+        # Rows of credits whose journal rows are not there (logged; reconcile reports it): not a reason
+        # to stop every reader before them.
+        after = int(held[-1][0])
 
 
 async def page(db: Database, *, after: int, limit: int) -> list[Event]:
@@ -293,7 +302,7 @@ async def by_seq(db: Database, seqs: list[int]) -> dict[int, Event]:
             break
         for e in await _read(db, rows):
             found[e["id"]] = e
-        last = int(rows[-1][0])  # (seqs are dense: the rows read hold every seq up to their last)
+        last = int(rows[-1][0])  # (every seq up to their last that exists is in the rows read)
         wanted = [s for s in wanted if s > last]
     return {s: found[s] for s in sorted(set(seqs)) if s in found}
 

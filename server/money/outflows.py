@@ -75,7 +75,7 @@ def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
             "SELECT j.idem_key, j.account_id, j.amount FROM journal j LEFT JOIN events e"
             " ON e.idem_key = j.idem_key AND e.user_id = j.account_id AND e.amount = j.amount"
             f" LEFT JOIN events c ON j.kind = 'grab' AND c.idem_key = {credits_key}"
-            " AND c.type = 'share.credited'"
+            " AND c.created_ms = j.created_ms AND c.type = 'share.credited'"
             f" WHERE j.id > {_SINCE} AND e.id IS NULL AND c.id IS NULL",
             (),
         ),
@@ -85,10 +85,12 @@ def queries(d: Dialect) -> dict[str, tuple[str, tuple[object, ...]]]:
             " WHERE e.amount IS NOT NULL AND e.tx IS NULL AND j.id IS NULL",
             (),
         ),
-        # A row of credits holds as many events, of as many cents, as its transaction's grab journal rows.
+        # A row of credits holds as many events, of as many cents, as its transaction's grab journal rows
+        # (those with its token, written at its time: server.money.events.record_credits).
         "event_credits": (
             "SELECT c.idem_key, c.n, c.amount, COUNT(j.id), COALESCE(SUM(j.amount), 0) FROM events c"
-            " LEFT JOIN journal j ON j.tx = c.tx AND j.kind = 'grab' WHERE c.tx IS NOT NULL"
+            " LEFT JOIN journal j ON j.tx = c.tx AND j.created_ms = c.created_ms AND j.kind = 'grab'"
+            " WHERE c.tx IS NOT NULL"
             " GROUP BY c.id, c.idem_key, c.n, c.amount"
             " HAVING COUNT(j.id) <> c.n OR COALESCE(SUM(j.amount), 0) <> c.amount",
             (),

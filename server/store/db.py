@@ -128,8 +128,9 @@ class Tx:
     """One open transaction. Obtained from ``Database.transaction()``; never kept past it.
 
     ``token``: a random number of the ``Database.run`` call, the same in each of its runs, written into
-    the journal rows it posts. ``resumed``: an earlier run of this call lost its COMMIT answer, so rows
-    carrying ``token`` may already be there.
+    the journal rows it posts (and naming a credit batch's event row: ``server.money.events``).
+    ``resumed``: an earlier run of this call lost its COMMIT answer, so rows carrying ``token`` may
+    already be there.
     """
 
     def __init__(self, dialect: Dialect, cursor: Any) -> None:

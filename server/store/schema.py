@@ -185,8 +185,18 @@ async def migrate(
     applied_now: list[int] = []
     await _refuse_unfit(db)
     async with db.transaction() as tx:
-        if {v for v, _, _ in MIGRATIONS} <= await _applied(tx, make=False):
-            return applied_now  # every process starts with this: no lease taken when nothing is due
+        applied = await _applied(tx, make=False)
+    known = {v for v, _, _ in MIGRATIONS}
+    newer = sorted(applied - known)
+    if newer:
+        # A process older than the schema reads rows it does not know as rows it does (a credit batch's
+        # one event row as one event, say): it does not start.
+        raise DatabaseError(
+            f"the database has migration(s) {newer}, newer than this program (schema version {max(known)}):"
+            " run the newer program here, or stop this one"
+        )
+    if known <= applied:
+        return applied_now  # every process starts with this: no lease taken when nothing is due
     if db.shards and runs_here is None:
         # A Spider head's sharded tables are definitions of the backends' tables: an ALTER here changes
         # neither the backends nor safely the head (server.store.shards.make_sharded does it).
