@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from server import errors
@@ -96,6 +98,39 @@ async def test_a_program_older_than_the_schema_does_not_start_on_it(sqlite_db: D
     finally:
         await sqlite_db.run(
             lambda tx: tx.execute("DELETE FROM schema_migrations WHERE version = %s", (newer,)),
+            idempotent=False,
+        )
+
+
+async def test_a_program_that_waited_for_the_lease_while_a_newer_one_migrated_does_not_start(
+    sqlite_db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from contextlib import asynccontextmanager
+
+    from server.store import schema
+    from server.store.db import DatabaseError
+
+    mine, theirs = schema.LATEST + 1, schema.LATEST + 2
+    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, (mine, "due here", [])])
+
+    @asynccontextmanager
+    async def newer_program_migrated_meanwhile(db: Database, held: str | None) -> Any:
+        await db.run(
+            lambda tx: tx.execute(
+                "INSERT INTO schema_migrations (version, name, applied_ms) VALUES (%s, 'x', 0), (%s, 'y', 0)",
+                (mine, theirs),
+            ),
+            idempotent=False,
+        )
+        yield "lease"
+
+    monkeypatch.setattr(schema, "_lease", newer_program_migrated_meanwhile)
+    try:
+        with pytest.raises(DatabaseError, match=rf"migration\(s\) \[{theirs}\], newer than this program"):
+            await schema.migrate(sqlite_db)
+    finally:
+        await sqlite_db.run(
+            lambda tx: tx.execute("DELETE FROM schema_migrations WHERE version IN (%s, %s)", (mine, theirs)),
             idempotent=False,
         )
 

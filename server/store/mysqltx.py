@@ -3,10 +3,11 @@ into the statement here rather than by the driver.
 
 The literals are the driver's own: ``bind`` gives exactly what aiomysql's ``Cursor.mogrify`` gives (its
 ``Connection.escape`` for every value), except that an int is written as its digits directly. A credit
-batch of 500 sends some 13,000 values, nearly all ints, and the driver passes each through three calls
-and a type lookup: 1.4 s of a profiled 3.0 s run of 20,000 credits (``docs/benchmarks.md``, issue 44). A
-statement bound here goes to the driver with no arguments, so it is not formatted a second time. (A
-string goes through the connection's ``escape_string``, which follows the session's quoting mode.)
+batch of 500 sends some 9,500 values, nearly all ints, and the driver passes each through three calls
+and a type lookup: 1.4 s of a 3.0 s cProfile run of 20,000 credits, which was also writing a row of
+events a credit (``docs/benchmarks.md``, issue 44). A statement bound here goes to the driver with no
+arguments, so it is not formatted a second time. (A string goes through the connection's
+``escape_string``, which follows the session's quoting mode.)
 """
 
 from __future__ import annotations

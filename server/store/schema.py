@@ -173,6 +173,16 @@ async def _lease(db: Database, held: str | None) -> AsyncIterator[str]:
         yield holder
 
 
+def _refuse_newer(applied: set[int], known: set[int]) -> None:
+    """A program older than the schema reads rows it does not know as rows it does (it would number a
+    credit batch's one event row as one event): it does not start."""
+    if applied - known:
+        raise DatabaseError(
+            f"the database has migration(s) {sorted(applied - known)}, newer than this program (schema"
+            f" version {max(known)}): run the newer program here, or stop this one"
+        )
+
+
 async def migrate(
     db: Database, *, runs_here: Callable[[str], bool] | None = None, lease: str | None = None
 ) -> list[int]:
@@ -187,14 +197,7 @@ async def migrate(
     async with db.transaction() as tx:
         applied = await _applied(tx, make=False)
     known = {v for v, _, _ in MIGRATIONS}
-    newer = sorted(applied - known)
-    if newer:
-        # A process older than the schema reads rows it does not know as rows it does (a credit batch's
-        # one event row as one event, say): it does not start.
-        raise DatabaseError(
-            f"the database has migration(s) {newer}, newer than this program (schema version {max(known)}):"
-            " run the newer program here, or stop this one"
-        )
+    _refuse_newer(applied, known)
     if known <= applied:
         return applied_now  # every process starts with this: no lease taken when nothing is due
     if db.shards and runs_here is None:
@@ -206,6 +209,7 @@ async def migrate(
         )
     async with _lease(db, lease) as holder, db.transaction() as tx:
         done = await _applied(tx)
+        _refuse_newer(done, known)  # (a newer program may have migrated while this one waited)
         for version, name, _ in MIGRATIONS:
             if version in done:
                 continue
