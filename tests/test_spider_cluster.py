@@ -232,11 +232,12 @@ async def test_a_busy_port_or_a_dir_mysql_may_not_enter_is_one_line_and_exit_2(
     tmp_path: Path, reachable_dir: Path
 ) -> None:
     need_spider()
+    base = _free_block(2)  # (the head's port, below the busy one, free too: it is checked first)
     with socket.socket() as busy:
-        busy.bind(("127.0.0.1", server_port()))
+        busy.bind(("127.0.0.1", base + 1))
         busy.listen()
         taken = busy.getsockname()[1]
-        cases = {f"port {taken} (backend0) is in use": ("up", str(reachable_dir), "--port", str(taken - 1))}
+        cases = {f"port {taken} (backend0) is in use": ("up", str(reachable_dir), "--port", str(base))}
         if os.geteuid() == 0:  # the servers run as mysql, who may not enter pytest's mode-700 directory
             cases["who may not enter"] = ("up", str(tmp_path / "d"), "--port", str(_free_block(4)))
         for said, case in cases.items():
