@@ -245,3 +245,31 @@ async def test_the_last_shares_paid_at_once_finish_the_packet_in_the_commit_of_t
         assert ("active", 6) not in seen, seen
         assert (await _status(core, p.packet_id))[0] == "finished"
     await assert_books_balance(core)
+
+
+async def test_a_share_whose_credit_stopped_half_way_keeps_its_packet_unfinished(core: Core) -> None:
+    """On a sharded ledger a credit is three steps: its grab record ``crediting`` first, the payment, then
+    ``credited``. Every share has a record once the last one is claimed, but a packet is finished only
+    when every record is ``credited``: the one whose payment has not run keeps it active."""
+    from server.money import shardsteps
+    from server.money.crediting import credit_many
+
+    if not core.db.shards:
+        pytest.skip("only a sharded ledger credits in steps (one database writes a record credited)")
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=200, count=2)
+    gs = [
+        (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab for u in w.members
+    ]
+    credits = [CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms) for g in gs]
+    # The second share's credit stops after its first step: its record is there, crediting.
+    await core.db.run(lambda tx: shardsteps._claim(tx, credits[1:], "drain"), idempotent=True)
+    assert await credit_many(core.db, credits[:1]) == ["credited"]
+    rows = await core.db.fetchall(
+        "SELECT status FROM grab_records WHERE packet_id = %s ORDER BY seq", (p.packet_id,)
+    )
+    assert sorted(str(r[0]) for r in rows) == ["credited", "crediting"]  # the dangerous state exists
+    status = "SELECT status FROM red_packets WHERE id = %s"
+    assert await core.db.fetchone(status, (p.packet_id,)) == ("active",)
+    assert await credit_many(core.db, credits[1:]) == ["credited"]
+    assert await core.db.fetchone(status, (p.packet_id,)) == ("finished",)
