@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
@@ -23,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from server.core import Core
 from server.durability import Durability
 from server.money import endpoints
+from server.settings import Settings
 from server.stopping import check_cancelled, stop
 from server.store import keys
 from server.store.batch import fsync_problem
@@ -57,10 +60,7 @@ def cron_jobs(namespace: str) -> list[Any]:
     the same queue server run their own)."""
 
     def named(job: Callable[[Ctx], Awaitable[object]], **when: Any) -> Any:
-        # (A deployment from before namespaces keeps arq's own names, "cron:<job>": workers of the old
-        # and the new version side by side in a rolling upgrade run each other's ticks.)
-        name = f"{namespace}:{job.__name__}" if namespace else None
-        return cron(transient_is_a_line(job), name=name, unique=True, **when)
+        return cron(transient_is_a_line(job), name=cron_name(namespace, job), unique=True, **when)
 
     return [
         named(refund_expired_job, second=0, timeout=600),
@@ -71,6 +71,13 @@ def cron_jobs(namespace: str) -> list[Any]:
         named(reconcile_job, minute=set(range(0, 60, 10)), second=30, timeout=600, run_at_startup=True),
         named(score_bots_job, second=set(range(5, 60, 10)), timeout=60),
     ]
+
+
+def cron_name(namespace: str, job: Callable[[Ctx], Awaitable[object]]) -> str:
+    """A periodic job's name in arq (by which it can also be queued at once: ``bench storm
+    --reconcile-at``). A deployment from before namespaces keeps arq's own name, "cron:<job>": workers of
+    the old and the new version side by side in a rolling upgrade run each other's ticks."""
+    return f"{namespace or 'cron'}:{job.__name__}"
 
 
 def transient_is_a_line(job: Callable[[Ctx], Awaitable[object]]) -> Any:
@@ -254,3 +261,23 @@ async def running_worker(core: Core, metrics: WorkerMetrics | None = None) -> As
         yield metrics
     finally:
         await stop(tasks, "the worker")
+
+
+def health(settings: Settings) -> tuple[bool, str]:
+    """The health of the worker whose metrics this host serves on ``REDPACKET_WORKER_METRICS_PORT`` (in
+    compose: the worker of this container), and why, in a line: healthy if its last heartbeat reached
+    Redis and the database within ``HEALTHY_WITHIN`` seconds (its drain runs beside the heartbeat)."""
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "", "::") else settings.host
+    url = f"http://{host}:{settings.worker_metrics_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+    except OSError as e:
+        return False, f"unhealthy: no worker answers on {url} ({e})"
+    beat = re.search(r"^redpacket_worker_healthy_at_seconds (\S+)$", text, re.MULTILINE)
+    at = float(beat[1]) if beat else 0.0
+    if not at:
+        return False, "unhealthy: the worker has not reached Redis and the database yet"
+    age = time.time() - at
+    ok = age < HEALTHY_WITHIN
+    return ok, f"{'healthy' if ok else 'unhealthy'}: last heartbeat {age:.0f} s ago"

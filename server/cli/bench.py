@@ -41,7 +41,9 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
     elif what == "credit":
         await bench_credit(settings, plot=plot)
     elif what == "storm":
-        await bench_storm(settings, args.rate, _storm_seconds(args), plot=plot)
+        await bench_storm(
+            settings, args.rate, _storm_seconds(args), plot=plot, reconcile_at=args.reconcile_at
+        )
     elif what == "fanout":
         await hubbench.bench_fanout(settings, plot=plot)
     elif what == "hook":

@@ -131,6 +131,13 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="how long the grabs go on (storm: 30 unless given); hub-grab: how long each phase runs"
         " (unless given, 4,000 round trips); flood: each flood's (15 unless given)",
     )
+    bench.add_argument(
+        "--reconcile-at",
+        type=float,
+        metavar="S",
+        help="storm: S seconds into the grabs, ask the worker for a reconciliation (its job, as every"
+        " tenth minute)",
+    )
     bench.add_argument("--plot", metavar="DIR", help="write PNG plots of the run into DIR")
     bench.add_argument(
         "--galera",

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import signal
-import time
-import urllib.request
 
 from server.cli.errors import OperatorError
 from server.cli.services import check_services
@@ -48,28 +45,13 @@ async def run_worker(settings: Settings) -> None:
 
 
 def worker_healthy(settings: Settings) -> bool:
-    """The health of the worker whose metrics this host serves on ``REDPACKET_WORKER_METRICS_PORT``
-    (in compose: the worker of this container): healthy if its last heartbeat reached Redis and the
-    database within ``HEALTHY_WITHIN`` seconds."""
-    from worker.main import HEALTHY_WITHIN
+    """``worker --check``: the health of the worker whose metrics this host serves, said in one line."""
+    from worker.main import health
 
     if not settings.worker_metrics_port:
         raise OperatorError(
             "worker --check reads the worker's metrics: REDPACKET_WORKER_METRICS_PORT is 0", 2
         )
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "", "::") else settings.host
-    url = f"http://{host}:{settings.worker_metrics_port}/metrics"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
-    except OSError as e:
-        print(f"unhealthy: no worker answers on {url} ({e})")
-        return False
-    beat = re.search(r"^redpacket_worker_healthy_at_seconds (\S+)$", text, re.MULTILINE)
-    at = float(beat[1]) if beat else 0.0
-    if not at:
-        print("unhealthy: the worker has not reached Redis and the database yet")
-        return False
-    age = time.time() - at
-    print(f"{'healthy' if age < HEALTHY_WITHIN else 'unhealthy'}: last heartbeat {age:.0f} s ago")
-    return age < HEALTHY_WITHIN
+    ok, said = health(settings)
+    print(said)
+    return ok

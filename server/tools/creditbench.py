@@ -15,10 +15,11 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from server.core import Core, open_core
 from server.ids import GroupId, PacketId, ShareSeq, UserId
+from server.live import announce
 from server.money import grabs, groups, ledger, packets
 from server.money.crediting import credit_grab, credit_many
 from server.money.journal import add_to_balances
@@ -29,6 +30,7 @@ from server.tools import plots
 from server.tools.bench import drop_bench_credits, fresh_ids
 from server.tools.progress import phase
 from server.tools.report import report
+from server.tools.throwaway import free_port
 
 QUEUE = "redpacket:bench:credit"
 
@@ -116,14 +118,16 @@ async def bench_world(
     group = await groups.create_group(core.db, admin, "bench")
     await groups.add_members(core.db, core.membership, group, others)
     await core.membership.is_member(group_id=group, user_id=admin)  # warm the member cache
-    pids = [
-        (
-            await packets.send_packet(
-                core, sender_id=admin, group_id=group, kind="equal", total=10 * 1000, count=1000
-            )
-        ).packet_id
-        for _ in range(money // 10_000)
-    ]
+    pids = []
+    for _ in range(money // 10_000):
+        p = await packets.send_packet(
+            core, sender_id=admin, group_id=group, kind="equal", total=10 * 1000, count=1000
+        )
+        # Announced as a hub's send is: left unannounced, a worker's sweep put each one up again (a
+        # second of its loop, mid-storm, for 60 packets) as if Redis had been away when it was sent.
+        if await announce.announce_packet(core, p) is None:
+            raise RuntimeError("the bench packet could not be announced")
+        pids.append(p.packet_id)
     return admin, group, others, pids
 
 
@@ -202,10 +206,12 @@ async def bench_storm(
     seconds: int = 30,
     plot: Path | None = None,
     during: During | None = None,
+    reconcile_at: float | None = None,
 ) -> dict[str, Any]:
     """Grabs at ``rate``/s for ``seconds`` through the core while a ``redpacket worker`` process
     credits them: grab → credited latency, and the queue backlog sampled every second. ``during``: run
-    beside the grabs."""
+    beside the grabs. ``reconcile_at``: that many seconds into the grabs, the worker is asked for a
+    reconciliation (its periodic job, queued at once)."""
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     s = bench_settings(settings, tmp, "redpacket:bench:storm")
     total = rate * seconds
@@ -219,18 +225,32 @@ async def bench_storm(
         async with open_core(s) as core:
             admin, group, grabbers, pids = await bench_world(core, 1000, total * 10)
             worker_log = tmp / "worker.log"
+            s = s.replace(worker_metrics_port=free_port())
             worker = start_worker(s, worker_log)
             backlog: list[int] = []
             try:
-                start = time.perf_counter()
+                # The grabs start once the worker is healthy: started together, every grab of the first
+                # second waited out the worker's start-up (about 1 s), which was then P99 of the lag.
+                booting = time.perf_counter()
+                await until_healthy(s, worker)
+                figures["worker_ready_s"] = round(time.perf_counter() - booting, 2)
+                start, started_at = time.perf_counter(), time.time()
                 jobs = [(p, u) for p in pids for u in grabbers]
                 beside = [during(core, group, admin, start)] if during else []
+                if reconcile_at is not None:
+                    beside.append(ask_reconciliation(core, reconcile_at))
                 await asyncio.gather(
                     grab_at(core, group, jobs, rate=rate, seconds=seconds, backlog=backlog), *beside
                 )
                 figures["achieved_grabs_per_s"] = round(total / (time.perf_counter() - start))
                 credited = await until_credited(core, group, pids, total, backlog, worker)
                 figures["drained_after_s"] = round(time.perf_counter() - start, 1)
+                # The worker reconciles as it starts (and every tenth minute): when its last one ended, in
+                # seconds from the first grab (None: none ended while it ran).
+                ended = await cast(Awaitable[bytes | None], core.redis.hget(keys.reconciled(), "at"))
+                at = float(ended) - started_at if ended else None
+                took = figures["worker_ready_s"] + figures["drained_after_s"]
+                figures["reconciled_at_s"] = round(at, 1) if at is not None and at > -took else None
             finally:
                 worker.terminate()
                 await asyncio.to_thread(worker.wait, 60)
@@ -260,7 +280,7 @@ def start_worker(s: Settings, log: Path) -> subprocess.Popen[bytes]:
         REDPACKET_QUEUE_NAME=s.queue_name,
         REDPACKET_QUEUE_REDIS_URL=s.queue_redis_url,
         REDPACKET_GRAB_DURABILITY=s.grab_durability,
-        REDPACKET_WORKER_METRICS_PORT="0",
+        REDPACKET_WORKER_METRICS_PORT=str(s.worker_metrics_port),
     )
     with log.open("ab") as out:  # (the child holds its own copy of the file)
         return subprocess.Popen(
@@ -299,6 +319,28 @@ async def grab_at(
                 grabbing.update(i)
         await asyncio.gather(*tasks)
         grabbing.update(total)
+
+
+async def ask_reconciliation(core: Core, after: float) -> None:
+    """``after`` seconds from now, queue the worker's reconciliation job, as its tenth-minute tick does."""
+    from worker.main import cron_name
+    from worker.settle import reconcile_job
+
+    await asyncio.sleep(after)
+    await core.queue.enqueue_job(cron_name(core.namespace, reconcile_job))
+
+
+async def until_healthy(s: Settings, worker: subprocess.Popen[bytes]) -> None:
+    """Wait (up to 60 s, or until ``worker`` has exited) until ``worker`` is healthy, as ``worker --check``
+    says (``worker.main.health``): it reached Redis and the database, its drain running beside."""
+    from worker.main import health
+
+    deadline = time.perf_counter() + 60
+    while time.perf_counter() < deadline and worker.poll() is None:
+        if (await asyncio.to_thread(health, s))[0]:
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"the worker (exit {worker.poll()}) was not healthy within 60 s")
 
 
 async def until_credited(

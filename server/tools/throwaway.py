@@ -55,7 +55,7 @@ def command(r: redis.Redis, *args: str | int | float | bytes) -> Any:
     return r.execute_command(*args)  # type: ignore[no-untyped-call]
 
 
-def _free_port(cluster: bool) -> int:
+def free_port(cluster: bool = False) -> int:
     """A port nothing listens on now; in cluster mode one whose bus port (+10000) is free and valid too."""
     while True:
         with socket.socket() as s:
@@ -115,7 +115,7 @@ def _start_once(directory: Path, extra: list[str], callgrind: bool) -> Server:
     if exe is None:
         raise ServerProblem("redis-server is not on PATH")
     directory.mkdir(parents=True)
-    port = _free_port("--cluster-enabled" in extra)
+    port = free_port("--cluster-enabled" in extra)
     cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory), "--save", "",
            "--logfile", str(directory / "server.log"), *extra]  # fmt: skip
     dump = None
