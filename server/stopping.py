@@ -11,11 +11,15 @@ still counted on the task (``Task.cancelling()``), so every loop of ours that ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Iterable
-from typing import Any
+import threading
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STOP_SECONDS = 5.0  # how long a stop waits for the tasks it cancelled before saying so and going on
 
@@ -70,3 +74,32 @@ async def stop(
 def _retrieve(t: asyncio.Future[Any]) -> None:
     if t.done() and not t.cancelled():
         t.exception()
+
+
+async def apart(work: Callable[[], Coroutine[Any, Any, T]], name: str) -> T:
+    """``work()`` run to its end on an event loop of its own, in a daemon thread: a long job's rows and
+    arithmetic (the worker's reconciliation) no longer hold the loop that pays credits for seconds at a
+    time; the two threads share the interpreter a few milliseconds at a time. ``work`` opens and closes
+    its own connections (a pool belongs to the loop that made it). Cancelled, this returns at once and the
+    thread runs on to its end, or dies with the process (a daemon: an exit never waits for it)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():
+            return  # (cancelled meanwhile)
+        if error is None:
+            done.set_result(result)  # type: ignore[arg-type]
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = asyncio.run(work()), None
+        except BaseException as e:  # (handed to the awaiting loop as it is)
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # (that loop closed meanwhile: nobody is waiting)
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await done

@@ -92,7 +92,7 @@ async def score_bots_job(ctx: Ctx) -> int:
 
 async def reconcile_job(ctx: Ctx) -> int:
     """Log every difference in the books; returns how many there were."""
-    report = await reconcile(ctx["core"])
+    report = await reconcile(ctx["core"], apart=True)
     at = time.time()
     # For every worker's metrics (each reads it in its heartbeat), not only this one's.
     outcome = {"differences": len(report.differences), "at": at}

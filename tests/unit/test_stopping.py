@@ -7,11 +7,12 @@ import asyncio
 import contextlib
 import logging
 import sys
+import threading
 
 import pytest
 
 from server.cli.serve import waits_at
-from server.stopping import check_cancelled, stop
+from server.stopping import apart, check_cancelled, stop
 
 pytestmark = pytest.mark.unit
 
@@ -135,3 +136,26 @@ async def test_where_a_stuck_task_waits_is_said_through_async_with_blocks() -> N
     assert "_holding test_stopping.py" in chain and "Event.wait" in chain
     until.set()
     await task
+
+
+async def test_work_apart_leaves_the_callers_loop_free_and_hands_back_its_end() -> None:
+    """``apart`` runs its work on a loop and a thread of its own: the work here blocks its thread until the
+    caller's loop has turned (run on the caller's loop, it would wait for ever: the bound fails it), and
+    its result, then its exception, reach the caller."""
+    turned = threading.Event()
+    threads: list[str] = []
+
+    async def blocks_its_thread() -> int:
+        threads.append(threading.current_thread().name)
+        assert turned.wait(30), "the caller's loop did not turn while the work ran"
+        return 7
+
+    async def fails() -> int:
+        raise ValueError("its own end")
+
+    job = asyncio.ensure_future(apart(blocks_its_thread, "apart-test"))
+    await asyncio.sleep(0)  # (the caller's loop turns: it is not held by the work)
+    turned.set()
+    assert await job == 7 and threads == ["apart-test"]
+    with pytest.raises(ValueError, match="its own end"):
+        await apart(fails, "apart-test")
