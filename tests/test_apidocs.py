@@ -170,6 +170,24 @@ def test_every_asyncapi_operation_names_messages_of_its_channel() -> None:
 
 
 @pytest.mark.unit
+def test_every_object_the_asyncapi_document_describes_is_named() -> None:
+    """Code generators name a model by its schema's ``title``: without one, AsyncAPI's modelina made 61 of
+    67 models ``AnonymousSchema_N``. Every object schema, payloads and the objects inside them, has one
+    (the websocket binding's query and headers are no model)."""
+    bindings = ("/channels/hub/bindings/ws/query", "/channels/hub/bindings/ws/headers")
+    unnamed = [
+        pointer
+        for pointer, node in walk(ASYNCAPI)
+        if isinstance(node, dict)
+        and (node.get("type") == "object" or "properties" in node)
+        and "title" not in node
+        and "/examples" not in pointer
+        and pointer not in bindings
+    ]
+    assert unnamed == []
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("doc", [OPENAPI, ASYNCAPI], ids=["openapi", "asyncapi"])
 def test_every_example_validates_against_its_schema(doc: dict[str, Any]) -> None:
     found = list(examples(doc))

@@ -9,7 +9,8 @@ import pytest
 from server import errors
 from server.core import Core
 from server.errors import Conflict
-from server.money import crediting, grabs, ledger, packets
+from server.ids import UserId
+from server.money import crediting, grabs, ledger, packets, queries
 from server.store import keys
 from server.store.records import CreditEntry, GrabRecord
 from server.store.scriptcalls import run_alone
@@ -199,22 +200,17 @@ async def test_a_packet_is_finished_by_the_transaction_that_credits_its_last_sha
     await assert_books_balance(core)
 
 
-async def _look(core: Core, packet_id: int, until: asyncio.Event, seen: list[tuple[str, int]]) -> None:
-    """Read the packet's status and its credited shares in one statement, again and again until ``until``
-    is set (once at least)."""
+async def _look(core: Core, sender: UserId, until: asyncio.Event, seen: list[tuple[str, int]]) -> None:
+    """Read the sender's newest packet as ``GET /api/me/packets/sent`` does (``queries.sent_page``: its
+    status and ``paid_out`` in one statement), again and again until ``until`` is set (once at least)."""
     while not until.is_set() or not seen:
-        row = await core.db.fetchone(
-            "SELECT p.status, (SELECT COUNT(*) FROM grab_records g WHERE g.packet_id = p.id"
-            " AND g.status = 'credited') FROM red_packets p WHERE p.id = %s",
-            (packet_id,),
-        )
-        assert row is not None
-        seen.append((str(row[0]), int(row[1])))
+        newest = (await queries.sent_page(core.db, sender, before=0, limit=1))[0]
+        seen.append((str(newest["status"]), int(str(newest["paid_out"]))))
 
 
 async def test_the_last_shares_paid_at_once_finish_the_packet_in_the_commit_of_the_last(core: Core) -> None:
     """Two payers (one by one, and a batch) credit a packet's last two shares at the same time while a
-    reader looks, one statement at a time, as ``/api/me/packets`` does: it never sees every share credited
+    reader looks, as ``/api/me/packets/sent`` does: it never sees every share credited
     and the packet still ``active`` (docs/protocol.md: ``finished`` is set by the transaction that credits
     the last share), and the packet ends ``finished``."""
     from server.money.crediting import credit_many
@@ -234,7 +230,7 @@ async def test_the_last_shares_paid_at_once_finish_the_packet_in_the_commit_of_t
         assert await credit_many(core.db, credits[:4]) == ["credited"] * 4
         paid = asyncio.Event()
         seen: list[tuple[str, int]] = []
-        reader = asyncio.create_task(_look(core, p.packet_id, paid, seen))
+        reader = asyncio.create_task(_look(core, w.admin, paid, seen))
         try:
             await asyncio.gather(
                 crediting.credit_grab(core.db, credits[4]), credit_many(core.db, credits[5:])

@@ -1,7 +1,7 @@
 """docs/openapi.json as client generators read it: openapi-python-client makes a client of it, which puts
-users, a group, top-ups and a send on a live hub and reads the events feed, an account's journal and a
-user's packets through one pagination helper; and schemathesis, bounded, finds nothing against the live
-service API but the failures listed here, each with its reason."""
+users, a group, top-ups and a send on a live hub and reads the events feed, an account's journal, a
+user's packets, the webhooks and their deliveries through one pagination helper; and schemathesis,
+bounded, finds nothing against the live service API but the failures listed here, each with its reason."""
 
 from __future__ import annotations
 
@@ -177,6 +177,53 @@ async def test_a_generated_client_drives_the_service_api_and_reads_every_list(
         shares = await every_item(received, "packets")
     assert [int(p.packet_id) for p in shares] == sorted(sent, reverse=True)  # newest first
     assert {p.status.value for p in shares} == {"credited"}
+
+
+async def test_a_generated_client_reads_the_webhooks_and_their_deliveries_by_the_same_helper(
+    hub_settings: Settings, generated: ModuleType
+) -> None:
+    """The webhook API's two lists, walked by the helper every other list is: two URLs (the second takes
+    top-ups only), and each one's deliveries, once its receiver has acknowledged them."""
+    from tests.test_webhooks import Receiver, hooked, receiving
+
+    service = lambda op: part(generated, f"api.service.{op}").asyncio_detailed  # noqa: E731
+    models = part(generated, "models")
+    every, wallet = Receiver(), Receiver()
+    async with receiving(every), receiving(wallet):
+        only_topups = json.dumps([{"url": wallet.url, "events": ["account.topup"]}])
+        settings = hooked(hub_settings, every).replace(webhook_endpoints=only_topups)
+        async with (
+            hub_in_process(settings, run_worker=True) as hub,
+            generated.AuthenticatedClient(base_url=hub.http, token=KEY) as backend,
+        ):
+            b = Backend(hub)
+            body = models.ServicePutUserBody(name=f"hook-{b.base}")
+            ok(await service("service_put_user")(b.id(1), client=backend, body=body))
+            for r in range(3):
+                body = models.ServiceTopupBody(user_id=b.id(1), amount=100, request_id=f"gw{b.base}-{r}")
+                ok(await service("service_topup")(client=backend, body=body))
+            body = models.ServiceWithdrawBody(user_id=b.id(1), amount=50, request_id=f"gw{b.base}-w")
+            ok(await service("service_withdraw")(client=backend, body=body))
+            await eventually(lambda: len(every.accepted) == 4 and len(wallet.accepted) == 3, timeout=60)
+
+            async def webhooks(**page: Any) -> Any:
+                return await service("service_webhooks")(client=backend, **page)
+
+            hooks = await every_item(webhooks, "webhooks", limit=1)
+            lists = {}
+            for hook in hooks:
+
+                async def deliveries(hook: Any = hook, **page: Any) -> Any:
+                    return await service("service_webhook_deliveries")(hook.id, client=backend, **page)
+
+                async def acknowledged(hook: Any = hook) -> bool:  # (the worker marks it after the 2xx)
+                    page = ok(await service("service_webhook_deliveries")(hook.id, client=backend))
+                    return all(d.status.value == "delivered" for d in page.deliveries)
+
+                await eventually(acknowledged, timeout=60)
+                lists[hook.position] = [d.type_ for d in await every_item(deliveries, "deliveries")]
+    assert [h.position for h in hooks] == [1, 2]
+    assert lists == {1: ["account.topup"] * 3 + ["account.withdrawn"], 2: ["account.topup"] * 3}, lists
 
 
 # What schemathesis may report against the service API, and why each is the hub doing what its document

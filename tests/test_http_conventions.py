@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import cast
 
 import httpx
 import pytest
 
+from server.core import Core
 from server.settings import Settings
 from tests.hubtools import HubUnderTest, hub_in_process
 from tests.test_service import KEY, Backend
@@ -197,3 +200,13 @@ def test_counters_with_known_outcomes_are_exported_at_zero_from_the_start() -> N
     hub = HubMetrics().registry
     for outcome in ("won", "already", "empty", "expired"):
         assert hub.get_sample_value("redpacket_grab_outcomes_total", {"outcome": outcome}) == 0.0
+    # A configured webhook URL's deliveries, by every result (before: no series until the first one).
+    from worker.metrics import WEBHOOK_RESULTS
+    from worker.webhooks import Dispatcher
+
+    metrics = WorkerMetrics(own_process=False)
+    s = Settings(webhook_urls="https://hooks.example/in?token=s3cret", webhook_secret="w" * 32)
+    Dispatcher(cast(Core, SimpleNamespace(settings=s)), metrics)
+    for result in WEBHOOK_RESULTS:
+        labels = {"endpoint": "hooks.example/in", "result": result}  # (never the query: its token)
+        assert metrics.registry.get_sample_value("redpacket_webhook_deliveries_total", labels) == 0.0

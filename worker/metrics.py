@@ -61,8 +61,18 @@ class Reconciled(Collector):
         )
 
 
+# How a webhook delivery ends (``redpacket_webhook_deliveries``).
+WEBHOOK_RESULTS = ("delivered", "retry", "failed", "lease_lost")
+
+
 class WebhookMetrics:
     """The webhook dispatcher's (``worker.webhooks``), per URL."""
+
+    def known(self, endpoint: str) -> None:
+        """A configured URL's deliveries counted at 0 from the start (a dashboard's panel has a series);
+        its gauges wait for their first reading (a 0 there would say "nothing pending" unread)."""
+        for result in WEBHOOK_RESULTS:
+            self.deliveries.labels(endpoint, result)
 
     def __init__(self, r: CollectorRegistry) -> None:
         self.deliveries = Counter(

@@ -77,6 +77,8 @@ class Dispatcher:
         self.settings = core.settings
         self.metrics = metrics or WorkerMetrics()
         self.endpoints = {e.id: e for e in configured(self.settings)}
+        for e in self.endpoints.values():
+            self.metrics.webhooks.known(e.label)
         self.client = client
         self.rng = random.Random()
         # How long a claimed delivery is this dispatcher's: past it, another may send it again. Twice the
