@@ -6,7 +6,9 @@ fut.result()``), and redis-py sends every command through ``wait_for`` once a so
 always are). A loop that goes round again after that ran for ever, and so did the shutdown waiting on it:
 ``redpacket up`` did not stop on Ctrl-C in CI, its worker's tasks still running 45 s later. The cancel is
 still counted on the task (``Task.cancelling()``), so every loop of ours that runs until cancelled calls
-``check_cancelled()`` each round, and every stop is bounded and names what did not stop."""
+``check_cancelled()`` each round, and every stop is bounded and names what did not stop. Work run apart,
+on a thread and a loop of its own (``apart``), is stopped the same way: cancelled there, waited for up to
+``STOP_SECONDS``."""
 
 from __future__ import annotations
 
@@ -80,26 +82,45 @@ async def apart(work: Callable[[], Coroutine[Any, Any, T]], name: str) -> T:
     """``work()`` run to its end on an event loop of its own, in a daemon thread: a long job's rows and
     arithmetic (the worker's reconciliation) no longer hold the loop that pays credits for seconds at a
     time; the two threads share the interpreter a few milliseconds at a time. ``work`` opens and closes
-    its own connections (a pool belongs to the loop that made it). Cancelled, this returns at once and the
-    thread runs on to its end, or dies with the process (a daemon: an exit never waits for it)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
+    its own connections (a pool belongs to the loop that made it). Cancelled, this cancels ``work`` on its
+    loop and waits for its end up to ``STOP_SECONDS`` (then says so and goes on: the thread is a daemon,
+    an exit never waits for it)."""
+    caller = asyncio.get_running_loop()
+    finished: asyncio.Future[T] = caller.create_future()
+    own = asyncio.new_event_loop()
+    task = own.create_task(work())  # (its loop not running yet: made here, run there)
+    gone = threading.Event()  # the caller stopped waiting: the end is logged, not handed back
 
     def settle(result: T | None, error: BaseException | None) -> None:
-        if done.done():
-            return  # (cancelled meanwhile)
-        if error is None:
-            done.set_result(result)  # type: ignore[arg-type]
+        if finished.done():
+            return
+        if gone.is_set():  # (only that it ended: nobody takes its result)
+            if error is not None and not isinstance(error, asyncio.CancelledError):
+                log.error("%s, no longer awaited, failed: %r", name, error)
+            finished.set_result(None)  # type: ignore[arg-type]
+        elif error is None:
+            finished.set_result(result)  # type: ignore[arg-type]
         else:
-            done.set_exception(error)
+            finished.set_exception(error)
 
     def run() -> None:
         try:
-            result, error = asyncio.run(work()), None
+            result, error = own.run_until_complete(task), None
         except BaseException as e:  # (handed to the awaiting loop as it is)
             result, error = None, e
-        with contextlib.suppress(RuntimeError):  # (that loop closed meanwhile: nobody is waiting)
-            loop.call_soon_threadsafe(settle, result, error)
+        finally:
+            own.close()
+        with contextlib.suppress(RuntimeError):  # (the caller's loop closed meanwhile)
+            caller.call_soon_threadsafe(settle, result, error)
 
     threading.Thread(target=run, name=name, daemon=True).start()
-    return await done
+    try:
+        return await asyncio.shield(finished)
+    except asyncio.CancelledError:
+        gone.set()
+        with contextlib.suppress(RuntimeError):  # (its loop already closed: it has ended)
+            own.call_soon_threadsafe(task.cancel)
+        done, _ = await asyncio.wait([finished], timeout=STOP_SECONDS)
+        if not done:
+            log.error("%s: still running %g s after being cancelled; left", name, STOP_SECONDS)
+        raise

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -178,47 +177,6 @@ async def test_the_periodic_jobs(core: Core) -> None:
     assert await ledger.balance(core.db, w.admin) == 10_000
     assert await sweep_job(ctx) == {"credited": 0, "refused": 0}
     assert await reconcile_job(ctx) == 0
-
-
-@pytest.mark.parametrize("core", ["mysql"], indirect=True)
-async def test_a_workers_reconciliation_leaves_its_loop_to_the_credits(
-    core: Core, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The worker's job reads a MySQL ledger on a thread and a connection of its own: on the worker's loop
-    a big ledger's rows held it for seconds, and no credit was paid meanwhile (docs/benchmarks.md). Here
-    the figures are put together only once the worker's loop has turned while they wait (read on that
-    loop, they would wait for ever: the bound fails the test); the job still finds a cent out of place."""
-    from server.money import reconcile as module
-    from worker.settle import Ctx, reconcile_job
-
-    w = await make_world(core, members=1, admin_cents=10_000)
-    waiting, turned = threading.Event(), threading.Event()
-    books = module._books
-
-    def after_the_loop_turned(*args: Any) -> Any:
-        waiting.set()
-        assert turned.wait(30), "the worker's loop did not turn while the ledger was read"
-        return books(*args)
-
-    async def turn() -> None:
-        while not waiting.is_set():
-            await asyncio.sleep(0.01)  # (polls the other thread; no time is waited for)
-        turned.set()
-
-    monkeypatch.setattr(module, "_books", after_the_loop_turned)
-    ctx: Ctx = {"core": core}
-    looping = asyncio.create_task(turn())
-    assert await reconcile_job(ctx) == 0
-    await looping
-    await core.db.run(
-        lambda tx: tx.execute("UPDATE accounts SET balance = balance + 1 WHERE user_id = %s", (w.admin,)),
-        idempotent=False,
-    )
-    waiting.clear()
-    turned.clear()
-    looping = asyncio.create_task(turn())
-    assert await reconcile_job(ctx) == 2  # account_journal and global
-    await looping
 
 
 async def test_reconciliation_while_money_moves_reports_no_false_difference(core: Core) -> None:

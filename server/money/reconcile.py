@@ -25,9 +25,8 @@ from Redis (what it told grabbers). Zero tolerance: any difference is reported.
 
 from __future__ import annotations
 
-import asyncio
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from redis.exceptions import RedisError
@@ -41,10 +40,8 @@ from server.money.outflows import OutBooks
 from server.money.reconcilereport import Difference, Report, confirmed, per_shard
 from server.money.reconcilesql import RECENT_MS
 from server.money.statuses import OPEN, SETTLED, PacketStatus
-from server.settings import Settings
 from server.store import keys
 from server.store.db import Database, Row
-from server.store.engines import connect
 from server.store.records import GrabRecord
 
 # A grab not paid, or an expired packet not settled, this long after is a difference: credits land in
@@ -238,13 +235,15 @@ async def gather(
     """Every figure: the database's read in one snapshot (credits and top-ups committed meanwhile are all
     in or all out — read apart, they made a reconciliation under load report differences that were not
     there), then the grabs Redis holds for the packets not settled long ago. ``apart`` (a worker's, whose
-    loop pays credits): a MySQL ledger is read on a connection and a thread of its own
-    (``stopping.apart``). On the worker's loop, the rows of a ledger of 420,000 grabs held it for up to
-    0.95 s at a time, and no credit was paid for 2.3 s of a 2,000 grabs/s storm."""
+    loop pays credits): the ledger is read on a thread and a connection of its own where the store offers
+    one (``Database.reader_apart``: MySQL, pinned to this process's node; ``stopping.apart``). On the
+    worker's loop, the rows of a ledger of 420,000 grabs held it for up to 0.95 s at a time, and no
+    credit was paid for 2.3 s of a 2,000 grabs/s storm."""
     now = now_ms() if now is None else now
     progress("reading the ledger (one snapshot)")
-    if apart and core.db.dialect.name == "mysql":
-        books, live = await stopping.apart(lambda: _read_alone(core.settings, now), "reconcile")
+    reader = core.db.reader_apart() if apart else None
+    if reader is not None:
+        books, live = await stopping.apart(lambda: _read_alone(reader, now), "reconcile")
     else:
         books, live = await _gather_db(core.db, now)
     progress(f"read {len(books.accounts):,} accounts and {len(books.packets):,} packets")
@@ -288,8 +287,8 @@ async def _gather_db(db: Database, now: int) -> tuple[Books, dict[int, int]]:
     return _books(rows, now)
 
 
-async def _read_alone(settings: Settings, now: int) -> tuple[Books, dict[int, int]]:
-    db = await connect(settings.effective_database_url, 1, settings.db_statement_timeout_ms / 1000)
+async def _read_alone(reader: Callable[[], Awaitable[Database]], now: int) -> tuple[Books, dict[int, int]]:
+    db = await reader()
     try:
         return await _gather_db(db, now)
     finally:
@@ -297,7 +296,7 @@ async def _read_alone(settings: Settings, now: int) -> tuple[Books, dict[int, in
 
 
 def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]:
-    """The figures read (``_queries``) put together. Pure."""
+    """The figures read (``reconcilesql.queries``) put together. Pure."""
     packets, sums, records, shares = rows["packets"], rows["sums"], rows["records"], rows["shares"]
     accounts, topups, wrong, unmatched = rows["accounts"], rows["topups"], rows["wrong"], rows["unmatched"]
     unposted, off_share, refused = rows["unposted"], rows["off_share"], rows["refused"]
@@ -364,6 +363,15 @@ def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]
     return result, live
 
 
+async def _checked(books: Books) -> Report:
+    """``check``, pure, on a thread of its own: a big ledger's takes seconds, which no loop waits out."""
+
+    async def checking() -> Report:
+        return check(books)
+
+    return await stopping.apart(checking, "reconcile check")
+
+
 async def reconcile(
     core: Core, now: int | None = None, progress: Progress = _quiet, apart: bool = False
 ) -> Report:
@@ -374,11 +382,10 @@ async def reconcile(
     now = now_ms() if now is None else now  # (one time for both reads: "expired N s ago" stays the same)
     books = await gather(core, now, progress, apart)
     progress("comparing")
-    report = await asyncio.to_thread(check, books)  # (pure; a big ledger's takes seconds, off the loop)
+    report = await _checked(books)
     if core.db.shards and not report.ok:
         progress("differences on a sharded ledger: reading it again, to keep those found both times")
-        again = await gather(core, now, progress, apart)
-        report = confirmed(report, await asyncio.to_thread(check, again))
+        report = confirmed(report, await _checked(await gather(core, now, progress, apart)))
     held = [(p.packet_id, max(p.outstanding, 0)) for p in books.packets]
     shards = per_shard(held, [(u, b) for u, b, _ in books.accounts], report, core.db.shards)
     return replace(report, shards=shards)

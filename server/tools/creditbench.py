@@ -226,6 +226,7 @@ async def bench_storm(
             admin, group, grabbers, pids = await bench_world(core, 1000, total * 10)
             worker_log = tmp / "worker.log"
             s = s.replace(worker_metrics_port=free_port())
+            worker_started = time.time()
             worker = start_worker(s, worker_log)
             backlog: list[int] = []
             try:
@@ -246,11 +247,10 @@ async def bench_storm(
                 credited = await until_credited(core, group, pids, total, backlog, worker)
                 figures["drained_after_s"] = round(time.perf_counter() - start, 1)
                 # The worker reconciles as it starts (and every tenth minute): when its last one ended, in
-                # seconds from the first grab (None: none ended while it ran).
+                # seconds from the first grab (None: none ended while this worker ran).
                 ended = await cast(Awaitable[bytes | None], core.redis.hget(keys.reconciled(), "at"))
-                at = float(ended) - started_at if ended else None
-                took = figures["worker_ready_s"] + figures["drained_after_s"]
-                figures["reconciled_at_s"] = round(at, 1) if at is not None and at > -took else None
+                at = float(ended) if ended is not None else 0.0
+                figures["reconciled_at_s"] = round(at - started_at, 1) if at >= worker_started else None
             finally:
                 worker.terminate()
                 await asyncio.to_thread(worker.wait, 60)

@@ -159,3 +159,23 @@ async def test_work_apart_leaves_the_callers_loop_free_and_hands_back_its_end() 
     assert await job == 7 and threads == ["apart-test"]
     with pytest.raises(ValueError, match="its own end"):
         await apart(fails, "apart-test")
+
+
+async def test_work_apart_is_cancelled_on_its_own_loop_with_its_caller() -> None:
+    """Cancelled, ``apart`` cancels the work on its loop and returns once it has ended: a reconciliation
+    the worker gave up on does not read on for minutes beside the credits."""
+    running, ended = threading.Event(), threading.Event()
+
+    async def waits_for_ever() -> None:
+        running.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.set()
+
+    job = asyncio.ensure_future(apart(waits_for_ever, "apart-test"))
+    assert await asyncio.to_thread(running.wait, 30)
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await job
+    assert ended.is_set()
