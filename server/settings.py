@@ -392,6 +392,15 @@ class Settings(SettingFields):
         if self.user_groups not in ("", "0", "1"):
             raise ValueError(f"{PREFIX}USER_GROUPS is 0 or 1, or empty (got {self.user_groups!r})")
 
+    def to_env(self) -> dict[str, str]:
+        """These settings as the environment a child process reads them from (``from_env`` gives them
+        back, field for field): every setting by its variable, flags as 1 or 0."""
+        out: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[env_name(f.name)] = str(int(value)) if isinstance(value, bool) else str(value)
+        return out
+
     def replace(self, **changes: object) -> Settings:
         """A copy with ``changes``. A new ``redis_url`` keeps the durability resolved here unless a
         ``grab_durability`` comes with it: the embedded Valkey's ``aof`` default must not become ``none``

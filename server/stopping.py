@@ -6,22 +6,20 @@ fut.result()``), and redis-py sends every command through ``wait_for`` once a so
 always are). A loop that goes round again after that ran for ever, and so did the shutdown waiting on it:
 ``redpacket up`` did not stop on Ctrl-C in CI, its worker's tasks still running 45 s later. The cancel is
 still counted on the task (``Task.cancelling()``), so every loop of ours that runs until cancelled calls
-``check_cancelled()`` each round, and every stop is bounded and names what did not stop. Work run apart,
-on a thread and a loop of its own (``apart``), is stopped the same way: cancelled there, waited for up to
-``STOP_SECONDS``."""
+``check_cancelled()`` each round, and every stop is bounded and names what did not stop. A child process
+(``child``) is stopped the same way: asked to stop, killed after ``STOP_SECONDS``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import threading
-from collections.abc import Callable, Coroutine, Iterable
-from typing import Any, TypeVar
+import os
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 STOP_SECONDS = 5.0  # how long a stop waits for the tasks it cancelled before saying so and going on
 
@@ -78,49 +76,29 @@ def _retrieve(t: asyncio.Future[Any]) -> None:
         t.exception()
 
 
-async def apart(work: Callable[[], Coroutine[Any, Any, T]], name: str) -> T:
-    """``work()`` run to its end on an event loop of its own, in a daemon thread: a long job's rows and
-    arithmetic (the worker's reconciliation) no longer hold the loop that pays credits for seconds at a
-    time; the two threads share the interpreter a few milliseconds at a time. ``work`` opens and closes
-    its own connections (a pool belongs to the loop that made it). Cancelled, this cancels ``work`` on its
-    loop and waits for its end up to ``STOP_SECONDS`` (then says so and goes on: the thread is a daemon,
-    an exit never waits for it)."""
-    caller = asyncio.get_running_loop()
-    finished: asyncio.Future[T] = caller.create_future()
-    own = asyncio.new_event_loop()
-    task = own.create_task(work())  # (its loop not running yet: made here, run there)
-    gone = threading.Event()  # the caller stopped waiting: the end is logged, not handed back
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if finished.done():
-            return
-        if gone.is_set():  # (only that it ended: nobody takes its result)
-            if error is not None and not isinstance(error, asyncio.CancelledError):
-                log.error("%s, no longer awaited, failed: %r", name, error)
-            finished.set_result(None)  # type: ignore[arg-type]
-        elif error is None:
-            finished.set_result(result)  # type: ignore[arg-type]
-        else:
-            finished.set_exception(error)
-
-    def run() -> None:
-        try:
-            result, error = own.run_until_complete(task), None
-        except BaseException as e:  # (handed to the awaiting loop as it is)
-            result, error = None, e
-        finally:
-            own.close()
-        with contextlib.suppress(RuntimeError):  # (the caller's loop closed meanwhile)
-            caller.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
+async def child(argv: Sequence[str], env: Mapping[str, str], nice: int = 0) -> tuple[int, bytes, bytes]:
+    """``argv`` run as a child process to its end: its exit code, and what it wrote on stdout and on
+    stderr. Work of seconds of CPU beside a loop that must stay quick (the worker's reconciliation,
+    beside the credits) runs there: on a thread of this process it shares the interpreter's lock with
+    that loop, which waits up to the switch interval (5 ms) for it at every socket call. Cancelled,
+    the child is asked to stop (SIGTERM), killed if it has not within ``STOP_SECONDS``, and waited for."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    if nice:  # (set from here: no code runs in the child between fork and exec)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
     try:
-        return await asyncio.shield(finished)
-    except asyncio.CancelledError:
-        gone.set()
-        with contextlib.suppress(RuntimeError):  # (its loop already closed: it has ended)
-            own.call_soon_threadsafe(task.cancel)
-        done, _ = await asyncio.wait([finished], timeout=STOP_SECONDS)
+        out, err = await proc.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        ended = asyncio.ensure_future(proc.wait())
+        done, _ = await asyncio.wait([ended], timeout=STOP_SECONDS)
         if not done:
-            log.error("%s: still running %g s after being cancelled; left", name, STOP_SECONDS)
+            log.error("%s: still running %g s after SIGTERM; killed", argv[-1], STOP_SECONDS)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await ended
         raise
+    return int(proc.returncode or 0), out, err

@@ -52,6 +52,16 @@ def test_every_setting_is_read_from_its_variable(f: dataclasses.Field[Any]) -> N
     assert got == dataclasses.replace(Settings(), **{f.name: value})  # and nothing else
 
 
+def test_a_child_process_reads_the_very_same_settings() -> None:
+    """``to_env`` (what the worker hands its reconciliation's child process) gives every setting back
+    through ``from_env``, each one changed from its default, and the defaults too."""
+    changed = Settings(**{f.name: _other(f)[1] for f in dataclasses.fields(Settings)})
+    for s in (changed, Settings()):
+        env = s.to_env()
+        assert set(env) == {env_name(f.name) for f in dataclasses.fields(Settings)}
+        assert Settings.from_env(env) == s
+
+
 def test_the_stream_ttl_has_its_variable() -> None:
     assert Settings.from_env({"REDPACKET_STREAM_TTL_SECONDS": "60"}).stream_ttl_seconds == 60
 

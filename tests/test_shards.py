@@ -351,11 +351,9 @@ async def test_reconciliation_catches_a_row_changed_on_one_backend_and_names_its
     # Money moves between reconciliation's two reads of the shards (a top-up): the cent still shows.
     real_gather, reads = reconciling.gather, []
 
-    async def gather_while_money_moves(
-        c: Core, now: int | None = None, progress: Any = None, apart: bool = False
-    ) -> Any:
+    async def gather_while_money_moves(c: Core, now: int | None = None, progress: Any = None) -> Any:
         reads.append(now)
-        books = await real_gather(c, now, apart=apart)
+        books = await real_gather(c, now)
         await ledger.topup(core.db, UserId(w.admin), 500, f"meanwhile-{len(reads)}")
         return books
 

@@ -161,7 +161,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         elif command == "verify":
             return uvloop.run(maintenance.verify(s, args.packet_id, args.commitment))
         elif command == "reconcile":
-            return 0 if uvloop.run(maintenance.reconcile(s)) else 1
+            return 0 if uvloop.run(maintenance.reconcile(s, args.json)) else 1
         elif command == "webhooks":
             uvloop.run(maintenance.webhooks(s, getattr(args, "since", None), getattr(args, "after", None)))
         else:

@@ -63,9 +63,11 @@ async def blocks(settings: Settings, lift: int | None) -> None:
         print(f"{blocked} blocked, {len(shown) - blocked} throttled")
 
 
-async def reconcile(settings: Settings) -> bool:
+async def reconcile(settings: Settings, as_json: bool = False) -> bool:
+    """``redpacket reconcile [--json]``: the report on stdout (``--json``: as one object, which the
+    worker's reconciliation reads), what it is reading on stderr; whether the books are clean."""
     from server.money.reconcile import reconcile
-    from server.money.reconcilereport import render
+    from server.money.reconcilereport import render, to_json
 
     # Redis too: what it told grabbers is checked against the ledger.
     await check_services(settings, durability=False)
@@ -76,7 +78,7 @@ async def reconcile(settings: Settings) -> bool:
 
     async with open_core(settings) as core:
         report = await reconcile(core, progress=progress)
-    print(render(report))
+    print(to_json(report) if as_json else render(report))
     return report.ok
 
 

@@ -19,7 +19,12 @@ def parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _system(sub)
     _add(sub, "migrate", help="apply database migrations (every start does this too)")
-    _add(sub, "reconcile", help="check every cent; print a report; exit 1 on any difference")
+    rec_all = _add(sub, "reconcile", help="check every cent; print a report; exit 1 on any difference")
+    rec_all.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as one JSON object (figures, ok, each difference) instead of lines",
+    )
     blocks = _add(sub, "blocks", help="list the users the bot detector blocked, and why and until when")
     blocks.add_argument(
         "--lift", type=int, metavar="USER", help="lift the block (and throttle) of this user id"

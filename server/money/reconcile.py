@@ -26,12 +26,11 @@ from Redis (what it told grabbers). Zero tolerance: any difference is reported.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from redis.exceptions import RedisError
 
-from server import stopping
 from server.core import Core
 from server.ids import GroupId, PacketId
 from server.money import outflows, reconcilesql
@@ -229,23 +228,14 @@ def _quiet(_: str) -> None:
     pass
 
 
-async def gather(
-    core: Core, now: int | None = None, progress: Progress = _quiet, apart: bool = False
-) -> Books:
+async def gather(core: Core, now: int | None = None, progress: Progress = _quiet) -> Books:
     """Every figure: the database's read in one snapshot (credits and top-ups committed meanwhile are all
     in or all out — read apart, they made a reconciliation under load report differences that were not
-    there), then the grabs Redis holds for the packets not settled long ago. ``apart`` (a worker's, whose
-    loop pays credits): the ledger is read on a thread and a connection of its own where the store offers
-    one (``Database.reader_apart``: MySQL, pinned to this process's node; ``stopping.apart``). On the
-    worker's loop, the rows of a ledger of 420,000 grabs held it for up to 0.95 s at a time, and no
-    credit was paid for 2.3 s of a 2,000 grabs/s storm."""
+    there), then the grabs Redis holds for the packets not settled long ago. (A worker runs all of it in a
+    child process: ``worker.settle.reconcile_in_child``.)"""
     now = now_ms() if now is None else now
     progress("reading the ledger (one snapshot)")
-    reader = core.db.reader_apart() if apart else None
-    if reader is not None:
-        books, live = await stopping.apart(lambda: _read_alone(reader, now), "reconcile")
-    else:
-        books, live = await _gather_db(core.db, now)
+    books, live = await _gather_db(core.db, now)
     progress(f"read {len(books.accounts):,} accounts and {len(books.packets):,} packets")
     try:
         redis_grabs = await _redis_grabs(core, live, progress)
@@ -285,14 +275,6 @@ async def _gather_db(db: Database, now: int) -> tuple[Books, dict[int, int]]:
     async with db.snapshot() as tx:
         rows = {name: await tx.fetchall(sql, args) for name, (sql, args) in reads.items()}
     return _books(rows, now)
-
-
-async def _read_alone(reader: Callable[[], Awaitable[Database]], now: int) -> tuple[Books, dict[int, int]]:
-    db = await reader()
-    try:
-        return await _gather_db(db, now)
-    finally:
-        await db.close()
 
 
 def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]:
@@ -363,29 +345,18 @@ def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]
     return result, live
 
 
-async def _checked(books: Books) -> Report:
-    """``check``, pure, on a thread of its own: a big ledger's takes seconds, which no loop waits out."""
-
-    async def checking() -> Report:
-        return check(books)
-
-    return await stopping.apart(checking, "reconcile check")
-
-
-async def reconcile(
-    core: Core, now: int | None = None, progress: Progress = _quiet, apart: bool = False
-) -> Report:
+async def reconcile(core: Core, now: int | None = None, progress: Progress = _quiet) -> Report:
     """``check`` of ``gather``. On a sharded ledger the shards are read one after another, not in one
     snapshot: a money move between its steps can show as a difference once, so a report with differences
     is read again and keeps those found both times (``reconcilereport.confirmed``); the per-shard figures
     are added."""
     now = now_ms() if now is None else now  # (one time for both reads: "expired N s ago" stays the same)
-    books = await gather(core, now, progress, apart)
+    books = await gather(core, now, progress)
     progress("comparing")
-    report = await _checked(books)
+    report = check(books)
     if core.db.shards and not report.ok:
         progress("differences on a sharded ledger: reading it again, to keep those found both times")
-        report = confirmed(report, await _checked(await gather(core, now, progress, apart)))
+        report = confirmed(report, check(await gather(core, now, progress)))
     held = [(p.packet_id, max(p.outstanding, 0)) for p in books.packets]
     shards = per_shard(held, [(u, b) for u, b, _ in books.accounts], report, core.db.shards)
     return replace(report, shards=shards)

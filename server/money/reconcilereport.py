@@ -3,8 +3,9 @@ shard of a sharded ledger (``server.money.reconcile`` finds them). Pure."""
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from server.store.shards import shard_of
 
@@ -91,3 +92,20 @@ def render(report: Report) -> str:
     lines += [f"DIFFERENCE {d}" for d in report.differences]
     lines.append("reconciled: no difference" if report.ok else f"{len(report.differences)} difference(s)")
     return "\n".join(lines)
+
+
+def to_json(report: Report) -> str:
+    """``report`` as one JSON object (``redpacket reconcile --json``): its figures, ``ok``, and each
+    difference as ``{"check", "subject", "expected", "actual"}``. ``from_json`` reads it back."""
+    return json.dumps({"ok": report.ok, **asdict(report)})
+
+
+def from_json(text: str | bytes) -> Report:
+    """The report ``to_json`` wrote; ``ValueError`` for anything else."""
+    try:
+        figures = json.loads(text)
+        figures.pop("ok")
+        figures["differences"] = [Difference(**d) for d in figures["differences"]]
+        return Report(**figures)
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not a reconciliation report: {e!r}") from None

@@ -201,12 +201,6 @@ class Database:
         """Go back to the first node of the URL that can take writes (one server: nothing to do)."""
         return self.writer
 
-    def reader_apart(self) -> Callable[[], Awaitable[Database]] | None:
-        """How to open, on another event loop (``stopping.apart``), a database of one connection on the
-        node this process reads from, that never moves to another node nor says where the deployment
-        writes; None where reads apart are not offered (SQLite, the demo's storage)."""
-        return None
-
     def transaction(self) -> AbstractAsyncContextManager[Tx]:
         """A transaction: committed when the block ends, rolled back if it raises or is cancelled."""
         raise NotImplementedError

@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import aiomysql
@@ -97,21 +96,6 @@ class MySQLDatabase(Database):
 
     def connections_in_use(self) -> int:
         return int(self._pool.size - self._pool.freesize)
-
-    def reader_apart(self) -> Callable[[], Awaitable[Database]]:
-        # One host: its failures never move it (``_node_failed``), so it never writes ``db_writer``.
-        target = replace(self.target, hosts=(self.target.hosts[self._index],))
-        timeout, shards = self._timeout, self.shards
-
-        async def open_reader() -> Database:
-            db = MySQLDatabase(target, 1, timeout)
-            problem = await db._take(0)
-            if problem is not None:
-                raise no_writer([problem])
-            db.shards = shards
-            return db
-
-        return open_reader
 
     @classmethod
     async def connect(cls, url: str, pool_size: int, timeout: float = 10.0) -> MySQLDatabase:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
-import threading
+from pathlib import Path
 
 import pytest
 
+from server import stopping
 from server.cli.serve import waits_at
-from server.stopping import apart, check_cancelled, stop
+from server.stopping import check_cancelled, child, stop
 
 pytestmark = pytest.mark.unit
 
@@ -138,44 +140,32 @@ async def test_where_a_stuck_task_waits_is_said_through_async_with_blocks() -> N
     await task
 
 
-async def test_work_apart_leaves_the_callers_loop_free_and_hands_back_its_end() -> None:
-    """``apart`` runs its work on a loop and a thread of its own: the work here blocks its thread until the
-    caller's loop has turned (run on the caller's loop, it would wait for ever: the bound fails it), and
-    its result, then its exception, reach the caller."""
-    turned = threading.Event()
-    threads: list[str] = []
-
-    async def blocks_its_thread() -> int:
-        threads.append(threading.current_thread().name)
-        assert turned.wait(30), "the caller's loop did not turn while the work ran"
-        return 7
-
-    async def fails() -> int:
-        raise ValueError("its own end")
-
-    job = asyncio.ensure_future(apart(blocks_its_thread, "apart-test"))
-    await asyncio.sleep(0)  # (the caller's loop turns: it is not held by the work)
-    turned.set()
-    assert await job == 7 and threads == ["apart-test"]
-    with pytest.raises(ValueError, match="its own end"):
-        await apart(fails, "apart-test")
+async def test_a_child_hands_back_its_exit_code_and_what_it_wrote() -> None:
+    code, out, err = await child(
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], {}
+    )
+    assert (code, out, err) == (3, b"out\n", b"err\n")
 
 
-async def test_work_apart_is_cancelled_on_its_own_loop_with_its_caller() -> None:
-    """Cancelled, ``apart`` cancels the work on its loop and returns once it has ended: a reconciliation
-    the worker gave up on does not read on for minutes beside the credits."""
-    running, ended = threading.Event(), threading.Event()
-
-    async def waits_for_ever() -> None:
-        running.set()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            ended.set()
-
-    job = asyncio.ensure_future(apart(waits_for_ever, "apart-test"))
-    assert await asyncio.to_thread(running.wait, 30)
+@pytest.mark.parametrize("hears_sigterm", [True, False])
+async def test_a_child_is_stopped_with_its_caller(
+    hears_sigterm: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled, ``child`` stops the process before it returns: asked (SIGTERM), or, one that ignores
+    that, killed after ``STOP_SECONDS``. A reconciliation the worker gave up on does not read on beside
+    the credits."""
+    monkeypatch.setattr(stopping, "STOP_SECONDS", 0.5)
+    said = tmp_path / "pid"
+    os.mkfifo(said)  # (the child says its pid there once it is running: opened, it waits for the other end)
+    ignore = "" if hears_sigterm else "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    script = (
+        f"import os, signal, time; {ignore}open({str(said)!r}, 'w').write(str(os.getpid()));"
+        " time.sleep(3600)"
+    )
+    job = asyncio.ensure_future(child([sys.executable, "-c", script], {}))
+    pid = int(await asyncio.wait_for(asyncio.to_thread(said.read_text), 30))
     job.cancel()
     with pytest.raises(asyncio.CancelledError):
         await job
-    assert ended.is_set()
+    with pytest.raises(ProcessLookupError):  # (waited for: no zombie left either)
+        os.kill(pid, 0)
