@@ -276,7 +276,12 @@ async def finished_event(
     tx: Tx, packet_id: PacketId, sender: int, group: int, total: int, count: int, ts: int
 ) -> None:
     data = {"packet_id": packet_id, "group_id": group, "sender_id": sender, "total": total, "count": count}
-    await events.record(tx, "packet.finished", f"finished:{packet_id}", sender, None, data, ts, packet_id)
+    await events.record(tx, "packet.finished", finished_key(packet_id), sender, None, data, ts, packet_id)
+
+
+def finished_key(packet_id: int) -> str:
+    """The key of a packet's ``packet.finished`` event."""
+    return f"finished:{packet_id}"
 
 
 async def posted_by_this_call(tx: Tx, idem_key: str) -> bool:

@@ -129,9 +129,9 @@ async def _credit_round(
             for c in credits[:single]:
                 await credit_grab(core.db, c)
 
-        await creditbench.reset_credits(core, members)
+        await creditbench.reset_credits(core, pids, members)
         await _measured(in_batches, batched, servers, into, "credit_many_500")
-        await creditbench.reset_credits(core, members)
+        await creditbench.reset_credits(core, pids, members)
         await _measured(one_by_one, single, servers, into, "one_tx_per_credit")
         await creditbench.forget(core, group, pids)
 

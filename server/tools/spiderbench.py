@@ -235,7 +235,7 @@ async def _round(side: Side, n: int, into: dict[str, list[Any]]) -> None:
             CreditEntry(p, members[i], ShareSeq(i + 1), 10, stamp, group) for p in pids for i in range(1000)
         ][:n]
         head = side.head or await _server_pid(core)
-        await creditbench.reset_credits(core, members)
+        await creditbench.reset_credits(core, pids, members)
         got = await _measure(core, credits, side, head)
         row = await core.db.fetchone(
             "SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM grab_records WHERE status = 'credited'"
