@@ -10,7 +10,6 @@ suite (``SHARDED_SUITE``), the sharded ledger.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import random
 import threading
@@ -356,7 +355,7 @@ async def outbox(core: Core, group: int) -> list[tuple[int, int, int, int, int, 
     from server.store.records import CreditEntry
 
     rows = await core.redis.xrange(keys.outbox_for(group))
-    return [dataclasses.astuple(CreditEntry.parse(fields[b"c"])) for _, fields in rows]
+    return [tuple(CreditEntry.parse(fields[b"c"])) for _, fields in rows]
 
 
 @pytest.fixture(scope="session")

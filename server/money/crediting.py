@@ -167,10 +167,11 @@ async def _all_new(tx: Tx, credits: list[CreditEntry], status: dict[int, PacketS
 
 
 async def _insert_records(tx: Tx, credits: list[CreditEntry], ts: int) -> None:
+    credited = RecordStatus.CREDITED.value  # (a plain str: bound as one, and looked up once a batch)
     await tx.executemany(
         "INSERT INTO grab_records (packet_id, user_id, seq, amount, status, grabbed_ms, credited_ms)"
         " VALUES (%s, %s, %s, %s, %s, %s, %s)",
-        [(c.packet_id, c.user_id, c.seq, c.amount, RecordStatus.CREDITED, c.grabbed_ms, ts) for c in credits],
+        [(c.packet_id, c.user_id, c.seq, c.amount, credited, c.grabbed_ms, ts) for c in credits],
     )
 
 

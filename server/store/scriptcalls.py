@@ -304,7 +304,7 @@ class AckCreditsCall(Call[int]):
         for credits in self.paid.values():
             args.append(len(credits))
             for c in credits:
-                args += [c.user_id, ShareEntry(c.seq, c.amount).encode(), c.grabbed_ms]
+                args += [c.user_id, c.share(), c.grabbed_ms]
         return args
 
     def parse(self, reply: object) -> int:
