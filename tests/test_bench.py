@@ -8,7 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from server.core import Core
+from server.money import grabs, packets
+from server.money.reconcile import reconcile
 from server.settings import child_env
+from tests.conftest import make_world
+from tests.test_credit import run_worker
 
 
 def _bench(redis_url: str, *args: str) -> tuple[dict[str, object], str]:
@@ -77,3 +84,27 @@ def test_the_hub_grab_bench_runs_each_phase_for_the_seconds_given(redis_url: str
     assert "hub grabs (hub pid " in said
     for per in ("hub_cpu_us_per_grab", "hub_cpu_us_per_ping", "bare_cpu_us_per_echo"):
         assert isinstance(figures[per], int) and figures[per] > 0, figures
+
+
+@pytest.mark.parametrize("core", ["sqlite", "mysql"], indirect=True)
+async def test_the_credit_bench_undoes_only_its_own_credits(core: Core) -> None:
+    """``bench credit`` pointed at a ledger in use (an operator's mistake) pays and undoes its own packets'
+    credits only: another packet's credits stay paid, every phase paid every credit it was given, and the
+    ledger reconciles clean after it. (It once deleted every grab record of the database.)"""
+    from server.tools.creditbench import bench_credit
+
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=2)
+    for u in w.members:
+        await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)
+    assert await run_worker(core) == 2
+    theirs = "SELECT COUNT(*), SUM(amount) FROM grab_records WHERE packet_id = %s"
+    assert await core.db.fetchone(theirs, (p.packet_id,)) == (2, 500)
+
+    figures = await bench_credit(core.settings, credits_n=2_000, single_n=50)
+    assert figures["drain_paid"] == [2_000, 20_000]
+    assert set(figures["cpu_us_per_credit"]) == {"raw", "credit_many", "drain"}
+    assert len(figures["drain_vs_raw_rounds"]) == 3
+    assert await core.db.fetchone(theirs, (p.packet_id,)) == (2, 500)
+    report = await reconcile(core)
+    assert report.ok, report.differences
