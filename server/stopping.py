@@ -76,12 +76,15 @@ def _retrieve(t: asyncio.Future[Any]) -> None:
         t.exception()
 
 
-async def child(argv: Sequence[str], env: Mapping[str, str], nice: int = 0) -> tuple[int, bytes, bytes]:
+async def child(
+    argv: Sequence[str], env: Mapping[str, str], what: str, nice: int = 0
+) -> tuple[int, bytes, bytes]:
     """``argv`` run as a child process to its end: its exit code, and what it wrote on stdout and on
     stderr. Work of seconds of CPU beside a loop that must stay quick (the worker's reconciliation,
     beside the credits) runs there: on a thread of this process it shares the interpreter's lock with
-    that loop, which waits up to the switch interval (5 ms) for it at every socket call. Cancelled,
-    the child is asked to stop (SIGTERM), killed if it has not within ``STOP_SECONDS``, and waited for."""
+    that loop, which waits up to the switch interval (5 ms) for it at every socket call. ``what``: its
+    name in the log; ``nice``: its priority, lowered by that much. Cancelled, the child is asked to stop
+    (SIGTERM), killed if it has not within ``STOP_SECONDS``, and waited for."""
     proc = await asyncio.create_subprocess_exec(
         *argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -96,7 +99,7 @@ async def child(argv: Sequence[str], env: Mapping[str, str], nice: int = 0) -> t
         ended = asyncio.ensure_future(proc.wait())
         done, _ = await asyncio.wait([ended], timeout=STOP_SECONDS)
         if not done:
-            log.error("%s: still running %g s after SIGTERM; killed", argv[-1], STOP_SECONDS)
+            log.error("%s: still running %g s after SIGTERM; killed", what, STOP_SECONDS)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await ended

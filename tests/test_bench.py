@@ -88,9 +88,10 @@ def test_the_hub_grab_bench_runs_each_phase_for_the_seconds_given(redis_url: str
 
 @pytest.mark.parametrize("core", ["sqlite", "mysql"], indirect=True)
 async def test_the_credit_bench_undoes_only_its_own_credits(core: Core) -> None:
-    """``bench credit`` pointed at a ledger in use (an operator's mistake) pays and undoes its own packets'
-    credits only: another packet's credits stay paid, every phase paid every credit it was given, and the
-    ledger reconciles clean after it. (It once deleted every grab record of the database.)"""
+    """``bench credit`` on a database holding other packets' credits (an earlier run's) pays and undoes its
+    own packets' credits only: the others stay paid, every phase paid every credit it was given, and the
+    ledger reconciles clean after it. (It once deleted every grab record of the database; a ledger in use
+    is refused by the command: ``test_cli``.)"""
     from server.tools.creditbench import bench_credit
 
     w = await make_world(core, members=2, admin_cents=10_000)

@@ -66,6 +66,9 @@ def test_operator_mistakes_are_one_line_and_an_exit_code(
             "Unknown database",
         ),
         (("worker",), {**ok_db, "REDPACKET_REDIS_URL": "redis://127.0.0.1:1/0"}, 1, "Redis at"),
+        # A ledger in use, named by mistake: bench credit undoes credits between its phases.
+        (("bench", "credit"), {**ok_db, **ok_redis}, 2, "`bench` in its name"),
+        (("bench", "credit", "--galera"), {**ok_db, **ok_redis}, 2, "`bench` in its name"),
         (("blocks",), {**ok_db, "REDPACKET_REDIS_URL": "redis://127.0.0.1:1/0"}, 1, "Redis at"),
         (("recover", "0"), {**ok_db, **ok_redis}, 2, "no packet"),
         (

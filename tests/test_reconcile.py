@@ -3,8 +3,11 @@ real books spoiled in the database and in Redis the way a bug would spoil them, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import sqlite3
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +16,7 @@ from server.core import Core
 from server.money import grabs, ledger, packets, settlement
 from server.money.reconcile import LATE_MS, Books, GrabRow, PacketBooks, Posting, check, reconcile
 from server.money.reconcilereport import from_json, to_json
+from server.settings import Settings
 from server.store import keys
 from tests.conftest import make_world
 from tests.test_credit import run_worker
@@ -194,3 +198,17 @@ async def test_a_workers_reconciliation_runs_in_a_process_of_its_own(
         idempotent=False,
     )
     assert await reconcile_job(ctx) == 2  # account_journal and global
+
+
+async def test_a_workers_reconciliation_that_made_no_report_says_why(redis_url: str, tmp_path: Path) -> None:
+    """The child made no report (here: a database behind the code, which it never migrates): the job
+    fails naming the child's exit code and what it said, not "not a report"."""
+    from worker.settle import ReconcileFailed, reconcile_in_child
+
+    empty = tmp_path / "ledger.sqlite3"
+    empty.touch()
+    settings = Settings(redis_url=redis_url, database_url=f"sqlite:///{empty}")
+    with pytest.raises(ReconcileFailed, match=r"exited 2 with no report: .*run `redpacket migrate` first"):
+        await reconcile_in_child(settings)
+    with contextlib.closing(sqlite3.connect(empty)) as made:  # (and no table was made in it)
+        assert made.execute("SELECT COUNT(*) FROM sqlite_master").fetchone() == (0,)

@@ -26,7 +26,7 @@ def test_every_side_of_the_spider_credit_bench_credits_what_it_was_given(
     url = fresh_database(mysql_url, "redpacket_test_spiderbench")
     run = subprocess.run(
         [sys.executable, "-m", "server", "bench", "credit", "--spider", "--credits", str(CREDITS),
-         "--rounds", "1"],
+         "--rounds", "2"],
         env=child_env(REDPACKET_REDIS_URL=redis_url, REDPACKET_DATABASE_URL=url),
         capture_output=True,
         text=True,
@@ -36,7 +36,7 @@ def test_every_side_of_the_spider_credit_bench_credits_what_it_was_given(
     figures = json.loads(run.stdout.strip().splitlines()[-1])
     assert figures["bench"] == "credit-spider" and figures["credits"] == CREDITS
     for side in ("mariadb", "spider1", "spider2", "spider3"):
-        assert figures[f"{side}_credited_rounds"] == [CREDITS], (side, figures)
+        assert figures[f"{side}_credited_rounds"] == [CREDITS, CREDITS], (side, figures)  # each round its own
         assert figures[f"{side}_credited_cents"] == 10 * CREDITS, (side, figures)
         assert figures[f"{side}_told_credited"] == CREDITS, (side, figures)
         assert figures[f"{side}_credit_many_500_per_s"] > 0, (side, figures)

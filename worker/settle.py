@@ -112,13 +112,22 @@ RECONCILE_NICE = 10
 
 
 async def reconcile_in_child(settings: Settings) -> Report:
-    """``redpacket reconcile --json`` on these settings, run as a child process, and its report. A big
-    ledger's reconciliation is seconds of CPU: on a thread of the worker it shared the interpreter's lock
-    with the loop that pays credits, and a 2,000 grabs/s storm's credit lag P99 was 233–405 ms beside it
-    against 61 ms beside the same reconciliations in a process of their own (docs/benchmarks.md)."""
+    """``redpacket reconcile --json`` on these settings, run as a child process at a lower priority, and its
+    report. A big ledger's reconciliation is seconds of CPU: on a thread of the worker it shared the
+    interpreter's lock with the loop that pays credits, and a 2,000 grabs/s storm's credit lag P99 was 259
+    and 642 ms beside two of them, against 64 and 98 ms with them in a niced child (docs/benchmarks.md).
+    No report (the child failed: the services away, a database behind the code, stopped): a
+    ``ReconcileFailed`` naming its exit code and the end of what it said."""
     argv = [sys.executable, "-m", "server", "reconcile", "--json"]
-    code, out, err = await child(argv, child_env(**settings.to_env()), nice=RECONCILE_NICE)
-    if code not in (0, 1):  # (1: differences found; anything else: no report)
-        said = err.decode(errors="replace").strip()[-2000:]
-        raise RuntimeError(f"`redpacket reconcile` exited {code}: {said}")
-    return from_json(out)
+    code, out, err = await child(argv, child_env(**settings.to_env()), "reconcile", nice=RECONCILE_NICE)
+    said = err.decode(errors="replace").strip()[-2000:]
+    if code not in (0, 1) or not out.strip():  # (1 is also "differences found", with the report)
+        raise ReconcileFailed(f"`redpacket reconcile` exited {code} with no report: {said}")
+    try:
+        return from_json(out)
+    except ValueError as e:
+        raise ReconcileFailed(f"`redpacket reconcile` exited {code}: {e}; it said: {said}") from None
+
+
+class ReconcileFailed(RuntimeError):
+    """The worker's reconciliation made no report."""

@@ -22,6 +22,8 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
         _spider_args(settings, args)  # (a mistake said before any service starts)
     if what == "storm":
         _storm_seconds(args)  # (a mistake said before any service starts)
+    if what == "credit" and not args.spider:
+        _own_database(settings)
     await check_services(settings)
     plot = Path(args.plot) if args.plot else None
     if what == "grab":
@@ -53,6 +55,22 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
     else:
         await hotbench.bench_hot(
             settings, args.clients, workers=args.workers, client_procs=args.client_procs, plot=plot
+        )
+
+
+def _own_database(settings: Settings) -> None:
+    """``bench credit`` undoes its own packets' credits between phases, and its drain pays whatever the
+    outboxes hold: it runs on a database of its own, ``bench`` in its name, or with none named (a
+    throw-away SQLite file). A ledger in use, named by mistake, is refused before anything starts."""
+    url = settings.database_url
+    name = url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1].lower()
+    if url and "bench" not in name:
+        raise OperatorError(
+            "bench credit deletes and rewrites the credits of its own packets between its phases, and its"
+            " drain pays any credit waiting in Redis: it runs only on a database of its own, with `bench` in"
+            " its name (REDPACKET_DATABASE_URL=mysql://…/redpacket_bench), or with REDPACKET_DATABASE_URL"
+            " unset (a throw-away SQLite file)",
+            2,
         )
 
 

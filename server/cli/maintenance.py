@@ -14,7 +14,9 @@ from server.cli.errors import OperatorError
 from server.cli.services import check_services
 from server.core import open_core
 from server.settings import Settings
+from server.store import schema
 from server.store.db import Database
+from server.store.engines import connect
 
 
 async def migrate(settings: Settings) -> None:
@@ -76,7 +78,16 @@ async def reconcile(settings: Settings, as_json: bool = False) -> bool:
     def progress(what: str) -> None:
         print(f"reconcile: {what} ({time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
 
-    async with open_core(settings) as core:
+    # It reads and never migrates (a worker's child, started from the code on disk, would migrate the
+    # database under processes still running the code before): a database behind the code is said.
+    db = await connect(settings.effective_database_url, 1, settings.db_statement_timeout_ms / 1000)
+    try:
+        missing = await schema.pending(db)
+    finally:
+        await db.close()
+    if missing:
+        raise OperatorError(f"the database lacks migrations {missing}: run `redpacket migrate` first", 2)
+    async with open_core(settings, migrate=False) as core:
         report = await reconcile(core, progress=progress)
     print(to_json(report) if as_json else render(report))
     return report.ok

@@ -62,10 +62,10 @@ async def forget(core: Core, group: GroupId, pids: list[PacketId]) -> None:
 
 
 async def reset_credits(core: Core, pids: list[PacketId], users: list[UserId]) -> None:
-    """Every credit of the bench's packets undone, and nothing else touched (pointed at a ledger in use by
-    mistake, it never reaches another packet's or user's rows): their grab records, grab journal rows and
-    the events of both deleted, the packets active again, their grabbers (who hold nothing else) back to
-    0. What is left reconciles clean."""
+    """Every credit of the bench's packets undone, and no other packet's or user's rows touched (earlier
+    runs' stay as they were): their grab records, grab journal rows and the events of both deleted, the
+    packets active again, their grabbers (who hold nothing else) back to 0. What is left reconciles clean.
+    (A ledger in use is refused before: ``server.cli.bench``.)"""
     p, u = marks(len(pids)), marks(len(users))
     tokens = await core.db.fetchall(
         f"SELECT DISTINCT tx FROM journal WHERE kind = 'grab' AND tx IS NOT NULL AND packet_id IN ({p})", pids

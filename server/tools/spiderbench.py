@@ -35,6 +35,7 @@ from aiomysql.cursors import RE_INSERT_VALUES
 from server.core import Core, open_core
 from server.ids import ShareSeq
 from server.money.crediting import credit_many
+from server.money.journal import marks
 from server.settings import Settings
 from server.store.db import Database, Tx
 from server.store.engines import connect
@@ -237,8 +238,10 @@ async def _round(side: Side, n: int, into: dict[str, list[Any]]) -> None:
         head = side.head or await _server_pid(core)
         await creditbench.reset_credits(core, pids, members)
         got = await _measure(core, credits, side, head)
-        row = await core.db.fetchone(
+        row = await core.db.fetchone(  # (this round's packets: earlier rounds' records stay)
             "SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM grab_records WHERE status = 'credited'"
+            f" AND packet_id IN ({marks(len(pids))})",
+            pids,
         )
         got["credited"], got["credited_cents"] = (int(row[0]), int(row[1])) if row else (0, 0)
         await creditbench.forget(core, group, pids)
