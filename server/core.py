@@ -108,14 +108,16 @@ class Core:
 
 
 async def _open_ledger(settings: Settings, migrate: bool) -> tuple[Database, str]:
-    """The database, migrated if asked, and the deployment's id (the one place it is decided: every
-    process reads it)."""
+    """The database, migrated if asked (if not, one behind the code is ``schema.SchemaBehind``), and the
+    deployment's id (the one place it is decided: every process reads it)."""
     db = await connect(
         settings.effective_database_url, settings.db_pool_size, settings.db_statement_timeout_ms / 1000
     )
     try:
         if migrate:
             await schema.migrate(db)
+        elif missing := await schema.pending(db):
+            raise schema.SchemaBehind(missing)
         return db, await schema.deployment_id(db)
     except BaseException:
         await db.close()

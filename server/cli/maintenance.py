@@ -16,11 +16,10 @@ from server.core import open_core
 from server.settings import Settings
 from server.store import schema
 from server.store.db import Database
-from server.store.engines import connect
 
 
 async def migrate(settings: Settings) -> None:
-    from server.store import schema, shards
+    from server.store import shards
     from server.store.engines import connect
     from server.store.mysqlkit import parse_url
 
@@ -80,15 +79,11 @@ async def reconcile(settings: Settings, as_json: bool = False) -> bool:
 
     # It reads and never migrates (a worker's child, started from the code on disk, would migrate the
     # database under processes still running the code before): a database behind the code is said.
-    db = await connect(settings.effective_database_url, 1, settings.db_statement_timeout_ms / 1000)
     try:
-        missing = await schema.pending(db)
-    finally:
-        await db.close()
-    if missing:
-        raise OperatorError(f"the database lacks migrations {missing}: run `redpacket migrate` first", 2)
-    async with open_core(settings, migrate=False) as core:
-        report = await reconcile(core, progress=progress)
+        async with open_core(settings, migrate=False) as core:
+            report = await reconcile(core, progress=progress)
+    except schema.SchemaBehind as e:
+        raise OperatorError(str(e), 2) from None
     print(to_json(report) if as_json else render(report))
     return report.ok
 

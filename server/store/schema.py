@@ -146,6 +146,14 @@ async def renew_lease(tx: Tx, holder: str) -> None:
         )
 
 
+class SchemaBehind(DatabaseError):
+    """A database opened without migrating that lacks migrations this code knows (``missing``)."""
+
+    def __init__(self, missing: list[int]) -> None:
+        super().__init__(f"the database lacks migrations {missing}: run `redpacket migrate` first")
+        self.missing = missing
+
+
 async def pending(db: Database) -> list[int]:
     """The versions a database has not applied yet."""
     async with db.transaction() as tx:
