@@ -123,6 +123,7 @@ async def test_a_clash_on_the_unique_keys_inside_a_batch_pays_each_share_once(
     outcomes = await credit_many(core.db, credits)
     monkeypatch.undo()
     assert injected == [1]  # the clash was made to happen
+    await _count_its_share(core, victim)
     assert outcomes == ["already" if c is victim else "credited" for c in credits]
     await _each_share_paid_once(core, pid, credits)
 
@@ -141,6 +142,7 @@ async def test_a_clash_after_a_batch_read_the_grab_records_pays_each_share_once(
     outcomes = await credit_many(core.db, credits)
     monkeypatch.undo()
     assert injected == [1]
+    await _count_its_share(core, victim)
     assert outcomes == ["already" if c in (paid_before, victim) else "credited" for c in credits]
     await _each_share_paid_once(core, pid, credits)
 
@@ -241,6 +243,15 @@ def _pay_after_read(
 
     monkeypatch.setattr(Tx, "fetchall", fetchall_then_pay)
     return injected
+
+
+async def _count_its_share(core: Core, c: CreditEntry) -> None:
+    """The packet's count of shares paid raised for ``c``, as the payer behind the lock does once the
+    batch has let go of the packet's row (the count is written under that lock: it could not before)."""
+    async with core.db.transaction() as tx:
+        await tx.execute(
+            "UPDATE red_packets SET credited_count = credited_count + 1 WHERE id = %s", (c.packet_id,)
+        )
 
 
 def _pay_behind_the_lock(database_url: str, c: CreditEntry) -> int:

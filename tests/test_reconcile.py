@@ -34,6 +34,8 @@ def _books(**changes: object) -> Books:
         credited=60,
         refunded=0,
         credited_records=60,
+        records_paid=1,
+        credited_count=1,
         count=2,
         shares_total=100,
         shares_count=2,
@@ -67,6 +69,8 @@ def test_books_in_order_have_no_difference() -> None:
         ({"p_shares_total": 99}, "packet_shares"),
         ({"p_shares_count": 3}, "packet_shares"),
         ({"p_debited": 200}, "packet_debit"),
+        ({"p_credited_count": 2}, "packet_paid_count"),  # the row says both shares are paid
+        ({"p_credited_count": 0}, "packet_paid_count"),
         ({"p_status": "refunding", "p_expires_ms": NOW - LATE_MS - 1}, "packet_stuck"),
         ({"p_status": "active", "p_expires_ms": NOW - LATE_MS - 1}, "packet_stuck"),
         ({"p_status": "actve"}, "packet_status"),  # a status no code of ours writes

@@ -1,13 +1,14 @@
 """Crediting grabs exactly once: many in one transaction (``credit_many``), or one alone (``credit_grab``,
 ``credit_or_record``: a batch of one). Every rule is ``server.money.creditrules``'s; here is how a batch
 is written. The usual batch (every grab new) is decided by those rules as if no record were held, after one
-count says each share is the database's, and its grab records are simply inserted: the unique keys refuse
-a share or a user already held, and then that insert is undone and every credit is decided from the grab
-records read (``_decide``). If another worker credited one of these grabs after that read the batch rolls
-back on the unique keys and falls back to crediting one by one; either way each grab is paid once. (The
-packet row lock each credit takes first makes that clash rare: only a payer that skipped the lock meets
-it.) Then multi-row inserts and one balance update per account, accounts in a fixed order so two batches
-never deadlock. On a sharded ledger the same rules run in steps (``server.money.shardsteps``).
+count says each share is the database's, and its grab records are simply inserted:
+the unique keys refuse a share or a user already held, and then that insert is undone and every credit is
+decided from the grab records read (``_decide``). If another worker credited one of these grabs after that
+read the batch rolls back on the unique keys and falls back to crediting one by one; either way each grab
+is paid once. (The packet row lock each credit takes first makes that clash rare: only a payer that skipped
+the lock meets it.) Then multi-row inserts and one balance update per account, accounts in a fixed order
+so two batches never deadlock, and the paid count on each packet's row raised. On a sharded ledger the
+same rules run in steps (``server.money.shardsteps``).
 
 A credit refused (its grabber was told "won", or can read it with ``open``, and the ledger will not pay it)
 is never only logged: it is a row of ``credit_refusals``, written in the transaction that decided it, and
@@ -17,11 +18,10 @@ reconciliation reports every one not paid since (``server.money.reconcile``).
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import assert_never
 
 from server.errors import RedPacketError
-from server.ids import PacketId
 from server.money import shardsteps
 from server.money.creditrules import (
     Held,
@@ -157,6 +157,7 @@ async def _all_new(tx: Tx, credits: list[CreditEntry], status: dict[int, PacketS
     try:
         await _insert_records(tx, credits, ts)
         await _post(tx, credits, ts)
+        await finish_paid(tx, Counter(c.packet_id for c in credits))
     except IntegrityError:
         # Another payer holds one of these shares or users (or a run before a lost COMMIT answer paid
         # them), or a grab key is in the journal already: undo the batch's rows (SQLite's executemany may
@@ -176,14 +177,12 @@ async def _insert_records(tx: Tx, credits: list[CreditEntry], ts: int) -> None:
 
 
 async def _post(tx: Tx, paid: list[CreditEntry], ts: int) -> None:
-    """The journal rows and balances of ``paid`` (their grab records written), and the packets they
-    finish."""
+    """The journal rows and balances of ``paid`` (their grab records written)."""
     await post_many(
         tx,
         [Posting(c.user_id, c.amount, "grab", grab_key(c.packet_id, c.seq), c.packet_id) for c in paid],
         ts,
     )
-    await finish_paid(tx, [c.packet_id for c in paid])
 
 
 async def _decide(
@@ -209,8 +208,8 @@ async def _decide(
             (ts, c.packet_id, c.seq),
         )
     await _post(tx, [c for c in inserts + updates if (c.packet_id, c.seq) not in there], ts)
-    if there:  # (their records are written now: one may be its packet's last share)
-        await finish_paid(tx, sorted({PacketId(pid) for pid, _ in there}))
+    # Every record marked paid now, its posting made now or before (``there``): one may be the last share.
+    await finish_paid(tx, Counter(c.packet_id for c in inserts + updates))
     await record_refusals(tx, refused(credits, out), refused_by)
     return out
 

@@ -6,6 +6,7 @@ row with a unique idempotency key and the matching balance update, in the caller
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal, overload
 
 from server import errors, text
@@ -240,38 +241,46 @@ async def topup(
 CreditOutcome = Literal["credited", "already"]
 
 
-async def finish_paid(tx: Tx, packet_ids: list[PacketId]) -> int:
-    """Among these active packets, those whose every share is now credited become ``finished``, in the
-    caller's transaction (the one that credited their last share), each with its ``packet.finished``
-    event: ``finished`` means every share is paid, from the moment it is. ``finished_ms`` is when the last
-    share was grabbed. (The caller holds the packets' rows locked.)"""
-    ids = sorted(set(packet_ids))
+async def finish_paid(tx: Tx, paid: Mapping[PacketId, int]) -> int:
+    """``paid``: packet → how many of its grab records this transaction has just marked ``credited`` (0:
+    none, only look). Each packet's ``credited_count`` is raised by that, and those whose every share is
+    now credited become ``finished``, each with its ``packet.finished`` event, in the caller's transaction
+    (the one that credited the last share): ``finished`` means every share is paid, from the moment it is.
+    ``finished_ms`` is when the last share was grabbed. Returns how many finished. (The caller holds the
+    packets' rows locked.)"""
+    ids = sorted(paid)
     if not ids:
         return 0
-    marks = ", ".join(["%s"] * len(ids))
-    # (As the packets' rows are locked.) A packet with fewer records than shares is not paid: that count is
-    # the index's alone, and most batches stop there. Only a packet with a record for every share is read
-    # row by row, once: how many of its records are paid, and when its last share was grabbed.
+    for pid in ids:
+        if paid[pid]:  # (NULL, on a packet sent before the count was kept, stays NULL)
+            await tx.execute(
+                "UPDATE red_packets SET credited_count = credited_count + %s WHERE id = %s", (paid[pid], pid)
+            )
+    # Most batches stop here: no packet full. One sent before its count was kept is counted row by row.
     full = await tx.fetchall(
         "SELECT id, sender_id, group_id, total, share_count FROM red_packets"
-        f" WHERE id IN ({marks}) AND status = '{PacketStatus.ACTIVE}' AND share_count = (SELECT COUNT(*)"
-        " FROM grab_records g WHERE g.packet_id = red_packets.id)",
+        f" WHERE id IN ({', '.join(['%s'] * len(ids))}) AND status = '{PacketStatus.ACTIVE}' AND"
+        " (credited_count = share_count OR (credited_count IS NULL AND share_count = (SELECT COUNT(*)"
+        " FROM grab_records g WHERE g.packet_id = red_packets.id"
+        f" AND g.status = '{RecordStatus.CREDITED}')))",
         ids,
     )
     ts = now_ms()
     finished = 0
     for pid, sender, group, total, count in full:
-        paid = await tx.fetchone(
+        # Its records, read once: a count that says full and records that do not (a count gone wrong,
+        # which reconciliation reports) never finish a packet with a share unpaid.
+        paid_records = await tx.fetchone(
             "SELECT COUNT(*), MAX(grabbed_ms) FROM grab_records"
             f" WHERE packet_id = %s AND status = '{RecordStatus.CREDITED}'",
             (pid,),
         )
-        if paid is None or int(paid[0]) != int(count):  # (a shard-local credit still half-way)
+        if paid_records is None or int(paid_records[0]) != int(count):
             continue
         if await tx.execute(
             f"UPDATE red_packets SET status = '{PacketStatus.FINISHED}', finished_ms = %s"
             f" WHERE id = %s AND status = '{PacketStatus.ACTIVE}'",
-            (int(paid[1]), pid),
+            (int(paid_records[1]), pid),
         ):
             await finished_event(tx, PacketId(int(pid)), int(sender), int(group), int(total), int(count), ts)
             finished += 1

@@ -102,9 +102,9 @@ async def packet_rows(
     try:
         await tx.execute(
             f"INSERT INTO red_packets ({given}sender_id, group_id, kind, total, share_count, greeting,"
-            " target_user_id, status, request_id, created_ms, expires_ms, seed)"
+            " target_user_id, status, request_id, created_ms, expires_ms, seed, credited_count)"
             f" VALUES ({given and '%s, '}%s, %s, %s, %s, %s, %s, %s, '{PacketStatus.ACTIVE}',"
-            " %s, %s, %s, %s)",
+            " %s, %s, %s, %s, 0)",
             (
                 *([packet_id] if packet_id else []),
                 *(sender_id, group_id, req.kind, req.total, req.count, req.greeting, req.target_user_id),

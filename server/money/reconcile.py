@@ -8,6 +8,7 @@ from Redis (what it told grabbers). Zero tolerance: any difference is reported.
                   credited + refunded + outstanding = total, outstanding ≥ 0,
                   outstanding = 0 once the packet is finished or refunded;
                   credited in the journal = credited in grab_records;
+                  its row's count of shares paid = its grab records credited;
                   expired longer than LATE_MS ago and still not settled: a difference
     per posting:  a send or refund goes to the packet's sender, a grab credit to the grab record's user,
                   of that share, for that amount (and every credited grab record has its posting);
@@ -62,6 +63,8 @@ class PacketBooks:
     shares_total: int = 0
     shares_count: int = 0
     expires_ms: int = 0
+    records_paid: int = 0  # its grab records credited
+    credited_count: int | None = None  # its row's count of them (None: sent before it was kept)
 
     @property
     def outstanding(self) -> int:
@@ -138,6 +141,10 @@ def check(books: Books) -> Report:
             diffs.append(Difference("packet_unsettled", name, 0, p.outstanding))
         if p.credited != p.credited_records:
             diffs.append(Difference("packet_credit_records", name, p.credited, p.credited_records))
+        if p.credited_count is not None and p.credited_count != p.records_paid:
+            diffs.append(
+                Difference("packet_paid_count", name + " shares paid", p.records_paid, p.credited_count)
+            )
         if p.status in OPEN and p.expires_ms and p.expires_ms < books.now_ms - LATE_MS:
             late_s = (books.now_ms - p.expires_ms) // 1000
             diffs.append(
@@ -285,6 +292,7 @@ def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]
     repeated, compared = rows["repeated"], rows["compared"]
     by_kind: dict[tuple[int, str], int] = {(int(r[0]), str(r[1])): int(r[2]) for r in sums}
     credited_records = defaultdict(int, {int(r[0]): int(r[1]) for r in records})
+    records_paid = {int(r[0]): int(r[2]) for r in records}
     crediting = []
     for pid, uid, seq, amount, grabbed, posted in rows["crediting"]:
         note = "posted, not marked paid" if int(posted) else "decided, not posted"
@@ -310,15 +318,17 @@ def _books(rows: dict[str, list[Row]], now: int) -> tuple[Books, dict[int, int]]
             shares_total=share_sums.get(int(pid), (0, 0))[0],
             shares_count=share_sums.get(int(pid), (0, 0))[1],
             expires_ms=int(expires),
+            records_paid=records_paid.get(int(pid), 0),
+            credited_count=None if paid is None else int(paid),
         )
-        for pid, status, total, count, expires, group, _ in packets
+        for pid, status, total, count, expires, group, _, paid in packets
     ]
     db_grabs: dict[int, list[GrabRow]] = defaultdict(list)
     for pid, uid, seq, amount in compared:
         db_grabs[int(pid)].append(GrabRow(int(pid), int(uid), int(seq), int(amount)))
     live = {
         int(pid): int(group)
-        for pid, status, _, _, _, group, finished in packets
+        for pid, status, _, _, _, group, finished, _ in packets
         if status in OPEN
         or (status == PacketStatus.FINISHED and finished is not None and int(finished) >= now - RECENT_MS)
     }

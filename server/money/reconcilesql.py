@@ -15,7 +15,8 @@ def queries(dialect: Dialect, now: int) -> dict[str, tuple[str, tuple[object, ..
     grab_key = dialect.concat("'grab:'", "g.packet_id", "':'", "g.seq")  # ledger.grab_key, in SQL
     return {
         "packets": (
-            "SELECT id, status, total, share_count, expires_ms, group_id, finished_ms FROM red_packets",
+            "SELECT id, status, total, share_count, expires_ms, group_id, finished_ms, credited_count"
+            " FROM red_packets",
             (),
         ),
         "sums": (
@@ -24,8 +25,8 @@ def queries(dialect: Dialect, now: int) -> dict[str, tuple[str, tuple[object, ..
             (),
         ),
         "records": (
-            f"SELECT packet_id, SUM(amount) FROM grab_records WHERE status = '{RecordStatus.CREDITED}'"
-            " GROUP BY packet_id",
+            "SELECT packet_id, SUM(amount), COUNT(*) FROM grab_records"
+            f" WHERE status = '{RecordStatus.CREDITED}' GROUP BY packet_id",
             (),
         ),
         "shares": (

@@ -161,14 +161,15 @@ async def _close(tx: Tx, credits: list[CreditEntry]) -> None:
     pids = sorted({c.packet_id for c in credits})
     await lock_packets(tx, pids)
     ts = now_ms()
+    marked: dict[PacketId, int] = {}
     for pid in pids:
         seqs = sorted({c.seq for c in credits if c.packet_id == pid})
-        await tx.execute(
+        marked[pid] = await tx.execute(  # (0 for a record an earlier run of this step marked)
             f"UPDATE grab_records SET status = '{RecordStatus.CREDITED}', credited_ms = %s"
             f" WHERE packet_id = %s AND seq IN ({marks(len(seqs))}) AND status = '{RecordStatus.CREDITING}'",
             [ts, pid, *seqs],
         )
-    await finish_paid(tx, [PacketId(p) for p in pids])
+    await finish_paid(tx, marked)
 
 
 async def complete_stranded(db: Database, older_than_ms: int, limit: int = 500) -> int:
@@ -382,8 +383,8 @@ async def void_unsent(db: Database, older_than_ms: int, since_ms: int, limit: in
         ) -> bool:
             await tx.execute(
                 f"{tx.dialect.insert_ignore} INTO red_packets (id, sender_id, group_id, kind, total,"
-                " share_count, greeting, status, created_ms, expires_ms, finished_ms)"
-                f" VALUES (%s, %s, 0, '{PacketStatus.VOID}', %s, 1, '', %s, %s, 0, %s)",
+                " share_count, greeting, status, created_ms, expires_ms, finished_ms, credited_count)"
+                f" VALUES (%s, %s, 0, '{PacketStatus.VOID}', %s, 1, '', %s, %s, 0, %s, 0)",
                 (packet_id, sender, total, VOID, now_ms(), now_ms()),
             )
             row = await tx.fetchone("SELECT status FROM red_packets WHERE id = %s", (packet_id,))

@@ -344,4 +344,22 @@ MIGRATIONS.append(
     )
 )
 
+MIGRATIONS.append(
+    (
+        14,
+        "how many of a packet's shares are paid, kept on its row",
+        [
+            # Raised in the transaction that marks its grab records credited (server.money.ledger
+            # .finish_paid), so the last share's credit sees the packet full without counting its records.
+            # NULL on a packet sent before: counted from its records until it settles (within a day).
+            # (IF NOT EXISTS: MariaDB commits an ALTER on its own, so a migration stopped half-way runs
+            # again.)
+            {
+                "mysql": "ALTER TABLE red_packets ADD COLUMN IF NOT EXISTS credited_count INT NULL",
+                "sqlite": "ALTER TABLE red_packets ADD COLUMN credited_count INT NULL",
+            },
+        ],
+    )
+)
+
 LATEST = MIGRATIONS[-1][0]

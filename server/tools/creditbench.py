@@ -78,7 +78,8 @@ async def reset_credits(core: Core, pids: list[PacketId], users: list[UserId]) -
             chunk = gone[i : i + 1000]
             await tx.execute(f"DELETE FROM events WHERE idem_key IN ({marks(len(chunk))})", chunk)
         await tx.execute(
-            f"UPDATE red_packets SET status = '{PacketStatus.ACTIVE}', finished_ms = NULL WHERE id IN ({p})",
+            f"UPDATE red_packets SET status = '{PacketStatus.ACTIVE}', finished_ms = NULL, credited_count = 0"
+            f" WHERE id IN ({p})",
             pids,
         )
         await tx.execute(f"UPDATE accounts SET balance = 0 WHERE user_id IN ({u})", users)
