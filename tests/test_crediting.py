@@ -81,6 +81,31 @@ async def test_a_mixed_batch_pays_each_share_once(core: Core) -> None:
     await assert_books_balance(core)
 
 
+@pytest.mark.parametrize("core", ["mysql"], indirect=True)
+async def test_a_share_list_the_server_cut_short_is_never_taken_for_the_share(core: Core) -> None:
+    """The batch's check of its shares reads each packet's as one string, which MariaDB cuts at
+    ``group_concat_max_len`` with only a warning: share 1 of 345 cut to ``1:34`` must not pass a credit
+    claiming 34 (nor any credit: each is then read and decided on its own)."""
+    pid, (c,), _ = await _grabs(core, 1, 345)
+    assert (c.seq, c.amount) == (1, 345)
+    lie = CreditEntry(pid, c.user_id, c.seq, 34, c.grabbed_ms)
+    async with core.db.transaction() as tx:
+        assert await crediting._shares_match(tx, [c]) and not await crediting._shares_match(tx, [lie])
+        await tx.execute("SET SESSION group_concat_max_len = 4")  # (MariaDB's least)
+        try:
+            with pytest.warns(Warning, match="cut by GROUP_CONCAT"):  # (the driver says it, no more)
+                cut = await tx.fetchone("SELECT GROUP_CONCAT(seq, ':', amount) FROM red_packet_shares"
+                                        " WHERE packet_id = %s", (pid,))  # fmt: skip
+                assert cut == ("1:34",)  # the dangerous state exists: the string cut where the lie fits
+                assert not await crediting._shares_match(tx, [lie])
+                assert not await crediting._shares_match(tx, [c])
+        finally:
+            await tx.execute("SET SESSION group_concat_max_len = DEFAULT")
+    assert await credit_many(core.db, [lie]) == [errors.SHARE_CONFLICT]
+    assert await credit_many(core.db, [c]) == ["credited"]
+    assert await ledger.balance(core.db, c.user_id) == 345
+
+
 async def test_overlapping_batches_from_two_workers_pay_once(core: Core) -> None:
     _, credits, _ = await _grabs(core, 40, 20_000)
     a, b = credits[:30], credits[10:]
