@@ -186,7 +186,7 @@ async def serve(
 
     if not supervised:
         await check_services(settings)
-    from worker.main import beside_hub
+    from worker.main import GC_THRESHOLD, beside_hub
 
     beside = beside_hub if with_worker else None
     app = create_app(settings, beside=beside, manage_gc=True, metrics_sock=metrics_sock)
@@ -195,7 +195,7 @@ async def serve(
     # stay out of it, full collections wait for a quiet moment (server.hub.gcpolicy), and the young
     # generation is collected less often during bursts.
     gc.freeze()
-    gc.set_threshold(20_000, 20, 100)
+    gc.set_threshold(*GC_THRESHOLD)
     if not supervised:
         _banner(settings, sock.getsockname()[1], up=with_worker)
     if _stop_requested:

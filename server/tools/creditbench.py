@@ -175,6 +175,9 @@ async def bench_credit(
             ]
 
             from worker.drain import CreditDrain
+            from worker.main import collect_as_a_worker
+
+            collect_as_a_worker()  # (as `redpacket worker` does once started; both sides alike)
 
             async def many() -> None:
                 for i in range(0, credits_n, 500):
