@@ -37,16 +37,21 @@ def literal(conn: Any, value: object) -> str:
     return str(value) if type(value) is int else str(conn.escape(value))
 
 
-def _row(conn: Any, row: Params) -> str:
+def _row(conn: Any, row: Params, quoted: dict[str, str]) -> str:
     """One row of values, ``(…)``: ``literal`` of each, a ``str`` quoted by the connection's own
-    ``escape_string`` as its ``escape`` does (a third of a row's time, inlined)."""
+    ``escape_string`` as its ``escape`` does (a third of a row's time, inlined), once a statement:
+    ``quoted`` keeps what this statement's rows quoted (a credit batch's status and journal kind are the
+    same string in every row, and quoting one cost 0.5 µs)."""
     parts: list[str] = []
     for v in row:
         t = type(v)
         if t is int:
             parts.append(str(v))
         elif t is str:
-            parts.append("'" + conn.escape_string(v) + "'")
+            q = quoted.get(v)
+            if q is None:
+                q = quoted[v] = "'" + conn.escape_string(v) + "'"
+            parts.append(q)
         else:
             parts.append(str(conn.escape(v)))
     return "(" + ",".join(parts) + ")"
@@ -69,10 +74,11 @@ def insert_statements(conn: Any, statement: str, rows: Sequence[Params]) -> list
     out: list[str] = []
     values: list[str] = []
     size = len(head) + len(tail)
+    quoted: dict[str, str] = {}
     for r in rows:
         if len(r) != width:
             raise ValueError(f"a row of {len(r)} values for an INSERT of {width} columns")
-        v = _row(conn, r)
+        v = _row(conn, r, quoted)
         if values and size + len(v) + 1 > MAX_STATEMENT:
             out.append(head + ",".join(values) + tail)
             values, size = [], len(head) + len(tail)
