@@ -202,7 +202,7 @@ async def test_a_packet_is_finished_by_the_transaction_that_credits_its_last_sha
     await assert_books_balance(core)
 
 
-async def _set_paid_count(core: Core, packet_id: int, count: int | None) -> None:
+async def set_paid_count(core: Core, packet_id: int, count: int | None) -> None:
     async def write(tx: Tx) -> int:
         sql = "UPDATE red_packets SET credited_count = %s WHERE id = %s"
         return await tx.execute(sql, (count, packet_id))
@@ -220,7 +220,7 @@ async def test_a_packet_sent_before_its_paid_count_was_kept_finishes_on_its_reco
     ]
     credits = [CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms) for g in gs]
     assert await crediting.credit_many(core.db, credits[:1]) == ["credited"]
-    await _set_paid_count(core, p.packet_id, None)
+    await set_paid_count(core, p.packet_id, None)
     assert await crediting.credit_many(core.db, credits[1:2]) == ["credited"]
     assert await _status(core, p.packet_id) == ("active", None)
     assert await crediting.credit_many(core.db, credits) == ["already", "already", "credited"]
@@ -231,14 +231,14 @@ async def test_a_packet_sent_before_its_paid_count_was_kept_finishes_on_its_reco
 async def test_a_paid_count_gone_wrong_never_finishes_a_packet_with_a_share_unpaid(core: Core) -> None:
     """A packet's row says one share more is paid than its grab records do: its next credit makes the
     count say "all paid", and the packet stays active (a share is not paid yet) and reconciliation reports
-    the count; the last share's credit then reaches every grabber."""
+    the count; the last share's credit then reaches every grabber and finishes it."""
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=200, count=2)
     gs = [
         (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab for u in w.members
     ]
     credits = [CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms) for g in gs]
-    await _set_paid_count(core, p.packet_id, 1)
+    await set_paid_count(core, p.packet_id, 1)
     assert await crediting.credit_many(core.db, credits[:1]) == ["credited"]
     count = await core.db.fetchone("SELECT credited_count FROM red_packets WHERE id = %s", (p.packet_id,))
     assert count == (2,)  # the dangerous state exists: the count says every share is paid
@@ -248,6 +248,10 @@ async def test_a_paid_count_gone_wrong_never_finishes_a_packet_with_a_share_unpa
     assert await crediting.credit_many(core.db, credits[1:]) == ["credited"]
     for c in credits:
         assert await ledger.balance(core.db, c.user_id) == c.amount
+    # Every share paid now, and the count past them: finished all the same, and the count still reported.
+    assert (await _status(core, p.packet_id))[0] == "finished"
+    report = await reconcile(core)
+    assert [(d.check, d.expected, d.actual) for d in report.differences] == [("packet_paid_count", 2, 3)]
 
 
 async def _look(core: Core, sender: UserId, until: asyncio.Event, seen: list[tuple[str, int]]) -> None:

@@ -16,13 +16,15 @@ from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError, Unavailable
 from server.money import grabs, ledger, packets, settlement
+from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.settings import child_env
 from server.store import keys
+from server.store.records import CreditEntry
 from tests.conftest import make_world, outbox
 from tests.hubtools import eventually
 from tests.redisproc import needs_redis_server, redis_process
-from tests.test_credit import assert_books_balance, run_worker
+from tests.test_credit import assert_books_balance, run_worker, set_paid_count
 from worker.drain import Batch, CreditDrain
 
 T = TypeVar("T")
@@ -104,6 +106,30 @@ async def test_an_emptied_packet_is_finished_not_refunded(core: Core) -> None:
     assert await settlement.due_for_refund(core, now=await _expire(core, p.packet_id)) == []
     refunds = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'refund'")
     assert refunds is not None and int(refunds[0]) == 0
+    assert (await reconcile(core)).ok
+
+
+async def test_a_packet_whose_paid_count_an_older_process_missed_is_finished_by_the_catch_up(
+    core: Core,
+) -> None:
+    """A worker from before migration 14, still running when it was applied, pays a share without raising
+    the packet's count of shares paid: the last share's credit leaves the packet active with every share
+    paid. The periodic catch-up (``mark_finished``) sets the count from the records and finishes it."""
+    w = await make_world(core, members=2, admin_cents=10_000)
+    p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=200, count=2)
+    gs = [
+        (await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)).grab for u in w.members
+    ]
+    credits = [CreditEntry(p.packet_id, g.user_id, g.seq, g.amount, g.grabbed_ms) for g in gs]
+    assert await credit_many(core.db, credits[:1]) == ["credited"]
+    await set_paid_count(core, p.packet_id, 0)  # (the older worker's credit: not counted)
+    assert await credit_many(core.db, credits[1:]) == ["credited"]
+    status = "SELECT status, credited_count FROM red_packets WHERE id = %s"
+    assert await core.db.fetchone(status, (p.packet_id,)) == ("active", 1)  # the dangerous state exists
+    assert [d.check for d in (await reconcile(core)).differences] == ["packet_paid_count"]
+    assert await settlement.mark_finished(core) == 1
+    assert await core.db.fetchone(status, (p.packet_id,)) == ("finished", 2)
+    assert await settlement.mark_finished(core) == 0
     assert (await reconcile(core)).ok
 
 

@@ -260,7 +260,7 @@ async def finish_paid(tx: Tx, paid: Mapping[PacketId, int]) -> int:
     full = await tx.fetchall(
         "SELECT id, sender_id, group_id, total, share_count FROM red_packets"
         f" WHERE id IN ({', '.join(['%s'] * len(ids))}) AND status = '{PacketStatus.ACTIVE}' AND"
-        " (credited_count = share_count OR (credited_count IS NULL AND share_count = (SELECT COUNT(*)"
+        " (credited_count >= share_count OR (credited_count IS NULL AND share_count = (SELECT COUNT(*)"
         " FROM grab_records g WHERE g.packet_id = red_packets.id"
         f" AND g.status = '{RecordStatus.CREDITED}')))",
         ids,
@@ -268,8 +268,8 @@ async def finish_paid(tx: Tx, paid: Mapping[PacketId, int]) -> int:
     ts = now_ms()
     finished = 0
     for pid, sender, group, total, count in full:
-        # Its records, read once: a count that says full and records that do not (a count gone wrong,
-        # which reconciliation reports) never finish a packet with a share unpaid.
+        # Its records, read once: a count that says full (or more) and records that do not (a count gone
+        # wrong, which reconciliation reports) never finish a packet with a share unpaid.
         paid_records = await tx.fetchone(
             "SELECT COUNT(*), MAX(grabbed_ms) FROM grab_records"
             f" WHERE packet_id = %s AND status = '{RecordStatus.CREDITED}'",
@@ -285,6 +285,29 @@ async def finish_paid(tx: Tx, paid: Mapping[PacketId, int]) -> int:
             await finished_event(tx, PacketId(int(pid)), int(sender), int(group), int(total), int(count), ts)
             finished += 1
     return finished
+
+
+async def recount_paid(tx: Tx, packet_ids: list[PacketId]) -> list[PacketId]:
+    """Each packet's ``credited_count`` set from its grab records where it is not their count (credits
+    paid by a process from before migration 14, still running when it was applied, raised none); returns
+    the packets set. (The caller holds the packets' rows locked.)"""
+    ids = sorted(set(packet_ids))
+    if not ids:
+        return []
+    m = ", ".join(["%s"] * len(ids))
+    records = await tx.fetchall(
+        f"SELECT packet_id, COUNT(*) FROM grab_records WHERE packet_id IN ({m})"
+        f" AND status = '{RecordStatus.CREDITED}' GROUP BY packet_id",
+        ids,
+    )
+    paid = {int(pid): int(n) for pid, n in records}
+    fixed = []
+    for pid, kept in await tx.fetchall(f"SELECT id, credited_count FROM red_packets WHERE id IN ({m})", ids):
+        n = paid.get(int(pid), 0)
+        if kept is None or int(kept) != n:
+            await tx.execute("UPDATE red_packets SET credited_count = %s WHERE id = %s", (n, pid))
+            fixed.append(PacketId(int(pid)))
+    return fixed
 
 
 async def finished_event(

@@ -25,9 +25,9 @@ from server.errors import RedPacketError, Unavailable
 from server.ids import PacketId
 from server.money import shardsteps
 from server.money.crediting import credit_or_record
-from server.money.creditrules import Refusal, record_refusals
+from server.money.creditrules import Refusal, lock_packets, record_refusals
 from server.money.journal import post_event
-from server.money.ledger import finish_paid, finished_event, now_ms
+from server.money.ledger import finish_paid, finished_event, now_ms, recount_paid
 from server.money.packets import (
     PACKET_COLUMNS,
     Packet,
@@ -266,7 +266,8 @@ async def due_for_refund(core: Core, now: int | None = None, limit: int = 500) -
 
 async def mark_finished(core: Core) -> int:
     """Active packets whose every share is credited become ``finished``; returns how many. (Crediting
-    the last share does this already; this catches packets credited before it did.)"""
+    the last share does this already; this catches packets credited before it did, and those whose count
+    of shares paid a process from before that count missed: set from their records, and said.)"""
     rows = await core.db.fetchall(
         f"SELECT id FROM red_packets WHERE status = '{PacketStatus.ACTIVE}' AND share_count = (SELECT"
         " COUNT(*)"
@@ -274,9 +275,18 @@ async def mark_finished(core: Core) -> int:
     )
     done = 0
     for ids in by_shard([int(r[0]) for r in rows], core.db.shards).values():  # (one shard a transaction)
-        look = dict.fromkeys([PacketId(i) for i in ids], 0)  # (no record marked paid here: only look)
-        done += await core.db.run(functools.partial(finish_paid, paid=look), idempotent=True)
+        done += await core.db.run(
+            functools.partial(_finish_full, ids=[PacketId(i) for i in ids]), idempotent=True
+        )
     return done
+
+
+async def _finish_full(tx: Tx, ids: list[PacketId]) -> int:
+    await lock_packets(tx, ids)
+    fixed = await recount_paid(tx, ids)
+    if fixed:
+        log.warning("packets %s: their count of shares paid was not their records'; set from them", fixed)
+    return await finish_paid(tx, dict.fromkeys(ids, 0))  # (no record marked paid here: only look)
 
 
 async def sweep(core: Core, now: int | None = None, window_ms: int = 26 * 3600 * 1000) -> Settled:
