@@ -16,7 +16,7 @@ import logging
 import re
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, cast
 
 from arq import Worker
@@ -55,18 +55,26 @@ BEAT_SECONDS = 5.0
 HEALTHY_WITHIN = 30.0
 
 
-# A worker process's garbage collection (``collect_as_a_worker``): the drain makes some 40 objects a credit,
-# and at CPython's thresholds (700, 10, 10) a 20,000-credit drain ran 120 young collections and a full
-# one, 85 ms of its time (4 µs a credit, 6 %); with these, and start-up objects frozen, 5-13 ms
+# A worker process's garbage collection (``collecting_as_a_worker``): the drain makes some 40 objects a
+# credit, and at CPython's thresholds (700, 10, 10) a 20,000-credit drain ran 120 young collections and a
+# full one, 85 ms of its time (4 µs a credit, 6 %); with these, and start-up objects frozen, 5-13 ms
 # (docs/benchmarks.md). The hub's are the same (``server.cli.serve``).
 GC_THRESHOLD = (20_000, 20, 100)
 
 
-def collect_as_a_worker() -> None:
-    """What exists now stays out of every collection (``gc.freeze``), and the young generation is
-    collected every ``GC_THRESHOLD[0]`` allocations: for a process about to drain credits."""
+@contextlib.contextmanager
+def collecting_as_a_worker() -> Iterator[None]:
+    """While it lasts, what exists at its start stays out of every collection (``gc.freeze``) and the young
+    generation is collected every ``GC_THRESHOLD[0]`` allocations: a process draining credits. Then the
+    collector is as it was (a bench run inside the tests leaves nothing behind)."""
+    before = gc.get_threshold()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+        gc.unfreeze()
 
 
 def cron_jobs(namespace: str) -> list[Any]:

@@ -17,7 +17,7 @@ log = logging.getLogger("redpacket")
 async def run_worker(settings: Settings) -> None:
     from prometheus_client import start_http_server
 
-    from worker.main import collect_as_a_worker, running_worker
+    from worker.main import collecting_as_a_worker, running_worker
     from worker.metrics import WorkerMetrics
 
     await check_services(settings)
@@ -37,12 +37,12 @@ async def run_worker(settings: Settings) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         reset_writer_when_told(core)
-        collect_as_a_worker()
         # SIGINT/SIGTERM: the drain gives back the claims of a batch not yet paid (or they lapse), arq's
         # running jobs are cancelled (each is idempotent and runs again later); then the process exits.
-        async with running_worker(core, metrics):
-            log.info("worker running; metrics on port %s", settings.worker_metrics_port or "(off)")
-            await stop.wait()
+        with collecting_as_a_worker():
+            async with running_worker(core, metrics):
+                log.info("worker running; metrics on port %s", settings.worker_metrics_port or "(off)")
+                await stop.wait()
 
 
 def worker_healthy(settings: Settings) -> bool:

@@ -39,9 +39,9 @@ def literal(conn: Any, value: object) -> str:
 
 def _row(conn: Any, row: Params, quoted: dict[str, str]) -> str:
     """One row of values, ``(…)``: ``literal`` of each, a ``str`` quoted by the connection's own
-    ``escape_string`` as its ``escape`` does (a third of a row's time, inlined), once a statement:
-    ``quoted`` keeps what this statement's rows quoted (a credit batch's status and journal kind are the
-    same string in every row, and quoting one cost 0.5 µs)."""
+    ``escape_string`` as its ``escape`` does (a third of a row's time, inlined), once an INSERT:
+    ``quoted`` keeps what its rows quoted so far (a credit batch's status and journal kind are the same
+    string in every row, and quoting one cost 0.5 µs)."""
     parts: list[str] = []
     for v in row:
         t = type(v)

@@ -175,9 +175,7 @@ async def bench_credit(
             ]
 
             from worker.drain import CreditDrain
-            from worker.main import collect_as_a_worker
-
-            collect_as_a_worker()  # (as `redpacket worker` does once started; both sides alike)
+            from worker.main import collecting_as_a_worker
 
             async def many() -> None:
                 for i in range(0, credits_n, 500):
@@ -195,12 +193,13 @@ async def bench_credit(
             await reset_credits(core, pids, members)
             await _raw(core, credits, 500)
             timed: dict[str, list[tuple[float, float]]] = {name: [] for name in phases}
-            for _ in range(ROUNDS):
-                for name, run in phases.items():
-                    await reset_credits(core, pids, members)
-                    if name == "drain":
-                        await _enqueue(core, credits)
-                    timed[name].append(await _timed(run, credits_n))
+            with collecting_as_a_worker():  # (as `redpacket worker` does; both sides alike)
+                for _ in range(ROUNDS):
+                    for name, run in phases.items():
+                        await reset_credits(core, pids, members)
+                        if name == "drain":
+                            await _enqueue(core, credits)
+                        timed[name].append(await _timed(run, credits_n))
             paid = await core.db.fetchone(
                 f"SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM grab_records WHERE packet_id IN"
                 f" ({marks(len(pids))})",
