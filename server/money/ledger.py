@@ -15,8 +15,8 @@ from server.ids import PacketId, UserId
 from server.money import events
 from server.money.accounts import claim_request, ensure_accounts, open_accounts
 from server.money.events import grab_key as grab_key  # (the journal key's format lives with its reader)
+from server.money.journal import marks, post_event
 from server.money.journal import now_ms as now_ms  # (the ledger's clock, as every caller imports it)
-from server.money.journal import post_event
 from server.money.statuses import PacketStatus, RecordStatus
 from server.store.db import Database, IntegrityError, Tx
 
@@ -148,8 +148,7 @@ async def create_users(db: Database, names: list[str]) -> list[UserId]:
         ids: list[UserId] = []
         for i in range(0, len(clean), 500):
             chunk = clean[i : i + 500]
-            marks = ", ".join(["%s"] * len(chunk))
-            rows = await tx.fetchall(f"SELECT name, id FROM users WHERE name IN ({marks})", chunk)
+            rows = await tx.fetchall(f"SELECT name, id FROM users WHERE name IN ({marks(len(chunk))})", chunk)
             by_name = {str(r[0]): UserId(int(r[1])) for r in rows}
             ids += [by_name[n] for n in chunk]
         if not db.shards:  # (sharded: on the users' shards, apart)
@@ -170,8 +169,7 @@ async def users_by_name(db: Database, names: list[object]) -> dict[str, UserId]:
     out: dict[str, UserId] = {}
     for i in range(0, len(clean), 500):
         chunk = clean[i : i + 500]
-        marks = ", ".join(["%s"] * len(chunk))
-        rows = await db.fetchall(f"SELECT name, id FROM users WHERE name IN ({marks})", chunk)
+        rows = await db.fetchall(f"SELECT name, id FROM users WHERE name IN ({marks(len(chunk))})", chunk)
         out.update({str(r[0]): UserId(int(r[1])) for r in rows})
     return {n: out[c] for n, c in zip(names, clean, strict=True) if c in out and isinstance(n, str)}
 
@@ -259,7 +257,7 @@ async def finish_paid(tx: Tx, paid: Mapping[PacketId, int]) -> int:
     # Most batches stop here: no packet full. One sent before its count was kept is counted row by row.
     full = await tx.fetchall(
         "SELECT id, sender_id, group_id, total, share_count FROM red_packets"
-        f" WHERE id IN ({', '.join(['%s'] * len(ids))}) AND status = '{PacketStatus.ACTIVE}' AND"
+        f" WHERE id IN ({marks(len(ids))}) AND status = '{PacketStatus.ACTIVE}' AND"
         " (credited_count >= share_count OR (credited_count IS NULL AND share_count = (SELECT COUNT(*)"
         " FROM grab_records g WHERE g.packet_id = red_packets.id"
         f" AND g.status = '{RecordStatus.CREDITED}')))",
@@ -294,15 +292,17 @@ async def recount_paid(tx: Tx, packet_ids: list[PacketId]) -> list[PacketId]:
     ids = sorted(set(packet_ids))
     if not ids:
         return []
-    m = ", ".join(["%s"] * len(ids))
     records = await tx.fetchall(
-        f"SELECT packet_id, COUNT(*) FROM grab_records WHERE packet_id IN ({m})"
+        f"SELECT packet_id, COUNT(*) FROM grab_records WHERE packet_id IN ({marks(len(ids))})"
         f" AND status = '{RecordStatus.CREDITED}' GROUP BY packet_id",
         ids,
     )
     paid = {int(pid): int(n) for pid, n in records}
     fixed = []
-    for pid, kept in await tx.fetchall(f"SELECT id, credited_count FROM red_packets WHERE id IN ({m})", ids):
+    rows = await tx.fetchall(
+        f"SELECT id, credited_count FROM red_packets WHERE id IN ({marks(len(ids))})", ids
+    )
+    for pid, kept in rows:
         n = paid.get(int(pid), 0)
         if kept is None or int(kept) != n:
             await tx.execute("UPDATE red_packets SET credited_count = %s WHERE id = %s", (n, pid))
