@@ -389,7 +389,12 @@ class SettingFields:
     presence_event_limit: int = setting(
         500, "no join/leave events in a room with more than this many online", least=0
     )
-    shutdown_seconds: int = setting(20, "graceful-shutdown budget on SIGTERM", least=0)
+    shutdown_seconds: int = setting(
+        20,
+        "graceful-shutdown budget on SIGTERM; a worker still stopping after it (5 s at least) prints where"
+        " it is stuck and exits with code 1",
+        least=0,
+    )
     worker_metrics_port: int = setting(
         9108, "`redpacket worker` serves Prometheus metrics here (0: off)", **PORT
     )

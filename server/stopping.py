@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import subprocess
+import sys
 from collections.abc import Iterable, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,54 @@ async def stop(
             ", ".join(sorted(repr(t) for t in pending)),
         )
     return not pending
+
+
+def say_where_stuck(after: float, *, then_exit: bool) -> None:
+    """Watch this process's stop: if it still runs ``after`` seconds from now, every task of the loop and
+    where it waits (a second earlier), then every thread's stack, go to stderr; with ``then_exit`` the
+    process ends there, exit code 1. Armed by the first SIGTERM or SIGINT, before any of the stop runs:
+    a hang inside the loop's own end (``uvloop.run`` cancels what is left and waits on it without a
+    bound) is caught too. The stacks and the exit come from faulthandler's watchdog, a thread of C that
+    needs no interpreter lock, so they come even if the loop's thread is blocked holding it (a cancel
+    that lands while uvloop spawns a child can do that: MagicStack/uvloop#118)."""
+    faulthandler.dump_traceback_later(after, exit=then_exit)
+    with contextlib.suppress(RuntimeError):  # (no loop running: the stacks alone)
+        asyncio.get_running_loop().call_later(max(after - 1, 0), print_tasks)
+
+
+def print_tasks() -> None:
+    """Every task of the running loop on stderr: one line each saying where it waits, then its stack."""
+    tasks = asyncio.all_tasks()
+    print(f"still running while stopping: {len(tasks)} task(s), each where it waits:", file=sys.stderr)
+    for task in tasks:  # one line each first: a log cut short still shows every task
+        print(f"  {task.get_name()}: {waits_at(task)}", file=sys.stderr)
+    for task in tasks:
+        print(f"--- {task!r}", file=sys.stderr)
+        task.print_stack(limit=12, file=sys.stderr)
+    sys.stderr.flush()
+
+
+def waits_at(task: asyncio.Task[object]) -> str:
+    """The chain of coroutines ``task`` is suspended in, outermost first, through ``async with`` blocks
+    of ``contextlib.asynccontextmanager`` (``Task.print_stack`` shows only the outermost frame)."""
+    parts: list[str] = []
+    coro: object = task.get_coro()
+    frame: FrameType | None = None
+    while coro is not None and len(parts) < 30:
+        if getattr(coro, "cr_frame", None) is None and getattr(coro, "ag_frame", None) is None:
+            # An async generator's step (``asend``) shows nothing: the generator is the context manager's.
+            gen = getattr(frame.f_locals.get("self"), "gen", None) if frame is not None else None
+            if gen is None or getattr(gen, "ag_frame", None) is None:
+                break
+            coro = gen
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        assert frame is not None
+        where = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        parts.append(f"{getattr(coro, '__qualname__', '?')} {where}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    if coro is not None:
+        parts.append(type(coro).__name__)
+    return " → ".join(parts) or repr(task)
 
 
 def _retrieve(t: asyncio.Future[Any]) -> None:

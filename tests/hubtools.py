@@ -236,7 +236,7 @@ def redpacket_up(
             drain.join(timeout=30)
             proc.stdout.close()
             text = "".join(said)
-            at = text.find("still running after the drain budget")  # one line per task: first, whole
+            at = text.find("still running while stopping")  # one line per task: first, whole
             raise AssertionError(
                 "redpacket up did not stop on Ctrl-C; where its tasks waited:\n"
                 + (text[at : at + 6000] if at >= 0 else "(not said)")

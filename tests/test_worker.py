@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -206,3 +208,54 @@ async def test_the_worker_stops_when_arqs_loop_swallows_a_cancel(
     done, _ = await asyncio.wait({task}, timeout=30)
     assert swallowed.is_set()  # the dangerous state: a cancel arq's loop did not take
     assert done == {task} and task.cancelled()
+
+
+# A worker process whose stop leaves a task that takes no cancel: ``uvloop.run`` cancels what is left once
+# and waits on it without a bound. (A cancel landing while uvloop spawns the reconciliation's child can
+# block the loop's thread itself: MagicStack/uvloop#118.)
+_STUBBORN_WORKER = """
+import asyncio, sys
+import worker.main
+real = worker.main.stop
+async def stop_leaving_a_stubborn_task(tasks, what, **kw):
+    async def stubborn():
+        print("a stubborn task runs", file=sys.stderr, flush=True)
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                pass
+    if what == "the worker":
+        asyncio.get_running_loop().create_task(stubborn(), name="stubborn")
+    return await real(tasks, what, **kw)
+worker.main.stop = stop_leaving_a_stubborn_task
+from server.cli import main
+main(["worker"])
+"""
+
+
+async def test_a_worker_whose_stop_hangs_says_where_and_ends_within_its_budget(
+    core: Core, tmp_path: Path
+) -> None:
+    said = tmp_path / "worker.err"
+    env = {**worker_env(core.settings), "REDPACKET_SHUTDOWN_SECONDS": "1"}  # (5 s: the least it takes)
+    with said.open("w") as err:
+        proc = subprocess.Popen(  # noqa: ASYNC220 - the worker under test
+            [sys.executable, "-c", _STUBBORN_WORKER], env=env, stdout=subprocess.DEVNULL, stderr=err
+        )
+    try:
+        await eventually(lambda: _has(said, "worker running"), timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        await eventually(lambda: _has(said, "a stubborn task runs"), timeout=30)  # the dangerous state
+        code = await asyncio.to_thread(proc.wait, 60)
+        text = await asyncio.to_thread(said.read_text)
+        assert code == 1, text
+        assert "still running while stopping" in text and "  stubborn: " in text, text  # where it waits
+        assert "Timeout (0:00:05)!" in text, text  # and every thread's stack, from faulthandler
+    finally:
+        proc.kill()
+        await asyncio.to_thread(proc.wait, 30)
+
+
+async def _has(path: Path, line: str) -> bool:
+    return line in await asyncio.to_thread(path.read_text)

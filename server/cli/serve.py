@@ -3,9 +3,6 @@ supervisor of several on one socket."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import faulthandler
 import gc
 import secrets
 import socket
@@ -19,6 +16,7 @@ from server.cli.errors import OperatorError
 from server.cli.services import check_services
 from server.hub.app import uvicorn_config
 from server.settings import Settings, redact
+from server.stopping import STOP_SECONDS, say_where_stuck
 
 _stop_requested = False
 
@@ -34,51 +32,12 @@ def on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 class _Server(uvicorn.Server):
     """uvicorn's server; a stop that takes longer than the drain budget says where it is stuck: every
-    thread's stack on stderr (it keeps stopping meanwhile)."""
+    task and every thread's stack on stderr (it keeps stopping meanwhile)."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
-            budget = self.config.timeout_graceful_shutdown or 0
-            faulthandler.dump_traceback_later(budget + 5, exit=False)
-            with contextlib.suppress(RuntimeError):  # and what every task still waits for
-                asyncio.get_running_loop().call_later(budget + 5, _print_tasks)
+            say_where_stuck((self.config.timeout_graceful_shutdown or 0) + STOP_SECONDS, then_exit=False)
         super().handle_exit(sig, frame)
-
-
-def _print_tasks() -> None:
-    tasks = asyncio.all_tasks()
-    print(
-        f"still running after the drain budget: {len(tasks)} task(s), each where it waits:", file=sys.stderr
-    )
-    for task in tasks:  # one line each first: a log cut short still shows every task
-        print(f"  {task.get_name()}: {waits_at(task)}", file=sys.stderr)
-    for task in tasks:
-        print(f"--- {task!r}", file=sys.stderr)
-        task.print_stack(limit=12, file=sys.stderr)
-    sys.stderr.flush()
-
-
-def waits_at(task: asyncio.Task[object]) -> str:
-    """The chain of coroutines ``task`` is suspended in, outermost first, through ``async with`` blocks
-    of ``contextlib.asynccontextmanager`` (``Task.print_stack`` shows only the outermost frame)."""
-    parts: list[str] = []
-    coro: object = task.get_coro()
-    frame: FrameType | None = None
-    while coro is not None and len(parts) < 30:
-        if getattr(coro, "cr_frame", None) is None and getattr(coro, "ag_frame", None) is None:
-            # An async generator's step (``asend``) shows nothing: the generator is the context manager's.
-            gen = getattr(frame.f_locals.get("self"), "gen", None) if frame is not None else None
-            if gen is None or getattr(gen, "ag_frame", None) is None:
-                break
-            coro = gen
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
-        assert frame is not None
-        where = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
-        parts.append(f"{getattr(coro, '__qualname__', '?')} {where}")
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
-    if coro is not None:
-        parts.append(type(coro).__name__)
-    return " → ".join(parts) or repr(task)
 
 
 def demo_secret(settings: Settings) -> Settings:

@@ -10,6 +10,7 @@ from server.cli.errors import OperatorError
 from server.cli.services import check_services
 from server.core import open_core, reset_writer_when_told
 from server.settings import Settings
+from server.stopping import STOP_SECONDS, say_where_stuck
 
 log = logging.getLogger("redpacket")
 
@@ -33,9 +34,15 @@ async def run_worker(settings: Settings) -> None:
                     f" {e.strerror} (set REDPACKET_WORKER_METRICS_PORT, 0 for none)"
                 ) from None
         stop = asyncio.Event()
+
+        def stopping() -> None:
+            if not stop.is_set():  # a stop that hangs says where and ends the process (server.stopping)
+                say_where_stuck(max(settings.shutdown_seconds, STOP_SECONDS), then_exit=True)
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stopping)
         reset_writer_when_told(core)
         # SIGINT/SIGTERM: the drain gives back the claims of a batch not yet paid (or they lapse), arq's
         # running jobs are cancelled (each is idempotent and runs again later); then the process exits.

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from server import stopping
-from server.cli.serve import waits_at
-from server.stopping import check_cancelled, child, stop
+from server.stopping import check_cancelled, child, stop, waits_at
 
 pytestmark = pytest.mark.unit
 
