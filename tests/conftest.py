@@ -157,8 +157,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def need_spider() -> None:
     """Skip (or, with REDPACKET_TEST_REQUIRE_SPIDER=1, fail) without mariadbd and the Spider plugin."""
-    from server.tools.spider import PLUGIN, SpiderSetupError
-    from server.tools.spider.node import program
+    from launchers.spider import PLUGIN, SpiderSetupError
+    from launchers.spider.node import program
 
     try:
         for name in ("mariadbd", "mariadb-install-db"):
@@ -176,11 +176,11 @@ SPIDER_DATABASE = "redpacket_test"
 
 @pytest.fixture(scope="session")
 def spider_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The head's URL of a sharded ledger over three backends (``server.tools.spider``), made by
+    """The head's URL of a sharded ledger over three backends (``launchers.spider``), made by
     ``redpacket migrate``'s own code, for the session. A sync fixture (``core`` asks for it by name): the
     cluster lives on a loop of its own, in a thread."""
+    from launchers.spider import SpiderCluster, spider_cluster
     from server.store.shards import make_sharded
-    from server.tools.spider import SpiderCluster, spider_cluster
     from tests.hubtools import server_port
 
     need_spider()

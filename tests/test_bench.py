@@ -92,7 +92,7 @@ async def test_the_credit_bench_undoes_only_its_own_credits(core: Core) -> None:
     own packets' credits only: the others stay paid, every phase paid every credit it was given, and the
     ledger reconciles clean after it. (It once deleted every grab record of the database; a ledger in use
     is refused by the command: ``test_cli``.)"""
-    from server.tools.creditbench import bench_credit
+    from bench.creditbench import bench_credit
 
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=500, count=2)

@@ -125,12 +125,13 @@ def test_the_dockerfile_install_step_gives_a_working_redpacket(tmp_path: Path) -
     )
     deps = [p for p in sys.path if p.endswith("site-packages")]
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "PYTHONPATH": ":".join(deps)}
-    # Every module of the system imports from the installed copy (the tools need their extra; __main__ runs
-    # the command): a package
+    # Every module of the system and of the launchers imports from the installed copy (the tools and the
+    # benchmarks need their extra, so of bench/ only the package; __main__ runs the command): a package
     # the wheel left out fails here, not when the image's hub or worker starts.
     probe = (
-        "import importlib, pkgutil, server, worker; from server.store.assets import asset_dir;"
-        "[importlib.import_module(m.name) for p in (server, worker)"
+        "import importlib, pkgutil, server, worker, launchers, bench;"
+        "from server.store.assets import asset_dir;"
+        "[importlib.import_module(m.name) for p in (server, worker, launchers)"
         " for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.')"
         " if not m.name.startswith('server.tools') and not m.name.endswith('__main__')];"
         "print(server.__file__); print(asset_dir('lua')); print(asset_dir('web'));"
@@ -177,7 +178,7 @@ def test_the_default_stack_makes_grabs_durable_on_disk() -> None:
 
 
 @pytest.mark.unit
-def test_the_cluster_variant_is_six_nodes_formed_once_and_named_as_the_readme_says() -> None:
+def test_the_cluster_variant_is_six_nodes_formed_once_and_named_as_the_docs_say() -> None:
     compose = _compose()
     services = compose["services"]
     nodes = [f"redis-{n}" for n in range(1, 7)]
@@ -196,12 +197,12 @@ def test_the_cluster_variant_is_six_nodes_formed_once_and_named_as_the_readme_sa
     for app in ("hub", "worker"):
         dep = services[app]["depends_on"]["redis-cluster"]
         assert dep == {"condition": "service_completed_successfully", "required": False}
-    # The README's command names masters of this file and the plain server as arq's queue.
-    readme = (ROOT / "README.md").read_text()
+    # docs/operations.md's command names masters of this file and the plain server as arq's queue.
+    operations = (ROOT / "docs" / "operations.md").read_text()
     m = re.search(
-        r"REDPACKET_REDIS_URL=redis\+cluster://(\S+) \\\n(.*)docker compose --profile cluster up", readme
+        r"REDPACKET_REDIS_URL=redis\+cluster://(\S+) \\\n(.*)docker compose --profile cluster up", operations
     )
-    assert m, "README: the cluster variant's command"
+    assert m, "docs/operations.md: the cluster variant's command"
     assert {h.split(":")[0] for h in m[1].split(",")} <= set(nodes)
     assert "REDPACKET_QUEUE_REDIS_URL=redis://redis:6379/0" in m[2]
     assert "REDPACKET_REDIS_URL=redis+cluster://redis-1:6379" in (ROOT / "docker-compose.yml").read_text()
@@ -330,7 +331,7 @@ def test_the_galera_variant_is_three_nodes_the_first_bootstrapping_one_copy_at_a
     assert "depends_on" not in services["galera-1"]
     assert services["galera-2"]["depends_on"] == {"galera-1": {"condition": "service_healthy"}}
     assert services["galera-3"]["depends_on"] == {"galera-2": {"condition": "service_healthy"}}
-    # The plain server stays the default, the apps' URL untouched; the file and the README say how to
+    # The plain server stays the default, the apps' URL untouched; the file and docs/operations.md say how to
     # point the apps at all three nodes.
     assert "profiles" not in services["mariadb"]
     for app in ("hub", "worker"):
@@ -338,4 +339,4 @@ def test_the_galera_variant_is_three_nodes_the_first_bootstrapping_one_copy_at_a
         assert not set(services[app]["depends_on"]) & set(nodes)
     url = "@galera-1:3306,galera-2:3306,galera-3:3306/redpacket"
     assert url in (ROOT / "docker-compose.yml").read_text()
-    assert "docker compose --profile galera up" in (ROOT / "README.md").read_text()
+    assert "docker compose --profile galera up" in (ROOT / "docs" / "operations.md").read_text()

@@ -1,4 +1,4 @@
-"""The ledger on a three-node MariaDB Galera cluster (``server.tools.galera``), every process given the
+"""The ledger on a three-node MariaDB Galera cluster (``launchers.galera``), every process given the
 multi-host URL: a storm of sends and grabs through two hub processes, paid by two worker processes, while
 one node is killed with ``kill -9`` — the writer every process uses, or another — and then started again;
 a node paused (a partition) serves no stale read; two writers' certification conflicts are retried and
@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 from websockets.exceptions import ConnectionClosed
 
+from launchers.galera import GaleraCluster, GaleraNode, galera_cluster
 from server import errors
 from server.core import open_core
 from server.money import journal, ledger
@@ -35,7 +36,6 @@ from server.settings import Settings, child_env
 from server.store.db import Database, DatabaseError, NotReady, RetryableError
 from server.store.engines import connect
 from server.tools.client import HubClient, HubError
-from server.tools.galera import GaleraCluster, GaleraNode, galera_cluster
 from tests.conftest import name_deployment
 from tests.hubtools import HubUnderTest, eventually, hub_process, server_port, worker_env
 from tests.test_galera_cluster import galera_ports, need_galera

@@ -1,4 +1,4 @@
-"""A real three-node MariaDB Galera cluster on this machine (``server.tools.galera``): it forms, replicates,
+"""A real three-node MariaDB Galera cluster on this machine (``launchers.galera``): it forms, replicates,
 survives a node killed with ``kill -9`` and takes it back, comes back after every node was killed, and
 its command starts and stops cleanly. One cluster for the module (~10 s to start); the tests that kill
 nodes run last.
@@ -24,8 +24,8 @@ from typing import Any
 import aiomysql
 import pytest
 
-from server.tools.galera import PROVIDER, GaleraCluster, GaleraNode, GaleraSetupError, galera_cluster
-from server.tools.galera.node import grastate, program
+from launchers.galera import PROVIDER, GaleraCluster, GaleraNode, GaleraSetupError, galera_cluster
+from launchers.galera.node import grastate, program
 from tests.hubtools import server_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,7 +114,7 @@ async def test_a_row_written_on_node_0_is_read_on_nodes_1_and_2(galera: GaleraCl
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "server.tools.galera", *args]
+    return [sys.executable, "-m", "launchers.galera", *args]
 
 
 def _mariadbd_under(directory: Path) -> list[int]:

@@ -7,8 +7,10 @@ reaching into another's private names. (docs/architecture.md draws the same pict
   bot detector); imports money and the store, never the hub, the worker or the tools.
 - ``server.hub``: imports live, money and the store; never the worker or the tools.
 - ``worker``: imports live, money and the store; never the hub or the tools.
-- ``server.tools``: imported by nothing of the system; only the ``redpacket`` command (``server.cli``)
-  starts them.
+- ``server.tools``: the Python client of the hub's protocol; imported by nothing of the system.
+- ``bench``: the benchmarks and the Locust load; ``launchers``: the local services they and the tests
+  start (Galera, Spider, throw-away Redis servers), which import nothing of ours. Nothing of the system
+  imports either; only the ``redpacket`` command (``server.cli``) starts them.
 - ``server.cli``: the ``redpacket`` command, a package of one module per command; it composes
   everything, and nothing of the system imports it.
 - Shared by all: ``server.settings`` (with ``server.settingfields``), ``server.errors``, ``server.text``,
@@ -49,12 +51,25 @@ MAY_IMPORT = {
     "server.hub": {"server.live", "server.money", "server.store"},
     "worker": {"server.live", "server.money", "server.store"},
     "server.tools": {"server.live", "server.money", "server.store", "server.hub", "worker"},
+    "launchers": set(),
+    "bench": {
+        "server.live",
+        "server.money",
+        "server.store",
+        "server.hub",
+        "worker",
+        "server.tools",
+        "launchers",
+    },
 }
+# Beside the system, imported by nothing of it.
+TOOLS = ("server.tools", "bench", "launchers")
 MAY_IMPORT["server.cli"] = set(MAY_IMPORT)  # the command composes every layer
 
 
 def modules() -> Iterator[tuple[str, Path]]:
-    for path in sorted([*ROOT.glob("server/**/*.py"), *ROOT.glob("worker/*.py")]):
+    found = ["server/**/*.py", "worker/*.py", "bench/*.py", "launchers/**/*.py"]
+    for path in sorted(p for pattern in found for p in ROOT.glob(pattern)):
         parts = path.relative_to(ROOT).with_suffix("").parts
         yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
 
@@ -131,9 +146,9 @@ def test_nothing_but_the_command_imports_the_tools() -> None:
     wrong = [
         f"{path.relative_to(ROOT)}:{line}: {imported}"
         for module, path in KNOWN.items()
-        if layer(module) not in ("server.tools", "server.cli")
+        if layer(module) not in (*TOOLS, "server.cli")
         for imported, _, line in imports(path)
-        if layer(imported) == "server.tools"
+        if layer(imported) in TOOLS
     ]
     assert wrong == []
 
@@ -293,7 +308,7 @@ def test_the_journal_and_the_balances_have_one_writer() -> None:
     found = sorted(
         f"{path.relative_to(ROOT)}:{line}"
         for module, path in KNOWN.items()
-        if not module.startswith("server.tools")
+        if layer(module) not in TOOLS
         for line, text in sql_on_money_tables(path.read_text())
         if writes.search(text)
     )
@@ -308,7 +323,7 @@ def test_statuses_are_named_only_by_their_enums() -> None:
     found = sorted(
         f"{path.relative_to(ROOT)}:{n}"
         for module, path in KNOWN.items()
-        if not module.startswith("server.tools") and module != "server.money.statuses"
+        if layer(module) not in TOOLS and module != "server.money.statuses"
         for n, text in enumerate(path.read_text().splitlines(), 1)
         if literal.search(text)
     )

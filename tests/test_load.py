@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from server.settings import child_env
-from server.tools.loadplan import (
+from bench.loadplan import (
     StageFigures,
     bucket_quantile,
     knee,
@@ -25,6 +24,7 @@ from server.tools.loadplan import (
     stage_at,
     subtract,
 )
+from server.settings import child_env
 from tests.hubtools import redpacket_up
 
 
@@ -201,7 +201,7 @@ def test_a_step_up_run_against_a_hub_and_worker(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_server_frames_are_parsed_whole_and_partial_ones_left_for_later() -> None:
-    from server.tools.loadplan import server_frames
+    from bench.loadplan import server_frames
 
     small = bytes([0x82, 3]) + b"abc"
     mid = bytes([0x82, 126]) + (300).to_bytes(2, "big") + b"x" * 300

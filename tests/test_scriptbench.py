@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.scriptbench import STUBS, Shape, bench_grab_script, stubbed
+from launchers.throwaway import Setup
 from server.store.scripts import LUA_DIR
-from server.tools.scriptbench import STUBS, Shape, bench_grab_script, stubbed
-from server.tools.throwaway import Setup
 from tests.redisproc import needs_redis_server
 
 SMALL = Shape(groups=3, members=40)

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
+from launchers.spider import SpiderCluster
 from server.store import schema, shards
 from server.store.db import Database, DatabaseError
 from server.store.dialect import MYSQL
 from server.store.engines import connect
 from server.store.schema import pending
 from server.store.shards import SHARDED, make_sharded, runs_on_head, spider_table, written_table
-from server.tools.spider import SpiderCluster
 from tests import test_shards
 
 SEED = "ab" * 32

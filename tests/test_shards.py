@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from launchers.spider import SpiderCluster, spider_cluster
 from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError
@@ -36,7 +37,6 @@ from server.store.db import DatabaseError, Unreachable
 from server.store.engines import connect
 from server.store.records import CreditEntry
 from server.store.shards import make_sharded, shard_of, spider_table
-from server.tools.spider import SpiderCluster, spider_cluster
 from tests.conftest import make_world, name_deployment, need_spider
 from tests.hubtools import eventually, hub_process, server_port, worker_env
 from tests.test_galera import Storm, _credited, _grabber, _sender, storm_world

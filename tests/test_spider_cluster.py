@@ -1,4 +1,4 @@
-"""A real Spider head and three backends on this machine (``server.tools.spider``): they come up with the
+"""A real Spider head and three backends on this machine (``launchers.spider``): they come up with the
 options the tool promises, a Spider table made by hand over the backends puts row ``id`` on backend
 ``id % 3``, a backend killed with ``kill -9`` fails only the queries that touch it (error 1429) and is
 readable again once started, a paused one holds a query seconds, not minutes; the command prints the two
@@ -29,8 +29,8 @@ import aiomysql
 import pytest
 import yaml
 
-from server.tools.spider import SpiderCluster, SpiderNode, spider_cluster
-from server.tools.spider import __main__ as command
+from launchers.spider import SpiderCluster, SpiderNode, spider_cluster
+from launchers.spider import __main__ as command
 from tests.conftest import need_spider
 from tests.hubtools import server_port
 
@@ -127,7 +127,7 @@ async def test_rows_written_through_the_head_land_on_backend_id_mod_3(spider: Sp
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "server.tools.spider", *args]
+    return [sys.executable, "-m", "launchers.spider", *args]
 
 
 def _mariadbd_under(directory: Path) -> list[int]:
@@ -257,8 +257,8 @@ def test_a_missing_mariadbd_or_plugin_says_what_to_install_in_one_line(
     missing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """In-process, nothing started: the checks run before any server does."""
-    import server.tools.spider.cluster as cluster_module
-    import server.tools.spider.node as node_module
+    import launchers.spider.cluster as cluster_module
+    import launchers.spider.node as node_module
 
     monkeypatch.setattr(node_module, "which", lambda name: None if missing == name else "/bin/true")
     if missing == "plugin":
@@ -301,7 +301,7 @@ def test_the_compose_profile_is_a_head_with_spider_and_three_backends() -> None:
     assert "REDPACKET_DATABASE_URL: mysql://redpacket:${MARIADB_PASSWORD}@spider-head:3306/redpacket" in text
     shards = ",".join(f"mysql://redpacket:${{MARIADB_PASSWORD}}@spider-{i}:3306/redpacket" for i in (1, 2, 3))
     assert f"REDPACKET_SHARDS: {shards}" in text
-    assert "docker compose --profile spider up" in (ROOT / "README.md").read_text()
+    assert "docker compose --profile spider up" in (ROOT / "docs" / "operations.md").read_text()
 
 
 # --- last: the tests that kill or pause a backend of the module's cluster (it is whole again after each) ---

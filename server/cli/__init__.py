@@ -112,23 +112,23 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     if command == "bench":
         _need_tools("bench hot" if args.what == "hot" else "bench", plot=bool(args.plot))
     if command == "bench" and args.what == "tokens":  # pure CPU: no Redis, no database
-        from server.tools.tokenbench import bench_tokens
+        from bench.tokenbench import bench_tokens
 
         bench_tokens(plot=Path(args.plot) if args.plot else None)
         return 0
     if command == "bench" and args.what == "frames":  # pure CPU too
-        from server.tools.framebench import bench_frames
+        from bench.framebench import bench_frames
 
         bench_frames(plot=Path(args.plot) if args.plot else None)
         return 0
     if command == "bench" and args.what == "split":  # pure CPU too
-        from server.tools.splitbench import bench_split
+        from bench.splitbench import bench_split
 
         bench_split(plot=Path(args.plot) if args.plot else None)
         return 0
     if command == "bench" and args.what == "grab-script":  # a throw-away redis-server of its own
-        from server.tools.scriptbench import bench_grab_script
-        from server.tools.throwaway import Setup
+        from bench.scriptbench import bench_grab_script
+        from launchers.throwaway import Setup
 
         setup = Setup(args.redis_setup)
         config = [w if i else f"--{w}" for option in args.redis_config for i, w in enumerate(option.split())]
@@ -213,7 +213,7 @@ def _load(argv: list[str]) -> None:
     except OperatorError as e:
         print(f"redpacket: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    from server.tools import load
+    from bench import load
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -1,4 +1,4 @@
-"""``redpacket bench``: which benchmark of ``server.tools`` each name runs, once the services answer
+"""``redpacket bench``: which benchmark of ``bench`` each name runs, once the services answer
 (docs/benchmarks.md; ``bench tokens``, pure CPU, needs neither and is run from ``server.cli``)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from server.settings import Settings
 
 
 async def bench(settings: Settings, args: argparse.Namespace) -> None:
-    from server.tools import hotbench, hubbench
-    from server.tools.bench import run_grab_bench
-    from server.tools.creditbench import bench_credit, bench_storm
-    from server.tools.dbreadbench import run_db_read_bench
+    from bench import hotbench, hubbench
+    from bench.creditbench import bench_credit, bench_storm
+    from bench.dbreadbench import run_db_read_bench
+    from bench.grabbench import run_grab_bench
 
     what = args.what
     if args.spider:
@@ -33,7 +33,7 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
     elif what == "hub-grab":
         await hubbench.bench_hub_grab(settings, workers=args.workers, plot=plot, seconds=args.seconds)
     elif what == "flood":
-        from server.tools.floodbench import bench_flood
+        from bench.floodbench import bench_flood
 
         await bench_flood(settings, seconds=args.seconds or 15.0)
     elif args.spider:
@@ -49,7 +49,7 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
     elif what == "fanout":
         await hubbench.bench_fanout(settings, plot=plot)
     elif what == "hook":
-        from server.tools.hookbench import bench_hook
+        from bench.hookbench import bench_hook
 
         await bench_hook(settings, plot=plot)
     else:
@@ -85,8 +85,8 @@ def _storm_seconds(args: argparse.Namespace) -> int:
 
 async def _on_galera(settings: Settings, args: argparse.Namespace, plot: Path | None) -> None:
     """``credit --galera`` / ``storm --galera``: beside the configured MariaDB, a cluster of its own."""
-    from server.tools import galerabench
-    from server.tools.galera import GaleraSetupError
+    from bench import galerabench
+    from launchers.galera import GaleraSetupError
 
     if not settings.database_url.startswith(("mysql", "mariadb")):
         raise OperatorError("--galera compares with a MariaDB: set REDPACKET_DATABASE_URL=mysql://…", 2)
@@ -113,8 +113,8 @@ def _spider_args(settings: Settings, args: argparse.Namespace) -> None:
 
 async def _on_spider(settings: Settings, args: argparse.Namespace, plot: Path | None) -> None:
     """``credit --spider``: beside the configured MariaDB, a Spider head over 1, 2 and 3 backends."""
-    from server.tools import spiderbench
-    from server.tools.spider import SpiderSetupError
+    from bench import spiderbench
+    from launchers.spider import SpiderSetupError
 
     try:
         await spiderbench.bench_credit_spider(settings, args.rounds, args.credits, plot=plot)

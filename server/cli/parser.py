@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="HEX",
         help="the commitment a member kept from the send (reply or packet event): checked against it",
     )
-    # Parsed by server.tools.load (every flag it does not know goes to Locust): listed here for --help only.
+    # Parsed by bench.load (every flag it does not know goes to Locust): listed here for --help only.
     _add(
         sub,
         "load",

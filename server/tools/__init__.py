@@ -1,3 +1,2 @@
-"""Tools around the system, apart from the code they measure: the benchmarks, the Locust load, plots and
-progress, a Python client of the protocol. Nothing of the system imports them; the ``redpacket`` command
-(``server.cli``) starts them."""
+"""The Python client of the hub's protocol: one connection (``client``) and the app's client that
+reconnects and recovers on top of it (``reconnecting``). Nothing of the system imports them."""

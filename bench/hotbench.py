@@ -1,0 +1,309 @@
+"""``redpacket bench hot``: 10,000 clients grab one 1,000-share packet at once, against a bare echo burst
+of the same client in the same run.
+
+The client must be faster than what it measures, so it is not ``HubClient``: each client process
+(``--client-procs``) is ``bench.hotclient`` (picows, a websocket client in Cython). The driver
+(this process) tells the client processes what to do over their stdin/stdout and gathers what they
+measured; times are ``time.monotonic`` (one clock for every process on the machine).
+
+In one run, with the same clients:
+
+1. **echo**: connect every client to a bare Starlette echo app (same uvicorn settings), then every
+   client sends one frame at once; a reply is the frame coming back.
+2. **hub**: connect every client to ``redpacket serve`` (``--workers``), each syncs the group (so each
+   also receives the room's announcements), then every client sends a grab of the packet at once.
+
+Printed: connect time, all-replies time and reply P50 / P99 of both and their ratios; CPU of the server,
+the client processes and Redis per phase (who was the limit); RSS per idle connection; the longest
+garbage-collector pause in the hub during the burst; what the room was sent; over-issue from the
+database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from bench import hubbench, plots
+from bench.progress import phase
+from bench.report import report
+from server.core import open_core
+from server.ids import GroupId, PacketId, UserId
+from server.money import grabs
+from server.settings import Settings
+from server.store.redisnodes import RedisNodes
+
+# -- the driver ------------------------------------------------------------------------------------------
+
+
+class ClientProcs:
+    """The client processes: each owns a slice of the clients and answers one JSON line per command."""
+
+    def __init__(self, n: int) -> None:
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.hotclient"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(n)
+        ]
+
+    async def ask(self, commands: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One command to each process (in order), and each one's answer."""
+        for proc, command in zip(self.procs, commands, strict=True):
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(command) + "\n")
+            proc.stdin.flush()
+
+        def answer(proc: subprocess.Popen[str]) -> dict[str, Any]:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError("a bench client process died (its error is above)")
+            # (json.loads is typed Any; a client process's line is a JSON object.)
+            return json.loads(line)  # type: ignore[no-any-return]
+
+        return list(await asyncio.gather(*(asyncio.to_thread(answer, p) for p in self.procs)))
+
+    async def close(self) -> None:
+        for proc in self.procs:
+            if proc.stdin is not None:
+                proc.stdin.close()
+        for proc in self.procs:
+            await asyncio.to_thread(proc.wait, 60)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def _slices(items: list[Any], n: int) -> list[list[Any]]:
+    return [items[i::n] for i in range(n)]
+
+
+def _gc_pauses(http_url: str) -> dict[str, float]:
+    """The hub's garbage-collector pauses so far (``redpacket_hub_gc_pause_seconds``): how many, their
+    total, how many took over 10 ms, and the longest ever."""
+    with urllib.request.urlopen(f"{http_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+
+    def value(pattern: str) -> float:
+        m = re.search(pattern, text, re.MULTILINE)
+        return float(m[1]) if m else 0.0
+
+    count = value(r"^redpacket_hub_gc_pause_seconds_count (\S+)$")
+    return {
+        "n": count,
+        "s": value(r"^redpacket_hub_gc_pause_seconds_sum (\S+)$"),
+        "over_10ms": count - value(r'^redpacket_hub_gc_pause_seconds_bucket\{le="0.01"\} (\S+)$'),
+        "max": value(r"^redpacket_hub_gc_pause_max_seconds (\S+)$"),
+    }
+
+
+async def _burst(
+    clients: ClientProcs, frame: bytes, server_pid: int, redis: RedisNodes | None, wait_finished: bool
+) -> dict[str, Any]:
+    """Every client sends ``frame`` at once; the figures of the replies and who spent what."""
+    cpu = hubbench.cpu_seconds(server_pid)
+    redis_cpu = await hubbench.redis_cpu_seconds(redis) if redis else 0.0
+    command = {"cmd": "burst", "frame": frame.hex(), "wait_finished": wait_finished}
+    answers = await clients.ask([command] * len(clients.procs))
+    server_cpu = hubbench.cpu_seconds(server_pid) - cpu
+    latencies = sorted(x for a in answers for x in a["latencies_ms"])
+    went = min(a["went"] for a in answers)
+    # Each reply: when it came (s after the first frame went) and how long it took (ms), for the plots.
+    points = [
+        (at - went, ms) for a in answers for at, ms in zip(a["replied_at"], a["latencies_ms"], strict=True)
+    ]
+    outcomes: dict[str, int] = {}
+    for a in answers:
+        for k, v in a["outcomes"].items():
+            outcomes[k] = outcomes.get(k, 0) + v
+    n = len(latencies)
+    figures = {
+        "all_replies_s": round(max(a["last_reply"] for a in answers) - min(a["went"] for a in answers), 3),
+        "reply_p50_ms": round(statistics.median(latencies), 1),
+        "reply_p99_ms": round(latencies[max(0, int(n * 0.99) - 1)], 1),
+        "server_cpu_s": round(server_cpu, 2),
+        "client_cpu_s": round(sum(a["cpu"] for a in answers), 2),
+        "outcomes": outcomes,
+        "frames_received": sum(a["frames"] for a in answers),
+        "finished_received": sum(a["finished"] for a in answers),
+        "points": points,
+    }
+    if redis is not None:
+        figures["redis_cpu_s"] = round(await hubbench.redis_cpu_seconds(redis) - redis_cpu, 2)
+    return figures
+
+
+async def _phase(clients: ClientProcs, commands: list[dict[str, Any]], server_pid: int) -> dict[str, float]:
+    """A phase every client process runs (connect, sync): how long it took, the CPU of each side."""
+    cpu = hubbench.cpu_seconds(server_pid)
+    answers = await clients.ask(commands)
+    return {
+        "s": round(max(a["done"] for a in answers) - min(a["began"] for a in answers), 2),
+        "server_cpu_s": round(hubbench.cpu_seconds(server_pid) - cpu, 2),
+        "client_cpu_s": round(sum(a["cpu"] for a in answers), 2),
+    }
+
+
+async def _connect(
+    clients: ClientProcs, url: str, tokens: list[str] | int, server_pid: int
+) -> dict[str, float]:
+    n = len(clients.procs)
+    parts = _slices(tokens, n) if isinstance(tokens, list) else [tokens // n] * n
+    return await _phase(clients, [{"cmd": "connect", "url": url, "tokens": p} for p in parts], server_pid)
+
+
+async def bench_hot(
+    settings: Settings,
+    clients_n: int = 10_000,
+    shares: int = 1_000,
+    workers: int = 1,
+    client_procs: int = 1,
+    plot: Path | None = None,
+) -> dict[str, Any]:
+    shares = min(shares, clients_n)  # a packet has at most as many shares as the group has members
+    tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
+    db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
+    world = await hubbench.make_world(settings, db_url, clients_n + 1, 10**8)
+    admin, group, _ = world
+    figures: dict[str, Any] = {"clients": clients_n, "shares": shares, "workers": workers}
+    figures["client_procs"] = client_procs
+    clients = ClientProcs(client_procs)
+    try:
+        echo = await _echo(clients, clients_n, figures)
+        hub, packet_id = await _hub(
+            settings, db_url, world, clients, clients_n=clients_n, shares=shares, figures=figures
+        )
+    finally:
+        await clients.close()
+    figures["ratio_connect"] = round(figures["hub_connect_s"] / figures["echo_connect_s"], 2)
+    figures["ratio_all_replies"] = round(figures["hub_all_replies_s"] / figures["echo_all_replies_s"], 2)
+    figures["ratio_p99"] = round(figures["hub_reply_p99_ms"] / max(figures["echo_p99_ms"], 0.1), 2)
+    client_cpu = figures["hub_client_cpu_s"] / client_procs
+    figures["limit"] = "client" if client_cpu > figures["hub_server_cpu_s"] / workers else "hub"
+    figures.update(await _paid(settings, db_url, packet_id=packet_id, group=group, admin=admin))
+    report("hot", figures)
+    if plot is not None:
+        title = f"{clients_n:,} clients grab one {shares:,}-share packet"
+        plots.said(
+            [
+                plots.latency(
+                    [p[1] for p in hub["points"]],
+                    plot / "hot-latency.png",
+                    f"{title}: reply latency",
+                    [p[1] for p in echo["points"]],
+                    ("hub: grab", "bare echo, same clients"),
+                ),
+                plots.latency_over_time(hub["points"], plot / "hot-latency-over-time.png", title),
+            ]
+        )
+    return figures
+
+
+async def _echo(clients: ClientProcs, clients_n: int, figures: dict[str, Any]) -> dict[str, Any]:
+    """1. The bare echo: connecting, then one frame from every client at once."""
+    async with hubbench.bare_process("echo") as (ws_url, bare_pid):
+        with phase(f"echo: connecting {clients_n:,} clients"):
+            connect = await _connect(clients, ws_url, clients_n, bare_pid)
+        figures["echo_connect_s"] = connect["s"]
+        figures["echo_connect_server_cpu_s"] = connect["server_cpu_s"]
+        figures["echo_connect_client_cpu_s"] = connect["client_cpu_s"]
+        with phase(f"echo: a frame from each of {clients_n:,} clients"):
+            echo = await _burst(clients, msgpack.packb({"id": 1, "type": "ping"}), bare_pid, None, False)
+        await clients.ask([{"cmd": "close"}] * len(clients.procs))
+    figures["echo_all_replies_s"] = echo["all_replies_s"]
+    figures["echo_p50_ms"], figures["echo_p99_ms"] = echo["reply_p50_ms"], echo["reply_p99_ms"]
+    figures["echo_server_cpu_s"], figures["echo_client_cpu_s"] = (
+        echo["server_cpu_s"],
+        echo["client_cpu_s"],
+    )
+    return echo
+
+
+async def _hub(
+    settings: Settings,
+    db_url: str,
+    world: tuple[UserId, GroupId, list[UserId]],
+    clients: ClientProcs,
+    *,
+    clients_n: int,
+    shares: int,
+    figures: dict[str, Any],
+) -> tuple[dict[str, Any], PacketId]:
+    """2. The hub: the same clients, synced to the group, grab one packet at once. The burst's figures
+    and the packet."""
+    admin, group, ids = world
+    workers, procs = figures["workers"], len(clients.procs)
+    redis = await RedisNodes(settings.redis_url, 4).open()
+    extra = {"REDPACKET_WS_PING_INTERVAL": "120"}
+    async with hubbench.hub_process(settings, db_url, workers, **extra) as (ws_url, hub_pid):
+        http_url = ws_url.replace("ws://", "http://").removesuffix("/ws")
+        await asyncio.sleep(0.5 if workers > 1 else 0)  # every worker is listening (each says so)
+        rss_empty = hubbench.memory_kb(hub_pid, "VmRSS")
+        tokens = [hubbench.token(u) for u in ids[1:]]
+        with phase(f"hub: connecting {clients_n:,} clients"):
+            connect = await _connect(clients, ws_url, tokens, hub_pid)
+        figures["hub_connect_s"] = connect["s"]
+        figures["hub_connect_server_cpu_s"] = connect["server_cpu_s"]
+        figures["hub_connect_client_cpu_s"] = connect["client_cpu_s"]
+        # Then every client syncs the group (the hub sends it the room's events from then on).
+        sync = await _phase(clients, [{"cmd": "sync", "group": group}] * procs, hub_pid)
+        figures["hub_sync_s"] = sync["s"]
+        figures["hub_sync_server_cpu_s"] = sync["server_cpu_s"]
+        rss_idle = hubbench.memory_kb(hub_pid, "VmRSS")
+        figures["rss_per_connection_kb"] = round((rss_idle - rss_empty) / clients_n, 1)
+        (packet_id,) = await hubbench.send_packets(
+            settings, db_url, admin=admin, group=group, n=1, count=shares, announced=True
+        )
+        # Every client has been shown the packet before the burst (as a person would be).
+        await clients.ask([{"cmd": "await_packet"}] * procs)
+        gc_before = _gc_pauses(http_url) if workers == 1 else None
+        frame = msgpack.packb({"id": 1, "type": "grab", "group": group, "packet": packet_id})
+        with phase(f"hub: {clients_n:,} grabs of one {shares:,}-share packet"):
+            hub = await _burst(clients, frame, hub_pid, redis, True)
+        figures.update({f"hub_{k}": v for k, v in hub.items() if k not in ("outcomes", "points")})
+        figures["outcomes"] = hub["outcomes"]
+        if gc_before is not None:  # one process answers /metrics: the figures are its own
+            figures.update(_gc_in_burst(gc_before, _gc_pauses(http_url)))
+        figures["hub_rss_peak_mb"] = round(hubbench.memory_kb(hub_pid, "VmHWM") / 1024, 1)
+        await clients.ask([{"cmd": "close"}] * procs)
+    await redis.aclose()
+    return hub, packet_id
+
+
+def _gc_in_burst(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    return {
+        "hub_gc_pauses_in_burst": int(after["n"] - before["n"]),
+        "hub_gc_ms_in_burst": round((after["s"] - before["s"]) * 1000, 1),
+        "hub_gc_pauses_over_10ms_in_burst": int(after["over_10ms"] - before["over_10ms"]),
+        "hub_gc_longest_pause_ever_ms": round(after["max"] * 1000, 1),
+    }
+
+
+async def _paid(
+    settings: Settings, db_url: str, *, packet_id: PacketId, group: GroupId, admin: UserId
+) -> dict[str, Any]:
+    """What the ledger says of the packet: how fast it emptied, over-issue, distinct winners."""
+    async with open_core(settings.replace(database_url=db_url)) as core:
+        view = await grabs.open_packet(core, packet_id=packet_id, group_id=group, user_id=admin)
+        paid = sum(g.amount for g in view.grabs)
+        row = await core.db.fetchone(
+            "SELECT SUM(amount), COUNT(*) FROM red_packet_shares WHERE packet_id = %s", (packet_id,)
+        )
+        return {
+            "time_to_empty_ms": view.duration_ms,
+            "over_issue_cents": paid - (int(row[0]) if row and row[0] is not None else 0),
+            "distinct_winners": len({g.user_id for g in view.grabs}),
+        }
