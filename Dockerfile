@@ -12,6 +12,8 @@ COPY worker worker
 COPY lua lua
 COPY web web
 COPY clients/js clients/js
+# The Python client's package: the hub reads the protocol's names and the fair split from it.
+COPY clients/python/redpacket_client clients/python/redpacket_client
 COPY docs/openapi.json docs/openapi.json
 # The system only: the benchmarks' and the load tool's packages (the `tools` extra) stay out of the image.
 RUN pip install .

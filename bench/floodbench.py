@@ -33,7 +33,7 @@ from websockets.typing import Subprotocol
 from bench import hubbench
 from bench.progress import phase
 from bench.report import report
-from server.hub.protocol import SUBPROTOCOL_MSGPACK
+from redpacket_client.protocol import SUBPROTOCOL_MSGPACK
 from server.settings import Settings
 
 PING, CONT, TEXT, BINARY = 0x9, 0x0, 0x1, 0x2

@@ -32,8 +32,8 @@ from websockets.typing import Subprotocol
 from bench.grabbench import fresh_ids
 from bench.progress import phase
 from bench.report import report
+from redpacket_client.protocol import SUBPROTOCOL_MSGPACK
 from server.core import open_core
-from server.hub.protocol import SUBPROTOCOL_MSGPACK
 from server.hub.tokens import make_token
 from server.ids import GroupId, PacketId, UserId
 from server.live import announce, events

@@ -1,5 +1,5 @@
 """``redpacket bench split``: the CPU of drawing one packet's shares, as a send does, with the committed
-seed's generator (HMAC-SHA-256 in counter mode, ``server.money.fairness``) beside the generator it
+seed's generator (HMAC-SHA-256 in counter mode, ``redpacket_client.fairness``) beside the generator it
 replaced (``random.SystemRandom``, the OS's random source, one call a draw) in the same process, on the
 same split code. Pure CPU: no services."""
 
@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import report
-from server.money.fairness import Stream, commitment
-from server.money.split import split
+from redpacket_client.fairness import Stream, commitment, split
 
 # (total cents, shares): a pair, a family group's packet, the largest count a send allows by default.
 SIZES = ((888, 2), (10_000, 10), (20_000, 100))

@@ -7,8 +7,8 @@ from enum import StrEnum
 
 
 class Durability(StrEnum):
-    """What a grab answered "won" survives (``REDPACKET_GRAB_DURABILITY``; the README says what each
-    level waits for). Resolved once, by ``Settings.durability``."""
+    """What a grab answered "won" survives (``REDPACKET_GRAB_DURABILITY``; docs/configuration.md says
+    what each level waits for). Resolved once, by ``Settings.durability``."""
 
     NONE = "none"
     AOF = "aof"
@@ -37,5 +37,5 @@ class Durability(StrEnum):
         return self is Durability.AOF_REPLICA
 
 
-# Every level, in the order the README lists them.
+# Every level, in the order docs/configuration.md lists them.
 DURABILITY: tuple[Durability, ...] = tuple(Durability)

@@ -1,6 +1,6 @@
 """Every setting, declared once: its name (``REDPACKET_`` + the name in capitals is its environment
-variable), type, default, bounds and one line of help, the README's (``settings_table`` renders the
-README's configuration table from them, and a test holds the README to it). ``server.settings.Settings``
+variable), type, default, bounds and one line of help, docs/configuration.md's (``settings_table`` renders
+its table from them, and a test holds the page to it). ``server.settings.Settings``
 reads them from the environment, derives what they mean and checks them.
 """
 
@@ -26,9 +26,10 @@ PORT: Bounds = {"least": 0, "most": 65535}
 def setting(
     default: T, help: str, *, least: int | None = None, most: int | None = None, shown: str = ""
 ) -> T:
-    """Declare a setting: a field of ``SettingFields`` with its default and one line of help (the README's).
-    A number must be finite and more than 0, or at least ``least`` (0: a choice, such as a free port or
-    off), and at most ``most``. ``shown``: the README's default, when the value alone says too little."""
+    """Declare a setting: a field of ``SettingFields`` with its default and one line of help (the one
+    docs/configuration.md shows). A number must be finite and more than 0, or at least ``least`` (0: a
+    choice, such as a free port or off), and at most ``most``. ``shown``: the default the page shows,
+    when the value alone says too little."""
     return field(default=default, metadata={"help": help, "least": least, "most": most, "shown": shown})
 
 
@@ -37,7 +38,7 @@ def env_name(name: str) -> str:
     return PREFIX + name.upper()
 
 
-LINK_INTEGRATION = "([docs/integration.md](docs/integration.md))"
+LINK_INTEGRATION = "([docs/integration.md](integration.md))"
 
 
 @dataclass(frozen=True)
@@ -351,7 +352,7 @@ class SettingFields:
         " `https://chat.example.com` (scheme, host, port if not the default), `self` for the hub's own"
         " pages; another page's upgrade is answered 403. The listed pages may also call the HTTP API's user"
         " routes and import `/client/redpacket.js` (CORS, no cookies; never the `/api/service/` routes)."
-        " Programs that send no `Origin` are not affected ([docs/protocol.md](docs/protocol.md#connecting))",
+        " Programs that send no `Origin` are not affected ([docs/protocol.md](protocol.md#connecting))",
         shown="*(empty: any; `up`: `self`)*",
     )
     trusted_proxies: str = setting(
@@ -365,7 +366,7 @@ class SettingFields:
     bot_exempt_users: str = setting(
         "",
         "user ids (comma-separated) the bot detector never scores: a chat backend's own scripted clients"
-        " ([docs/protocol.md](docs/protocol.md#the-bot-detector)); read by the worker",
+        " ([docs/protocol.md](protocol.md#the-bot-detector)); read by the worker",
     )
 
     # Events: grab announcements, a room's stream, presence.
@@ -409,7 +410,7 @@ class SettingFields:
 
 
 def shown_default(f: Field[Any]) -> str:
-    """A setting's default as the README shows it."""
+    """A setting's default as docs/configuration.md shows it."""
     value = f.default
     if f.metadata["shown"]:
         return str(f.metadata["shown"])
@@ -421,7 +422,7 @@ def shown_default(f: Field[Any]) -> str:
 
 
 def settings_table() -> str:
-    """The README's configuration table (markdown), one row per declaration."""
+    """docs/configuration.md's table (markdown), one row per declaration."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for f in fields(SettingFields):
         rows.append(f"| `{env_name(f.name)}` | {shown_default(f)} | {f.metadata['help']} |")

@@ -86,8 +86,7 @@ def _refuse_unknown(env: Mapping[str, str], names: set[str]) -> None:
     hint = f" (did you mean {PREFIX}{close[0]}?)" if close else ""
     more = f"; so are {', '.join(unknown[1:])}" if len(unknown) > 1 else ""
     raise ValueError(
-        f"{first} is not a setting{hint}{more}: fix or unset it (every setting is in the README's"
-        " configuration table)"
+        f"{first} is not a setting{hint}{more}: fix or unset it (every setting is in docs/configuration.md)"
     )
 
 
@@ -128,7 +127,7 @@ def url_problem(url: str) -> str:
 
 @dataclass(frozen=True)
 class Settings(SettingFields):
-    """Every tunable of the system (declared in ``SettingFields``; see the README's configuration table),
+    """Every tunable of the system (declared in ``SettingFields``; see docs/configuration.md),
     read from the environment once, with what they mean derived and checked."""
 
     @classmethod

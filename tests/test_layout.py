@@ -7,7 +7,8 @@ reaching into another's private names. (docs/architecture.md draws the same pict
   bot detector); imports money and the store, never the hub, the worker or the tools.
 - ``server.hub``: imports live, money and the store; never the worker or the tools.
 - ``worker``: imports live, money and the store; never the hub or the tools.
-- ``server.tools``: the Python client of the hub's protocol; imported by nothing of the system.
+- ``redpacket_client`` (clients/python): the Python client, a distribution of its own; imports nothing
+  of ours. Its protocol names and its fair split are the hub's too: every layer may import it.
 - ``bench``: the benchmarks and the Locust load; ``launchers``: the local services they and the tests
   start (Galera, Spider, throw-away Redis servers), which import nothing of ours. Nothing of the system
   imports either; only the ``redpacket`` command (``server.cli``) starts them.
@@ -50,7 +51,7 @@ MAY_IMPORT = {
     "server.live": {"server.money", "server.store"},
     "server.hub": {"server.live", "server.money", "server.store"},
     "worker": {"server.live", "server.money", "server.store"},
-    "server.tools": {"server.live", "server.money", "server.store", "server.hub", "worker"},
+    "redpacket_client": set(),
     "launchers": set(),
     "bench": {
         "server.live",
@@ -58,19 +59,21 @@ MAY_IMPORT = {
         "server.store",
         "server.hub",
         "worker",
-        "server.tools",
         "launchers",
     },
 }
 # Beside the system, imported by nothing of it.
-TOOLS = ("server.tools", "bench", "launchers")
+TOOLS = ("bench", "launchers")
+# Ours, as every import of theirs is checked.
+OURS = ("server", "worker", "bench", "launchers", "redpacket_client")
 MAY_IMPORT["server.cli"] = set(MAY_IMPORT)  # the command composes every layer
 
 
 def modules() -> Iterator[tuple[str, Path]]:
     found = ["server/**/*.py", "worker/*.py", "bench/*.py", "launchers/**/*.py"]
-    for path in sorted(p for pattern in found for p in ROOT.glob(pattern)):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    client = ROOT / "clients" / "python"
+    for path in sorted(p for pattern in found for p in ROOT.glob(pattern)) + sorted(client.glob("*/*.py")):
+        parts = path.relative_to(client if client in path.parents else ROOT).with_suffix("").parts
         yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
 
 
@@ -104,11 +107,7 @@ def imports(path: Path) -> Iterator[tuple[str, list[str], int]]:
     visitor = _Imports()
     visitor.visit(ast.parse(path.read_text()))
     for node in visitor.found:
-        if (
-            isinstance(node, ast.ImportFrom)
-            and node.module
-            and node.module.split(".")[0] in ("server", "worker")
-        ):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in OURS:
             names = [a.name for a in node.names]
             # `from server.money import ledger` imports the module server.money.ledger.
             subs = [f"{node.module}.{n}" for n in names if f"{node.module}.{n}" in KNOWN]
@@ -117,7 +116,7 @@ def imports(path: Path) -> Iterator[tuple[str, list[str], int]]:
                 yield extra, [], node.lineno
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] in ("server", "worker"):
+                if alias.name.split(".")[0] in OURS:
                     yield alias.name, [], node.lineno
 
 
@@ -136,7 +135,9 @@ def test_each_layer_imports_only_what_it_may() -> None:
             continue  # the shared modules
         for imported, _, line in imports(path):
             theirs = layer(imported)
-            if theirs == mine or imported in SHARED or theirs in MAY_IMPORT[mine]:
+            # (The client imports nothing of ours, not even the shared modules: it installs alone.)
+            shared = mine != "redpacket_client" and (imported in SHARED or theirs == "redpacket_client")
+            if theirs == mine or shared or theirs in MAY_IMPORT[mine]:
                 continue
             wrong.append(f"{path.relative_to(ROOT)}:{line}: {mine} imports {imported}")
     assert wrong == []

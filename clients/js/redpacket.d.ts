@@ -294,7 +294,8 @@ export interface VerifiableView {
   grabs: { user_id: Id | bigint | string; seq: number | bigint; amount: number | bigint }[];
 }
 
-/** Checks a packet view as docs/protocol.md says (and as the hub's server.money.fairness.verify does):
+/** Checks a packet view as docs/protocol.md says (and as the Python client's
+ * redpacket_client.fairness.verify does):
  * its commitment against `published` — the one kept from before the seed was shown (the send reply, the
  * `packet` event, a view while active: `client.commitment(packet)`) —, the seed against the commitment,
  * then each grab, in the order listed: its seq one of the packet's shares, not listed before, above every

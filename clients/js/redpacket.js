@@ -27,8 +27,9 @@ export const SUBPROTOCOL_MSGPACK = "redpacket.v2.msgpack";
 export const FINAL_CLOSE_CODES = Object.freeze([4001, 4004]);
 const CLOSE_RESTARTING = 1012; // the hub restarts: come back soon, to another hub if there is one
 // Close codes after which the client waits its longest back-off before it tries again, as the Python client
-// does (server/tools/reconnecting.py): 4029, it kept sending past the rate limit; 4030, this user has too
-// many sockets on the hub — it gets in once one of them closes (another tab, another device).
+// does (clients/python/redpacket_client/reconnecting.py): 4029, it kept sending past the rate limit;
+// 4030, this user has too many sockets on the hub — it gets in once one of them closes (another tab,
+// another device).
 const PATIENT_CLOSE_CODES = Object.freeze([4029, 4030]);
 const CLOSE_TOKEN = 4001;
 // Commitments kept, one a packet: those of the latest packets heard of (a few MB at most), as the Python
@@ -757,7 +758,8 @@ function packetKey(id) {
 // A packet's shares are drawn at send from a secret 32-byte seed; the send publishes sha256(seed), the
 // `commitment`, and the finished (or refunded) packet reveals the `seed`. From the seed and the packet's id,
 // kind, total and count anyone recomputes the shares in the order they were handed out. The same algorithm
-// as the hub's server/money/fairness.py, checked against the document's test vectors.
+// as the Python client's clients/python/redpacket_client/fairness.py (the hub draws with it), checked
+// against the document's test vectors.
 //
 // Synchronous and self-contained on purpose: crypto.subtle is asynchronous, and absent altogether from a page
 // served over plain http from a LAN address (not a "secure context"), so SHA-256 and HMAC are written out
@@ -922,7 +924,7 @@ export function fairShares(seedHex, packetId, kind, total, count) {
 }
 
 /** Check a packet view (`open`, `GET /api/packets/{p}`) as docs/protocol.md says and as the hub's
- * `server.money.fairness.verify` does, against `published`: the commitment kept from before the seed was
+ * `redpacket_client.fairness.verify` does, against `published`: the commitment kept from before the seed was
  * shown (the send reply, the `packet` event, a view of the packet while active: `client.commitment(id)`).
  * A view's own commitment proves nothing about when it was made; without `published` the check is against
  * it only, and `againstSend` is false. `not_verifiable` (no commitment, none kept: sent before packets were

@@ -122,9 +122,10 @@ async def verify(settings: Settings, packet_id: int, published: str | None = Non
     view; against ``published``, a commitment a member kept from before the seed was shown), and the
     shares the database stored against its seed. Prints what it found; 0 verified, 1 a mismatch, 3 nothing
     to check (no commitment: sent before packets were provably fair; or not revealed yet)."""
+    from redpacket_client import fairness
     from server.hub.requests import view_dict
     from server.ids import MAX_ID, PacketId
-    from server.money import fairness, grabs
+    from server.money import grabs
     from server.money.packets import load_packet
 
     if not 1 <= packet_id <= MAX_ID:

@@ -11,7 +11,7 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="redpacket",
         description="Live red packets in group chat: the hub, the worker, and the operator's tools.",
-        epilog="Settings come from REDPACKET_* environment variables (README: Configuration). Without"
+        epilog="Settings come from REDPACKET_* environment variables (docs/configuration.md). Without"
         " REDPACKET_REDIS_URL and REDPACKET_DATABASE_URL, `up` and the operator's commands run on an"
         " embedded Valkey and a SQLite file under REDPACKET_DATA_DIR (.redpacket); `serve` and `worker`"
         " need both named (REDPACKET_REDIS_URL=embedded and a sqlite:/// URL for those).",

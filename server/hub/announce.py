@@ -190,5 +190,5 @@ async def _result(
         "duration_ms": v.duration_ms,
         "best_luck": None if best is None else {"user": best.user_id, "amount": best.amount},
         "commitment": v.commitment,
-        "seed": v.seed,  # revealed: every share went (server.money.fairness)
+        "seed": v.seed,  # revealed: every share went (redpacket_client.fairness)
     }

@@ -67,7 +67,7 @@ LINGER_BYTES = 1024 * 1024
 
 @dataclass(frozen=True)
 class HttpLimits:
-    """What one HTTP request may carry (the README's settings table names each)."""
+    """What one HTTP request may carry (docs/configuration.md names each)."""
 
     head_bytes: int  # request line and headers together
     headers: int

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Awaitable
 from typing import Any
 
+from redpacket_client.protocol import offset_key
 from server.core import Core, transient
 from server.hub import protocol
 from server.hub.announce import Announcer
@@ -32,7 +33,6 @@ from server.hub.tokens import Rules, Tokens
 from server.ids import GroupId, PacketId, UserId
 from server.live import events
 from server.live.bots import AttemptLog
-from server.live.events import offset_key
 from server.money.groups import MemberCounts
 from server.money.membership import parse_change
 from server.stopping import STOP_SECONDS, check_cancelled, stop
@@ -74,7 +74,7 @@ class Hub:
         self._fanouts: deque[_FanOut] = deque()
         self.attempts = AttemptLog(core)
         st = core.settings
-        # Limits this process keeps in memory (the README's settings table): by user, by client address.
+        # Limits this process keeps in memory (docs/configuration.md): by user, by client address.
         self.user_msgs = KeyedBuckets(st.user_msgs_per_second, st.user_msgs_burst)
         self.http_by_address = KeyedBuckets(st.http_per_address_per_second, st.http_per_address_burst)
         self.http_by_user = KeyedBuckets(st.http_per_user_per_second, st.http_per_user_burst)

@@ -15,16 +15,17 @@ from typing import Any, Literal
 
 import msgpack
 
+from redpacket_client.protocol import (
+    SUBPROTOCOL_JSON,
+    SUBPROTOCOL_JSON_V2,
+    SUBPROTOCOL_MSGPACK,
+    SUBPROTOCOL_MSGPACK_V2,
+    TOKEN_SUBPROTOCOL,
+    Format,
+)
 from server import errors, text
 from server.errors import NotFound, RedPacketError
 from server.ids import MAX_ID, ids_as_text, ids_from_text
-
-SUBPROTOCOL_MSGPACK = "redpacket.v1.msgpack"
-SUBPROTOCOL_JSON = "redpacket.v1.json"
-# Version 2: the same messages, with every user, group and packet id a decimal string (``server.ids``).
-SUBPROTOCOL_MSGPACK_V2 = "redpacket.v2.msgpack"
-SUBPROTOCOL_JSON_V2 = "redpacket.v2.json"
-Format = Literal["msgpack", "json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +104,9 @@ def choose_dialect(offered: list[str]) -> Dialect:
     return NO_SUBPROTOCOL
 
 
-# A token offered as a subprotocol (a browser cannot set a header on a websocket, and a URL is logged):
-# ``Sec-WebSocket-Protocol: redpacket.v1.json, bearer.<token>``. Never accepted back.
-TOKEN_SUBPROTOCOL = "bearer."
+# A token is offered as a subprotocol (a browser cannot set a header on a websocket, and a URL is logged):
+# ``Sec-WebSocket-Protocol: redpacket.v1.json, bearer.<token>`` (``TOKEN_SUBPROTOCOL``). Never accepted
+# back.
 
 
 def offered_token(offered: list[str]) -> str | None:

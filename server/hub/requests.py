@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from redpacket_client.protocol import offset_key
 from server import errors, text
 from server.errors import InvalidRequest, RedPacketError
 from server.hub import protocol
@@ -20,7 +21,6 @@ from server.hub.protocol import Body, Message, field_id
 from server.ids import GroupId, PacketId, UserId
 from server.live import announce, events
 from server.live.botscore import Attempt
-from server.live.events import offset_key
 from server.money import grabs, packets, queries
 
 if TYPE_CHECKING:

@@ -12,17 +12,11 @@ from typing import Any
 import msgpack
 from redis.exceptions import ResponseError
 
+from redpacket_client.protocol import offset_key
 from server.core import Core
 from server.ids import GroupId
 from server.store import keys
 from server.store.scriptcalls import Once, PublishEventCall, ReadEventsCall, run
-
-
-def offset_key(offset: str | bytes) -> tuple[int, int]:
-    """Offsets are Redis stream ids ``<ms>-<seq>``; this orders them."""
-    text = offset.decode() if isinstance(offset, bytes) else offset
-    ms, _, seq = text.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def pack(kind: str, data: dict[str, Any]) -> bytes:

@@ -15,12 +15,12 @@ from typing import Any, Literal
 
 from redis.exceptions import RedisError
 
+from redpacket_client.fairness import commitment
 from server import errors
 from server.core import Core, unavailable
 from server.errors import Conflict, Forbidden, NotFound, RedPacketError, Unavailable
 from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import queries
-from server.money.fairness import commitment
 from server.money.membership import not_member
 from server.money.packets import PACKET_COLUMNS, packet_from_row, recover_packet
 from server.money.statuses import PacketStatus
@@ -208,7 +208,7 @@ class PacketView:
     mine: Grab | None
     finished_ms: int | None
     best_luck: Grab | None
-    # The packet's proof (``server.money.fairness``): the commitment from the send on (None: sent before
+    # The packet's proof (``redpacket_client.fairness``): the commitment from the send on (None: sent before
     # packets were provably fair), the seed only once the packet is finished or closed for its refund.
     commitment: str | None = None
     seed: str | None = None

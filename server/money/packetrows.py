@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import cast
 
+from redpacket_client.fairness import commitment, fair_shares
 from server.ids import GroupId, PacketId, UserId
-from server.money.fairness import commitment, fair_shares
 from server.money.split import Kind, PacketRequest
 from server.money.statuses import PacketStatus
 from server.store.db import IntegrityError, Row, Tx
@@ -40,7 +40,7 @@ class Packet:
     replay: bool = False
     # When its event was published to the group (``server.live.announce``); None until then.
     announced_ms: int | None = None
-    # What its shares were drawn from (``server.money.fairness``); None for a packet sent before packets
+    # What its shares were drawn from (``redpacket_client.fairness``); None for a packet sent before packets
     # were provably fair. Secret while the packet is active: never in a repr, a log or a reply.
     seed: bytes | None = field(default=None, repr=False)
     # When its last share was grabbed (finished), or its refund decided; None while it is open.
@@ -97,7 +97,7 @@ async def packet_rows(
     packet_id: PacketId | None = None,
 ) -> PacketId:
     """Insert the packet's row (with ``packet_id``, or a new id) and its shares, drawn from ``seed`` once
-    the id is known (``server.money.fairness``); return its id."""
+    the id is known (``redpacket_client.fairness``); return its id."""
     given = "id, " if packet_id else ""
     try:
         await tx.execute(

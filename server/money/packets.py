@@ -17,13 +17,13 @@ from typing import Protocol, TypeVar, cast
 
 from redis.exceptions import RedisError
 
+from redpacket_client.fairness import SEED_BYTES
 from server import errors
 from server.core import Core
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound, Unavailable
 from server.ids import GroupId, PacketId, ShareSeq, UserId
 from server.money import groups, shardsteps
 from server.money.creditrules import Refusal, record_refusals
-from server.money.fairness import SEED_BYTES
 from server.money.journal import post_event
 from server.money.ledger import check_request_id, now_ms
 from server.money.packetrows import (
@@ -117,7 +117,7 @@ async def send_packet(
         changed = await approve(req, key, sender_id=sender_id, group_id=group_id)
         if changed is not None:
             req = validate_request(req.kind, req.total, req.count, changed, req.target_user_id, core.limits)
-    # The shares are drawn from it once the packet has its id (server.money.fairness); only its
+    # The shares are drawn from it once the packet has its id (redpacket_client.fairness); only its
     # commitment is shown until the packet is finished or refunded.
     seed = core.rng.randbytes(SEED_BYTES)
     await _require_redis(core, group_id)

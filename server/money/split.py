@@ -1,13 +1,12 @@
-"""Pure money arithmetic: validating a packet request and splitting its total into shares.
+"""Pure money arithmetic: validating a packet request, before its total is split into shares.
 
-No I/O. Everything is integer cents. The split draws from ``below(n)``, a uniform integer in [0, n): a
-sent packet's from its committed seed (``server.money.fairness``), a test's from a seeded
-``random.Random().randrange`` if it likes.
+No I/O. Everything is integer cents. The split itself is the protocol's (``redpacket_client.fairness``:
+every client can recompute it from the seed shown once the packet is over), drawn from the packet's
+committed seed; what reaches it has passed ``validate_request``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeGuard
 
@@ -17,8 +16,6 @@ from server.ids import MAX_ID
 
 Kind = Literal["lucky", "equal", "exclusive"]
 KINDS: tuple[Kind, ...] = ("lucky", "equal", "exclusive")
-# A uniform integer in [0, n), n ≥ 1.
-Below = Callable[[int], int]
 
 
 @dataclass(frozen=True)
@@ -102,42 +99,3 @@ def validate_request(
             raise InvalidRequest(errors.TARGET_INVALID, "only exclusive packets have a target user")
         target = None
     return PacketRequest(kind=kind, total=total, count=count, greeting=greeting, target_user_id=target)
-
-
-def double_average(total: int, count: int, below: Below) -> list[int]:
-    """Draw shares in order by the double-average method.
-
-    Each draw is uniform in [1, min(2 × remaining average, remaining − cents owed to the rest)], so
-    every share is at least one cent and at most twice the average of what is left; the last share
-    takes the remainder. The draws sum to ``total`` exactly.
-    """
-    if count < 1 or total < count:
-        raise InvalidRequest(errors.COUNT_EXCEEDS_AMOUNT, "every share needs at least one cent")
-    shares: list[int] = []
-    remaining = total
-    for left in range(count, 1, -1):
-        upper = min(2 * remaining // left, remaining - (left - 1))
-        amount = 1 + below(upper)
-        shares.append(amount)
-        remaining -= amount
-    shares.append(remaining)
-    return shares
-
-
-def shuffle(items: list[int], below: Below) -> None:
-    """Fisher–Yates, in place: for i from the last index down to 1, swap item i with item ``below(i + 1)``."""
-    for i in range(len(items) - 1, 0, -1):
-        j = below(i + 1)
-        items[i], items[j] = items[j], items[i]
-
-
-def split(kind: str, total: int, count: int, below: Below) -> list[int]:
-    """The shares of a packet, in the order they will be handed out (the request already validated)."""
-    if kind == "lucky":
-        shares = double_average(total, count, below)
-        # Later draws of the double-average method spread wider; shuffling makes the grab order fair.
-        shuffle(shares, below)
-        return shares
-    if kind == "equal":
-        return [total // count] * count
-    return [total]

@@ -292,7 +292,7 @@ MIGRATIONS.append(
         11,
         "the seed a packet's shares were drawn from",
         [
-            # 64 hex characters (server.money.fairness), shown once the packet is finished or refunded;
+            # 64 hex characters (redpacket_client.fairness), shown once the packet is finished or refunded;
             # NULL for a packet sent before packets were provably fair.
             # MariaDB commits an ALTER on its own: IF NOT EXISTS lets a migration stopped after it (before
             # its version was recorded) run again. SQLite's ALTER is in the migration's transaction.

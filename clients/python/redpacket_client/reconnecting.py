@@ -30,10 +30,9 @@ from typing import Any, Literal
 
 from websockets.exceptions import ConnectionClosed, InvalidStatus, InvalidURI
 
-from server.hub.protocol import Format
-from server.live.events import offset_key
-from server.money.fairness import Verdict, verify
-from server.tools.client import HubClient, HubError
+from redpacket_client.connection import HubClient, HubError
+from redpacket_client.fairness import Verdict, verify
+from redpacket_client.protocol import Format, offset_key
 
 log = logging.getLogger("redpacket.client")
 

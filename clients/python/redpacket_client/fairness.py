@@ -5,7 +5,9 @@ is drawn from the seed by a deterministic generator (HMAC-SHA-256 in counter mod
 finished or refunded the seed is shown, and from the seed, the packet's id, kind, total and count anyone
 recomputes the shares in order and checks that the i-th grab of the packet's grab list got the i-th.
 docs/protocol.md ("Provably fair packets") specifies all of it, with test vectors; the JavaScript client
-(clients/js) implements the same. Pure: no I/O.
+(clients/js) implements the same. The hub draws every packet's shares with this module too (its money
+core validates the request first): the split a client checks is the one the server made, by
+construction. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -14,11 +16,9 @@ import hashlib
 import hmac
 import re
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-from server.money.split import split
 
 SEED_BYTES = 32
 # Named in every block's message: a later generator gets another name, never another meaning of this one.
@@ -26,6 +26,8 @@ VERSION = "redpacket/split/v1"
 _WORD = 2**64
 _FOUR_WORDS = struct.Struct(">4Q")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+# A uniform integer in [0, n), n ≥ 1.
+Below = Callable[[int], int]
 
 
 def commitment(seed: bytes) -> str:
@@ -59,6 +61,46 @@ class Stream:
             w = self.word()
             if w < limit:
                 return w % n
+
+
+def double_average(total: int, count: int, below: Below) -> list[int]:
+    """Draw shares in order by the double-average method.
+
+    Each draw is uniform in [1, min(2 × remaining average, remaining − cents owed to the rest)], so
+    every share is at least one cent and at most twice the average of what is left; the last share
+    takes the remainder. The draws sum to ``total`` exactly.
+    """
+    if count < 1 or total < count:
+        raise ValueError(f"{total} cents cannot make {count} shares of at least one cent")
+    shares: list[int] = []
+    remaining = total
+    for left in range(count, 1, -1):
+        upper = min(2 * remaining // left, remaining - (left - 1))
+        amount = 1 + below(upper)
+        shares.append(amount)
+        remaining -= amount
+    shares.append(remaining)
+    return shares
+
+
+def shuffle(items: list[int], below: Below) -> None:
+    """Fisher–Yates, in place: for i from the last index down to 1, swap item i with item ``below(i + 1)``."""
+    for i in range(len(items) - 1, 0, -1):
+        j = below(i + 1)
+        items[i], items[j] = items[j], items[i]
+
+
+def split(kind: str, total: int, count: int, below: Below) -> list[int]:
+    """The shares of a packet, in the order they will be handed out (the request already valid: ``kind``
+    lucky, equal or exclusive, 1 ≤ count ≤ total, an equal packet's total a multiple of its count)."""
+    if kind == "lucky":
+        shares = double_average(total, count, below)
+        # Later draws of the double-average method spread wider; shuffling makes the grab order fair.
+        shuffle(shares, below)
+        return shares
+    if kind == "equal":
+        return [total // count] * count
+    return [total]
 
 
 def fair_shares(seed: bytes, packet_id: int, kind: str, total: int, count: int) -> list[int]:

@@ -1,5 +1,5 @@
 """One connection to a hub, speaking its websocket protocol (used by the tests and the benchmarks; an app
-wants ``server.tools.reconnecting.RedPacketClient``, which reconnects and recovers on top of it).
+wants ``redpacket_client.RedPacketClient``, which reconnects and recovers on top of it).
 
     async with await HubClient.connect("ws://127.0.0.1:8000/ws", token) as c:
         await c.sync()                         # start receiving the groups' events
@@ -26,13 +26,28 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 from websockets.typing import Subprotocol
 
-from server.errors import RedPacketError
-from server.hub.protocol import SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, TOKEN_SUBPROTOCOL, Format
-from server.live.events import offset_key
+from redpacket_client.protocol import (
+    SUBPROTOCOL_JSON,
+    SUBPROTOCOL_MSGPACK,
+    TOKEN_SUBPROTOCOL,
+    Format,
+    offset_key,
+)
 
 
-class HubError(RedPacketError):
-    """An error reply: ``code`` is the protocol's stable code."""
+class HubError(Exception):
+    """An error reply: ``code`` is the protocol's stable code (docs/protocol.md, "Error codes"),
+    ``message`` its words for a person, ``details`` the facts a client words its own message with
+    (``limit``, ``retry_after_ms``…). Also ``disconnected`` and ``timeout``, said by the client."""
+
+    def __init__(self, code: str, message: str = "", **details: Any) -> None:
+        super().__init__(message or code)
+        self.code = code
+        self.message = message or code
+        self.details = details
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code!r}, {self.message!r})"
 
 
 class HubClient:
