@@ -226,14 +226,14 @@ async def bench_credit(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     figures["drain_vs_one_tx"] = round(figures["worker_drain_per_s"] / figures["one_tx_per_credit_per_s"], 1)
+    return report_rates("credit", figures, plot, "credits/s: the drain beside its baselines")
+
+
+def report_rates(name: str, figures: dict[str, Any], plot: Path | None, title: str) -> dict[str, Any]:
+    """``report``, its chart (``name.png``) the bars of the credits/s (the figures ending ``_per_s``)."""
     rates = {k: v for k, v in figures.items() if k.endswith("_per_s")}
     return report(
-        "credit",
-        figures,
-        plot,
-        charts=lambda d: [
-            plots.bars(rates, d / "credit.png", "credits/s: the drain beside its baselines", "credits/s")
-        ],
+        name, figures, plot, charts=lambda d: [plots.bars(rates, d / f"{name}.png", title, "credits/s")]
     )
 
 

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench import creditbench, plots
+from bench import creditbench
 from bench.report import report
 from launchers.galera import GaleraCluster, galera_cluster
 from server.core import Core, open_core
@@ -158,15 +158,7 @@ async def bench_credit_galera(
         for k, values in got.items():
             figures[f"{side}_{k}"] = sorted(values)[len(values) // 2]  # the median round
             figures[f"{side}_{k}_rounds"] = values
-    rates = {k: v for k, v in figures.items() if k.endswith("_per_s")}
-    return report(
-        "credit-galera",
-        figures,
-        plot,
-        charts=lambda d: [
-            plots.bars(rates, d / "credit-galera.png", "credits/s: MariaDB vs 3-node Galera", "credits/s")
-        ],
-    )
+    return creditbench.report_rates("credit-galera", figures, plot, "credits/s: MariaDB vs 3-node Galera")
 
 
 async def bench_storm_galera(

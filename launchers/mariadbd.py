@@ -1,6 +1,8 @@
-"""What the local MariaDB tools (``galera/``, ``spider/``) share: finding MariaDB's programs, ports a
-server can be restarted on, the user the servers run as and whether it may reach a directory, a helper
-process ended even when cancelled, and asking a server for a database or a ``SELECT 1``."""
+"""What the local MariaDB tools (``galera/``, ``spider/``) share beside their servers (``node``), the servers
+together (``cluster``) and their command (``cli``): which tool says what (``Tool``: its name, errors and
+what it needs installed), finding MariaDB's programs, ports a server can be restarted on, the user the
+servers run as and whether it may reach a directory, a helper process ended even when cancelled, steps
+run side by side, and asking a server for rows, a database or a ``SELECT 1``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ import random
 import re
 import shutil
 import socket
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiomysql
 
@@ -25,6 +30,42 @@ _picked: set[int] = set()
 def which(name: str) -> str | None:
     """The path of ``mariadbd``, ``mariadb-install-db`` or ``rsync`` (sbin is not on every PATH)."""
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/local/sbin")
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One launcher of ``mariadbd`` servers (``galera``, ``spider``): its ``name`` (its command's lines start
+    ``name: ``, its temp dirs ``redpacket-name-``), what it calls its servers (``members``: ``nodes``), its
+    two errors (``setup_error``, a subclass of ``error``, for what the operator fixes before anything
+    starts), and what its servers need installed: ``programs`` (``install`` says how) and a ``library``."""
+
+    name: str
+    members: str
+    error: type[Exception]
+    setup_error: type[Exception]
+    programs: tuple[str, ...]
+    install: str  # "apt-get install ...": every program
+    library: Path
+    library_name: str  # "Galera library": the messages'
+    library_package: str
+
+    def program(self, name: str) -> str:
+        """The path of ``name`` (sbin is not on every PATH); a ``setup_error`` saying what to install when
+        there is none."""
+        found = which(name)
+        if found is None:
+            raise self.setup_error(f"{name} is not installed ({self.install})")
+        return found
+
+    def check_installed(self) -> None:
+        """Every one of ``programs``, and the library; a ``setup_error`` saying what to install when one is
+        missing."""
+        for name in self.programs:
+            self.program(name)
+        if not self.library.exists():
+            raise self.setup_error(
+                f"no {self.library_name} at {self.library} (apt-get install {self.library_package})"
+            )
 
 
 def port_free(port: int) -> bool:
@@ -114,20 +155,29 @@ async def finish(proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
         raise
 
 
+async def together(*steps: Awaitable[None]) -> None:
+    """Every step side by side, each to its end (none left running); then the first failure raised."""
+    for failed in await asyncio.gather(*steps, return_exceptions=True):
+        if failed is not None:
+            raise failed
+
+
 async def answers(port: int, timeout: float = 2) -> bool:
     """Whether the server on ``port`` answers ``SELECT 1`` as root over TCP within ``timeout``."""
     try:
-        return await asyncio.wait_for(_select_1(port, timeout), timeout)
+        return await asyncio.wait_for(fetch(port, "SELECT 1", timeout=timeout), timeout) == ((1,),)
     except (TimeoutError, OSError, aiomysql.Error):
         return False
 
 
-async def _select_1(port: int, timeout: float) -> bool:
+async def fetch(port: int, statement: str, *, timeout: float = 5) -> tuple[tuple[Any, ...], ...]:
+    """The rows of ``statement`` run as root on the server at ``port``, on a connection of its own (made
+    within ``timeout``). Raises OSError or aiomysql.Error."""
     conn = await aiomysql.connect(host="127.0.0.1", port=port, user="root", connect_timeout=timeout)
     try:
         async with conn.cursor() as cur:
-            await cur.execute("SELECT 1")
-            return bool(await cur.fetchall() == ((1,),))
+            await cur.execute(statement)
+            return tuple(await cur.fetchall())
     finally:
         await _close(conn)
 

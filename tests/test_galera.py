@@ -10,7 +10,6 @@ Not in the fast tier; skipped (or failed, with REDPACKET_TEST_REQUIRE_GALERA=1) 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import shutil
@@ -20,26 +19,22 @@ import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from websockets.exceptions import ConnectionClosed
 
 from launchers.galera import GaleraCluster, GaleraNode, galera_cluster
-from server import errors
 from server.core import open_core
 from server.money import journal, ledger
 from server.money.reconcile import reconcile
-from server.settings import Settings, child_env
+from server.settings import Settings
 from server.store.db import Database, DatabaseError, NotReady, RetryableError
 from server.store.engines import connect
-from server.tools.client import HubClient, HubError
-from tests.conftest import name_deployment
+from tests.clustertools import bench, galera_ports, need_galera
+from tests.conftest import fresh_database, name_deployment
 from tests.hubtools import HubUnderTest, eventually, hub_process, server_port, worker_env
-from tests.test_galera_cluster import galera_ports, need_galera
-from tests.test_schema_fit import fresh_database
+from tests.storms import Storm, grabber, sender, storm_world
 
 
 @pytest.fixture(scope="module")
@@ -69,92 +64,6 @@ async def _healthy(cluster: GaleraCluster) -> None:
         if not node.running:
             await cluster.rejoin(node)
     await cluster.wait_size(3, timeout=120)
-
-
-@dataclass
-class Storm:
-    """What the users were told: every packet sent (answered), every grab answered "won"; and when."""
-
-    sent: dict[str, int] = field(default_factory=dict)  # request id -> packet id
-    told: dict[tuple[int, int], int] = field(default_factory=dict)  # (packet, user) -> amount
-    send_ok_at: list[tuple[float, float]] = field(default_factory=list)  # (asked, answered)
-    send_errors_at: list[float] = field(default_factory=list)
-    killed_at: float = 0.0
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-async def storm_world(hub: HubUnderTest) -> tuple[str, list[tuple[int, str]], list[int]]:
-    """A storm's people through ``hub``: an admin with money (its token), 24 members (id, token) and four
-    groups of them all."""
-    _, admin_token = await hub.login("admin")
-    await hub.api("POST", "/api/topup", admin_token, amount=1_000_000, request_id="seed")
-    people = [await hub.login(f"p{i}") for i in range(24)]
-    groups = []
-    for i in range(4):
-        g = (await hub.api("POST", "/api/groups", admin_token, name=f"g{i}"))["group_id"]
-        await hub.api("POST", f"/api/groups/{g}/members", admin_token, user_ids=[u for u, _ in people])
-        groups.append(g)
-    return admin_token, people, groups
-
-
-async def _sender(
-    hub: HubUnderTest, token: str, groups: list[int], storm: Storm, grabs: asyncio.Queue[Any]
-) -> None:
-    """Packets one after another, each retried with its request id until answered (a retry of a send
-    whose outcome was unknown is a replay: the packet once)."""
-    n = 0
-    while not storm.stop.is_set():
-        rid, g = f"s{n}", groups[n % len(groups)]
-        deadline = time.monotonic() + 60
-        while True:
-            assert time.monotonic() < deadline, f"send {rid} not answered within 60 s"
-            asked = time.monotonic()
-            try:
-                async with await HubClient.connect(hub.ws, token) as c:
-                    got = await c.request("send", group=g, total=600, count=6, request_id=rid)
-                storm.sent[rid] = got["packet_id"]
-                storm.send_ok_at.append((asked, time.monotonic()))
-                await grabs.put((g, got["packet_id"]))
-                break
-            except HubError as e:
-                assert e.code in (errors.DATABASE_UNAVAILABLE, errors.RATE_LIMITED), e
-                storm.send_errors_at.append(time.monotonic())
-            except (OSError, ConnectionClosed):
-                pass
-            await asyncio.sleep(0.05)
-        n += 1
-
-
-async def _grab(hub: HubUnderTest, token: str, group: int, packet: int, user: int, storm: Storm) -> None:
-    """One member's grab, asked again (a new socket) until answered: a grab asked twice is answered
-    the same."""
-    deadline = time.monotonic() + 60
-    while True:
-        assert time.monotonic() < deadline, "a grab not answered within 60 s"
-        try:
-            async with await HubClient.connect(hub.ws, token) as c:
-                got = await c.request("grab", group=group, packet=packet)
-            storm.told[(packet, user)] = got["amount"]
-            return
-        except HubError as e:
-            assert e.code in (errors.REDIS_UNAVAILABLE, errors.RATE_LIMITED), e
-        except (OSError, ConnectionClosed):
-            pass
-        await asyncio.sleep(0.05)
-
-
-async def _grabber(
-    hubs: tuple[HubUnderTest, HubUnderTest],
-    people: list[tuple[int, str]],
-    storm: Storm,
-    grabs: asyncio.Queue[Any],
-) -> None:
-    """Each packet grabbed by six members (its six shares), half through each hub."""
-    while True:
-        g, packet = await grabs.get()
-        takers = [people[(packet * 7 + i) % len(people)] for i in range(6)]
-        await asyncio.gather(*(_grab(hubs[i % 2], t, g, packet, u, storm) for i, (u, t) in enumerate(takers)))
-        grabs.task_done()
 
 
 async def _credited(db: Database) -> int:
@@ -213,9 +122,9 @@ async def _storm_through_a_kill(
     storm = Storm()
     grabs: asyncio.Queue[Any] = asyncio.Queue()
     lanes = [
-        asyncio.create_task(_sender(a if i == 0 else b, admin_token, groups, storm, grabs)) for i in range(2)
+        asyncio.create_task(sender(a if i == 0 else b, admin_token, groups, storm, grabs)) for i in range(2)
     ]
-    grabbers = [asyncio.create_task(_grabber((a, b), people, storm, grabs)) for _ in range(3)]
+    grabbers = [asyncio.create_task(grabber((a, b), people, storm, grabs)) for _ in range(3)]
     async with open_core(
         s.replace(database_url=_one_node(s.database_url, galera.nodes[1])), migrate=False
     ) as look:
@@ -444,22 +353,15 @@ def test_the_storm_bench_on_galera_kills_the_writer_and_every_grab_is_credited(
     """``bench storm --galera`` as an operator runs it (its own cluster): both sides credit every grab."""
     need_galera()
     url = fresh_database(mysql_url, "redpacket_test_bench")
-    run = subprocess.run(
-        [sys.executable, "-m", "server", "bench", "storm", "--galera", "--rate", "250", "--seconds", "4",
-         "--kill-writer-after", "1"],
-        env=child_env(REDPACKET_REDIS_URL=redis_url, REDPACKET_DATABASE_URL=url),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
-    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    figures, said = bench(
+        redis_url, url, "storm", "--galera", "--rate", "250", "--seconds", "4", "--kill-writer-after", "1"
+    )
     assert figures["bench"] == "storm-galera"
     for side in ("mariadb", "galera3"):
         assert figures[f"{side}_credited"] == figures[f"{side}_grabs"] == 1000, (
             side,
             figures,
-            run.stderr[-4000:],  # what the bench and its worker said, to tell why
+            said[-4000:],  # what the bench and its worker said, to tell why
         )
     assert figures["galera3_sends"] > 0 and figures["galera3_rejoin_s"] > 0, figures
 

@@ -10,44 +10,19 @@ Not in the fast tier (``pytest -m unit``): it starts ``mariadbd`` processes. Ski
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import shutil
-import signal
-import socket
-import sys
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiomysql
 import pytest
 
-from launchers.galera import PROVIDER, GaleraCluster, GaleraNode, GaleraSetupError, galera_cluster
-from launchers.galera.node import grastate, program
+from launchers.galera import GaleraCluster, GaleraNode, galera_cluster
+from launchers.galera.node import grastate
+from tests import clustertools
+from tests.clustertools import galera_ports, need_galera, reachable_dir, refused, up_twice
 from tests.hubtools import server_port
 
-ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "galera_test"
-
-
-def need_galera() -> None:
-    try:
-        for name in ("mariadbd", "mariadb-install-db", "rsync"):
-            program(name)
-        if not PROVIDER.exists():
-            raise GaleraSetupError(f"no Galera library at {PROVIDER} (apt-get install galera-4)")
-    except GaleraSetupError as e:
-        if os.environ.get("REDPACKET_TEST_REQUIRE_GALERA") == "1":
-            pytest.fail(f"Galera is required (REDPACKET_TEST_REQUIRE_GALERA=1): {e}")
-        pytest.skip(str(e))
-
-
-def galera_ports(nodes: int) -> list[int]:
-    """Four ports a node (SQL, gcomm, IST, SST), never given twice in this run and below the ephemeral
-    range: a node restarted on its own ports finds them free."""
-    return [server_port() for _ in range(4 * nodes)]
 
 
 @pytest.fixture(scope="module")
@@ -64,16 +39,9 @@ async def sql(
 ) -> list[tuple[Any, ...]]:
     """One statement on ``node`` (autocommit), after every write the cluster committed before it
     (``wsrep_sync_wait=1``: without it a read on another node may lag the write)."""
-    conn = await aiomysql.connect(
-        host="127.0.0.1", port=node.port, user="root", db=database, autocommit=True, connect_timeout=5
+    return await clustertools.sql(
+        node.port, database, statement, *args, before=["SET SESSION wsrep_sync_wait=1"]
     )
-    try:
-        async with conn.cursor() as cur:
-            await cur.execute("SET SESSION wsrep_sync_wait=1")
-            await cur.execute(statement, args or None)
-            return list(await cur.fetchall())
-    finally:
-        conn.close()
 
 
 async def test_three_nodes_form_one_primary_cluster_all_synced(galera: GaleraCluster) -> None:
@@ -113,121 +81,29 @@ async def test_a_row_written_on_node_0_is_read_on_nodes_1_and_2(galera: GaleraCl
     assert [b for (b,) in await sql(first, "SELECT body FROM notes ORDER BY id")][-1] == "from node 2"
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "launchers.galera", *args]
-
-
-def _mariadbd_under(directory: Path) -> list[int]:
-    """Every mariadbd process whose option file is in ``directory``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if proc.name.isdigit() and any(str(directory).encode() in part for part in cmdline[1:]):
-            if cmdline[0].endswith(b"mariadbd"):
-                found.append(int(proc.name))
-    return found
-
-
-@pytest.fixture
-def reachable_dir() -> Iterator[Path]:
-    """A directory the nodes' user may enter (pytest's tmp_path is under a mode-700 directory)."""
-    directory = Path(tempfile.mkdtemp(prefix="redpacket-galera-cli-"))
-    directory.chmod(0o755)
-    try:
-        yield directory / "data"
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def _free_block(count: int) -> int:
-    """A first port whose ``count`` ports up from it are free (``--port`` takes a block)."""
-    while True:
-        base = server_port()
-        ports = range(base, base + count)
-        if ports[-1] < 32_768 and all(_bindable(p) for p in ports):
-            return base
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-async def _run_up(directory: Path, port: int, first: bool) -> int:
-    """``up`` with two nodes: its URL answers; a row is added; SIGTERM ends it with exit code 0 and no
-    node left running. Returns the rows there are then."""
-    proc = await asyncio.create_subprocess_exec(
-        *_cli("up", str(directory), "--nodes", "2", "--port", str(port), "--database", "cli"),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode().strip()
-        assert line == f"mysql://root@127.0.0.1:{port},127.0.0.1:{port + 1}/cli", line
-        conn = await aiomysql.connect(host="127.0.0.1", port=port + 1, user="root", db="cli", autocommit=True)
-        try:
-            async with conn.cursor() as cur:
-                await cur.execute("SHOW STATUS LIKE 'wsrep_cluster_size'")
-                assert await cur.fetchall() == (("wsrep_cluster_size", "2"),)
-                if first:
-                    await cur.execute("CREATE TABLE runs (id INT AUTO_INCREMENT PRIMARY KEY)")
-                await cur.execute("INSERT INTO runs () VALUES ()")
-                await cur.execute("SELECT COUNT(*) FROM runs")
-                ((rows,),) = await cur.fetchall()
-        finally:
-            conn.close()
-        proc.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(proc.communicate(), 90)
-        assert proc.returncode == 0 and "Traceback" not in err.decode(), err.decode()
-    finally:
-        if proc.returncode is None:  # a failed test still stops what it started
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 60)
-            finally:
-                for pid in [proc.pid, *_mariadbd_under(directory)]:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-    assert _mariadbd_under(directory) == []
-    return int(rows)
-
-
-async def test_the_command_prints_a_url_that_answers_and_stops_every_node_on_sigterm(
-    reachable_dir: Path,
-) -> None:
+async def test_the_command_prints_a_url_that_answers_and_stops_every_node_on_sigterm() -> None:
     """Twice on one directory: the second run starts the same cluster from the data the first left."""
     need_galera()
-    port = _free_block(8)
-    assert await _run_up(reachable_dir, port, first=True) == 1
-    assert grastate(reachable_dir / "node0")["safe_to_bootstrap"] == "1"  # node 0 stopped last
-    assert await _run_up(reachable_dir, port, first=False) == 2
+
+    async def url_answers(stdout: asyncio.StreamReader, port: int) -> int:
+        """One line, the two nodes' URL, which answers: a cluster of two. The row goes on node 1."""
+        line = (await asyncio.wait_for(stdout.readline(), 120)).decode().strip()
+        assert line == f"mysql://root@127.0.0.1:{port},127.0.0.1:{port + 1}/cli", line
+        size = await clustertools.sql(port + 1, "cli", "SHOW STATUS LIKE 'wsrep_cluster_size'")
+        assert size == [("wsrep_cluster_size", "2")]
+        return port + 1
+
+    with reachable_dir() as directory:
+        await up_twice("galera", directory, "nodes", ports=8, printed=url_answers, stop_within=90)
+        assert grastate(directory / "node0")["safe_to_bootstrap"] == "1"  # node 0 stopped last
 
 
-async def test_what_an_operator_can_fix_is_one_line_and_exit_2(tmp_path: Path, reachable_dir: Path) -> None:
+async def test_what_an_operator_can_fix_is_one_line_and_exit_2(tmp_path: Path) -> None:
     need_galera()
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", server_port()))
-        busy.listen()
-        taken = busy.getsockname()[1]
-        cases = {f"port {taken} (node 0) is in use": ("up", str(reachable_dir), "--port", str(taken))}
-        if os.geteuid() == 0:  # the nodes run as mysql, who may not enter pytest's mode-700 directory
-            cases["who may not enter"] = ("up", str(tmp_path / "d"), "--port", str(_free_block(12)))
-        for said, case in cases.items():
-            proc = await asyncio.create_subprocess_exec(
-                *_cli(*case), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT
-            )
-            out, err = await asyncio.wait_for(proc.communicate(), 60)
-            lines = err.decode().strip().splitlines()
-            assert proc.returncode == 2 and out == b"" and len(lines) == 1, (case, lines)
-            assert lines[0].startswith("galera: ") and said in lines[0], lines
-            assert _mariadbd_under(reachable_dir) == []
+    taken = server_port()
+    with reachable_dir() as directory:
+        cases = {f"port {taken} (node 0) is in use": ("up", str(directory), "--port", str(taken))}
+        await refused("galera", cases, taken=taken, reachable=directory, tmp_path=tmp_path, ports=12)
 
 
 # --- last: the tests that kill nodes of the module's cluster (it is whole again after each) ---

@@ -13,15 +13,9 @@ is missing, unless REDPACKET_TEST_REQUIRE_SPIDER=1 (then it fails).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import shutil
-import signal
-import socket
-import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +23,14 @@ import aiomysql
 import pytest
 import yaml
 
+from launchers import cli, mariadbd
 from launchers.spider import SpiderCluster, SpiderNode, spider_cluster
 from launchers.spider import __main__ as command
+from tests import clustertools
+from tests.clustertools import ROOT, free_block, reachable_dir, refused, up_twice
 from tests.conftest import need_spider
 from tests.hubtools import server_port
 
-ROOT = Path(__file__).resolve().parent.parent
 DATABASE = "spider_test"
 UNREACHABLE = 1429  # ER_CONNECT_TO_FOREIGN_DATA_SOURCE: "Unable to connect to foreign data source: s1"
 
@@ -53,15 +49,7 @@ async def sql(
     node: SpiderNode, statement: str, *args: Any, database: str = DATABASE
 ) -> list[tuple[Any, ...]]:
     """One statement on ``node`` (autocommit), on a new connection."""
-    conn = await aiomysql.connect(
-        host="127.0.0.1", port=node.port, user="root", db=database, autocommit=True, connect_timeout=5
-    )
-    try:
-        async with conn.cursor() as cur:
-            await cur.execute(statement, args or None)
-            return list(await cur.fetchall())
-    finally:
-        conn.close()
+    return await clustertools.sql(node.port, database, statement, *args)
 
 
 async def error_code(node: SpiderNode, statement: str) -> int:
@@ -126,64 +114,14 @@ async def test_rows_written_through_the_head_land_on_backend_id_mod_3(spider: Sp
     assert await sql(spider.backends[1], "SELECT v FROM t WHERE id = 7") == [(-1,)]
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "launchers.spider", *args]
+async def test_the_command_prints_the_settings_and_stops_every_server_on_sigterm() -> None:
+    """Twice on one directory: the second run starts the same servers on the data the first left."""
+    need_spider()
 
-
-def _mariadbd_under(directory: Path) -> list[int]:
-    """Every mariadbd process whose arguments name ``directory``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if proc.name.isdigit() and cmdline[0].endswith(b"mariadbd"):
-            if any(str(directory).encode() in part for part in cmdline[1:]):
-                found.append(int(proc.name))
-    return found
-
-
-@pytest.fixture
-def reachable_dir() -> Iterator[Path]:
-    """A directory the servers' user may enter (pytest's tmp_path is under a mode-700 directory)."""
-    directory = Path(tempfile.mkdtemp(prefix="redpacket-spider-cli-"))
-    directory.chmod(0o755)
-    try:
-        yield directory / "data"
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def _free_block(count: int) -> int:
-    """A first port whose ``count`` ports up from it are free (``--port`` takes a block)."""
-    while True:
-        base = server_port()
-        ports = range(base, base + count)
-        if ports[-1] < 32_768 and all(_bindable(p) for p in ports):
-            return base
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-async def _run_up(directory: Path, port: int, first: bool) -> int:
-    """``up`` with two backends: it prints a line per server, then the two settings; the database is on
-    every server; a row is added on backend 1; SIGTERM ends it with exit code 0 and no server left
-    running. Returns the rows there are then."""
-    proc = await asyncio.create_subprocess_exec(
-        *_cli("up", str(directory), "--backends", "2", "--port", str(port), "--database", "cli"),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        lines = [(await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip() for _ in range(5)]
+    async def settings_printed(stdout: asyncio.StreamReader, port: int) -> int:
+        """A line a server, then the two settings; the database is on every server. The row goes on
+        backend 1."""
+        lines = [(await asyncio.wait_for(stdout.readline(), 60)).decode().strip() for _ in range(5)]
         for line, name, p in zip(
             lines[:3], ["head", "backend0", "backend1"], range(port, port + 3), strict=True
         ):
@@ -194,61 +132,18 @@ async def _run_up(directory: Path, port: int, first: bool) -> int:
         for p in (port, port + 1):
             conn = await aiomysql.connect(host="127.0.0.1", port=p, user="root", db="cli", autocommit=True)
             conn.close()  # the database is on the head and the backends
-        conn = await aiomysql.connect(host="127.0.0.1", port=port + 2, user="root", db="cli", autocommit=True)
-        try:
-            async with conn.cursor() as cur:
-                if first:
-                    await cur.execute("CREATE TABLE runs (id INT AUTO_INCREMENT PRIMARY KEY)")
-                await cur.execute("INSERT INTO runs () VALUES ()")
-                await cur.execute("SELECT COUNT(*) FROM runs")
-                ((rows,),) = await cur.fetchall()
-        finally:
-            conn.close()
-        proc.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(proc.communicate(), 60)
-        assert proc.returncode == 0 and "Traceback" not in err.decode(), err.decode()
-    finally:
-        if proc.returncode is None:  # a failed test still stops what it started
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 60)
-            finally:
-                for pid in [proc.pid, *_mariadbd_under(directory)]:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-    assert _mariadbd_under(directory) == []
-    return int(rows)
+        return port + 2
+
+    with reachable_dir() as directory:
+        await up_twice("spider", directory, "backends", ports=3, printed=settings_printed, stop_within=60)
 
 
-async def test_the_command_prints_the_settings_and_stops_every_server_on_sigterm(reachable_dir: Path) -> None:
-    """Twice on one directory: the second run starts the same servers on the data the first left."""
+async def test_a_busy_port_or_a_dir_mysql_may_not_enter_is_one_line_and_exit_2(tmp_path: Path) -> None:
     need_spider()
-    port = _free_block(3)
-    assert await _run_up(reachable_dir, port, first=True) == 1
-    assert await _run_up(reachable_dir, port, first=False) == 2
-
-
-async def test_a_busy_port_or_a_dir_mysql_may_not_enter_is_one_line_and_exit_2(
-    tmp_path: Path, reachable_dir: Path
-) -> None:
-    need_spider()
-    base = _free_block(2)  # (the head's port, below the busy one, free too: it is checked first)
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", base + 1))
-        busy.listen()
-        taken = busy.getsockname()[1]
-        cases = {f"port {taken} (backend0) is in use": ("up", str(reachable_dir), "--port", str(base))}
-        if os.geteuid() == 0:  # the servers run as mysql, who may not enter pytest's mode-700 directory
-            cases["who may not enter"] = ("up", str(tmp_path / "d"), "--port", str(_free_block(4)))
-        for said, case in cases.items():
-            proc = await asyncio.create_subprocess_exec(
-                *_cli(*case), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT
-            )
-            out, err = await asyncio.wait_for(proc.communicate(), 60)
-            lines = err.decode().strip().splitlines()
-            assert proc.returncode == 2 and out == b"" and len(lines) == 1, (case, lines)
-            assert lines[0].startswith("spider: ") and said in lines[0], lines
-            assert _mariadbd_under(reachable_dir) == []
+    base = free_block(2)  # (the head's port, below the busy one, free too: it is checked first)
+    with reachable_dir() as directory:
+        cases = {f"port {base + 1} (backend0) is in use": ("up", str(directory), "--port", str(base))}
+        await refused("spider", cases, taken=base + 1, reachable=directory, tmp_path=tmp_path, ports=4)
 
 
 @pytest.mark.unit
@@ -257,15 +152,13 @@ def test_a_missing_mariadbd_or_plugin_says_what_to_install_in_one_line(
     missing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """In-process, nothing started: the checks run before any server does."""
-    import launchers.spider.cluster as cluster_module
-    import launchers.spider.node as node_module
-
-    monkeypatch.setattr(node_module, "which", lambda name: None if missing == name else "/bin/true")
+    monkeypatch.setattr(mariadbd, "which", lambda name: None if missing == name else "/bin/true")
     if missing == "plugin":
-        monkeypatch.setattr(cluster_module, "PLUGIN", tmp_path / "ha_spider.so")
+        missing_plugin = replace(SpiderCluster.tool, library=tmp_path / "ha_spider.so")
+        monkeypatch.setattr(SpiderCluster, "tool", missing_plugin)
     directory = tmp_path / "d"  # (as root, the CLI's own check would refuse pytest's mode-700 tmp_path)
-    monkeypatch.setattr(command, "unenterable", lambda d, servers, example: "")
-    assert command.main(["up", str(directory), "--port", str(_free_block(4))]) == 2
+    monkeypatch.setattr(cli, "unenterable", lambda d, servers, example: "")
+    assert command.main(["up", str(directory), "--port", str(free_block(4))]) == 2
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert out == "" and len(lines) == 1 and lines[0].startswith("spider: "), lines

@@ -8,13 +8,8 @@ Spider plugin is missing, unless REDPACKET_TEST_REQUIRE_SPIDER=1 (then it fails)
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from server.settings import child_env
-from tests.conftest import need_spider
-from tests.test_schema_fit import fresh_database
+from tests.clustertools import bench
+from tests.conftest import fresh_database, need_spider
 
 CREDITS = 300
 
@@ -24,16 +19,7 @@ def test_every_side_of_the_spider_credit_bench_credits_what_it_was_given(
 ) -> None:
     need_spider()
     url = fresh_database(mysql_url, "redpacket_test_spiderbench")
-    run = subprocess.run(
-        [sys.executable, "-m", "server", "bench", "credit", "--spider", "--credits", str(CREDITS),
-         "--rounds", "2"],
-        env=child_env(REDPACKET_REDIS_URL=redis_url, REDPACKET_DATABASE_URL=url),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, (run.stdout + run.stderr)[-5000:]
-    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    figures, _ = bench(redis_url, url, "credit", "--spider", "--credits", str(CREDITS), "--rounds", "2")
     assert figures["bench"] == "credit-spider" and figures["credits"] == CREDITS
     for side in ("mariadb", "spider1", "spider2", "spider3"):
         assert figures[f"{side}_credited_rounds"] == [CREDITS, CREDITS], (side, figures)  # each round its own

@@ -21,7 +21,9 @@ position is recovered first (``mariadbd --wsrep-recover``), so a donor sends wha
 than a copy of everything (SST). When every node was killed, ``start`` bootstraps the most advanced one
 (it marks ``safe_to_bootstrap: 1`` in its ``grastate.dat``) and the others join it.
 
-``node`` is one node (its options, its process, its status); ``cluster`` starts, sizes and closes them.
+``node`` is one node (its options, its start, its status); ``cluster`` starts and sizes them; what they
+share with the Spider tool (a server's process, the servers' directory and closing, the command) is in
+``launchers.node``, ``launchers.cluster``, ``launchers.cli`` and ``launchers.mariadbd``.
 
 Errors::
 

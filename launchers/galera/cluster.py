@@ -1,28 +1,17 @@
-"""The nodes together: their ports and directory, the order they start in, waiting for a cluster of a
-size, a node rejoining, and stopping them all."""
+"""The nodes together (``launchers.cluster``): their ports, the order they start in, waiting for a cluster
+of a size, a node rejoining, and stopping them all."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 from launchers import mariadbd
-from launchers.galera.node import (
-    PROVIDER,
-    GaleraError,
-    GaleraNode,
-    GaleraSetupError,
-    grastate,
-    program,
-    synced,
-)
-from launchers.mariadbd import blocked_for, hand_over, node_user, pick_ports, port_free
+from launchers.cluster import Cluster, started
+from launchers.galera.node import GALERA, GaleraError, GaleraNode, GaleraSetupError, grastate, synced
+from launchers.mariadbd import pick_ports, together
 
 
 def ports_from(base: int, nodes: int) -> list[int]:
@@ -31,52 +20,26 @@ def ports_from(base: int, nodes: int) -> list[int]:
     return [base + kind * nodes + i for i in range(nodes) for kind in range(4)]
 
 
-class GaleraCluster:
+class GaleraCluster(Cluster[GaleraNode]):
     """``nodes`` Galera nodes under ``base_dir`` — or, when the nodes' user may not enter it, under a
     temp dir of their own (``home`` says which; the package's docstring why); ``ports`` flat, four a node
     (SQL, gcomm, IST, SST), else picked free."""
+
+    tool = GALERA
+    stopped = "a stopped cluster"
 
     def __init__(self, base_dir: Path, nodes: int = 3, ports: list[int] | None = None) -> None:
         ports = pick_ports(4 * nodes) if ports is None else ports
         if nodes < 1 or len(ports) != 4 * nodes:
             raise GaleraSetupError(f"{nodes} node(s) need {4 * nodes} ports (4 each), not {len(ports)}")
-        self.user = node_user()
-        self.temporary: Path | None = None
-        home = base_dir.resolve()
-        if self.user is not None and blocked_for(self.user, home) is not None:
-            self.temporary = home = Path(tempfile.mkdtemp(prefix="redpacket-galera-"))
-        self.home = home
+        super().__init__(base_dir)
         groups = [ports[4 * i : 4 * i + 4] for i in range(nodes)]
         peers = ",".join(f"127.0.0.1:{g[1]}" for g in groups)
-        name = self.user.pw_name if self.user is not None and os.geteuid() == 0 else None
-        self.nodes = [GaleraNode(i, g, home, peers, name) for i, g in enumerate(groups)]
+        self.nodes = [GaleraNode(i, g, self.home, peers, self.run_as) for i, g in enumerate(groups)]
 
     def url(self, database: str) -> str:
         """``mysql://root@127.0.0.1:P1,127.0.0.1:P2,.../database``: every node, for a client to fail over."""
         return f"mysql://root@{','.join(n.address for n in self.nodes)}/{database}"
-
-    def _prepare(self) -> None:
-        """What can be checked before anything starts, and the directory and option files."""
-        if os.geteuid() == 0 and self.user is None:
-            raise GaleraSetupError("run as root, the nodes run as the mysql user, and there is none")
-        for name in ("mariadbd", "mariadb-install-db", "rsync"):
-            program(name)
-        if not PROVIDER.exists():
-            raise GaleraSetupError(f"no Galera library at {PROVIDER} (apt-get install galera-4)")
-        for node in self.nodes:
-            if node.running:
-                raise GaleraError(f"node {node.index} runs already: start() is for a stopped cluster")
-            for port in node.ports:
-                if not port_free(port):
-                    raise GaleraSetupError(f"port {port} (node {node.index}) is in use: choose other ports")
-        try:
-            self.home.mkdir(parents=True, exist_ok=True)
-            for node in self.nodes:
-                node.cnf.write_text(node.options())
-                node.tmpdir.mkdir(exist_ok=True)
-            hand_over(self.home, self.user)
-        except OSError as e:
-            raise GaleraSetupError(f"the nodes cannot use {self.home}: {e}") from e
 
     async def _first(self) -> int:
         """Which node bootstraps: node 0 of a new cluster; else the one Galera saw leave last (safe to
@@ -94,23 +57,15 @@ class GaleraCluster:
         ]
         return max(range(len(seqnos)), key=seqnos.__getitem__)
 
-    async def start(self) -> None:
+    async def _start(self) -> None:
         """Install the data directories that are empty, bootstrap one node, then start each next once the
-        one before is Synced; returns when every node sees all of them. On a failure or cancellation,
-        every node started is stopped."""
-        self._prepare()
-        try:
-            for failed in await asyncio.gather(*(n.install() for n in self.nodes), return_exceptions=True):
-                if failed is not None:
-                    raise failed
-            first = await self._first()
-            for i in [first, *(i for i in range(len(self.nodes)) if i != first)]:
-                await self.nodes[i].start(bootstrap=i == first)
-                await self.nodes[i].wait_synced(timeout=120)
-            await self.wait_size(len(self.nodes))
-        except BaseException:
-            await asyncio.shield(self._stop_all())
-            raise
+        one before is Synced; returns when every node sees all of them."""
+        await together(*(n.install() for n in self.nodes))
+        first = await self._first()
+        for i in [first, *(i for i in range(len(self.nodes)) if i != first)]:
+            await self.nodes[i].start(bootstrap=i == first)
+            await self.nodes[i].wait_synced(timeout=120)
+        await self.wait_size(len(self.nodes))
 
     async def wait_size(self, n: int, timeout: float = 60) -> None:
         """Until every running, un-paused node says Synced, Primary, and a cluster of ``n``."""
@@ -146,26 +101,9 @@ class GaleraCluster:
         for node in reversed(self.nodes):
             await node.stop()
 
-    async def close(self) -> None:
-        """Stop every node (cleanly, node 0 last; SIGKILL after 30 s), and remove the temp dir if one was
-        made. Cancelled, it kills the nodes it has not stopped yet."""
-        try:
-            await asyncio.shield(self._stop_all())
-        finally:
-            for node in self.nodes:
-                node.kill()
-            if self.temporary is not None:
-                shutil.rmtree(self.temporary, ignore_errors=True)
 
-
-@contextlib.asynccontextmanager
-async def galera_cluster(
+def galera_cluster(
     base_dir: Path, nodes: int = 3, ports: list[int] | None = None
-) -> AsyncIterator[GaleraCluster]:
+) -> contextlib.AbstractAsyncContextManager[GaleraCluster]:
     """A started cluster of ``nodes`` (every one Synced, each seeing all), closed on the way out."""
-    cluster = GaleraCluster(base_dir, nodes, ports)
-    try:
-        await cluster.start()
-        yield cluster
-    finally:
-        await cluster.close()
+    return started(lambda: GaleraCluster(base_dir, nodes, ports))

@@ -1,19 +1,16 @@
-"""One Galera node: its option file, its ``mariadbd`` process (started, paused, killed, stopped) and
-what it says about itself (``wsrep_*`` status)."""
+"""One Galera node: its option file, its ``mariadbd`` process (``launchers.node``: started, paused, killed,
+stopped) started from the position a crash left, and what it says about itself (``wsrep_*`` status)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import aiomysql
 
-from launchers.mariadbd import finish, log_tail, port_free, which
+from launchers.mariadbd import Tool, fetch, finish
+from launchers.node import Node
 
 PROVIDER = Path("/usr/lib/galera/libgalera_smm.so")
 
@@ -57,12 +54,11 @@ class GaleraSetupError(GaleraError):
     """Something the operator can fix before anything starts: a busy port, a missing program, a directory."""
 
 
-def program(name: str) -> str:
-    """The path of ``mariadbd``, ``mariadb-install-db`` or ``rsync`` (sbin is not on every PATH)."""
-    found = which(name)
-    if found is None:
-        raise GaleraSetupError(f"{name} is not installed (apt-get install mariadb-server galera-4 rsync)")
-    return found
+GALERA = Tool(
+    "galera", "nodes", GaleraError, GaleraSetupError, ("mariadbd", "mariadb-install-db", "rsync"),
+    "apt-get install mariadb-server galera-4 rsync", PROVIDER, "Galera library", "galera-4",
+)  # fmt: skip
+program = GALERA.program  # the path of mariadbd, mariadb-install-db or rsync, or a GaleraSetupError
 
 
 def grastate(datadir: Path) -> dict[str, str]:
@@ -81,39 +77,23 @@ def synced(status: dict[str, str]) -> bool:
     )
 
 
-class GaleraNode:
-    """One ``mariadbd`` of the cluster: ``port`` is its SQL port; ``pid`` is None unless it runs."""
+class GaleraNode(Node):
+    """One ``mariadbd`` of the cluster (``nodeN``): ``port`` is its SQL port. Killed, its ``grastate.dat``
+    keeps seqno -1 (``recovered_position`` finds where it was); paused, the others drop it ~3 s on; a
+    joiner that reaches no peer ignores SIGTERM (``stop`` kills it after its timeout)."""
+
+    tool = GALERA
 
     def __init__(self, index: int, ports: list[int], home: Path, peers: str, user: str | None) -> None:
+        super().__init__(f"node{index}", ports[0], home, user, label=f"node {index}")
         self.index = index
-        self.port, self.gcomm_port, self.ist_port, self.sst_port = ports
-        self.home = home
-        self.datadir = home / f"node{index}"
+        self.gcomm_port, self.ist_port, self.sst_port = ports[1:]
         self.cnf = home / f"node{index}.cnf"
-        self.log = home / f"node{index}.err"
-        # Its own temp dir: nodes sharing /tmp clashed on temporary table names (mariadb-install-db run
-        # side by side failed one time in three: "Unknown table 'mysql.tmp_user_sys'").
-        self.tmpdir = home / f"node{index}.tmp"
         self.peers = peers
-        self.user = user
-        self.paused = False
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
 
     @property
     def ports(self) -> tuple[int, int, int, int]:
         return self.port, self.gcomm_port, self.ist_port, self.sst_port
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
-
-    @property
-    def running(self) -> bool:
-        return self.pid is not None
 
     def options(self) -> str:
         """The text of its option file."""
@@ -123,22 +103,12 @@ class GaleraNode:
             gcomm=self.gcomm_port, ist=self.ist_port, sst=self.sst_port,
         )  # fmt: skip
 
-    def log_tail(self, lines: int = 8) -> str:
-        return log_tail(self.log, lines)
+    def lay_out(self) -> None:
+        self.cnf.write_text(self.options())
+        super().lay_out()
 
-    async def install(self) -> None:
-        """``mariadb-install-db`` into an empty data directory (nothing when it holds a database)."""
-        if (self.datadir / "mysql").is_dir():
-            return
-        done = await asyncio.create_subprocess_exec(
-            program("mariadb-install-db"), f"--defaults-file={self.cnf}", "--skip-test-db",
-            "--auth-root-authentication-method=normal",  # root@127.0.0.1, no password, over TCP
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
-        out, _ = await finish(done)
-        if done.returncode != 0:
-            said = " | ".join(out.decode(errors="replace").strip().splitlines()[-5:])
-            raise GaleraError(f"node {self.index}: mariadb-install-db failed: {said}")
+    def install_options(self) -> list[str]:
+        return [f"--defaults-file={self.cnf}"]
 
     async def recovered_position(self) -> str | None:
         """``uuid:seqno`` where a node killed mid-flight stopped (``mariadbd --wsrep-recover`` reads it
@@ -162,91 +132,40 @@ class GaleraNode:
     async def start(self, bootstrap: bool = False) -> None:
         """Start the process — a new cluster (``--wsrep-new-cluster``) when ``bootstrap``, else joining
         the others — from the position a crash left (``recovered_position``); does not wait for Synced."""
-        if self.running:
-            raise GaleraError(f"node {self.index} runs already (pid {self.pid})")
-        for port in self.ports:
-            if not port_free(port):
-                raise GaleraSetupError(f"port {port} (node {self.index}) is in use: choose other ports")
-        args = [program("mariadbd"), f"--defaults-file={self.cnf}"]
+        self._check_stopped()
+        options = [f"--defaults-file={self.cnf}"]
         position = await self.recovered_position()
         if position:
-            args.append(f"--wsrep-start-position={position}")
+            options.append(f"--wsrep-start-position={position}")
         if bootstrap:
-            args.append("--wsrep-new-cluster")
+            options.append("--wsrep-new-cluster")
             state = self.datadir / "grastate.dat"
             if state.exists():  # Galera refuses to bootstrap from a node it did not see leave last
                 state.write_text(re.sub(r"safe_to_bootstrap:\s*0", "safe_to_bootstrap: 1", state.read_text()))
-        self.paused = False
-        self._proc = self._spawn(args)
-
-    def _spawn(self, args: list[str]) -> subprocess.Popen[bytes]:
-        # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops the nodes.
-        return subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-
-    def _signal(self, sig: signal.Signals) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(sig)
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash (``grastate.dat`` keeps seqno -1); returns once the process is reaped."""
-        if self._proc is not None:
-            self._signal(signal.SIGKILL)
-            self._proc.wait()
-        self.paused = False
-
-    def pause(self) -> None:
-        """SIGSTOP: the process stays but answers nobody (a hung machine); the others drop it ~3 s on."""
-        self._signal(signal.SIGSTOP)
-        self.paused = True
-
-    def resume(self) -> None:
-        """SIGCONT after ``pause``."""
-        self._signal(signal.SIGCONT)
-        self.paused = False
-
-    async def stop(self, timeout: float = 30) -> None:
-        """SIGTERM (a clean shutdown: ``grastate.dat`` keeps the position) and wait; SIGKILL after
-        ``timeout`` (a joiner that reaches no peer ignores SIGTERM). Cancelled, the process runs on:
-        ``kill`` it."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return
-        self._signal(signal.SIGCONT)
-        self._signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            await asyncio.to_thread(proc.wait, timeout)
-        self.kill()
+        self._spawn(options)
 
     async def status(self) -> dict[str, str]:
         """Its ``wsrep_*`` status variables, read on a new connection; {} when it does not answer in 2 s."""
         if not self.running or self.paused:
             return {}
         try:
-            return await asyncio.wait_for(self._status(), 2)
+            said = await asyncio.wait_for(fetch(self.port, "SHOW GLOBAL STATUS LIKE 'wsrep%'", timeout=2), 2)
         except (TimeoutError, OSError, aiomysql.Error):
             return {}
-
-    async def _status(self) -> dict[str, str]:
-        conn = await aiomysql.connect(host="127.0.0.1", port=self.port, user="root", connect_timeout=2)
-        try:
-            async with conn.cursor() as cur:
-                await cur.execute("SHOW GLOBAL STATUS LIKE 'wsrep%'")
-                return {str(k): str(v) for k, v in await cur.fetchall()}
-        finally:
-            conn.close()
+        return {str(k): str(v) for k, v in said}
 
     async def wait_synced(self, timeout: float = 60) -> None:
         """Until it says Synced in a Primary component; raises with its log's last lines on timeout, or at
         once when its process has ended."""
-        deadline = time.monotonic() + timeout
-        while not synced(status := await self.status()):
-            if not self.running:
-                raise GaleraError(f"node {self.index} (port {self.port}) exited: {self.log_tail()}")
-            if time.monotonic() > deadline:
-                state = status.get("wsrep_local_state_comment", "no answer")
-                raise GaleraError(
-                    f"node {self.index} not Synced in {timeout:.0f} s ({state}): {self.log_tail()}"
-                )
-            await asyncio.sleep(0.1)
+        status: dict[str, str] = {}
+
+        async def ready() -> bool:
+            nonlocal status
+            status = await self.status()
+            return synced(status)
+
+        def late() -> str:
+            state = status.get("wsrep_local_state_comment", "no answer")
+            return f"{self.label} not Synced in {timeout:.0f} s ({state})"
+
+        await self._wait(ready, late, timeout)

@@ -24,8 +24,9 @@ a fresh ``redpacket-spider-*`` directory of the system's temp dir instead, remov
 (``cluster.home`` says where). Run as anyone else, they run as that user. The root account has no
 password and answers on 127.0.0.1 over TCP.
 
-``node`` is one server (its options, its process); ``cluster`` starts, names and closes them; what they
-share with the Galera tool is in ``launchers.mariadbd``.
+``node`` is one server (its options, its start); ``cluster`` starts and names them; what they share with
+the Galera tool (a server's process, the servers' directory and closing, the command) is in
+``launchers.node``, ``launchers.cluster``, ``launchers.cli`` and ``launchers.mariadbd``.
 
 Errors::
 
