@@ -1,5 +1,7 @@
 """Fixtures on real services: the local Redis (or an embedded Valkey when none answers), MariaDB, SQLite,
-and a sharded ledger (a MariaDB Spider head over three backends, started once for the session).
+and a sharded ledger (a MariaDB Spider head over three backends, started once for the session); hubs in
+this process on them (``h``; ``service_hub``, which takes the chat backend's key). The fast tier,
+tests/unit/, opens none of them (``tests/unit/conftest.py``).
 
 MariaDB-backed tests skip with a reason when no MariaDB answers, unless REDPACKET_TEST_REQUIRE_MYSQL=1
 (CI sets it), in which case a missing MariaDB fails the run; the sharded ledger likewise with
@@ -16,7 +18,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 import pymysql
 import pytest
@@ -34,6 +37,10 @@ from server.store.schema import migrate
 
 if TYPE_CHECKING:
     from playwright.async_api import Browser
+
+    from launchers.spider import SpiderCluster
+    from tests.dbproxy import MySQLProxy
+    from tests.hubtools import HubUnderTest
 
 TABLES = (
     "request_claims",
@@ -96,8 +103,6 @@ async def name_deployment(db_url: str, namespace: str = TEST_NAMESPACE) -> None:
 @pytest.fixture(scope="session")
 def mysql_url() -> str:
     url = os.environ.get("REDPACKET_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/redpacket_test")
-    from urllib.parse import urlparse
-
     u = urlparse(url)
     try:
         conn = pymysql.connect(
@@ -117,6 +122,17 @@ def mysql_url() -> str:
         cur.execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
     conn.close()
     return url
+
+
+def fresh_database(mysql_url: str, name: str) -> str:
+    """An empty database ``name`` on the MariaDB of ``mysql_url``: its URL."""
+    u = urlparse(mysql_url)
+    conn = pymysql.connect(host=u.hostname or "127.0.0.1", port=u.port or 3306, user=u.username or "root")
+    with conn.cursor() as cur:
+        cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        cur.execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
+    conn.close()
+    return u._replace(path=f"/{name}").geturl()
 
 
 async def _clean(db: Database) -> None:
@@ -210,6 +226,29 @@ def spider_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
+
+
+@pytest.fixture(scope="module")
+async def spider(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SpiderCluster]:
+    """A Spider head over three backends of the module's own (``launchers.spider``), whose tests may
+    kill and start its backends; each test makes its databases there."""
+    from launchers.spider import spider_cluster
+    from tests.hubtools import server_port
+
+    need_spider()
+    async with spider_cluster(
+        tmp_path_factory.mktemp("spider"), ports=[server_port() for _ in range(4)]
+    ) as c:
+        yield c
+
+
+async def rows_at(url: str, sql: str) -> list[tuple[Any, ...]]:
+    """What one statement reads on the server and database of ``url``, on a connection of its own."""
+    db = await connect(url, 1)
+    try:
+        return await db.fetchall(sql)
+    finally:
+        await db.close()
 
 
 @pytest.fixture(params=["sqlite", "mysql", "spider"])
@@ -310,6 +349,37 @@ async def hub_settings(redis_url: str, mysql_url: str) -> AsyncIterator[Settings
     yield s
 
 
+@pytest.fixture
+async def h(hub_settings: Settings) -> AsyncIterator[HubUnderTest]:
+    """A hub in this process (``tests.hubtools.hub_in_process``) on ``hub_settings``."""
+    from tests.hubtools import hub_in_process
+
+    async with hub_in_process(hub_settings) as hub:
+        yield hub
+
+
+@pytest.fixture
+async def service_hub(hub_settings: Settings) -> AsyncIterator[HubUnderTest]:
+    """A hub in this process that takes the chat backend's key (``tests.chatbackend``), with no demo
+    money and a credit worker beside it."""
+    from tests.chatbackend import KEY
+    from tests.hubtools import hub_in_process
+
+    settings = hub_settings.replace(service_key=KEY, demo_topup=False)
+    async with hub_in_process(settings, run_worker=True) as hub:
+        yield hub
+
+
+@pytest.fixture
+async def lossy(core: Core) -> AsyncIterator[tuple[Core, MySQLProxy]]:
+    """A Core like ``core`` whose database connections go through a proxy that can lose COMMIT answers
+    (``tests.dbproxy``)."""
+    from tests.dbproxy import core_behind_proxy
+
+    async with core_behind_proxy(core) as both:
+        yield both
+
+
 # The database's counters of user, group and packet ids in ``big_ids``: far beyond 2^53 (where a JavaScript
 # number is no longer exact), with room for 2^20 more.
 BIG_IDS = MAX_ID - 2**20
@@ -356,6 +426,14 @@ async def outbox(core: Core, group: int) -> list[tuple[int, int, int, int, int, 
 
     rows = await core.redis.xrange(keys.outbox_for(group))
     return [tuple(CreditEntry.parse(fields[b"c"])) for _, fields in rows]
+
+
+async def redis_pings(core: Core) -> bool:
+    """``core``'s Redis answers a PING (a condition to wait on while a test's Redis comes back)."""
+    try:
+        return bool(await core.redis.ping())
+    except redis.RedisError:
+        return False
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
 """Running real hubs for tests: in this process (uvicorn on a random port, in the test's loop) or as
-separate ``redpacket serve`` processes; logging in and calling the HTTP API; waiting with deadlines."""
+separate ``redpacket serve`` processes; logging in and calling the HTTP API; a room (a group, its admin
+and members) made through it and the events a client gets; waiting with deadlines. (The fixtures ``h``,
+a hub in this process, and ``service_hub``, one that takes the chat backend's key: ``tests/conftest.py``.)"""
 
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
+from redpacket_client.connection import HubClient
 from server.core import Core
 from server.hub.app import create_app, uvicorn_config
 from server.hub.hub import Hub
 from server.settings import Settings, child_env
-from server.tools.client import HubClient
 from worker.main import beside_hub
 
 
@@ -78,6 +80,38 @@ class HubUnderTest:
         if sync:
             await c.sync()
         return c
+
+
+@dataclass
+class Room:
+    """A group made through a hub's API: its admin (with money) and members, each with a token."""
+
+    group: int
+    admin: int
+    admin_token: str
+    members: list[tuple[int, str]]
+
+
+async def make_room(h: HubUnderTest, members: int, prefix: str = "m") -> Room:
+    """An admin topped up with 1,000,000 cents, ``members`` more users, and a group of them all, made
+    through ``h``'s API (user names start with ``prefix``)."""
+    admin, token = await h.login(f"{prefix}admin")
+    await h.api("POST", "/api/topup", token, amount=1_000_000, request_id="seed")
+    group = (await h.api("POST", "/api/groups", token, name="family"))["group_id"]
+    people = [await h.login(f"{prefix}{i}") for i in range(members)]
+    if people:
+        await h.api("POST", f"/api/groups/{group}/members", token, user_ids=[u for u, _ in people])
+    return Room(group, admin, token, people)
+
+
+async def events_of(c: HubClient, n: int, kind: str | None = None) -> list[dict[str, Any]]:
+    """The first ``n`` group events ``c`` gets (of ``kind`` only, when given), each within 30 s."""
+    got: list[dict[str, Any]] = []
+    while len(got) < n:
+        ev = await c.next_event()
+        if kind is None or ev.get("event") == kind:
+            got.append(ev)
+    return got
 
 
 def free_port() -> int:

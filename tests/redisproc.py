@@ -172,6 +172,13 @@ def valkey_server() -> str:
     return str(get_binary_path())
 
 
+def online_replicas_only(info: bytes | str, cluster_nodes: bytes | str | None = None) -> int:
+    """``redisnodes.replicas_to_wait_for`` as it was before it was fixed, for a test to put back in its
+    place (``guard="off"``): it counted only replicas in sync (``state=online``)."""
+    text = info.decode() if isinstance(info, bytes) else info
+    return sum(1 for line in text.splitlines() if line.startswith("slave") and "state=online" in line)
+
+
 class LocalCluster:
     """A Redis Cluster of ``masters`` masters with one replica each, on free local ports, slots spread
     by ``redis-cli --cluster create``. Fast failover: a master silent for a second is replaced."""

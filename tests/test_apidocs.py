@@ -1,9 +1,7 @@
-"""docs/openapi.json (the HTTP API) and docs/asyncapi.yaml (the websocket protocol) kept true: both are
-valid documents whose schemas are JSON Schema 2020-12 and whose references resolve; every route the app
-mounts is described and every described route answers; every example validates against its schema and is
-sent to live hubs (HTTP examples over HTTP, websocket examples over real sockets in JSON and in msgpack),
-whose answers validate against the documented schemas; their error codes are ``server.errors``' and their
-close codes the hub's.
+"""docs/openapi.json (the HTTP API) and docs/asyncapi.yaml (the websocket protocol) kept true on live
+hubs: every described route answers, and every example is sent (HTTP examples over HTTP, websocket
+examples over real sockets in JSON and in msgpack) and answered as the documented schemas say. (The
+documents read alone — valid, whole, their examples, error and close codes: ``tests/unit/test_apidocs.py``.)
 
 Examples are sent as written, except the ids a live hub hands out itself (a group a user makes, a packet):
 the websocket examples' ``group: 1`` and ``packet: 9`` and the user routes' path ids are replaced by the
@@ -13,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,252 +18,18 @@ from typing import Any
 import httpx
 import msgpack
 import pytest
-import yaml
-from jsonschema import Draft7Validator, Draft202012Validator
-from referencing import Registry, Resource
-from referencing.jsonschema import DRAFT202012
-from starlette.routing import Mount, Route, WebSocketRoute
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
 from server import errors
 from server.hub import protocol
-from server.hub.app import create_app
 from server.ids import ID_FIELDS, ID_LIST_FIELDS, ids_as_text
 from server.settings import Settings
+from tests.apidoctools import ASYNCAPI, OPENAPI, check, deref, escape, params_of
+from tests.chatbackend import KEY
 from tests.conftest import name_deployment
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
-
-ROOT = Path(__file__).resolve().parent.parent
-OPENAPI: dict[str, Any] = json.loads((ROOT / "docs" / "openapi.json").read_text())
-ASYNCAPI: dict[str, Any] = yaml.safe_load((ROOT / "docs" / "asyncapi.yaml").read_text())
-KEY = "service-key-of-the-chat-backend-0123456789"
-METHODS = ("get", "put", "post", "delete", "patch")
-
-
-def escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
-
-
-def walk(node: object, at: str = "") -> Iterator[tuple[str, Any]]:
-    """Every (JSON pointer, value) in a document."""
-    yield at, node
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else []
-    for key, value in items:
-        yield from walk(value, f"{at}/{escape(str(key))}")
-
-
-def at(doc: dict[str, Any], pointer: str) -> Any:
-    node: Any = doc
-    for part in pointer.lstrip("#").split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        node = node[int(part)] if isinstance(node, list) else node[part]
-    return node
-
-
-def deref(doc: dict[str, Any], node: Any) -> Any:
-    return at(doc, node["$ref"]) if isinstance(node, dict) and "$ref" in node else node
-
-
-def params_of(op: dict[str, Any]) -> list[dict[str, Any]]:
-    """An operation's parameters, each one's ``$ref`` (the shared ``Redpacket-Ids`` header) resolved."""
-    return [deref(OPENAPI, p) for p in op.get("parameters", [])]
-
-
-def validator(doc: dict[str, Any], pointer: str) -> Draft202012Validator:
-    """A validator for the schema at ``pointer``, its ``#/…`` references resolved in ``doc``."""
-    registry: Registry[Any] = Registry().with_resource(
-        "urn:doc", Resource.from_contents(doc, default_specification=DRAFT202012)
-    )
-    return Draft202012Validator({"$ref": f"urn:doc#{pointer}"}, registry=registry)
-
-
-def check(doc: dict[str, Any], pointer: str, value: object) -> None:
-    problems = [
-        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-        for e in validator(doc, pointer).iter_errors(value)
-    ]
-    assert not problems, f"{pointer}: {problems}\n{json.dumps(value, ensure_ascii=False)[:2000]}"
-
-
-def openapi_schemas() -> Iterator[str]:
-    """The pointer of every schema in the OpenAPI document."""
-    for pointer, node in walk(OPENAPI):
-        if re.fullmatch(r"/components/schemas/[^/]+", pointer) or (
-            isinstance(node, dict) and pointer.endswith("/schema") and "/properties/" not in pointer
-        ):
-            yield pointer
-
-
-def asyncapi_schemas() -> Iterator[str]:
-    for pointer, _ in walk(ASYNCAPI):
-        if re.fullmatch(r"/components/(schemas/[^/]+|messages/[^/]+/payload)", pointer) or re.fullmatch(
-            r"/channels/[^/]+/bindings/ws/(query|headers)", pointer
-        ):
-            yield pointer
-
-
-def examples(doc: dict[str, Any]) -> Iterator[tuple[str, str, object]]:
-    """(the schema's pointer, the example's name, its value) of every example in a document."""
-    for pointer, node in walk(doc):
-        if not isinstance(node, dict):
-            continue
-        if "examples" in node and ("schema" in node or "payload" in node):
-            schema = f"{pointer}/{'schema' if 'schema' in node else 'payload'}"
-            listed = node["examples"]
-            for name, ex in listed.items() if isinstance(listed, dict) else ((e["name"], e) for e in listed):
-                yield schema, name, ex["value"] if "value" in ex else ex["payload"]
-        if "example" in node and "schema" in node:
-            yield f"{pointer}/schema", "", node["example"]
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("doc", [OPENAPI, ASYNCAPI], ids=["openapi", "asyncapi"])
-def test_the_documents_are_valid_and_every_reference_resolves(doc: dict[str, Any]) -> None:
-    assert doc.get("openapi", "3.1.0").startswith("3.1.") and doc.get("asyncapi", "3.0.0") == "3.0.0"
-    pointers = list(openapi_schemas() if doc is OPENAPI else asyncapi_schemas())
-    assert len(pointers) > 30
-    for pointer in pointers:
-        Draft202012Validator.check_schema(at(doc, pointer))
-        if doc is ASYNCAPI:  # whose default schema format is a superset of JSON Schema draft 7
-            Draft7Validator.check_schema(at(doc, pointer))
-    for pointer, node in walk(doc):
-        if pointer.endswith("/$ref"):
-            assert isinstance(node, str) and node.startswith("#/"), pointer
-            at(doc, node)  # raises if it does not resolve
-        if isinstance(node, dict) and "$ref" in node:
-            assert len(node) == 1, f"{pointer}: draft 7 ignores what stands beside a $ref"
-
-
-@pytest.mark.unit
-def test_every_openapi_operation_is_whole() -> None:
-    ids = []
-    for path, item in OPENAPI["paths"].items():
-        for method, op in item.items():
-            assert method in METHODS, (path, method)
-            ids.append(op["operationId"])
-            declared = {p["name"] for p in params_of(op) if p["in"] == "path"}
-            assert declared == set(re.findall(r"{(\w+)}", path)), (path, method)
-            assert "200" in op["responses"], (path, method)
-            for status, response in op["responses"].items():
-                assert "description" in deref(OPENAPI, response), (path, method, status)
-            for need in op.get("security", OPENAPI["security"]):
-                assert set(need) <= set(OPENAPI["components"]["securitySchemes"])
-    assert len(ids) == len(set(ids))
-
-
-@pytest.mark.unit
-def test_every_asyncapi_operation_names_messages_of_its_channel() -> None:
-    for name, op in ASYNCAPI["operations"].items():
-        channel = op["channel"]["$ref"]
-        assert op["action"] in ("send", "receive"), name
-        for ref in [*op["messages"], *op.get("reply", {}).get("messages", [])]:
-            assert ref["$ref"].startswith(f"{channel}/messages/"), (name, ref)
-    sent = {r["$ref"] for op in ASYNCAPI["operations"].values() for r in op["messages"]}
-    replied = {
-        r["$ref"] for op in ASYNCAPI["operations"].values() for r in op.get("reply", {}).get("messages", [])
-    }
-    assert {f"#/channels/hub/messages/{m}" for m in ASYNCAPI["components"]["messages"]} == sent | replied
-
-
-@pytest.mark.unit
-def test_every_object_the_asyncapi_document_describes_is_named() -> None:
-    """Code generators name a model by its schema's ``title``: without one, AsyncAPI's modelina made 61 of
-    67 models ``AnonymousSchema_N``. Every object schema, payloads and the objects inside them, has one
-    (the websocket binding's query and headers are no model)."""
-    bindings = ("/channels/hub/bindings/ws/query", "/channels/hub/bindings/ws/headers")
-    unnamed = [
-        pointer
-        for pointer, node in walk(ASYNCAPI)
-        if isinstance(node, dict)
-        and (node.get("type") == "object" or "properties" in node)
-        and "title" not in node
-        and "/examples" not in pointer
-        and pointer not in bindings
-    ]
-    assert unnamed == []
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("doc", [OPENAPI, ASYNCAPI], ids=["openapi", "asyncapi"])
-def test_every_example_validates_against_its_schema(doc: dict[str, Any]) -> None:
-    found = list(examples(doc))
-    assert len(found) > 20
-    for pointer, _, value in found:
-        check(doc, pointer, value)
-
-
-def error_code_enums(doc: dict[str, Any]) -> list[tuple[set[str], set[str]]]:
-    """The listed codes and the ledger's of each error ``code``: an ``enum``, or (open, as the OpenAPI
-    document's: a code added since is a string a generated client still reads) ``anyOf`` the list and any
-    string."""
-    found = []
-    for pointer, node in walk(doc):
-        if (
-            pointer.endswith("/error/properties/code")
-            or pointer == "/components/schemas/Error/properties/code"
-        ):
-            branches = [deref(doc, b) for b in node.get("anyOf", [node])]
-            listed = [b for b in branches if "enum" in b]
-            assert len(listed) == 1 and all(b in listed or b == {"type": "string"} for b in branches), pointer
-            found.append((set(listed[0]["enum"]), set(node.get("x-ledger-codes", []))))
-    return found
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("doc", [OPENAPI, ASYNCAPI], ids=["openapi", "asyncapi"])
-def test_the_error_codes_are_the_codes_of_server_errors(doc: dict[str, Any]) -> None:
-    enums = error_code_enums(doc)
-    assert len(enums) == 1
-    sent, ledger_only = enums[0]
-    # Open in both (docs/integration.md, "Versions"): a code added since is a string a client still reads.
-    pointer = "/components/schemas/Error/properties/" + (
-        "error/properties/code" if doc is OPENAPI else "code"
-    )
-    assert {"type": "string"} in at(doc, pointer)["anyOf"]
-    assert sent == set(errors.WIRE_CODES)
-    assert sent | ledger_only == set(errors.ALL_CODES)
-
-
-# Close codes a client never sees as a close: CLOSE_POLICY is sent before the upgrade (an Origin not
-# allowed, a demo hub's not_local), which the client gets as HTTP 403 (the channel's description says so).
-# Sent by websockets' parser or by the hub's protocol through websockets (``fail``), not by a close() of
-# the hub's: 1009 (a frame over the size limit), 1011 (no pong in time), 1007 (text not UTF-8). (1008 is
-# both CLOSE_POLICY, before the upgrade, and CLOSE_FLOOD after it: documented for the second.)
-BY_THE_LAYERS_BELOW = {protocol.CLOSE_TOO_BIG, 1011, 1007}
-
-
-@pytest.mark.unit
-def test_the_close_codes_are_the_hubs() -> None:
-    """Every close code the hub's code sends (a protocol.CLOSE_* it uses, or a number it closes with),
-    documented, and no other: protocol.py's CLOSE_HEARTBEAT (4002) is defined but sent by nobody."""
-    constants = {n: v for n, v in vars(protocol).items() if n.startswith("CLOSE_") and isinstance(v, int)}
-    sources = [p.read_text() for p in (ROOT / "server").rglob("*.py") if p.name != "protocol.py"]
-    used = {v for n, v in constants.items() if any(re.search(rf"\b{n}\b", s) for s in sources)}
-    used |= {int(c) for s in sources for c in re.findall(r"(?:close|send_close)\((\d{4})\b", s)}
-    used |= BY_THE_LAYERS_BELOW
-    documented = [c["code"] for c in ASYNCAPI["x-close-codes"]]
-    assert sorted(documented) == sorted(used)
-    table = (ROOT / "docs" / "protocol.md").read_text().split("## Close codes", 1)[1].split("\n## ", 1)[0]
-    assert sorted(documented) == sorted(int(c) for c in re.findall(r"^\| (\d{4}) \|", table, re.M))
-
-
-@pytest.mark.unit
-def test_every_route_the_app_mounts_is_described() -> None:
-    app = create_app(Settings(secret="x" * 32))
-    for route in app.routes:
-        if isinstance(route, WebSocketRoute):
-            assert route.path == ASYNCAPI["channels"]["hub"]["address"]
-        elif isinstance(route, Mount):  # static files: "/" describes the page and /client/ both
-            assert route.path in ("", "/client"), route.path
-            assert f"`{route.path}/" in OPENAPI["paths"]["/"]["get"]["description"]
-        else:
-            assert isinstance(route, Route)
-            for method in (route.methods or set()) - {"HEAD"}:
-                assert method.lower() in OPENAPI["paths"].get(route.path, {}), f"{method} {route.path}"
-
-
-# -- live hubs -------------------------------------------------------------------------------------------
+from tests.webhooktools import SECRET
 
 
 @pytest.fixture
@@ -281,7 +44,7 @@ async def hubs(hub_settings: Settings, tmp_path: Path) -> AsyncIterator[tuple[Hu
         demo_topup=False,
         # The webhook routes' examples: this endpoint's id is theirs (no worker here: nothing is sent).
         webhook_urls="https://backend.example/hooks",
-        webhook_secret="webhook-secret-of-the-chat-backend-0123456789",
+        webhook_secret=SECRET,
     )
     async with (
         hub_in_process(hub_settings.replace(database_url=demo_db)) as demo,

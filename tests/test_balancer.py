@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from redpacket_client.connection import HubClient
 from server.hub import protocol
 from server.hub.tokens import make_token
 from server.money import ledger
 from server.settings import Settings
 from server.store.engines import connect
-from server.tools.client import HubClient
 from tests.hubtools import HubUnderTest, eventually, free_port, hub_process
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,8 +14,8 @@ from server.core import Core
 from server.money import grabs, packets
 from server.money.reconcile import reconcile
 from server.settings import child_env
+from tests.books import run_worker
 from tests.conftest import make_world
-from tests.test_credit import run_worker
 
 
 def _bench(redis_url: str, *args: str) -> tuple[dict[str, object], str]:

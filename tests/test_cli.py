@@ -20,31 +20,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from server.settings import Settings, child_env
+from server.settings import child_env
 from server.store import keys
+from tests.clitools import assert_one_line_error, redpacket
 from tests.conftest import TEST_NAMESPACE, name_deployment
 from tests.hubtools import hub_url, redpacket_up
-
-
-def redpacket(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run the command as an operator would; a hang fails the test (``timeout``)."""
-    return subprocess.run(
-        [sys.executable, "-m", "server", *args],
-        env=child_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def assert_one_line_error(done: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
-    assert "Traceback" not in done.stderr + done.stdout
-    assert len(lines) == 1 and lines[0].startswith("redpacket: "), done.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
 
 
 def test_operator_mistakes_are_one_line_and_an_exit_code(
@@ -345,12 +325,3 @@ def test_a_valkey_orphaned_by_a_killed_up_is_shut_down_before_another_opens_its_
             os.kill(orphan, 0)
             time.sleep(0.05)
     assert not (data / "valkey.json").exists()  # the command's own Valkey stopped with it
-
-
-@pytest.mark.unit
-def test_settings_check_names_the_setting() -> None:
-    with pytest.raises(ValueError, match="REDPACKET_REDIS_URL"):
-        Settings(redis_url="localhost:6379").check()
-    with pytest.raises(ValueError, match="REDPACKET_WORKER_METRICS_PORT"):
-        Settings(worker_metrics_port=70_000).check()
-    Settings(redis_url="redis://h:1/0", database_url="sqlite:///x").check()

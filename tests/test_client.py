@@ -1,4 +1,4 @@
-"""The Python client (``server.tools.reconnecting.RedPacketClient``) against real hubs: it reconnects when
+"""The Python client (``redpacket_client.reconnecting.RedPacketClient``) against real hubs: it reconnects when
 the hub goes away and comes back on the same port, and gets what it missed once; what the hub can no
 longer replay comes as a ``reset``; a token refresh is called and used; requests time out and fail when
 the connection drops; a bad token stops it. Drops are real: a hub stopped and started again, a TCP proxy
@@ -9,18 +9,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from redpacket_client.connection import HubClient, HubError
+from redpacket_client.reconnecting import Backoff, RedPacketClient
 from server.hub.tokens import make_token
 from server.ids import GroupId, UserId
 from server.settings import Settings
-from server.tools.client import HubClient, HubError
-from server.tools.reconnecting import Backoff, RedPacketClient, decide, stop_code
-from tests.hubtools import HubUnderTest, eventually, hub_in_process, server_port
+from tests.hubtools import HubUnderTest, eventually, hub_in_process, make_room, server_port
 
 FAST = Backoff(initial=0.05, maximum=0.2)
 
@@ -88,24 +86,6 @@ class Proxy:
             dst.write_eof()
 
 
-@dataclass
-class Room:
-    group: int
-    admin: int
-    admin_token: str
-    member: int
-    member_token: str
-
-
-async def make_room(h: HubUnderTest) -> Room:
-    admin, token = await h.login("admin")
-    await h.api("POST", "/api/topup", token, amount=100_000, request_id="seed")
-    group = (await h.api("POST", "/api/groups", token, name="family"))["group_id"]
-    member, member_token = await h.login("li")
-    await h.api("POST", f"/api/groups/{group}/members", token, user_ids=[member])
-    return Room(group, admin, token, member, member_token)
-
-
 async def chats(c: RedPacketClient, until: str) -> list[str]:
     """The chat texts ``c`` delivers up to and including ``until`` (other messages skipped)."""
     texts: list[str] = []
@@ -124,21 +104,15 @@ async def next_of(c: RedPacketClient, kind: str) -> dict[str, Any]:
             return message
 
 
-@pytest.fixture
-async def h(hub_settings: Settings) -> AsyncIterator[HubUnderTest]:
-    async with hub_in_process(hub_settings) as hub:
-        yield hub
-
-
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
 async def test_reconnects_when_the_hub_comes_back_and_delivers_what_it_missed_once(
     hub_settings: Settings, h: HubUnderTest, fmt: str
 ) -> None:
-    room = await make_room(h)
+    room = await make_room(h, 1)
     admin = await h.client(room.admin_token)  # on a hub that stays up
     port = server_port()
     async with hub_in_process(hub_settings, port=port) as away:
-        c = await RedPacketClient.connect(away.ws, room.member_token, fmt=fmt, backoff=FAST)
+        c = await RedPacketClient.connect(away.ws, room.members[0][1], fmt=fmt, backoff=FAST)
         await c.sync()
         await admin.request("chat", group=room.group, text="before")
         assert await chats(c, "before") == ["before"]
@@ -157,12 +131,12 @@ async def test_reconnects_when_the_hub_comes_back_and_delivers_what_it_missed_on
 
 
 async def test_a_hub_close_is_retried_by_code_and_a_gap_is_synced(h: HubUnderTest) -> None:
-    room = await make_room(h)
+    room = await make_room(h, 1)
     admin = await h.client(room.admin_token)
-    c = await RedPacketClient.connect(h.ws, room.member_token, backoff=FAST)
+    c = await RedPacketClient.connect(h.ws, room.members[0][1], backoff=FAST)
     await c.sync()
     for code in (1012, 1013, 4008):  # restarting, try again, too slow: each reconnects and re-syncs
-        for conn in list(h.hub.by_user[UserId(room.member)]):
+        for conn in list(h.hub.by_user[UserId(room.members[0][0])]):
             conn.close(code, "closed by the test")
         await eventually(lambda n=c.connections: c.connections > n and c.connected)  # type: ignore[misc]
         await admin.request("chat", group=room.group, text=f"after {code}")
@@ -170,7 +144,7 @@ async def test_a_hub_close_is_retried_by_code_and_a_gap_is_synced(h: HubUnderTes
     assert c.connections == 4
     # The hub loses events for this socket (held, never sent), then says so: the client syncs the group
     # from its last offset and gets them once.
-    (conn,) = [x for x in h.hub.by_user[UserId(room.member)] if not x.closing]
+    (conn,) = [x for x in h.hub.by_user[UserId(room.members[0][0])] if not x.closing]
     conn.held[GroupId(room.group)] = []
     for i in range(2):
         await admin.request("chat", group=room.group, text=f"lost {i}")
@@ -183,9 +157,9 @@ async def test_a_hub_close_is_retried_by_code_and_a_gap_is_synced(h: HubUnderTes
 
 async def test_what_the_hub_can_no_longer_replay_comes_as_a_reset(hub_settings: Settings) -> None:
     async with hub_in_process(hub_settings.replace(sync_limit=3)) as h, Proxy(_port(h)) as proxy:
-        room = await make_room(h)
+        room = await make_room(h, 1)
         admin = await h.client(room.admin_token)
-        c = await RedPacketClient.connect(proxy.ws(), room.member_token, backoff=FAST)
+        c = await RedPacketClient.connect(proxy.ws(), room.members[0][1], backoff=FAST)
         await c.sync()
         sent = await admin.request("send", group=room.group, total=500, count=2, request_id="r1")
         while (await next_of(c, "event"))["event"] != "packet":
@@ -206,13 +180,13 @@ async def test_what_the_hub_can_no_longer_replay_comes_as_a_reset(hub_settings: 
 
 
 async def test_the_token_refresh_is_called_on_every_reconnect_and_its_token_used(h: HubUnderTest) -> None:
-    room = await make_room(h)
+    room = await make_room(h, 1)
     secret = h.settings.secret.encode()
-    expired = make_token(secret, room.member, 1_000, 10)
+    expired = make_token(secret, room.members[0][0], 1_000, 10)
     given: list[str] = []
 
     async def refresh() -> str:
-        given.append(make_token(secret, room.member, int(time.time()), 600, jti=str(len(given))))
+        given.append(make_token(secret, room.members[0][0], int(time.time()), 600, jti=str(len(given))))
         return given[-1]
 
     async with Proxy(_port(h)) as proxy:
@@ -225,15 +199,15 @@ async def test_the_token_refresh_is_called_on_every_reconnect_and_its_token_used
         assert (await c.request("ping"))["ts"] > 0
         await c.close()
     # A plain function works too, and is called for the first token when none is given.
-    c = await RedPacketClient.connect(h.ws, None, refresh_token=lambda: room.member_token, backoff=FAST)
-    assert c.welcome["user"] == room.member
+    c = await RedPacketClient.connect(h.ws, None, refresh_token=lambda: room.members[0][1], backoff=FAST)
+    assert c.welcome["user"] == room.members[0][0]
     await c.close()
 
 
 async def test_requests_time_out_and_fail_when_the_connection_drops(h: HubUnderTest) -> None:
-    room = await make_room(h)
+    room = await make_room(h, 1)
     async with Proxy(_port(h)) as proxy:
-        c = await RedPacketClient.connect(proxy.ws(), room.member_token, backoff=FAST)
+        c = await RedPacketClient.connect(proxy.ws(), room.members[0][1], backoff=FAST)
         proxy.hold()  # the hub answers, but nothing reaches the client
         with pytest.raises(HubError) as e:
             await c.request("ping", timeout=0.5)
@@ -253,7 +227,7 @@ async def test_requests_time_out_and_fail_when_the_connection_drops(h: HubUnderT
             await c.request("ping")
         assert e.value.code == "closed"
     # The single connection fails its waiting requests as soon as it ends, too.
-    one = await HubClient.connect(h.ws, room.member_token)
+    one = await HubClient.connect(h.ws, room.members[0][1])
     waiting = asyncio.create_task(one.request("ping", timeout=60))
     await one.close()
     with pytest.raises(Exception) as gone:
@@ -262,7 +236,7 @@ async def test_requests_time_out_and_fail_when_the_connection_drops(h: HubUnderT
 
 
 async def test_a_bad_token_is_not_retried(h: HubUnderTest) -> None:
-    room = await make_room(h)
+    room = await make_room(h, 1)
     calls = []
 
     def refresh() -> str:
@@ -273,7 +247,7 @@ async def test_a_bad_token_is_not_retried(h: HubUnderTest) -> None:
         await RedPacketClient.connect(h.ws, "garbage", refresh_token=refresh, backoff=FAST)
     assert e.value.code == "token_invalid" and calls == []
     async with Proxy(_port(h)) as proxy:
-        c = await RedPacketClient.connect(proxy.ws(), room.member_token, refresh_token=refresh, backoff=FAST)
+        c = await RedPacketClient.connect(proxy.ws(), room.members[0][1], refresh_token=refresh, backoff=FAST)
         proxy.cut()
         closed = await next_of(c, "closed")
         assert closed["code"] == "token_invalid" and c.closed is not None
@@ -291,19 +265,6 @@ async def test_it_gives_up_after_the_attempts_it_was_given() -> None:
         with pytest.raises(HubError) as e:
             await RedPacketClient.connect(nowhere, "any", backoff=Backoff(initial=0.01, attempts=3))
     assert e.value.code == "unreachable" and "after 3 attempts" in e.value.message
-
-
-@pytest.mark.unit
-def test_what_each_close_code_leads_to() -> None:
-    retried = [None, 1000, 1006, 1011, 1012, 1013, 4008, 4029, 4030, -503, -429]
-    assert [decide(code, "") for code in retried] == ["retry"] * len(retried)
-    assert decide(4001, "token_expired") == "refresh"
-    assert [decide(code, "token_invalid") for code in (4001, 4004, 1008, -403)] == ["stop"] * 4
-    assert [stop_code(c, r) for c, r in [(4004, "user_not_found"), (-403, "http 403"), (1008, "")]] == [
-        "user_not_found",
-        "http_403",
-        "close_1008",
-    ]
 
 
 def _port(h: HubUnderTest) -> int:

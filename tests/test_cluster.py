@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from websockets.exceptions import ConnectionClosed
 
+from redpacket_client.connection import HubClient, HubError
 from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError
@@ -28,12 +29,11 @@ from server.money.reconcile import reconcile
 from server.settings import Settings
 from server.store import keys, redisnodes
 from server.store.scriptcalls import Once
-from server.tools.client import HubClient, HubError
+from tests.books import assert_books_balance, credited_is, run_worker
 from tests.conftest import grab_retrying, make_world
 from tests.hubtools import eventually, hub_process, worker_env
-from tests.redisproc import LocalCluster, RedisProcess, local_cluster, valkey_server
-from tests.test_credit import assert_books_balance, run_worker
-from tests.test_durability import _online_only
+from tests.redisproc import LocalCluster, RedisProcess, local_cluster, online_replicas_only, valkey_server
+from tests.storms import storm_world
 from worker.drain import CreditDrain
 
 
@@ -126,11 +126,6 @@ async def test_every_operation_of_the_core_runs_on_the_cluster(cluster_core: Cor
     await assert_books_balance(core)
 
 
-async def _credited(core: Core) -> int:
-    row = await core.db.fetchone("SELECT COUNT(*) FROM grab_records WHERE status = 'credited'")
-    return 0 if row is None else int(row[0])
-
-
 @pytest.mark.parametrize("cluster_core", ["mysql"], indirect=True)
 async def test_a_storm_on_the_cluster_is_paid_by_two_worker_processes(
     cluster_core: Core, redis_url: str
@@ -172,7 +167,7 @@ async def test_a_storm_on_the_cluster_is_paid_by_two_worker_processes(
         )
         for r in results:
             told[(r.packet_id, r.grab.user_id)] = r.grab.amount
-        await eventually(lambda: _credited_is(core, len(told)), timeout=120)
+        await eventually(lambda: credited_is(core.db, len(told)), timeout=120)
         rows = await core.db.fetchall(
             "SELECT packet_id, user_id, amount FROM grab_records WHERE status = 'credited'"
         )
@@ -184,10 +179,6 @@ async def test_a_storm_on_the_cluster_is_paid_by_two_worker_processes(
         for wk in workers:
             wk.terminate()
             await asyncio.to_thread(wk.wait, 30)
-
-
-async def _credited_is(core: Core, n: int) -> bool:
-    return await _credited(core) == n
 
 
 # The ClusterNode of the dead master that redis-py 5.3 drops unclosed after the failover (pyproject.toml
@@ -386,14 +377,7 @@ async def test_a_master_killed_mid_storm_answers_won_again_within_five_seconds(
 
 
 async def _storm_through_a_master_kill(cl: LocalCluster, s: Settings, a: Any, b: Any) -> None:
-    _, admin_token = await a.login("admin")
-    await a.api("POST", "/api/topup", admin_token, amount=1_000_000, request_id="seed")
-    people = [await a.login(f"p{i}") for i in range(24)]
-    group_ids = []
-    for i in range(6):
-        g = (await a.api("POST", "/api/groups", admin_token, name=f"g{i}"))["group_id"]
-        await a.api("POST", f"/api/groups/{g}/members", admin_token, user_ids=[u for u, _ in people])
-        group_ids.append(g)
+    admin_token, people, group_ids = await storm_world(a, groups=6)
     doomed = cl.master_of(keys.group_members(group_ids[0]))
     hit = {g for g in group_ids if cl.master_of(keys.group_members(g)) is doomed}
     admin = await HubClient.connect(a.ws, admin_token)
@@ -433,7 +417,7 @@ async def _storm_through_a_master_kill(cl: LocalCluster, s: Settings, a: Any, b:
     print(f"groups of the killed master answered won again {min(after):.2f} s after the kill")
     assert min(after) < 5.0
     async with open_core(s) as core:
-        await eventually(lambda: _credited_is(core, len(told)), timeout=120)
+        await eventually(lambda: credited_is(core.db, len(told)), timeout=120)
         rows = await core.db.fetchall(
             "SELECT packet_id, user_id, amount FROM grab_records WHERE status = 'credited'"
         )
@@ -515,7 +499,7 @@ async def test_aof_replica_waits_for_a_lost_replica_until_the_cluster_agrees_it_
     from worker.metrics import WorkerMetrics
 
     if guard == "off":
-        monkeypatch.setattr(redisnodes, "replicas_to_wait_for", _online_only)
+        monkeypatch.setattr(redisnodes, "replicas_to_wait_for", online_replicas_only)
     async with local_cluster(tmp_path, 3, valkey_server(), "--appendfsync", "always") as cl:
         await cl.wait_ok(replicated=True)
         s = core.settings.replace(

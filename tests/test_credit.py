@@ -13,28 +13,10 @@ from server.ids import UserId
 from server.money import crediting, grabs, ledger, packets, queries
 from server.money.reconcile import reconcile
 from server.store import keys
-from server.store.db import Tx
 from server.store.records import CreditEntry, GrabRecord
 from server.store.scriptcalls import run_alone
+from tests.books import assert_books_balance, run_worker, set_paid_count
 from tests.conftest import make_world, outbox
-from worker.drain import CreditDrain
-
-
-async def run_worker(core: Core) -> int:
-    """Pay every queued credit as a worker does; return how many queue entries were handled (paid now,
-    found paid already, or refused). (No cron jobs: tests call those directly.)"""
-    drain = CreditDrain(core)
-    await drain.until_empty()
-    return drain.processed
-
-
-async def assert_books_balance(core: Core) -> None:
-    """Every account's journal sums to its balance."""
-    rows = await core.db.fetchall(
-        "SELECT a.user_id, a.balance, COALESCE(SUM(j.amount), 0) FROM accounts a"
-        " LEFT JOIN journal j ON j.account_id = a.user_id GROUP BY a.user_id, a.balance"
-    )
-    assert rows and all(int(r[1]) == int(r[2]) for r in rows), rows
 
 
 async def test_full_packet_is_credited_exactly(core: Core) -> None:
@@ -200,14 +182,6 @@ async def test_a_packet_is_finished_by_the_transaction_that_credits_its_last_sha
         # the last share was grabbed (what "all grabbed in 1.3 s" is computed from).
         assert await _status(core, p.packet_id) == ("finished", max(g.grabbed_ms for g in gs))
     await assert_books_balance(core)
-
-
-async def set_paid_count(core: Core, packet_id: int, count: int | None) -> None:
-    async def write(tx: Tx) -> int:
-        sql = "UPDATE red_packets SET credited_count = %s WHERE id = %s"
-        return await tx.execute(sql, (count, packet_id))
-
-    assert await core.db.run(write, idempotent=False) == 1
 
 
 async def test_a_packet_sent_before_its_paid_count_was_kept_finishes_on_its_records(core: Core) -> None:

@@ -15,8 +15,8 @@ from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.store.db import Tx
 from server.store.records import CreditEntry
+from tests.books import assert_books_balance
 from tests.conftest import make_world
-from tests.test_credit import assert_books_balance
 from worker.drain import CreditDrain
 
 

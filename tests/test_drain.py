@@ -15,10 +15,10 @@ from server.money import grabs, groups, ledger, packets
 from server.money.reconcile import reconcile
 from server.store import keys
 from server.store.db import DatabaseError
+from tests.books import assert_books_balance, run_worker
 from tests.conftest import make_world, outbox
 from tests.dbproxy import core_behind_proxy
 from tests.hubtools import eventually
-from tests.test_credit import assert_books_balance, run_worker
 from worker.drain import CreditDrain
 
 

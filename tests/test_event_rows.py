@@ -20,7 +20,9 @@ from server.store.shards import shard_of
 from tests.conftest import World, make_world
 
 
-async def _credited(core: Core, count: int = 5, w: World | None = None) -> tuple[int, list[CreditEntry]]:
+async def _credited_packet(
+    core: Core, count: int = 5, w: World | None = None
+) -> tuple[int, list[CreditEntry]]:
     """A packet of ``count`` shares in ``w`` (a world of its own if None), every share credited in one
     batch; (its packet, the credits)."""
     w = w or await make_world(core, members=count)
@@ -42,7 +44,7 @@ async def _rows(core: Core) -> list[tuple[Any, ...]]:
 
 
 async def test_a_batch_of_credits_is_one_row_read_back_as_one_event_per_credit(core: Core) -> None:
-    packet, credits = await _credited(core)
+    packet, credits = await _credited_packet(core)
     rows = await _rows(core)
     # One row for the batch's transaction (on a sharded ledger, one per users' shard: a transaction each).
     assert len(rows) == (
@@ -72,7 +74,7 @@ async def test_a_batch_of_credits_is_one_row_read_back_as_one_event_per_credit(c
 async def test_each_credit_of_a_row_is_its_own_delivery_and_a_replay_by_type_sends_them_again(
     core: Core,
 ) -> None:
-    await _credited(core, 4)
+    await _credited_packet(core, 4)
     await events.sequence(core.db)
     every = await events.page(core.db, after=0, limit=500)
     credited = [e for e in every if e["type"] == "share.credited"]
@@ -109,7 +111,7 @@ async def test_each_credit_of_a_row_is_its_own_delivery_and_a_replay_by_type_sen
 async def test_reconcile_names_a_row_of_credits_that_disagrees_with_its_journal_rows(
     core: Core, tamper: str, check: str
 ) -> None:
-    await _credited(core)
+    await _credited_packet(core)
     assert (await reconcile(core)).ok
     await core.db.run(lambda tx: tx.execute(tamper), idempotent=False)
     report = await reconcile(core)
@@ -120,8 +122,8 @@ async def test_older_grab_rows_carrying_the_same_token_are_not_this_rows_events(
     """A token is random: once in 2^63 an older transaction's grab rows (from before credits were one
     row, each with its own event) carry it too. Matched by token and time, the row reads back its own."""
     w = await make_world(core, members=3)
-    _, older = await _credited(core, 3, w)  # (made first: its journal rows come first by id)
-    _, mine = await _credited(core, 3, w)
+    _, older = await _credited_packet(core, 3, w)  # (made first: its journal rows come first by id)
+    _, mine = await _credited_packet(core, 3, w)
     rows = await core.db.fetchall("SELECT tx, created_ms FROM events WHERE tx IS NOT NULL ORDER BY id")
     (old_token, _), (token, _) = rows[0], rows[-1]
     if core.db.shards:
@@ -157,7 +159,7 @@ async def test_older_grab_rows_carrying_the_same_token_are_not_this_rows_events(
 
 async def test_a_row_whose_journal_rows_are_gone_does_not_stop_the_readers_after_it(core: Core) -> None:
     w = await make_world(core, members=3)
-    await _credited(core, 3, w)
+    await _credited_packet(core, 3, w)
     await core.db.run(
         lambda tx: tx.execute("UPDATE events SET tx = tx + 1 WHERE tx IS NOT NULL"), idempotent=False
     )

@@ -21,17 +21,16 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
+from redpacket_client.connection import HubClient, HubError
 from server import errors
 from server.hub import protocol
 from server.hub.tokens import make_token
 from server.money import groups, ledger
 from server.settings import Settings, child_env
 from server.store import keys
-from server.tools.client import HubClient, HubError
+from tests.chatbackend import KEY
 from tests.conftest import name_deployment
 from tests.hubtools import HubUnderTest, eventually, free_port, hub_in_process, redpacket_up
-
-KEY = "service-key-of-the-chat-backend-0123456789"
 
 
 async def _closed_with(url: str) -> tuple[int, str]:
@@ -44,31 +43,6 @@ async def _closed_with(url: str) -> tuple[int, str]:
 
 
 # -- the demo's conveniences: loopback only, never beside a backend -----------------------------------------
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize(
-    ("changes", "refused"),
-    [
-        ({"host": "127.0.0.1"}, None),
-        ({"host": "::1"}, None),
-        ({"host": "0.0.0.0"}, "only on a hub listening on this machine alone"),
-        ({"host": "10.0.0.7"}, "only on a hub listening on this machine alone"),
-        ({"service_key": KEY}, "never beside a chat backend"),
-        ({"jwks_url": "https://auth.example/jwks.json", "secret": ""}, "never beside a chat backend"),
-    ],
-)
-def test_dev_login_and_demo_money_are_for_loopback_without_a_backend(
-    changes: dict[str, Any], refused: str | None
-) -> None:
-    s = Settings(secret="s" * 32, dev_login=True, demo_topup=True).replace(**changes)
-    if refused is None:
-        s.check()
-        return
-    with pytest.raises(ValueError, match=refused):
-        s.check()
-    with pytest.raises(ValueError, match=refused):  # either one alone
-        s.replace(dev_login=False).check()
 
 
 def test_serve_with_dev_login_on_every_interface_is_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -264,13 +238,6 @@ async def test_beside_a_backend_users_make_no_groups_unless_told(hub_settings: S
 
 
 # -- limits per user and per address ------------------------------------------------------------------------
-
-
-@pytest.mark.unit
-def test_a_service_key_shorter_than_32_characters_is_refused() -> None:
-    with pytest.raises(ValueError, match="SERVICE_KEY is too short"):
-        Settings(secret="s" * 32, service_key="x").check()
-    Settings(secret="s" * 32, service_key="x" * 32).check()
 
 
 async def test_wrong_service_keys_are_counted_and_an_address_past_its_allowance_waits(

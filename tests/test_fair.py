@@ -11,19 +11,19 @@ from typing import Any
 import httpx
 import pytest
 
+from redpacket_client import fairness
+from redpacket_client.fairness import commitment
+from redpacket_client.reconnecting import Backoff, RedPacketClient
 from server.core import Core
 from server.hub.requests import view_dict
 from server.ids import PacketId
-from server.money import fairness, grabs, packets, settlement
-from server.money.fairness import commitment
+from server.money import grabs, packets, settlement
 from server.store import keys
 from server.store.db import Tx
 from server.store.records import GrabRecord
-from server.tools.reconnecting import Backoff, RedPacketClient
+from tests.books import past_expiry
 from tests.conftest import make_world
-from tests.hubtools import HubUnderTest, eventually, hub_in_process
-from tests.test_hub import events_of, make_room
-from tests.test_settlement import _expire
+from tests.hubtools import HubUnderTest, events_of, eventually, hub_in_process, make_room
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -94,7 +94,7 @@ async def test_a_refund_reveals_the_seed_and_the_grabs_made_verify(
     for user in w.members[:2]:
         await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=user)
     assert (await _view(core, p, w.members[0]))["seed"] is None
-    r = await settlement.refund_packet(core, p.packet_id, now=await _expire(core, p.packet_id))
+    r = await settlement.refund_packet(core, p.packet_id, now=await past_expiry(core, p.packet_id))
     assert r.outcome == "refunded"
     view = await _view(core, p, w.members[0])  # from the database now
     assert view["seed"] == await _seed(core, p.packet_id) and len(view["grabs"]) == 2

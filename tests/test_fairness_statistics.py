@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from server.money.fairness import Stream, fair_shares
-from server.money.split import double_average
+from redpacket_client.fairness import Stream, double_average, fair_shares
 
 SPLITS = 100_000
 

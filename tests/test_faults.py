@@ -25,10 +25,10 @@ from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.store import keys
 from server.store.records import CreditEntry
-from tests.conftest import make_world
+from tests.books import assert_books_balance, credited_is, run_worker
+from tests.conftest import make_world, redis_pings
 from tests.hubtools import eventually, worker_env
 from tests.redisproc import needs_redis_server, redis_process
-from tests.test_credit import assert_books_balance, run_worker
 from worker.drain import CreditDrain
 
 
@@ -337,13 +337,6 @@ def _records(held: dict[bytes, bytes]) -> dict[int, tuple[int, int]]:
     return {int(u): (int(v.split(b":")[0]), int(v.split(b":")[1])) for u, v in held.items()}
 
 
-async def _pings(c: Core) -> bool:
-    try:
-        return bool(await c.redis.ping())
-    except Exception:
-        return False
-
-
 @needs_redis_server
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)
 async def test_redis_killed_and_restarted_under_two_workers_that_ride_it_out(
@@ -381,13 +374,13 @@ async def test_redis_killed_and_restarted_under_two_workers_that_ride_it_out(
                     await eventually(lambda log=log: "starting it again" in log.read_text(), timeout=60)  # type: ignore[misc]
                 assert all(wk.poll() is None for wk in workers)
                 await r.start()
-                await eventually(lambda: _pings(c), timeout=30)
+                await eventually(lambda: redis_pings(c), timeout=30)
                 after = await _retrying_send(c, w.admin, w.group)
                 for u in w.members:
                     told[(after.packet_id, u)] = (
                         await grabs.grab(c, packet_id=after.packet_id, group_id=w.group, user_id=u)
                     ).grab.amount
-                await eventually(lambda: _credited(c, len(told)), timeout=120)
+                await eventually(lambda: credited_is(c.db, len(told)), timeout=120)
                 rows = await c.db.fetchall(
                     "SELECT packet_id, user_id, amount FROM grab_records WHERE status = 'credited'"
                 )
@@ -415,8 +408,3 @@ async def _retrying_send(c: Core, admin: int, group: int) -> packets.Packet:
         except Unavailable:
             await asyncio.sleep(0.1)
     raise AssertionError("Redis did not come back for sends")
-
-
-async def _credited(c: Core, n: int) -> bool:
-    row = await c.db.fetchone("SELECT COUNT(*) FROM grab_records WHERE status = 'credited'")
-    return row is not None and int(row[0]) == n

@@ -24,26 +24,14 @@ import msgpack
 import pytest
 from websockets.exceptions import ConnectionClosed
 
+from redpacket_client.connection import HubClient
 from server.hub import protocol
 from server.hub.connection import Connection
 from server.hub.handshake import BoundedHttp
 from server.hub.wire import CHUNK_BYTES, MAX_FRAGMENTS, HubWebSocket
 from server.settings import Settings
-from server.tools.client import HubClient
-from tests.hubtools import HubUnderTest, eventually, hub_in_process
-from tests.test_hub import make_room
-
-PING, PONG, CONT, TEXT, BINARY, CLOSE = 0x9, 0xA, 0x0, 0x1, 0x2, 0x8
-
-
-def frame(opcode: int, payload: bytes = b"", fin: bool = True, mask: bytes | None = None) -> bytes:
-    """A client frame (masked, as RFC 6455 requires of a client; a random mask unless given), payload
-    under 64 KB."""
-    mask = os.urandom(4) if mask is None else mask
-    body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-    first, n = (0x80 if fin else 0) | opcode, len(payload)
-    head = struct.pack("!BB", first, 0x80 | n) if n < 126 else struct.pack("!BBH", first, 0x80 | 126, n)
-    return head + mask + body
+from tests.hubtools import HubUnderTest, eventually, hub_in_process, make_room
+from tests.wsframes import BINARY, CLOSE, CONT, PING, PONG, TEXT, frame
 
 
 class Raw:

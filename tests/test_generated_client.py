@@ -20,10 +20,11 @@ from typing import Any
 import httpx
 import pytest
 
+from redpacket_client.connection import HubClient
 from server.settings import Settings
-from server.tools.client import HubClient
+from tests.chatbackend import KEY, Backend
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
-from tests.test_service import KEY, Backend, hub  # noqa: F401  (the fixture: a hub with the service key)
+from tests.webhooktools import Receiver, hooked, receiving
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # openapi-python-client, schemathesis and ruff (the generator runs it)
@@ -101,15 +102,15 @@ def ok(answer: Any) -> Any:
 
 
 async def test_a_generated_client_drives_the_service_api_and_reads_every_list(
-    hub: HubUnderTest,  # noqa: F811
+    service_hub: HubUnderTest,
     generated: ModuleType,
 ) -> None:
-    b = Backend(hub)
+    b = Backend(service_hub)
     models = part(generated, "models")
     service = lambda op: part(generated, f"api.service.{op}").asyncio_detailed  # noqa: E731
     user = lambda op: part(generated, f"api.user.{op}").asyncio_detailed  # noqa: E731
 
-    async with generated.AuthenticatedClient(base_url=hub.http, token=KEY) as backend:
+    async with generated.AuthenticatedClient(base_url=service_hub.http, token=KEY) as backend:
         start = int(ok(await service("service_events")(client=backend, limit=1)).next_)
         while (page := ok(await service("service_events")(client=backend, after=start, limit=500))).more:
             start = int(page.next_)  # (the feed may hold other tests' events: this one's come after it)
@@ -126,7 +127,7 @@ async def test_a_generated_client_drives_the_service_api_and_reads_every_list(
         for r in range(3):
             body = models.ServiceTopupBody(user_id=b.id(1), amount=1_000, request_id=f"gt{b.base}-{r}")
             assert ok(await service("service_topup")(client=backend, body=body)).balance == 1_000 * (r + 1)
-        grabber = await HubClient.connect(hub.ws, b.token(2))
+        grabber = await HubClient.connect(service_hub.ws, b.token(2))
         await grabber.sync()
         sent = []
         for r in range(3):
@@ -159,8 +160,8 @@ async def test_a_generated_client_drives_the_service_api_and_reads_every_list(
     assert [e.amount for e in entries] == [1_000] * 3 + [-100] * 3  # oldest first
 
     async with (
-        generated.AuthenticatedClient(base_url=hub.http, token=b.token(1)) as sender,
-        generated.AuthenticatedClient(base_url=hub.http, token=b.token(2)) as receiver,
+        generated.AuthenticatedClient(base_url=service_hub.http, token=b.token(1)) as sender,
+        generated.AuthenticatedClient(base_url=service_hub.http, token=b.token(2)) as receiver,
     ):
 
         async def mine(**page: Any) -> Any:
@@ -184,7 +185,6 @@ async def test_a_generated_client_reads_the_webhooks_and_their_deliveries_by_the
 ) -> None:
     """The webhook API's two lists, walked by the helper every other list is: two URLs (the second takes
     top-ups only), and each one's deliveries, once its receiver has acknowledged them."""
-    from tests.test_webhooks import Receiver, hooked, receiving
 
     service = lambda op: part(generated, f"api.service.{op}").asyncio_detailed  # noqa: E731
     models = part(generated, "models")

@@ -22,16 +22,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from redpacket_client.connection import HubClient, HubError
 from server.core import open_core
-from server.hub.hooks import Allowed, Denied, NoAnswer, read_answer
 from server.hub.tokens import make_token
 from server.money.reconcile import reconcile
 from server.settings import Settings
-from server.tools.client import HubClient, HubError
+from tests.chatbackend import KEY
 from tests.hubtools import HubUnderTest, eventually, free_port, hub_in_process
-from tests.test_webhooks import guide_example
+from tests.repofiles import guide_example
 
-KEY = "service-key-of-the-chat-backend-0123456789"
 HOOK_SECRET = "hook-secret-of-the-chat-backend-0123456789ab"
 
 
@@ -198,13 +197,3 @@ async def test_a_hook_that_never_answers_or_is_down_refuses_money_out_and_sends_
                         await w.send("s")  # sent unchecked, as the operator chose
                         assert await w.balance() == 90_000 - 300
         never.set()
-
-
-@pytest.mark.unit
-def test_only_a_2xx_json_verdict_is_an_answer() -> None:
-    assert read_answer(200, b'{"allow": true}') == Allowed()
-    assert read_answer(200, b'{"allow": true, "greeting": "hi"}') == Allowed("hi")
-    assert read_answer(200, b'{"allow": false, "reason": "kyc", "message": "m"}') == Denied("kyc", "m")
-    assert read_answer(200, b'{"allow": false}') == Denied("denied", "the chat service declined this")
-    for status, body in ((500, b'{"allow": true}'), (200, b"yes"), (200, b'{"allow": "true"}'), (204, b"")):
-        assert isinstance(read_answer(status, body), NoAnswer), (status, body)

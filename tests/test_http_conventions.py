@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
-from typing import cast
 
 import httpx
 import pytest
 
-from server.core import Core
 from server.settings import Settings
+from tests.chatbackend import KEY, Backend
 from tests.hubtools import HubUnderTest, hub_in_process
-from tests.test_service import KEY, Backend
 
 
 @pytest.fixture
@@ -182,31 +179,3 @@ async def test_the_http_api_is_counted_by_route_method_and_status(hub: HubUnderT
     )
     took = registry.get_sample_value("redpacket_http_request_seconds_count", {"route": route})
     assert took is not None and took >= 1
-
-
-@pytest.mark.unit
-def test_counters_with_known_outcomes_are_exported_at_zero_from_the_start() -> None:
-    """Before: after a restart the dashboard's credit and refund panels said "No data" until the first
-    one; a series at 0 is what a rate() and an alert need."""
-    from server.hub.metrics import HubMetrics
-    from server.money.settlement import REFUND_OUTCOMES
-    from worker.metrics import CREDIT_OUTCOMES, WorkerMetrics
-
-    worker = WorkerMetrics(own_process=False).registry
-    for outcome in CREDIT_OUTCOMES:
-        assert worker.get_sample_value("redpacket_credits_total", {"outcome": outcome}) == 0.0
-    for outcome in REFUND_OUTCOMES:
-        assert worker.get_sample_value("redpacket_refunds_total", {"outcome": outcome}) == 0.0
-    hub = HubMetrics().registry
-    for outcome in ("won", "already", "empty", "expired"):
-        assert hub.get_sample_value("redpacket_grab_outcomes_total", {"outcome": outcome}) == 0.0
-    # A configured webhook URL's deliveries, by every result (before: no series until the first one).
-    from worker.metrics import WEBHOOK_RESULTS
-    from worker.webhooks import Dispatcher
-
-    metrics = WorkerMetrics(own_process=False)
-    s = Settings(webhook_urls="https://hooks.example/in?token=s3cret", webhook_secret="w" * 32)
-    Dispatcher(cast(Core, SimpleNamespace(settings=s)), metrics)
-    for result in WEBHOOK_RESULTS:
-        labels = {"endpoint": "hooks.example/in", "result": result}  # (never the query: its token)
-        assert metrics.registry.get_sample_value("redpacket_webhook_deliveries_total", labels) == 0.0

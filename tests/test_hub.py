@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -14,53 +12,19 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
+from redpacket_client.connection import HubClient, HubError
+from redpacket_client.protocol import offset_key
 from server.core import open_core
 from server.hub import packetcache, protocol
-from server.hub.packetcache import Closed, local_refusal
 from server.hub.tokens import make_token
 from server.live import bots
 from server.live.botscore import Attempt
-from server.live.events import offset_key
 from server.money.ledger import now_ms
 from server.settings import Settings
 from server.store import keys
-from server.tools.client import HubClient, HubError
 from tests.conftest import block
-from tests.hubtools import HubUnderTest, eventually, hub_in_process
+from tests.hubtools import HubUnderTest, events_of, eventually, hub_in_process, make_room
 from tests.redisproc import needs_redis_server, redis_process
-
-
-@dataclass
-class Room:
-    group: int
-    admin: int
-    admin_token: str
-    members: list[tuple[int, str]]
-
-
-async def make_room(h: HubUnderTest, members: int, prefix: str = "m") -> Room:
-    admin, token = await h.login(f"{prefix}admin")
-    await h.api("POST", "/api/topup", token, amount=1_000_000, request_id="seed")
-    group = (await h.api("POST", "/api/groups", token, name="family"))["group_id"]
-    people = [await h.login(f"{prefix}{i}") for i in range(members)]
-    if people:
-        await h.api("POST", f"/api/groups/{group}/members", token, user_ids=[u for u, _ in people])
-    return Room(group, admin, token, people)
-
-
-async def events_of(c: HubClient, n: int, kind: str | None = None) -> list[dict[str, object]]:
-    out = []
-    while len(out) < n:
-        ev = await c.next_event()
-        if kind is None or ev["event"] == kind:
-            out.append(ev)
-    return out
-
-
-@pytest.fixture
-async def h(hub_settings: Settings) -> HubUnderTest:
-    async with hub_in_process(hub_settings) as hub:
-        yield hub  # type: ignore[misc]
 
 
 async def test_send_grab_open_over_the_socket_in_both_formats(h: HubUnderTest) -> None:
@@ -609,22 +573,6 @@ async def test_grab_attempts_a_redis_away_could_not_take_are_written_once_it_is_
         assert log.timer is None  # closed: nothing is written any more
 
 
-@pytest.mark.unit
-def test_big_room_announcements_list_the_latest_grabs_and_what_is_left() -> None:
-    items = [
-        {"packet_id": 1 + i % 2, "user": i, "amount": 5, "seq": i, "ms": i, "remaining": 20 - i}
-        for i in range(12)
-    ]
-    assert protocol.grabs_announcement(items, None) == {"grabs": items}
-    assert protocol.grabs_announcement(items[:3], 10) == {"grabs": items[:3]}
-    big = protocol.grabs_announcement(items, 10)
-    assert big["grabs"] == items[2:] and big["more"] == 2
-    assert big["remaining"] == {"1": 10, "2": 9}
-    assert protocol.announce_interval(0.1, 500, 500, 20_000) == 0.1
-    assert protocol.announce_interval(0.1, 1_000, 500, 20_000) == 0.1
-    assert protocol.announce_interval(0.1, 10_000, 500, 20_000) == 0.5
-
-
 async def test_a_big_room_storm_sends_each_member_a_bounded_list(hub_settings: Settings) -> None:
     s = hub_settings.replace(big_room_online=3, big_room_grabs_listed=2, grab_coalesce_ms=200)
     async with hub_in_process(s) as h:
@@ -734,31 +682,6 @@ async def test_grabs_of_a_closed_or_unknown_packet_are_answered_by_the_hub(h: Hu
         await c.close()
 
 
-@pytest.mark.unit
-def test_a_local_answer_is_the_one_the_grab_script_gives() -> None:
-    c = Closed(
-        group=1,
-        winners=frozenset({7}),
-        expires_ms=10_000,
-        target=None,
-        closed=False,
-        empty=True,
-        generation=1,
-    )
-    assert local_refusal(c, 5_000, group_id=1, user_id=8) == "packet_empty"
-    assert local_refusal(c, 5_000, group_id=1, user_id=7) is None  # a winner: only Redis answers their share
-    assert (
-        local_refusal(c, 5_000, group_id=2, user_id=8) is None
-    )  # another group: Redis answers "no such packet"
-    assert local_refusal(c, 10_000, group_id=1, user_id=8) == "packet_expired"
-    assert (
-        local_refusal(dataclasses.replace(c, closed=True), 5_000, group_id=1, user_id=8) == "packet_expired"
-    )
-    exclusive = dataclasses.replace(c, target=9)
-    assert local_refusal(exclusive, 5_000, group_id=1, user_id=8) == "not_target"
-    assert local_refusal(dataclasses.replace(c, empty=False), 5_000, group_id=1, user_id=8) is None
-
-
 async def test_a_storm_sends_redis_about_as_many_grabs_as_shares(
     h: HubUnderTest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -786,58 +709,6 @@ async def test_a_storm_sends_redis_about_as_many_grabs_as_shares(
     assert h.hub.packet_cache.flights == {}
     for c in [admin, *members]:
         await c.close()
-
-
-@pytest.mark.unit
-def test_the_packet_view_is_sent_with_every_field_of_the_dataclass() -> None:
-    from dataclasses import asdict
-
-    from server.hub.requests import view_dict
-    from server.money.grabs import Grab, PacketView
-
-    grabs = [Grab(8, 2, 301, 1_796_000_000_450), Grab(7, 1, 587, 1_796_000_001_200)]
-    v = PacketView(
-        9,
-        1,
-        7,
-        "lucky",
-        888,
-        2,
-        "恭喜发财",
-        1_796_000_000_000,
-        1_796_086_400_000,
-        0,
-        grabs,
-        grabs[0],
-        1_796_000_001_200,
-        grabs[1],
-    )
-    assert view_dict(v) == {**asdict(v), "duration_ms": 1200}
-    open_one = PacketView(9, 1, 7, "equal", 10, 2, "", 1, 2, 2, [], None, None, None)
-    assert view_dict(open_one) == {**asdict(open_one), "duration_ms": None}
-
-
-@pytest.mark.unit
-async def test_the_hot_packet_gauges_read_the_storm_admission() -> None:
-    from typing import cast
-
-    from server.core import Core
-    from server.hub.packetcache import PacketCache
-
-    k = PacketCache(cast(Core, None))
-    assert k.hottest() == (0, 0, 0)
-    monkey_first = packetcache.FIRST_FLIGHT
-    try:
-        packetcache.FIRST_FLIGHT = 2
-        assert k.admit(7) is True and k.admit(7) is True
-        waiting = [k.admit(7), k.admit(7), k.admit(7)]
-        assert k.admit(8) is True
-        assert k.hottest() == (2, 3, 0)  # nothing has landed yet: shares left unknown
-        k.answered(7, 40)  # 40 left: every waiting grab goes
-        assert all(isinstance(w, asyncio.Future) and w.result() is True for w in waiting)
-        assert k.hottest() == (2, 0, 40)
-    finally:
-        packetcache.FIRST_FLIGHT = monkey_first
 
 
 async def test_a_channel_left_and_wanted_again_at_once_is_not_a_moved_slot(

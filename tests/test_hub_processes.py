@@ -13,12 +13,12 @@ import pytest
 import redis
 from websockets.exceptions import ConnectionClosed
 
+from redpacket_client.connection import HubClient
+from redpacket_client.protocol import offset_key
 from server.hub import protocol
-from server.live.events import offset_key
 from server.settings import Settings
 from server.store import keys
 from server.store.records import CreditEntry
-from server.tools.client import HubClient
 from tests.conftest import TEST_NAMESPACE
 from tests.hubtools import eventually, hub_process
 
@@ -167,7 +167,7 @@ async def test_a_hub_killed_mid_storm_loses_no_grab(hub_settings: Settings) -> N
     from server.core import open_core
     from server.money import settlement
     from server.money.reconcile import reconcile
-    from tests.test_credit import run_worker
+    from tests.books import run_worker
 
     async with hub_process(hub_settings) as a, hub_process(hub_settings) as b:
         _, admin_token, group, people = await _members(a, 80, "k")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import subprocess
@@ -17,15 +16,7 @@ from typing import Any
 import pytest
 
 from tests.hubtools import redpacket_up
-
-ROOT = Path(__file__).resolve().parent.parent
-GUIDE = ROOT / "docs" / "integration.md"
-
-
-def example(marker: str) -> str:
-    m = re.search(rf"<!-- {marker} -->\n```\w*\n(.*?)```\n<!-- /{marker} -->", GUIDE.read_text(), re.DOTALL)
-    assert m, f"no {marker} example in docs/integration.md"
-    return m[1]
+from tests.repofiles import ROOT, guide_example
 
 
 def replies(output: str) -> list[dict[str, Any]]:
@@ -47,7 +38,7 @@ def test_the_integration_guide_runs_as_written(tmp_path: Path) -> None:
         shell_env = {**os.environ, **env, "H": url}
         if marker.endswith(("token", "rs256", "python-client")):
             script = tmp_path / f"{marker}.py"
-            script.write_text(example(marker))
+            script.write_text(guide_example(marker))
             command = [sys.executable, str(script)]
         elif marker.endswith("js-client"):
             # As `npm install <checkout>/clients/js` leaves it: the package under node_modules.
@@ -55,10 +46,10 @@ def test_the_integration_guide_runs_as_written(tmp_path: Path) -> None:
             if not package.exists():
                 package.parent.mkdir(parents=True)
                 package.symlink_to(ROOT / "clients" / "js", target_is_directory=True)
-            (tmp_path / "zhao.mjs").write_text(example(marker))
+            (tmp_path / "zhao.mjs").write_text(guide_example(marker))
             command = ["node", "--experimental-websocket", "zhao.mjs"]
         else:
-            command = ["bash", "-euo", "pipefail", "-c", example(marker)]
+            command = ["bash", "-euo", "pipefail", "-c", guide_example(marker)]
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=shell_env
         )

@@ -5,7 +5,6 @@ that is not keyed is not run again. Every case here makes the loss happen and as
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -17,18 +16,11 @@ from server.store import keys
 from server.store.db import DatabaseError, OutcomeUnknown, RetryableError, Unreachable
 from server.store.engines import connect
 from server.store.records import CreditEntry
+from tests.books import assert_books_balance
 from tests.conftest import make_world
-from tests.dbproxy import MySQLProxy, core_behind_proxy
-from tests.test_credit import assert_books_balance
+from tests.dbproxy import MySQLProxy
 
 pytestmark = pytest.mark.parametrize("core", ["mysql"], indirect=True)
-
-
-@pytest.fixture
-async def lossy(core: Core) -> AsyncIterator[tuple[Core, MySQLProxy]]:
-    """A Core whose database connections go through a proxy that can lose COMMIT answers."""
-    async with core_behind_proxy(core) as both:
-        yield both
 
 
 async def _count(core: Core, sql: str, *params: object) -> int:

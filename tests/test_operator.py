@@ -11,7 +11,6 @@ import urllib.request
 from pathlib import Path
 
 import msgpack
-import pytest
 import redis
 
 from server.core import Core
@@ -19,9 +18,9 @@ from server.live.bots import lift, list_blocks, now_ms, run_detector
 from server.money import groups, ledger
 from server.settings import Settings, child_env
 from server.store import keys
+from tests.clitools import assert_one_line_error, redpacket
 from tests.hubtools import eventually, hub_in_process, hub_url, redpacket_up
 from tests.redisproc import needs_redis_server, redis_process
-from tests.test_cli import assert_one_line_error, redpacket
 
 
 @needs_redis_server
@@ -86,31 +85,6 @@ def test_malformed_urls_and_settings_are_one_line_at_start(
     # What redis-py reads is read: a database or TLS option as a query, no path.
     for url in ("redis://127.0.0.1:6379/?db=2", "rediss://127.0.0.1/?ssl_cert_reqs=none", "redis://h:1/3"):
         Settings(redis_url=url, database_url=mysql_url, secret="s" * 32).check()
-
-
-@pytest.mark.unit
-def test_rediss_and_unix_urls_get_packed_connections_of_their_kind() -> None:
-    """Before: the packed class replaced whatever redis-py chose, so rediss:// went without TLS."""
-    from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
-
-    from server.store.redisconn import PackedSSLConnection, PackedUnixConnection, packed_pool
-    from server.store.redisnodes import RedisNodes
-
-    for url, kind in (
-        ("redis://127.0.0.1:6379/0", None),
-        ("rediss://127.0.0.1:6380/0", SSLConnection),
-        ("unix:///tmp/r.sock", UnixDomainSocketConnection),
-    ):
-        pooled = packed_pool(url).connection_class
-        dedicated = RedisNodes.connect_dedicated(RedisNodes(url, 1).dedicated("x"))
-        for got in (pooled, type(dedicated)):
-            if kind is None:
-                assert not issubclass(got, SSLConnection | UnixDomainSocketConnection), (url, got)
-            else:
-                assert issubclass(got, kind) and got in (PackedSSLConnection, PackedUnixConnection), (
-                    url,
-                    got,
-                )
 
 
 def test_what_is_wrong_with_a_service_is_said_as_it_is(

@@ -11,16 +11,15 @@ import httpx
 import pytest
 import redis
 
+from redpacket_client.connection import HubClient, HubError
 from server.live import announce
 from server.money import ledger
 from server.money.ledger import now_ms
 from server.settings import Settings
 from server.store import keys
-from server.tools.client import HubClient, HubError
-from tests.hubtools import HubUnderTest, hub_in_process
+from tests.clitools import assert_one_line_error, redpacket
+from tests.hubtools import HubUnderTest, hub_in_process, make_room
 from tests.redisproc import needs_redis_server, redis_process
-from tests.test_cli import assert_one_line_error, redpacket
-from tests.test_hub import make_room
 from worker.drain import CreditDrain
 
 

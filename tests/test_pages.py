@@ -9,10 +9,10 @@ from typing import Any
 
 import httpx
 
+from redpacket_client.connection import HubClient
 from server.hub.tokens import make_token
-from server.tools.client import HubClient
+from tests.chatbackend import Backend
 from tests.hubtools import HubUnderTest, eventually
-from tests.test_service import Backend, hub  # noqa: F401  (the fixture: a hub with the service key)
 
 Get = Callable[[str], Awaitable[tuple[int, Any]]]
 
@@ -36,8 +36,8 @@ async def walk(get: Get, path: str, name: str, cursor: str, most: int, start: in
     return items
 
 
-async def test_every_list_pages_one_way(hub: HubUnderTest) -> None:  # noqa: F811
-    b = Backend(hub)
+async def test_every_list_pages_one_way(service_hub: HubUnderTest) -> None:
+    b = Backend(service_hub)
     before = (await b.ok("GET", "/api/service/events?after=0&limit=1"))["next"]
     while (page := await b.ok("GET", f"/api/service/events?after={before}&limit=500"))["more"]:
         before = page["next"]  # (the feed is shared with other tests: this one's events come after it)
@@ -50,7 +50,7 @@ async def test_every_list_pages_one_way(hub: HubUnderTest) -> None:  # noqa: F81
     )
     for r in range(3):
         await b.ok("POST", "/api/service/topup", user_id=b.id(1), amount=1_000, request_id=f"t{b.base}-{r}")
-    grabber = await HubClient.connect(hub.ws, b.token(2))
+    grabber = await HubClient.connect(service_hub.ws, b.token(2))
     await grabber.sync()
     sent = []
     for r in range(3):
@@ -60,10 +60,10 @@ async def test_every_list_pages_one_way(hub: HubUnderTest) -> None:  # noqa: F81
     await grabber.close()
 
     async def as_user(n: int) -> Get:
-        token = make_token(hub.settings.secret.encode(), b.id(n), 0, 10**10)
+        token = make_token(service_hub.settings.secret.encode(), b.id(n), 0, 10**10)
 
         async def get(path: str) -> tuple[int, Any]:
-            async with httpx.AsyncClient(base_url=hub.http, timeout=30) as http:
+            async with httpx.AsyncClient(base_url=service_hub.http, timeout=30) as http:
                 r = await http.get(path, headers={"authorization": f"Bearer {token}"})
             return r.status_code, r.json()
 

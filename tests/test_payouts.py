@@ -6,7 +6,6 @@ money out, and catches a hold or an event that went wrong."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -18,7 +17,7 @@ from server.money import events, ledger, payouts
 from server.money.reconcile import reconcile
 from server.store.db import Tx, as_text
 from tests.conftest import make_world
-from tests.dbproxy import MySQLProxy, core_behind_proxy
+from tests.dbproxy import MySQLProxy
 from worker.settle import expire_holds_job
 
 
@@ -197,12 +196,6 @@ async def test_a_hold_left_held_past_its_expiry_is_reported(core: Core) -> None:
     assert "hold_stuck" in (await reconcile(core)).checks()
     await payouts.expire_due(core.db)
     assert (await reconcile(core)).ok
-
-
-@pytest.fixture
-async def lossy(core: Core) -> AsyncIterator[tuple[Core, MySQLProxy]]:
-    async with core_behind_proxy(core) as both:
-        yield both
 
 
 @pytest.mark.parametrize("core", ["mysql"], indirect=True)

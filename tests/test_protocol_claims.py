@@ -5,33 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
-import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import jwt
 import pytest
 
-from server.hub.tokens import Rules, TokenError, verify
+from redpacket_client.connection import HubClient, HubError
 from server.money import groups
 from server.settings import Settings
-from server.tools.client import HubClient, HubError
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
-
-PROTOCOL = re.sub(r"\s+", " ", (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text())
-
-
-def says(words: str) -> None:
-    """The document says ``words`` (whitespace as in running text)."""
-    assert re.sub(r"\s+", " ", words) in PROTOCOL, words
-
-
-@pytest.fixture
-async def h(hub_settings: Settings) -> AsyncIterator[HubUnderTest]:
-    async with hub_in_process(hub_settings) as hub:
-        yield hub
+from tests.repofiles import says
 
 
 async def test_events_held_before_a_sync_from_null_are_delivered_before_its_reply(h: HubUnderTest) -> None:
@@ -62,7 +45,7 @@ async def test_events_held_before_a_sync_from_null_are_delivered_before_its_repl
 
 async def _events_now(c: object) -> AsyncIterator[dict[str, object]]:
     """The events already received (the reply came after them: nothing to wait for)."""
-    from server.tools.client import HubClient
+    from redpacket_client.connection import HubClient
 
     assert isinstance(c, HubClient)
     while not c.events.empty():
@@ -105,32 +88,6 @@ async def test_the_rate_limit_answers_then_closes_after_the_burst_plus_one(hub_s
         assert replies == [(0, True), (1, True), (2, True)] + [(i, "rate_limited") for i in range(3, 7)]
         assert c.ws.close_code == 4029
         await c.close()
-
-
-@pytest.mark.unit
-def test_token_claims_are_read_as_the_document_says() -> None:
-    """Before: a digit string as exp was taken (RFC 7519 says a number); the rest was not written down."""
-    says(
-        '`sub` the user id (an integer, or a string of ASCII digits with no leading zero — `"071"` is refused'
-    )
-    says("`exp`, `nbf`, `iat` are numbers (RFC 7519's NumericDate: a string of digits is refused)")
-    says(
-        "`aud` / `iss` checked when the hub has `REDPACKET_JWT_AUDIENCE` / `REDPACKET_JWT_ISSUER`,"
-        " ignored otherwise"
-    )
-    secret = b"s" * 32
-    rules = Rules(secret=secret)
-    now = int(time.time())
-
-    def token(**claims: object) -> str:
-        return jwt.encode({"sub": "71", "exp": now + 60, **claims}, secret, algorithm="HS256")
-
-    assert verify(rules, token(), secret) == 71
-    assert verify(rules, token(aud="someone", iss="somewhere"), secret) == 71  # not configured: not checked
-    for bad in ({"sub": "071"}, {"exp": str(now + 60)}, {"iat": str(now)}, {"nbf": str(now)}):
-        with pytest.raises(TokenError) as refused:
-            verify(rules, token(**bad), secret)
-        assert refused.value.code == "token_invalid", bad
 
 
 async def test_envelope_and_packet_codes_the_document_names(h: HubUnderTest) -> None:

@@ -116,17 +116,3 @@ async def test_a_backends_scripted_clients_can_be_exempted(core: Core) -> None:
     )
     with pytest.raises(ValueError, match="BOT_EXEMPT_USERS"):
         core.settings.replace(bot_exempt_users="seven").check()
-
-
-@pytest.mark.unit
-def test_the_layout_table_names_every_module() -> None:
-    """Before: the README's layout omitted server/hub/requests.py."""
-    root = README.parent
-    table = README.read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
-    modules = [p for d in ("server", "worker") for p in (root / d).rglob("*.py") if p.name != "__init__.py"]
-    missing = [
-        str(p.relative_to(root))
-        for p in modules
-        if f"`{p.name}`" not in table and f"`{p.relative_to(root)}`" not in table
-    ]
-    assert not missing, missing

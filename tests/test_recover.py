@@ -16,10 +16,10 @@ from server.store import keys
 from server.store.db import Tx
 from server.store.records import GrabRecord
 from server.store.redisconn import ServerChanged
+from tests.books import assert_books_balance, run_worker
 from tests.conftest import make_world, outbox
 from tests.hubtools import eventually
 from tests.redisproc import needs_redis_server, redis_process
-from tests.test_credit import assert_books_balance, run_worker
 from worker.drain import Batch, CreditDrain
 
 

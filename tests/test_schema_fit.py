@@ -1,72 +1,18 @@
 """The schema is one Galera can replicate, and ``redpacket migrate`` refuses one it cannot: every table
-InnoDB with a primary key, no named locks (``GET_LOCK``: Galera refuses it) and no ``LOCK TABLES`` —
-migrations take turns through a lease row instead."""
+InnoDB with a primary key; migrations take turns through a lease row (never ``GET_LOCK`` or ``LOCK
+TABLES``, which Galera refuses: the source is read for them in ``tests/unit/test_schema_fit.py``)."""
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import re
 from collections.abc import AsyncIterator
-from pathlib import Path
-from urllib.parse import urlparse
 
-import pymysql
 import pytest
 
 from server.store import schema
 from server.store.db import Database, DatabaseError
-from server.store.dialect import MYSQL
 from server.store.engines import connect
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-BANNED = re.compile(r"GET_LOCK|RELEASE_LOCK|LOCK TABLES?|MyISAM|ENGINE\s*=\s*(?!InnoDB)", re.IGNORECASE)
-LOCKS = re.compile(r"GET_LOCK|RELEASE_LOCK|LOCK TABLES?|MyISAM", re.IGNORECASE)
-
-
-def _strings(path: Path) -> list[str]:
-    """Every string constant of a module but its docstrings (which may name what is avoided)."""
-    tree = ast.parse(path.read_text())
-    docs = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
-    return [
-        n.value
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
-    ]
-
-
-@pytest.mark.unit
-def test_no_statement_takes_a_lock_galera_cannot_replicate_or_names_another_engine() -> None:
-    assert BANNED.search("SELECT GET_LOCK('x', 1)") and BANNED.search("lock tables t write")  # it finds them
-    assert BANNED.search(") ENGINE=MyISAM") and not BANNED.search(") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4")
-    # The one other engine: a Spider head's tables (they hold no rows; every row is on an InnoDB backend),
-    # made in one module, and the tool that starts a head asks for it.
-    spider = {ROOT / "server" / "store" / "shards.py", *(ROOT / "server" / "tools" / "spider").glob("*.py")}
-    for path in [*(ROOT / "server").rglob("*.py"), *(ROOT / "worker").rglob("*.py")]:
-        banned = LOCKS if path in spider else BANNED
-        found = [s for s in _strings(path) if banned.search(s)]
-        assert not found, (path, found)
-    assert "ENGINE=InnoDB" in MYSQL.ddl["table_options"]
-
-
-def fresh_database(mysql_url: str, name: str) -> str:
-    """An empty database ``name`` on the MariaDB of ``mysql_url``: its URL."""
-    u = urlparse(mysql_url)
-    conn = pymysql.connect(host=u.hostname or "127.0.0.1", port=u.port or 3306, user=u.username or "root")
-    with conn.cursor() as cur:
-        cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
-        cur.execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")
-    conn.close()
-    return u._replace(path=f"/{name}").geturl()
+from tests.conftest import fresh_database
 
 
 @pytest.fixture
@@ -123,33 +69,3 @@ def _fresh_url(db: Database) -> str:
     target = db.target  # type: ignore[attr-defined]
     host, port = target.hosts[0]
     return f"mysql://{target.user}@{host}:{port}/{target.database}"
-
-
-def _many_statements(path: Path) -> list[str]:
-    """The SQL text of every ``executemany(...)`` call of a module whose statement is written out there."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "executemany"
-        ):
-            if node.args:
-                parts = [n.value for n in ast.walk(node.args[0]) if isinstance(n, ast.Constant)]
-                out.append("".join(p for p in parts if isinstance(p, str)))
-    return out
-
-
-@pytest.mark.unit
-def test_every_batched_insert_is_all_placeholders() -> None:
-    """aiomysql sends ``executemany`` as one multi-row INSERT only when every value is ``%s``; one literal
-    among them and it sends a statement per row (measured: 1,012 statements for a 500-credit batch on a
-    sharded ledger instead of 14). Literals go in as parameters."""
-    shape = re.compile(r"VALUES \((%s, )*%s\)")
-    found = []
-    for path in [*(ROOT / "server").rglob("*.py"), *(ROOT / "worker").rglob("*.py")]:
-        for sql in _many_statements(path):
-            if "VALUES" in sql and not shape.search(sql):
-                found.append((path.name, sql))
-    assert not found, found
-    assert shape.search("INSERT INTO t (a, b) VALUES (%s, %s)") and not shape.search("VALUES (%s, 'x')")

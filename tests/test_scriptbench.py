@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from bench.scriptbench import STUBS, Shape, bench_grab_script, stubbed
+from bench.scriptbench import STUBS, Shape, bench_grab_script
 from launchers.throwaway import Setup
 from server.store.scripts import LUA_DIR
 from tests.redisproc import needs_redis_server
@@ -44,11 +42,3 @@ def test_a_variant_runs_on_a_cluster_master_with_its_log_its_replica_and_options
     )
     assert figures["redis"].endswith("cluster-aof-replica --hash-max-listpack-entries 16")
     assert figures["variant.lua"]["cpu_us"] > 0
-
-
-@pytest.mark.unit
-def test_a_stub_shadows_redis_call_for_its_command_and_key_only() -> None:
-    lua = stubbed("return redis.call('LLEN', KEYS[2])", ["LLEN shares", "TIME"])
-    assert "stubs['LLEN'][KEYS[2]] = function() return 1 end" in lua
-    assert "stubs['TIME'][''] = function() return {'" in lua
-    assert lua.index("local redis = {call = function(command, ...)") < lua.index("return redis.call('LLEN'")

@@ -4,58 +4,18 @@ changes, funding paid once per request id, account reads, and what live sockets 
 from __future__ import annotations
 
 import asyncio
-import random
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import pytest
 
+from redpacket_client.connection import HubClient, HubError
 from server.core import open_core
-from server.hub.tokens import make_token
 from server.money import ledger
 from server.money.reconcile import reconcile
 from server.settings import Settings
 from server.store.engines import connect
-from server.tools.client import HubClient, HubError
-from tests.hubtools import HubUnderTest, hub_in_process
-
-KEY = "service-key-of-the-chat-backend-0123456789"
-
-
-@pytest.fixture
-async def hub(hub_settings: Settings) -> AsyncIterator[HubUnderTest]:
-    async with hub_in_process(hub_settings.replace(service_key=KEY, demo_topup=False), run_worker=True) as h:
-        yield h
-
-
-class Backend:
-    """The chat app's backend as this API sees it: the key, and ids of its own."""
-
-    def __init__(self, hub: HubUnderTest, key: str = KEY) -> None:
-        self.hub = hub
-        self.key = key
-        self.base = random.randrange(10**12, 10**15)  # ids no other test uses
-
-    def id(self, n: int) -> int:
-        return self.base + n
-
-    async def call(self, method: str, path: str, key: str | None = None, **body: Any) -> tuple[int, Any]:
-        key = self.key if key is None else key
-        headers = {"authorization": f"Bearer {key}"} if key else {}
-        async with httpx.AsyncClient(base_url=self.hub.http, timeout=30) as http:
-            r = await http.request(method, path, json=body or None, headers=headers)
-        return r.status_code, r.json()
-
-    async def ok(self, method: str, path: str, **body: Any) -> Any:
-        status, data = await self.call(method, path, **body)
-        assert status == 200, data
-        return data
-
-    def token(self, n: int) -> str:
-        """What the backend gives its user ``n``: a JWT signed with the shared secret."""
-        return make_token(self.hub.settings.secret.encode(), self.id(n), int(time.time()), 600)
+from tests.chatbackend import KEY, Backend
+from tests.hubtools import HubUnderTest, events_of, hub_in_process
 
 
 async def notice(c: HubClient) -> dict[str, Any]:
@@ -66,15 +26,15 @@ async def notice(c: HubClient) -> dict[str, Any]:
 
 
 async def test_refused_without_the_key_with_a_user_token_and_when_off(
-    hub: HubUnderTest, hub_settings: Settings
+    service_hub: HubUnderTest, hub_settings: Settings
 ) -> None:
-    b = Backend(hub)
+    b = Backend(service_hub)
     await b.ok("PUT", f"/api/service/users/{b.id(1)}", name=f"u{b.id(1)}")
     for key in ["", "wrong", b.token(1)]:
         status, data = await b.call("PUT", f"/api/service/users/{b.id(2)}", key=key, name="x")
         assert (status, data["error"]["code"]) == (401, "token_invalid"), key
     # The service key is no user's token either.
-    assert (await hub.api("GET", "/api/me", KEY))["error"]["code"] == "token_invalid"
+    assert (await service_hub.api("GET", "/api/me", KEY))["error"]["code"] == "token_invalid"
     async with hub_in_process(hub_settings) as off:
         status, data = await Backend(off).call(
             "POST", "/api/service/topup", user_id=1, amount=1, request_id="r"
@@ -82,14 +42,16 @@ async def test_refused_without_the_key_with_a_user_token_and_when_off(
         assert (status, data["error"]["code"]) == (403, "disabled")
 
 
-async def test_users_are_put_by_id_replays_change_nothing_and_names_stay_unique(hub: HubUnderTest) -> None:
-    b = Backend(hub)
+async def test_users_are_put_by_id_replays_change_nothing_and_names_stay_unique(
+    service_hub: HubUnderTest,
+) -> None:
+    b = Backend(service_hub)
     path = f"/api/service/users/{b.id(1)}"
     assert (await b.ok("PUT", path, name=f"wang{b.base}"))["result"] == "created"
     assert (await b.ok("PUT", path, name=f"wang{b.base}"))["result"] == "unchanged"
     assert (await b.ok("PUT", path, name=f"Wang Wei {b.base}"))["result"] == "renamed"
     # The user the backend made logs in with the backend's token.
-    me = await hub.api("GET", "/api/me", b.token(1))
+    me = await service_hub.api("GET", "/api/me", b.token(1))
     assert (me["user_id"], me["name"], me["balance"]) == (b.id(1), f"Wang Wei {b.base}", 0)
     await b.ok("PUT", f"/api/service/users/{b.id(2)}", name=f"li{b.base}")
     status, data = await b.call("PUT", path, name=f"li{b.base}")
@@ -104,9 +66,9 @@ async def test_users_are_put_by_id_replays_change_nothing_and_names_stay_unique(
 
 
 async def test_a_group_put_whole_by_version_reaches_live_sockets_and_an_older_version_is_ignored(
-    hub: HubUnderTest,
+    service_hub: HubUnderTest,
 ) -> None:
-    b = Backend(hub)
+    b = Backend(service_hub)
     for n in (1, 2, 3):
         await b.ok("PUT", f"/api/service/users/{b.id(n)}", name=f"p{n}-{b.base}")
     group = b.id(100)
@@ -117,8 +79,8 @@ async def test_a_group_put_whole_by_version_reaches_live_sockets_and_an_older_ve
 
     first = await b.ok("PUT", path, name="family", members=[b.id(2), b.id(3)], admins=[b.id(1)], version=5)
     assert (first["applied"], first["created"], first["added"]) == (True, True, [b.id(1), b.id(2), b.id(3)])
-    admin = await HubClient.connect(hub.ws, b.token(1))
-    member = await HubClient.connect(hub.ws, b.token(3))
+    admin = await HubClient.connect(service_hub.ws, b.token(1))
+    member = await HubClient.connect(service_hub.ws, b.token(3))
     await admin.sync()
     await member.sync()
     assert admin.groups == [group] and member.groups == [group]
@@ -137,13 +99,13 @@ async def test_a_group_put_whole_by_version_reaches_live_sockets_and_an_older_ve
     # Version 6 arrives late (it still had member 3): ignored.
     late = await b.ok("PUT", path, name="family", members=[b.id(2), b.id(3)], admins=[b.id(1)], version=6)
     assert (late["applied"], late["version"]) == (False, 7)
-    listed = await hub.api("GET", f"/api/groups/{group}/members", b.token(1))
+    listed = await service_hub.api("GET", f"/api/groups/{group}/members", b.token(1))
     assert sorted(m["user_id"] for m in listed["members"]) == [b.id(1), b.id(2)]
 
     # A packet sent by the admin is grabbed by the members the backend put there, and no one else.
     await b.ok("POST", "/api/service/topup", user_id=b.id(1), amount=1_000, request_id=f"fund-{b.base}")
     sent = await admin.request("send", group=group, total=500, count=1)
-    two = await HubClient.connect(hub.ws, b.token(2))
+    two = await HubClient.connect(service_hub.ws, b.token(2))
     assert (await two.request("grab", group=group, packet=sent["packet_id"]))["amount"] == 500
     with pytest.raises(HubError) as outsider:
         await member.request("grab", group=group, packet=sent["packet_id"])
@@ -151,7 +113,7 @@ async def test_a_group_put_whole_by_version_reaches_live_sockets_and_an_older_ve
 
     # A put that died between its commit and telling the hubs (the database changed, nobody told): its
     # retry finds nothing to change, and still brings the live sockets in line with the membership.
-    db = await connect(hub.settings.database_url)
+    db = await connect(service_hub.settings.database_url)
     try:
         async with db.transaction() as tx:
             await tx.execute(
@@ -180,9 +142,9 @@ async def test_a_group_put_whole_by_version_reaches_live_sockets_and_an_older_ve
 
 
 async def test_a_service_top_up_is_paid_once_under_concurrent_retries_and_reconciles(
-    hub: HubUnderTest,
+    service_hub: HubUnderTest,
 ) -> None:
-    b = Backend(hub)
+    b = Backend(service_hub)
     await b.ok("PUT", f"/api/service/users/{b.id(1)}", name=f"payee{b.base}")
     request_id = f"wallet-{b.base}"
     answers = await asyncio.gather(
@@ -219,17 +181,17 @@ async def test_a_service_top_up_is_paid_once_under_concurrent_retries_and_reconc
     ]
     assert page["next"] == page["entries"][-1]["id"] and page["more"] is False
     # Demo top-ups stay demo-only: this hub has them off.
-    demo = await hub.api("POST", "/api/topup", b.token(1), amount=100, request_id="demo")
+    demo = await service_hub.api("POST", "/api/topup", b.token(1), amount=100, request_id="demo")
     assert demo["error"]["code"] == "disabled"
 
-    async with open_core(hub.settings) as core:
+    async with open_core(service_hub.settings) as core:
         assert (await reconcile(core)).ok
 
 
-async def test_a_big_group_is_put_in_one_call(hub: HubUnderTest) -> None:
+async def test_a_big_group_is_put_in_one_call(service_hub: HubUnderTest) -> None:
     """More members than a statement's placeholders could hold if they were listed in one IN (...)."""
-    b = Backend(hub)
-    db = await connect(hub.settings.database_url)
+    b = Backend(service_hub)
+    db = await connect(service_hub.settings.database_url)
     try:
         people = await ledger.create_users(db, [f"big{b.base}-{i}" for i in range(1_500)])
     finally:
@@ -242,9 +204,9 @@ async def test_a_big_group_is_put_in_one_call(hub: HubUnderTest) -> None:
 
 
 async def test_the_backend_sends_for_a_user_and_from_its_own_account_paid_once_and_seen_live(
-    hub: HubUnderTest,
+    service_hub: HubUnderTest,
 ) -> None:
-    b = Backend(hub)
+    b = Backend(service_hub)
     for n, name in ((1, "admin"), (2, "member"), (9, "promotions")):
         await b.ok("PUT", f"/api/service/users/{b.id(n)}", name=f"{name}{b.base}")
     group = b.id(100)
@@ -253,7 +215,7 @@ async def test_the_backend_sends_for_a_user_and_from_its_own_account_paid_once_a
     for n in (1, 9):  # the admin's money, and the promotions account the backend funds
         fund = f"fund-{b.base}-{n}"
         await b.ok("POST", "/api/service/topup", user_id=b.id(n), amount=5_000, request_id=fund)
-    member = await HubClient.connect(hub.ws, b.token(2))
+    member = await HubClient.connect(service_hub.ws, b.token(2))
     await member.sync()
     try:
         # For a user (who may send here), retried at once by a backend that lost the answer: paid once.
@@ -267,7 +229,7 @@ async def test_the_backend_sends_for_a_user_and_from_its_own_account_paid_once_a
             request_id="spring", system=True,
         )  # fmt: skip
         # Members online see both arrive, as any send.
-        seen = await events_of(member, "packet", 2)
+        seen = await events_of(member, 2, "packet")
         assert {e["data"]["packet_id"] for e in seen} == {answers[0]["packet_id"], promo["packet_id"]}
         assert {e["data"]["sender"] for e in seen} == {b.id(1), b.id(9)}
         won = await member.request("grab", group=group, packet=promo["packet_id"])
@@ -291,15 +253,5 @@ async def test_the_backend_sends_for_a_user_and_from_its_own_account_paid_once_a
         assert balances == [5_000 - 300, 5_000 - 200]
     finally:
         await member.close()
-    async with open_core(hub.settings) as core:
+    async with open_core(service_hub.settings) as core:
         assert (await reconcile(core)).ok
-
-
-async def events_of(client: HubClient, kind: str, n: int) -> list[dict[str, Any]]:
-    """The first ``n`` group events of ``kind`` the client gets (each within the hub's bound)."""
-    got: list[dict[str, Any]] = []
-    while len(got) < n:
-        message = await asyncio.wait_for(client.events.get(), 30)
-        if message.get("event") == kind:
-            got.append(message)
-    return got

@@ -1,5 +1,5 @@
 """The settings as declared: every one read from its environment variable, held to its bounds, and the
-README's configuration table the declarations rendered. In-process, no services."""
+table of docs/configuration.md the declarations rendered. In-process, no services."""
 
 from __future__ import annotations
 
@@ -15,19 +15,19 @@ from server.settings import Settings
 
 pytestmark = pytest.mark.unit
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CONFIGURATION = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 NUMBERS = [f for f in dataclasses.fields(Settings) if type(f.default) in (int, float)]
 
 
-def readme_table() -> str:
-    text = README.read_text()
+def documented_table() -> str:
+    text = CONFIGURATION.read_text()
     start = text.index("| variable | default | meaning |")
     return text[start : text.index("\n\n", start) + 1]
 
 
-def test_the_readme_table_is_the_declarations() -> None:
-    assert readme_table() == settings_table(), (
-        "README.md's configuration table differs from the declarations in server/settingfields.py: paste in"
+def test_the_documented_table_is_the_declarations() -> None:
+    assert documented_table() == settings_table(), (
+        "docs/configuration.md's table differs from the declarations in server/settingfields.py: paste in"
         ' the output of `python -c "from server.settingfields import settings_table as t; print(t())"`'
     )
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from redis.exceptions import RedisError
 
 from server import errors
 from server.core import Core, open_core
@@ -21,20 +20,13 @@ from server.money.reconcile import reconcile
 from server.settings import child_env
 from server.store import keys
 from server.store.records import CreditEntry
-from tests.conftest import make_world, outbox
+from tests.books import assert_books_balance, past_expiry, run_worker, set_paid_count
+from tests.conftest import make_world, outbox, redis_pings
 from tests.hubtools import eventually
 from tests.redisproc import needs_redis_server, redis_process
-from tests.test_credit import assert_books_balance, run_worker, set_paid_count
 from worker.drain import Batch, CreditDrain
 
 T = TypeVar("T")
-
-
-async def _expire(core: Core, packet_id: int) -> int:
-    """Move the packet's expiry into the past (the database and Redis agree on it); return 'now'."""
-    row = await core.db.fetchone("SELECT expires_ms FROM red_packets WHERE id = %s", (packet_id,))
-    assert row is not None
-    return int(row[0]) + 1
 
 
 async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -> None:
@@ -45,7 +37,7 @@ async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -
     won = [await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u) for u in w.members[:2]]
     taken = sum(g.grab.amount for g in won)
     # The credit jobs never ran: the refund itself settles the grabs first, so they are paid, not refunded.
-    r = await settlement.refund_packet(core, p.packet_id, now=await _expire(core, p.packet_id))
+    r = await settlement.refund_packet(core, p.packet_id, now=await past_expiry(core, p.packet_id))
     assert (r.outcome, r.amount) == ("refunded", 1_000 - taken)
     for g in won:
         assert await ledger.balance(core.db, g.grab.user_id) == g.grab.amount
@@ -62,7 +54,7 @@ async def test_expired_packet_pays_its_grabs_then_refunds_the_rest(core: Core) -
         raise AssertionError("grab after refund")
     except RedPacketError as e:
         assert e.code in ("packet_expired", "packet_not_found")
-    again = await settlement.refund_packet(core, p.packet_id, now=await _expire(core, p.packet_id))
+    again = await settlement.refund_packet(core, p.packet_id, now=await past_expiry(core, p.packet_id))
     assert again.outcome == "taken"
     assert await run_worker(core) == 2  # the recorded credits are handled and pay nothing more
     report = await reconcile(core)
@@ -74,7 +66,7 @@ async def test_two_refunders_refund_once(core: Core) -> None:
     w = await make_world(core, members=2, admin_cents=10_000)
     p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="lucky", total=900, count=2)
     await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
-    now = await _expire(core, p.packet_id)
+    now = await past_expiry(core, p.packet_id)
     results = await asyncio.gather(*(settlement.refund_packet(core, p.packet_id, now=now) for _ in range(4)))
     assert [r.outcome for r in results].count("refunded") == 1
     rows = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'refund'")
@@ -103,7 +95,7 @@ async def test_an_emptied_packet_is_finished_not_refunded(core: Core) -> None:
     row = await core.db.fetchone("SELECT status FROM red_packets WHERE id = %s", (p.packet_id,))
     assert row is not None and row[0] == "finished"
     assert await settlement.mark_finished(core) == 0
-    assert await settlement.due_for_refund(core, now=await _expire(core, p.packet_id)) == []
+    assert await settlement.due_for_refund(core, now=await past_expiry(core, p.packet_id)) == []
     refunds = await core.db.fetchone("SELECT COUNT(*) FROM journal WHERE kind = 'refund'")
     assert refunds is not None and int(refunds[0]) == 0
     assert (await reconcile(core)).ok
@@ -266,7 +258,7 @@ async def test_a_refund_waits_while_redis_is_unreachable(
             else:
                 assert (await settlement.refund_packet(c, p.packet_id, now=now)).amount == 900
             await r.start()
-            await eventually(lambda: _pings(c), timeout=30)
+            await eventually(lambda: redis_pings(c), timeout=30)
             await CreditDrain(c).until_empty()
             again = await settlement.refund_packet(c, p.packet_id, now=now)
             report = await reconcile(c)
@@ -296,13 +288,6 @@ async def _status(core: Core, packet_id: int) -> str:
     row = await core.db.fetchone("SELECT status FROM red_packets WHERE id = %s", (packet_id,))
     assert row is not None
     return str(row[0])
-
-
-async def _pings(c: Core) -> bool:
-    try:
-        return bool(await c.redis.ping())
-    except RedisError:
-        return False
 
 
 async def test_a_refund_closes_the_packet_even_when_the_workers_clock_is_ahead(
@@ -338,10 +323,11 @@ async def test_a_refund_closes_the_packet_even_when_the_workers_clock_is_ahead(
     assert (await reconcile(core)).ok
 
 
-async def test_refunds_and_two_drains_at_once_pay_every_told_share_once(core: Core) -> None:
-    """Packets expire with grabs still in the outbox; the refund job and two drains run at once, in
-    whatever order the loop gives them (the orders themselves are made to happen in the next test).
-    Each told share is paid once, the rest goes back, the books balance."""
+async def _five_packets_two_thirds_grabbed(
+    core: Core,
+) -> tuple[list[packets.Packet], dict[tuple[int, int], int]]:
+    """Five packets of 3,000 in 30 shares, 20 of each grabbed (their credits in the outbox, unpaid): the
+    packets, and what each grabber was told ((packet, user) -> amount)."""
     w = await make_world(core, members=30, admin_cents=100_000)
     told: dict[tuple[int, int], int] = {}
     sent = []
@@ -354,6 +340,14 @@ async def test_refunds_and_two_drains_at_once_pay_every_told_share_once(core: Co
             told[(p.packet_id, u)] = (
                 await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)
             ).grab.amount
+    return sent, told
+
+
+async def test_refunds_and_two_drains_at_once_pay_every_told_share_once(core: Core) -> None:
+    """Packets expire with grabs still in the outbox; the refund job and two drains run at once, in
+    whatever order the loop gives them (the orders themselves are made to happen in the next test).
+    Each told share is paid once, the rest goes back, the books balance."""
+    sent, told = await _five_packets_two_thirds_grabbed(core)
     now = max(p.expires_ms for p in sent) + 1
     a, b = CreditDrain(core, batch=7), CreditDrain(core, batch=11)
     results = await asyncio.gather(
@@ -379,18 +373,7 @@ async def test_a_refund_and_a_drain_holding_the_same_credits_pay_each_once(core:
     packets' credits; then the refunds run — for those two they find the grabs paid and give back the
     rest; for the other three they pay the grabs themselves (from Redis) first. Then the drain pays what
     it still holds: all already paid. Each told share once, the rest back to the sender, to the cent."""
-    w = await make_world(core, members=30, admin_cents=100_000)
-    told: dict[tuple[int, int], int] = {}
-    sent = []
-    for _ in range(5):
-        p = await packets.send_packet(
-            core, sender_id=w.admin, group_id=w.group, kind="lucky", total=3_000, count=30
-        )
-        sent.append(p)
-        for u in w.members[:20]:
-            told[(p.packet_id, u)] = (
-                await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=u)
-            ).grab.amount
+    sent, told = await _five_packets_two_thirds_grabbed(core)
     drain = CreditDrain(core, batch=1_000, consumer="holding")
     await drain._make_groups()
     held = await drain._read()

@@ -4,8 +4,8 @@ three backends: a ledger made at version 10, with packets on every shard, brough
 backend 0's new definition, the rows still there through the head and a new row's seed on its backend;
 run again, nothing changes. A run stopped half-way (a backend unreachable; the head lost after its
 definitions were made again, a swap's table left behind) is run again to the end. A migration statement
-whose table cannot be told is refused before any backend is changed. The statements' classification is
-also tested alone (fast tier).
+whose table cannot be told is refused before any backend is changed. (The statements' classification
+alone: ``tests/unit/test_shards.py``.)
 """
 
 from __future__ import annotations
@@ -18,61 +18,14 @@ import pytest
 from launchers.spider import SpiderCluster
 from server.store import schema, shards
 from server.store.db import Database, DatabaseError
-from server.store.dialect import MYSQL
 from server.store.engines import connect
 from server.store.schema import pending
-from server.store.shards import SHARDED, make_sharded, runs_on_head, spider_table, written_table
-from tests import test_shards
+from server.store.shards import SHARDED, make_sharded, spider_table
+from tests.conftest import rows_at
 
 SEED = "ab" * 32
 NEXT = schema.LATEST + 1  # a migration of a test's own, after every real one
 SINCE_10 = [v for v, _, _ in schema.MIGRATIONS if v > 10]  # what a ledger at version 10 is brought through
-
-
-@pytest.mark.unit
-def test_every_migration_statement_has_a_place_on_a_sharded_ledger() -> None:
-    placed = {sql: written_table(sql) for v, _, _ in schema.MIGRATIONS for sql in schema.statements(MYSQL, v)}
-    assert placed["ALTER TABLE red_packets ADD COLUMN IF NOT EXISTS seed CHAR(64) NULL"] == "red_packets"
-    assert placed["UPDATE events SET shard_id = user_id"] == "events"  # a data update: the backends'
-    counter = next(sql for sql in placed if sql.startswith("INSERT INTO event_counter"))
-    assert runs_on_head(counter)  # the head's own table, read from a sharded one through the head
-    assert not runs_on_head("CREATE INDEX red_packets_status ON red_packets (status, expires_ms)")
-    assert written_table("DELETE FROM `journal` WHERE id = 1") == "journal"
-    assert written_table("DROP INDEX holds_due ON holds") == "holds"
-    index = "CREATE INDEX IF NOT EXISTS grab_records_user_packet ON grab_records (user_id, packet_id)"
-    assert placed[index] == "grab_records" and not runs_on_head(index)
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize(
-    "sql",
-    [
-        "UPDATE red_packets JOIN users ON users.id = red_packets.sender_id SET greeting = users.name",
-        "UPDATE red_packets, users SET greeting = ''",
-        "DROP TABLE users, journal",
-        "RENAME TABLE journal TO ledger",
-        "ALTER TABLE red_packets RENAME TO packets",
-        "CREATE TABLE packets LIKE red_packets",
-        "OPTIMIZE TABLE journal",
-        "UPDATE users SET name = ''; UPDATE journal SET amount = 0",
-        "UPDATE red_packets SET greeting = (SELECT name FROM users WHERE id = sender_id)",
-        "INSERT INTO journal (account_id) SELECT user_id FROM accounts",
-    ],
-)
-def test_a_statement_that_cannot_be_placed_is_refused(sql: str) -> None:
-    with pytest.raises(DatabaseError, match=r"cannot tell which table|sharded table .* from other tables"):
-        written_table(sql)
-
-
-# --- on a real head and backends ---
-
-
-# A head over three backends of its own, for this module (test_shards' fixture).
-cluster = test_shards.cluster
-
-
-# One statement on one server, on a connection of its own.
-_on = test_shards._backend_rows
 
 
 async def _make(cluster: SpiderCluster, name: str, opener: Callable[[str], Any] | None = None) -> list[str]:
@@ -102,7 +55,7 @@ async def _pending_everywhere(cluster: SpiderCluster, name: str) -> list[list[in
 async def _six_packets(cluster: SpiderCluster, name: str) -> None:
     """Packets 1 to 6 written through the head: two on each shard, two shares each."""
     rows = ", ".join(f"({i}, 1, 1, 'random', 100, 2, 'hi', 'open', 1, 2)" for i in range(1, 7))
-    await _on(
+    await rows_at(
         cluster.head_url(name),
         "INSERT INTO red_packets (id, sender_id, group_id, kind, total, share_count, greeting, status,"
         f" created_ms, expires_ms) VALUES {rows}",
@@ -122,7 +75,7 @@ async def _at_version_10(cluster: SpiderCluster, name: str, monkeypatch: pytest.
 
 
 async def _create(url: str, table: str) -> str:
-    (_, create), *_ = await _on(url, f"SHOW CREATE TABLE {table}")
+    (_, create), *_ = await rows_at(url, f"SHOW CREATE TABLE {table}")
     return str(create)
 
 
@@ -131,21 +84,23 @@ async def _head_tables(cluster: SpiderCluster, name: str) -> dict[str, str]:
 
 
 async def _ids_through_head(cluster: SpiderCluster, name: str) -> list[tuple[int, str | None]]:
-    rows = await _on(cluster.head_url(name), "SELECT id, seed FROM red_packets ORDER BY id")
+    rows = await rows_at(cluster.head_url(name), "SELECT id, seed FROM red_packets ORDER BY id")
     return [(int(i), s) for i, s in rows]
 
 
 async def _ids_through_head_old(cluster: SpiderCluster, name: str) -> list[int]:
     """The packets' ids through the head, naming no column a definition of version 10 lacks."""
-    return [int(r[0]) for r in await _on(cluster.head_url(name), "SELECT id FROM red_packets ORDER BY id")]
+    return [
+        int(r[0]) for r in await rows_at(cluster.head_url(name), "SELECT id FROM red_packets ORDER BY id")
+    ]
 
 
 async def test_a_ledger_at_version_10_is_brought_to_the_latest_with_its_rows(
-    cluster: SpiderCluster, monkeypatch: pytest.MonkeyPatch
+    spider: SpiderCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     name = "upgrade"
-    await _at_version_10(cluster, name, monkeypatch)
-    head = await connect(cluster.head_url(name), 1)
+    await _at_version_10(spider, name, monkeypatch)
+    head = await connect(spider.head_url(name), 1)
     try:
         assert head.shards == 3
         with pytest.raises(DatabaseError, match="applied by `redpacket migrate` with REDPACKET_SHARDS"):
@@ -153,25 +108,25 @@ async def test_a_ledger_at_version_10_is_brought_to_the_latest_with_its_rows(
     finally:
         await head.close()
 
-    lines = await _make(cluster, name)
-    create = await _create(cluster.head_url(name), "red_packets")
+    lines = await _make(spider, name)
+    create = await _create(spider.head_url(name), "red_packets")
     assert "`seed` char(64)" in create and "ENGINE=SPIDER" in create, create
-    assert await _pending_everywhere(cluster, name) == [[]] * 4
-    assert await _ids_through_head(cluster, name) == [(i, None) for i in range(1, 7)]
-    for shard, url in enumerate(cluster.backend_urls(name)):
-        held = await _on(url, "SELECT id FROM red_packets ORDER BY id")
+    assert await _pending_everywhere(spider, name) == [[]] * 4
+    assert await _ids_through_head(spider, name) == [(i, None) for i in range(1, 7)]
+    for shard, url in enumerate(spider.backend_urls(name)):
+        held = await rows_at(url, "SELECT id FROM red_packets ORDER BY id")
         assert [int(r[0]) for r in held] == [i for i in range(1, 7) if i % 3 == shard]  # not moved
 
     # A packet with its seed, written through the head, lands on its backend with the seed.
-    await _on(
-        cluster.head_url(name),
+    await rows_at(
+        spider.head_url(name),
         "INSERT INTO red_packets (id, sender_id, group_id, kind, total, share_count, greeting, status,"
         f" created_ms, expires_ms, seed) VALUES (7, 1, 1, 'random', 100, 2, 'hi', 'open', 1, 2, '{SEED}')",
     )
-    for shard, url in enumerate(cluster.backend_urls(name)):
-        there = await _on(url, "SELECT seed FROM red_packets WHERE id = 7")
+    for shard, url in enumerate(spider.backend_urls(name)):
+        there = await rows_at(url, "SELECT seed FROM red_packets WHERE id = 7")
         assert there == ([(SEED,)] if shard == 7 % 3 else []), shard
-    assert (await _ids_through_head(cluster, name))[-1] == (7, SEED)
+    assert (await _ids_through_head(spider, name))[-1] == (7, SEED)
     assert [line.rsplit(": ", 1)[1] for line in lines if line.startswith("shard ")] == [
         f"migrations applied {SINCE_10}"
     ] * 3
@@ -182,19 +137,19 @@ async def test_a_ledger_at_version_10_is_brought_to_the_latest_with_its_rows(
     assert lines[-1] == f"head: migrations applied {SINCE_10}" and len(lines) == 8, lines
 
     # Run again: nothing changes.
-    before = await _head_tables(cluster, name)
-    again = await _make(cluster, name)
+    before = await _head_tables(spider, name)
+    again = await _make(spider, name)
     assert again == [line for line in again if line.endswith("migrations applied none")] and len(again) == 4
-    assert await _head_tables(cluster, name) == before
-    assert len(await _ids_through_head(cluster, name)) == 7
+    assert await _head_tables(spider, name) == before
+    assert len(await _ids_through_head(spider, name)) == 7
 
 
 async def test_a_run_stopped_half_way_is_run_again_to_the_end(
-    cluster: SpiderCluster, monkeypatch: pytest.MonkeyPatch
+    spider: SpiderCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     name = "halfway"
-    await _at_version_10(cluster, name, monkeypatch)
-    urls = cluster.backend_urls(name)
+    await _at_version_10(spider, name, monkeypatch)
+    urls = spider.backend_urls(name)
 
     async def third_unreachable(url: str) -> Database:
         if url == urls[2]:
@@ -202,10 +157,10 @@ async def test_a_run_stopped_half_way_is_run_again_to_the_end(
         return await connect(url, 1)
 
     with pytest.raises(DatabaseError, match="backend 2"):
-        await _make(cluster, name, third_unreachable)
-    assert await _pending_everywhere(cluster, name) == [SINCE_10, [], [], SINCE_10]
+        await _make(spider, name, third_unreachable)
+    assert await _pending_everywhere(spider, name) == [SINCE_10, [], [], SINCE_10]
     # Meanwhile the head's old definitions still read every shard (the new column is not theirs).
-    assert await _ids_through_head_old(cluster, name) == list(range(1, 7))
+    assert await _ids_through_head_old(spider, name) == list(range(1, 7))
 
     real = shards.migrate
 
@@ -217,24 +172,24 @@ async def test_a_run_stopped_half_way_is_run_again_to_the_end(
     with monkeypatch.context() as m:
         m.setattr(shards, "migrate", head_lost)
         with pytest.raises(DatabaseError, match="head's connection"):
-            await _make(cluster, name)
-    assert await _pending_everywhere(cluster, name) == [SINCE_10, [], [], []]
-    assert "`seed`" in await _create(cluster.head_url(name), "red_packets")  # made again, not recorded
+            await _make(spider, name)
+    assert await _pending_everywhere(spider, name) == [SINCE_10, [], [], []]
+    assert "`seed`" in await _create(spider.head_url(name), "red_packets")  # made again, not recorded
     # And a swap stopped between making its new table and the RENAME.
     backend_create = await _create(urls[0], "red_packets")
     servers = [shards.server_name(name, i) for i in range(3)]
-    await _on(
-        cluster.head_url(name),
+    await rows_at(
+        spider.head_url(name),
         spider_table(backend_create, "red_packets", "id", servers, name="rp_new_red_packets"),
     )
 
-    lines = await _make(cluster, name)
+    lines = await _make(spider, name)
     assert "head: red_packets made again over the backends' new definition" in lines
     assert lines[-1] == f"head: migrations applied {SINCE_10}", lines
-    assert await _pending_everywhere(cluster, name) == [[]] * 4
-    assert await _ids_through_head(cluster, name) == [(i, None) for i in range(1, 7)]
-    left = await _on(
-        cluster.head_url(name),
+    assert await _pending_everywhere(spider, name) == [[]] * 4
+    assert await _ids_through_head(spider, name) == [(i, None) for i in range(1, 7)]
+    left = await rows_at(
+        spider.head_url(name),
         "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE()"
         " AND table_name REGEXP '^rp_(new|old)_'",
     )
@@ -242,30 +197,30 @@ async def test_a_run_stopped_half_way_is_run_again_to_the_end(
 
 
 async def test_a_data_update_of_a_sharded_table_runs_once_on_each_row(
-    cluster: SpiderCluster, monkeypatch: pytest.MonkeyPatch
+    spider: SpiderCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     name = "update"
-    await cluster.create_database(name)
-    await _make(cluster, name)
-    await _six_packets(cluster, name)
+    await spider.create_database(name)
+    await _make(spider, name)
+    await _six_packets(spider, name)
     more = "UPDATE red_packets SET share_count = share_count + 1"  # not idempotent: run twice, shows
     monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, (NEXT, "one share more", [more])])
-    lines = await _make(cluster, name)
+    lines = await _make(spider, name)
     assert lines[-1] == f"head: migrations applied [{NEXT}]", lines
-    counts = await _on(cluster.head_url(name), "SELECT id, share_count FROM red_packets ORDER BY id")
+    counts = await rows_at(spider.head_url(name), "SELECT id, share_count FROM red_packets ORDER BY id")
     assert [(int(i), int(n)) for i, n in counts] == [(i, 3) for i in range(1, 7)]
 
 
 async def test_a_migration_that_cannot_be_placed_is_refused_before_any_backend_changes(
-    cluster: SpiderCluster, monkeypatch: pytest.MonkeyPatch
+    spider: SpiderCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     name = "unplaced"
-    await cluster.create_database(name)
-    await _make(cluster, name)
+    await spider.create_database(name)
+    await _make(spider, name)
     joined = "UPDATE red_packets JOIN users ON users.id = red_packets.sender_id SET greeting = users.name"
     monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, (NEXT, "a join", [joined])])
     with pytest.raises(
         DatabaseError, match=rf"^migration {NEXT}: cannot tell which table .*UPDATE red_packets JOIN"
     ):
-        await _make(cluster, name)
-    assert await _pending_everywhere(cluster, name) == [[NEXT]] * 4
+        await _make(spider, name)
+    assert await _pending_everywhere(spider, name) == [[NEXT]] * 4

@@ -17,12 +17,11 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from launchers.spider import SpiderCluster, spider_cluster
+from launchers.spider import SpiderCluster
 from server import errors
 from server.core import Core, open_core
 from server.errors import RedPacketError
@@ -36,41 +35,13 @@ from server.store import shards
 from server.store.db import DatabaseError, Unreachable
 from server.store.engines import connect
 from server.store.records import CreditEntry
-from server.store.shards import make_sharded, shard_of, spider_table
-from tests.conftest import make_world, name_deployment, need_spider
-from tests.hubtools import eventually, hub_process, server_port, worker_env
-from tests.test_galera import Storm, _credited, _grabber, _sender, storm_world
+from server.store.shards import make_sharded, shard_of
+from tests.books import credited_count, credited_is
+from tests.conftest import make_world, name_deployment, rows_at
+from tests.hubtools import eventually, hub_process, worker_env
+from tests.storms import Storm, grabber, sender, storm_world
 
 ON_SHARDS = pytest.mark.parametrize("core", ["spider"], indirect=True)
-
-
-@pytest.mark.unit
-def test_the_head_widens_each_unique_key_by_the_shard_column_and_keeps_the_rest() -> None:
-    create = (
-        "CREATE TABLE `journal` (\n  `id` bigint(20) NOT NULL AUTO_INCREMENT,\n"
-        "  `account_id` bigint(20) NOT NULL,\n  `idem_key` varbinary(512) NOT NULL,\n"
-        "  PRIMARY KEY (`id`),\n  UNIQUE KEY `idem_key` (`idem_key`),\n"
-        "  UNIQUE KEY `both` (`account_id`,`idem_key`),\n  KEY `journal_account` (`account_id`)\n"
-        ") ENGINE=InnoDB AUTO_INCREMENT=7 DEFAULT CHARSET=utf8mb4"
-    )
-    got = spider_table(create, "journal", "account_id", ["s0", "s1"])
-    assert "PRIMARY KEY (`id`,`account_id`)" in got
-    assert "UNIQUE KEY `idem_key` (`idem_key`,`account_id`)" in got
-    assert "UNIQUE KEY `both` (`account_id`,`idem_key`)" in got  # already holds it
-    assert "KEY `journal_account` (`account_id`)" in got
-    assert "AUTO_INCREMENT=7" not in got and "ENGINE=InnoDB" not in got
-    parts = "(PARTITION p0 COMMENT = 'srv \"s0\"', PARTITION p1 COMMENT = 'srv \"s1\"')"
-    assert got.endswith("PARTITION BY HASH (`account_id`) " + parts)
-    assert [shard_of(k, 3) for k in (3, 4, 5)] == [0, 1, 2] and shard_of(5, 0) == 0
-    assert shards.by_shard([5, 3, 4, 6], 3) == {0: [3, 6], 1: [4], 2: [5]}
-
-
-async def _backend_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
-    db = await connect(url, 1)
-    try:
-        return await db.fetchall(sql)
-    finally:
-        await db.close()
 
 
 async def _backend_urls(core: Core) -> list[str]:
@@ -97,15 +68,12 @@ async def test_migrate_makes_spider_tables_and_rows_land_on_their_shard(core: Co
     w = await make_world(core, members=5)
     urls = await _backend_urls(core)
     for i, url in enumerate(urls):
-        held = {int(r[0]) for r in await _backend_rows(url, "SELECT user_id FROM accounts")}
+        held = {int(r[0]) for r in await rows_at(url, "SELECT user_id FROM accounts")}
         assert held == {u for u in [w.admin, *w.members] if u % 3 == i}, i
     # A share of a packet is held once on its packet's shard, whoever asks through the head.
     p = await packets.send_packet(core, sender_id=w.admin, group_id=w.group, kind="equal", total=300, count=3)
     url = urls[p.packet_id % 3]
-    assert (
-        len(await _backend_rows(url, f"SELECT seq FROM red_packet_shares WHERE packet_id = {p.packet_id}"))
-        == 3
-    )
+    assert len(await rows_at(url, f"SELECT seq FROM red_packet_shares WHERE packet_id = {p.packet_id}")) == 3
 
 
 async def _grabbed(core: Core, w: Any, n: int = 3) -> list[CreditEntry]:
@@ -369,15 +337,6 @@ async def test_reconciliation_catches_a_row_changed_on_one_backend_and_names_its
 # --- a storm through real processes, one backend killed and started again ---
 
 
-@pytest.fixture(scope="module")
-async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SpiderCluster]:
-    need_spider()
-    async with spider_cluster(
-        tmp_path_factory.mktemp("spider"), ports=[server_port() for _ in range(4)]
-    ) as c:
-        yield c
-
-
 async def _sharded_database(cluster: SpiderCluster, name: str) -> str:
     await cluster.create_database(name)
     head = await connect(cluster.head_url(name), 1)
@@ -390,12 +349,12 @@ async def _sharded_database(cluster: SpiderCluster, name: str) -> str:
 
 
 async def test_holds_go_on_on_the_backends_that_answer_while_another_is_down(
-    cluster: SpiderCluster, hub_settings: Settings
+    spider: SpiderCluster, hub_settings: Settings
 ) -> None:
     """Before: every hold, confirm, release, look-up and expiry found its hold by request id alone, which
     the head asks of every backend (holds are partitioned by user) — one backend down stopped holds for
     everyone. Each now names its user's shard (from the request id's claim on the head)."""
-    url = await _sharded_database(cluster, "holds")
+    url = await _sharded_database(spider, "holds")
     async with open_core(hub_settings.replace(database_url=url), migrate=False) as core:
         users = await ledger.create_users(core.db, [f"holder{i}" for i in range(9)])
         for u in users:
@@ -411,7 +370,7 @@ async def test_holds_go_on_on_the_backends_that_answer_while_another_is_down(
             ),
             idempotent=True,
         )
-        doomed = cluster.backends[down]
+        doomed = spider.backends[down]
         doomed.kill()
         try:
             with pytest.raises(DatabaseError):  # the backend is down: its users' holds cannot be made
@@ -445,11 +404,11 @@ async def test_holds_go_on_on_the_backends_that_answer_while_another_is_down(
 
 
 async def test_a_storm_with_a_backend_killed_and_started_again_credits_every_won_once(
-    cluster: SpiderCluster, hub_settings: Settings
+    spider: SpiderCluster, hub_settings: Settings
 ) -> None:
-    url = await _sharded_database(cluster, "storm")
+    url = await _sharded_database(spider, "storm")
     s = hub_settings.replace(database_url=url)
-    doomed = cluster.backends[1]
+    doomed = spider.backends[1]
     workers = [
         subprocess.Popen(  # noqa: ASYNC220 - the two workers under test
             [sys.executable, "-m", "server", "worker"], env=worker_env(s), stdout=subprocess.DEVNULL
@@ -461,12 +420,12 @@ async def test_a_storm_with_a_backend_killed_and_started_again_credits_every_won
         async with hub_process(s) as a, hub_process(s) as b, open_core(s, migrate=False) as look:
             admin_token, people, groups = await storm_world(a)
             queue: asyncio.Queue[Any] = asyncio.Queue()
-            lanes = [asyncio.create_task(_sender(h, admin_token, groups, storm, queue)) for h in (a, b)]
-            grabbers = [asyncio.create_task(_grabber((a, b), people, storm, queue)) for _ in range(3)]
+            lanes = [asyncio.create_task(sender(h, admin_token, groups, storm, queue)) for h in (a, b)]
+            grabbers = [asyncio.create_task(grabber((a, b), people, storm, queue)) for _ in range(3)]
             try:
                 # The dangerous state first: grabs told "won" and not yet credited, sends going on.
                 async def backlog() -> bool:
-                    return len(storm.told) >= 30 and await _credited(look.db) < len(storm.told)
+                    return len(storm.told) >= 30 and await credited_count(look.db) < len(storm.told)
 
                 await eventually(backlog, 60)
                 storm.killed_at = time.monotonic()
@@ -488,7 +447,7 @@ async def test_a_storm_with_a_backend_killed_and_started_again_credits_every_won
             assert a.process.poll() is None and b.process.poll() is None, "a hub process died"
         assert all(w.poll() is None for w in workers), "a worker process died"
         async with open_core(s, migrate=False) as core:
-            await eventually(lambda: _credited_is(core, len(storm.told)), 120)
+            await eventually(lambda: credited_is(core.db, len(storm.told)), 120)
             rows = await core.db.fetchall(
                 "SELECT packet_id, user_id, amount FROM grab_records WHERE status = 'credited'"
             )
@@ -515,10 +474,6 @@ async def test_a_storm_with_a_backend_killed_and_started_again_credits_every_won
         for w in workers:
             w.terminate()
             await asyncio.to_thread(w.wait, 30)
-
-
-async def _credited_is(core: Core, n: int) -> bool:
-    return await _credited(core.db) == n
 
 
 async def _unclaimed_share(core: Core, packet_id: int, user: int) -> CreditEntry:

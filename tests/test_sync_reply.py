@@ -3,25 +3,18 @@ real websocket clients: a client that keeps the reply's offset never gets an eve
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from redpacket_client.connection import HubClient
+from redpacket_client.protocol import offset_key
 from server.ids import GroupId, UserId
 from server.live import events
-from server.live.events import Missed, offset_key
+from server.live.events import Missed
 from server.money import groups
-from server.settings import Settings
-from server.tools.client import HubClient
-from tests.hubtools import HubUnderTest, eventually, hub_in_process
-from tests.test_protocol_claims import says
-
-
-@pytest.fixture
-async def h(hub_settings: Settings) -> AsyncIterator[HubUnderTest]:
-    async with hub_in_process(hub_settings) as hub:
-        yield hub
+from tests.hubtools import HubUnderTest, eventually
+from tests.repofiles import says
 
 
 def _received(c: HubClient) -> list[dict[str, Any]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -17,13 +16,7 @@ import websockets
 from server.money import groups, packets
 from server.settings import Settings
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
-from tests.test_protocol_claims import says
-
-
-@pytest.fixture
-async def h(hub_settings: Settings) -> AsyncIterator[HubUnderTest]:
-    async with hub_in_process(hub_settings) as hub:
-        yield hub
+from tests.repofiles import says
 
 
 async def _get(h: HubUnderTest, path: str, token: str) -> tuple[int, Any]:

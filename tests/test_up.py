@@ -15,7 +15,7 @@ import pytest
 import redis
 from websockets.exceptions import ConnectionClosed
 
-from server.tools.client import HubClient, HubError
+from redpacket_client.connection import HubClient, HubError
 from tests.hubtools import redpacket_up
 
 

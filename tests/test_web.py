@@ -20,11 +20,11 @@ from datetime import UTC, datetime
 
 from playwright.async_api import Browser, Page, expect
 
+from redpacket_client.connection import HubClient
 from server.ids import UserId
 from server.money import ledger
 from server.settings import Settings
 from server.store.engines import connect
-from server.tools.client import HubClient
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
 from tests.webtools import (
     DESKTOP,

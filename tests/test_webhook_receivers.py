@@ -30,12 +30,13 @@ import pytest
 from server.core import Core
 from server.money import grabs, ledger, packets
 from server.money.endpoints import label, scrub
+from tests.clitools import redpacket
 from tests.conftest import bulk_users, make_world
 from tests.hubtools import eventually, redpacket_up, worker_env
+from tests.webhooktools import SECRET
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
 
-SECRET = "webhook-secret-of-the-chat-backend-0123456789"
 MB = 1024 * 1024
 BOUND = 100 * MB  # the most a worker may grow over its baseline, whatever its receivers do
 USER, PASSWORD, TOKEN = "hookuser", "pw-of-the-receiver-7f3a9c", "tok-of-the-receiver-51be02"
@@ -151,7 +152,7 @@ class Watch:
             await asyncio.sleep(0.01)  # (a sampling period: nothing is waited for)
 
 
-async def _credited(core: Core, user: int, cents: int) -> bool:
+async def _balance_is(core: Core, user: int, cents: int) -> bool:
     return await ledger.balance(core.db, user) == cents
 
 
@@ -181,7 +182,7 @@ async def test_a_worker_stays_bounded_and_keeps_crediting_under_hostile_receiver
                 core, sender_id=w.admin, group_id=w.group, kind="equal", total=200, count=2
             )
             await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[0])
-            await eventually(lambda: _credited(core, w.members[0], 100), timeout=60)
+            await eventually(lambda: _balance_is(core, w.members[0], 100), timeout=60)
             await eventually(lambda: min(rx.calls[k] for k in ("bomb", "slow", "big")) >= 3, timeout=60)
             watch = Watch(worker.pid, rss(worker.pid))
             watching = asyncio.create_task(watch.run())
@@ -196,11 +197,11 @@ async def test_a_worker_stays_bounded_and_keeps_crediting_under_hostile_receiver
             await grabs.grab(core, packet_id=p.packet_id, group_id=w.group, user_id=w.members[1])
 
             async def credited_or_killed() -> bool:
-                return watch.killed or await _credited(core, w.members[1], 100)
+                return watch.killed or await _balance_is(core, w.members[1], 100)
 
             await eventually(credited_or_killed, timeout=60)
             assert not watch.killed, f"the worker grew {watch.peak // MB} MB over its baseline: killed"
-            assert await _credited(core, w.members[1], 100)
+            assert await _balance_is(core, w.members[1], 100)
             await eventually(
                 lambda: (
                     (rx.calls["bomb"] >= 150 and rx.calls["big"] >= 150 and rx.calls["slow"] >= 100)
@@ -275,7 +276,6 @@ async def test_no_secret_of_a_url_in_up_its_log_its_errors_its_cli_or_its_api(tm
     none of the URLs' secrets in what ``up`` writes, in the stored last errors, in ``redpacket webhooks
     status`` or in the service API's deliveries."""
     from tests.hubtools import free_port
-    from tests.test_cli import redpacket
 
     key = secrets.token_hex(32)
     async with hostile_receivers() as rx:

@@ -7,30 +7,21 @@ acknowledge one delivery."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from server.core import Core, open_core
 from server.money import deliveries, events, ledger, packets
@@ -38,122 +29,12 @@ from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.settings import Settings
 from server.store.records import CreditEntry
-from tests.hubtools import HubUnderTest, eventually, hub_in_process, worker_env
+from tests.chatbackend import KEY, Backend
+from tests.clitools import assert_one_line_error, redpacket
+from tests.hubtools import eventually, hub_in_process, worker_env
+from tests.repofiles import guide_example
+from tests.webhooktools import SECRET, Receiver, hooked, receiving, verifier, webhook_schema
 from worker.webhooks import Dispatcher, sign
-
-KEY = "service-key-of-the-chat-backend-0123456789"
-SECRET = "webhook-secret-of-the-chat-backend-0123456789"
-GUIDE = Path(__file__).resolve().parent.parent / "docs" / "integration.md"
-
-
-def guide_example(marker: str) -> str:
-    m = re.search(rf"<!-- {marker} -->\n```\w*\n(.*?)```\n<!-- /{marker} -->", GUIDE.read_text(), re.DOTALL)
-    assert m, f"no {marker} example in docs/integration.md"
-    return m[1]
-
-
-def verifier() -> Callable[..., bool]:
-    """The receiver's check, exactly as docs/integration.md gives it."""
-    scope: dict[str, Any] = {}
-    exec(guide_example("webhook-verify-python"), scope)
-    return scope["verify_webhook"]  # type: ignore[no-any-return]
-
-
-def webhook_schema() -> dict[str, Any]:
-    """The body docs/openapi.json's ``webhooks.event`` describes, with the document's components."""
-    doc = json.loads((GUIDE.parent / "openapi.json").read_text())
-    body = doc["webhooks"]["event"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    return {**body, "components": doc["components"]}
-
-
-@dataclass
-class Receiver:
-    """A backend's webhook endpoint. ``script`` says how the next requests are answered: ``"500"``,
-    ``"slow"`` (answered after the dispatcher's timeout), ``"hold"`` (not answered until ``release``);
-    then 200 for every request."""
-
-    script: list[str] = field(default_factory=list)
-    verify: Callable[..., bool] = field(default_factory=verifier)
-    seen: list[tuple[int, str]] = field(default_factory=list)  # (event id, how it was answered)
-    accepted: dict[int, dict[str, Any]] = field(default_factory=dict)  # deduped by event id
-    order: list[int] = field(default_factory=list)  # event ids in the order first accepted
-    bad_signatures: int = 0
-    holding: asyncio.Event = field(default_factory=asyncio.Event)
-    release: asyncio.Event = field(default_factory=asyncio.Event)
-    url: str = ""
-
-    async def endpoint(self, request: Request) -> Response:
-        body = await request.body()
-        if not self.verify(SECRET, request.headers.get("redpacket-signature", ""), body):
-            self.bad_signatures += 1
-            return Response(status_code=400)
-        event = json.loads(body)
-        assert request.headers["redpacket-event-id"] == str(event["id"])
-        how = self.script.pop(0) if self.script else "ok"
-        self.seen.append((event["id"], how))
-        if how == "500":
-            return Response("busy", status_code=500)
-        if how == "slow":
-            await asyncio.sleep(3)  # the test's dispatcher gives up after 0.4 s
-        if how == "hold":
-            self.holding.set()
-            await self.release.wait()
-        if event["id"] not in self.accepted:  # the backend's dedupe
-            self.accepted[event["id"]] = event
-            self.order.append(event["id"])
-        return Response("ok")
-
-
-@contextlib.asynccontextmanager
-async def receiving(receiver: Receiver) -> AsyncIterator[Receiver]:
-    app = Starlette(routes=[Route("/hooks", receiver.endpoint, methods=["POST"])])
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    await eventually(lambda: server.started, timeout=30)
-    receiver.url = f"http://127.0.0.1:{sock.getsockname()[1]}/hooks"
-    try:
-        yield receiver
-    finally:
-        receiver.release.set()
-        server.should_exit = True
-        await asyncio.wait_for(task, 30)
-
-
-def hooked(settings: Settings, receiver: Receiver) -> Settings:
-    return settings.replace(
-        service_key=KEY,
-        demo_topup=False,
-        webhook_urls=receiver.url,
-        webhook_secret=SECRET,
-        webhook_retry_ms=20,
-        webhook_timeout_ms=400,
-    )
-
-
-class Backend:
-    def __init__(self, hub: HubUnderTest) -> None:
-        self.hub = hub
-
-    async def ok(self, method: str, path: str, **body: Any) -> Any:
-        async with httpx.AsyncClient(base_url=self.hub.http, timeout=30) as http:
-            r = await http.request(
-                method, path, json=body or None, headers={"authorization": f"Bearer {KEY}"}
-            )
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    async def pulled(self) -> list[dict[str, Any]]:
-        """Every event, through the events API, page by page."""
-        out: list[dict[str, Any]] = []
-        after = 0
-        while True:
-            page = await self.ok("GET", f"/api/service/events?after={after}&limit=7")
-            out += page["events"]
-            after = page["next"]
-            if not page["more"]:
-                return out
 
 
 async def _money_story(b: Backend, base: int) -> None:
@@ -415,7 +296,6 @@ def test_settings_refuse_webhooks_without_a_secret_or_over_plain_http() -> None:
 async def test_replay_sends_events_again_and_status_says_how_far_each_url_is(hub_settings: Settings) -> None:
     """``redpacket webhooks replay`` makes delivered events due again (same ids), from an id or a time;
     ``status`` counts what is undelivered; an operator's mistake is one line."""
-    from tests.test_cli import assert_one_line_error, redpacket
 
     async with receiving(Receiver()) as rx:
         settings = hooked(hub_settings, rx)

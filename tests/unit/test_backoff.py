@@ -7,8 +7,6 @@ import pytest
 
 from server.store.db import BACKOFF_MAX_S, BACKOFF_S, BACKOFF_UNIT_MAX_S, backoff_window
 
-pytestmark = pytest.mark.unit
-
 
 def test_the_window_doubles_each_attempt_in_units_of_the_attempts_duration() -> None:
     assert [backoff_window(a, 0.001) for a in range(1, 6)] == [BACKOFF_S * 2**a for a in range(1, 6)]

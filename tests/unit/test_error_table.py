@@ -6,11 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 from server import errors
-
-pytestmark = pytest.mark.unit
 
 PROTOCOL = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
 

@@ -18,8 +18,6 @@ from server.errors import (
     Unavailable,
 )
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize("kind", [InvalidRequest, Forbidden, NotFound, Conflict, TooMany, Unavailable])
 def test_every_error_is_a_red_packet_error_that_carries_its_code(kind: type[RedPacketError]) -> None:

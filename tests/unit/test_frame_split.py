@@ -9,8 +9,6 @@ import pytest
 
 from server.hub.frames import Kind, next_frame, unmask
 
-pytestmark = pytest.mark.unit
-
 
 def client_frame(first: int, payload: bytes, masked: bool = True) -> bytes:
     """A frame as a client writes it: ``first`` byte (FIN, RSV, opcode), the length in its three forms."""

@@ -19,8 +19,6 @@ from server.hub import protocol
 from server.hub.protocol import ProtocolError
 from server.ids import ID_FIELDS, ID_LIST_FIELDS, MAX_ID, ids_as_text, ids_from_text
 
-pytestmark = pytest.mark.unit
-
 ROOT = Path(__file__).resolve().parents[2]
 BIG = 2**63 - 25  # above 2^53: a JavaScript number cannot hold it
 V2_JSON = protocol.DIALECTS[protocol.SUBPROTOCOL_JSON_V2]

@@ -13,8 +13,6 @@ from redis.crc import key_slot
 from server.ids import MAX_ID
 from server.store import keys
 
-pytestmark = pytest.mark.unit
-
 ids = st.integers(1, MAX_ID)
 
 

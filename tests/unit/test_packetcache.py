@@ -28,8 +28,6 @@ from server.hub.packetcache import (
 from server.store import keys
 from tests.unit.fakes import Clock, until
 
-pytestmark = pytest.mark.unit
-
 GROUP = 5
 PACKET = 900
 WINNER = 11
@@ -395,3 +393,49 @@ def test_an_announced_packet_is_no_longer_unknown(rig: Rig) -> None:
     assert rig.refusal(LATE) is None
     assert rig.refusal(LATE, group_id=GROUP + 1) == errors.PACKET_NOT_FOUND
     rig.cache.mark_known(group_id=GROUP, packet_id=PACKET + 1)  # never unknown: nothing to forget
+
+
+def test_a_local_answer_is_the_one_the_grab_script_gives() -> None:
+    c = Closed(
+        group=1,
+        winners=frozenset({7}),
+        expires_ms=10_000,
+        target=None,
+        closed=False,
+        empty=True,
+        generation=1,
+    )
+    assert local_refusal(c, 5_000, group_id=1, user_id=8) == "packet_empty"
+    assert local_refusal(c, 5_000, group_id=1, user_id=7) is None  # a winner: only Redis answers their share
+    assert (
+        local_refusal(c, 5_000, group_id=2, user_id=8) is None
+    )  # another group: Redis answers "no such packet"
+    assert local_refusal(c, 10_000, group_id=1, user_id=8) == "packet_expired"
+    assert (
+        local_refusal(dataclasses.replace(c, closed=True), 5_000, group_id=1, user_id=8) == "packet_expired"
+    )
+    exclusive = dataclasses.replace(c, target=9)
+    assert local_refusal(exclusive, 5_000, group_id=1, user_id=8) == "not_target"
+    assert local_refusal(dataclasses.replace(c, empty=False), 5_000, group_id=1, user_id=8) is None
+
+
+async def test_the_hot_packet_gauges_read_the_storm_admission() -> None:
+    from typing import cast
+
+    from server.core import Core
+    from server.hub.packetcache import PacketCache
+
+    k = PacketCache(cast(Core, None))
+    assert k.hottest() == (0, 0, 0)
+    monkey_first = packetcache.FIRST_FLIGHT
+    try:
+        packetcache.FIRST_FLIGHT = 2
+        assert k.admit(7) is True and k.admit(7) is True
+        waiting = [k.admit(7), k.admit(7), k.admit(7)]
+        assert k.admit(8) is True
+        assert k.hottest() == (2, 3, 0)  # nothing has landed yet: shares left unknown
+        k.answered(7, 40)  # 40 left: every waiting grab goes
+        assert all(isinstance(w, asyncio.Future) and w.result() is True for w in waiting)
+        assert k.hottest() == (2, 0, 40)
+    finally:
+        packetcache.FIRST_FLIGHT = monkey_first

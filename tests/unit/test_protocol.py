@@ -17,8 +17,6 @@ from server.hub import protocol
 from server.hub.protocol import ProtocolError
 from server.ids import MAX_ID
 
-pytestmark = pytest.mark.unit
-
 MSGPACK = protocol.DIALECTS[protocol.SUBPROTOCOL_MSGPACK]
 JSON = protocol.DIALECTS[protocol.SUBPROTOCOL_JSON]
 
@@ -180,3 +178,46 @@ def test_anything_else_as_an_offset_is_a_bad_request(bad: object) -> None:
     with pytest.raises(ProtocolError) as e:
         protocol.parse_offset(bad)
     assert e.value.code == errors.BAD_REQUEST
+
+
+def test_big_room_announcements_list_the_latest_grabs_and_what_is_left() -> None:
+    items = [
+        {"packet_id": 1 + i % 2, "user": i, "amount": 5, "seq": i, "ms": i, "remaining": 20 - i}
+        for i in range(12)
+    ]
+    assert protocol.grabs_announcement(items, None) == {"grabs": items}
+    assert protocol.grabs_announcement(items[:3], 10) == {"grabs": items[:3]}
+    big = protocol.grabs_announcement(items, 10)
+    assert big["grabs"] == items[2:] and big["more"] == 2
+    assert big["remaining"] == {"1": 10, "2": 9}
+    assert protocol.announce_interval(0.1, 500, 500, 20_000) == 0.1
+    assert protocol.announce_interval(0.1, 1_000, 500, 20_000) == 0.1
+    assert protocol.announce_interval(0.1, 10_000, 500, 20_000) == 0.5
+
+
+def test_the_packet_view_is_sent_with_every_field_of_the_dataclass() -> None:
+    from dataclasses import asdict
+
+    from server.hub.requests import view_dict
+    from server.money.grabs import Grab, PacketView
+
+    grabs = [Grab(8, 2, 301, 1_796_000_000_450), Grab(7, 1, 587, 1_796_000_001_200)]
+    v = PacketView(
+        9,
+        1,
+        7,
+        "lucky",
+        888,
+        2,
+        "恭喜发财",
+        1_796_000_000_000,
+        1_796_086_400_000,
+        0,
+        grabs,
+        grabs[0],
+        1_796_000_001_200,
+        grabs[1],
+    )
+    assert view_dict(v) == {**asdict(v), "duration_ms": 1200}
+    open_one = PacketView(9, 1, 7, "equal", 10, 2, "", 1, 2, 2, [], None, None, None)
+    assert view_dict(open_one) == {**asdict(open_one), "duration_ms": None}

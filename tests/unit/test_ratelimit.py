@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from server.hub.ratelimit import KeyedBuckets, TokenBucket
-
-pytestmark = pytest.mark.unit
 
 
 def test_a_bucket_starts_full_spends_its_burst_then_refills_at_its_rate() -> None:

@@ -16,8 +16,6 @@ from server.store.db import (
 )
 from server.store.engines import settling, when_ready
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize(
     ("error", "waited_for"),

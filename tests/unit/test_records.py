@@ -11,8 +11,6 @@ from hypothesis import strategies as st
 from server.ids import MAX_ID, GroupId, PacketId, ShareSeq, UserId
 from server.store.records import CreditEntry, DroppedEntry, GrabRecord, ShareEntry
 
-pytestmark = pytest.mark.unit
-
 ids = st.integers(min_value=1, max_value=MAX_ID)
 cents = st.integers(min_value=1, max_value=2**53)
 ms = st.integers(min_value=0, max_value=2**48)

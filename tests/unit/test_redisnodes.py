@@ -27,8 +27,6 @@ from server.store.redisconn import (
 from server.store.redisnodes import RedisNodes, is_cluster_url, moved
 from tests.unit.fakes import Clock
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:

@@ -23,8 +23,6 @@ from server.store.scriptcalls import (
     run,
 )
 
-pytestmark = pytest.mark.unit
-
 G, P, U = GroupId(70), PacketId(9), UserId(5)
 
 

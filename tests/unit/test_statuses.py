@@ -10,8 +10,6 @@ from server.money.packetrows import PACKET_COLUMNS, packet_from_row
 from server.money.statuses import PacketStatus, RecordStatus
 from server.store.records import CreditEntry
 
-pytestmark = pytest.mark.unit
-
 
 def _row(status: str) -> tuple[object, ...]:
     values = {

@@ -15,8 +15,6 @@ import pytest
 from server import stopping
 from server.stopping import check_cancelled, child, stop, waits_at
 
-pytestmark = pytest.mark.unit
-
 
 async def _wait_for_then_go_round(
     answers: list[object], futures: list[asyncio.Future[object]], guard: bool

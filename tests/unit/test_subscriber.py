@@ -16,8 +16,6 @@ from server.hub.subscriber import Subscriber
 from server.store.redisnodes import RedisNodes
 from tests.unit.fakes import until
 
-pytestmark = pytest.mark.unit
-
 A, B, C = "10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"
 
 

@@ -10,8 +10,6 @@ from hypothesis import strategies as st
 
 from server import text
 
-pytestmark = pytest.mark.unit
-
 ZWJ, ZWNJ, ZWSP, BOM, LRM = "\u200d", "\u200c", "\u200b", "\ufeff", "\u200e"
 OVERRIDES = ["\u202a", "\u202b", "\u202c", "\u202d", "\u202e", "\u2066", "\u2067", "\u2068", "\u2069"]
 CONTROLS = ["\x00", "\x07", "\x1b", "\x7f", "\x85", "\r", "\u2028", "\u2029"]
@@ -72,3 +70,20 @@ def test_any_other_device_id_is_kept_only_as_a_stable_hash() -> None:
         assert hashed.startswith("h:") and len(hashed) == 34 and raw not in hashed, raw
         assert text.device_id(raw) == hashed  # the same device is told apart the same way every time
     assert text.device_id("x" * 65) != text.device_id("x" * 66)
+
+
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cf", "Cs", "Zl", "Zp")), max_size=20))
+def test_text_policy_takes_printable_text_and_refuses_any_control(s: str) -> None:
+    assert text.name_ok(s) and text.greeting_ok(s) and text.chat_ok(s)
+    for bad in ["\x00", "\x1b", "\x85", "\u202e", "\u2067", "\u2029"]:
+        mixed = s[: len(s) // 2] + bad + s[len(s) // 2 :]
+        assert not text.name_ok(mixed) and not text.greeting_ok(mixed) and not text.chat_ok(mixed)
+    assert not text.name_ok(s + "\u200b") and text.chat_ok(s + "\n\t")
+
+
+def test_device_ids_are_kept_when_plain_and_hashed_when_not() -> None:
+    assert text.device_id("") == ""
+    assert text.device_id("iphone-15:A1B2") == "iphone-15:A1B2"
+    hashed = text.device_id("\x1b[2J" + "x" * 100)
+    assert hashed.startswith("h:") and len(hashed) == 34 and hashed == text.device_id("\x1b[2J" + "x" * 100)
+    assert text.device_id("\ud800") != text.device_id("\udfff")

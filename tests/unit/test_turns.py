@@ -10,14 +10,11 @@ import base64
 import os
 from typing import Any
 
-import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
 from server.hub.wire import TURN_BYTES, TURN_FRAMES, HubWebSocket
-from tests.test_frames import TEXT, frame
-
-pytestmark = pytest.mark.unit
+from tests.wsframes import TEXT, frame
 
 
 class FakeTransport(asyncio.Transport):

@@ -15,14 +15,12 @@ from typing import Any
 
 import pytest
 
+from redpacket_client import fairness
+from redpacket_client.fairness import Stream, commitment, fair_shares, verify
 from server.ids import GroupId, PacketId, ShareSeq, UserId
-from server.money import fairness
-from server.money.fairness import Stream, commitment, fair_shares, verify
 from server.money.grabs import Grab, view_packet
 
-pytestmark = pytest.mark.unit
-
-PROTOCOL = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+PROTOCOL = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
 
 def doc_json_after(heading: str) -> Any:

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
 from server.live.botscore import Attempt, Rules, score
-
-# Pure: no service, no subprocess (the fast tier, `pytest -m unit`).
-pytestmark = pytest.mark.unit
 
 NOW = 1_800_000_000_000
 RULES = Rules()

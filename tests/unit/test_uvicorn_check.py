@@ -21,9 +21,7 @@ from server.hub.app import uvicorn_config
 from server.hub.handshake import RELIED_ON, UVICORN_FROM, UnsupportedUvicorn, check_uvicorn
 from server.settings import Settings
 
-pytestmark = pytest.mark.unit
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TESTED = f"uvicorn>={UVICORN_FROM[0]}.{UVICORN_FROM[1]}"
 
 

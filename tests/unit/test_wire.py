@@ -16,9 +16,6 @@ from server.hub.hub import Hub
 from server.hub.metrics import HubMetrics
 from server.hub.wire import HubWebSocket
 
-# Pure: no service, no subprocess (the fast tier, `pytest -m unit`).
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize("size", [0, 1, 125, 126, 65535, 65536, 70000])
 def test_a_frame_framed_once_is_what_websockets_would_send(size: int) -> None:

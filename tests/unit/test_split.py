@@ -9,17 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from redpacket_client.fairness import double_average, split
 from server import errors
 from server.errors import InvalidRequest
-from server.money.split import Limits, double_average, split, validate_request
+from server.money.split import Limits, validate_request
 
 
 def _below(seed: int) -> Callable[[int], int]:
     return random.Random(seed).randrange
 
-
-# Pure: no service, no subprocess (the fast tier, `pytest -m unit`).
-pytestmark = pytest.mark.unit
 
 LIMITS = Limits(max_count=100, max_total_cents=20_000, max_greeting_chars=64)
 

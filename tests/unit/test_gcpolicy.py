@@ -6,13 +6,8 @@ import asyncio
 import gc
 import weakref
 
-import pytest
-
 from server.hub.gcpolicy import keep_collections_out_of_bursts
 from tests.hubtools import eventually
-
-# Pure: no service, no subprocess (the fast tier, `pytest -m unit`).
-pytestmark = pytest.mark.unit
 
 
 class _Cycle:
