@@ -32,15 +32,6 @@ def block(marker: str) -> str:
     return m[1]
 
 
-@pytest.mark.unit
-def test_two_commands_for_a_newcomer() -> None:
-    text = README.read_text()
-    section = text.split("## Two commands", 1)[1].split("\n## ", 1)[0]
-    commands = re.findall(r"```\w*\n(.*?)```", section, re.DOTALL)
-    assert len(commands) == 2, commands
-    assert "redpacket up" in commands[0] and "pytest" in commands[1]
-
-
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the README's HTTP lines use curl")
 def test_try_it_runs_as_written(tmp_path: Path) -> None:
     with redpacket_up(tmp_path / "data") as (url, _):

@@ -146,7 +146,6 @@ async def test_a_busy_port_or_a_dir_mysql_may_not_enter_is_one_line_and_exit_2(t
         await refused("spider", cases, taken=base + 1, reachable=directory, tmp_path=tmp_path, ports=4)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("missing", ["mariadbd", "plugin"])
 def test_a_missing_mariadbd_or_plugin_says_what_to_install_in_one_line(
     missing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -166,7 +165,6 @@ def test_a_missing_mariadbd_or_plugin_says_what_to_install_in_one_line(
     assert wanted in lines[0] and "apt-get install" in lines[0], lines
 
 
-@pytest.mark.unit
 def test_the_compose_profile_is_a_head_with_spider_and_three_backends() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]

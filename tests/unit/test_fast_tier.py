@@ -12,9 +12,6 @@ from tests.repofiles import ROOT
 
 TESTS = ROOT / "tests"
 UNIT = TESTS / "unit"
-# Modules that still mark their fast tests by hand, each changed elsewhere as this rule came in: their
-# fast tests move into tests/unit/ next. The list only shrinks (a name on it that no longer marks fails).
-MARKED_BY_HAND = {"test_layout.py", "test_readme.py", "test_settings.py", "test_spider_cluster.py"}
 # Imports that start a process, a server or a browser: a package, or the helpers of tests/ that start
 # one (None: all of the module).
 STARTERS: dict[str, set[str] | None] = {
@@ -93,12 +90,10 @@ def test_only_the_folder_marks_the_fast_tier() -> None:
     marked = [
         f"{path.relative_to(ROOT)}:{line}"
         for path, tree in _modules(TESTS)
-        if path != UNIT / "conftest.py" and (UNIT in path.parents or path.name not in MARKED_BY_HAND)
+        if path != UNIT / "conftest.py"
         for line in _marks_unit(tree)
     ]
     assert not marked, f"a fast test lives in tests/unit/, which marks it; it marks nothing itself: {marked}"
-    moved = {name for name in MARKED_BY_HAND if not _marks_unit(_parse(TESTS / name))}
-    assert not moved, f"no longer marked by hand: take them off MARKED_BY_HAND: {sorted(moved)}"
 
 
 def test_no_fast_test_opens_a_service() -> None:

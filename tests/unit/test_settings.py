@@ -12,10 +12,9 @@ import pytest
 from server.durability import Durability
 from server.settingfields import env_name, settings_table
 from server.settings import Settings
+from tests.repofiles import ROOT
 
-pytestmark = pytest.mark.unit
-
-CONFIGURATION = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+CONFIGURATION = ROOT / "docs" / "configuration.md"
 NUMBERS = [f for f in dataclasses.fields(Settings) if type(f.default) in (int, float)]
 
 

@@ -26,12 +26,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from tests.repofiles import ROOT
 
-# Pure: no service, no subprocess (the fast tier, `pytest -m unit`).
-pytestmark = pytest.mark.unit
-
-ROOT = Path(__file__).resolve().parent.parent
 SHARED = {
     "server.settings",
     "server.settingfields",
