@@ -392,7 +392,7 @@ class SettingFields:
     )
     shutdown_seconds: int = setting(
         20,
-        "graceful-shutdown budget on SIGTERM; a worker still stopping after it (5 s at least) prints where"
+        "graceful-shutdown budget on SIGTERM; a worker still stopping after it (10 s at least) prints where"
         " it is stuck and exits with code 1",
         least=0,
     )

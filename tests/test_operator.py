@@ -1,5 +1,5 @@
-"""What an operator meets: every URL form the README offers works, and every mistake is one line and an
-exit code — never a traceback, a hang, or a false all-clear."""
+"""What an operator meets: every URL form docs/configuration.md offers works, and every mistake is one
+line and an exit code — never a traceback, a hang, or a false all-clear."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from tests.redisproc import needs_redis_server, redis_process
 
 @needs_redis_server
 async def test_redis_over_a_unix_socket(tmp_path: Path, hub_settings: Settings) -> None:
-    """Before: `REDPACKET_REDIS_URL=unix:///…/r.sock`, which the README offers, crashed at the first
+    """Before: `REDPACKET_REDIS_URL=unix:///…/r.sock`, which the configuration offers, crashed at the first
     connection (TypeError: … unexpected keyword argument 'identities')."""
     sock = tmp_path / "r.sock"
     async with redis_process(tmp_path / "redis", "--unixsocket", str(sock), "--unixsocketperm", "700"):

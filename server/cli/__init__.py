@@ -154,6 +154,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
             uvloop.run(serve(s, sock, with_worker=False, metrics_sock=metrics[0]))
         elif command == "worker":
             uvloop.run(run_worker(s))
+            faulthandler.cancel_dump_traceback_later()  # (its loop ended: the exit's own bound follows)
         elif command == "blocks":
             uvloop.run(maintenance.blocks(s, args.lift))
         elif command == "recover":

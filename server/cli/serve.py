@@ -3,6 +3,7 @@ supervisor of several on one socket."""
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import secrets
 import socket
@@ -27,6 +28,7 @@ def on_sigterm(signum: int, frame: FrameType | None) -> None:
     still not start serving."""
     global _stop_requested
     _stop_requested = True
+    faulthandler.dump_traceback_later(15, exit=True)  # (the way out, a loop's end included, is bounded)
     sys.exit(0)
 
 

@@ -37,7 +37,8 @@ async def run_worker(settings: Settings) -> None:
 
         def stopping() -> None:
             if not stop.is_set():  # a stop that hangs says where and ends the process (server.stopping)
-                say_where_stuck(max(settings.shutdown_seconds, STOP_SECONDS), then_exit=True)
+                # (At least twice the tasks' own stop bound: a stop that only reaches it still ends cleanly.)
+                say_where_stuck(max(settings.shutdown_seconds, 2 * STOP_SECONDS), then_exit=True)
             stop.set()
 
         loop = asyncio.get_running_loop()

@@ -228,3 +228,22 @@ def test_the_seed_is_never_in_a_packets_repr() -> None:
     assert seed.hex() not in repr(p) and str(list(seed)) not in repr(p) and repr(seed) not in repr(p)
     assert p.commitment == commitment(seed) and p.shares() == [53, 835]
     assert fairness.SEED_BYTES == len(seed)
+
+
+@pytest.mark.parametrize(
+    ("kind", "total", "count", "said"),
+    [
+        ("lucky", 5, 6, "6 shares of 5 cents"),
+        ("equal", 100, 0, "0 shares of 100 cents"),
+        ("lucky", 10**12, 10**9, "a packet has 1 to 100000 shares"),  # (no billion draws for a hostile hub)
+        ("equal", 100, 3, "cannot make an equal packet"),
+        ("exclusive", 100, 2, "cannot make an exclusive packet"),
+        ("huge", 100, 2, "none of lucky, equal, exclusive"),
+    ],
+)
+def test_a_view_no_packet_can_have_is_a_mismatch_not_an_error(
+    kind: str, total: int, count: int, said: str
+) -> None:
+    view = {**copy.deepcopy(EXAMPLE), "kind": kind, "total": total, "count": count}
+    v = verify(view, EXAMPLE["commitment"])
+    assert v.status == "mismatch" and any(said in p for p in v.problems), v.problems

@@ -159,9 +159,29 @@ def verify(view: Mapping[str, Any], published: str | None = None) -> Verdict:
     if commitment(seed) != committed:
         problems.append(f"sha256(seed) is {commitment(seed)}, not the commitment {committed}")
     kind, total, count = str(view["kind"]), int(view["total"]), int(view["count"])
+    impossible = _impossible(kind, total, count)
+    if impossible:  # (no split makes it: a view no hub sends, and no loop of a billion draws either)
+        return Verdict("mismatch", [*problems, impossible], [], published is not None)
     shares = fair_shares(seed, int(view["packet_id"]), kind, total, count)
     problems += _grab_problems(view["grabs"], shares)
     return Verdict("mismatch" if problems else "verified", problems, shares, published is not None)
+
+
+# The most shares a packet can have under any hub's settings (docs/protocol.md: `count`, 1 to
+# REDPACKET_MAX_COUNT, at most the group's members): far above any deployment's, far below a count that
+# would keep a checker drawing for minutes.
+MOST_SHARES = 100_000
+
+
+def _impossible(kind: str, total: int, count: int) -> str | None:
+    """Why no packet has this kind, total and count, if none has."""
+    if kind not in ("lucky", "equal", "exclusive"):
+        return f"the kind {kind!r} is none of lucky, equal, exclusive"
+    if not 1 <= count <= min(total, MOST_SHARES):
+        return f"{count} shares of {total} cents: a packet has 1 to {MOST_SHARES} shares of a cent or more"
+    if (kind == "equal" and total % count) or (kind == "exclusive" and count != 1):
+        return f"{count} shares of {total} cents cannot make an {kind} packet"
+    return None
 
 
 def _grab_problems(grabs: Sequence[Mapping[str, Any]], shares: list[int]) -> list[str]:
