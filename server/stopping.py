@@ -25,6 +25,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 STOP_SECONDS = 5.0  # how long a stop waits for the tasks it cancelled before saying so and going on
+EXIT_SECONDS = 15.0  # how long a process on its way out may take before its stacks are shown and it ends
 
 
 def check_cancelled() -> None:
@@ -72,6 +73,12 @@ async def stop(
             ", ".join(sorted(repr(t) for t in pending)),
         )
     return not pending
+
+
+def leave_within(seconds: float = EXIT_SECONDS) -> None:
+    """Bound the rest of this process's life: if it still runs ``seconds`` from now, every thread's stack
+    goes to stderr and it ends, exit code 1 (faulthandler's watchdog: no interpreter lock needed)."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
 
 
 def say_where_stuck(after: float, *, then_exit: bool) -> None:

@@ -33,6 +33,7 @@ from server.cli.worker import run_worker, worker_healthy
 from server.hub.handshake import UnsupportedUvicorn, check_uvicorn
 from server.money import endpoints
 from server.settings import Settings, is_loopback
+from server.stopping import leave_within
 
 # What the commands around the system need beyond it (the `tools` extra of pyproject.toml).
 TOOLS = {
@@ -202,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(code)
     finally:
         # Exiting waits for every non-daemon thread (aiosqlite runs one per connection). Should one be
-        # left running, say where everything is after 15 s and end the process rather than hang.
-        faulthandler.dump_traceback_later(15, exit=True)
+        # left running, say where everything is after EXIT_SECONDS and end the process rather than hang.
+        leave_within()
 
 
 def _load(argv: list[str]) -> None:

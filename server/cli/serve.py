@@ -3,7 +3,6 @@ supervisor of several on one socket."""
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import secrets
 import socket
@@ -17,7 +16,7 @@ from server.cli.errors import OperatorError
 from server.cli.services import check_services
 from server.hub.app import uvicorn_config
 from server.settings import Settings, redact
-from server.stopping import STOP_SECONDS, say_where_stuck
+from server.stopping import STOP_SECONDS, leave_within, say_where_stuck
 
 _stop_requested = False
 
@@ -28,7 +27,7 @@ def on_sigterm(signum: int, frame: FrameType | None) -> None:
     still not start serving."""
     global _stop_requested
     _stop_requested = True
-    faulthandler.dump_traceback_later(15, exit=True)  # (the way out, a loop's end included, is bounded)
+    leave_within()  # (the way out, a loop's end included, is bounded)
     sys.exit(0)
 
 

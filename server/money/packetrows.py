@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import cast
 
-from redpacket_client.fairness import commitment, fair_shares
+from redpacket_client.fairness import Kind, commitment, fair_shares
 from server.ids import GroupId, PacketId, UserId
-from server.money.split import Kind, PacketRequest
+from server.money.split import PacketRequest
 from server.money.statuses import PacketStatus
 from server.store.db import IntegrityError, Row, Tx
 

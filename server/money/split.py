@@ -8,14 +8,12 @@ committed seed; what reaches it has passed ``validate_request``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, TypeGuard
+from typing import TypeGuard
 
+from redpacket_client.fairness import KINDS, Kind
 from server import errors, text
 from server.errors import InvalidRequest
 from server.ids import MAX_ID
-
-Kind = Literal["lucky", "equal", "exclusive"]
-KINDS: tuple[Kind, ...] = ("lucky", "equal", "exclusive")
 
 
 @dataclass(frozen=True)

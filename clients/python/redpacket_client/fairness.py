@@ -28,6 +28,9 @@ _FOUR_WORDS = struct.Struct(">4Q")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 # A uniform integer in [0, n), n ≥ 1.
 Below = Callable[[int], int]
+# The kinds of packet, each split its own way (``split``); the hub refuses any other at send.
+Kind = Literal["lucky", "equal", "exclusive"]
+KINDS: tuple[Kind, ...] = ("lucky", "equal", "exclusive")
 
 
 def commitment(seed: bytes) -> str:
@@ -175,8 +178,8 @@ MOST_SHARES = 100_000
 
 def _impossible(kind: str, total: int, count: int) -> str | None:
     """Why no packet has this kind, total and count, if none has."""
-    if kind not in ("lucky", "equal", "exclusive"):
-        return f"the kind {kind!r} is none of lucky, equal, exclusive"
+    if kind not in KINDS:
+        return f"the kind {kind!r} is none of {', '.join(KINDS)}"
     if not 1 <= count <= min(total, MOST_SHARES):
         return f"{count} shares of {total} cents: a packet has 1 to {MOST_SHARES} shares of a cent or more"
     if (kind == "equal" and total % count) or (kind == "exclusive" and count != 1):
