@@ -252,12 +252,12 @@ async def test_a_closed_socket_keeps_its_users_slot_until_its_tcp_connection_is_
 ) -> None:
     async with hub_in_process(_deaf_settings(hub_settings, close_seconds=120)) as h:
         user, token, deaf, wire = await _closed_unread(h)
-        assert not wire.lost.done() and h.hub.leaving.get(user) == 1
+        assert not wire.lost.done() and h.hub.slots.leaving.get(user) == 1
         with pytest.raises(ConnectionClosed) as refused:  # one socket a user: still taken
             await HubClient.connect(h.ws, token, "json")
         assert refused.value.rcvd is not None and refused.value.rcvd.code == protocol.CLOSE_TOO_MANY_SOCKETS
         deaf.drop()  # the client goes: its slot is free
-        await eventually(lambda: wire.lost.done() and user not in h.hub.leaving, 30)
+        await eventually(lambda: wire.lost.done() and user not in h.hub.slots.leaving, 30)
         async with await HubClient.connect(h.ws, token, "json") as again:
             assert "ts" in await again.request("ping")
 
@@ -268,7 +268,7 @@ async def test_a_closed_socket_whose_client_never_reads_is_cut_after_the_close_t
     async with hub_in_process(_deaf_settings(hub_settings, close_seconds=0.5)) as h:
         user, token, deaf, wire = await _closed_unread(h)
         # Cut although the client neither reads nor closes: its buffers freed, its slot too.
-        await eventually(lambda: wire.lost.done() and user not in h.hub.leaving, 30)
+        await eventually(lambda: wire.lost.done() and user not in h.hub.slots.leaving, 30)
         async with await HubClient.connect(h.ws, token, "json") as again:
             assert "ts" in await again.request("ping")
         deaf.drop()
@@ -362,7 +362,7 @@ async def test_a_closed_socket_is_freed_as_it_ends_not_left_to_a_full_collection
             for _ in range(10):
                 async with await HubClient.connect(h.ws, token, "json") as c:
                     assert "ts" in await c.request("ping")
-                await eventually(lambda: user not in h.hub.by_user and user not in h.hub.leaving, 30)
+                await eventually(lambda: user not in h.hub.by_user and user not in h.hub.slots.leaving, 30)
             await eventually(
                 lambda: all(n <= before[k] for k, n in _alive(HubWebSocket, BoundedHttp).items()), 30
             )

@@ -29,8 +29,7 @@ def _reached(h: HubUnderTest, user: UserId, group: GroupId, offset: str) -> bool
     """The event at ``offset`` has reached the user's socket on the hub: held there, or sent."""
     key = offset_key(offset)
     return any(
-        key in [k for k, _ in c.held.get(group, [])] or c.last.get(group, (0, 0)) >= key
-        for c in h.hub.by_user.get(user, ())
+        key in c.holding(group) or c.last.get(group, (0, 0)) >= key for c in h.hub.by_user.get(user, ())
     )
 
 

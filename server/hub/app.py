@@ -30,6 +30,7 @@ from server import errors
 from server.core import Core, open_core, reset_writer_when_told
 from server.hub import service, userapi
 from server.hub.gcpolicy import keep_collections_out_of_bursts
+from server.hub.guards import Guards
 from server.hub.handshake import HttpLimits, bounded_http, check_uvicorn
 from server.hub.httpkit import (
     CrossOrigin,
@@ -171,7 +172,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.metrics = hub_metrics = HubMetrics()
+        app.state.guards = guards = Guards(settings)
         async with open_core(settings) as core, Hub(core, hub_metrics) as hub:
+            await guards.start()
             app.state.core, app.state.hub = core, hub
             hub_metrics.read_pools(core.nodes.connections_in_use, core.db.connections_in_use)
             hub_metrics.read_evicting(lambda: len(core.nodes.evicting_masters()))

@@ -27,8 +27,8 @@ class Connection:
 
     # Ten thousand of these live in a hub: no per-instance dict, queues made only when needed.
     __slots__ = (
-        "_events", "_replies", "announced", "close_code", "close_reason", "closing", "device", "dialect",
-        "ended", "groups", "held", "hub", "id", "last", "user_id", "wire",
+        "_events", "_held", "_replies", "announced", "close_code", "close_reason", "closing", "device",
+        "dialect", "ended", "groups", "hub", "id", "last", "user_id", "wire",
     )  # fmt: skip
 
     def __init__(
@@ -44,9 +44,9 @@ class Connection:
         self._replies: deque[bytes] | None = None
         self._events: deque[bytes] | None = None
         self.groups: set[GroupId] = set()
-        # Per group: the newest offset delivered; events of a group are held until the client syncs it.
+        # Per group: the newest offset delivered, and the events held (``hold``) while a group is not live.
         self.last: dict[GroupId, OffsetKey] = {}
-        self.held: dict[GroupId, list[tuple[OffsetKey, bytes | str]]] = {}
+        self._held: dict[GroupId, list[tuple[OffsetKey, bytes | str]]] = {}
         # When each packet was shown on this socket (unix ms): the bot detector's reaction time.
         self.announced: dict[PacketId, int] = {}
         self.device = device or self.id
@@ -111,11 +111,34 @@ class Connection:
         if not self.ended.done():
             self.ended.set_result(None)
 
+    # -- events held until the client syncs -----------------------------------------------------------
+    # A socket is sent a group's events only once it is live in the group. From the welcome (``Hub.join``)
+    # until the client's first ``sync`` of the group, and again while a later sync reads the group, its
+    # events are held here, in order; the sync ends the holding with ``release``, which sends those newer
+    # than what it replayed, before the sync's reply. So nothing that happens while a client is not yet
+    # synced is lost, and nothing is sent twice or out of order. Only the methods below touch ``_held``.
+
+    def hold(self, group: GroupId) -> bool:
+        """Hold ``group``'s events from now; False if they were held already."""
+        if group in self._held:
+            return False
+        self._held[group] = []
+        return True
+
+    def holding(self, group: GroupId) -> list[OffsetKey]:
+        """The offsets of the events held for ``group`` (none when it is live)."""
+        return [key for key, _ in self._held.get(group, ())]
+
+    def forget(self, group: GroupId) -> None:
+        """Out of ``group``: what was held for it is dropped."""
+        self.groups.discard(group)
+        self._held.pop(group, None)
+
     def deliver(self, group: GroupId, key: OffsetKey, frame: bytes | str, raw: bytes | None = None) -> bool:
         """An event of ``group``: sent if this socket is live in the group and has not had it."""
         if group not in self.groups:
             return False
-        held = self.held.get(group)
+        held = self._held.get(group)
         if held is not None:
             held.append((key, frame))
             if len(held) > self.hub.core.settings.send_queue_frames:
@@ -130,7 +153,7 @@ class Connection:
         """End holding a group after a sync up to ``floor``: send the held events newer than it; how many."""
         self.last[group] = max(floor, self.last.get(group, (0, 0)))
         sent = 0
-        for key, frame in self.held.pop(group, []):
+        for key, frame in self._held.pop(group, []):
             if key > self.last[group]:
                 self.last[group] = key
                 sent += self.push(frame)

@@ -76,7 +76,7 @@ def bearer(request: Request) -> str | None:
 
 async def user_of(request: Request) -> UserId:
     """The user the request's bearer token names (the hub's token check)."""
-    tokens: Tokens = request.app.state.hub.tokens
+    tokens: Tokens = request.app.state.guards.tokens
     return await tokens.user(bearer(request))
 
 
@@ -127,11 +127,11 @@ def endpoint(
         try:
             text = text_ids(request)
             if not service:  # (the chat backend's routes are limited by their key: ``server.hub.service``)
-                limit(request, "address", request.app.state.hub.http_by_address, client_address(request))
+                limit(request, "address", request.app.state.guards.http_by_address, client_address(request))
             # A public route names no user: its handler is given NO_USER.
             user = NO_USER if public else await known_user(core, await user_of(request))
             if not public:
-                limit(request, "user", request.app.state.hub.http_by_user, user)
+                limit(request, "user", request.app.state.guards.http_by_user, user)
             answer = await handler(request, core, user)
             return JSONResponse(ids_as_text(answer) if text else answer)
         except RedPacketError as e:

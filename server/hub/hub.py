@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 from redpacket_client.protocol import offset_key
@@ -27,9 +27,7 @@ from server.hub.frames import data_frame
 from server.hub.hooks import Hooks
 from server.hub.metrics import HubMetrics
 from server.hub.packetcache import PacketCache
-from server.hub.ratelimit import KeyedBuckets
 from server.hub.subscriber import Subscriber
-from server.hub.tokens import Rules, Tokens
 from server.ids import GroupId, PacketId, UserId
 from server.live import events
 from server.live.bots import AttemptLog
@@ -51,19 +49,13 @@ class Hub:
     def __init__(self, core: Core, metrics: HubMetrics) -> None:
         self.core = core
         self.metrics = metrics
-        # Who a token names (with the JWKS cache, when the backend publishes its keys).
-        self.tokens = Tokens(Rules.from_settings(core.settings))
         # The chat backend's say before money moves (REDPACKET_HOOK_URL; off without it).
         self.hooks = Hooks(core, metrics)
         self.id = uuid.uuid4().hex[:12]
         self.serial = itertools.count(1)
         self.by_group: dict[GroupId, set[Connection]] = {}
         self.by_user: dict[UserId, set[Connection]] = {}
-        # Sockets being welcomed, per user: counted with the open ones against max_sockets_per_user, so
-        # that sockets opened at once cannot all pass the check while the first waits on the database.
-        self.arriving: dict[UserId, int] = {}
-        # Sockets of a user out of the rooms whose TCP connection is not gone yet: they still hold a slot.
-        self.leaving: dict[UserId, int] = {}
+        self.slots = SocketSlots(self.by_user)
         # (group, user) → that user's local connections in the group: presence changes at 0 ↔ 1.
         self.local: dict[tuple[GroupId, UserId], int] = {}
         self.delivered: dict[GroupId, str] = {}
@@ -73,13 +65,6 @@ class Hub:
         self._presence_pending: list[tuple[GroupId, UserId, PresenceAction]] = []
         self._fanouts: deque[_FanOut] = deque()
         self.attempts = AttemptLog(core)
-        st = core.settings
-        # Limits this process keeps in memory (docs/configuration.md): by user, by client address.
-        self.user_msgs = KeyedBuckets(st.user_msgs_per_second, st.user_msgs_burst)
-        self.http_by_address = KeyedBuckets(st.http_per_address_per_second, st.http_per_address_burst)
-        self.http_by_user = KeyedBuckets(st.http_per_user_per_second, st.http_per_user_burst)
-        n = st.service_key_failures_per_minute
-        self.service_key_failures = KeyedBuckets(n / 60, n)
         self.subscriber = Subscriber(core.nodes, self._on_message, self._fill_gaps)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refresher: asyncio.Task[None] | None = None
@@ -89,9 +74,6 @@ class Hub:
     async def __aenter__(self) -> Hub:
         self.metrics.watch_gc()
         await self.hooks.__aenter__()
-        if self.tokens.jwks is not None:  # the backend's keys, before the first token needs them
-            with contextlib.suppress(Exception):  # (said in a warning line; tried again on demand)
-                await self.tokens.jwks.refresh()
         await self.subscriber.start([keys.membership_channel()])
         self._refresher = asyncio.create_task(self._refresh_presence())
         return self
@@ -136,7 +118,7 @@ class Hub:
         self.by_user.setdefault(conn.user_id, set()).add(conn)
         self.metrics.connections.inc()
         for g in groups:
-            conn.held[g] = []
+            conn.hold(g)  # until the client syncs it (``Connection.hold``)
             await self._attach(conn, g)
 
     async def leave(self, conn: Connection) -> None:
@@ -162,8 +144,7 @@ class Hub:
             self._presence_soon(g, conn.user_id, "join")
 
     async def _detach(self, conn: Connection, g: GroupId) -> None:
-        conn.groups.discard(g)
-        conn.held.pop(g, None)
+        conn.forget(g)
         members = self.by_group.get(g)
         if members is None:
             return
@@ -355,6 +336,46 @@ class Hub:
         self.metrics.frames_out.inc(sent)
         if self._fanouts:
             asyncio.get_running_loop().call_soon(self._fan_out_some)
+
+
+class SocketSlots:
+    """A user's sockets on this hub, counted against ``max_sockets_per_user``: the open ones
+    (``Hub.by_user``), those being welcomed — so that sockets opened at once cannot all pass the check
+    while the first waits on the database — and those out of the rooms whose TCP connection is not gone
+    yet (a socket's slot is free only once its transport is)."""
+
+    __slots__ = ("arriving", "by_user", "leaving")
+
+    def __init__(self, by_user: dict[UserId, set[Connection]]) -> None:
+        self.by_user = by_user
+        self.arriving: dict[UserId, int] = {}
+        self.leaving: dict[UserId, int] = {}
+
+    def held(self, user: UserId) -> int:
+        return len(self.by_user.get(user, ())) + self.arriving.get(user, 0) + self.leaving.get(user, 0)
+
+    @contextlib.contextmanager
+    def welcoming(self, user: UserId) -> Iterator[None]:
+        """A slot held while the socket is welcomed (take it with no await after checking ``held``)."""
+        with _counted(self.arriving, user):
+            yield
+
+    @contextlib.contextmanager
+    def closing(self, user: UserId) -> Iterator[None]:
+        """A slot held from leaving the rooms until the TCP connection is gone."""
+        with _counted(self.leaving, user):
+            yield
+
+
+@contextlib.contextmanager
+def _counted(counts: dict[UserId, int], user: UserId) -> Iterator[None]:
+    counts[user] = counts.get(user, 0) + 1
+    try:
+        yield
+    finally:
+        counts[user] -= 1
+        if not counts[user]:
+            del counts[user]
 
 
 class _FanOut:

@@ -12,9 +12,15 @@ That answer is right as long as Redis has not lost writes: what was read belongs
 failover may have put shares back).
 
 While a packet is being grabbed, a hub sends Redis at most about as many grabs of it at once as it has
-shares left (``admit``, ``answered``): the rest wait in order. When it empties, the waiting grabs are
-answered from its final state as above, instead of 9,000 script calls that can only say "empty". A
-waiting grab goes on to Redis as soon as a slot frees, or if the final state cannot be read.
+shares left: the rest wait in order. When it empties, the waiting grabs are answered from its final state
+as above, instead of 9,000 script calls that can only say "empty". The admission, between
+``server.hub.requests.on_grab``, ``server.hub.session.Session`` and this module: a grab asks ``admit``,
+which answers ``Turn.GO`` (a slot is taken for it) or ``Wait``. A waiting grab costs no task: its socket's
+session parks the request on the ``Wait``'s future (``requests.Later``; the socket's later frames wait
+behind it), which resolves in order with ``Turn.GO`` when a slot frees — or when the final state cannot be
+read — and ``Turn.CLOSED`` when the packet closed meanwhile: then the grab is answered from ``refusal``,
+unless only Redis can answer it (a winner's own share), when it goes anyway (``admit_anyway``). Every grab
+that went to Redis calls ``answered`` once, whatever came back, which frees its slot.
 
 A grab of a packet id Redis does not know costs a database read (is it a live packet Redis lost?).
 Ids found to be no packet of the group are remembered for ``UNKNOWN_SECONDS`` (at most
@@ -24,9 +30,11 @@ Ids found to be no packet of the group are remembered for ``UNKNOWN_SECONDS`` (a
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Literal
 
 from server import errors
 from server.core import Core
@@ -39,13 +47,27 @@ FIRST_FLIGHT = 64
 MIN_FLIGHT = 8
 
 
+class Turn(enum.Enum):
+    """A grab's turn to go to Redis (``PacketCache.admit``)."""
+
+    GO = "go"  # a slot is taken for it: send it, then call ``answered``
+    CLOSED = "closed"  # the packet closed while it waited: answer from ``refusal`` (else ``admit_anyway``)
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """No slot now: ``turn`` resolves, in the order grabs came, with a ``Turn``."""
+
+    turn: asyncio.Future[Turn]
+
+
 class Flight:
     """The grabs of one packet this hub has sent to Redis and not yet had answered, and those waiting."""
 
     def __init__(self) -> None:
         self.inflight = 0
         self.limit = FIRST_FLIGHT
-        self.waiting: deque[asyncio.Future[bool]] = deque()
+        self.waiting: deque[asyncio.Future[Turn]] = deque()
         self.remaining: int | None = None  # shares left, as the last answer from Redis said
 
 
@@ -87,20 +109,18 @@ class PacketCache:
 
     # -- how many grabs of a packet go to Redis at once ------------------------------------------------
 
-    def admit(self, packet_id: PacketId) -> bool | asyncio.Future[bool]:
-        """A slot to send a grab of this packet to Redis: True now, or a future that says when. True:
-        go (and call ``answered`` after); False: the packet closed meanwhile, ask ``refusal`` first (a
-        winner still goes, with ``admit_anyway``)."""
+    def admit(self, packet_id: PacketId) -> Literal[Turn.GO] | Wait:
+        """A slot to send a grab of this packet to Redis: ``Turn.GO`` now, or ``Wait`` for its turn."""
         flight = self._flight(packet_id)
         if flight.inflight < flight.limit and not flight.waiting:
             flight.inflight += 1
-            return True
-        turn: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            return Turn.GO
+        turn: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()
         flight.waiting.append(turn)
-        return turn
+        return Wait(turn)
 
     def admit_anyway(self, packet_id: PacketId) -> None:
-        """A grab sent to Redis without waiting its turn (after ``admit`` answered False)."""
+        """A grab sent to Redis without a slot of its own (its turn said ``Turn.CLOSED``)."""
         self._flight(packet_id).inflight += 1
 
     def _flight(self, packet_id: PacketId) -> Flight:
@@ -130,7 +150,7 @@ class PacketCache:
             turn = flight.waiting.popleft()
             if not turn.done():
                 flight.inflight += 1
-                turn.set_result(True)
+                turn.set_result(Turn.GO)
         if not flight.waiting and flight.inflight == 0:
             del self.flights[packet_id]
 
@@ -146,10 +166,10 @@ class PacketCache:
             if turn.done():
                 continue
             if closed:
-                turn.set_result(False)
+                turn.set_result(Turn.CLOSED)
             else:
                 flight.inflight += 1
-                turn.set_result(True)
+                turn.set_result(Turn.GO)
         if flight.inflight == 0:
             del self.flights[packet_id]
 

@@ -11,12 +11,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, assert_never
 
 from redpacket_client.protocol import offset_key
 from server import errors, text
 from server.errors import InvalidRequest, RedPacketError
 from server.hub import protocol
+from server.hub.packetcache import Turn, Wait
 from server.hub.protocol import Body, Message, field_id
 from server.ids import GroupId, PacketId, UserId
 from server.live import announce, events
@@ -36,8 +37,8 @@ Answer = Message | Awaitable[Message]
 class Later:
     """An answer that waits for ``turn`` without a task of its own; then ``answer(turn's result)``."""
 
-    turn: asyncio.Future[bool]
-    answer: Callable[[bool], Answer]
+    turn: asyncio.Future[Turn]
+    answer: Callable[[Turn], Answer]
 
 
 # A handler answers at once (a dict), returns what to await for the answer, or a ``Later``; errors are
@@ -95,8 +96,7 @@ async def on_sync(s: Session, body: Body) -> Message:
             if group is None or group not in s.conn.groups:
                 out[str(raw_group)] = {"error": errors.NOT_MEMBER}
                 continue
-            if group not in s.conn.held:  # live: held again meanwhile, and live again even if this fails
-                s.conn.held[group] = []
+            if s.conn.hold(group):  # live: held again meanwhile, and live again even if this fails
                 sent[group] = 0
             entry, latest, replayed = await _sync_group(s, group, since)
             sent[group] = sent.get(group, 0) + replayed
@@ -208,21 +208,28 @@ def on_grab(s: Session, body: Body) -> Answer | Later:
         raise
     # A packet this hub knows to be closed (or no packet at all) is answered from memory.
     _refuse_if_known(s, group_id=group, packet_id=packet_id)
+
     # In a storm, grabs beyond the shares left wait their turn (no task each); most are then answered
     # from memory when the packet empties.
-    turn = kp.admit(packet_id)
-    if turn is True:
+    def answer(turn: Turn) -> Answer:
+        match turn:
+            case Turn.GO:
+                pass
+            case Turn.CLOSED:
+                _refuse_if_known(s, started, group_id=group, packet_id=packet_id)
+                # A winner (only Redis answers their share), or the state could not be read.
+                kp.admit_anyway(packet_id)
+            case _:
+                assert_never(turn)
         return _grab(s, started, group_id=group, packet_id=packet_id)
 
-    def answer(admitted: bool) -> Answer:
-        if not admitted:
-            _refuse_if_known(s, started, group_id=group, packet_id=packet_id)
-            # A winner (only Redis answers their share), or the state could not be read.
-            kp.admit_anyway(packet_id)
-        return _grab(s, started, group_id=group, packet_id=packet_id)
-
-    assert not isinstance(turn, bool)
-    return Later(turn, answer)
+    match kp.admit(packet_id):
+        case Turn.GO:
+            return _grab(s, started, group_id=group, packet_id=packet_id)
+        case Wait(turn):
+            return Later(turn, answer)
+        case never:
+            assert_never(never)
 
 
 def _refuse_if_known(

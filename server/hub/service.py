@@ -24,6 +24,7 @@ from server import errors
 from server.core import Core
 from server.errors import Forbidden, InvalidRequest, NotFound, TooMany
 from server.hub import requests, webhookapi
+from server.hub.guards import Guards
 from server.hub.httpkit import (
     Handler,
     bearer,
@@ -59,6 +60,7 @@ def _require_key(request: Request, core: Core) -> None:
         raise Forbidden(errors.DISABLED, "the service API is off on this hub: set REDPACKET_SERVICE_KEY")
     given = (bearer(request) or "").encode()
     hub: Hub = request.app.state.hub
+    guards: Guards = request.app.state.guards
     # Both compared, always: how long it takes says nothing of which one (or whether) it matched.
     current_ok = hmac.compare_digest(given, key.encode())
     previous_ok = hmac.compare_digest(given, (previous or key).encode()) and bool(previous)
@@ -68,15 +70,15 @@ def _require_key(request: Request, core: Core) -> None:
         return
     address, now = client_address(request), time.monotonic()
     hub.metrics.service_key_failures.inc()
-    if not hub.service_key_failures.allows(address, now):
+    if not guards.service_key_failures.allows(address, now):
         hub.metrics.limited.labels("service_key").inc()
         raise TooMany(
             errors.RATE_LIMITED,
             "too many wrong service keys from this address: wait a minute",
-            retry_after_s=hub.service_key_failures.wait(address, now),
-            allowance=hub.service_key_failures.burst,
+            retry_after_s=guards.service_key_failures.wait(address, now),
+            allowance=guards.service_key_failures.burst,
         )
-    hub.service_key_failures.take(address, now)
+    guards.service_key_failures.take(address, now)
     raise TokenError(errors.TOKEN_INVALID, "the service API takes REDPACKET_SERVICE_KEY as its bearer token")
 
 

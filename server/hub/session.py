@@ -25,9 +25,11 @@ from server.core import unavailable
 from server.errors import Forbidden, RedPacketError, Unavailable
 from server.hub import protocol
 from server.hub.connection import Connection
+from server.hub.guards import Guards
 from server.hub.hub import Hub
+from server.hub.packetcache import Turn
 from server.hub.protocol import Body, Message, ProtocolError, field_int
-from server.hub.ratelimit import TokenBucket
+from server.hub.ratelimit import KeyedBuckets, TokenBucket
 from server.hub.requests import HANDLERS, Answer, Later
 from server.hub.tokens import TokenError
 from server.hub.upgrade import EXTENSION
@@ -45,10 +47,12 @@ class Session:
     ``WAITING_LIMIT``). Nothing cancels that task: a grab in flight is never cut."""
 
     WAITING_LIMIT = 32
-    __slots__ = ("bucket", "conn", "core", "hub", "inflight", "stopped", "strikes", "waiting")
+    __slots__ = ("bucket", "conn", "core", "hub", "inflight", "stopped", "strikes", "user_msgs", "waiting")
 
-    def __init__(self, hub: Hub, conn: Connection) -> None:
+    def __init__(self, hub: Hub, conn: Connection, user_msgs: KeyedBuckets) -> None:
         self.hub = hub
+        # The user's messages over all their sockets on this hub (``Guards.user_msgs``).
+        self.user_msgs = user_msgs
         self.core = hub.core
         self.conn = conn
         s = self.core.settings
@@ -139,9 +143,10 @@ class Session:
         self.inflight = asyncio.get_running_loop().create_task(self._finish(rid, result, kind))
         return True
 
-    def _after(self, rid: int | str, kind: str, later: Later, turn: asyncio.Future[bool]) -> None:
+    def _after(self, rid: int | str, kind: str, later: Later, turn: asyncio.Future[Turn]) -> None:
         try:
-            result = later.answer(not turn.cancelled() and turn.result())
+            # (A cancelled turn is taken as closed: answered from what is known, else by Redis.)
+            result = later.answer(Turn.CLOSED if turn.cancelled() else turn.result())
         except Exception as e:
             self._answer(kind, self._error(rid, kind, e))
             self._next()
@@ -153,7 +158,7 @@ class Session:
         """Answer this frame now (False), or start what its answer waits for (True)."""
         self.hub.metrics.frames_in.inc()
         now = time.monotonic()
-        if not self.bucket.take(now) or not self.hub.user_msgs.take(self.conn.user_id, now):
+        if not self.bucket.take(now) or not self.user_msgs.take(self.conn.user_id, now):
             self.strikes += 1
             rid = protocol.request_id_of(_try_decode(frame))
             self.conn.reply(protocol.reply_error(rid, errors.RATE_LIMITED, "too many messages: slow down"))
@@ -206,6 +211,7 @@ def _try_decode(frame: bytes | str) -> Any:
 
 async def websocket_endpoint(ws: WebSocket) -> None:
     hub: Hub = ws.app.state.hub
+    guards: Guards = ws.app.state.guards
     core = hub.core
     wire = ws.scope.get("extensions", {}).get(EXTENSION)
     if not isinstance(wire, HubWebSocket):
@@ -225,29 +231,23 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     dialect = protocol.choose_dialect(offered)
     await ws.accept(subprotocol=dialect.subprotocol)
     try:
-        user_id = await hub.tokens.user(protocol.offered_token(offered) or ws.query_params.get("token"))
+        user_id = await guards.tokens.user(protocol.offered_token(offered) or ws.query_params.get("token"))
     except TokenError as e:
         await ws.close(protocol.CLOSE_UNAUTHORIZED, e.code)
         return
     except Unavailable as e:  # the backend's JWKS cannot be fetched: the token is not known bad
         await ws.close(protocol.CLOSE_TRY_AGAIN, e.code)
         return
-    held = len(hub.by_user.get(user_id, ())) + hub.arriving.get(user_id, 0) + hub.leaving.get(user_id, 0)
-    if held >= core.settings.max_sockets_per_user:
+    if hub.slots.held(user_id) >= core.settings.max_sockets_per_user:
         hub.metrics.limited.labels("sockets").inc()
         await ws.close(protocol.CLOSE_TOO_MANY_SOCKETS, "too_many_sockets")
         return
-    hub.arriving[user_id] = hub.arriving.get(user_id, 0) + 1  # (no await since the check)
     conn = Connection(hub, wire, user_id, dialect, device=text.device_id(ws.query_params.get("device", "")))
-    try:
+    with hub.slots.welcoming(user_id):  # (no await since the check)
         welcomed = await _welcome(ws, hub, conn)
-    finally:
-        hub.arriving[user_id] -= 1
-        if not hub.arriving[user_id]:
-            del hub.arriving[user_id]
     if not welcomed:
         return
-    session = Session(hub, conn)
+    session = Session(hub, conn, guards.user_msgs)
     wire.listen(session)  # frames that came before the welcome are handled now, in order
     if wire.close_sent or wire.disconnected:
         conn.gone()  # it ended before it was listened to
@@ -257,9 +257,8 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         session.stop()
         # Out of the rooms now; the user's socket slot stays taken until the TCP connection is really
         # gone (``wire.lost``, which the socket's close timeout bounds).
-        hub.leaving[user_id] = hub.leaving.get(user_id, 0) + 1
-        await hub.leave(conn)
-        try:
+        with hub.slots.closing(user_id):
+            await hub.leave(conn)
             # A request already started finishes (nothing cancels it), then the socket closes.
             while session.inflight is not None:  # a grab's turn, then its call to Redis
                 inflight = session.inflight
@@ -271,10 +270,6 @@ async def websocket_endpoint(ws: WebSocket) -> None:
             wire.close(conn.close_code if conn.closing else protocol.CLOSE_NORMAL, conn.close_reason)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(wire.lost), wire.close_seconds + 5)
-        finally:
-            hub.leaving[user_id] -= 1
-            if not hub.leaving[user_id]:
-                del hub.leaving[user_id]
 
 
 async def _welcome(ws: WebSocket, hub: Hub, conn: Connection) -> bool:

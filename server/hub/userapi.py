@@ -33,7 +33,7 @@ async def login(request: Request, core: Core, _: UserId) -> dict[str, object]:
     """Dev login by name (creates the user on first use). Off unless REDPACKET_DEV_LOGIN=1 or `up`, on a
     hub listening on loopback only, and never for a user the chat backend made."""
     _demo(core, "dev login", core.settings.dev_login)
-    if not request.app.state.hub.tokens.rules.hmac:
+    if not request.app.state.guards.tokens.rules.hmac:
         raise Forbidden(errors.DISABLED, "dev login issues HS256 tokens; this hub takes RS256/ES256 only")
     name = (await json_body(request)).get("name")
     if not isinstance(name, str):

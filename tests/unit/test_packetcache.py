@@ -23,11 +23,14 @@ from server.hub.packetcache import (
     UNKNOWN_SECONDS,
     Closed,
     PacketCache,
+    Turn,
+    Wait,
     local_refusal,
 )
 from server.store import keys
 from tests.unit.fakes import Clock, until
 
+GO, CLOSED = Turn.GO, Turn.CLOSED
 GROUP = 5
 PACKET = 900
 WINNER = 11
@@ -110,13 +113,14 @@ class Rig:
     def fill(self, packet_id: int = PACKET, n: int = FIRST_FLIGHT) -> None:
         """``n`` grabs of the packet sent to Redis at once."""
         for _ in range(n):
-            assert self.cache.admit(packet_id=packet_id) is True
+            assert self.cache.admit(packet_id=packet_id) is Turn.GO
 
-    def wait(self, n: int, packet_id: int = PACKET) -> list[asyncio.Future[bool]]:
+    def wait(self, n: int, packet_id: int = PACKET) -> list[asyncio.Future[Turn]]:
         """``n`` grabs that must wait their turn."""
-        turns = [self.cache.admit(packet_id=packet_id) for _ in range(n)]
-        assert all(isinstance(t, asyncio.Future) and not t.done() for t in turns)
-        return cast(list[asyncio.Future[bool]], turns)
+        admitted = [self.cache.admit(packet_id=packet_id) for _ in range(n)]
+        turns = [a.turn for a in admitted if isinstance(a, Wait)]
+        assert len(turns) == n and not any(t.done() for t in turns)
+        return turns
 
     def refusal(self, user: int, *, group_id: int = GROUP, packet_id: int = PACKET) -> str | None:
         return self.cache.refusal(group_id=group_id, packet_id=packet_id, user_id=user)
@@ -142,7 +146,7 @@ def rig(clock: Clock) -> Rig:
     return make_rig(clock)
 
 
-async def settled(turns: list[asyncio.Future[bool]]) -> list[bool]:
+async def settled(turns: list[asyncio.Future[Turn]]) -> list[Turn]:
     return list(await asyncio.wait_for(asyncio.gather(*turns), 5))
 
 
@@ -152,12 +156,12 @@ async def settled(turns: list[asyncio.Future[bool]]) -> list[bool]:
 async def test_the_first_flight_goes_at_once_and_the_rest_wait_in_order(rig: Rig) -> None:
     rig.fill()
     waiting = rig.wait(3)
-    assert rig.cache.admit(packet_id=PACKET + 1) is True  # another packet has its own flight
+    assert rig.cache.admit(packet_id=PACKET + 1) is Turn.GO  # another packet has its own flight
     assert rig.cache.hottest() == (2, 3, 0)  # shares left not known before an answer
     rig.cache.answered(packet_id=PACKET, remaining=None)  # a slot freed, the limit unchanged
     assert [t.done() for t in waiting] == [True, False, False]
     rig.cache.answered(packet_id=PACKET, remaining=FIRST_FLIGHT + 1)  # many left: the limit follows
-    assert await settled(waiting) == [True, True, True]
+    assert await settled(waiting) == [GO, GO, GO]
     assert rig.cache.hottest() == (2, 0, FIRST_FLIGHT + 1)
 
 
@@ -179,7 +183,7 @@ async def test_a_waiting_grab_given_up_passes_its_turn_to_the_next(rig: Rig) -> 
     gone, next_one = rig.wait(2)
     gone.cancel()  # its socket closed while it waited
     rig.cache.answered(packet_id=PACKET, remaining=None)
-    assert await settled([next_one]) == [True]
+    assert await settled([next_one]) == [GO]
     assert rig.cache.hottest() == (1, 0, 0)
 
 
@@ -190,7 +194,7 @@ async def test_an_answer_of_empty_with_no_final_state_coming_keeps_grabs_moving(
         rig.cache.answered(packet_id=PACKET, remaining=0)
         assert not waiting.done()  # empty: nothing more goes while grabs are still in flight
     rig.cache.answered(packet_id=PACKET, remaining=0)  # the last: nobody will answer it from memory
-    assert await settled([waiting]) == [True]
+    assert await settled([waiting]) == [GO]
 
 
 async def test_a_packet_done_with_leaves_no_flight_behind(rig: Rig) -> None:
@@ -213,7 +217,7 @@ async def test_waiting_grabs_of_an_emptied_packet_are_answered_from_its_final_st
     rig.cache.answered(packet_id=PACKET, remaining=0)
     assert not any(t.done() for t in waiting)  # they wait for the final state, not for Redis
     rig.batcher.gate.set()
-    assert await settled(waiting) == [False, False, False]  # ask refusal(), not Redis
+    assert await settled(waiting) == [CLOSED, CLOSED, CLOSED]  # ask refusal(), not Redis
     assert rig.refusal(LATE) == errors.PACKET_EMPTY
     assert rig.refusal(WINNER) is None  # a winner's answer is their share: only Redis has it
     rig.cache.admit_anyway(packet_id=PACKET)
@@ -232,7 +236,7 @@ async def test_once_the_final_state_is_known_an_empty_answer_refuses_the_waiting
     rig.fill()
     waiting = rig.wait(2)
     rig.cache.answered(packet_id=PACKET, remaining=0)
-    assert [t.result() for t in waiting] == [False, False]  # (result() raises if one still waits)
+    assert [t.result() for t in waiting] == [CLOSED, CLOSED]  # (result() raises if one still waits)
 
 
 async def test_waiting_grabs_go_to_redis_when_the_final_state_cannot_be_read(rig: Rig) -> None:
@@ -242,7 +246,7 @@ async def test_waiting_grabs_go_to_redis_when_the_final_state_cannot_be_read(rig
     waiting = rig.wait(2)
     rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)
     rig.cache.answered(packet_id=PACKET, remaining=0)
-    assert await settled(waiting) == [True, True]
+    assert await settled(waiting) == [GO, GO]
     assert rig.refusal(LATE) is None
 
 
@@ -278,7 +282,7 @@ async def test_a_packet_still_open_or_of_another_group_is_not_kept(rig: Rig) -> 
         waiting = rig.wait(1)
         rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)
         rig.cache.answered(packet_id=PACKET, remaining=0)
-        assert await settled(waiting) == [True], what  # nothing to answer from: on to Redis
+        assert await settled(waiting) == [GO], what  # nothing to answer from: on to Redis
         assert rig.refusal(LATE) is None, what
         rig.cache.flights.clear()
 
@@ -338,7 +342,7 @@ async def test_a_read_the_generation_moved_under_is_not_kept(rig: Rig) -> None:
     waiting = rig.wait(1)
     rig.cache.mark_closed(group_id=GROUP, packet_id=PACKET)
     rig.cache.answered(packet_id=PACKET, remaining=0)
-    assert await settled(waiting) == [True]
+    assert await settled(waiting) == [GO]
     assert rig.refusal(LATE) is None and rig.cache.closed == {}
 
 
@@ -430,12 +434,12 @@ async def test_the_hot_packet_gauges_read_the_storm_admission() -> None:
     monkey_first = packetcache.FIRST_FLIGHT
     try:
         packetcache.FIRST_FLIGHT = 2
-        assert k.admit(7) is True and k.admit(7) is True
+        assert k.admit(7) is Turn.GO and k.admit(7) is Turn.GO
         waiting = [k.admit(7), k.admit(7), k.admit(7)]
-        assert k.admit(8) is True
+        assert k.admit(8) is Turn.GO
         assert k.hottest() == (2, 3, 0)  # nothing has landed yet: shares left unknown
         k.answered(7, 40)  # 40 left: every waiting grab goes
-        assert all(isinstance(w, asyncio.Future) and w.result() is True for w in waiting)
+        assert all(isinstance(w, Wait) and w.turn.result() is Turn.GO for w in waiting)
         assert k.hottest() == (2, 0, 40)
     finally:
         packetcache.FIRST_FLIGHT = monkey_first
