@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,6 +27,7 @@ from server.store import keys
 from tests.conftest import block
 from tests.hubtools import HubUnderTest, events_of, eventually, hub_in_process, make_room
 from tests.redisproc import needs_redis_server, redis_process
+from tests.repofiles import ROOT
 
 
 async def test_send_grab_open_over_the_socket_in_both_formats(h: HubUnderTest) -> None:
@@ -456,8 +459,26 @@ async def test_the_demo_page_is_served_at_the_root(h: HubUnderTest) -> None:
         page = await http.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert '<script type="module" src="app.js">' in page.text
-        for asset in ("app.js", "style.css", "packet.svg", "client/redpacket.js", "client/redpacket.d.ts"):
+        for asset in ("style.css", "packet.svg", "client/redpacket.d.ts"):
             assert (await http.get(f"/{asset}")).status_code == 200, asset
+        # Every module the page imports, and every module those import (the page's and the client's), as
+        # the browser follows them: no build step bundles them.
+        seen: set[str] = set()
+        todo = ["/app.js"]
+        while todo:
+            path = todo.pop()
+            seen.add(path)
+            module = await http.get(path)
+            assert module.status_code == 200, path
+            assert module.headers["content-type"].startswith("text/javascript"), path
+            for target in re.findall(r'^(?:import|export) .* from "([^"]+)";$', module.text, re.M):
+                found = urllib.parse.urljoin(path, target)
+                if found not in seen:
+                    todo.append(found)
+        # ... which are every module of the page and of the client: none is left out, none is orphaned.
+        on_disk = {f"/{m.name}" for m in (ROOT / "web").glob("*.js")}
+        on_disk |= {f"/client/{m.name}" for m in (ROOT / "clients" / "js").glob("*.js")}
+        assert seen == on_disk, seen ^ on_disk
         assert (await http.get("/nope.js")).status_code == 404
 
 

@@ -26,6 +26,7 @@ from server.money import ledger
 from server.settings import Settings
 from server.store.engines import connect
 from tests.hubtools import HubUnderTest, eventually, hub_in_process
+from tests.repofiles import ROOT
 from tests.webtools import (
     DESKTOP,
     PHONE,
@@ -862,7 +863,11 @@ async def test_the_page_talks_through_the_javascript_client_and_recovers_after_t
         await sender.request("chat", group=group, text="before the close")
         await expect(page.locator("#messages")).to_contain_text("before the close")
         assert await page.evaluate("state.client.constructor.name") == "RedPacketClient"
-        assert "WebSocket" not in await page.evaluate("fetch('/app.js').then((r) => r.text())")
+        for module in (ROOT / "web").glob("*.js"):  # (each as the page is served it)
+            status, code = await page.evaluate(
+                f"fetch('/{module.name}').then(async (r) => [r.status, await r.text()])"
+            )
+            assert status == 200 and "WebSocket" not in code, module.name
 
         await page.evaluate("window.__unreachable = true")
         conns = list(hub.hub.by_user[UserId(bob)])
@@ -898,7 +903,7 @@ async def test_the_page_talks_through_the_javascript_client_and_recovers_after_t
         sockets = await page.evaluate("window.__sockets")
         assert len(sockets) >= 2, sockets
         for s in sockets:
-            assert "/client/redpacket.js" in s["frame"], s
+            assert "/client/client.js" in s["frame"], s  # made by the client, not the page
             assert s["protocols"] == ["redpacket", "bearer"], s
         await sender.close()
         await done_with(page)
