@@ -109,6 +109,24 @@ async def post_event(
     return True
 
 
+def refund_key(packet_id: int) -> str:
+    """The key of a packet's refund: one a packet, whichever path (one primary, a shard, a void) pays it."""
+    return f"refund:{packet_id}"
+
+
+async def post_refund(tx: Tx, *, packet_id: int, group_id: int, sender_id: int, amount: int) -> bool:
+    """What is left of a packet back to its sender, with its ``packet.refunded`` event; False when this
+    packet's refund was posted before."""
+    data: dict[str, object] = {
+        "packet_id": packet_id,
+        "group_id": group_id,
+        "sender_id": sender_id,
+        "amount": amount,
+    }
+    key = refund_key(packet_id)
+    return await post_event(tx, sender_id, amount, "refund", key, "packet.refunded", data, packet_id)
+
+
 async def post_many(tx: Tx, credits: Sequence[Posting], ts: int) -> None:
     """Append the grab credits ``credits`` (money in: every amount positive, every key new — the caller
     decided that under its locks), add them to their balances, and write their ``share.credited`` events

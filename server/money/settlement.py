@@ -26,7 +26,7 @@ from server.ids import PacketId
 from server.money import shardsteps
 from server.money.crediting import credit_or_record
 from server.money.creditrules import Refusal, lock_packets, record_refusals
-from server.money.journal import post_event
+from server.money.journal import post_refund, refund_key
 from server.money.ledger import finish_paid, finished_event, now_ms, recount_paid
 from server.money.packets import (
     PACKET_COLUMNS,
@@ -203,15 +203,7 @@ async def refund_packet(core: Core, packet_id: PacketId, now: int | None = None)
             raise RuntimeError(f"packet {packet_id} paid out more than its total")
         status = PacketStatus.REFUNDED if left else PacketStatus.FINISHED
         if left:
-            data: dict[str, object] = {
-                "packet_id": packet_id,
-                "group_id": group,
-                "sender_id": sender,
-                "amount": left,
-            }
-            await post_event(
-                tx, sender, left, "refund", f"refund:{packet_id}", "packet.refunded", data, packet_id
-            )
+            await post_refund(tx, packet_id=packet_id, group_id=group, sender_id=sender, amount=left)
         else:
             await finished_event(tx, packet_id, sender, group, total, int(row[4]), now_ms())
         await tx.execute(
@@ -244,7 +236,7 @@ async def _settled_before(tx: Tx, packet_id: PacketId, status: str) -> Refund:
         return Refund(packet_id, "finished")
     if tx.resumed and status == PacketStatus.REFUNDED:
         row = await tx.fetchone(
-            "SELECT amount, tx FROM journal WHERE idem_key = %s", (f"refund:{packet_id}",)
+            "SELECT amount, tx FROM journal WHERE idem_key = %s", (refund_key(packet_id),)
         )
         if row is not None and row[1] is not None and int(row[1]) == tx.token:
             return Refund(packet_id, "refunded", int(row[0]))

@@ -49,7 +49,7 @@ from server.money.creditrules import (
     record_refusals,
     refused,
 )
-from server.money.journal import Posting, marks, post, post_event, post_many, set_packet
+from server.money.journal import Posting, marks, post, post_many, post_refund, set_packet
 from server.money.ledger import finish_paid, finished_event, grab_key, now_ms
 from server.money.packetrows import PacketKeyTaken
 from server.money.statuses import PacketStatus, RecordStatus
@@ -234,17 +234,9 @@ async def refund(db: Database, packet_id: PacketId, now: int) -> RefundSteps:
     sender, left, group, count, status = decided
     posted = False
     if left:
-        data: dict[str, object] = {
-            "packet_id": packet_id,
-            "group_id": group,
-            "sender_id": sender,
-            "amount": left,
-        }
 
         async def pay(tx: Tx) -> bool:
-            return await post_event(
-                tx, sender, left, "refund", f"refund:{packet_id}", "packet.refunded", data, packet_id
-            )
+            return await post_refund(tx, packet_id=packet_id, group_id=group, sender_id=sender, amount=left)
 
         posted = await db.run(pay, idempotent=True)
 
@@ -392,24 +384,12 @@ async def void_unsent(db: Database, older_than_ms: int, since_ms: int, limit: in
 
         if not await db.run(void, idempotent=True):
             continue  # made after all: a send, not abandoned
-        # (group 0: the group is the packet's, never made)
-        data: dict[str, object] = {
-            "packet_id": packet_id,
-            "group_id": 0,
-            "sender_id": sender,
-            "amount": total,
-        }
 
         async def pay(
-            tx: Tx,
-            sender: int = sender,
-            packet_id: PacketId = packet_id,
-            total: int = total,
-            data: dict[str, object] = data,
+            tx: Tx, sender: int = sender, packet_id: PacketId = packet_id, total: int = total
         ) -> bool:
-            return await post_event(
-                tx, sender, total, "refund", f"refund:{packet_id}", "packet.refunded", data, packet_id
-            )
+            # (group 0: the group is the packet's, never made)
+            return await post_refund(tx, packet_id=packet_id, group_id=0, sender_id=sender, amount=total)
 
         voided += await db.run(pay, idempotent=True)
     return voided
