@@ -32,7 +32,7 @@ async def test_events_held_before_a_sync_from_null_are_delivered_before_its_repl
     try:
         chat = await wang.request("chat", group=group, text="while li was not synced")
         # The chat has reached li's socket on the hub (held there, li being unsynced) before li syncs.
-        await eventually(lambda: any(c.held.get(group) for c in h.hub.by_user.get(member, ())))
+        await eventually(lambda: any(c.holding(group) for c in h.hub.by_user.get(member, ())))
         reply = await li.request("sync", groups={str(group): None})
         assert reply["groups"][str(group)]["offset"] >= chat["offset"]
         heard = [e async for e in _events_now(li) if e["event"] == "chat"]
