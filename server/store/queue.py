@@ -15,7 +15,15 @@ from server.store.redisconn import packed_pool
 
 
 def job_serializer(obj: dict[str, Any]) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return msgpack.packb(obj, use_bin_type=True, default=_failure_text)
+
+
+def _failure_text(value: object) -> str:
+    """A failed job's result is the exception it raised (arq keeps it with the job): kept as its repr, so
+    that arq does not log a traceback for a result msgpack cannot hold. Anything else is a mistake."""
+    if isinstance(value, BaseException):
+        return repr(value)
+    raise TypeError(f"a job's data holds {type(value).__name__}, which the queue does not carry")
 
 
 def job_deserializer(data: bytes) -> dict[str, Any]:

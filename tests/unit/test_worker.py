@@ -49,3 +49,27 @@ async def test_a_cron_job_failing_on_a_service_away_is_one_line_not_a_traceback(
         await transient_is_a_line(a_bug)(ctx)
     with pytest.raises(DatabaseError):
         await transient_is_a_line(a_bad_statement)(ctx)
+
+
+def test_a_failed_jobs_result_is_kept_as_its_error_text_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """arq keeps a failed job's exception as its result. msgpack cannot hold an exception, so arq used to log
+    "error serializing result" with a traceback (seen at a worker stopped during its reconciliation) before
+    keeping a placeholder; the queue's serializer keeps the error's text instead. Other objects are still
+    refused: the queue carries no Python object by accident."""
+    from arq.jobs import serialize_result
+
+    from server.store.queue import job_deserializer, job_serializer
+
+    caplog.set_level(logging.WARNING)
+    failure = RuntimeError("`redpacket reconcile` exited -15 with no report")
+    raw = serialize_result(
+        "reconcile_job", (), {}, 1, 0, False, failure, 0, 1, "ref", "arq:queue", "id",
+        serializer=job_serializer,
+    )  # fmt: skip
+    assert raw is not None and not caplog.records
+    kept = job_deserializer(raw)
+    assert kept["r"] == repr(failure) and kept["s"] is False
+    with pytest.raises(TypeError, match="does not carry"):
+        job_serializer({"r": object()})
