@@ -471,7 +471,8 @@ async def test_the_demo_page_is_served_at_the_root(h: HubUnderTest) -> None:
             module = await http.get(path)
             assert module.status_code == 200, path
             assert module.headers["content-type"].startswith("text/javascript"), path
-            for target in re.findall(r'^(?:import|export) .* from "([^"]+)";$', module.text, re.M):
+            # (A statement may span lines: `[^;]` takes newlines too.)
+            for target in re.findall(r'^(?:import|export)\b[^;]*?\bfrom\s*"([^"]+)";', module.text, re.M):
                 found = urllib.parse.urljoin(path, target)
                 if found not in seen:
                     todo.append(found)

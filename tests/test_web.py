@@ -850,8 +850,9 @@ async def test_the_page_talks_through_the_javascript_client_and_recovers_after_t
     browser: Browser, hub_settings: Settings
 ) -> None:
     """The page has no socket code of its own: every WebSocket it opens is made by the JavaScript client
-    (``/client/redpacket.js``). Closed by the hub (1012, as a restarting hub does) and kept out for a
-    while, it says so, comes back, and shows what was said and sent meanwhile, once."""
+    (imported from ``/client/redpacket.js``; its sockets are made in ``/client/client.js``). Closed by the
+    hub (1012, as a restarting hub does) and kept out for a while, it says so, comes back, and shows what
+    was said and sent meanwhile, once."""
     async with hub_in_process(hub_settings, run_worker=True) as hub:
         alice_token, bob, group = await pair_in_group(hub, "club")
         sender = await hub.client(alice_token, fmt="json")

@@ -109,9 +109,13 @@ async def post_event(
     return True
 
 
+# The key of a packet's refund is this and its id: one a packet, whichever path (one primary, a shard, a
+# void) pays it; SQL that looks for refunds builds it from this prefix too.
+REFUND_PREFIX = "refund:"
+
+
 def refund_key(packet_id: int) -> str:
-    """The key of a packet's refund: one a packet, whichever path (one primary, a shard, a void) pays it."""
-    return f"refund:{packet_id}"
+    return f"{REFUND_PREFIX}{packet_id}"
 
 
 async def post_refund(tx: Tx, *, packet_id: int, group_id: int, sender_id: int, amount: int) -> bool:

@@ -49,7 +49,7 @@ from server.money.creditrules import (
     record_refusals,
     refused,
 )
-from server.money.journal import Posting, marks, post, post_many, post_refund, set_packet
+from server.money.journal import REFUND_PREFIX, Posting, marks, post, post_many, post_refund, set_packet
 from server.money.ledger import finish_paid, finished_event, grab_key, now_ms
 from server.money.packetrows import PacketKeyTaken
 from server.money.statuses import PacketStatus, RecordStatus
@@ -352,7 +352,7 @@ async def void_unsent(db: Database, older_than_ms: int, since_ms: int, limit: in
     made: first a ``void`` packet row with the debit's id on the packet's shard (its key decides between
     this and a late creation, ``create_packet``), then the refund on the sender's. Also pays the refund
     of a void row a run stopped before paying. Returns how many refunds this call posted."""
-    refund_key = db.dialect.concat("'refund:'", "j.packet_id")
+    refund_of = db.dialect.concat(f"'{REFUND_PREFIX}'", "j.packet_id")
     unsent = await db.fetchall(
         "SELECT j.account_id, j.packet_id, j.amount FROM journal j"
         " WHERE j.kind = 'send' AND j.created_ms < %s AND j.created_ms >= %s"
@@ -363,7 +363,7 @@ async def void_unsent(db: Database, older_than_ms: int, since_ms: int, limit: in
         f"SELECT p.sender_id, p.id, -p.total FROM red_packets p WHERE p.status = '{PacketStatus.VOID}' AND"
         " NOT EXISTS"
         f" (SELECT 1 FROM journal j WHERE j.account_id = p.sender_id AND j.packet_id = p.id"
-        f" AND j.idem_key = {refund_key}) LIMIT %s",
+        f" AND j.idem_key = {refund_of}) LIMIT %s",
         (limit,),
     )
     voided = 0
