@@ -211,23 +211,24 @@ def on_grab(s: Session, body: Body) -> Answer | Later:
 
     # In a storm, grabs beyond the shares left wait their turn (no task each); most are then answered
     # from memory when the packet empties.
-    def answer(turn: Turn) -> Answer:
-        match turn:
-            case Turn.GO:
-                pass
-            case Turn.CLOSED:
-                _refuse_if_known(s, started, group_id=group, packet_id=packet_id)
-                # A winner (only Redis answers their share), or the state could not be read.
-                kp.admit_anyway(packet_id)
-            case _:
-                assert_never(turn)
-        return _grab(s, started, group_id=group, packet_id=packet_id)
-
     match kp.admit(packet_id):
         case Turn.GO:
             return _grab(s, started, group_id=group, packet_id=packet_id)
-        case Wait(turn):
-            return Later(turn, answer)
+        case Wait(waiting):
+
+            def answer(turn: Turn) -> Answer:  # (made for a waiting grab only: not on the common path)
+                match turn:
+                    case Turn.GO:
+                        pass
+                    case Turn.CLOSED:
+                        _refuse_if_known(s, started, group_id=group, packet_id=packet_id)
+                        # A winner (only Redis answers their share), or the state could not be read.
+                        kp.admit_anyway(packet_id)
+                    case _:
+                        assert_never(turn)
+                return _grab(s, started, group_id=group, packet_id=packet_id)
+
+            return Later(waiting, answer)
         case never:
             assert_never(never)
 
