@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from server.settings import child_env
+from server.settings import Settings, child_env
 from server.store import keys
 from tests.clitools import assert_one_line_error, redpacket
 from tests.conftest import TEST_NAMESPACE, name_deployment
-from tests.hubtools import hub_url, redpacket_up
+from tests.hubtools import hub_process, hub_url, redpacket_up
 
 
 def test_operator_mistakes_are_one_line_and_an_exit_code(
@@ -325,3 +325,25 @@ def test_a_valkey_orphaned_by_a_killed_up_is_shut_down_before_another_opens_its_
             os.kill(orphan, 0)
             time.sleep(0.05)
     assert not (data / "valkey.json").exists()  # the command's own Valkey stopped with it
+
+
+async def test_serve_check_asks_the_hub_on_this_hosts_port(hub_settings: Settings) -> None:
+    """The image's HEALTHCHECK (``serve --check``): 0 and "healthy" while the hub on REDPACKET_PORT answers
+    /healthz, 1 and why once it is gone."""
+
+    async def check(port: int) -> subprocess.CompletedProcess[str]:
+        env = child_env(REDPACKET_PORT=str(port))
+        argv = [sys.executable, "-m", "server", "serve", "--check"]
+        return await asyncio.to_thread(
+            subprocess.run, argv, env=env, capture_output=True, text=True, timeout=60
+        )
+
+    async with hub_process(hub_settings) as hub:
+        port = int(hub.http.rsplit(":", 1)[1])
+        done = await check(port)
+        assert done.returncode == 0 and done.stdout.startswith("healthy:"), done
+        assert hub.process is not None
+        hub.process.terminate()
+        await asyncio.to_thread(hub.process.wait, 60)
+        done = await check(port)
+        assert done.returncode == 1 and done.stdout.startswith("unhealthy: no hub answers"), done

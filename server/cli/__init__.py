@@ -27,7 +27,15 @@ from server.cli import maintenance
 from server.cli.bench import bench
 from server.cli.errors import OperatorError
 from server.cli.parser import parser
-from server.cli.serve import demo_secret, listen, listen_metrics, on_sigterm, serve, serve_processes
+from server.cli.serve import (
+    demo_secret,
+    hub_healthy,
+    listen,
+    listen_metrics,
+    on_sigterm,
+    serve,
+    serve_processes,
+)
 from server.cli.services import with_redis_url
 from server.cli.worker import run_worker, worker_healthy
 from server.hub.handshake import UnsupportedUvicorn, check_uvicorn
@@ -107,6 +115,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     command = args.command
     if command == "worker" and args.check:
         return 0 if worker_healthy(settings) else 1
+    if command == "serve" and args.check:
+        return 0 if hub_healthy(settings) else 1
     if command == "migrate":
         uvloop.run(maintenance.migrate(settings))
         return 0

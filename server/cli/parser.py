@@ -95,6 +95,9 @@ def _system(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="N",
         help="hub processes sharing the listening socket, one core each (default 1)",
     )
+    serve.add_argument(
+        "--check", action="store_true", help="exit 0 if this host's hub answers /healthz (its port)"
+    )
     wk = _add(
         sub, "worker", help="the worker: credits, refunds, announcements, sweeper, reconciliation, bots"
     )

@@ -7,6 +7,8 @@ import gc
 import secrets
 import socket
 import sys
+import urllib.error
+import urllib.request
 from types import FrameType
 
 import uvicorn
@@ -39,6 +41,25 @@ class _Server(uvicorn.Server):
         if not self.should_exit:
             say_where_stuck((self.config.timeout_graceful_shutdown or 0) + STOP_SECONDS, then_exit=False)
         super().handle_exit(sig, frame)
+
+
+def hub_healthy(settings: Settings) -> bool:
+    """``serve --check``: the health of the hub listening on this host's ``REDPACKET_PORT`` (in a container:
+    its own hub), as ``/healthz`` says it, in one line (the image's ``HEALTHCHECK``)."""
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "", "::") else settings.host
+    url = f"http://{host}:{settings.port}/healthz"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            said = r.read().decode()
+    except urllib.error.HTTPError as e:  # 503: Redis or the database is away (its body says which)
+        said = e.read().decode(errors="replace")
+        print(f"unhealthy: {url} answered {e.code} {said[:200]}")
+        return False
+    except OSError as e:
+        print(f"unhealthy: no hub answers on {url} ({e})")
+        return False
+    print(f"healthy: {url} answered {said[:200]}")
+    return True
 
 
 def demo_secret(settings: Settings) -> Settings:
