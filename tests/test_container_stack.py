@@ -1,14 +1,15 @@
 """docker-compose.yml brought up for real: podman runs it (with podman-compose), every image built here
-from Debian's packages (``deploy/local/``: no registry is reached), scaled to three hubs behind the
-balancer and two workers; a storm through the balancer's published port; a hub container killed, its
-sockets reconnecting to the others; a worker container killed with credits outstanding; then every "won"
-credited, ``redpacket reconcile`` clean inside the stack, Prometheus scraping every hub and worker by the
-names compose gives them, and ``down -v`` leaving nothing behind.
+from Debian's packages (``deploy/local/``: no image is pulled), scaled to three hubs behind the balancer
+and two workers; a storm through the balancer's published port; a hub's process killed, its sockets
+reconnecting through the balancer; a worker's process killed in the middle of a batch of credits; then
+every "won" credited, ``redpacket reconcile`` clean inside the stack, Prometheus scraping every hub and
+worker by the names compose gives them, and ``down`` leaving no container, volume or network behind.
 
-Skipped without podman, mmdebstrap or a Debian mirror (CI installs them and sets
-REDPACKET_TEST_REQUIRE_PODMAN=1: then a missing one fails). podman runs as this machine lets it: the set-up
-writes a ``containers.conf`` of its own (no default ulimits: the VM refuses to raise them; runc: crun
-refuses this machine's hybrid cgroups) and points podman at it."""
+Skipped unless run as root with podman, runc and mmdebstrap installed (CI installs them and sets
+REDPACKET_TEST_REQUIRE_PODMAN=1: then a missing one fails); the builds need a Debian mirror and PyPI.
+podman runs as this machine lets it: the set-up writes a ``containers.conf`` of its own (no default
+ulimits: the VM refuses to raise them; runc: crun refuses this machine's hybrid cgroups) and points
+podman at it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ import pytest
 
 from redpacket_client.connection import HubClient, HubError
 from server.hub.tokens import make_token
+from server.store import keys
 from tests.hubtools import eventually
 from tests.repofiles import ROOT
 
@@ -67,7 +70,9 @@ def test_the_documented_commands_are_the_ones_run_here() -> None:
 
 
 def _missing() -> str | None:
-    for tool in ("podman", "mmdebstrap"):
+    if os.geteuid() != 0:
+        return "the stack runs as root here (rootless podman needs subordinate ids this VM lacks)"
+    for tool in ("podman", "mmdebstrap", "runc"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (apt-get install podman mmdebstrap runc)"
     try:
@@ -132,6 +137,23 @@ def _crash(env: dict[str, str], name: str) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def _claimed(env: dict[str, str], redis: str) -> int:
+    """Credits a worker has read off the outboxes and not acknowledged (``XPENDING`` of the workers'
+    consumer group, summed over every shard's outbox)."""
+    script = (
+        "for k in $(redis-cli --scan --pattern '*:credits'); do redis-cli xpending \"$k\" "
+        + keys.CREDIT_GROUP
+        + " | head -1; done"
+    )
+    said = _run(env, "podman", "exec", redis, "sh", "-c", script)
+    return sum(int(n) for n in said.split() if n.isdigit())
+
+
+def _healthy(env: dict[str, str], name: str) -> bool:
+    done = subprocess.run(["podman", "healthcheck", "run", name], env=env, capture_output=True, timeout=60)
+    return done.returncode == 0
+
+
 def _restarts(env: dict[str, str], name: str) -> int:
     return int(_run(env, "podman", "inspect", name, "--format", "{{.RestartCount}}"))
 
@@ -140,6 +162,9 @@ def _restarts(env: dict[str, str], name: str) -> int:
 def stack(stack_env: dict[str, str]) -> Iterator[dict[str, str]]:
     env = stack_env
     _down(env)  # (what a run killed half-way left)
+    for port in (8000, 9090):  # published by docker-compose.yml: another server there would answer instead
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is taken: the stack publishes it"
     started = time.monotonic()
     _run(env, str(ROOT / "deploy" / "local" / "images.sh"), "base")
     # One image at a time (parallel builds have lost their DNS lookups here); hub and worker share one.
@@ -246,6 +271,25 @@ async def _connect(w: World, user: int) -> HubClient:
     raise AssertionError(f"user {user} could not connect through the balancer")
 
 
+async def _balancer_sees_every_hub(w: World) -> None:
+    """Sockets held open one after another until HAProxy has put one on each hub (leastconn: the next goes
+    to a hub with none, once its checks passed and DNS named it), then closed."""
+    probes: list[HubClient] = []
+    deadline = time.monotonic() + 120
+    try:
+        while len({p.welcome["hub"] for p in probes}) < HUBS:
+            assert time.monotonic() < deadline, f"the balancer put sockets on {len(probes)} hubs only"
+            probes.append(await _connect(w, w.members[len(probes) % MEMBERS]))
+            if len(probes) % HUBS == 0 and len({p.welcome["hub"] for p in probes}) < HUBS:
+                for p in probes:  # not yet: start again (a hub may have become UP meanwhile)
+                    await p.close()
+                probes.clear()
+                await asyncio.sleep(0.5)
+    finally:
+        for p in probes:
+            await p.close()
+
+
 async def _round(
     w: World, admin: HubClient, clients: dict[int, HubClient], told: dict[tuple[int, int], int]
 ) -> None:
@@ -275,12 +319,13 @@ async def test_the_stack_runs_scales_survives_its_kills_and_comes_down_clean(
     # timers are systemd's, and there is no systemd here).
     for service in ("hub", "worker", "redis", "mariadb"):
         for name in _containers(env, service):
-            _run(env, "podman", "healthcheck", "run", name)
+            await eventually(lambda n=name: _healthy(env, n), timeout=120)  # type: ignore[misc]
 
     # The workers paused: what the storm wins waits in the outbox (the state a worker's death endangers).
     workers = _containers(env, "worker")
     for name in workers:
         _run(env, "podman", "pause", name)
+    await _balancer_sees_every_hub(w)
     admin = await _connect(w, w.admin)
     clients = {u: await _connect(w, u) for u in w.members}
     hubs_seen = {c.welcome["hub"] for c in clients.values()}
@@ -291,6 +336,7 @@ async def test_the_stack_runs_scales_survives_its_kills_and_comes_down_clean(
     # A hub container killed: its sockets are gone; each client reconnects through the balancer.
     assert len(hubs_seen) == HUBS, hubs_seen  # (leastconn: every hub has some of the 13 sockets)
     hub = _containers(env, "hub")[1]
+    restarts = {name: _restarts(env, name) for name in (hub, *workers)}
     _crash(env, hub)
     everyone = {w.admin: admin, **clients}
     await eventually(lambda: any(c.closed is not None for c in everyone.values()), timeout=60)
@@ -304,13 +350,22 @@ async def test_the_stack_runs_scales_survives_its_kills_and_comes_down_clean(
     clients = everyone
     await _round(w, admin, clients, told)
 
-    # Nothing credited yet (asserted), then a worker killed with all of it outstanding; the other works.
+    # Nothing credited yet (asserted). Then a worker killed mid-batch: with the database paused, it reads a
+    # batch of credits off the outboxes (claimed in Redis, asserted) and its transaction cannot finish;
+    # killed then, its claims must still be paid exactly once (by the other worker once their lease lapses,
+    # or by the transaction it had sent, if that lands when the database comes back).
     async with httpx.AsyncClient(base_url=LB, timeout=30) as http:
         for u in w.members:
             assert (await _service(http, w.key, "GET", f"/api/service/accounts/{u}"))["balance"] == 0
-        _run(env, "podman", "unpause", workers[0])  # it takes a batch of credits, and is killed:
-        _crash(env, workers[0])
-        _run(env, "podman", "unpause", workers[1])
+    (mariadb,) = _containers(env, "mariadb")
+    (redis,) = _containers(env, "redis")
+    _run(env, "podman", "pause", mariadb)
+    _run(env, "podman", "unpause", workers[0])
+    await eventually(lambda: _claimed(env, redis) > 0, timeout=120)
+    _crash(env, workers[0])
+    _run(env, "podman", "unpause", mariadb)
+    _run(env, "podman", "unpause", workers[1])
+    async with httpx.AsyncClient(base_url=LB, timeout=30) as http:
         won: dict[int, int] = {}
         for (_, user), amount in told.items():
             won[user] = won.get(user, 0) + amount
@@ -329,7 +384,8 @@ async def test_the_stack_runs_scales_survives_its_kills_and_comes_down_clean(
         await c.close()
 
     # The books, from inside the stack; the killed containers are back (restart: unless-stopped).
-    assert _restarts(env, hub) >= 1 and _restarts(env, workers[0]) >= 1
+    for name in (hub, workers[0]):
+        await eventually(lambda n=name: _restarts(env, n) > restarts[n], timeout=120)  # type: ignore[misc]
     report = json.loads(_run(env, "podman", "exec", workers[1], "redpacket", "reconcile", "--json"))
     assert report["ok"], report
     await eventually(_all_scraped, timeout=120)
@@ -338,3 +394,5 @@ async def test_the_stack_runs_scales_survives_its_kills_and_comes_down_clean(
     assert _containers(env) == []
     volumes = _run(env, "podman", "volume", "ls", "--format", "{{.Name}}").split()
     assert not [v for v in volumes if v.startswith(f"{PROJECT}_")], volumes
+    networks = _run(env, "podman", "network", "ls", "--format", "{{.Name}}").split()
+    assert f"{PROJECT}_default" not in networks, networks

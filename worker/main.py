@@ -15,7 +15,6 @@ import gc
 import logging
 import re
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, cast
 
@@ -26,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from server.core import Core
 from server.durability import Durability
 from server.money import endpoints
-from server.settings import Settings
+from server.settings import Settings, ask_own, own_url
 from server.stopping import check_cancelled, stop
 from server.store import keys
 from server.store.batch import fsync_problem
@@ -290,13 +289,13 @@ def health(settings: Settings) -> tuple[bool, str]:
     """The health of the worker whose metrics this host serves on ``REDPACKET_WORKER_METRICS_PORT`` (in
     compose: the worker of this container), and why, in a line: healthy if its last heartbeat reached
     Redis and the database within ``HEALTHY_WITHIN`` seconds (its drain runs beside the heartbeat)."""
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "", "::") else settings.host
-    url = f"http://{host}:{settings.worker_metrics_port}/metrics"
+    url = own_url(settings.host, settings.worker_metrics_port, "/metrics")
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
+        status, text = ask_own(url, 5)
     except OSError as e:
         return False, f"unhealthy: no worker answers on {url} ({e})"
+    if status != 200:
+        return False, f"unhealthy: {url} answered {status}"
     beat = re.search(r"^redpacket_worker_healthy_at_seconds (\S+)$", text, re.MULTILINE)
     at = float(beat[1]) if beat else 0.0
     if not at:

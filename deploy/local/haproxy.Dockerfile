@@ -5,5 +5,7 @@ FROM ${BASE}
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends haproxy \
  && rm -rf /var/lib/apt/lists/* && mkdir -p /usr/local/etc/haproxy
+# Unprivileged, as the official image runs it (the package made the user; 8000 needs no privilege).
+USER haproxy
 EXPOSE 8000
 CMD ["haproxy", "-W", "-db", "-f", "/usr/local/etc/haproxy/haproxy.cfg"]

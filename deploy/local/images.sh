@@ -6,10 +6,12 @@
 # starts from it.
 #   deploy/local/images.sh base        # localhost/redpacket-base:bookworm (about 30 s; again: replaced)
 # Needs mmdebstrap and podman (or docker: set ENGINE=docker), and a Debian mirror (MIRROR, by default
-# deb.debian.org).
+# deb.debian.org; SECURITY, its security archive): the base takes bookworm's updates and security fixes,
+# and so does every image built on it.
 set -eu
 ENGINE=${ENGINE:-podman}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
+SECURITY=${SECURITY:-http://deb.debian.org/debian-security}
 TAG=${REDPACKET_LOCAL_BASE:-localhost/redpacket-base:bookworm}
 case "${1:-}" in
 base)
@@ -20,7 +22,8 @@ base)
         --customize-hook="upload /etc/ssl/certs/ca-certificates.crt /usr/local/share/ca-certificates/site.crt" \
         --customize-hook="upload $work/pip.conf /etc/pip.conf" \
         --customize-hook='chroot "$1" update-ca-certificates' \
-        bookworm "$work/base.tar" "$MIRROR"
+        bookworm "$work/base.tar" "deb $MIRROR bookworm main" "deb $MIRROR bookworm-updates main" \
+        "deb $SECURITY bookworm-security main"
     "$ENGINE" import --change 'CMD ["/bin/sh"]' "$work/base.tar" "$TAG" >/dev/null
     echo "$TAG"
     ;;

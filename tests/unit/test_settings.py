@@ -155,3 +155,43 @@ def test_the_embedded_valkey_is_named_or_left_empty() -> None:
     Settings(redis_url="embedded").check()
     with pytest.raises(ValueError, match="or be 'embedded'"):
         Settings(redis_url="embeded").check()
+
+
+def test_a_health_check_asks_its_own_process_directly_and_reads_a_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``serve --check`` / ``worker --check``: a wildcard address is asked on loopback, IPv6 in brackets;
+    the environment's HTTP proxy (a container is often given the host's) is never used; a 503 is an
+    answer, not a failure to connect."""
+    import http.server
+    import threading
+
+    from server.settings import ask_own, own_url
+
+    assert own_url("0.0.0.0", 8000, "/healthz") == "http://127.0.0.1:8000/healthz"
+    assert own_url("::", 8000, "/healthz") == "http://127.0.0.1:8000/healthz"
+    assert own_url("::1", 9108, "/metrics") == "http://[::1]:9108/metrics"
+    assert own_url("10.0.0.5", 8000, "/healthz") == "http://10.0.0.5:8000/healthz"
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b'{"error": "redis_unavailable"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        # A proxy that does not exist: asked through it, this would fail to connect.
+        monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+        monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        status, said = ask_own(own_url("127.0.0.1", server.server_address[1], "/healthz"), 5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert status == 503 and "redis_unavailable" in said
