@@ -12,8 +12,6 @@ import ipaddress
 import math
 import os
 import re
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, fields, replace
 from functools import cached_property
@@ -62,26 +60,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def own_url(host: str, port: int, path: str) -> str:
-    """The URL at which a process of this machine listening on ``host``:``port`` answers ``path`` (a health
-    check's): a wildcard address is asked on loopback, an IPv6 one in brackets."""
-    if host in ("0.0.0.0", "", "::"):
-        host = "127.0.0.1"
-    return f"http://[{host}]:{port}{path}" if ":" in host else f"http://{host}:{port}{path}"
-
-
-def ask_own(url: str, timeout: float) -> tuple[int, str]:
-    """GET ``url`` of this machine (``own_url``) directly, never through the HTTP proxy the environment may
-    name (a container is often given the host's); its status and body. Raises ``OSError`` if nothing
-    answers."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url, timeout=timeout) as r:
-            return int(r.status), r.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:  # an answer all the same (a 503 says what is wrong)
-        return e.code, e.read().decode(errors="replace")
 
 
 def sealed(url: str) -> bool:

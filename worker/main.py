@@ -25,7 +25,8 @@ from prometheus_client import CollectorRegistry
 from server.core import Core
 from server.durability import Durability
 from server.money import endpoints
-from server.settings import Settings, ask_own, own_url
+from server.probe import ask_own, own_url
+from server.settings import Settings
 from server.stopping import check_cancelled, stop
 from server.store import keys
 from server.store.batch import fsync_problem

@@ -15,7 +15,8 @@ import uvloop
 from server.cli.errors import OperatorError
 from server.cli.services import check_services
 from server.hub.app import uvicorn_config
-from server.settings import Settings, ask_own, own_url, redact
+from server.probe import ask_own, own_url
+from server.settings import Settings, redact
 from server.stopping import STOP_SECONDS, leave_within, say_where_stuck
 
 _stop_requested = False

@@ -15,8 +15,8 @@ reaching into another's private names. (docs/architecture.md draws the same pict
 - ``server.cli``: the ``redpacket`` command, a package of one module per command; it composes
   everything, and nothing of the system imports it.
 - Shared by all: ``server.settings`` (with ``server.settingfields``), ``server.errors``, ``server.text``,
-  ``server.ids``, ``server.stopping`` (how background tasks stop) and ``server.core`` (the context every
-  layer is handed).
+  ``server.ids``, ``server.stopping`` (how background tasks stop), ``server.probe`` (a health check's
+  question to a process of this machine) and ``server.core`` (the context every layer is handed).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ SHARED = {
     "server.signing",
     "server.durability",
     "server.stopping",
+    "server.probe",
     "server.core",
     "server",
 }

@@ -166,7 +166,7 @@ def test_a_health_check_asks_its_own_process_directly_and_reads_a_refusal(
     import http.server
     import threading
 
-    from server.settings import ask_own, own_url
+    from server.probe import ask_own, own_url
 
     assert own_url("0.0.0.0", 8000, "/healthz") == "http://127.0.0.1:8000/healthz"
     assert own_url("::", 8000, "/healthz") == "http://127.0.0.1:8000/healthz"
