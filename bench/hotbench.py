@@ -1,5 +1,6 @@
-"""``redpacket bench hot``: 10,000 clients grab one 1,000-share packet at once, against a bare echo burst
-of the same client in the same run.
+"""``redpacket bench hot``: 10,000 clients (or 100,000: ``--hubs``) grab one 1,000-share packet at once,
+against a bare echo burst of the same clients in the same run; then a worker credits the grabs and the
+books are reconciled.
 
 The client must be faster than what it measures, so it is not ``HubClient``: each client process
 (``--client-procs``) is ``bench.hotclient`` (picows, a websocket client in Cython). The driver
@@ -12,11 +13,17 @@ In one run, with the same clients:
    client sends one frame at once; a reply is the frame coming back.
 2. **hub**: connect every client to ``redpacket serve`` (``--workers``), each syncs the group (so each
    also receives the room's announcements), then every client sends a grab of the packet at once.
+3. **credit**: a ``redpacket worker`` credits every share handed out; ``reconcile`` reads the books.
+
+With ``hubs`` (N > 1) each side is N processes of its own on one Redis and one database — N hubs, N
+bare echo servers — each on its own port, every client process talking to one of them (as many client
+processes per server): a process may hold at most ~20,000 sockets here (its open-file limit), so a
+100,000-member room needs several on each side.
 
 Printed: connect time, all-replies time and reply P50 / P99 of both and their ratios; CPU of the server,
-the client processes and Redis per phase (who was the limit); RSS per idle connection; the longest
-garbage-collector pause in the hub during the burst; what the room was sent; over-issue from the
-database.
+the client processes and Redis per phase (who was the limit), and per request; RSS per idle connection;
+the longest garbage-collector pause in the hub during the burst (one hub); what the room was sent;
+over-issue from the database; the shares handed out and credited; the reconciliation's verdict.
 """
 
 from __future__ import annotations
@@ -28,19 +35,26 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
-from bench import hubbench, plots
+from bench import creditbench, hubbench, plots
 from bench.progress import phase
 from bench.report import report
+from launchers.throwaway import free_port
 from server.core import open_core
 from server.ids import GroupId, PacketId, UserId
 from server.money import grabs
+from server.money.reconcile import reconcile
 from server.settings import Settings
+from server.store import keys
 from server.store.redisnodes import RedisNodes
 
 # -- the driver ------------------------------------------------------------------------------------------
@@ -59,6 +73,10 @@ class ClientProcs:
             )
             for _ in range(n)
         ]
+        # Each process's answer is read by a thread of its own: in the default executor (six threads
+        # here) the servers' log drains (``hubbench.server_process``, one per server) could take every
+        # thread, and no answer would ever be read.
+        self.readers = ThreadPoolExecutor(max_workers=n, thread_name_prefix="bench-hot-client")
 
     async def ask(self, commands: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """One command to each process (in order), and each one's answer."""
@@ -75,7 +93,10 @@ class ClientProcs:
             # (json.loads is typed Any; a client process's line is a JSON object.)
             return json.loads(line)  # type: ignore[no-any-return]
 
-        return list(await asyncio.gather(*(asyncio.to_thread(answer, p) for p in self.procs)))
+        loop = asyncio.get_running_loop()
+        return list(
+            await asyncio.gather(*(loop.run_in_executor(self.readers, answer, p) for p in self.procs))
+        )
 
     async def close(self) -> None:
         for proc in self.procs:
@@ -85,21 +106,29 @@ class ClientProcs:
             await asyncio.to_thread(proc.wait, 60)
             if proc.stdout is not None:
                 proc.stdout.close()
+        self.readers.shutdown()
 
 
 def _slices(items: list[Any], n: int) -> list[list[Any]]:
     return [items[i::n] for i in range(n)]
 
 
-def _gc_pauses(http_url: str) -> dict[str, float]:
-    """The hub's garbage-collector pauses so far (``redpacket_hub_gc_pause_seconds``): how many, their
-    total, how many took over 10 ms, and the longest ever."""
+def _metrics(http_url: str) -> Callable[[str], float]:
+    """A hub's /metrics as read now: the value of the first line a pattern matches (0 when none does)."""
     with urllib.request.urlopen(f"{http_url}/metrics", timeout=10) as r:
         text = r.read().decode()
 
     def value(pattern: str) -> float:
         m = re.search(pattern, text, re.MULTILINE)
         return float(m[1]) if m else 0.0
+
+    return value
+
+
+def _gc_pauses(http_url: str) -> dict[str, float]:
+    """The hub's garbage-collector pauses so far (``redpacket_hub_gc_pause_seconds``): how many, their
+    total, how many took over 10 ms, and the longest ever."""
+    value = _metrics(http_url)
 
     count = value(r"^redpacket_hub_gc_pause_seconds_count (\S+)$")
     return {
@@ -110,15 +139,38 @@ def _gc_pauses(http_url: str) -> dict[str, float]:
     }
 
 
+# Opening handshakes in flight from all the client processes together (one process's 500 before 100k).
+HANDSHAKES = 500
+# A client process holds at most this many sockets: the open-file limit is 20,000 per process here.
+CLIENTS_PER_PROC = 16_000
+
+
+def client_procs_for(clients_n: int, asked: int, servers: int) -> int:
+    """How many client processes a run takes: at least ``asked``, one per server, and enough that none
+    holds more than ``CLIENTS_PER_PROC`` sockets; a multiple of ``servers``, so that each server gets as
+    many clients."""
+    n = max(asked, servers, -(-clients_n // CLIENTS_PER_PROC))
+    return -(-n // servers) * servers
+
+
+def _cpu(pids: list[int]) -> float:
+    return sum(hubbench.cpu_seconds(p) for p in pids)
+
+
+def _memory_kb(pids: list[int], field: str) -> int:
+    return sum(hubbench.memory_kb(p, field) for p in pids)
+
+
 async def _burst(
-    clients: ClientProcs, frame: bytes, server_pid: int, redis: RedisNodes | None, wait_finished: bool
+    clients: ClientProcs, frame: bytes, pids: list[int], redis: RedisNodes | None, wait_finished: bool
 ) -> dict[str, Any]:
-    """Every client sends ``frame`` at once; the figures of the replies and who spent what."""
-    cpu = hubbench.cpu_seconds(server_pid)
+    """Every client sends ``frame`` at once; the figures of the replies and who spent what (``pids``: the
+    servers)."""
+    cpu = _cpu(pids)
     redis_cpu = await hubbench.redis_cpu_seconds(redis) if redis else 0.0
     command = {"cmd": "burst", "frame": frame.hex(), "wait_finished": wait_finished}
     answers = await clients.ask([command] * len(clients.procs))
-    server_cpu = hubbench.cpu_seconds(server_pid) - cpu
+    server_cpu = _cpu(pids) - cpu
     latencies = sorted(x for a in answers for x in a["latencies_ms"])
     went = min(a["went"] for a in answers)
     # Each reply: when it came (s after the first frame went) and how long it took (ms), for the plots.
@@ -135,6 +187,7 @@ async def _burst(
         "reply_p50_ms": round(statistics.median(latencies), 1),
         "reply_p99_ms": round(latencies[max(0, int(n * 0.99) - 1)], 1),
         "server_cpu_s": round(server_cpu, 2),
+        "server_cpu_us_per_request": round(server_cpu * 1e6 / n, 1),
         "client_cpu_s": round(sum(a["cpu"] for a in answers), 2),
         "outcomes": outcomes,
         "frames_received": sum(a["frames"] for a in answers),
@@ -146,23 +199,31 @@ async def _burst(
     return figures
 
 
-async def _phase(clients: ClientProcs, commands: list[dict[str, Any]], server_pid: int) -> dict[str, float]:
+async def _phase(clients: ClientProcs, commands: list[dict[str, Any]], pids: list[int]) -> dict[str, Any]:
     """A phase every client process runs (connect, sync): how long it took, the CPU of each side."""
-    cpu = hubbench.cpu_seconds(server_pid)
+    cpu = _cpu(pids)
     answers = await clients.ask(commands)
     return {
         "s": round(max(a["done"] for a in answers) - min(a["began"] for a in answers), 2),
-        "server_cpu_s": round(hubbench.cpu_seconds(server_pid) - cpu, 2),
+        "server_cpu_s": round(_cpu(pids) - cpu, 2),
         "client_cpu_s": round(sum(a["cpu"] for a in answers), 2),
+        "retries": sum(a.get("retries", 0) for a in answers),
     }
 
 
 async def _connect(
-    clients: ClientProcs, url: str, tokens: list[str] | int, server_pid: int
+    clients: ClientProcs, urls: list[str], tokens: list[str] | int, pids: list[int]
 ) -> dict[str, float]:
+    """Client process ``i`` connects its slice of the clients to ``urls[i % len(urls)]``, with
+    ``HANDSHAKES`` in flight in all (a share each)."""
     n = len(clients.procs)
     parts = _slices(tokens, n) if isinstance(tokens, list) else [tokens // n] * n
-    return await _phase(clients, [{"cmd": "connect", "url": url, "tokens": p} for p in parts], server_pid)
+    window = max(1, HANDSHAKES // n)
+    commands = [
+        {"cmd": "connect", "url": urls[i % len(urls)], "tokens": p, "window": window}
+        for i, p in enumerate(parts)
+    ]
+    return await _phase(clients, commands, pids)
 
 
 async def bench_hot(
@@ -171,18 +232,25 @@ async def bench_hot(
     shares: int = 1_000,
     workers: int = 1,
     client_procs: int = 1,
+    hubs: int = 1,
     plot: Path | None = None,
 ) -> dict[str, Any]:
+    """The burst on each side, then the credits and the reconciliation (module docstring). ``hubs``:
+    separate hub processes (and as many echo processes); ``workers``: one ``serve --workers``."""
+    if hubs > 1 and workers > 1:
+        raise ValueError("bench hot runs --hubs separate hub processes or one serve --workers, not both")
     shares = min(shares, clients_n)  # a packet has at most as many shares as the group has members
+    client_procs = client_procs_for(clients_n, client_procs, hubs)
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
     db_url = f"sqlite:///{tmp / 'bench.sqlite3'}"
-    world = await hubbench.make_world(settings, db_url, clients_n + 1, 10**8)
+    with phase(f"making {clients_n:,} users in one group"):
+        world = await hubbench.make_world(settings, db_url, clients_n + 1, 10**8)
     admin, group, _ = world
-    figures: dict[str, Any] = {"clients": clients_n, "shares": shares, "workers": workers}
+    figures: dict[str, Any] = {"clients": clients_n, "shares": shares, "workers": workers, "hubs": hubs}
     figures["client_procs"] = client_procs
     clients = ClientProcs(client_procs)
     try:
-        echo = await _echo(clients, clients_n, figures)
+        echo = await _echo(clients, clients_n, hubs, figures)
         hub, packet_id = await _hub(
             settings, db_url, world, clients, clients_n=clients_n, shares=shares, figures=figures
         )
@@ -191,9 +259,13 @@ async def bench_hot(
     figures["ratio_connect"] = round(figures["hub_connect_s"] / figures["echo_connect_s"], 2)
     figures["ratio_all_replies"] = round(figures["hub_all_replies_s"] / figures["echo_all_replies_s"], 2)
     figures["ratio_p99"] = round(figures["hub_reply_p99_ms"] / max(figures["echo_p99_ms"], 0.1), 2)
+    figures["ratio_cpu_per_request"] = round(
+        figures["hub_server_cpu_us_per_request"] / figures["echo_server_cpu_us_per_request"], 2
+    )
     client_cpu = figures["hub_client_cpu_s"] / client_procs
-    figures["limit"] = "client" if client_cpu > figures["hub_server_cpu_s"] / workers else "hub"
+    figures["limit"] = "client" if client_cpu > figures["hub_server_cpu_s"] / max(workers, hubs) else "hub"
     figures.update(await _paid(settings, db_url, packet_id=packet_id, group=group, admin=admin))
+    figures.update(await _credited(settings, db_url, tmp, packet_id=packet_id, group=group))
     report("hot", figures)
     if plot is not None:
         title = f"{clients_n:,} clients grab one {shares:,}-share packet"
@@ -212,16 +284,21 @@ async def bench_hot(
     return figures
 
 
-async def _echo(clients: ClientProcs, clients_n: int, figures: dict[str, Any]) -> dict[str, Any]:
-    """1. The bare echo: connecting, then one frame from every client at once."""
-    async with hubbench.bare_process("echo") as (ws_url, bare_pid):
+async def _echo(
+    clients: ClientProcs, clients_n: int, servers: int, figures: dict[str, Any]
+) -> dict[str, Any]:
+    """1. The bare echo (``servers`` processes): connecting, then one frame from every client at once."""
+    async with AsyncExitStack() as stack:
+        started = [await stack.enter_async_context(hubbench.bare_process("echo")) for _ in range(servers)]
+        urls, pids = [u for u, _ in started], [p for _, p in started]
         with phase(f"echo: connecting {clients_n:,} clients"):
-            connect = await _connect(clients, ws_url, clients_n, bare_pid)
+            connect = await _connect(clients, urls, clients_n, pids)
         figures["echo_connect_s"] = connect["s"]
         figures["echo_connect_server_cpu_s"] = connect["server_cpu_s"]
         figures["echo_connect_client_cpu_s"] = connect["client_cpu_s"]
+        figures["echo_connect_retries"] = connect["retries"]
         with phase(f"echo: a frame from each of {clients_n:,} clients"):
-            echo = await _burst(clients, msgpack.packb({"id": 1, "type": "ping"}), bare_pid, None, False)
+            echo = await _burst(clients, msgpack.packb({"id": 1, "type": "ping"}), pids, None, False)
         await clients.ask([{"cmd": "close"}] * len(clients.procs))
     figures["echo_all_replies_s"] = echo["all_replies_s"]
     figures["echo_p50_ms"], figures["echo_p99_ms"] = echo["reply_p50_ms"], echo["reply_p99_ms"]
@@ -229,6 +306,7 @@ async def _echo(clients: ClientProcs, clients_n: int, figures: dict[str, Any]) -
         echo["server_cpu_s"],
         echo["client_cpu_s"],
     )
+    figures["echo_server_cpu_us_per_request"] = echo["server_cpu_us_per_request"]
     return echo
 
 
@@ -245,39 +323,52 @@ async def _hub(
     """2. The hub: the same clients, synced to the group, grab one packet at once. The burst's figures
     and the packet."""
     admin, group, ids = world
-    workers, procs = figures["workers"], len(clients.procs)
+    workers, hubs, procs = figures["workers"], figures["hubs"], len(clients.procs)
     redis = await RedisNodes(settings.redis_url, 4).open()
     extra = {"REDPACKET_WS_PING_INTERVAL": "120"}
-    async with hubbench.hub_process(settings, db_url, workers, **extra) as (ws_url, hub_pid):
-        http_url = ws_url.replace("ws://", "http://").removesuffix("/ws")
+    async with AsyncExitStack() as stack:
+        started = [
+            await stack.enter_async_context(hubbench.hub_process(settings, db_url, workers, **extra))
+            for _ in range(hubs)
+        ]
+        urls, pids = [u for u, _ in started], [p for _, p in started]
+        http_urls = [u.replace("ws://", "http://").removesuffix("/ws") for u in urls]
+        http_url = http_urls[0]
         await asyncio.sleep(0.5 if workers > 1 else 0)  # every worker is listening (each says so)
-        rss_empty = hubbench.memory_kb(hub_pid, "VmRSS")
+        rss_empty = _memory_kb(pids, "VmRSS")
         tokens = [hubbench.token(u) for u in ids[1:]]
         with phase(f"hub: connecting {clients_n:,} clients"):
-            connect = await _connect(clients, ws_url, tokens, hub_pid)
+            connect = await _connect(clients, urls, tokens, pids)
         figures["hub_connect_s"] = connect["s"]
         figures["hub_connect_server_cpu_s"] = connect["server_cpu_s"]
         figures["hub_connect_client_cpu_s"] = connect["client_cpu_s"]
+        figures["hub_connect_retries"] = connect["retries"]
         # Then every client syncs the group (the hub sends it the room's events from then on).
-        sync = await _phase(clients, [{"cmd": "sync", "group": group}] * procs, hub_pid)
+        with phase(f"hub: {clients_n:,} clients sync the group"):
+            sync = await _phase(clients, [{"cmd": "sync", "group": group}] * procs, pids)
         figures["hub_sync_s"] = sync["s"]
         figures["hub_sync_server_cpu_s"] = sync["server_cpu_s"]
-        rss_idle = hubbench.memory_kb(hub_pid, "VmRSS")
+        # The sockets each hub holds, as it counts them (with --workers: the process that answered).
+        figures["hub_connections"] = [
+            int(_metrics(u)(r"^redpacket_hub_connections (\S+)$")) for u in http_urls
+        ]
+        rss_idle = _memory_kb(pids, "VmRSS")
         figures["rss_per_connection_kb"] = round((rss_idle - rss_empty) / clients_n, 1)
         (packet_id,) = await hubbench.send_packets(
             settings, db_url, admin=admin, group=group, n=1, count=shares, announced=True
         )
         # Every client has been shown the packet before the burst (as a person would be).
         await clients.ask([{"cmd": "await_packet"}] * procs)
-        gc_before = _gc_pauses(http_url) if workers == 1 else None
+        single = workers == 1 and hubs == 1  # one process answers /metrics: its figures are its own
+        gc_before = _gc_pauses(http_url) if single else None
         frame = msgpack.packb({"id": 1, "type": "grab", "group": group, "packet": packet_id})
         with phase(f"hub: {clients_n:,} grabs of one {shares:,}-share packet"):
-            hub = await _burst(clients, frame, hub_pid, redis, True)
+            hub = await _burst(clients, frame, pids, redis, True)
         figures.update({f"hub_{k}": v for k, v in hub.items() if k not in ("outcomes", "points")})
         figures["outcomes"] = hub["outcomes"]
-        if gc_before is not None:  # one process answers /metrics: the figures are its own
+        if gc_before is not None:
             figures.update(_gc_in_burst(gc_before, _gc_pauses(http_url)))
-        figures["hub_rss_peak_mb"] = round(hubbench.memory_kb(hub_pid, "VmHWM") / 1024, 1)
+        figures["hub_rss_peak_mb"] = round(_memory_kb(pids, "VmHWM") / 1024, 1)
         await clients.ask([{"cmd": "close"}] * procs)
     await redis.aclose()
     return hub, packet_id
@@ -295,7 +386,8 @@ def _gc_in_burst(before: dict[str, float], after: dict[str, float]) -> dict[str,
 async def _paid(
     settings: Settings, db_url: str, *, packet_id: PacketId, group: GroupId, admin: UserId
 ) -> dict[str, Any]:
-    """What the ledger says of the packet: how fast it emptied, over-issue, distinct winners."""
+    """What Redis says of the packet: how fast it emptied, the shares handed out, over-issue against the
+    shares the database drew, distinct winners."""
     async with open_core(settings.replace(database_url=db_url)) as core:
         view = await grabs.open_packet(core, packet_id=packet_id, group_id=group, user_id=admin)
         paid = sum(g.amount for g in view.grabs)
@@ -304,6 +396,37 @@ async def _paid(
         )
         return {
             "time_to_empty_ms": view.duration_ms,
+            "shares_handed_out": len(view.grabs),
             "over_issue_cents": paid - (int(row[0]) if row and row[0] is not None else 0),
             "distinct_winners": len({g.user_id for g in view.grabs}),
         }
+
+
+async def _credited(
+    settings: Settings, db_url: str, tmp: Path, *, packet_id: PacketId, group: GroupId
+) -> dict[str, Any]:
+    """3. A ``redpacket worker`` credits the packet's grabs; how many it credited, how long it took, and
+    what a reconciliation of the books says afterwards (with the worker stopped)."""
+    s = settings.replace(
+        database_url=db_url, queue_name="redpacket:bench:queue", worker_metrics_port=free_port()
+    )
+    async with open_core(s) as core:
+        grabs_key = keys.packet_grabs(group_id=group, packet_id=packet_id)
+        handed_out = int(await cast(Awaitable[int], core.redis.hlen(grabs_key)))
+        worker = creditbench.start_worker(s, tmp / "worker.log")
+        try:
+            await creditbench.until_healthy(s, worker)
+            began = time.perf_counter()
+            credited = await creditbench.until_credited(core, group, [packet_id], handed_out, [], worker)
+            took = time.perf_counter() - began
+        finally:
+            worker.terminate()
+            await asyncio.to_thread(worker.wait, 60)
+        with phase("reconciling the books"):
+            books = await reconcile(core)
+    return {
+        "credited": credited,
+        "credited_in_s": round(took, 2),
+        "reconcile_ok": books.ok,
+        "reconcile_differences": [str(d) for d in books.differences[:10]],
+    }

@@ -21,7 +21,8 @@ import msgpack
 import uvloop
 from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
 
-WINDOW = 500  # handshakes in flight per client process
+WINDOW = 500  # handshakes in flight per client process, unless the driver says (several processes)
+TRIES = 5  # a socket refused before its welcome (1013: the hub could not welcome it in time) tries again
 
 
 class Shared:
@@ -38,6 +39,7 @@ class Shared:
         self.shown = 0
         self.all_shown = asyncio.Event()
         self.frames = 0
+        self.retries = 0
         self.synced = 0
         self.all_synced = asyncio.Event()
 
@@ -59,6 +61,10 @@ class Client(WSListener):
         self.transport = transport
         if self.echo:
             self.ready.set_result(None)
+
+    def on_ws_disconnected(self, transport: WSTransport) -> None:
+        if not self.ready.done():  # closed before its welcome: the connect fails, and is tried again
+            self.ready.set_exception(ConnectionError("closed before the welcome"))
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         if frame.msg_type != WSMsgType.BINARY:
@@ -99,11 +105,23 @@ class Client(WSListener):
 
 
 async def _connect(shared: Shared, url: str, echo: bool, window: asyncio.Semaphore) -> Client:
-    async with window:
-        _, listener = await ws_connect(lambda: Client(shared, echo), url, websocket_handshake_timeout=120)
-        client = cast(Client, listener)
-        await asyncio.wait_for(client.ready, 120)
-        return client
+    """One client, connected and welcomed; a socket the server refuses before its welcome (as a hub does
+    one it cannot welcome within its handshake bound) is tried again, after a pause, as a client would."""
+    for attempt in range(1, TRIES + 1):
+        try:
+            async with window:
+                _, listener = await ws_connect(
+                    lambda: Client(shared, echo), url, websocket_handshake_timeout=120
+                )
+                client = cast(Client, listener)
+                await asyncio.wait_for(client.ready, 120)
+                return client
+        except (ConnectionError, OSError, TimeoutError):
+            if attempt == TRIES:
+                raise
+            shared.retries += 1
+        await asyncio.sleep(0.2 * attempt)  # (outside the window: the others go on meanwhile)
+    raise AssertionError("unreachable")
 
 
 async def connect(shared: Shared, command: dict[str, Any]) -> dict[str, Any]:
@@ -117,11 +135,13 @@ async def connect(shared: Shared, command: dict[str, Any]) -> dict[str, Any]:
         else [f"{command['url']}?token={t}" for t in command["tokens"]]
     )
     cpu, began = time.process_time(), time.monotonic()
-    window = asyncio.Semaphore(WINDOW)
+    shared.retries = 0
+    window = asyncio.Semaphore(command.get("window", WINDOW))
     shared.clients.extend(await asyncio.gather(*(_connect(shared, u, echo, window) for u in targets)))
     gc.collect()
     gc.freeze()
-    return {"began": began, "done": time.monotonic(), "cpu": time.process_time() - cpu}
+    done = time.monotonic()
+    return {"began": began, "done": done, "cpu": time.process_time() - cpu, "retries": shared.retries}
 
 
 async def sync(shared: Shared, command: dict[str, Any]) -> dict[str, Any]:

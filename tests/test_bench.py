@@ -43,6 +43,22 @@ def test_the_hot_packet_bench_plots_its_latencies(redis_url: str, tmp_path: Path
         _png(tmp_path / name)
         assert f"plot: {tmp_path / name}" in said
     assert "hub: 300 grabs of one 300-share packet" in said  # the phases are shown as they run
+    # Then a worker credits every share handed out, and the books reconcile.
+    assert figures["shares_handed_out"] == figures["credited"] == 300
+    assert figures["reconcile_ok"] is True and figures["reconcile_differences"] == []
+
+
+def test_the_hot_packet_bench_spreads_a_room_over_hub_processes(redis_url: str) -> None:
+    """``--hubs``: separate hub processes on one Redis, each holding its share of the room; the packet is
+    handed out and credited exactly once across them."""
+    figures, _ = _bench(redis_url, "hot", "--clients", "400", "--hubs", "2")
+    assert figures["hubs"] == 2 and figures["client_procs"] == 2
+    assert figures["hub_connections"] == [200, 200]
+    assert figures["outcomes"] == {"won": 400}
+    assert figures["shares_handed_out"] == figures["credited"] == figures["distinct_winners"] == 400
+    assert figures["over_issue_cents"] == 0 and figures["reconcile_ok"] is True
+    assert figures["hub_finished_received"] == 400  # every member, on either hub, saw the result
+    assert "gc" not in " ".join(figures)  # several processes: no one hub's collector figures
 
 
 def test_the_storm_bench_plots_credit_lag_and_backlog(redis_url: str, tmp_path: Path) -> None:

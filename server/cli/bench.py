@@ -54,7 +54,12 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
         await bench_hook(settings, plot=plot)
     else:
         await hotbench.bench_hot(
-            settings, args.clients, workers=args.workers, client_procs=args.client_procs, plot=plot
+            settings,
+            args.clients,
+            workers=args.workers,
+            client_procs=args.client_procs,
+            hubs=args.hubs,
+            plot=plot,
         )
 
 

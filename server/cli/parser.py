@@ -131,7 +131,19 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench.add_argument(
         "--workers", type=int, default=1, help="hub processes: serve --workers (hub-grab, hot)"
     )
-    bench.add_argument("--client-procs", type=int, default=1, help="load client processes (hot)")
+    bench.add_argument(
+        "--hubs",
+        type=int,
+        default=1,
+        help="hot: separate hub processes (and as many bare echo processes), each on its own port, for a"
+        " room past one process's ~20,000 sockets",
+    )
+    bench.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="load client processes (hot; at least one per hub, and one per 16,000 clients)",
+    )
     bench.add_argument("--rate", type=int, default=2_000, help="grabs per second (storm)")
     bench.add_argument(
         "--seconds",
