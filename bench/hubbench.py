@@ -31,6 +31,7 @@ from websockets.typing import Subprotocol
 
 from bench.grabbench import fresh_ids
 from bench.progress import phase
+from bench.redisfloor import pipelined, redis_floor
 from bench.report import report
 from redpacket_client.protocol import SUBPROTOCOL_MSGPACK
 from server.core import open_core
@@ -259,7 +260,9 @@ async def bench_hub_grab(
         ]
         for ws in conns:
             await ws.recv()  # welcome; no sync, so no group events are sent to these sockets
+        http_url = ws_url.replace("ws://", "http://").removesuffix("/ws")
         for kind, frames in (("grab", grab_frames), ("ping", ping_frames)):
+            piped = pipelined(http_url) if kind == "grab" and workers == 1 else None
             cpu, redis_cpu = cpu_seconds(hub_pid), await redis_cpu_seconds(redis)
             done["n"], start, until = 0, time.perf_counter(), deadline()
             with phase(f"hub {kind}s (hub pid {hub_pid})"):
@@ -271,9 +274,18 @@ async def bench_hub_grab(
             figures[f"hub_cpu_us_per_{kind}"] = round((cpu_seconds(hub_pid) - cpu) * 1e6 / n)
             redis_used = await redis_cpu_seconds(redis) - redis_cpu
             figures[f"redis_cpu_us_per_{kind}"] = round(redis_used * 1e6 / n)
+            if piped is not None:  # (one process answers /metrics: with --workers, not all of them)
+                pipelines, calls = (b - a for a, b in zip(piped, pipelined(http_url), strict=True))
+                figures["hub_redis_calls_per_pipeline"] = round(calls / max(pipelines, 1), 1)
         for ws in conns:
             await ws.close()
     await redis.aclose()
+    # What the least script costs Redis in pipelines as deep as the grabs' (issue 46's floor).
+    depth = max(1, round(figures.get("hub_redis_calls_per_pipeline", 1)))
+    with phase(f"Redis's floor: a one-key script, {depth} to a pipeline"):
+        figures.update(await redis_floor(settings.redis_url, depth, seconds or 2.0))
+    floor = figures["redis_floor_cpu_us_per_call"]
+    figures["redis_grab_to_floor"] = round(figures["redis_cpu_us_per_grab"] / max(floor, 0.1), 1)
     async with bare_process("echo") as (ws_url, bare_pid):
         conns = [await connect(ws_url, compression=None) for _ in range(connections)]
         cpu = cpu_seconds(bare_pid)

@@ -100,6 +100,13 @@ def test_the_hub_grab_bench_runs_each_phase_for_the_seconds_given(redis_url: str
     assert "hub grabs (hub pid " in said
     for per in ("hub_cpu_us_per_grab", "hub_cpu_us_per_ping", "bare_cpu_us_per_echo"):
         assert isinstance(figures[per], int) and figures[per] > 0, figures
+    # Redis's floor went in pipelines as deep as the grabs did, as the hub's own counters said.
+    depth = figures["hub_redis_calls_per_pipeline"]
+    assert isinstance(depth, float) and depth >= 1, figures
+    assert figures["redis_floor_depth"] == max(1, round(depth)), figures
+    floor = figures["redis_floor_cpu_us_per_call"]
+    assert isinstance(floor, float) and floor > 0, figures
+    assert figures["redis_grab_to_floor"] == round(figures["redis_cpu_us_per_grab"] / floor, 1), figures  # type: ignore[operator]
 
 
 @pytest.mark.parametrize("core", ["sqlite", "mysql"], indirect=True)

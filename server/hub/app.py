@@ -180,6 +180,7 @@ def create_app(
             hub_metrics.read_evicting(lambda: len(core.nodes.evicting_masters()))
             hub_metrics.database.watch(core.db)
             hub_metrics.read_hot(hub.packet_cache.hottest)
+            hub_metrics.read_batcher(lambda: (core.batcher.batches, core.batcher.calls))
             background = [asyncio.create_task(hub_metrics.watch_loop())]
             apart = None
             if settings.metrics_port:  # (bound here unless the command line bound it, to say a busy port)

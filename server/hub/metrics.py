@@ -7,7 +7,7 @@ import gc
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -18,6 +18,8 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from server.live.dbmetrics import DatabaseCollector
 
@@ -101,6 +103,8 @@ class HubMetrics:
         )
         self.database = DatabaseCollector()  # retries and failovers (``read_pools``' database's)
         r.register(self.database)
+        self.pipelines = PipelineCollector()
+        r.register(self.pipelines)
         self.hot_packets = Gauge(
             "redpacket_hot_packets",
             "packets with grabs at Redis or waiting on this hub right now",
@@ -192,6 +196,11 @@ class HubMetrics:
         self.redis_in_use.set_function(redis)
         self.db_in_use.set_function(db)
 
+    def read_batcher(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """The Redis pipelines this process's batcher sent and the calls in them (``Batcher.batches``,
+        ``Batcher.calls``), read when scraped."""
+        self.pipelines.counts = counts
+
     def read_evicting(self, evicting: Callable[[], float]) -> None:
         """Masters that may drop keys, as last read (``Identities.evicting``), read when scraped."""
         self.redis_evicting.set_function(evicting)
@@ -218,6 +227,25 @@ class HubMetrics:
             due = loop.time() + every
             await asyncio.sleep(every)
             self.loop_lag.observe(max(0.0, loop.time() - due))
+
+
+class PipelineCollector(Collector):
+    """``redpacket_redis_pipelines_total`` and ``redpacket_redis_pipelined_calls_total``: their ratio is how
+    many calls a pipeline carried (the batcher's group commit at work)."""
+
+    def __init__(self) -> None:
+        self.counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        pipelines, calls = self.counts()
+        yield CounterMetricFamily(
+            "redpacket_redis_pipelines",
+            "Redis pipelines this process's batcher sent (a loop tick's calls to one master)",
+            value=pipelines,
+        )
+        yield CounterMetricFamily(
+            "redpacket_redis_pipelined_calls", "the Redis calls those pipelines carried", value=calls
+        )
 
 
 async def serve_metrics(sock: socket.socket, page: Callable[[], bytes]) -> asyncio.Server:
