@@ -363,6 +363,9 @@ async def test_the_stack_runs_scales_survives_its_kills_and_comes_down_clean(
             assert (await _service(http, w.key, "GET", f"/api/service/accounts/{u}"))["balance"] == 0
     (mariadb,) = _containers(env, "mariadb")
     (redis,) = _containers(env, "redis")
+    # The compose Redis runs with the option operators are told to set (docs/operations.md).
+    listpack = _run(env, "podman", "exec", redis, "redis-cli", "config", "get", "hash-max-listpack-entries")
+    assert listpack.split() == ["hash-max-listpack-entries", "128"], listpack
     _run(env, "podman", "pause", mariadb)
     _run(env, "podman", "unpause", workers[0])
     await eventually(lambda: _claimed(env, redis) > 0, timeout=120)

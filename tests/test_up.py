@@ -98,6 +98,8 @@ async def test_the_embedded_valkey_killed_during_grabs_is_started_again_and_ever
                 told[m["token"]] = (await c.request("grab", group=group, packet=sent["packet_id"]))["amount"]
         before = json.loads((data / "valkey.json").read_text())
         valkey = redis.Redis.from_url(before["url"])
+        # `up` set its server's options (a grab of a big packet scans a smaller hash).
+        assert valkey.config_get("hash-max-listpack-entries") == {"hash-max-listpack-entries": "128"}
         valkey.set("test:written-before-the-kill", "1")  # (answered once fsynced: appendfsync always)
         killed = int(before["valkey_pid"])
         os.kill(killed, signal.SIGKILL)
@@ -108,6 +110,8 @@ async def test_the_embedded_valkey_killed_during_grabs_is_started_again_and_ever
             won_again_after = won_again_after or time.monotonic() - killed_at
         print(f"grabs answered won again {won_again_after:.1f} s after the kill")
         assert valkey.get("test:written-before-the-kill") == b"1"  # its AOF replayed
+        # Started again with the same options.
+        assert valkey.config_get("hash-max-listpack-entries") == {"hash-max-listpack-entries": "128"}
         valkey.close()
         # The supervisor writes valkey.json and its line once the new server answers (grabs may be
         # answered first), and `up`'s output is read by another thread: both waited for, bounded.
