@@ -90,6 +90,16 @@ def test_the_frame_bench_measures_every_core_answering_every_request(redis_url: 
         assert float(figures[f"{side}_cpu_us_per_frame"]) > 0, figures  # type: ignore[arg-type]
 
 
+def test_the_batcher_bench_measures_both_sides_coalescing_alike(redis_url: str) -> None:
+    """The hub's batcher beside stock redis-py pipelines of the same ticks: each side's CPU per call over
+    its alternating rounds, and both sides put a tick's calls in one pipeline (100 callers: 100 deep)."""
+    figures, _ = _bench(redis_url, "batcher")
+    for side in ("batcher", "stock"):
+        rounds = figures[f"{side}_cpu_us_per_call_rounds"]
+        assert isinstance(rounds, list) and len(rounds) == 6 and min(rounds) > 0, figures
+        assert figures[f"{side}_calls_per_pipeline"] == 100.0, figures
+
+
 def test_the_hub_grab_bench_runs_each_phase_for_the_seconds_given(redis_url: str) -> None:
     """--seconds: long enough to profile the hub. Each phase ran, every grab won (the bench checks each
     reply), and the hub's pid is said for a profiler to attach to."""

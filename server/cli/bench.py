@@ -32,6 +32,10 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
         await run_db_read_bench(settings, plot=plot)
     elif what == "hub-grab":
         await hubbench.bench_hub_grab(settings, workers=args.workers, plot=plot, seconds=args.seconds)
+    elif what == "batcher":
+        from bench.batchbench import bench_batcher
+
+        await bench_batcher(settings)
     elif what == "flood":
         from bench.floodbench import bench_flood
 

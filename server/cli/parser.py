@@ -113,6 +113,7 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=[
             "grab",
             "hub-grab",
+            "batcher",
             "flood",
             "frames",
             "fanout",

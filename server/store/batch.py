@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,8 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from server import errors
 from server.durability import Durability
@@ -184,14 +185,16 @@ class Batcher:
             batch = [c for c in batch if not c.guarded]
             if not batch:
                 return
+        # The pipeline object only stages the commands (their arguments and how each answer is read);
+        # ``_exchange`` sends them.
+        pipe = node.pipeline(transaction=False)
+        for c in batch:
+            c.queue(pipe)
+        waits = _waits(self.durability, self._nodes.replicas(node)) if wait else []
+        for command in waits:
+            pipe.execute_command(*command, self._timeout_ms)
         try:
-            async with node.pipeline(transaction=False) as pipe:
-                for c in batch:
-                    c.queue(pipe)
-                waits = _waits(self.durability, self._nodes.replicas(node)) if wait else []
-                for command in waits:
-                    pipe.execute_command(*command, self._timeout_ms)
-                results = await pipe.execute(raise_on_error=False)
+            results = await self._exchange(node, pipe.command_stack)
         except Exception as e:
             for c in batch:
                 if not c.future.done():
@@ -233,6 +236,40 @@ class Batcher:
                 c.future.set_exception(NotDurable(errors.REDIS_UNAVAILABLE, short))
             else:
                 c.future.set_result(result)
+
+    async def _exchange(
+        self, node: Redis, stack: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]]
+    ) -> list[Any]:
+        """Send a pipeline's commands on one connection of ``node``'s pool and read every answer (an error
+        answer in its place, as ``Pipeline.execute(raise_on_error=False)`` gives it), all within one bound:
+        ``RedisNodes.timeout``, as each reply had before. One timer a pipeline, not one a reply: redis-py
+        arms a timer for each reply it reads with a socket timeout set, 4.5 µs of the hub's CPU a call
+        (docs/benchmarks.md, issue 46), so the connection goes without one while it is ours. A pipeline
+        not read to its end (a timeout, a cancel, a dropped connection) leaves its connection closed."""
+        pool = node.connection_pool
+        conn = await pool.get_connection()
+        bound = conn.socket_timeout
+        conn.socket_timeout = None
+        try:
+            async with asyncio.timeout(self._nodes.timeout):
+                await conn.send_packed_command(conn.pack_commands([args for args, _ in stack]))
+                results: list[Any] = []
+                for args, options in stack:
+                    try:
+                        results.append(await node.parse_response(conn, args[0], **options))
+                    except ResponseError as e:
+                        results.append(e)
+                return results
+        except BaseException as e:
+            # Its answers not all read (a late one would be the next caller's): never used again.
+            await conn.disconnect(nowait=True)
+            if isinstance(e, TimeoutError):  # (asyncio's: the bound above) said as redis-py says a reply's
+                said = f"Timeout reading from Redis: no answer in {self._nodes.timeout:g} s"
+                raise RedisTimeoutError(said) from e
+            raise
+        finally:
+            conn.socket_timeout = bound
+            await pool.release(conn)
 
     async def _looked(self, node: Redis, batch: list[_Call]) -> bool:
         """Read the server's data id before sending ``batch`` to it; False (and every call failed, with
