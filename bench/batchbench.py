@@ -33,22 +33,33 @@ class StockPipelines:
         self.pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
         self.batches = 0
         self.calls = 0
+        self.sending: set[asyncio.Task[None]] = set()
 
     async def script(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         if not self.pending:
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._send()))
+            asyncio.get_running_loop().call_soon(self._start)
         self.pending.append((("EVALSHA", script.sha, len(keys), *keys, *args), fut))
         return await fut
+
+    def _start(self) -> None:
+        task = asyncio.ensure_future(self._send())
+        self.sending.add(task)
+        task.add_done_callback(self.sending.discard)
 
     async def _send(self) -> None:
         batch, self.pending = self.pending, []
         self.batches += 1
         self.calls += len(batch)
-        async with self.client.pipeline(transaction=False) as pipe:
-            for command, _ in batch:
-                pipe.execute_command(*command)
-            answers = await pipe.execute(raise_on_error=False)
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for command, _ in batch:
+                    pipe.execute_command(*command)
+                answers = await pipe.execute(raise_on_error=False)
+        except Exception as e:  # no caller left waiting
+            for _, fut in batch:
+                fut.set_exception(e)
+            return
         for (_, fut), answer in zip(batch, answers, strict=True):
             fut.set_result(answer)
 

@@ -31,30 +31,25 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 
-from bench import creditbench, hubbench, plots
+from bench import hotbooks, hubbench, plots
 from bench.progress import phase
 from bench.report import report
-from launchers.throwaway import free_port
-from server.core import open_core
 from server.ids import GroupId, PacketId, UserId
-from server.money import grabs
-from server.money.reconcile import reconcile
 from server.settings import Settings
-from server.store import keys
 from server.store.redisnodes import RedisNodes
 
 # -- the driver ------------------------------------------------------------------------------------------
@@ -141,15 +136,32 @@ def _gc_pauses(http_url: str) -> dict[str, float]:
 
 # Opening handshakes in flight from all the client processes together (one process's 500 before 100k).
 HANDSHAKES = 500
-# A client process holds at most this many sockets: the open-file limit is 20,000 per process here.
-CLIENTS_PER_PROC = 16_000
+
+
+# A process holds at most as many sockets as its open-file limit allows (20,000 here): a client process
+# takes this share of it, and a hub is refused more clients than that share too.
+def sockets_per_process() -> int:
+    return int(resource.getrlimit(resource.RLIMIT_NOFILE)[0] * 0.8)
+
+
+def room_problem(clients_n: int, hubs: int, workers: int) -> str | None:
+    """Why the room cannot be held by this many server processes here, or None."""
+    if hubs > 1 and workers > 1:
+        return "bench hot runs --hubs separate hub processes or one serve --workers, not both"
+    each = sockets_per_process()
+    if clients_n > each * max(hubs, workers):
+        return (
+            f"{clients_n:,} clients need more than {max(hubs, workers)} server process(es): each holds at"
+            f" most {each:,} sockets here (its open-file limit); give --hubs"
+        )
+    return None
 
 
 def client_procs_for(clients_n: int, asked: int, servers: int) -> int:
     """How many client processes a run takes: at least ``asked``, one per server, and enough that none
-    holds more than ``CLIENTS_PER_PROC`` sockets; a multiple of ``servers``, so that each server gets as
-    many clients."""
-    n = max(asked, servers, -(-clients_n // CLIENTS_PER_PROC))
+    holds more than ``sockets_per_process()`` sockets; a multiple of ``servers``, so that each server gets
+    as many clients."""
+    n = max(asked, servers, -(-clients_n // sockets_per_process()))
     return -(-n // servers) * servers
 
 
@@ -217,7 +229,7 @@ async def _connect(
     """Client process ``i`` connects its slice of the clients to ``urls[i % len(urls)]``, with
     ``HANDSHAKES`` in flight in all (a share each)."""
     n = len(clients.procs)
-    parts = _slices(tokens, n) if isinstance(tokens, list) else [tokens // n] * n
+    parts = _slices(tokens, n) if isinstance(tokens, list) else [len(s) for s in _slices([0] * tokens, n)]
     window = max(1, HANDSHAKES // n)
     commands = [
         {"cmd": "connect", "url": urls[i % len(urls)], "tokens": p, "window": window}
@@ -237,8 +249,9 @@ async def bench_hot(
 ) -> dict[str, Any]:
     """The burst on each side, then the credits and the reconciliation (module docstring). ``hubs``:
     separate hub processes (and as many echo processes); ``workers``: one ``serve --workers``."""
-    if hubs > 1 and workers > 1:
-        raise ValueError("bench hot runs --hubs separate hub processes or one serve --workers, not both")
+    problem = room_problem(clients_n, hubs, workers)
+    if problem is not None:
+        raise ValueError(problem)
     shares = min(shares, clients_n)  # a packet has at most as many shares as the group has members
     client_procs = client_procs_for(clients_n, client_procs, hubs)
     tmp = Path(tempfile.mkdtemp(prefix="redpacket-bench-"))
@@ -264,8 +277,8 @@ async def bench_hot(
     )
     client_cpu = figures["hub_client_cpu_s"] / client_procs
     figures["limit"] = "client" if client_cpu > figures["hub_server_cpu_s"] / max(workers, hubs) else "hub"
-    figures.update(await _paid(settings, db_url, packet_id=packet_id, group=group, admin=admin))
-    figures.update(await _credited(settings, db_url, tmp, packet_id=packet_id, group=group))
+    figures.update(await hotbooks.paid(settings, db_url, packet_id=packet_id, group=group, admin=admin))
+    figures.update(await hotbooks.credited(settings, db_url, tmp, packet_id=packet_id, group=group))
     report("hot", figures)
     if plot is not None:
         title = f"{clients_n:,} clients grab one {shares:,}-share packet"
@@ -324,9 +337,10 @@ async def _hub(
     and the packet."""
     admin, group, ids = world
     workers, hubs, procs = figures["workers"], figures["hubs"], len(clients.procs)
-    redis = await RedisNodes(settings.redis_url, 4).open()
     extra = {"REDPACKET_WS_PING_INTERVAL": "120"}
     async with AsyncExitStack() as stack:
+        redis = await RedisNodes(settings.redis_url, 4).open()
+        stack.push_async_callback(redis.aclose)
         started = [
             await stack.enter_async_context(hubbench.hub_process(settings, db_url, workers, **extra))
             for _ in range(hubs)
@@ -370,7 +384,6 @@ async def _hub(
             figures.update(_gc_in_burst(gc_before, _gc_pauses(http_url)))
         figures["hub_rss_peak_mb"] = round(_memory_kb(pids, "VmHWM") / 1024, 1)
         await clients.ask([{"cmd": "close"}] * procs)
-    await redis.aclose()
     return hub, packet_id
 
 
@@ -380,53 +393,4 @@ def _gc_in_burst(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "hub_gc_ms_in_burst": round((after["s"] - before["s"]) * 1000, 1),
         "hub_gc_pauses_over_10ms_in_burst": int(after["over_10ms"] - before["over_10ms"]),
         "hub_gc_longest_pause_ever_ms": round(after["max"] * 1000, 1),
-    }
-
-
-async def _paid(
-    settings: Settings, db_url: str, *, packet_id: PacketId, group: GroupId, admin: UserId
-) -> dict[str, Any]:
-    """What Redis says of the packet: how fast it emptied, the shares handed out, over-issue against the
-    shares the database drew, distinct winners."""
-    async with open_core(settings.replace(database_url=db_url)) as core:
-        view = await grabs.open_packet(core, packet_id=packet_id, group_id=group, user_id=admin)
-        paid = sum(g.amount for g in view.grabs)
-        row = await core.db.fetchone(
-            "SELECT SUM(amount), COUNT(*) FROM red_packet_shares WHERE packet_id = %s", (packet_id,)
-        )
-        return {
-            "time_to_empty_ms": view.duration_ms,
-            "shares_handed_out": len(view.grabs),
-            "over_issue_cents": paid - (int(row[0]) if row and row[0] is not None else 0),
-            "distinct_winners": len({g.user_id for g in view.grabs}),
-        }
-
-
-async def _credited(
-    settings: Settings, db_url: str, tmp: Path, *, packet_id: PacketId, group: GroupId
-) -> dict[str, Any]:
-    """3. A ``redpacket worker`` credits the packet's grabs; how many it credited, how long it took, and
-    what a reconciliation of the books says afterwards (with the worker stopped)."""
-    s = settings.replace(
-        database_url=db_url, queue_name="redpacket:bench:queue", worker_metrics_port=free_port()
-    )
-    async with open_core(s) as core:
-        grabs_key = keys.packet_grabs(group_id=group, packet_id=packet_id)
-        handed_out = int(await cast(Awaitable[int], core.redis.hlen(grabs_key)))
-        worker = creditbench.start_worker(s, tmp / "worker.log")
-        try:
-            await creditbench.until_healthy(s, worker)
-            began = time.perf_counter()
-            credited = await creditbench.until_credited(core, group, [packet_id], handed_out, [], worker)
-            took = time.perf_counter() - began
-        finally:
-            worker.terminate()
-            await asyncio.to_thread(worker.wait, 60)
-        with phase("reconciling the books"):
-            books = await reconcile(core)
-    return {
-        "credited": credited,
-        "credited_in_s": round(took, 2),
-        "reconcile_ok": books.ok,
-        "reconcile_differences": [str(d) for d in books.differences[:10]],
     }

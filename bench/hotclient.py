@@ -108,6 +108,7 @@ async def _connect(shared: Shared, url: str, echo: bool, window: asyncio.Semapho
     """One client, connected and welcomed; a socket the server refuses before its welcome (as a hub does
     one it cannot welcome within its handshake bound) is tried again, after a pause, as a client would."""
     for attempt in range(1, TRIES + 1):
+        client: Client | None = None
         try:
             async with window:
                 _, listener = await ws_connect(
@@ -117,6 +118,8 @@ async def _connect(shared: Shared, url: str, echo: bool, window: asyncio.Semapho
                 await asyncio.wait_for(client.ready, 120)
                 return client
         except (ConnectionError, OSError, TimeoutError):
+            if client is not None and client.transport is not None:
+                client.transport.disconnect()  # (not welcomed in time: it holds no place meanwhile)
             if attempt == TRIES:
                 raise
             shared.retries += 1

@@ -280,12 +280,14 @@ async def bench_hub_grab(
         for ws in conns:
             await ws.close()
     await redis.aclose()
-    # What the least script costs Redis in pipelines as deep as the grabs' (issue 46's floor).
-    depth = max(1, round(figures.get("hub_redis_calls_per_pipeline", 1)))
-    with phase(f"Redis's floor: a one-key script, {depth} to a pipeline"):
-        figures.update(await redis_floor(settings.redis_url, depth, seconds or 2.0))
-    floor = figures["redis_floor_cpu_us_per_call"]
-    figures["redis_grab_to_floor"] = round(figures["redis_cpu_us_per_grab"] / max(floor, 0.1), 1)
+    # What the least script costs Redis in pipelines as deep as the grabs' (issue 46's floor): known with
+    # one hub process only (with --workers, /metrics is one worker's).
+    if "hub_redis_calls_per_pipeline" in figures:
+        depth = max(1, round(figures["hub_redis_calls_per_pipeline"]))
+        with phase(f"Redis's floor: a one-key script, {depth} to a pipeline"):
+            figures.update(await redis_floor(settings.redis_url, depth, seconds or 2.0))
+        floor = figures["redis_floor_cpu_us_per_call"]
+        figures["redis_grab_to_floor"] = round(figures["redis_cpu_us_per_grab"] / max(floor, 0.1), 1)
     async with bare_process("echo") as (ws_url, bare_pid):
         conns = [await connect(ws_url, compression=None) for _ in range(connections)]
         cpu = cpu_seconds(bare_pid)

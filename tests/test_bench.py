@@ -48,6 +48,21 @@ def test_the_hot_packet_bench_plots_its_latencies(redis_url: str, tmp_path: Path
     assert figures["reconcile_ok"] is True and figures["reconcile_differences"] == []
 
 
+def test_the_hot_packet_bench_refuses_a_room_its_processes_cannot_hold(redis_url: str) -> None:
+    """A room past what the server processes' open-file limits allow is refused before anything starts,
+    not minutes into the connecting."""
+    run = subprocess.run(
+        [sys.executable, "-m", "server", "bench", "hot", "--clients", "100000", "--hubs", "2"],
+        env=child_env(REDPACKET_REDIS_URL=redis_url),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "100,000 clients need more than 2 server process(es)" in run.stderr
+    assert "give --hubs" in run.stderr and "making" not in run.stderr
+
+
 def test_the_hot_packet_bench_spreads_a_room_over_hub_processes(redis_url: str) -> None:
     """``--hubs``: separate hub processes on one Redis, each holding its share of the room; the packet is
     handed out and credited exactly once across them."""

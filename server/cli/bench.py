@@ -22,6 +22,8 @@ async def bench(settings: Settings, args: argparse.Namespace) -> None:
         _spider_args(settings, args)  # (a mistake said before any service starts)
     if what == "storm":
         _storm_seconds(args)  # (a mistake said before any service starts)
+    if what == "hot" and (problem := hotbench.room_problem(args.clients, args.hubs, args.workers)):
+        raise OperatorError(problem, 2)
     if what == "credit" and not args.spider:
         _own_database(settings)
     await check_services(settings)

@@ -240,11 +240,12 @@ class PipelineCollector(Collector):
         pipelines, calls = self.counts()
         yield CounterMetricFamily(
             "redpacket_redis_pipelines",
-            "Redis pipelines this process's batcher sent (a loop tick's calls to one master)",
+            "batches of Redis calls this process's batcher made (a loop tick's calls to one master), each"
+            " sent as one pipeline unless refused before it went (a server that changed, or may evict)",
             value=pipelines,
         )
         yield CounterMetricFamily(
-            "redpacket_redis_pipelined_calls", "the Redis calls those pipelines carried", value=calls
+            "redpacket_redis_pipelined_calls", "the Redis calls those batches carried", value=calls
         )
 
 

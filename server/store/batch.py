@@ -37,7 +37,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from server import errors
 from server.durability import Durability
 from server.errors import Unavailable
-from server.store.redisconn import ServerChanged
+from server.store.redisconn import Packed, ServerChanged
 from server.store.redisnodes import Evicting, RedisNodes, moved
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,10 @@ class Batcher:
         for command in waits:
             pipe.execute_command(*command, self._timeout_ms)
         try:
-            results = await self._exchange(node, pipe.command_stack)
+            # One bound for it all: a command's, plus the durability waits it ends with (each may take the
+            # whole wait: aof+replica's WAITAOF, then WAIT).
+            bound = self._nodes.timeout + max(0, len(waits) - 1) * self._timeout_ms / 1000
+            results = await self._exchange(node, pipe.command_stack, bound)
         except Exception as e:
             for c in batch:
                 if not c.future.done():
@@ -238,20 +241,21 @@ class Batcher:
                 c.future.set_result(result)
 
     async def _exchange(
-        self, node: Redis, stack: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]]
+        self, node: Redis, stack: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]], bound: float
     ) -> list[Any]:
         """Send a pipeline's commands on one connection of ``node``'s pool and read every answer (an error
-        answer in its place, as ``Pipeline.execute(raise_on_error=False)`` gives it), all within one bound:
-        ``RedisNodes.timeout``, as each reply had before. One timer a pipeline, not one a reply: redis-py
-        arms a timer for each reply it reads with a socket timeout set, 4.5 µs of the hub's CPU a call
-        (docs/benchmarks.md, issue 46), so the connection goes without one while it is ours. A pipeline
-        not read to its end (a timeout, a cancel, a dropped connection) leaves its connection closed."""
+        answer in its place, as ``Pipeline.execute(raise_on_error=False)`` gives it), all within ``bound``
+        seconds: ``RedisNodes.timeout`` — each reply's bound before — and the durability waits past the
+        first. One timer a pipeline, not one a reply: redis-py arms a timer for each reply it reads with a
+        socket timeout set, about 4.5 µs of the hub's CPU a call (docs/benchmarks.md, issue 46), so the
+        connection goes without one while it is ours. A pipeline not read to its end (a timeout, a
+        cancel, a reply that could not be read) leaves its connection closed."""
         pool = node.connection_pool
         conn = await pool.get_connection()
         bound = conn.socket_timeout
         conn.socket_timeout = None
         try:
-            async with asyncio.timeout(self._nodes.timeout):
+            async with asyncio.timeout(bound):
                 await conn.send_packed_command(conn.pack_commands([args for args, _ in stack]))
                 results: list[Any] = []
                 for args, options in stack:
@@ -263,9 +267,9 @@ class Batcher:
         except BaseException as e:
             # Its answers not all read (a late one would be the next caller's): never used again.
             await conn.disconnect(nowait=True)
-            if isinstance(e, TimeoutError):  # (asyncio's: the bound above) said as redis-py says a reply's
-                said = f"Timeout reading from Redis: no answer in {self._nodes.timeout:g} s"
-                raise RedisTimeoutError(said) from e
+            if isinstance(e, TimeoutError):  # (asyncio's: the bound above) as redis-py says a reply's
+                where = conn.where() if isinstance(conn, Packed) else "Redis"
+                raise RedisTimeoutError(f"Timeout: {where} did not answer within {bound:g} s") from e
             raise
         finally:
             conn.socket_timeout = bound

@@ -30,7 +30,8 @@ class _Packing:
         super().__init__(*args, **kwargs)
         self._identities = identities
 
-    def _where(self) -> str:
+    def where(self) -> str:
+        """The server it connects to: ``host:port``, or a unix socket's path."""
         raise NotImplementedError
 
     def pack_command(self, *args: Any) -> list[bytes]:
@@ -49,7 +50,7 @@ class _Packing:
             info = await self.read_response()  # type: ignore[attr-defined]
             text = info.decode() if isinstance(info, bytes) else str(info)
             run_id = next((line[7:].strip() for line in text.splitlines() if line.startswith("run_id:")), "")
-            address = self._where()
+            address = self.where()
             self._identities.saw_policy(address, text)  # (a server met again is checked again)
             if self._identities.saw(address, run_id, data_id(text), look=False):
                 # Not a command goes out on it: what it would carry (a grab) was made for the data before.
@@ -59,21 +60,21 @@ class _Packing:
 class PackedConnection(_Packing, Connection):
     """``_Packing`` over TCP."""
 
-    def _where(self) -> str:
+    def where(self) -> str:
         return address_of(self.host, self.port)
 
 
 class PackedUnixConnection(_Packing, UnixDomainSocketConnection):
     """``_Packing`` over a Unix socket (``unix://`` URLs)."""
 
-    def _where(self) -> str:
+    def where(self) -> str:
         return str(self.path)
 
 
 class PackedSSLConnection(_Packing, SSLConnection):
     """``_Packing`` over TLS (``rediss://`` URLs)."""
 
-    def _where(self) -> str:
+    def where(self) -> str:
         return address_of(self.host, self.port)
 
 

@@ -215,7 +215,7 @@ class RedisNodes:
 
     @staticmethod
     def _address(client: Redis) -> str:
-        # Named as its connections name themselves (``_where``): a unix socket by its path, else host:port
+        # Named as its connections name themselves (``where``): a unix socket by its path, else host:port
         # with redis-py's own defaults.
         kwargs = client.connection_pool.connection_kwargs
         if kwargs.get("path"):
