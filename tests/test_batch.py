@@ -5,14 +5,19 @@ was sent on is never used again (its late answer would be read as the next calle
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import redis
 from redis.asyncio import Redis
 
-from server.store.batch import Batcher
+from server.durability import Durability
+from server.store.batch import Batcher, NotDurable
 from server.store.redisnodes import RedisNodes
+from tests.hubtools import eventually
+from tests.redisproc import RedisProcess, redis_process
 
 
 async def test_a_pipeline_answers_each_call_its_own_and_errors_in_place(redis_url: str) -> None:
@@ -95,3 +100,35 @@ async def test_a_pipeline_whose_reading_fails_midway_leaves_no_answer_for_the_ne
     finally:
         await client.delete(key)
         await nodes.aclose()
+
+
+async def test_a_pipeline_ending_with_two_waits_is_given_the_time_of_both(tmp_path: Path) -> None:
+    """``aof+replica`` ends a durable pipeline with WAITAOF, then WAIT, and each may take the whole
+    durability wait. With the replica stopped (SIGSTOP: still connected as the master sees it, never
+    acknowledging), WAIT takes all of it: the pipeline outlasts one command's bound (1 s here), and is
+    answered all the same — short of its durability (``NotDurable``), not a timeout — within the bound
+    its waits add (1 s + 2 s)."""
+    async with (
+        redis_process(tmp_path / "primary", "--appendfsync", "always") as primary,
+        redis_process(tmp_path / "replica", "--replicaof", "127.0.0.1", str(primary.port)) as replica,
+    ):
+        await eventually(lambda: _replica_online(primary), timeout=30)
+        nodes = await RedisNodes(primary.url, 2, timeout=1.0).open()
+        assert replica.proc is not None
+        replica.proc.send_signal(signal.SIGSTOP)
+        try:
+            batcher = Batcher(nodes, Durability.AOF_REPLICA, timeout_ms=2000)
+            began = time.monotonic()
+            with pytest.raises(NotDurable):
+                await asyncio.wait_for(batcher.call(lambda pipe: pipe.set("k", "v"), "k", durable=True), 20)
+            assert time.monotonic() - began > 1.0  # (the state: longer than one command's bound)
+        finally:
+            replica.proc.send_signal(signal.SIGCONT)
+            await nodes.aclose()
+
+
+def _replica_online(primary: RedisProcess) -> bool:
+    info = redis.Redis(port=primary.port).info("replication")
+    return any(
+        k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online" for k, v in info.items()
+    )

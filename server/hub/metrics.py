@@ -197,8 +197,8 @@ class HubMetrics:
         self.db_in_use.set_function(db)
 
     def read_batcher(self, counts: Callable[[], tuple[int, int]]) -> None:
-        """The Redis pipelines this process's batcher sent and the calls in them (``Batcher.batches``,
-        ``Batcher.calls``), read when scraped."""
+        """The batches of Redis calls this process's batcher made and the calls in them
+        (``Batcher.batches``, ``Batcher.calls``), read when scraped."""
         self.pipelines.counts = counts
 
     def read_evicting(self, evicting: Callable[[], float]) -> None:

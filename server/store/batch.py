@@ -252,7 +252,7 @@ class Batcher:
         cancel, a reply that could not be read) leaves its connection closed."""
         pool = node.connection_pool
         conn = await pool.get_connection()
-        bound = conn.socket_timeout
+        own = conn.socket_timeout
         conn.socket_timeout = None
         try:
             async with asyncio.timeout(bound):
@@ -272,7 +272,7 @@ class Batcher:
                 raise RedisTimeoutError(f"Timeout: {where} did not answer within {bound:g} s") from e
             raise
         finally:
-            conn.socket_timeout = bound
+            conn.socket_timeout = own
             await pool.release(conn)
 
     async def _looked(self, node: Redis, batch: list[_Call]) -> bool:
