@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -45,7 +42,7 @@ from typing import Any
 
 import msgpack
 
-from bench import hotbooks, hubbench, plots
+from bench import hotbooks, hubbench, hubmetrics, plots
 from bench.progress import phase
 from bench.report import report
 from server.ids import GroupId, PacketId, UserId
@@ -108,22 +105,13 @@ def _slices(items: list[Any], n: int) -> list[list[Any]]:
     return [items[i::n] for i in range(n)]
 
 
-def _metrics(http_url: str) -> Callable[[str], float]:
-    """A hub's /metrics as read now: the value of the first line a pattern matches (0 when none does)."""
-    with urllib.request.urlopen(f"{http_url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-
-    def value(pattern: str) -> float:
-        m = re.search(pattern, text, re.MULTILINE)
-        return float(m[1]) if m else 0.0
-
-    return value
-
-
 def _gc_pauses(http_url: str) -> dict[str, float]:
     """The hub's garbage-collector pauses so far (``redpacket_hub_gc_pause_seconds``): how many, their
     total, how many took over 10 ms, and the longest ever."""
-    value = _metrics(http_url)
+    read = hubmetrics.hub_metrics(http_url)
+
+    def value(pattern: str) -> float:  # (0 for what is not there yet)
+        return read(pattern) or 0.0
 
     count = value(r"^redpacket_hub_gc_pause_seconds_count (\S+)$")
     return {
@@ -229,7 +217,9 @@ async def _connect(
     """Client process ``i`` connects its slice of the clients to ``urls[i % len(urls)]``, with
     ``HANDSHAKES`` in flight in all (a share each)."""
     n = len(clients.procs)
-    parts = _slices(tokens, n) if isinstance(tokens, list) else [len(s) for s in _slices([0] * tokens, n)]
+    parts = (
+        _slices(tokens, n) if isinstance(tokens, list) else [tokens // n + (i < tokens % n) for i in range(n)]
+    )
     window = max(1, HANDSHAKES // n)
     commands = [
         {"cmd": "connect", "url": urls[i % len(urls)], "tokens": p, "window": window}
@@ -346,7 +336,7 @@ async def _hub(
             for _ in range(hubs)
         ]
         urls, pids = [u for u, _ in started], [p for _, p in started]
-        http_urls = [u.replace("ws://", "http://").removesuffix("/ws") for u in urls]
+        http_urls = [hubmetrics.http_url_of(u) for u in urls]
         http_url = http_urls[0]
         await asyncio.sleep(0.5 if workers > 1 else 0)  # every worker is listening (each says so)
         rss_empty = _memory_kb(pids, "VmRSS")
@@ -364,7 +354,7 @@ async def _hub(
         figures["hub_sync_server_cpu_s"] = sync["server_cpu_s"]
         # The sockets each hub holds, as it counts them (with --workers: the process that answered).
         figures["hub_connections"] = [
-            int(_metrics(u)(r"^redpacket_hub_connections (\S+)$")) for u in http_urls
+            int(hubmetrics.hub_metrics(u)(r"^redpacket_hub_connections (\S+)$") or 0) for u in http_urls
         ]
         rss_idle = _memory_kb(pids, "VmRSS")
         figures["rss_per_connection_kb"] = round((rss_idle - rss_empty) / clients_n, 1)

@@ -30,8 +30,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
 from bench.grabbench import fresh_ids
+from bench.hubmetrics import http_url_of, pipelined
 from bench.progress import phase
-from bench.redisfloor import pipelined, redis_floor
+from bench.redisfloor import redis_floor
 from bench.report import report
 from redpacket_client.protocol import SUBPROTOCOL_MSGPACK
 from server.core import open_core
@@ -260,7 +261,7 @@ async def bench_hub_grab(
         ]
         for ws in conns:
             await ws.recv()  # welcome; no sync, so no group events are sent to these sockets
-        http_url = ws_url.replace("ws://", "http://").removesuffix("/ws")
+        http_url = http_url_of(ws_url)
         for kind, frames in (("grab", grab_frames), ("ping", ping_frames)):
             piped = pipelined(http_url) if kind == "grab" and workers == 1 else None
             cpu, redis_cpu = cpu_seconds(hub_pid), await redis_cpu_seconds(redis)
