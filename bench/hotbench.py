@@ -262,8 +262,10 @@ async def bench_hot(
     figures["ratio_connect"] = round(figures["hub_connect_s"] / figures["echo_connect_s"], 2)
     figures["ratio_all_replies"] = round(figures["hub_all_replies_s"] / figures["echo_all_replies_s"], 2)
     figures["ratio_p99"] = round(figures["hub_reply_p99_ms"] / max(figures["echo_p99_ms"], 0.1), 2)
-    figures["ratio_cpu_per_request"] = round(
-        figures["hub_server_cpu_us_per_request"] / figures["echo_server_cpu_us_per_request"], 2
+    # (CPU is read from /proc in 10 ms ticks: a small run's echo may show none, and then no ratio)
+    echo_cpu = figures["echo_server_cpu_us_per_request"]
+    figures["ratio_cpu_per_request"] = (
+        round(figures["hub_server_cpu_us_per_request"] / echo_cpu, 2) if echo_cpu else None
     )
     client_cpu = figures["hub_client_cpu_s"] / client_procs
     figures["limit"] = "client" if client_cpu > figures["hub_server_cpu_s"] / max(workers, hubs) else "hub"
