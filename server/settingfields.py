@@ -39,6 +39,7 @@ def env_name(name: str) -> str:
 
 
 LINK_INTEGRATION = "([docs/integration.md](integration.md))"
+LINK_OPERATIONS = "([docs/operations.md](operations.md#the-console))"
 
 
 @dataclass(frozen=True)
@@ -407,6 +408,17 @@ class SettingFields:
         **PORT,
     )
     metrics_host: str = setting("127.0.0.1", "where `REDPACKET_METRICS_PORT` listens")
+    console_key: str = setting(
+        "",
+        "the operators' key to the console (`/console/` on the metrics port: a packet's life, a user's"
+        " money, the books), at least 32 characters, not the service key; it is exchanged for a session"
+        " that expires " + LINK_OPERATIONS,
+        shown="*(none: no console)*",
+    )
+    console_session_minutes: int = setting(30, "how long a console sign-in lasts", least=1)
+    console_on_hub_port: bool = setting(
+        False, "serve the console on the hub's public port too (never unless asked: keep it from strangers)"
+    )
 
 
 def shown_default(f: Field[Any]) -> str:

@@ -285,6 +285,13 @@ class Settings(SettingFields):
             raise ValueError(
                 f"{PREFIX}SERVICE_KEY is too short: at least 32 characters, e.g. `openssl rand -hex 32`"
             )
+        key, where = self.console_key, self.metrics_port or self.console_on_hub_port
+        if key and (len(key) < 32 or key in (self.service_key, self.secret) or not where):
+            raise ValueError(
+                f"{PREFIX}CONSOLE_KEY is the operators' own, at least 32 characters (`openssl rand -hex 32`),"
+                f" not the service key or the secret; the console is served beside {PREFIX}METRICS_PORT (set"
+                f" it), or with {PREFIX}CONSOLE_ON_HUB_PORT=1 on the hub's public port"
+            )
         for name, current, previous in (
             ("SERVICE_KEY", self.service_key, self.service_key_previous),
             ("WEBHOOK_SECRET", self.webhook_secret, self.webhook_secret_previous),

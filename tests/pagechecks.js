@@ -16,7 +16,14 @@
     return !modal || modal.contains(e);
   };
 
-  // Anything wider than the viewport, or the page scrolling sideways.
+  // Anything wider than the viewport, or the page scrolling sideways. What a scrolling box inside the
+  // viewport holds (a wide table the reader scrolls on its own) is that box's to show, not the page's.
+  const scrolledWithin = (e) => {
+    for (let x = e.parentElement; x && x !== document.body; x = x.parentElement) {
+      if (["auto", "scroll"].includes(getComputedStyle(x).overflowX)) return true;
+    }
+    return false;
+  };
   const overflow = () => {
     const width = document.documentElement.clientWidth;
     const out = [];
@@ -24,7 +31,7 @@
       out.push(`the page scrolls sideways: ${document.documentElement.scrollWidth} > ${width}`);
     }
     for (const e of document.querySelectorAll("body *")) {
-      if (e.closest(".sr-only") || !shown(e)) continue;
+      if (e.closest(".sr-only") || !shown(e) || scrolledWithin(e)) continue;
       const r = e.getBoundingClientRect();
       if (r.left < -1 || r.right > width + 1) {
         out.push(`${describe(e)} spans ${Math.round(r.left)}..${Math.round(r.right)} of ${width}`);

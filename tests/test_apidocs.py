@@ -28,7 +28,7 @@ from server.settings import Settings
 from tests.apidoctools import ASYNCAPI, OPENAPI, check, deref, escape, params_of
 from tests.chatbackend import KEY
 from tests.conftest import name_deployment
-from tests.hubtools import HubUnderTest, eventually, hub_in_process
+from tests.hubtools import HubUnderTest, eventually, free_port, hub_in_process
 from tests.webhooktools import SECRET
 
 
@@ -51,6 +51,28 @@ async def hubs(hub_settings: Settings, tmp_path: Path) -> AsyncIterator[tuple[Hu
         hub_in_process(backend) as b,
     ):
         yield demo, b
+
+
+# The console key the sign-in example gives (docs/openapi.json).
+CONSOLE_KEY = "console-key-of-the-examples-0123456789abcdef"
+
+
+@pytest.fixture
+async def console(hub_settings: Settings) -> AsyncIterator[HubUnderTest]:
+    """A hub whose operations listener serves the console, as a ``HubUnderTest`` of that listener (the
+    hub's state under ``app``)."""
+    port = free_port()
+    settings = hub_settings.replace(
+        metrics_port=port, console_key=CONSOLE_KEY, dev_login=False, demo_topup=False
+    )
+    async with hub_in_process(settings) as h:
+        yield HubUnderTest(f"http://127.0.0.1:{port}", settings, app=h.app)
+
+
+async def console_session(hub: HubUnderTest) -> str:
+    async with httpx.AsyncClient(base_url=hub.http, timeout=30) as http:
+        r = await http.post("/api/console/session", json={"key": CONSOLE_KEY})
+    return str(r.json()["token"])
 
 
 def operation(path: str, method: str) -> dict[str, Any]:
@@ -189,21 +211,53 @@ async def test_the_service_routes_examples_on_a_live_hub(
     assert {"account.topup", "account.withdrawn", "hold.created"} <= {e["type"] for e in page["events"]}
 
 
+@pytest.mark.parametrize("text_ids", [False, True], ids=["ids-number", "ids-string"])
+async def test_the_console_routes_examples_on_a_live_hub(console: HubUnderTest, text_ids: bool) -> None:
+    """Each answered as documented, on packets and users of a live story (a grab paid, one waiting, one
+    refused, a refund: ``tests.test_console``)."""
+    from tests.test_console import _story
+
+    story = await _story(console.core)
+    token = (await send(console, "/api/console/session", "post", None, text_ids=text_ids))["token"]
+    done = set()
+    for packet in (story["fin"].packet_id, story["old"].packet_id):
+        await send(console, "/api/console/packets/{packet_id}", "get", token, {"packet_id": packet}, text_ids)
+    for user in (story["w"].admin, story["w"].members[2]):
+        await send(console, "/api/console/users/{user_id}", "get", token, {"user_id": user}, text_ids)
+        await send(console, "/api/console/users/{user_id}/lift", "post", token, {"user_id": user}, text_ids)
+    await send(console, "/api/console/books", "get", token, text_ids=text_ids)
+    await send(console, "/api/console/live", "get", token, text_ids=text_ids)
+    done = {(p, m) for p, m in tagged("console") if p.startswith("/api/")}
+    assert done == {
+        ("/api/console/session", "post"),
+        ("/api/console/packets/{packet_id}", "get"),
+        ("/api/console/users/{user_id}", "get"),
+        ("/api/console/users/{user_id}/lift", "post"),
+        ("/api/console/books", "get"),
+        ("/api/console/live", "get"),
+    }
+
+
 async def newest_event(hub: HubUnderTest) -> int:
     async with httpx.AsyncClient(base_url=hub.http, headers={"authorization": f"Bearer {KEY}"}) as http:
         r = await http.get("/api/service/events", params={"limit": 500})
     return int(r.json()["events"][-1]["id"])
 
 
-async def test_every_described_route_answers(hubs: tuple[HubUnderTest, HubUnderTest]) -> None:
+async def test_every_described_route_answers(
+    hubs: tuple[HubUnderTest, HubUnderTest], console: HubUnderTest
+) -> None:
     """Not 405, and not the 404 of a route that is not there (``not_found``): a refusal of the example's
-    ids or body is an answer."""
+    ids or body is an answer. The console's, on the operations listener."""
     demo, backend = hubs
     _, token = await demo.login("wang")
+    session = await console_session(console)
     missing = []
     for path, item in OPENAPI["paths"].items():
         for method, op in item.items():
             hub, auth = (backend, KEY) if "service" in op["tags"] else (demo, token)
+            if "console" in op["tags"]:
+                hub, auth = console, session
             params = params_of(op)
             url = path.format(**{p["name"]: p["example"] for p in params if p["in"] == "path"})
             bodies = (

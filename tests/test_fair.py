@@ -15,9 +15,9 @@ from redpacket_client import fairness
 from redpacket_client.fairness import commitment
 from redpacket_client.reconnecting import Backoff, RedPacketClient
 from server.core import Core
-from server.hub.requests import view_dict
 from server.ids import PacketId
 from server.money import grabs, packets, settlement
+from server.money.grabs import view_dict
 from server.store import keys
 from server.store.db import Tx
 from server.store.records import GrabRecord

@@ -15,6 +15,7 @@ import gc
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, cast
 
@@ -23,16 +24,15 @@ from arq.cron import cron
 from prometheus_client import CollectorRegistry
 
 from server.core import Core
-from server.durability import Durability
+from server.live import seen
 from server.money import endpoints
 from server.probe import ask_own, own_url
 from server.settings import Settings
 from server.stopping import check_cancelled, stop
 from server.store import keys
-from server.store.batch import fsync_problem
 from server.store.identities import eviction_problem
+from server.store.masters import durability_degraded
 from server.store.queue import job_deserializer, job_serializer
-from server.store.redisnodes import MasterUsage
 from worker.drain import CreditDrain
 from worker.metrics import WorkerMetrics
 from worker.outages import DATABASE, REDIS
@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 # How often the heartbeat checks Redis and the database; `redpacket worker --check` wants a beat newer
 # than HEALTHY_WITHIN seconds.
 BEAT_SECONDS = 5.0
+# How this worker is listed among the processes seen (``server.live.seen``).
+WORKER_ID = uuid.uuid4().hex[:12]
 HEALTHY_WITHIN = 30.0
 
 
@@ -187,6 +189,7 @@ async def heartbeat(core: Core, metrics: WorkerMetrics) -> None:
             metrics.healthy_at.set(time.time())
             try:
                 degraded = await sample(core, metrics, degraded)
+                await seen.beat(core, "worker", WORKER_ID, healthy=True, degraded=degraded)
             except Exception as e:
                 log.debug("metrics sample skipped: %s", e)
         await asyncio.sleep(BEAT_SECONDS)
@@ -238,20 +241,6 @@ async def sample(core: Core, metrics: WorkerMetrics, said: dict[str, str] | None
         elif address in (said or {}):
             log.warning("Redis master %s keeps grabs as asked again", address)
     return degraded
-
-
-def durability_degraded(level: Durability, master: MasterUsage) -> str | None:
-    """How this master keeps grabs less durable than ``level`` says, or None."""
-    problem = fsync_problem(level, master.appendfsync)
-    if problem is not None:
-        return (
-            f"{problem} (REDPACKET_GRAB_DURABILITY={level}: a replica promoted must fsync as its master did)"
-        )
-    if level.wants_replica and master.replicas == 0:
-        if level.degrades:
-            return "no replica could take its place: its grabs answered won are on its disk alone"
-        return "no replica: its grabs fail until one is back"
-    return None
 
 
 def webhook_tasks(core: Core, metrics: WorkerMetrics) -> list[asyncio.Task[None]]:

@@ -11,6 +11,7 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any, TypedDict, cast
 
 from server.core import Core
@@ -18,7 +19,7 @@ from server.errors import Unavailable
 from server.live import announce
 from server.live.bots import run_detector
 from server.money import payouts, settlement
-from server.money.reconcilereport import Report, from_json
+from server.money.reconcilereport import Report, from_json, to_json
 from server.settings import Settings, child_env
 from server.stopping import child
 from server.store import keys
@@ -98,7 +99,8 @@ async def reconcile_job(ctx: Ctx) -> int:
     report = await reconcile_in_child(ctx["core"].settings)
     at = time.time()
     # For every worker's metrics (each reads it in its heartbeat), not only this one's.
-    outcome = {"differences": len(report.differences), "at": at}
+    shown = replace(report, differences=report.differences[:REPORT_DIFFERENCES])
+    outcome = {"differences": len(report.differences), "at": at, "report": to_json(shown)}
     await cast(Awaitable[int], ctx["core"].redis.hset(keys.reconciled(), mapping=outcome))
     if "metrics" in ctx:
         ctx["metrics"].reconciled.record(len(report.differences), at)
@@ -106,6 +108,9 @@ async def reconcile_job(ctx: Ctx) -> int:
         log.error("reconciliation: %s", d)
     return len(report.differences)
 
+
+# The differences of the last reconciliation kept for the operators' console (all of them are logged).
+REPORT_DIFFERENCES = 100
 
 # The reconciliation's priority (``nice``): the credits come first; it takes the CPU they leave.
 RECONCILE_NICE = 10

@@ -122,11 +122,8 @@ async def verify(settings: Settings, packet_id: int, published: str | None = Non
     view; against ``published``, a commitment a member kept from before the seed was shown), and the
     shares the database stored against its seed. Prints what it found; 0 verified, 1 a mismatch, 3 nothing
     to check (no commitment: sent before packets were provably fair; or not revealed yet)."""
-    from redpacket_client import fairness
-    from server.hub.requests import view_dict
     from server.ids import MAX_ID, PacketId
-    from server.money import grabs
-    from server.money.packets import load_packet
+    from server.money import proofs
 
     if not 1 <= packet_id <= MAX_ID:
         raise OperatorError(f"no packet can have the id {packet_id}", 2)
@@ -134,41 +131,21 @@ async def verify(settings: Settings, packet_id: int, published: str | None = Non
         raise OperatorError("--commitment is 64 lowercase hex digits, as the send reply gave it", 2)
     await check_services(settings, durability=False)
     async with open_core(settings) as core:
-        pid = PacketId(packet_id)
-        packet = await load_packet(core, pid)
-        if packet is None:
-            raise OperatorError(f"packet {packet_id} does not exist", 2)
-        group = packet.group_id
-        view = view_dict(await grabs.open_packet(core, packet_id=pid, group_id=group, user_id=None))
-        rows = await core.db.fetchall(
-            "SELECT amount FROM red_packet_shares WHERE packet_id = %s ORDER BY seq", (pid,)
-        )
-    verdict = fairness.verify(view, published)
-    stored = [int(r[0]) for r in rows]
-    # What the database stored, against its seed: also for a packet not revealed yet (then only which
-    # shares differ: its amounts, drawn or stored, are the shares still to come).
-    drawn = packet.shares() if packet.seed is not None else stored
-    secret = verdict.status == "not_revealed"
-    wrong = [
-        f"stored share {i} differs from the one drawn"
-        if secret
-        else f"stored share {i} is {a} cents; drawn {b}"
-        for i, (a, b) in enumerate(zip(stored, drawn, strict=False), 1)
-        if a != b
-    ]
-    if len(stored) != len(drawn):
-        wrong.append(f"{len(stored)} shares stored; {len(drawn)} drawn")
+        proof = await proofs.check(core, PacketId(packet_id), published)
+    if proof is None:
+        raise OperatorError(f"packet {packet_id} does not exist", 2)
+    verdict, view = proof.verdict, proof.view
     print(f"packet {packet_id}: {verdict}")
     if verdict.status in ("verified", "mismatch"):
         print(f"  commitment {view['commitment']}\n  seed       {view['seed']}")
         print(f"  shares     {' '.join(map(str, verdict.shares))} (total {sum(verdict.shares)})")
     elif verdict.status == "not_revealed":
-        print(f"  commitment {view['commitment']}; the stored shares {'do not ' if wrong else ''}match it")
-    for line in wrong:
+        print(
+            f"  commitment {view['commitment']}; the stored shares {'do not ' if proof.wrong else ''}match it"
+        )
+    for line in proof.wrong:
         print(f"  {line}")
-    if wrong or verdict.status == "mismatch":
-        return 1
-    return 0 if verdict.status == "verified" else 3
+    return proof.exit_code
 
 
 def since_ms(text: str) -> int:

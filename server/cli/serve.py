@@ -123,6 +123,11 @@ def _banner(settings: Settings, port: int, workers: int = 1, up: bool = False) -
         print(
             f"  metrics on http://{settings.metrics_host}:{ports}/metrics, not on the hub's port", flush=True
         )
+        if settings.console_key:
+            print(f"  operators' console on http://{settings.metrics_host}:{ports}/console/", flush=True)
+    if settings.console_key and settings.console_on_hub_port:
+        where = f"http://{settings.host}:{port}/console/"
+        print(f"  operators' console on the hub's port too: {where}", flush=True)
     if settings.dev_login or settings.demo_topup:
         on = " and ".join(
             w for w, f in (("DEV LOGIN", settings.dev_login), ("DEMO MONEY", settings.demo_topup)) if f

@@ -29,6 +29,7 @@ from starlette.types import Scope
 from server import errors
 from server.core import Core, open_core, reset_writer_when_told
 from server.hub import service, userapi
+from server.hub.console import api as console_api
 from server.hub.gcpolicy import keep_collections_out_of_bursts
 from server.hub.guards import Guards
 from server.hub.handshake import HttpLimits, bounded_http, check_uvicorn
@@ -40,9 +41,11 @@ from server.hub.httpkit import (
     error_response,
 )
 from server.hub.hub import Hub
-from server.hub.metrics import HubMetrics, serve_metrics
+from server.hub.metrics import HubMetrics
+from server.hub.operations import operations_app, serve_operations
 from server.hub.session import websocket_endpoint
 from server.hub.wire import HubWebSocket
+from server.live import seen
 from server.settings import Settings
 from server.stopping import stop
 from server.store.assets import asset_dir
@@ -85,6 +88,16 @@ async def healthz(request: Request) -> Response:
     return JSONResponse({"ok": True})
 
 
+async def _say_alive(core: Core, hub: Hub) -> None:
+    """This hub among the processes seen (``server.live.seen``), every few seconds while it runs."""
+    while True:
+        try:
+            await seen.beat(core, "hub", hub.id, connections=sum(len(c) for c in hub.by_user.values()))
+        except Exception as e:  # (Redis away: the next beat says it again)
+            log.debug("could not say this hub is alive: %s", e)
+        await asyncio.sleep(seen.BEAT_SECONDS)
+
+
 _HTTP_CODES = {404: errors.NOT_FOUND, 405: errors.METHOD_NOT_ALLOWED}
 
 
@@ -124,10 +137,11 @@ Beside = Callable[[Core], contextlib.AbstractAsyncContextManager[CollectorRegist
 
 class Pages(Mount):
     """The demo page's files, never under ``/api/``: a wrong method on an API route is answered 405
-    (``method_not_allowed``), not 404 by a file lookup."""
+    (``method_not_allowed``), not 404 by a file lookup. Nor the console's page (``web/console``), which is
+    served beside the metrics (``server.hub.operations``)."""
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        if scope["type"] == "http" and scope["path"].startswith("/api/"):
+        if scope["type"] == "http" and scope["path"].startswith(("/api/", "/console")):
             return Match.NONE, {}
         return super().matches(scope)
 
@@ -185,7 +199,11 @@ def create_app(
             apart = None
             if settings.metrics_port:  # (bound here unless the command line bound it, to say a busy port)
                 sock = metrics_sock or socket.create_server((settings.metrics_host, settings.metrics_port))
-                apart = await serve_metrics(sock, lambda: metrics_page(app))
+                console = console_api.routes() if settings.console_key else []
+                ops = operations_app(settings, lambda: metrics_page(app), console, http_error)
+                ops.state.core, ops.state.hub, ops.state.guards = core, hub, guards
+                apart = await serve_operations(sock, ops, settings)
+            background.append(asyncio.create_task(_say_alive(core, hub)))
             if manage_gc:  # this process is the hub's own: signals are its to take
                 reset_writer_when_told(core)
                 background.append(
@@ -200,7 +218,7 @@ def create_app(
             finally:
                 await stop(background, "the hub's timers")
                 if apart is not None:
-                    apart.close()
+                    await apart.close()
 
     origins = cross_origins(settings.allowed_origin_list)
     app = Starlette(
@@ -213,6 +231,8 @@ def create_app(
             # (docs/integration.md).
             *userapi.routes(),
             *service.routes(),
+            # The operators' console only where asked (REDPACKET_CONSOLE_ON_HUB_PORT): else beside /metrics.
+            *(console_api.routes() if settings.console_key and settings.console_on_hub_port else []),
             Mount("/client", StaticFiles(directory=CLIENT_DIR, check_dir=False), name="client"),
             # The demo page: static files, no build step (web/README.md).
             Pages("/", StaticFiles(directory=WEB_DIR, html=True), name="web"),

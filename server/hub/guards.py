@@ -22,6 +22,8 @@ class Guards:
         self.http_by_user = KeyedBuckets(st.http_per_user_per_second, st.http_per_user_burst)
         n = st.service_key_failures_per_minute
         self.service_key_failures = KeyedBuckets(n / 60, n)
+        # Wrong console keys (the operators' own, REDPACKET_CONSOLE_KEY): as few.
+        self.console_key_failures = KeyedBuckets(n / 60, n)
 
     async def start(self) -> None:
         """Fetch the backend's keys before the first token needs them (a failure is said in a warning

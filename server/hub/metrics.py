@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -247,38 +245,3 @@ class PipelineCollector(Collector):
         yield CounterMetricFamily(
             "redpacket_redis_pipelined_calls", "the Redis calls those batches carried", value=calls
         )
-
-
-async def serve_metrics(sock: socket.socket, page: Callable[[], bytes]) -> asyncio.Server:
-    """``GET /metrics`` answered with ``page()`` on a socket of its own (``REDPACKET_METRICS_PORT``): the
-    hub's metrics kept off the port strangers reach. Anything else is 404; a request head over 8 KB is
-    dropped, and a connection is closed 5 s after it opened, whether or not it was read or answered."""
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.timeout(5):
-                head = await reader.readuntil(b"\r\n\r\n")
-                method, _, rest = head.partition(b" ")
-                path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
-                if method in (b"GET", b"HEAD") and path == b"/metrics":
-                    status, kind, body = b"200 OK", CONTENT_TYPE_LATEST.encode(), page()
-                else:
-                    status, kind, body = b"404 Not Found", b"text/plain; charset=utf-8", b"not found\n"
-                writer.write(
-                    b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-                    % (status, kind, len(body))
-                )
-                if method != b"HEAD":
-                    writer.write(body)
-                await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            pass
-        except Exception:  # a bug of ours: said once, the listener goes on
-            log.exception("the metrics listener failed to answer")
-        finally:
-            if writer.transport.get_write_buffer_size():
-                writer.transport.abort()  # a peer that does not read is not waited for
-            else:
-                writer.close()
-
-    return await asyncio.start_server(answer, sock=sock, limit=8192)

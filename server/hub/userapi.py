@@ -14,10 +14,10 @@ from server.core import Core
 from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
 from server.hub.httpkit import endpoint, id_of, json_body, keyed_body, page, page_ask, path_id
 from server.hub.hub import Hub
-from server.hub.requests import grab_dict, view_dict
 from server.hub.tokens import make_token
 from server.ids import GroupId, PacketId, UserId
 from server.money import grabs, groups, ledger, queries
+from server.money.grabs import grab_dict, view_dict
 
 
 def _demo(core: Core, what: str, on: bool) -> None:

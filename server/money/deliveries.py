@@ -289,3 +289,13 @@ async def last_queued(db: Database, endpoint: str) -> int:
     """The newest event id ``endpoint``'s queue has looked at (0 before its first ``queue``)."""
     row = await db.fetchone("SELECT after_seq FROM webhook_cursors WHERE endpoint = %s", (endpoint,))
     return int(row[0]) if row else 0
+
+
+async def of_events(db: Database, endpoint: str, seqs: list[int]) -> list[dict[str, Any]]:
+    """``endpoint``'s deliveries of these events (those queued for it), as ``listing`` shows them."""
+    if not seqs:
+        return []
+    rows = await db.fetchall(
+        _VIEW + f" AND d.seq IN ({', '.join(['%s'] * len(seqs))}) ORDER BY d.seq", (endpoint, *seqs)
+    )
+    return [_view(tuple(r)) for r in rows]

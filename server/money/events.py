@@ -319,3 +319,26 @@ async def seq_at(db: Database, since_ms: int) -> int:
         "SELECT MIN(seq - n + 1) FROM events WHERE created_ms >= %s AND seq IS NOT NULL", (since_ms,)
     )
     return int(row[0]) - 1 if row and row[0] is not None else await last_seq(db)
+
+
+async def of_packet(db: Database, packet_id: int, keys: list[str], tokens: list[int]) -> list[Event]:
+    """The numbered events about one packet, oldest first: those keyed ``keys`` (its journal rows' and
+    its ``packet.finished``), and the credits among the rows of the transactions ``tokens`` (those that
+    paid its grabs). Everything committed is numbered first (``sequence``), as ``page`` does."""
+    await sequence(db)
+    rows: list[Row] = []
+    if keys:
+        rows += await db.fetchall(
+            f"SELECT {_COLUMNS} FROM events WHERE idem_key IN ({', '.join(['%s'] * len(keys))})"
+            " AND seq IS NOT NULL" + SEQUENCED,
+            keys,
+        )
+    if tokens:
+        rows += await db.fetchall(
+            f"SELECT {_COLUMNS} FROM events WHERE tx IN ({', '.join(['%s'] * len(tokens))})"
+            " AND seq IS NOT NULL" + SEQUENCED,
+            tokens,
+        )
+    found = await _read(db, sorted(rows, key=lambda r: int(r[0])))
+    mine = [e for e in found if e["type"] != "share.credited" or e["data"].get("packet_id") == packet_id]
+    return sorted(mine, key=lambda e: e["id"])

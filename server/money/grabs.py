@@ -335,3 +335,36 @@ async def _open_from_database(
         "seed": "" if p.seed is None else p.seed.hex(),
     }
     return view_packet(meta, records, p.count - len(records), packet_id=packet_id, user_id=user_id)
+
+
+def grab_dict(g: Grab) -> dict[str, object]:
+    """A grab as the protocol sends it."""
+    return {"user_id": g.user_id, "seq": g.seq, "amount": g.amount, "grabbed_ms": g.grabbed_ms}
+
+
+def _grab_dict(g: Grab | None) -> dict[str, object] | None:
+    return None if g is None else grab_dict(g)
+
+
+def view_dict(v: PacketView) -> dict[str, Any]:
+    """The packet view as the protocol sends it. Written out field by field: ``dataclasses.asdict``
+    (recursive, copying) cost a loaded hub an eighth of its CPU, every member opening a 100-grab packet."""
+    return {
+        "packet_id": v.packet_id,
+        "group_id": v.group_id,
+        "sender_id": v.sender_id,
+        "kind": v.kind,
+        "total": v.total,
+        "count": v.count,
+        "greeting": v.greeting,
+        "created_ms": v.created_ms,
+        "expires_ms": v.expires_ms,
+        "remaining": v.remaining,
+        "grabs": [grab_dict(g) for g in v.grabs],
+        "mine": _grab_dict(v.mine),
+        "finished_ms": v.finished_ms,
+        "best_luck": _grab_dict(v.best_luck),
+        "duration_ms": v.duration_ms,
+        "commitment": v.commitment,
+        "seed": v.seed,
+    }

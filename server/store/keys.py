@@ -217,9 +217,16 @@ def block_reasons() -> str:
 
 
 def reconciled() -> str:
-    """Hash ``differences``, ``at`` (unix s): the last reconciliation's outcome, whichever worker ran it —
-    every worker's metrics report it (one worker runs each of the cron's ticks)."""
+    """Hash ``differences``, ``at`` (unix s), ``report`` (its JSON, the first differences only): the last
+    reconciliation's outcome, whichever worker ran it — every worker's metrics report it (one worker runs
+    each of the cron's ticks), the operators' console shows it."""
     return _root() + "{ctl}:reconciled"
+
+
+def seen() -> str:
+    """Hash ``hub:<id>`` / ``worker:<id>`` → what that process last said of itself (JSON, with
+    ``seen_ms``): the hubs and workers the operators' console lists. Each process writes its own field."""
+    return _root() + "{ctl}:seen"
 
 
 def throttles() -> str:

@@ -15,7 +15,9 @@ from starlette.routing import Mount, Route, WebSocketRoute
 
 from server import errors
 from server.hub import protocol
-from server.hub.app import create_app
+from server.hub.app import create_app, http_error
+from server.hub.console import api as console_api
+from server.hub.operations import operations_app
 from server.settings import Settings
 from tests.apidoctools import (
     ASYNCAPI,
@@ -159,14 +161,27 @@ def test_the_close_codes_are_the_hubs() -> None:
 
 
 def test_every_route_the_app_mounts_is_described() -> None:
-    app = create_app(Settings(secret="x" * 32))
-    for route in app.routes:
+    """The hub's port (the console there too, when asked) and the operations listener's."""
+    settings = Settings(secret="x" * 32, console_key="k" * 32, console_on_hub_port=True)
+    ops = operations_app(settings, lambda: b"", console_api.routes(), http_error)
+    pages = {"": "/", "/client": "/", "/console": "/console/"}  # static files, described by the page's path
+    for route in [*create_app(settings).routes, *ops.routes]:
         if isinstance(route, WebSocketRoute):
             assert route.path == ASYNCAPI["channels"]["hub"]["address"]
-        elif isinstance(route, Mount):  # static files: "/" describes the page and /client/ both
-            assert route.path in ("", "/client"), route.path
-            assert f"`{route.path}/" in OPENAPI["paths"]["/"]["get"]["description"]
+        elif isinstance(route, Mount):
+            assert route.path in pages, route.path
+            assert f"`{route.path}/" in OPENAPI["paths"][pages[route.path]]["get"]["description"]
         else:
             assert isinstance(route, Route)
+            path = "/console/" if route.path == "/console" else route.path  # (its redirect to the page)
             for method in (route.methods or set()) - {"HEAD"}:
-                assert method.lower() in OPENAPI["paths"].get(route.path, {}), f"{method} {route.path}"
+                assert method.lower() in OPENAPI["paths"].get(path, {}), f"{method} {route.path}"
+
+
+def test_the_console_routes_are_on_the_operations_listener() -> None:
+    """Every console operation says where it is served: not where a client generated for the hub's port
+    would call it."""
+    for path, method in [(p, m) for p, item in OPENAPI["paths"].items() for m, op in item.items()]:
+        op = OPENAPI["paths"][path][method]
+        assert ("console" in op["tags"]) == ("servers" in op), (method, path)
+        assert ("console" in op["tags"]) == (path.startswith(("/api/console/", "/console/"))), (method, path)

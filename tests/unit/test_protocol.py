@@ -198,8 +198,7 @@ def test_big_room_announcements_list_the_latest_grabs_and_what_is_left() -> None
 def test_the_packet_view_is_sent_with_every_field_of_the_dataclass() -> None:
     from dataclasses import asdict
 
-    from server.hub.requests import view_dict
-    from server.money.grabs import Grab, PacketView
+    from server.money.grabs import Grab, PacketView, view_dict
 
     grabs = [Grab(8, 2, 301, 1_796_000_000_450), Grab(7, 1, 587, 1_796_000_001_200)]
     v = PacketView(

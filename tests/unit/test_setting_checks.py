@@ -59,3 +59,22 @@ def test_a_service_key_shorter_than_32_characters_is_refused() -> None:
     with pytest.raises(ValueError, match="SERVICE_KEY is too short"):
         Settings(secret="s" * 32, service_key="x").check()
     Settings(secret="s" * 32, service_key="x" * 32).check()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"console_key": "c" * 31, "metrics_port": 9100},  # too short
+        {"console_key": KEY, "service_key": KEY, "metrics_port": 9100},  # the chat backend's key
+        {"console_key": "s" * 32, "metrics_port": 9100},  # the token secret
+        {"console_key": "c" * 32},  # nowhere to serve it: not silently on the public port
+    ],
+)
+def test_a_console_key_is_the_operators_own_and_served_apart(changes: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="REDPACKET_CONSOLE_KEY"):
+        Settings(secret="s" * 32).replace(**changes).check()
+
+
+def test_a_console_key_with_a_place_to_serve_it_is_taken() -> None:
+    Settings(secret="s" * 32, console_key="c" * 32, metrics_port=9100).check()
+    Settings(secret="s" * 32, console_key="c" * 32, console_on_hub_port=True).check()
