@@ -21,6 +21,8 @@ local burst_arg = ARGV[6]       -- the rate limit's bucket size
 local loaded_marker = ARGV[7]   -- the member cache's LOADED marker
 local rewrite_repeat = ARGV[8] == '1'  -- durable grabs: a repeat grab writes its record again, so that
                                        -- the wait for durability that follows covers it too
+local trace = ARGV[9]           -- absent, or the caller's trace context (W3C traceparent): the credit
+                                -- record carries it to the worker (server/tracing.py)
 -- Returns {status, ...}:
 --   {'won', 'seq:amount:ms', n}      a share was taken now and its credit recorded
 --   {'already', 'seq:amount:ms', n}  this user grabbed before: the same answer
@@ -93,7 +95,12 @@ end
 local record = share .. ':' .. now
 redis.call('HSET', grabs_key, user, record)
 -- The credit, '<packet>:<user>:<seq>:<amount>:<ms>:<group>', for the workers' consumer group.
-redis.call('XADD', outbox_key, '*', 'c', packet .. ':' .. user .. ':' .. record .. ':' .. group)
+local credit = packet .. ':' .. user .. ':' .. record .. ':' .. group
+if trace then
+  redis.call('XADD', outbox_key, '*', 'c', credit, 't', trace)
+else
+  redis.call('XADD', outbox_key, '*', 'c', credit)
+end
 local left = redis.call('LLEN', shares_key)
 if left == 0 then
   redis.call('HSET', meta_key, 'finished_ms', now)

@@ -1,14 +1,14 @@
 """Every setting, declared once: its name (``REDPACKET_`` + the name in capitals is its environment
-variable), type, default, bounds and one line of help, docs/configuration.md's (``settings_table`` renders
-its table from them, and a test holds the page to it). ``server.settings.Settings``
-reads them from the environment, derives what they mean and checks them.
+variable), type, default, bounds and one line of help, docs/configuration.md's
+(``server.settingdocs.settings_table`` renders its table from them, and a test holds the page to it).
+``server.settings.Settings`` reads them from the environment, derives what they mean and checks them.
 """
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict, TypeVar
+from typing import TypedDict, TypeVar
 
 PREFIX = "REDPACKET_"
 
@@ -24,13 +24,20 @@ PORT: Bounds = {"least": 0, "most": 65535}
 
 
 def setting(
-    default: T, help: str, *, least: int | None = None, most: int | None = None, shown: str = ""
+    default: T,
+    help: str,
+    *,
+    least: int | None = None,
+    most: int | None = None,
+    shown: str = "",
+    choices: tuple[str, ...] = (),
 ) -> T:
     """Declare a setting: a field of ``SettingFields`` with its default and one line of help (the one
     docs/configuration.md shows). A number must be finite and more than 0, or at least ``least`` (0: a
-    choice, such as a free port or off), and at most ``most``. ``shown``: the default the page shows,
-    when the value alone says too little."""
-    return field(default=default, metadata={"help": help, "least": least, "most": most, "shown": shown})
+    choice, such as a free port or off), and at most ``most``; a word one of its ``choices``, when given.
+    ``shown``: the default the page shows, when the value alone says too little."""
+    meta = {"help": help, "least": least, "most": most, "shown": shown, "choices": choices}
+    return field(default=default, metadata=meta)
 
 
 def env_name(name: str) -> str:
@@ -240,6 +247,7 @@ class SettingFields:
         "what a send does when the hook does not answer in time or answers nonsense: `deny`"
         " (`hook_unavailable`, nothing paid) or `allow` (sent unchecked, counted); money out is always"
         " denied",
+        choices=("deny", "allow"),
     )
     token_ttl_seconds: int = setting(86_400, "lifetime of a token from `/api/login`")
     # Demos only: ``check`` refuses them unless the hub listens on loopback with no chat backend.
@@ -416,26 +424,13 @@ class SettingFields:
         shown="*(none: no console)*",
     )
     console_session_minutes: int = setting(30, "how long a console sign-in lasts", least=1)
+    log_format: str = setting(
+        "text",
+        "hubs' and workers' log lines: `text` (a line a record, for people) or `json` (an object a line:"
+        " `time`, `level`, `logger`, `message`, and `trace_id`, `span_id` while tracing) "
+        + LINK_OPERATIONS.replace("#the-console", "#logs-and-traces"),
+        choices=("text", "json"),
+    )
     console_on_hub_port: bool = setting(
         False, "serve the console on the hub's public port too (never unless asked: keep it from strangers)"
     )
-
-
-def shown_default(f: Field[Any]) -> str:
-    """A setting's default as docs/configuration.md shows it."""
-    value = f.default
-    if f.metadata["shown"]:
-        return str(f.metadata["shown"])
-    if isinstance(value, bool):
-        return f"`{int(value)}`"
-    if value == "":
-        return "*(none)*"
-    return f"`{value:g}`" if isinstance(value, float) else f"`{value}`"
-
-
-def settings_table() -> str:
-    """docs/configuration.md's table (markdown), one row per declaration."""
-    rows = ["| variable | default | meaning |", "|---|---|---|"]
-    for f in fields(SettingFields):
-        rows.append(f"| `{env_name(f.name)}` | {shown_default(f)} | {f.metadata['help']} |")
-    return "\n".join(rows) + "\n"

@@ -265,10 +265,6 @@ class Settings(SettingFields):
                     f"{PREFIX}HOOK_SECRET is required with a hook URL, at least 32 characters, e.g."
                     " `openssl rand -hex 32`: the backend checks every call's signature with it"
                 )
-        if self.hook_sends_when_down not in ("deny", "allow"):
-            raise ValueError(
-                f"{PREFIX}HOOK_SENDS_WHEN_DOWN is deny or allow (got {self.hook_sends_when_down!r})"
-            )
         for url in self.webhook_url_list:
             u = urlparse(url)
             if not u.hostname or not sealed(url):
@@ -344,9 +340,11 @@ class Settings(SettingFields):
 
     def _check_numbers(self) -> None:
         """Every number within its declared bounds: finite, more than 0 or at least its ``least``, and at
-        most its ``most``."""
+        most its ``most``; every word one of its ``choices``."""
         for f in fields(self):
-            value = getattr(self, f.name)
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if choices and value not in choices:
+                raise ValueError(f"{env_name(f.name)} is {' or '.join(choices)} (got {value!r})")
             if not isinstance(value, int | float) or isinstance(value, bool):
                 continue
             least, most = f.metadata["least"], f.metadata["most"]

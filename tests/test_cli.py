@@ -89,6 +89,15 @@ def test_operator_mistakes_are_one_line_and_an_exit_code(
             2,
             "never both",
         ),
+        # The standard OpenTelemetry variables, checked as ours are (server.tracing).
+        (("worker",), {**ok_db, **ok_redis, "OTEL_TRACES_EXPORTER": "zipkin"}, 2, "OTEL_TRACES_EXPORTER"),
+        (
+            ("serve", "--port", "0"),
+            {"REDPACKET_SECRET": "s" * 32, **ok_db, **ok_redis, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            2,
+            "http/protobuf",
+        ),
+        (("up", "--port", "0"), {"REDPACKET_CONSOLE_KEY": "short"}, 2, "REDPACKET_CONSOLE_KEY"),
     ]
     for args, env, code, word in cases:
         assert_one_line_error(redpacket(*args, REDPACKET_DATA_DIR=data, **env), code, word)

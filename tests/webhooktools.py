@@ -55,6 +55,7 @@ class Receiver:
     accepted: dict[int, dict[str, Any]] = field(default_factory=dict)  # deduped by event id
     order: list[int] = field(default_factory=list)  # event ids in the order first accepted
     bad_signatures: int = 0
+    traceparents: dict[int, str] = field(default_factory=dict)  # event id → the W3C header it came with
     holding: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""
@@ -66,6 +67,7 @@ class Receiver:
             return Response(status_code=400)
         event = json.loads(body)
         assert request.headers["redpacket-event-id"] == str(event["id"])
+        self.traceparents[event["id"]] = request.headers.get("traceparent", "")
         how = self.script.pop(0) if self.script else "ok"
         self.seen.append((event["id"], how))
         if how == "500":

@@ -33,12 +33,14 @@ from dataclasses import dataclass, field
 from typing import Any, assert_never
 
 from redis.asyncio.client import Pipeline
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
+from server import tracing
 from server.core import Core
 from server.ids import GroupId, PacketId
 from server.money.crediting import credit_many
 from server.money.creditrules import Outcome, Refusal
+from server.money.endpoints import configured
 from server.money.ledger import now_ms
 from server.stopping import check_cancelled, stop
 from server.store import keys
@@ -61,6 +63,7 @@ class Batch:
 
     items: list[tuple[int, bytes, CreditEntry]] = field(default_factory=list)
     deleted: dict[int, list[bytes]] = field(default_factory=dict)  # pending ids whose entry is gone
+    traces: dict[int, str] = field(default_factory=dict)  # item → its grab's span (``server.tracing``)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -279,6 +282,8 @@ class CreditDrain:
             if not fields:
                 batch.deleted.setdefault(n, []).append(entry_id)
                 continue
+            if len(fields) > 1 and b"t" in fields:  # the grab was traced: its span, for the credit's
+                batch.traces[len(batch.items)] = fields[b"t"].decode()
             batch.items.append((n, entry_id, CreditEntry.parse(fields[b"c"])))
             self.holding[n].add(entry_id)
             self._seen[(n, entry_id)] = None
@@ -287,16 +292,44 @@ class CreditDrain:
 
     async def _pay(self, taken: Batch) -> list[Outcome]:
         credits = [c for _, _, c in taken.items]
+        started = time.time_ns()
         try:
             outcomes: list[Outcome] = []
             for i in range(0, len(credits), PAY_AT_ONCE):
                 outcomes += await credit_many(self.core.db, credits[i : i + PAY_AT_ONCE], partial=True)
+            if taken.traces and tracing.ON:
+                await self._traced(taken, outcomes, started, time.time_ns())
             return outcomes
         except BaseException:
             # Nothing more was committed: let these go to whoever takes them next, at once.
             with contextlib.suppress(Exception):
                 await self._release(taken)
             raise
+
+    async def _traced(self, taken: Batch, outcomes: list[Outcome], start_ns: int, end_ns: int) -> None:
+        """Each traced grab's credit, a span of its trace, and the batch's ledger transaction its child
+        (one transaction, a span in each trace it paid); kept for the webhook delivery of its event."""
+        db = {"db.system": self.core.db.dialect.name, "batch": len(taken.items)}
+        keep = bool(configured(self.core.settings))
+        async with self.core.redis.pipeline(transaction=False) as pipe:
+            for i, parent in taken.traces.items():
+                c = taken.items[i][2]
+                attributes = {
+                    "packet_id": c.packet_id,
+                    "user_id": c.user_id,
+                    "seq": c.seq,
+                    "amount": c.amount,
+                }
+                outcome = str(outcomes[i])
+                credit = tracing.recorded(
+                    "credit", parent, start_ns, end_ns, "consumer", outcome=outcome, **attributes
+                )
+                tracing.recorded("ledger credit transaction", credit, start_ns, end_ns, "client", **db)
+                if keep:
+                    pipe.set(keys.trace_of("grab", c.packet_id, c.seq), credit, ex=tracing.KEPT_SECONDS)
+            if keep:
+                with contextlib.suppress(RedisError):  # (the delivery's span then starts a trace)
+                    await pipe.execute()
 
     async def _release(self, taken: Batch) -> None:
         """Give entries back: marked long idle, so the next takeover (by any worker) pays them. Whether

@@ -34,13 +34,16 @@ from collections.abc import AsyncGenerator
 from typing import cast
 
 import httpx
+from redis.exceptions import RedisError
 
+from server import tracing
 from server.core import Core
 from server.money import deliveries, events
 from server.money.endpoints import Endpoint, configured, label, scrub
 from server.money.ledger import now_ms
 from server.signing import SIGNATURE_HEADER, sign
 from server.stopping import check_cancelled
+from server.store import keys
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -151,8 +154,25 @@ class Dispatcher:
         return answer.status_code
 
     async def deliver(self, e: Endpoint, token: int, c: deliveries.Claimed) -> None:
+        """One try of one delivery; tracing, in a span that joins the trace of the money move the event
+        reports (``server.tracing``), its context sent on as the request's ``traceparent``."""
+        if not tracing.ON:
+            await self._deliver(e, token, c, {})
+            return
+        parent = await _kept_for(self.core, c.event)
+        attributes = {
+            "event_id": c.seq,
+            "event_type": c.event["type"],
+            "endpoint": e.label,
+            "attempt": c.attempts,
+        }
+        with tracing.span("webhook delivery", "client", parent=parent or None, **attributes):
+            await self._deliver(e, token, c, {"traceparent": tracing.traceparent()})
+
+    async def _deliver(self, e: Endpoint, token: int, c: deliveries.Claimed, extra: dict[str, str]) -> None:
         endpoint, body = e.id, encode(c.event)
         headers = {
+            **extra,
             "Content-Type": "application/json",
             "User-Agent": "redpacket-webhooks/1",
             "Accept-Encoding": "identity",
@@ -205,3 +225,18 @@ class Dispatcher:
         self.metrics.webhooks.failed.labels(name).set(q.failed)
         oldest = 0.0 if q.oldest_pending_ms is None else max(0.0, (now_ms() - q.oldest_pending_ms) / 1000)
         self.metrics.webhooks.oldest.labels(name).set(oldest)
+
+
+async def _kept_for(core: Core, event: events.Event) -> str:
+    """The span of the money move ``event`` reports, if one was kept (a send's, a grab's credit)."""
+    data = event["data"]
+    if event["type"] == "share.credited":
+        key = keys.trace_of("grab", int(data["packet_id"]), int(data["seq"]))
+    elif event["type"] == "packet.sent":
+        key = keys.trace_of("send", int(data["packet_id"]))
+    else:
+        return ""
+    try:
+        return await tracing.kept(core.redis, key)
+    except RedisError:  # (Redis away: the delivery goes on, in a trace of its own)
+        return ""

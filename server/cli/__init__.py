@@ -23,6 +23,7 @@ from pathlib import Path
 
 import uvloop
 
+from server import logformat, tracing
 from server.cli import maintenance
 from server.cli.bench import bench
 from server.cli.errors import OperatorError
@@ -81,6 +82,11 @@ def _refuse(args: argparse.Namespace, settings: Settings) -> None:
         raise OperatorError("--workers is 1 to 64 (hub processes on this machine, one core each)", 2)
     if command in ("serve", "worker"):
         _refuse_unnamed_storage(command, settings)
+    if command in ("up", "serve", "worker"):
+        try:
+            tracing.check(os.environ)  # (OTEL_*: the standard variables, checked here as ours are)
+        except tracing.TracingError as e:
+            raise OperatorError(str(e), 2) from None
     sqlite = settings.effective_database_url.removeprefix("sqlite:///")
     if command in READERS and sqlite != settings.effective_database_url and not Path(sqlite).exists():
         # A command that reads never creates: a fresh SQLite file would be reconciled "no difference".
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["load"]:
         _load(argv[1:])
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=logformat.TEXT)
     # arq writes a line per periodic job run (several a minute); its warnings and errors still show.
     logging.getLogger("arq.worker").setLevel(logging.WARNING)
     # httpx writes a line per request with its whole URL, credentials and query included (a hook's, a
@@ -204,7 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.enable()  # a crash in C code (or SIGABRT) still says where
     try:
         try:
-            code = _run(args, _settings(args))
+            settings = _settings(args)
+            logformat.use(settings.log_format)
+            code = _run(args, settings)
         except OperatorError as e:
             print(f"redpacket: {e}", file=sys.stderr)
             code = e.exit_code
@@ -227,7 +235,7 @@ def _load(argv: list[str]) -> None:
         sys.exit(e.exit_code)
     from bench import load
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=logformat.TEXT)
     try:
         code = load.run(argv)
     except load.LoadError as e:

@@ -3,6 +3,7 @@ supervisor of several on one socket."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import secrets
 import socket
@@ -12,6 +13,7 @@ from types import FrameType
 import uvicorn
 import uvloop
 
+from server import tracing
 from server.cli.errors import OperatorError
 from server.cli.services import check_services
 from server.hub.app import uvicorn_config
@@ -181,7 +183,11 @@ async def serve(
         _banner(settings, sock.getsockname()[1], up=with_worker)
     if _stop_requested:
         return  # told to stop while starting up
-    await server.serve(sockets=[sock])
+    tracing.configure("redpacket-hub")  # (in each hub process: `serve --workers` forks before this)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await asyncio.to_thread(tracing.shutdown)  # what is buffered is sent, within the SDK's bound
 
 
 def serve_processes(

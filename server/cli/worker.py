@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from collections.abc import AsyncIterator
 
+from server import tracing
 from server.cli.errors import OperatorError
 from server.cli.services import check_services
 from server.core import open_core, reset_writer_when_told
@@ -22,7 +25,8 @@ async def run_worker(settings: Settings) -> None:
     from worker.metrics import WorkerMetrics
 
     await check_services(settings)
-    async with open_core(settings) as core:
+    tracing.configure("redpacket-worker")
+    async with open_core(settings) as core, _flushing_traces():
         metrics = WorkerMetrics()
         metrics.database.watch(core.db)
         if settings.worker_metrics_port:
@@ -51,6 +55,15 @@ async def run_worker(settings: Settings) -> None:
             async with running_worker(core, metrics):
                 log.info("worker running; metrics on port %s", settings.worker_metrics_port or "(off)")
                 await stop.wait()
+
+
+@contextlib.asynccontextmanager
+async def _flushing_traces() -> AsyncIterator[None]:
+    """The spans still buffered are sent on the way out (the SDK bounds it: ``OTEL_BSP_EXPORT_TIMEOUT``)."""
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(tracing.shutdown)
 
 
 def worker_healthy(settings: Settings) -> bool:

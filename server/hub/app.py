@@ -288,6 +288,9 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
         timeout_graceful_shutdown=settings.shutdown_seconds,
         log_level="warning",
         access_log=False,
+        # JSON lines: uvicorn's records go to the root logger's handler as every other (its own config
+        # would write them as text).
+        log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
         # X-Forwarded-For from the proxies named, never from another peer (loopback included).
         proxy_headers=bool(settings.trusted_proxy_list),
         forwarded_allow_ips=list(settings.trusted_proxy_list),

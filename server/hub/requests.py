@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, assert_never
 
 from redpacket_client.protocol import offset_key
-from server import errors, text
+from server import errors, text, tracing
 from server.errors import InvalidRequest, RedPacketError
 from server.hub import protocol
 from server.hub.packetcache import Turn, Wait
@@ -24,6 +24,7 @@ from server.live import announce, events
 from server.live.botscore import Attempt
 from server.money import grabs, packets, queries
 from server.money.grabs import view_dict
+from server.store import keys
 
 if TYPE_CHECKING:
     from server.hub.hub import Hub
@@ -175,22 +176,29 @@ async def send(
     """A send from a request's fields (a user's socket, or the chat backend's
     ``POST /api/service/packets``): paid for and saved with the backend's say (``server.hub.hooks``),
     then announced in its room now — or, offset null, by a retry or a worker once Redis is back; the
-    send's answer."""
-    p = await packets.send_packet(
-        hub.core,
-        sender_id=sender_id,
-        group_id=group_id,
-        kind=body.get("kind", "lucky"),
-        total=body.get("total"),
-        count=body.get("count"),
-        greeting=body.get("greeting", ""),
-        target_user_id=body.get("target"),
-        request_id=request_id,
-        system=system,
-        approve=hub.hooks.approve_send,
-    )
-    hub.packet_cache.mark_known(group_id=p.group_id, packet_id=p.packet_id)
-    offset = await announce.announce_packet(hub.core, p)
+    send's answer. Tracing: a span of the send, its packet's id set once known, kept for the webhook
+    delivery of its ``packet.sent`` to join."""
+    with tracing.maybe("send", "server", group_id=group_id, user_id=sender_id) as span:
+        with tracing.maybe("ledger send transaction", "client", **{"db.system": hub.core.db.dialect.name}):
+            p = await packets.send_packet(
+                hub.core,
+                sender_id=sender_id,
+                group_id=group_id,
+                kind=body.get("kind", "lucky"),
+                total=body.get("total"),
+                count=body.get("count"),
+                greeting=body.get("greeting", ""),
+                target_user_id=body.get("target"),
+                request_id=request_id,
+                system=system,
+                approve=hub.hooks.approve_send,
+            )
+        if span is not None:
+            span.set_attribute("redpacket.packet_id", p.packet_id)
+            await tracing.keep(hub.core.redis, keys.trace_of("send", p.packet_id))
+        hub.packet_cache.mark_known(group_id=p.group_id, packet_id=p.packet_id)
+        with tracing.maybe("redis publish", "client", packet_id=p.packet_id):
+            offset = await announce.announce_packet(hub.core, p)
     if offset is not None and not p.replay:
         hub.metrics.events_published.inc()
     return {**announce.packet_event(p), "offset": offset, "replay": p.replay}
@@ -214,7 +222,7 @@ def on_grab(s: Session, body: Body) -> Answer | Later:
     # from memory when the packet empties.
     match kp.admit(packet_id):
         case Turn.GO:
-            return _grab(s, started, group_id=group, packet_id=packet_id)
+            return _go(s, started, group_id=group, packet_id=packet_id)
         case Wait(waiting):
 
             def answer(turn: Turn) -> Answer:  # (made for a waiting grab only: not on the common path)
@@ -227,7 +235,7 @@ def on_grab(s: Session, body: Body) -> Answer | Later:
                         kp.admit_anyway(packet_id)
                     case _:
                         assert_never(turn)
-                return _grab(s, started, group_id=group, packet_id=packet_id)
+                return _go(s, started, group_id=group, packet_id=packet_id)
 
             return Later(waiting, answer)
         case never:
@@ -249,6 +257,28 @@ def _refuse_if_known(
 
 
 _OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
+
+
+def _go(s: Session, started: float, *, group_id: GroupId, packet_id: PacketId) -> Answer:
+    """The grab in Redis, in a span of its own when tracing (``server.tracing``)."""
+    if tracing.ON:
+        return _traced(
+            _grab(s, started, group_id=group_id, packet_id=packet_id), "grab", s, group_id, packet_id
+        )
+    return _grab(s, started, group_id=group_id, packet_id=packet_id)
+
+
+async def _traced(
+    work: Awaitable[Message], name: str, s: Session, group_id: GroupId, packet_id: PacketId
+) -> Message:
+    with tracing.span(name, "server", packet_id=packet_id, group_id=group_id, user_id=s.conn.user_id) as span:
+        try:
+            answer = await work
+        except RedPacketError as e:
+            span.set_attribute("redpacket.outcome", e.code)
+            raise
+        span.set_attribute("redpacket.outcome", str(answer.get("outcome", "")))
+        return answer
 
 
 async def _grab(s: Session, started: float, *, group_id: GroupId, packet_id: PacketId) -> Message:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from redis.exceptions import RedisError
 
 from redpacket_client.fairness import commitment
-from server import errors
+from server import errors, tracing
 from server.core import Core, unavailable
 from server.errors import Conflict, Forbidden, NotFound, RedPacketError, Unavailable
 from server.ids import GroupId, PacketId, ShareSeq, UserId
@@ -30,6 +30,8 @@ from server.store.redisconn import ServerChanged
 from server.store.scriptcalls import GrabCall, GrabRate, GrabReply, GrabStatus, run
 
 log = logging.getLogger(__name__)
+
+REDIS = {"db.system": "redis", "db.operation": "EVALSHA"}  # a Redis call's span attributes
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,10 @@ async def grab(
             check_members=check_members,
             gate=gate,
         )
+        if tracing.ON:  # the credit record carries this span to the worker
+            with tracing.span("redis grab.lua", "client", packet_id=packet_id, user_id=user_id, **REDIS):
+                call.trace = tracing.traceparent()
+                return await run(core.batcher, core.scripts, call)
         return await run(core.batcher, core.scripts, call)
 
     meta_key = keys.packet_meta(group_id=group_id, packet_id=packet_id)

@@ -229,6 +229,13 @@ def seen() -> str:
     return _root() + "{ctl}:seen"
 
 
+def trace_of(move: str, packet_id: int, seq: int = 0) -> str:
+    """String (a day): the W3C ``traceparent`` of the span that moved a packet's money (``send``; ``grab``
+    of share ``seq``), written only while tracing (``server.tracing``): the webhook delivery of that
+    move's event joins its trace."""
+    return _root() + f"trace:{move}:{packet_id}:{seq}"
+
+
 def throttles() -> str:
     """Sorted set user id → when their throttle ends (unix ms): listed for operators beside the blocks."""
     return _root() + "{ctl}:throttles"

@@ -152,6 +152,7 @@ class GrabCall(Call[GrabReply]):
     check_members: bool  # False when the caller has just read the membership from the database
     rate: GrabRate | None  # None: no block list, no rate limit
     rewrite_repeat: bool  # a repeat grab writes its record again, for the durability wait to cover it
+    trace: str = ""  # this call's span (a traceparent) for its credit record (``server.tracing``); '': none
 
     def keys(self) -> list[str]:
         g, p = self.group_id, self.packet_id
@@ -176,6 +177,7 @@ class GrabCall(Call[GrabReply]):
             "" if rate is None else rate.burst,
             keys.LOADED,
             _flag(self.rewrite_repeat),
+            *((self.trace,) if self.trace else ()),
         ]
 
     def parse(self, reply: object) -> GrabReply:

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from server.durability import Durability
-from server.settingfields import env_name, settings_table
+from server.settingdocs import settings_table
+from server.settingfields import env_name
 from server.settings import Settings
 from tests.repofiles import ROOT
 
@@ -27,7 +28,7 @@ def documented_table() -> str:
 def test_the_documented_table_is_the_declarations() -> None:
     assert documented_table() == settings_table(), (
         "docs/configuration.md's table differs from the declarations in server/settingfields.py: paste in"
-        ' the output of `python -c "from server.settingfields import settings_table as t; print(t())"`'
+        ' the output of `python -c "from server.settingdocs import settings_table as t; print(t())"`'
     )
 
 
