@@ -416,14 +416,6 @@ class SettingFields:
         **PORT,
     )
     metrics_host: str = setting("127.0.0.1", "where `REDPACKET_METRICS_PORT` listens")
-    console_key: str = setting(
-        "",
-        "the operators' key to the console (`/console/` on the metrics port: a packet's life, a user's"
-        " money, the books), at least 32 characters, not the service key; it is exchanged for a session"
-        " that expires " + LINK_OPERATIONS,
-        shown="*(none: no console)*",
-    )
-    console_session_minutes: int = setting(30, "how long a console sign-in lasts", least=1)
     log_format: str = setting(
         "text",
         "hubs' and workers' log lines: `text` (a line a record, for people) or `json` (an object a line:"
@@ -431,6 +423,15 @@ class SettingFields:
         + LINK_OPERATIONS.replace("#the-console", "#logs-and-traces"),
         choices=("text", "json"),
     )
+    console_key: str = setting(
+        "",
+        "the operators' key to the console (`/console/` beside `REDPACKET_METRICS_PORT`, which it needs"
+        " unless `REDPACKET_CONSOLE_ON_HUB_PORT` is on: a packet's life, a user's money, the books), at"
+        " least 32 characters, neither the service key nor the secret; exchanged for a session that"
+        " expires " + LINK_OPERATIONS,
+        shown="*(none: no console)*",
+    )
+    console_session_minutes: int = setting(30, "how long a console sign-in lasts", least=1)
     console_on_hub_port: bool = setting(
         False, "serve the console on the hub's public port too (never unless asked: keep it from strangers)"
     )

@@ -16,38 +16,79 @@ kept in Redis for a day under the event's key, ``keys.trace_of``)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import random
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
 
 ON = False
+# The share of money moves traced (``OTEL_TRACES_SAMPLER``, ``_ARG``), decided here before any span is
+# made: a move not drawn costs a flag test and a random number. The spans of a move drawn are all kept,
+# and the worker's follow the flag its context carries.
+RATE = 1.0
 _tracer: Any = None
 _provider: Any = None
+_kinds: dict[str, Any] = {}
+_current: Any = None
+
+# What ``OTEL_TRACES_SAMPLER`` may name (the SDK's own names): its share of money moves traced.
+SAMPLERS = {
+    "always_on": 1.0,
+    "parentbased_always_on": 1.0,
+    "always_off": 0.0,
+    "parentbased_always_off": 0.0,
+    "traceidratio": None,  # OTEL_TRACES_SAMPLER_ARG, 0 to 1 (1 when absent)
+    "parentbased_traceidratio": None,
+}
 
 EXPORTERS = ("otlp", "console", "none")
-# How long a money move's span is kept for its webhook delivery to join (``keys.trace_of``).
-KEPT_SECONDS = 86_400
+# How long a sampled money move's span is kept (``keys.trace_of``, only with webhook URLs) for its webhook
+# delivery to join: a delivery later than that (a receiver down for longer) starts a trace of its own.
+KEPT_SECONDS = 600
+
+Kind = Literal["internal", "server", "client", "consumer", "producer"]
 
 
 class TracingError(ValueError):
     """The environment asks for traces this process cannot send (one line: what, and what to do)."""
 
 
+def _named(env: Mapping[str, str]) -> list[str]:
+    return [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
+
+
+def exporters(env: Mapping[str, str]) -> list[str]:
+    """The exporters the environment asks for (``OTEL_TRACES_EXPORTER``, a comma-separated list; ``otlp``
+    when it names none and an OTLP endpoint is set); [] for none."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    named = _named(env)
+    if named:
+        return [e for e in named if e != "none"]
+    endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    return ["otlp"] if endpoint else []
+
+
 def wanted(env: Mapping[str, str]) -> bool:
     """Whether the standard variables in ``env`` ask for traces."""
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if exporter:
-        return exporter != "none"
-    return bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    return bool(exporters(env))
 
 
 def check(env: Mapping[str, str]) -> None:
     """Refuse what this module cannot do as asked, before anything starts."""
-    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if exporter and exporter not in EXPORTERS:
-        raise TracingError(f"OTEL_TRACES_EXPORTER is otlp, console or none (got {exporter!r})")
+    named = _named(env)
+    if any(e not in EXPORTERS for e in named) or ("none" in named and len(named) > 1):
+        raise TracingError(
+            "OTEL_TRACES_EXPORTER is otlp, console, both (otlp,console), or none"
+            f" (got {env.get('OTEL_TRACES_EXPORTER')!r})"
+        )
+    rate(env)
     for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         protocol = env.get(name, "").strip()
         if protocol and protocol != "http/protobuf":
@@ -64,6 +105,24 @@ def check(env: Mapping[str, str]) -> None:
         ) from None
 
 
+def rate(env: Mapping[str, str]) -> float:
+    """The share of money moves ``OTEL_TRACES_SAMPLER`` (and its ``_ARG``) asks to trace."""
+    sampler = env.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
+    if sampler not in SAMPLERS:
+        raise TracingError(f"OTEL_TRACES_SAMPLER is one of {', '.join(SAMPLERS)} (got {sampler!r})")
+    fixed = SAMPLERS[sampler]
+    if fixed is not None:
+        return fixed
+    arg = env.get("OTEL_TRACES_SAMPLER_ARG", "1").strip()
+    try:
+        share = float(arg)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise TracingError(f"OTEL_TRACES_SAMPLER_ARG is a share of traces, 0 to 1 (got {arg!r})")
+    return share
+
+
 def configure(service: str, env: Mapping[str, str] | None = None) -> bool:
     """Start sending traces if the environment asks (``check`` first); whether it does. Once a process,
     in the process that sends (a supervisor's children configure their own)."""
@@ -74,28 +133,48 @@ def configure(service: str, env: Mapping[str, str] | None = None) -> bool:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 
-    exporter: SpanExporter
-    if env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "console":
-        exporter = ConsoleSpanExporter()
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    name = env.get("OTEL_SERVICE_NAME") or service
+    # The share is drawn here (``draw``); the SDK keeps what was drawn, and a worker's span follows its
+    # parent's flag.
+    sampler = ParentBased(ALWAYS_ON)
+    provider = TracerProvider(resource=Resource.create({"service.name": name}), sampler=sampler)
+    for chosen in exporters(env):
+        exporter: SpanExporter
+        if chosen == "console":
+            exporter = ConsoleSpanExporter()
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        exporter = OTLPSpanExporter()
-    provider = TracerProvider(
-        resource=Resource.create({"service.name": env.get("OTEL_SERVICE_NAME") or service})
-    )
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    use(provider)
+            exporter = OTLPSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    use(provider, rate(env))
     return True
 
 
-def use(provider: Any) -> None:
-    """Trace with this SDK ``TracerProvider`` (``configure``'s, or a test's); None: off again."""
-    global ON, _tracer, _provider
+def use(provider: Any, share: float = 1.0) -> None:
+    """Trace ``share`` of the money moves with this SDK ``TracerProvider`` (``configure``'s, or a test's);
+    None: off again."""
+    global ON, RATE, _tracer, _provider, _kinds, _current
+    from opentelemetry.trace import SpanKind, get_current_span
+
     _provider = provider
     _tracer = None if provider is None else provider.get_tracer("redpacket")
+    _kinds = {k.name.lower(): k for k in SpanKind}
+    _current = get_current_span
+    RATE = share
     ON = provider is not None
+
+
+def draw() -> bool:
+    """Whether the money move starting now is traced (``RATE`` of them; only under ``if tracing.ON``)."""
+    return RATE >= 1.0 or random.random() < RATE
+
+
+def recording() -> bool:
+    """Whether a span being recorded is current (a money move drawn): its steps make spans of their own."""
+    return bool(_current().is_recording())
 
 
 def shutdown() -> None:
@@ -107,33 +186,56 @@ def shutdown() -> None:
 _OFF: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
-def maybe(name: str, kind: str = "internal", **attributes: Any) -> contextlib.AbstractContextManager[Any]:
-    """``span`` when tracing, else a context that does nothing and gives None (for a path that is not hot:
-    a hot one tests ``ON`` itself and calls nothing)."""
-    return span(name, kind, **attributes) if ON else _OFF
+def maybe(
+    name: str, kind: Kind = "internal", root: bool = False, **attributes: Any
+) -> contextlib.AbstractContextManager[Any]:
+    """``span`` when tracing and this step is in a money move drawn (``root``: the move itself, drawn
+    now), else a context that does nothing and gives None (for a path that is not hot: a hot one tests
+    ``ON`` itself and calls nothing)."""
+    if ON and (draw() if root else recording()):
+        return span(name, kind, **attributes)
+    return _OFF
 
 
-async def keep(redis: Any, key: str, parent: str | None = None) -> None:
-    """Keep the current span (or ``parent``) under ``key`` (``keys.trace_of``: a money move's) for the
-    webhook delivery of its event to join."""
-    await redis.set(key, parent or traceparent(), ex=KEPT_SECONDS)
+def sampled(parent: str) -> bool:
+    """Whether a ``traceparent`` is of a span the sampler kept (bit 0 of its flags; bit 1 says the trace
+    id is random, W3C Trace Context level 2)."""
+    try:
+        return bool(int(parent[-2:], 16) & 1)
+    except ValueError:
+        return False
 
 
-async def kept(redis: Any, key: str) -> str:
-    """The span ``keep`` kept under ``key`` ('' when none, or gone)."""
-    found = await redis.get(key)
+async def keep(redis: Redis, key: str) -> None:
+    """Keep the current span under ``key`` (``keys.trace_of``: a money move's) for the webhook delivery of
+    its event to join, if it is sampled. Redis away: not kept (the delivery then starts a trace of its
+    own); the money move it follows goes on."""
+    parent = traceparent()
+    if sampled(parent):
+        try:
+            await redis.set(key, parent, ex=KEPT_SECONDS)
+        except RedisError as e:
+            log.debug("trace context not kept (%s)", e)
+
+
+async def kept(redis: Redis, key: str) -> str:
+    """The span ``keep`` kept under ``key`` ('' when none, gone, or Redis away)."""
+    try:
+        found = await redis.get(key)
+    except RedisError:
+        return ""
     return found.decode() if isinstance(found, bytes) else (found or "")
 
 
 @contextlib.contextmanager
-def span(name: str, kind: str = "internal", parent: str | None = None, **attributes: Any) -> Iterator[Any]:
+def span(name: str, kind: Kind = "internal", parent: str | None = None, **attributes: Any) -> Iterator[Any]:
     """A span around the block, the current one's child (or ``parent``'s, a ``traceparent``); the span is
     given to the block (for more attributes). Only under ``if tracing.ON``: off it is not called."""
-    from opentelemetry.trace import SpanKind, Status, StatusCode
+    from opentelemetry.trace import Status, StatusCode
 
     context = _context_of(parent) if parent else None
     with _tracer.start_as_current_span(
-        name, context=context, kind=getattr(SpanKind, kind.upper()), attributes=_attrs(attributes)
+        name, context=context, kind=_kinds[kind], attributes=_attrs(attributes)
     ) as s:
         try:
             yield s
@@ -143,28 +245,26 @@ def span(name: str, kind: str = "internal", parent: str | None = None, **attribu
 
 
 def recorded(
-    name: str, parent: str, start_ns: int, end_ns: int, kind: str = "internal", **attributes: Any
+    name: str, parent: str, start_ns: int, end_ns: int, kind: Kind = "internal", **attributes: Any
 ) -> str:
     """A span that already happened (a worker's batch: one transaction for many traces), the child of
     ``parent`` (a ``traceparent``); returns its own ``traceparent`` (for its children)."""
-    from opentelemetry.trace import SpanKind
-
     s = _tracer.start_span(
         name,
         context=_context_of(parent),
-        kind=getattr(SpanKind, kind.upper()),
+        kind=_kinds[kind],
         attributes=_attrs(attributes),
         start_time=start_ns,
     )
     s.end(end_time=end_ns)
-    return _traceparent_of(s.get_span_context())
+    return traceparent_of(s.get_span_context())
 
 
 def traceparent() -> str:
     """The current span as a W3C ``traceparent`` ('' when none)."""
     from opentelemetry import trace
 
-    return _traceparent_of(trace.get_current_span().get_span_context())
+    return traceparent_of(trace.get_current_span().get_span_context())
 
 
 def current_ids() -> tuple[str, str] | None:
@@ -177,7 +277,8 @@ def current_ids() -> tuple[str, str] | None:
     return (f"{c.trace_id:032x}", f"{c.span_id:016x}") if c.is_valid else None
 
 
-def _traceparent_of(c: Any) -> str:
+def traceparent_of(c: Any) -> str:
+    """A span context as a W3C ``traceparent`` ('' for an invalid one)."""
     return f"00-{c.trace_id:032x}-{c.span_id:016x}-{c.trace_flags:02x}" if c.is_valid else ""
 
 

@@ -33,6 +33,7 @@ from tests.webhooktools import SECRET
 
 KEY = "console-key-for-the-tests-0123456789abcdef"
 HOOK = "https://backend.example/hooks"
+MARKUP = '<img src=x onerror="window.__owned = 1"><b>hi</b>'
 
 
 @pytest.fixture
@@ -84,8 +85,11 @@ async def test_the_console_is_beside_the_metrics_behind_its_own_key(ops: tuple[H
         good = await _sign_in(http)
         assert (await http.get("/api/console/books", headers=good)).status_code == 200
         # Wrong keys: 401 each, then 429 past the allowance (the right key still takes a session).
+        # (Another X-Forwarded-For each time: trusted from no one unless REDPACKET_TRUSTED_PROXIES names it.)
+        wrong = [{"x-forwarded-for": f"10.0.0.{i}"} for i in range(12)]
         codes = [
-            (await http.post("/api/console/session", json={"key": "guess"})).status_code for _ in range(12)
+            (await http.post("/api/console/session", json={"key": "guess"}, headers=spoofed)).status_code
+            for spoofed in wrong
         ]
         assert codes[0] == 401 and codes[-1] == 429, codes
         assert (await http.post("/api/console/session", json={"key": KEY})).status_code == 200
@@ -117,7 +121,13 @@ async def _story(core: Core) -> dict[str, Any]:
         core.db, [CreditEntry(fin.packet_id, g.user_id, g.seq, g.amount + 1, g.grabbed_ms)]
     ) == ["share_conflict"]
     old = await packets.send_packet(
-        core, sender_id=UserId(w.admin), group_id=GroupId(w.group), kind="equal", total=300, count=3
+        core,
+        sender_id=UserId(w.admin),
+        group_id=GroupId(w.group),
+        kind="equal",
+        total=300,
+        count=3,
+        greeting=MARKUP,  # text, never markup, wherever the console shows it
     )
     early = await _grab(core, old.packet_id, w.group, w.members[0])
     refund = await settlement.refund_packet(core, old.packet_id, now=old.expires_ms + 1)
@@ -279,3 +289,13 @@ def test_up_with_the_documented_settings_serves_the_console(tmp_path: Path) -> N
             token = http.post("/api/console/session", json={"key": key}).json()["token"]
             books = http.get("/api/console/books", headers={"authorization": f"Bearer {token}"}).json()
             assert books["database"]["dialect"] == "sqlite" and books["outbox"]["total"] == 0
+
+
+async def test_the_console_on_the_hubs_port_when_asked(hub_settings: Settings) -> None:
+    """REDPACKET_CONSOLE_ON_HUB_PORT=1 and no metrics port: the console is on the hub's port, as behind it."""
+    settings = hub_settings.replace(console_key=KEY, console_on_hub_port=True)
+    async with hub_in_process(settings) as h, httpx.AsyncClient(base_url=h.http, timeout=10) as http:
+        assert (await http.get("/console/")).status_code == 200
+        assert (await http.get("/api/console/books")).status_code == 401
+        auth = await _sign_in(http)
+        assert (await http.get("/api/console/live", headers=auth)).json()["hub"] == h.hub.id

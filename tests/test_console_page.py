@@ -11,7 +11,7 @@ from playwright.async_api import Browser, Page, expect
 
 from server.settings import Settings
 from tests.hubtools import HubUnderTest, free_port, hub_in_process
-from tests.test_console import KEY, _story
+from tests.test_console import KEY, MARKUP, _story
 from tests.webtools import (
     DESKTOP,
     PHONE,
@@ -87,6 +87,9 @@ async def test_support_answers_where_the_money_is_and_whether_it_was_fair(
     refund = s["refund"]
     await expect(view.locator("h2")).to_have_text(f"Packet {old.packet_id}")
     await expect(view).to_contain_text("refunded")
+    await expect(view).to_contain_text(MARKUP)  # its greeting shown as the text it is
+    await expect(view.locator("img, b")).to_have_count(0)
+    assert await page.evaluate("window.__owned") is None
     amount = 300 - s["early"].grab.amount
     await expect(view).to_contain_text(f"¥{amount // 100}.{amount % 100:02d} at")
     assert refund is not None

@@ -32,16 +32,22 @@ from server.logformat import JsonLines
 from server.settings import Settings
 from server.store import keys
 from tests.books import run_worker
-from tests.hubtools import HubUnderTest, eventually, hub_in_process, make_room, redpacket_up
+from tests.hubtools import HubUnderTest, eventually, free_port, hub_in_process, make_room, redpacket_up
 from tests.repofiles import ROOT
+from tests.test_hostile import _answer
 from tests.webhooktools import SECRET, Receiver, receiving
 from worker.webhooks import Dispatcher
 
 
 @pytest.fixture
-def exported() -> Iterator[InMemorySpanExporter]:
+def provider() -> TracerProvider:
+    return TracerProvider()
+
+
+@pytest.fixture
+def exported(provider: TracerProvider) -> Iterator[InMemorySpanExporter]:
+    """Every span the SDK ends, kept in memory; tracing on for the test."""
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracing.use(provider)
     try:
@@ -107,8 +113,8 @@ async def test_a_grab_and_a_send_are_each_one_tree_from_the_socket_to_the_webhoo
     assert ledger.attributes is not None and ledger.attributes["db.system"] == "mysql"
     delivered = _child(spans, credit, "webhook delivery", event_type="share.credited")
     # The receiver was told the delivery's span (a backend that traces joins the same trace).
-    event_id = delivered.attributes["redpacket.event_id"]  # type: ignore[index]
-    assert receiver.traceparents[event_id] == tracing._traceparent_of(delivered.context)
+    event_id = int(str((delivered.attributes or {})["redpacket.event_id"]))
+    assert receiver.traceparents[event_id] == tracing.traceparent_of(delivered.context)
 
     send = _one(spans, "send", packet_id=packet, user_id=room.admin)
     _child(spans, send, "ledger send transaction")
@@ -132,6 +138,25 @@ async def test_off_nothing_is_carried_and_nothing_recorded(hub_settings: Setting
         assert await h.core.redis.keys(keys.trace_of("send", int(sent["packet_id"]))) == []
 
 
+async def test_a_move_not_drawn_makes_no_span_and_carries_nothing(
+    hub_settings: Settings, provider: TracerProvider, exported: InMemorySpanExporter
+) -> None:
+    """OTEL_TRACES_SAMPLER's share is drawn before any span is made: at 0, tracing on costs a grab a
+    flag test and a random number, and its credit record carries no context."""
+    tracing.use(provider, 0.0)
+    async with hub_in_process(hub_settings) as h:
+        room = await make_room(h, 1)
+        sender = await h.client(room.admin_token, "json")
+        grabber = await h.client(room.members[0][1], "json")
+        sent = await sender.request("send", group=room.group, total=300, count=2)
+        await grabber.request("grab", group=room.group, packet=sent["packet_id"])
+        await sender.close()
+        await grabber.close()
+        entries = await h.core.redis.xrange(keys.outbox_for(GroupId(room.group)))
+        assert [sorted(f) for _, f in entries] == [[b"c"]]
+    assert exported.get_finished_spans() == ()
+
+
 def test_what_the_standard_variables_ask_for_is_checked_first() -> None:
     assert not tracing.wanted({})
     assert tracing.wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
@@ -141,13 +166,23 @@ def test_what_the_standard_variables_ask_for_is_checked_first() -> None:
     )
     assert not tracing.wanted({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"})
     for env, said in (
-        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "otlp, console or none"),
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "otlp, console, both"),
+        ({"OTEL_TRACES_EXPORTER": "otlp,none"}, "otlp, console, both"),
+        ({"OTEL_TRACES_SAMPLER": "xray"}, "OTEL_TRACES_SAMPLER is one of"),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "0 to 1"),
         ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "http/protobuf"),
         ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}, "http/protobuf"),
     ):
         with pytest.raises(tracing.TracingError, match=said):
             tracing.check(env)
-    tracing.check({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_TRACES_EXPORTER": "otlp"})
+    tracing.check({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_TRACES_EXPORTER": "otlp,console"})
+    assert (
+        tracing.rate({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"})
+        == 0.25
+    )
+    assert tracing.rate({}) == 1.0 and tracing.rate({"OTEL_TRACES_SAMPLER": "always_off"}) == 0.0
+    assert tracing.sampled("00-0bf6079d8b5196e954ec6f18f6e0f1f5-5e887f18f78cc810-03")
+    assert not tracing.sampled("00-0bf6079d8b5196e954ec6f18f6e0f1f5-5e887f18f78cc810-02")
 
 
 def test_a_json_line_carries_the_span_it_was_written_in(exported: InMemorySpanExporter) -> None:
@@ -167,7 +202,9 @@ def test_a_json_line_carries_the_span_it_was_written_in(exported: InMemorySpanEx
     assert "RuntimeError: boom" in json.loads(formatter.format(failed))["exception"]
 
 
-TEXT_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+# A log line as text: ours ("2026-12-07 21:43:03,445 INFO server…: …"), or uvicorn's own ("WARNING:  …").
+LEVEL = "(DEBUG|INFO|WARNING|ERROR|CRITICAL)"
+TEXT_LINE = re.compile(rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}} {LEVEL} |{LEVEL}:\s)")
 
 
 async def test_up_sends_a_grabs_whole_trace_over_otlp_and_logs_json_lines(tmp_path: Path) -> None:
@@ -191,6 +228,8 @@ async def test_up_sends_a_grabs_whole_trace_over_otlp_and_logs_json_lines(tmp_pa
         "OTEL_BSP_SCHEDULE_DELAY": "50",
         "OTEL_SERVICE_NAME": "hub-under-test",
         "REDPACKET_LOG_FORMAT": "json",
+        # The operations listener too (its own uvicorn server, whose records must be JSON lines as well).
+        "REDPACKET_METRICS_PORT": str(ops := free_port()),
     }
     said: list[str] = []
     try:
@@ -203,6 +242,10 @@ async def test_up_sends_a_grabs_whole_trace_over_otlp_and_logs_json_lines(tmp_pa
             await grabber.request("grab", group=room.group, packet=sent["packet_id"])
             await sender.close()
             await grabber.close()
+            # uvicorn's own warning on the operations listener: a websocket upgrade it does not serve.
+            upgrade = b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+            await _answer("127.0.0.1", ops, upgrade)
+            await eventually(lambda: any('"logger": "uvicorn' in line for line in said), timeout=30)
             wanted = {"grab", "redis grab.lua", "credit", "ledger credit transaction"}
             await eventually(lambda: wanted <= {s.name for s in _spans(bodies)}, timeout=60)
     finally:

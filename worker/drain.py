@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, assert_never
 
 from redis.asyncio.client import Pipeline
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from server import tracing
 from server.core import Core
@@ -55,6 +55,8 @@ TAKEOVER_EVERY = 1.0
 PAY_AT_ONCE = 500
 # Entry ids a drain remembers having read (``_take_over`` tells its own from another worker's).
 SEEN_AT_MOST = 100_000
+# The longest a batch's trace contexts take to be kept for their webhook deliveries (``_traced``).
+TRACE_KEEP_SECONDS = 1.0
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Batch:
     items: list[tuple[int, bytes, CreditEntry]] = field(default_factory=list)
     deleted: dict[int, list[bytes]] = field(default_factory=dict)  # pending ids whose entry is gone
     traces: dict[int, str] = field(default_factory=dict)  # item → its grab's span (``server.tracing``)
+    paid_ns: tuple[int, int] = (0, 0)  # when its transaction began and committed (for its spans)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -282,9 +285,9 @@ class CreditDrain:
             if not fields:
                 batch.deleted.setdefault(n, []).append(entry_id)
                 continue
-            if len(fields) > 1 and b"t" in fields:  # the grab was traced: its span, for the credit's
-                batch.traces[len(batch.items)] = fields[b"t"].decode()
             batch.items.append((n, entry_id, CreditEntry.parse(fields[b"c"])))
+            if len(fields) > 1 and b"t" in fields:  # the grab was traced: its span, for the credit's
+                batch.traces[len(batch.items) - 1] = fields[b"t"].decode()
             self.holding[n].add(entry_id)
             self._seen[(n, entry_id)] = None
             if len(self._seen) > SEEN_AT_MOST:
@@ -292,13 +295,12 @@ class CreditDrain:
 
     async def _pay(self, taken: Batch) -> list[Outcome]:
         credits = [c for _, _, c in taken.items]
-        started = time.time_ns()
+        taken.paid_ns = (time.time_ns(), 0)
         try:
             outcomes: list[Outcome] = []
             for i in range(0, len(credits), PAY_AT_ONCE):
                 outcomes += await credit_many(self.core.db, credits[i : i + PAY_AT_ONCE], partial=True)
-            if taken.traces and tracing.ON:
-                await self._traced(taken, outcomes, started, time.time_ns())
+            taken.paid_ns = (taken.paid_ns[0], time.time_ns())
             return outcomes
         except BaseException:
             # Nothing more was committed: let these go to whoever takes them next, at once.
@@ -306,9 +308,11 @@ class CreditDrain:
                 await self._release(taken)
             raise
 
-    async def _traced(self, taken: Batch, outcomes: list[Outcome], start_ns: int, end_ns: int) -> None:
+    async def _traced(self, taken: Batch, outcomes: list[Outcome]) -> None:
         """Each traced grab's credit, a span of its trace, and the batch's ledger transaction its child
-        (one transaction, a span in each trace it paid); kept for the webhook delivery of its event."""
+        (one transaction, a span in each trace it paid); kept for the webhook delivery of its event. Run
+        once the batch is acknowledged; whatever fails here is said at debug level and changes nothing."""
+        start_ns, end_ns = taken.paid_ns
         db = {"db.system": self.core.db.dialect.name, "batch": len(taken.items)}
         keep = bool(configured(self.core.settings))
         async with self.core.redis.pipeline(transaction=False) as pipe:
@@ -325,10 +329,10 @@ class CreditDrain:
                     "credit", parent, start_ns, end_ns, "consumer", outcome=outcome, **attributes
                 )
                 tracing.recorded("ledger credit transaction", credit, start_ns, end_ns, "client", **db)
-                if keep:
+                if keep and tracing.sampled(credit):
                     pipe.set(keys.trace_of("grab", c.packet_id, c.seq), credit, ex=tracing.KEPT_SECONDS)
-            if keep:
-                with contextlib.suppress(RedisError):  # (the delivery's span then starts a trace)
+            if len(pipe):
+                async with asyncio.timeout(TRACE_KEEP_SECONDS):  # (not kept: the delivery starts a trace)
                     await pipe.execute()
 
     async def _release(self, taken: Batch) -> None:
@@ -418,3 +422,8 @@ class CreditDrain:
             log.warning("%d credit(s) wait for their shard of the ledger: given back", len(later))
             await self._release(later)
         self.processed += len(taken.items) - len(later)
+        if taken.traces and tracing.ON:
+            try:
+                await self._traced(taken, outcomes)
+            except Exception as e:  # (bookkeeping of traces never touches the money)
+                log.debug("credit spans not recorded: %s", e)

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # How often the heartbeat checks Redis and the database; `redpacket worker --check` wants a beat newer
 # than HEALTHY_WITHIN seconds.
-BEAT_SECONDS = 5.0
+BEAT_SECONDS = seen.BEAT_SECONDS  # (each beat says this worker is alive too: server.live.seen)
 # How this worker is listed among the processes seen (``server.live.seen``).
 WORKER_ID = uuid.uuid4().hex[:12]
 HEALTHY_WITHIN = 30.0

@@ -34,7 +34,6 @@ from collections.abc import AsyncGenerator
 from typing import cast
 
 import httpx
-from redis.exceptions import RedisError
 
 from server import tracing
 from server.core import Core
@@ -156,10 +155,10 @@ class Dispatcher:
     async def deliver(self, e: Endpoint, token: int, c: deliveries.Claimed) -> None:
         """One try of one delivery; tracing, in a span that joins the trace of the money move the event
         reports (``server.tracing``), its context sent on as the request's ``traceparent``."""
-        if not tracing.ON:
+        parent = await _kept_for(self.core, c.event) if tracing.ON else ""
+        if not parent and not (tracing.ON and tracing.draw()):  # (kept: its move was drawn)
             await self._deliver(e, token, c, {})
             return
-        parent = await _kept_for(self.core, c.event)
         attributes = {
             "event_id": c.seq,
             "event_type": c.event["type"],
@@ -236,7 +235,4 @@ async def _kept_for(core: Core, event: events.Event) -> str:
         key = keys.trace_of("send", int(data["packet_id"]))
     else:
         return ""
-    try:
-        return await tracing.kept(core.redis, key)
-    except RedisError:  # (Redis away: the delivery goes on, in a trace of its own)
-        return ""
+    return await tracing.kept(core.redis, key)  # (Redis away: '', the delivery in a trace of its own)

@@ -32,7 +32,7 @@ from server.hub import service, userapi
 from server.hub.console import api as console_api
 from server.hub.gcpolicy import keep_collections_out_of_bursts
 from server.hub.guards import Guards
-from server.hub.handshake import HttpLimits, bounded_http, check_uvicorn
+from server.hub.handshake import check_uvicorn
 from server.hub.httpkit import (
     CrossOrigin,
     EveryAnswer,
@@ -42,7 +42,7 @@ from server.hub.httpkit import (
 )
 from server.hub.hub import Hub
 from server.hub.metrics import HubMetrics
-from server.hub.operations import operations_app, serve_operations
+from server.hub.operations import operations_app, options, serve_operations
 from server.hub.session import websocket_endpoint
 from server.hub.wire import HubWebSocket
 from server.live import seen
@@ -275,23 +275,16 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
     websocket protocol (``server.hub.wire``), no compression unless asked, frame cap, pings. Raises
     ``UnsupportedUvicorn`` first if the installed uvicorn lacks what the HTTP side uses."""
     check_uvicorn()
-    http = bounded_http(settings.handshake_seconds, HttpLimits.of(settings))
     return uvicorn.Config(
         # (uvicorn.Config types app as its ASGI protocol; Starlette's app is one, typed otherwise.)
         app,  # type: ignore[arg-type]
-        http=http,
         ws=hub_websocket(settings, app),
         ws_per_message_deflate=settings.ws_compression,
         ws_max_size=settings.ws_max_frame_bytes,
         ws_ping_interval=settings.ws_ping_interval,
         ws_ping_timeout=settings.ws_ping_timeout,
         timeout_graceful_shutdown=settings.shutdown_seconds,
-        log_level="warning",
-        access_log=False,
-        # JSON lines: uvicorn's records go to the root logger's handler as every other (its own config
-        # would write them as text).
-        log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-        # X-Forwarded-For from the proxies named, never from another peer (loopback included).
-        proxy_headers=bool(settings.trusted_proxy_list),
-        forwarded_allow_ips=list(settings.trusted_proxy_list),
+        # Logging, the bounded HTTP protocol, X-Forwarded-For only from the proxies named: as the
+        # operations listener has them (``server.hub.operations.options``).
+        **options(settings),
     )

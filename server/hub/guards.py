@@ -1,15 +1,23 @@
 """What a request passes before its handler runs, kept by each hub process in its own memory: who a token
 names (``Tokens``, with the backend's JWKS when it publishes its keys), and the limits by client address
 and by user on the HTTP API, by wrong service key on the chat backend's API, and by user across all of a
-user's sockets on the websocket (docs/configuration.md). The routes read it as ``app.state.guards``; the
+user's sockets on the websocket (docs/configuration.md), and the answer to a wrong service or console key
+(``refuse_wrong_key``). The routes read it as ``app.state.guards``; the
 hub's registry of sockets, its fan-out and its presence (``server.hub.hub``) never do."""
 
 from __future__ import annotations
 
 import contextlib
+import time
+from typing import NoReturn
 
+from starlette.requests import Request
+
+from server import errors
+from server.errors import TooMany
+from server.hub.httpkit import client_address
 from server.hub.ratelimit import KeyedBuckets
-from server.hub.tokens import Rules, Tokens
+from server.hub.tokens import Rules, TokenError, Tokens
 from server.settings import Settings
 
 
@@ -31,3 +39,22 @@ class Guards:
         if self.tokens.jwks is not None:
             with contextlib.suppress(Exception):
                 await self.tokens.jwks.refresh()
+
+
+def refuse_wrong_key(request: Request, buckets: KeyedBuckets, what: str, said: str) -> NoReturn:
+    """A wrong key (``what``: ``service_key``, ``console_key``) from the request's address: 401
+    ``token_invalid`` saying ``said``; past the address's allowance of wrong keys, 429 until it refills
+    (counted in ``redpacket_hub_limited_total{limit=what}``). The right key is taken whatever an address
+    did before: a stranger behind the same address (a proxy, a NAT) cannot lock its owner out, and a key
+    of 32 random characters is not guessed."""
+    address, now = client_address(request), time.monotonic()
+    if not buckets.allows(address, now):
+        request.app.state.hub.metrics.limited.labels(what).inc()
+        raise TooMany(
+            errors.RATE_LIMITED,
+            f"too many wrong {what.replace('_', ' ')}s from this address: wait a minute",
+            retry_after_s=buckets.wait(address, now),
+            allowance=buckets.burst,
+        )
+    buckets.take(address, now)
+    raise TokenError(errors.TOKEN_INVALID, said)

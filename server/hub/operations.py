@@ -1,17 +1,18 @@
 """The operations listener (``REDPACKET_METRICS_PORT``, loopback by default): ``/metrics``, and with
 ``REDPACKET_CONSOLE_KEY`` the operators' console (``server.hub.console``), kept off the port strangers reach.
 
-It is the hub's own app behind uvicorn's HTTP protocol with the hub's bounds (``server.hub.handshake``:
-a request whole within the handshake deadline, its head and body limited), served on the socket given
-through the protocol class's public constructor (``config``, ``server_state``, ``app_state``), beside the
-hub's server in the same loop. No uvicorn ``Server`` of its own: that one would take the process's
-signals from the hub's."""
+It is a uvicorn server of its own, with the hub's HTTP protocol and bounds (``server.hub.handshake``: a
+request whole within the handshake deadline, its head and body limited) and the hub's uvicorn options
+(``options``), run on the metrics socket beside the hub's server in the same loop, leaving the process's
+signals to the hub's."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -21,14 +22,13 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
-from uvicorn.server import ServerState
 
 from server.hub.handshake import HttpLimits, bounded_http
 from server.hub.httpkit import EveryAnswer
 from server.settings import Settings
 
 # How long connections still open when the hub stops are given to finish their answer.
-CLOSE_SECONDS = 2.0
+CLOSE_SECONDS = 2
 
 
 def operations_app(
@@ -49,42 +49,60 @@ def operations_app(
     )
 
 
+class _Beside(uvicorn.Server):
+    """uvicorn's server, run beside the hub's in the same process: the process's signals stay the hub's
+    (uvicorn's ``capture_signals``, a public method, is not taken here); it stops when the hub stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def options(settings: Settings) -> dict[str, Any]:
+    """What the hub's listener and this one share: uvicorn's logging as the settings say (JSON lines: its
+    records go to the root handler), no access log, the HTTP bounds, X-Forwarded-For only from the
+    proxies named."""
+    return {
+        "http": bounded_http(settings.handshake_seconds, HttpLimits.of(settings)),
+        "log_level": "warning",
+        "access_log": False,
+        "log_config": None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
+        "proxy_headers": bool(settings.trusted_proxy_list),
+        "forwarded_allow_ips": list(settings.trusted_proxy_list),
+    }
+
+
 class OperationsServer:
-    def __init__(self, server: asyncio.Server, state: ServerState) -> None:
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None]) -> None:
         self.server = server
-        self.state = state
+        self.task = task
 
     async def close(self) -> None:
-        self.server.close()
-        for connection in list(self.state.connections):
-            connection.shutdown()
+        """Stop taking connections; those open get ``CLOSE_SECONDS`` to finish their answer."""
+        self.server.should_exit = True
         try:
-            async with asyncio.timeout(CLOSE_SECONDS):
-                await self.server.wait_closed()
+            await asyncio.wait_for(asyncio.shield(self.task), CLOSE_SECONDS + 5)
         except TimeoutError:
-            for connection in list(self.state.connections):
-                transport = getattr(connection, "transport", None)
-                if transport is not None:
-                    transport.abort()
+            self.server.force_exit = True
+            await asyncio.wait_for(self.task, 5)
 
 
 async def serve_operations(sock: socket.socket, app: Starlette, settings: Settings) -> OperationsServer:
+    """``app`` on ``sock`` (bound by the caller) until ``close``; started when this returns."""
     config = uvicorn.Config(
         app,
-        http=bounded_http(settings.handshake_seconds, HttpLimits.of(settings)),
         ws="none",
         lifespan="off",
-        log_level="warning",
-        access_log=False,
         server_header=False,
-        date_header=False,
+        timeout_graceful_shutdown=CLOSE_SECONDS,
+        **options(settings),
     )
-    config.load()
-    state = ServerState()
-
-    def protocol() -> asyncio.Protocol:
-        return config.http_protocol_class(config=config, server_state=state, app_state={})  # type: ignore[call-arg]
-
-    sock.setblocking(False)
-    server = await asyncio.get_running_loop().create_server(protocol, sock=sock, backlog=128)
-    return OperationsServer(server, state)
+    server = _Beside(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    async with asyncio.timeout(10):  # (it starts in a moment; a failure to start is raised here)
+        while not server.started:
+            if task.done():
+                await task
+                raise RuntimeError("the operations listener stopped as it started")
+            await asyncio.sleep(0.01)
+    return OperationsServer(server, task)

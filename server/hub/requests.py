@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, assert_never
+from typing import TYPE_CHECKING, Any, assert_never
 
 from redpacket_client.protocol import offset_key
 from server import errors, text, tracing
@@ -23,6 +23,7 @@ from server.ids import GroupId, PacketId, UserId
 from server.live import announce, events
 from server.live.botscore import Attempt
 from server.money import grabs, packets, queries
+from server.money.endpoints import configured
 from server.money.grabs import view_dict
 from server.store import keys
 
@@ -178,8 +179,9 @@ async def send(
     then announced in its room now — or, offset null, by a retry or a worker once Redis is back; the
     send's answer. Tracing: a span of the send, its packet's id set once known, kept for the webhook
     delivery of its ``packet.sent`` to join."""
-    with tracing.maybe("send", "server", group_id=group_id, user_id=sender_id) as span:
-        with tracing.maybe("ledger send transaction", "client", **{"db.system": hub.core.db.dialect.name}):
+    db: dict[str, Any] = {"db.system": hub.core.db.dialect.name}
+    with tracing.maybe("send", "server", root=True, group_id=group_id, user_id=sender_id) as span:
+        with tracing.maybe("ledger send transaction", "client", **db):
             p = await packets.send_packet(
                 hub.core,
                 sender_id=sender_id,
@@ -195,7 +197,8 @@ async def send(
             )
         if span is not None:
             span.set_attribute("redpacket.packet_id", p.packet_id)
-            await tracing.keep(hub.core.redis, keys.trace_of("send", p.packet_id))
+            if configured(hub.core.settings):  # for the webhook delivery of its packet.sent to join
+                await tracing.keep(hub.core.redis, keys.trace_of("send", p.packet_id))
         hub.packet_cache.mark_known(group_id=p.group_id, packet_id=p.packet_id)
         with tracing.maybe("redis publish", "client", packet_id=p.packet_id):
             offset = await announce.announce_packet(hub.core, p)
@@ -261,7 +264,7 @@ _OUTCOMES = {errors.PACKET_EMPTY: "empty", errors.PACKET_EXPIRED: "expired"}
 
 def _go(s: Session, started: float, *, group_id: GroupId, packet_id: PacketId) -> Answer:
     """The grab in Redis, in a span of its own when tracing (``server.tracing``)."""
-    if tracing.ON:
+    if tracing.ON and tracing.draw():  # (a move not drawn: no span at all)
         return _traced(
             _grab(s, started, group_id=group_id, packet_id=packet_id), "grab", s, group_id, packet_id
         )

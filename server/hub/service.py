@@ -11,8 +11,6 @@ stops receiving the group), and each is announced in the group as the user route
 
 from __future__ import annotations
 
-import hmac
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,13 +20,12 @@ from starlette.routing import Route
 
 from server import errors
 from server.core import Core
-from server.errors import Forbidden, InvalidRequest, NotFound, TooMany
+from server.errors import Forbidden, InvalidRequest, NotFound
 from server.hub import requests, webhookapi
-from server.hub.guards import Guards
+from server.hub.guards import Guards, refuse_wrong_key
 from server.hub.httpkit import (
     Handler,
     bearer,
-    client_address,
     endpoint,
     id_of,
     json_body,
@@ -38,11 +35,11 @@ from server.hub.httpkit import (
     path_id,
 )
 from server.hub.hub import Hub
-from server.hub.tokens import TokenError
 from server.ids import GroupId, UserId
 from server.money import events, groups, ledger, payouts, queries
 from server.money.groups import Role
 from server.money.journal import journal_page, journal_sum
+from server.signing import same_secret
 
 BY_BACKEND = 0  # the `by` of an event caused through this API
 MAX_MEMBERS = 100_000
@@ -58,28 +55,19 @@ def _require_key(request: Request, core: Core) -> None:
     key, previous = core.settings.service_key, core.settings.service_key_previous
     if not key:
         raise Forbidden(errors.DISABLED, "the service API is off on this hub: set REDPACKET_SERVICE_KEY")
-    given = (bearer(request) or "").encode()
+    given = bearer(request) or ""
     hub: Hub = request.app.state.hub
     guards: Guards = request.app.state.guards
     # Both compared, always: how long it takes says nothing of which one (or whether) it matched.
-    current_ok = hmac.compare_digest(given, key.encode())
-    previous_ok = hmac.compare_digest(given, (previous or key).encode()) and bool(previous)
+    current_ok = same_secret(given, key)
+    previous_ok = same_secret(given, previous)
     if current_ok or previous_ok:
         # During a roll (REDPACKET_SERVICE_KEY_PREVIOUS): once "previous" stops counting, drop it.
         hub.metrics.service_key_uses.labels("current" if current_ok else "previous").inc()
         return
-    address, now = client_address(request), time.monotonic()
     hub.metrics.service_key_failures.inc()
-    if not guards.service_key_failures.allows(address, now):
-        hub.metrics.limited.labels("service_key").inc()
-        raise TooMany(
-            errors.RATE_LIMITED,
-            "too many wrong service keys from this address: wait a minute",
-            retry_after_s=guards.service_key_failures.wait(address, now),
-            allowance=guards.service_key_failures.burst,
-        )
-    guards.service_key_failures.take(address, now)
-    raise TokenError(errors.TOKEN_INVALID, "the service API takes REDPACKET_SERVICE_KEY as its bearer token")
+    said = "the service API takes REDPACKET_SERVICE_KEY as its bearer token"
+    refuse_wrong_key(request, guards.service_key_failures, "service_key", said)
 
 
 def _user_ids(value: object, field: str) -> list[UserId]:

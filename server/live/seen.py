@@ -28,22 +28,25 @@ async def beat(core: Core, role: Role, id: str, **said: Any) -> None:
     now = now_ms()
     me = {"role": role, "id": id, "host": socket.gethostname(), "pid": os.getpid(), "seen_ms": now, **said}
     await cast(Awaitable[int], core.redis.hset(keys.seen(), field(role, id), json.dumps(me)))
-    stale = [f for f, s in (await listing(core, now, raw=True)) if now - int(s.get("seen_ms", 0)) > FORGET_MS]
+    stale = [f for f, s in (await _said(core)).items() if now - int(s.get("seen_ms", 0)) > FORGET_MS]
     if stale:
         await cast(Awaitable[int], core.redis.hdel(keys.seen(), *stale))
 
 
-async def listing(core: Core, now: int, raw: bool = False) -> list[Any]:
-    """Every process seen, newest first, each with ``ago_ms`` (``raw``: (field, what it said) pairs)."""
+async def listing(core: Core, now: int) -> list[dict[str, Any]]:
+    """Every process seen, the latest first, each with ``ago_ms``."""
+    out = [{**s, "ago_ms": now - int(s.get("seen_ms", 0))} for s in (await _said(core)).values()]
+    return sorted(out, key=lambda s: s["ago_ms"])
+
+
+async def _said(core: Core) -> dict[str, dict[str, Any]]:
+    """Field → what that process said of itself (an entry that is not JSON: an empty one)."""
     found = await cast(Awaitable[dict[bytes, bytes]], core.redis.hgetall(keys.seen()))
-    pairs = []
+    out: dict[str, dict[str, Any]] = {}
     for f, v in found.items():
         try:
             said = json.loads(v)
         except ValueError:
             said = {}
-        pairs.append((f.decode(errors="replace"), said if isinstance(said, dict) else {}))
-    if raw:
-        return pairs
-    out = [{**s, "ago_ms": now - int(s.get("seen_ms", 0))} for _, s in pairs]
-    return sorted(out, key=lambda s: s["ago_ms"])
+        out[f.decode(errors="replace")] = said if isinstance(said, dict) else {}
+    return out

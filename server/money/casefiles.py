@@ -62,6 +62,7 @@ async def packet_rows(db: Database, packet_id: PacketId) -> PacketRows:
 
 @dataclass(frozen=True)
 class AccountRows:
+    balance: int
     rows: int  # journal rows in all
     total: int  # their sum
     newest: list[dict[str, Any]]  # the newest journal rows, newest first, each with the balance after it
@@ -69,17 +70,21 @@ class AccountRows:
     groups: list[GroupId]  # some of the groups the user is in
 
 
-async def account_rows(db: Database, user_id: UserId, balance: int, newest: int, groups: int) -> AccountRows:
-    """The account's journal (its ``newest`` rows, each with the balance after it, counted back from
-    ``balance``), its newest holds, and up to ``groups`` of its groups."""
-    rows = await db.fetchall(
-        "SELECT id, amount, kind, idem_key, packet_id, created_ms FROM journal WHERE account_id = %s"
-        " ORDER BY id DESC LIMIT %s",
-        (user_id, newest),
-    )
-    total = await db.fetchone(
-        "SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM journal WHERE account_id = %s", (user_id,)
-    )
+async def account_rows(db: Database, user_id: UserId, newest: int, groups: int) -> AccountRows:
+    """The account's balance and journal (its ``newest`` rows, each with the balance after it, counted
+    back from the balance), read in one snapshot (a credit landing meanwhile shows in all or none), its
+    newest holds, and up to ``groups`` of its groups."""
+    async with db.snapshot() as tx:
+        found = await tx.fetchone("SELECT balance FROM accounts WHERE user_id = %s", (user_id,))
+        rows = await tx.fetchall(
+            "SELECT id, amount, kind, idem_key, packet_id, created_ms FROM journal WHERE account_id = %s"
+            " ORDER BY id DESC LIMIT %s",
+            (user_id, newest),
+        )
+        total = await tx.fetchone(
+            "SELECT COUNT(*), COALESCE(SUM(amount), 0) FROM journal WHERE account_id = %s", (user_id,)
+        )
+    balance = int(found[0]) if found else 0
     after, journal = balance, []
     for r in rows:  # newest first: the balance after a row is the one after the next newer, less it
         journal.append(
@@ -113,6 +118,7 @@ async def account_rows(db: Database, user_id: UserId, balance: int, newest: int,
         "SELECT group_id FROM group_members WHERE user_id = %s LIMIT %s", (user_id, groups)
     )
     return AccountRows(
+        balance,
         int(total[0]) if total else 0,
         int(total[1]) if total else 0,
         journal,

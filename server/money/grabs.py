@@ -98,7 +98,7 @@ async def grab(
             check_members=check_members,
             gate=gate,
         )
-        if tracing.ON:  # the credit record carries this span to the worker
+        if tracing.ON and tracing.recording():  # a grab traced: its credit record carries this span
             with tracing.span("redis grab.lua", "client", packet_id=packet_id, user_id=user_id, **REDIS):
                 call.trace = tracing.traceparent()
                 return await run(core.batcher, core.scripts, call)

@@ -9,6 +9,7 @@ const $ = (id) => document.getElementById(id);
 
 let token = sessionStorage.getItem(KEPT);
 let liveTimer = null;
+let liveRun = 0; // which sign-in the live figures belong to: a late answer of an older one stops
 const series = { connections: [], grabs: [], lag: [] };
 let lastLive = null;
 
@@ -266,9 +267,12 @@ function push(name, value) {
   if (s.length > LIVE_POINTS) s.shift();
 }
 
-async function tick() {
+// The live figures: one request at a time, the next LIVE_EVERY_MS after the last answer (a slow hub is
+// never asked twice at once).
+async function tick(run) {
   try {
     const now = await api("GET", "/api/console/live");
+    if (run !== liveRun) return;
     const rate = lastLive ? Math.max(0, (now.grabs_won_total - lastLive.grabs_won_total) * 1000 /
       Math.max(1, now.at_ms - lastLive.at_ms)) : 0;
     lastLive = now;
@@ -285,8 +289,12 @@ async function tick() {
     draw("chart-grabs", series.grabs);
     draw("chart-lag", series.lag);
   } catch (e) {
-    if (e instanceof ApiError && e.status === 401) signedOut(e.message);
+    if (e instanceof ApiError && e.status === 401) {
+      signedOut(e.message);
+      return;
+    }
   }
+  if (run === liveRun && liveTimer !== null) liveTimer = setTimeout(() => tick(run), LIVE_EVERY_MS);
 }
 
 async function run(action) {
@@ -304,9 +312,9 @@ function signedIn(expiresMs) {
   $("desk").hidden = false;
   $("sign-out").hidden = false;
   $("session").textContent = expiresMs ? `Signed in until ${when(expiresMs)}` : "Signed in";
-  if (!liveTimer) {
-    tick();
-    liveTimer = setInterval(tick, LIVE_EVERY_MS);
+  if (liveTimer === null) {
+    liveTimer = 0; // (running: tick sets the next one)
+    tick(++liveRun);
   }
   $("packet-id").focus();
 }
@@ -314,8 +322,9 @@ function signedIn(expiresMs) {
 function signedOut(why) {
   token = null;
   sessionStorage.removeItem(KEPT);
-  clearInterval(liveTimer);
+  clearTimeout(liveTimer);
   liveTimer = null;
+  liveRun += 1;
   $("desk").hidden = true;
   $("sign-out").hidden = true;
   $("sign-in").hidden = false;

@@ -7,8 +7,8 @@ session's id. Reads are the ledger's and Redis's as they stand (``server.hub.con
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,20 +19,23 @@ from starlette.staticfiles import StaticFiles
 
 from server import errors
 from server.core import Core
-from server.errors import InvalidRequest, NotFound, TooMany
+from server.errors import InvalidRequest, NotFound, Unavailable
 from server.hub.console import books, sessions, views
-from server.hub.guards import Guards
+from server.hub.guards import Guards, refuse_wrong_key
 from server.hub.httpkit import Handler, bearer, client_address, endpoint, json_body, path_id
 from server.hub.hub import Hub
 from server.hub.tokens import TokenError
 from server.ids import PacketId, UserId
 from server.live import bots
 from server.money import ledger
+from server.signing import same_secret
 from server.store.assets import asset_dir
 
 log = logging.getLogger(__name__)
 
 PAGE_DIR = asset_dir("web") / "console"
+# The longest a console read takes before it is answered 503 (the books' parts have their own, shorter).
+ANSWER_SECONDS = 5
 
 
 def _operator(request: Request, core: Core) -> str:
@@ -49,24 +52,15 @@ async def sign_in(request: Request, core: Core, _: UserId) -> dict[str, object]:
     key = (await json_body(request)).get("key")
     if not isinstance(key, str) or not key:
         raise InvalidRequest(errors.BAD_REQUEST, "key is the console key (REDPACKET_CONSOLE_KEY)")
-    if sessions.key_matches(core.settings.console_key, key):
+    if same_secret(key, core.settings.console_key):
         s = sessions.open_session(
             core.settings.console_key, ledger.now_ms(), core.settings.console_session_minutes
         )
         log.warning("console: session %s opened from %s", s.id, client_address(request))
         return {"token": s.token, "expires_ms": s.expires_ms}
-    guards: Guards = request.app.state.guards
-    buckets, address, now = guards.console_key_failures, client_address(request), time.monotonic()
-    if not buckets.allows(address, now):
-        raise TooMany(
-            errors.RATE_LIMITED,
-            "too many wrong console keys from this address: wait a minute",
-            retry_after_s=buckets.wait(address, now),
-            allowance=buckets.burst,
-        )
-    buckets.take(address, now)
     log.warning("console: a wrong key from %s", client_address(request))
-    raise TokenError(errors.TOKEN_INVALID, "that is not the console key")
+    guards: Guards = request.app.state.guards
+    refuse_wrong_key(request, guards.console_key_failures, "console_key", "that is not the console key")
 
 
 async def packet(request: Request, core: Core, _: UserId) -> dict[str, object]:
@@ -122,9 +116,17 @@ async def live(request: Request, core: Core, _: UserId) -> dict[str, object]:
 
 
 def _operators_only(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """``handler`` for a request with a valid session, answered within ``ANSWER_SECONDS`` (else 503)."""
+
     async def checked(request: Request, core: Core, user: UserId) -> Any:
         request.scope["console_session"] = _operator(request, core)
-        return await handler(request, core, user)
+        try:
+            async with asyncio.timeout(ANSWER_SECONDS):
+                return await handler(request, core, user)
+        except TimeoutError:
+            raise Unavailable(
+                errors.DATABASE_UNAVAILABLE, f"the ledger or Redis did not answer within {ANSWER_SECONDS} s"
+            ) from None
 
     return endpoint(checked, public=True, service=True)
 

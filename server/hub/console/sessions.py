@@ -31,11 +31,6 @@ def _mac(console_key: str, body: str) -> str:
     return hmac.new(_signing_key(console_key), body.encode(), hashlib.sha256).hexdigest()
 
 
-def key_matches(console_key: str, given: str) -> bool:
-    """Whether ``given`` is the console key, compared in constant time (never true when there is none)."""
-    return bool(console_key) and hmac.compare_digest(given.encode(), console_key.encode())
-
-
 def open_session(console_key: str, now_ms: int, minutes: int) -> Session:
     sid = secrets.token_hex(8)
     expires = now_ms + minutes * 60_000

@@ -7,8 +7,7 @@ holds, blocks and throttles, and sockets online."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from server.core import Core
 from server.ids import GroupId, PacketId, ShareSeq, UserId
@@ -130,8 +129,7 @@ async def user(core: Core, user_id: UserId, sockets_here: int, hub_id: str) -> d
     name = await ledger.user_name(db, user_id)
     if name is None:
         return None
-    balance = await ledger.balance(db, user_id)
-    rows = await casefiles.account_rows(db, user_id, balance, JOURNAL_ROWS, GROUPS_LOOKED_AT)
+    rows = await casefiles.account_rows(db, user_id, JOURNAL_ROWS, GROUPS_LOOKED_AT)
     restrictions = [
         {"action": b.action, "until_ms": b.until_ms, "reasons": b.reasons}
         for b in await bots.list_blocks(core)
@@ -140,7 +138,7 @@ async def user(core: Core, user_id: UserId, sockets_here: int, hub_id: str) -> d
     return {
         "user_id": user_id,
         "name": name,
-        "balance": balance,
+        "balance": rows.balance,
         "journal_rows": rows.rows,
         "journal_sum": rows.total,
         "journal": rows.newest,
@@ -155,8 +153,10 @@ async def _hubs_online(core: Core, user_id: UserId, groups: list[GroupId], here:
     """The hubs whose presence in these groups of the user's says they hold a socket of the user now."""
     now = ledger.now_ms()
     hubs = {here} if here else set()
-    for g in groups:
-        key = keys.presence_hubs(group_id=g, user_id=user_id)
-        held = await cast(Awaitable[dict[bytes, bytes]], core.redis.hgetall(key))
-        hubs |= {as_text(h) for h, lapse in held.items() if int(lapse) > now}
+    async with core.redis.pipeline(transaction=False) as pipe:
+        for g in groups:
+            pipe.hgetall(keys.presence_hubs(group_id=g, user_id=user_id))
+        held: list[dict[bytes, bytes]] = await pipe.execute()
+    for each in held:
+        hubs |= {as_text(h) for h, lapse in each.items() if int(lapse) > now}
     return sorted(hubs)
