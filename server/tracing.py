@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from redis.asyncio import Redis
@@ -36,6 +36,7 @@ _tracer: Any = None
 _provider: Any = None
 _kinds: dict[str, Any] = {}
 _current: Any = None
+_otel: dict[str, Any] = {}  # the API's functions, looked up once (``use``)
 
 # What ``OTEL_TRACES_SAMPLER`` may name (the SDK's own names): its share of money moves traced.
 SAMPLERS = {
@@ -157,12 +158,20 @@ def use(provider: Any, share: float = 1.0) -> None:
     """Trace ``share`` of the money moves with this SDK ``TracerProvider`` (``configure``'s, or a test's);
     None: off again."""
     global ON, RATE, _tracer, _provider, _kinds, _current
-    from opentelemetry.trace import SpanKind, get_current_span
+    from opentelemetry.context import attach, detach
+    from opentelemetry.trace import SpanKind, Status, StatusCode, get_current_span, set_span_in_context
 
     _provider = provider
     _tracer = None if provider is None else provider.get_tracer("redpacket")
     _kinds = {k.name.lower(): k for k in SpanKind}
     _current = get_current_span
+    _otel.update(
+        attach=attach,
+        detach=detach,
+        set_span_in_context=set_span_in_context,
+        Status=Status,
+        ERROR=StatusCode.ERROR,
+    )
     RATE = share
     ON = provider is not None
 
@@ -227,21 +236,32 @@ async def kept(redis: Redis, key: str) -> str:
     return found.decode() if isinstance(found, bytes) else (found or "")
 
 
-@contextlib.contextmanager
-def span(name: str, kind: Kind = "internal", parent: str | None = None, **attributes: Any) -> Iterator[Any]:
+def span(name: str, kind: Kind = "internal", parent: str | None = None, **attributes: Any) -> _Span:
     """A span around the block, the current one's child (or ``parent``'s, a ``traceparent``); the span is
     given to the block (for more attributes). Only under ``if tracing.ON``: off it is not called."""
-    from opentelemetry.trace import Status, StatusCode
-
     context = _context_of(parent) if parent else None
-    with _tracer.start_as_current_span(
-        name, context=context, kind=_kinds[kind], attributes=_attrs(attributes)
-    ) as s:
-        try:
-            yield s
-        except BaseException as e:
-            s.set_status(Status(StatusCode.ERROR, type(e).__name__))
-            raise
+    return _Span(_tracer.start_span(name, context=context, kind=_kinds[kind], attributes=_attrs(attributes)))
+
+
+class _Span:
+    """The span current for the block, ended with it (an exception marks it an error): what the SDK's
+    ``start_as_current_span`` does, without its layers of generators."""
+
+    __slots__ = ("span", "token")
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+        self.token: Any = None
+
+    def __enter__(self) -> Any:
+        self.token = _otel["attach"](_otel["set_span_in_context"](self.span))
+        return self.span
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: Any) -> None:
+        if error is not None:
+            self.span.set_status(_otel["Status"](_otel["ERROR"], type(error).__name__))
+        self.span.end()
+        _otel["detach"](self.token)
 
 
 def recorded(
@@ -262,9 +282,7 @@ def recorded(
 
 def traceparent() -> str:
     """The current span as a W3C ``traceparent`` ('' when none)."""
-    from opentelemetry import trace
-
-    return traceparent_of(trace.get_current_span().get_span_context())
+    return traceparent_of(_current().get_span_context())
 
 
 def current_ids() -> tuple[str, str] | None:

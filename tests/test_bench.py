@@ -157,3 +157,10 @@ async def test_the_credit_bench_undoes_only_its_own_credits(core: Core) -> None:
     assert await core.db.fetchone(theirs, (p.packet_id,)) == (2, 500)
     report = await reconcile(core)
     assert report.ok, report.differences
+
+
+def test_the_tracing_bench_prints_the_hubs_path_beside_the_stock_sdk(redis_url: str) -> None:
+    figures, _ = _bench(redis_url, "tracing")
+    sides = ["hub_off", "hub_all", "stock_sdk_all", "hub_1pct", "stock_sdk_1pct"]
+    assert all(float(figures[f"{side}_cpu_us_per_grab"]) > 0 for side in sides), figures  # type: ignore[arg-type]
+    assert {"ratio_all", "ratio_1pct"} <= figures.keys()

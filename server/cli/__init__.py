@@ -138,6 +138,11 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
 
         bench_frames(plot=Path(args.plot) if args.plot else None)
         return 0
+    if command == "bench" and args.what == "tracing":  # pure CPU too
+        from bench.tracebench import bench_tracing
+
+        bench_tracing(plot=Path(args.plot) if args.plot else None)
+        return 0
     if command == "bench" and args.what == "split":  # pure CPU too
         from bench.splitbench import bench_split
 

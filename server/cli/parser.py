@@ -123,6 +123,7 @@ def _bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "db-read",
             "tokens",
             "split",
+            "tracing",
             "grab-script",
             "hook",
         ],
