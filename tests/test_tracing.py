@@ -32,7 +32,7 @@ from server.logformat import JsonLines
 from server.settings import Settings
 from server.store import keys
 from tests.books import run_worker
-from tests.hubtools import HubUnderTest, eventually, free_port, hub_in_process, make_room, redpacket_up
+from tests.hubtools import HubUnderTest, Room, eventually, free_port, hub_in_process, make_room, redpacket_up
 from tests.repofiles import ROOT
 from tests.test_hostile import _answer
 from tests.webhooktools import SECRET, Receiver, receiving
@@ -54,6 +54,19 @@ def exported(provider: TracerProvider) -> Iterator[InMemorySpanExporter]:
         yield exporter
     finally:
         tracing.use(None)
+
+
+async def _send_and_grab(h: HubUnderTest) -> tuple[Room, dict[str, Any], dict[str, Any]]:
+    """A room of an admin and one member; the admin sends a packet of two shares, the member grabs one
+    (over websockets, as clients do): the room, the send's reply and the grab's."""
+    room = await make_room(h, 1)
+    sender = await h.client(room.admin_token, "json")
+    grabber = await h.client(room.members[0][1], "json")
+    sent = await sender.request("send", group=room.group, total=300, count=2)
+    got = await grabber.request("grab", group=room.group, packet=sent["packet_id"])
+    await sender.close()
+    await grabber.close()
+    return room, sent, got
 
 
 def _one(spans: list[ReadableSpan], name: str, **attributes: Any) -> ReadableSpan:
@@ -85,15 +98,8 @@ async def test_a_grab_and_a_send_are_each_one_tree_from_the_socket_to_the_webhoo
             webhook_urls=receiver.url, webhook_secret=SECRET, webhook_retry_ms=20, webhook_timeout_ms=400
         )
         async with hub_in_process(settings) as h:
-            room = await make_room(h, 1)
-            grabber_id, grabber_token = room.members[0]
-            sender = await h.client(room.admin_token, "json")
-            grabber = await h.client(grabber_token, "json")
-            sent = await sender.request("send", group=room.group, total=300, count=2)
-            packet = int(sent["packet_id"])
-            got = await grabber.request("grab", group=room.group, packet=packet)
-            await sender.close()
-            await grabber.close()
+            room, sent, got = await _send_and_grab(h)
+            grabber_id, packet = room.members[0][0], int(sent["packet_id"])
             # The credit record in the outbox carries the Redis span to the worker.
             entries = await h.core.redis.xrange(keys.outbox_for(GroupId(room.group)))
             assert [sorted(f) for _, f in entries] == [[b"c", b"t"]]
@@ -126,13 +132,7 @@ async def test_a_grab_and_a_send_are_each_one_tree_from_the_socket_to_the_webhoo
 async def test_off_nothing_is_carried_and_nothing_recorded(hub_settings: Settings) -> None:
     assert not tracing.ON
     async with hub_in_process(hub_settings) as h:
-        room = await make_room(h, 1)
-        sender = await h.client(room.admin_token, "json")
-        grabber = await h.client(room.members[0][1], "json")
-        sent = await sender.request("send", group=room.group, total=300, count=2)
-        await grabber.request("grab", group=room.group, packet=sent["packet_id"])
-        await sender.close()
-        await grabber.close()
+        room, sent, _ = await _send_and_grab(h)
         entries = await h.core.redis.xrange(keys.outbox_for(GroupId(room.group)))
         assert [sorted(f) for _, f in entries] == [[b"c"]]  # the grab's arguments as before: no trace
         assert await h.core.redis.keys(keys.trace_of("send", int(sent["packet_id"]))) == []
@@ -145,13 +145,7 @@ async def test_a_move_not_drawn_makes_no_span_and_carries_nothing(
     flag test and a random number, and its credit record carries no context."""
     tracing.use(provider, 0.0)
     async with hub_in_process(hub_settings) as h:
-        room = await make_room(h, 1)
-        sender = await h.client(room.admin_token, "json")
-        grabber = await h.client(room.members[0][1], "json")
-        sent = await sender.request("send", group=room.group, total=300, count=2)
-        await grabber.request("grab", group=room.group, packet=sent["packet_id"])
-        await sender.close()
-        await grabber.close()
+        room, _, _ = await _send_and_grab(h)
         entries = await h.core.redis.xrange(keys.outbox_for(GroupId(room.group)))
         assert [sorted(f) for _, f in entries] == [[b"c"]]
     assert exported.get_finished_spans() == ()
@@ -235,13 +229,7 @@ async def test_up_sends_a_grabs_whole_trace_over_otlp_and_logs_json_lines(tmp_pa
     try:
         with redpacket_up(tmp_path, env=env, said=said) as (url, _):
             h = HubUnderTest(url, Settings())
-            room = await make_room(h, 1)
-            sender = await h.client(room.admin_token, "json")
-            grabber = await h.client(room.members[0][1], "json")
-            sent = await sender.request("send", group=room.group, total=300, count=2)
-            await grabber.request("grab", group=room.group, packet=sent["packet_id"])
-            await sender.close()
-            await grabber.close()
+            await _send_and_grab(h)
             # uvicorn's own warning on the operations listener: a websocket upgrade it does not serve.
             upgrade = b"GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
             await _answer("127.0.0.1", ops, upgrade)

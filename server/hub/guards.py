@@ -8,14 +8,12 @@ hub's registry of sockets, its fan-out and its presence (``server.hub.hub``) nev
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import NoReturn
 
 from starlette.requests import Request
 
 from server import errors
-from server.errors import TooMany
-from server.hub.httpkit import client_address
+from server.hub.httpkit import client_address, limit
 from server.hub.ratelimit import KeyedBuckets
 from server.hub.tokens import Rules, TokenError, Tokens
 from server.settings import Settings
@@ -47,14 +45,6 @@ def refuse_wrong_key(request: Request, buckets: KeyedBuckets, what: str, said: s
     (counted in ``redpacket_hub_limited_total{limit=what}``). The right key is taken whatever an address
     did before: a stranger behind the same address (a proxy, a NAT) cannot lock its owner out, and a key
     of 32 random characters is not guessed."""
-    address, now = client_address(request), time.monotonic()
-    if not buckets.allows(address, now):
-        request.app.state.hub.metrics.limited.labels(what).inc()
-        raise TooMany(
-            errors.RATE_LIMITED,
-            f"too many wrong {what.replace('_', ' ')}s from this address: wait a minute",
-            retry_after_s=buckets.wait(address, now),
-            allowance=buckets.burst,
-        )
-    buckets.take(address, now)
+    wait = f"too many wrong {what.replace('_', ' ')}s from this address: wait a minute"
+    limit(request, what, buckets, client_address(request), wait)
     raise TokenError(errors.TOKEN_INVALID, said)

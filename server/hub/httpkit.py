@@ -91,14 +91,15 @@ def client_address(request: Request) -> str:
     return host
 
 
-def limit(request: Request, name: str, buckets: KeyedBuckets, key: object) -> None:
-    """One request against ``buckets``' ``key``: 429 ``rate_limited`` past it."""
+def limit(request: Request, name: str, buckets: KeyedBuckets, key: object, said: str = "") -> None:
+    """One request against ``buckets``' ``key``: 429 ``rate_limited`` past it (saying ``said``), counted
+    in ``redpacket_hub_limited_total{limit=name}``."""
     now = time.monotonic()
     if not buckets.take(key, now):
         request.app.state.hub.metrics.limited.labels(name).inc()
         raise TooMany(
             errors.RATE_LIMITED,
-            f"too many requests from this {name}: slow down",
+            said or f"too many requests from this {name}: slow down",
             retry_after_s=buckets.wait(key, now),
             allowance=buckets.burst,
         )
