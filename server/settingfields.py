@@ -179,7 +179,8 @@ class SettingFields:
     )
     service_key_failures_per_minute: int = setting(
         10,
-        "wrong service keys from one address before its wrong keys are answered `429 rate_limited` instead"
+        "wrong service keys (and, apart, wrong console keys) from one address before its wrong keys are"
+        " answered `429 rate_limited` instead"
         " of 401, until the allowance refills (the right key is always taken: a stranger behind the"
         " backend's address cannot lock it out); every wrong key counts in"
         " `redpacket_service_key_failures_total`",

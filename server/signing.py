@@ -26,4 +26,5 @@ def same_secret(given: str, secret: str) -> bool:
     """Whether ``given`` is ``secret`` (never when the secret is empty), in a time that says nothing of
     either: their digests are compared, so not even their lengths show."""
     mine = hashlib.sha256(secret.encode()).digest()
-    return bool(secret) and hmac.compare_digest(hashlib.sha256(given.encode()).digest(), mine)
+    theirs = hashlib.sha256(given.encode("utf-8", "surrogatepass")).digest()  # (any text a body can hold)
+    return bool(secret) and hmac.compare_digest(theirs, mine)

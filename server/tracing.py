@@ -15,6 +15,7 @@ kept in Redis for a day under the event's key, ``keys.trace_of``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -23,7 +24,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+
+from server.errors import RedPacketError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ EXPORTERS = ("otlp", "console", "none")
 # How long a sampled money move's span is kept (``keys.trace_of``, only with webhook URLs) for its webhook
 # delivery to join: a delivery later than that (a receiver down for longer) starts a trace of its own.
 KEPT_SECONDS = 600
+# The longest keeping or reading one of them may take: then it is not kept (or not found).
+KEEP_SECONDS = 0.2
 
 Kind = Literal["internal", "server", "client", "consumer", "producer"]
 
@@ -82,20 +86,21 @@ def wanted(env: Mapping[str, str]) -> bool:
 
 
 def check(env: Mapping[str, str]) -> None:
-    """Refuse what this module cannot do as asked, before anything starts."""
+    """Refuse what this module cannot do as asked, before anything starts (nothing, when nothing asks
+    for traces)."""
     named = _named(env)
     if any(e not in EXPORTERS for e in named) or ("none" in named and len(named) > 1):
         raise TracingError(
             "OTEL_TRACES_EXPORTER is otlp, console, both (otlp,console), or none"
             f" (got {env.get('OTEL_TRACES_EXPORTER')!r})"
         )
+    if not wanted(env):
+        return
     rate(env)
     for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         protocol = env.get(name, "").strip()
         if protocol and protocol != "http/protobuf":
             raise TracingError(f"{name}: traces are sent as http/protobuf (got {protocol!r})")
-    if not wanted(env):
-        return
     try:
         import opentelemetry.exporter.otlp.proto.http.trace_exporter
         import opentelemetry.sdk.trace  # noqa: F401
@@ -217,21 +222,25 @@ def sampled(parent: str) -> bool:
 
 async def keep(redis: Redis, key: str) -> None:
     """Keep the current span under ``key`` (``keys.trace_of``: a money move's) for the webhook delivery of
-    its event to join, if it is sampled. Redis away: not kept (the delivery then starts a trace of its
-    own); the money move it follows goes on."""
+    its event to join, if it is sampled. Whatever goes wrong (Redis away, a cluster's slot moving, no
+    answer within ``KEEP_SECONDS``) is said at debug level: not kept, the delivery then starts a trace of
+    its own, and the money move it follows goes on."""
     parent = traceparent()
     if sampled(parent):
         try:
-            await redis.set(key, parent, ex=KEPT_SECONDS)
-        except RedisError as e:
-            log.debug("trace context not kept (%s)", e)
+            async with asyncio.timeout(KEEP_SECONDS):
+                await redis.set(key, parent, ex=KEPT_SECONDS)
+        except Exception as e:
+            log.debug("trace context not kept (%r)", e)
 
 
 async def kept(redis: Redis, key: str) -> str:
-    """The span ``keep`` kept under ``key`` ('' when none, gone, or Redis away)."""
+    """The span ``keep`` kept under ``key``; '' when none, gone, or not read within ``KEEP_SECONDS``."""
     try:
-        found = await redis.get(key)
-    except RedisError:
+        async with asyncio.timeout(KEEP_SECONDS):
+            found = await redis.get(key)
+    except Exception as e:
+        log.debug("trace context not read (%r)", e)
         return ""
     return found.decode() if isinstance(found, bytes) else (found or "")
 
@@ -244,8 +253,10 @@ def span(name: str, kind: Kind = "internal", parent: str | None = None, **attrib
 
 
 class _Span:
-    """The span current for the block, ended with it (an exception marks it an error): what the SDK's
-    ``start_as_current_span`` does, without its layers of generators."""
+    """The span current for the block, ended with it: an exception that is not one of our refusals
+    (``RedPacketError``: an answer, not a failure, its code the span's ``redpacket.outcome``) marks it an
+    error and is recorded on it; a cancel does not. The SDK's ``start_as_current_span`` without its layers
+    of generators; the context is given back even if ending the span fails."""
 
     __slots__ = ("span", "token")
 
@@ -258,10 +269,13 @@ class _Span:
         return self.span
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: Any) -> None:
-        if error is not None:
-            self.span.set_status(_otel["Status"](_otel["ERROR"], type(error).__name__))
-        self.span.end()
-        _otel["detach"](self.token)
+        try:
+            if isinstance(error, Exception) and not isinstance(error, RedPacketError):
+                self.span.record_exception(error)
+                self.span.set_status(_otel["Status"](_otel["ERROR"], type(error).__name__))
+            self.span.end()
+        finally:
+            _otel["detach"](self.token)
 
 
 def recorded(

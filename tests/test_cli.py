@@ -93,7 +93,13 @@ def test_operator_mistakes_are_one_line_and_an_exit_code(
         (("worker",), {**ok_db, **ok_redis, "OTEL_TRACES_EXPORTER": "zipkin"}, 2, "OTEL_TRACES_EXPORTER"),
         (
             ("serve", "--port", "0"),
-            {"REDPACKET_SECRET": "s" * 32, **ok_db, **ok_redis, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            {
+                "REDPACKET_SECRET": "s" * 32,
+                **ok_db,
+                **ok_redis,
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            },
             2,
             "http/protobuf",
         ),

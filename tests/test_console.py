@@ -4,16 +4,19 @@ from it — where a user's money is, whether a packet was fair, the state of the
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 import msgpack
+import pymysql
 import pytest
 
 from server.core import Core
-from server.hub.console import sessions
+from server.hub.console import api, books, sessions
 from server.ids import GroupId, PacketId, UserId
 from server.live.bots import list_blocks, run_detector
 from server.money import deliveries, grabs, packets, settlement
@@ -299,3 +302,31 @@ async def test_the_console_on_the_hubs_port_when_asked(hub_settings: Settings) -
         assert (await http.get("/api/console/books")).status_code == 401
         auth = await _sign_in(http)
         assert (await http.get("/api/console/live", headers=auth)).json()["hub"] == h.hub.id
+
+
+async def test_a_stalled_ledger_is_a_503_in_seconds_and_the_books_say_which_part(
+    ops: tuple[HubUnderTest, str],
+) -> None:
+    """Another session holds the journal and the writer's table: a user's page is answered 503 within its
+    bound, and the books show every part they could read, the database's saying why it is missing."""
+    h, base = ops
+    w = await make_world(h.core, members=1)
+    u = urlparse(h.settings.database_url)
+    locker = pymysql.connect(
+        host=u.hostname, port=u.port or 3306, user=u.username or "root", database=u.path[1:]
+    )
+    try:
+        with locker.cursor() as cur:
+            cur.execute("LOCK TABLES journal WRITE, accounts WRITE, db_writer WRITE")
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            auth = await _sign_in(http)
+            started = time.monotonic()
+            r = await http.get(f"/api/console/users/{w.admin}", headers=auth)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "database_unavailable", r.text
+            assert time.monotonic() - started < api.ANSWER_SECONDS + 3
+            started = time.monotonic()
+            b = (await http.get("/api/console/books", headers=auth)).json()
+            assert time.monotonic() - started < books.PART_SECONDS + 3
+            assert "error" in b["database"] and b["outbox"]["total"] == 0  # Redis's parts still read
+    finally:
+        locker.close()

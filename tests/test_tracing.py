@@ -10,17 +10,23 @@ import logging
 import re
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+# (The exporter imported here, first: server.tracing.check imports it too, and CPython 3.11 has been seen
+# failing a first import under way beside threads of the tests before (KeyError in importlib's module lock).)
+import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
 import pytest
 import uvicorn
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from redis.asyncio import Redis
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -131,7 +137,9 @@ async def test_a_grab_and_a_send_are_each_one_tree_from_the_socket_to_the_webhoo
 
 async def test_off_nothing_is_carried_and_nothing_recorded(hub_settings: Settings) -> None:
     assert not tracing.ON
-    async with hub_in_process(hub_settings) as h:
+    # (Webhook URLs: a send traced would keep its context for their deliveries.)
+    settings = hub_settings.replace(webhook_urls="https://backend.example/hooks", webhook_secret=SECRET)
+    async with hub_in_process(settings) as h:
         room, sent, _ = await _send_and_grab(h)
         entries = await h.core.redis.xrange(keys.outbox_for(GroupId(room.group)))
         assert [sorted(f) for _, f in entries] == [[b"c"]]  # the grab's arguments as before: no trace
@@ -151,6 +159,32 @@ async def test_a_move_not_drawn_makes_no_span_and_carries_nothing(
     assert exported.get_finished_spans() == ()
 
 
+async def test_keeping_a_context_never_fails_nor_waits(exported: InMemorySpanExporter) -> None:
+    """A Redis that refuses connections, and one that takes them and never answers: keeping a span's
+    context for a webhook delivery gives up within its bound, and reading one finds none; neither raises
+    into the money move it follows."""
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read()  # never answers; until the client goes
+        finally:
+            writer.close()
+
+    mute = await asyncio.start_server(silent, "127.0.0.1", 0)
+    try:
+        for port in (1, mute.sockets[0].getsockname()[1]):
+            redis = Redis(host="127.0.0.1", port=port, socket_timeout=30, socket_connect_timeout=30)
+            with tracing.span("send"):
+                started = time.monotonic()
+                await tracing.keep(redis, "anything")
+                assert await tracing.kept(redis, "anything") == ""
+                assert time.monotonic() - started < 5 * tracing.KEEP_SECONDS, port
+            await redis.aclose()
+    finally:
+        mute.close()
+        await mute.wait_closed()
+
+
 def test_what_the_standard_variables_ask_for_is_checked_first() -> None:
     assert not tracing.wanted({})
     assert tracing.wanted({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
@@ -159,17 +193,19 @@ def test_what_the_standard_variables_ask_for_is_checked_first() -> None:
         {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
     )
     assert not tracing.wanted({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"})
+    on = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}
     for env, said in (
         ({"OTEL_TRACES_EXPORTER": "zipkin"}, "otlp, console, both"),
         ({"OTEL_TRACES_EXPORTER": "otlp,none"}, "otlp, console, both"),
-        ({"OTEL_TRACES_SAMPLER": "xray"}, "OTEL_TRACES_SAMPLER is one of"),
-        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "0 to 1"),
-        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "http/protobuf"),
-        ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}, "http/protobuf"),
+        ({**on, "OTEL_TRACES_SAMPLER": "xray"}, "OTEL_TRACES_SAMPLER is one of"),
+        ({**on, "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "0 to 1"),
+        ({**on, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "http/protobuf"),
+        ({**on, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}, "http/protobuf"),
     ):
         with pytest.raises(tracing.TracingError, match=said):
             tracing.check(env)
     tracing.check({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_TRACES_EXPORTER": "otlp,console"})
+    tracing.check({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_SAMPLER": "xray"})  # nothing asks for traces
     assert (
         tracing.rate({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"})
         == 0.25

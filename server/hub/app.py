@@ -195,15 +195,17 @@ def create_app(
             hub_metrics.database.watch(core.db)
             hub_metrics.read_hot(hub.packet_cache.hottest)
             hub_metrics.read_batcher(lambda: (core.batcher.batches, core.batcher.calls))
-            background = [asyncio.create_task(hub_metrics.watch_loop())]
             apart = None
             if settings.metrics_port:  # (bound here unless the command line bound it, to say a busy port)
                 sock = metrics_sock or socket.create_server((settings.metrics_host, settings.metrics_port))
                 console = console_api.routes() if settings.console_key else []
                 ops = operations_app(settings, lambda: metrics_page(app), console, http_error)
                 ops.state.core, ops.state.hub, ops.state.guards = core, hub, guards
-                apart = await serve_operations(sock, ops, settings)
-            background.append(asyncio.create_task(_say_alive(core, hub)))
+                apart = await serve_operations(sock, ops, settings)  # (a failed start leaves nothing)
+            background = [
+                asyncio.create_task(hub_metrics.watch_loop()),
+                asyncio.create_task(_say_alive(core, hub)),
+            ]
             if manage_gc:  # this process is the hub's own: signals are its to take
                 reset_writer_when_told(core)
                 background.append(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +28,10 @@ from server.hub.handshake import HttpLimits, bounded_http
 from server.hub.httpkit import EveryAnswer
 from server.settings import Settings
 
+log = logging.getLogger(__name__)
+
+# How long the listener may take to start.
+START_SECONDS = 10
 # How long connections still open when the hub stops are given to finish their answer.
 CLOSE_SECONDS = 2
 
@@ -76,19 +81,31 @@ class OperationsServer:
     def __init__(self, server: uvicorn.Server, task: asyncio.Task[None]) -> None:
         self.server = server
         self.task = task
+        task.add_done_callback(_said_if_it_died)
 
     async def close(self) -> None:
-        """Stop taking connections; those open get ``CLOSE_SECONDS`` to finish their answer."""
+        """Stop taking connections; those open get ``CLOSE_SECONDS`` to finish their answer. Never raises:
+        the hub is stopping either way (what went wrong is logged)."""
         self.server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(self.task), CLOSE_SECONDS + 5)
         except TimeoutError:
             self.server.force_exit = True
-            await asyncio.wait_for(self.task, 5)
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self.task, 5)
+        except Exception:
+            pass  # (said by the done callback)
+
+
+def _said_if_it_died(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the operations listener (metrics, console) stopped: %r", task.exception())
 
 
 async def serve_operations(sock: socket.socket, app: Starlette, settings: Settings) -> OperationsServer:
-    """``app`` on ``sock`` (bound by the caller) until ``close``; started when this returns."""
+    """``app`` on ``sock`` (bound by the caller) until ``close``; started when this returns. A start that
+    fails (or is cancelled) stops the server and closes the socket before it raises."""
     config = uvicorn.Config(
         app,
         ws="none",
@@ -99,10 +116,18 @@ async def serve_operations(sock: socket.socket, app: Starlette, settings: Settin
     )
     server = _Beside(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    async with asyncio.timeout(10):  # (it starts in a moment; a failure to start is raised here)
-        while not server.started:
-            if task.done():
-                await task
-                raise RuntimeError("the operations listener stopped as it started")
-            await asyncio.sleep(0.01)
+    try:
+        async with asyncio.timeout(START_SECONDS):
+            while not server.started:
+                if task.done():
+                    await task
+                    raise RuntimeError("the operations listener stopped as it started")
+                await asyncio.sleep(0.01)
+    except BaseException:
+        server.should_exit = True
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        sock.close()
+        raise
     return OperationsServer(server, task)

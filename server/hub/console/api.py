@@ -115,11 +115,14 @@ async def live(request: Request, core: Core, _: UserId) -> dict[str, object]:
     }
 
 
-def _operators_only(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """``handler`` for a request with a valid session, answered within ``ANSWER_SECONDS`` (else 503)."""
+def _operators_only(handler: Handler, read: bool = True) -> Callable[[Request], Awaitable[Response]]:
+    """``handler`` for a request with a valid session; a ``read`` answered within ``ANSWER_SECONDS``
+    (else 503). The one write (a lift) is not cut short: it would be answered 503 when it had happened."""
 
     async def checked(request: Request, core: Core, user: UserId) -> Any:
         request.scope["console_session"] = _operator(request, core)
+        if not read:
+            return await handler(request, core, user)
         try:
             async with asyncio.timeout(ANSWER_SECONDS):
                 return await handler(request, core, user)
@@ -141,7 +144,7 @@ def routes() -> list[BaseRoute]:
         Route("/api/console/session", endpoint(sign_in, public=True, service=True), methods=["POST"]),
         Route("/api/console/packets/{packet_id}", _operators_only(packet), methods=["GET"]),
         Route("/api/console/users/{user_id}", _operators_only(user), methods=["GET"]),
-        Route("/api/console/users/{user_id}/lift", _operators_only(lift), methods=["POST"]),
+        Route("/api/console/users/{user_id}/lift", _operators_only(lift, read=False), methods=["POST"]),
         Route("/api/console/books", _operators_only(the_books), methods=["GET"]),
         Route("/api/console/live", _operators_only(live), methods=["GET"]),
         Route("/console", _to_page, methods=["GET", "HEAD"]),
