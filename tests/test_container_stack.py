@@ -44,6 +44,15 @@ MEMBERS = 12  # grabbers, each in the one group (and the admin, who sends)
 # podman as this machine lets it run containers (docs/operations.md, "Without an image registry").
 CONTAINERS_CONF = '[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = "runc"\n'
 BUILT = ("hub", "redis", "mariadb", "lb", "prometheus")  # one at a time; the worker shares the hub's image
+# Waited for before any hub starts (podman 4.3 ignores `condition: service_healthy`; docs/operations.md).
+REDIS_UP = ("timeout", "120", "sh", "-c", "'until redis-cli ping; do sleep 1; done'")
+MARIADB_UP = (
+    "timeout",
+    "300",
+    "sh",
+    "-c",
+    "'until healthcheck.sh --connect --innodb_initialized; do sleep 1; done'",
+)
 PACKETS = 4  # per round; each of MEMBERS shares, so every packet empties (no refund to wait for)
 
 
@@ -61,6 +70,9 @@ def test_the_documented_commands_are_the_ones_run_here() -> None:
         "deploy/local/images.sh base",
         'compose="podman-compose -f docker-compose.yml -f deploy/local/compose.yml"',
         f"for s in {' '.join(BUILT)}; do $compose build $s; done",
+        "$compose up -d redis mariadb",
+        f"$compose exec -T redis {' '.join(REDIS_UP)}",
+        f"$compose exec -T mariadb {' '.join(MARIADB_UP)}",
         f"$compose up -d --scale hub={HUBS}",
         f"$compose up -d --scale worker={WORKERS}",
         "$compose down --remove-orphans",
@@ -103,7 +115,9 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _run(env: dict[str, str], *args: str, timeout: float = 600) -> str:
-    done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        args, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, (
         f"{' '.join(args)}: {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )
@@ -176,6 +190,9 @@ def stack(stack_env: dict[str, str]) -> Iterator[dict[str, str]]:
         _compose(env, "build", service)
     built = time.monotonic()
     try:
+        _compose(env, "up", "-d", "redis", "mariadb")
+        for service, wait in (("redis", REDIS_UP), ("mariadb", MARIADB_UP)):
+            _compose(env, "exec", "-T", service, *(a.strip("'") for a in wait), timeout=330)
         # podman-compose takes one --scale per command.
         _compose(env, "up", "-d", "--scale", f"hub={HUBS}")
         _compose(env, "up", "-d", "--scale", f"worker={WORKERS}")
