@@ -222,16 +222,24 @@ def sampled(parent: str) -> bool:
 
 async def keep(redis: Redis, key: str) -> None:
     """Keep the current span under ``key`` (``keys.trace_of``: a money move's) for the webhook delivery of
-    its event to join, if it is sampled. Whatever goes wrong (Redis away, a cluster's slot moving, no
-    answer within ``KEEP_SECONDS``) is said at debug level: not kept, the delivery then starts a trace of
-    its own, and the money move it follows goes on."""
-    parent = traceparent()
-    if sampled(parent):
-        try:
-            async with asyncio.timeout(KEEP_SECONDS):
-                await redis.set(key, parent, ex=KEPT_SECONDS)
-        except Exception as e:
-            log.debug("trace context not kept (%r)", e)
+    its event to join, if it is sampled (``keep_many``)."""
+    await keep_many(redis, {key: traceparent()})
+
+
+async def keep_many(redis: Redis, contexts: Mapping[str, str], seconds: float = KEEP_SECONDS) -> None:
+    """Keep each sampled span (a ``traceparent``) under its key, in one round trip. Whatever goes wrong
+    (Redis away, a cluster's slot moving, no answer within ``seconds``) is said at debug level: not kept,
+    the delivery then starts a trace of its own, and the money move it follows goes on."""
+    chosen = {key: parent for key, parent in contexts.items() if sampled(parent)}
+    if not chosen:
+        return
+    try:
+        async with asyncio.timeout(seconds), redis.pipeline(transaction=False) as pipe:
+            for key, parent in chosen.items():
+                pipe.set(key, parent, ex=KEPT_SECONDS)
+            await pipe.execute()
+    except Exception as e:
+        log.debug("trace context not kept (%r)", e)
 
 
 async def kept(redis: Redis, key: str) -> str:

@@ -1,7 +1,14 @@
 """The ledger's books as tests read and move them: paying what the grabs queued as a worker does, the
-checks that the books balance and how many grabs are credited, and the rows a test sets by hand."""
+checks that the books balance and how many grabs are credited, the rows a test sets by hand, and a
+MariaDB session of the test's own that holds what the system under test waits for."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import pymysql
 
 from server.core import Core
 from server.store.db import Database, Tx
@@ -51,3 +58,25 @@ async def past_expiry(core: Core, packet_id: int) -> int:
     row = await core.db.fetchone("SELECT expires_ms FROM red_packets WHERE id = %s", (packet_id,))
     assert row is not None
     return int(row[0]) + 1
+
+
+def side_session(database_url: str, autocommit: bool = False) -> pymysql.connections.Connection:
+    """A MariaDB connection of the test's own to the database of ``database_url`` (another client's)."""
+    u = urlparse(database_url)
+    return pymysql.connect(
+        host=u.hostname, port=u.port or 3306, user=u.username or "root", password=u.password or "",
+        database=u.path.lstrip("/"), autocommit=autocommit,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def locked_tables(database_url: str, *tables: str) -> Iterator[None]:
+    """While inside, another session holds ``tables`` (``LOCK TABLES … WRITE``): whatever reads or writes
+    them waits. Closing the session releases them."""
+    locker = side_session(database_url)
+    try:
+        with locker.cursor() as cur:
+            cur.execute("LOCK TABLES " + ", ".join(f"{t} WRITE" for t in tables))
+        yield
+    finally:
+        locker.close()

@@ -8,11 +8,9 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import httpx
 import msgpack
-import pymysql
 import pytest
 
 from server.core import Core
@@ -26,7 +24,7 @@ from server.money.ledger import now_ms
 from server.settings import Settings
 from server.store import keys
 from server.store.records import CreditEntry
-from tests.books import run_worker
+from tests.books import locked_tables, run_worker
 from tests.conftest import make_world
 from tests.hubtools import HubUnderTest, eventually, free_port, hub_in_process, redpacket_up
 from tests.jwts import signed
@@ -311,13 +309,7 @@ async def test_a_stalled_ledger_is_a_503_in_seconds_and_the_books_say_which_part
     bound, and the books show every part they could read, the database's saying why it is missing."""
     h, base = ops
     w = await make_world(h.core, members=1)
-    u = urlparse(h.settings.database_url)
-    locker = pymysql.connect(
-        host=u.hostname, port=u.port or 3306, user=u.username or "root", database=u.path[1:]
-    )
-    try:
-        with locker.cursor() as cur:
-            cur.execute("LOCK TABLES journal WRITE, accounts WRITE, db_writer WRITE")
+    with locked_tables(h.settings.database_url, "journal", "accounts", "db_writer"):
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
             auth = await _sign_in(http)
             started = time.monotonic()
@@ -328,5 +320,3 @@ async def test_a_stalled_ledger_is_a_503_in_seconds_and_the_books_say_which_part
             b = (await http.get("/api/console/books", headers=auth)).json()
             assert time.monotonic() - started < books.PART_SECONDS + 3
             assert "error" in b["database"] and b["outbox"]["total"] == 0  # Redis's parts still read
-    finally:
-        locker.close()

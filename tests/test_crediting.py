@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import urlparse
 
-import pymysql
 import pytest
 
 from server import errors
@@ -15,7 +13,7 @@ from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.store.db import Tx
 from server.store.records import CreditEntry
-from tests.books import assert_books_balance
+from tests.books import assert_books_balance, side_session
 from tests.conftest import make_world
 from worker.drain import CreditDrain
 
@@ -281,10 +279,7 @@ async def _count_its_share(core: Core, c: CreditEntry) -> None:
 
 def _pay_behind_the_lock(database_url: str, c: CreditEntry) -> int:
     """Pay ``c`` on a connection of its own, as a payer that skips the packet's row lock would."""
-    u = urlparse(database_url)
-    conn = pymysql.connect(
-        host=u.hostname, port=u.port or 3306, user=u.username or "root", database=u.path[1:]
-    )
+    conn = side_session(database_url)
     try:
         with conn.cursor() as cur:
             cur.execute(

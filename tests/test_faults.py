@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import pymysql
 import pytest
@@ -25,7 +24,7 @@ from server.money.crediting import credit_many
 from server.money.reconcile import reconcile
 from server.store import keys
 from server.store.records import CreditEntry
-from tests.books import assert_books_balance, credited_is, run_worker
+from tests.books import assert_books_balance, credited_is, run_worker, side_session
 from tests.conftest import make_world, redis_pings
 from tests.hubtools import eventually, worker_env
 from tests.redisproc import needs_redis_server, redis_process
@@ -107,11 +106,7 @@ async def _claimed(core: Core) -> bool:
 def _held_payment(core: Core, user: int) -> Iterator[None]:
     """While inside, no payment to ``user`` can commit: their account row is locked by a MariaDB
     connection of the test's own."""
-    u = urlparse(core.settings.database_url)
-    conn = pymysql.connect(
-        host=u.hostname, port=u.port or 3306, user=u.username or "root", password=u.password or "",
-        database=u.path.lstrip("/"), autocommit=False,
-    )  # fmt: skip
+    conn = side_session(core.settings.database_url, autocommit=False)
     try:
         conn.cursor().execute("SELECT balance FROM accounts WHERE user_id = %s FOR UPDATE", (user,))
         yield

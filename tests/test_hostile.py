@@ -6,17 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from urllib.parse import quote, urlparse
+from urllib.parse import quote
 
 import httpx
 import msgpack
-import pymysql
 import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
 from server.hub import protocol
 from server.settings import Settings
+from tests.books import locked_tables
 from tests.hubtools import HubUnderTest, hub_in_process, make_room
 
 
@@ -298,17 +298,9 @@ async def test_a_connection_that_never_finishes_its_request_is_closed_in_time(h_
 async def test_a_stalled_database_during_the_welcome_closes_with_1013(h_quick: HubUnderTest) -> None:
     h = h_quick
     _, token = await h.login("li")
-    u = urlparse(h.settings.database_url)
-    locker = pymysql.connect(
-        host=u.hostname, port=u.port or 3306, user=u.username or "root", database=u.path[1:]
-    )
-    try:
-        with locker.cursor() as cur:
-            # Another session holds the member table: the hub's read of the user's groups waits on it.
-            cur.execute("LOCK TABLES group_members WRITE, chat_groups WRITE")
+    # Another session holds the member table: the hub's read of the user's groups waits on it.
+    with locked_tables(h.settings.database_url, "group_members", "chat_groups"):
         assert await _refused_with(f"{h.ws}?token={token}") == (1013, "timeout")
-    finally:
-        locker.close()  # releases the lock
     c = await h.client(token)
     assert (await c.request("ping"))["ts"] > 0
     await c.close()

@@ -314,26 +314,18 @@ class CreditDrain:
         once the batch is acknowledged; whatever fails here is said at debug level and changes nothing."""
         start_ns, end_ns = taken.paid_ns
         db = {"db.system": self.core.db.dialect.name, "batch": len(taken.items)}
-        keep = bool(configured(self.core.settings))
-        async with self.core.redis.pipeline(transaction=False) as pipe:
-            for i, parent in taken.traces.items():
-                c = taken.items[i][2]
-                attributes = {
-                    "packet_id": c.packet_id,
-                    "user_id": c.user_id,
-                    "seq": c.seq,
-                    "amount": c.amount,
-                }
-                outcome = str(outcomes[i])
-                credit = tracing.recorded(
-                    "credit", parent, start_ns, end_ns, "consumer", outcome=outcome, **attributes
-                )
-                tracing.recorded("ledger credit transaction", credit, start_ns, end_ns, "client", **db)
-                if keep and tracing.sampled(credit):
-                    pipe.set(keys.trace_of("grab", c.packet_id, c.seq), credit, ex=tracing.KEPT_SECONDS)
-            if len(pipe):
-                async with asyncio.timeout(TRACE_KEEP_SECONDS):  # (not kept: the delivery starts a trace)
-                    await pipe.execute()
+        kept: dict[str, str] = {}
+        for i, parent in taken.traces.items():
+            c = taken.items[i][2]
+            attributes = {"packet_id": c.packet_id, "user_id": c.user_id, "seq": c.seq, "amount": c.amount}
+            outcome = str(outcomes[i])
+            credit = tracing.recorded(
+                "credit", parent, start_ns, end_ns, "consumer", outcome=outcome, **attributes
+            )
+            tracing.recorded("ledger credit transaction", credit, start_ns, end_ns, "client", **db)
+            kept[keys.trace_of("grab", c.packet_id, c.seq)] = credit
+        if configured(self.core.settings):  # (webhooks: their deliveries join the credit's trace)
+            await tracing.keep_many(self.core.redis, kept, TRACE_KEEP_SECONDS)
 
     async def _release(self, taken: Batch) -> None:
         """Give entries back: marked long idle, so the next takeover (by any worker) pays them. Whether

@@ -30,6 +30,7 @@ from server.probe import ask_own, own_url
 from server.settings import Settings
 from server.stopping import check_cancelled, stop
 from server.store import keys
+from server.store.backlog import backlog
 from server.store.identities import eviction_problem
 from server.store.masters import durability_degraded
 from server.store.queue import job_deserializer, job_serializer
@@ -204,11 +205,7 @@ async def sample(core: Core, metrics: WorkerMetrics, said: dict[str, str] | None
     """The backlog (entries in the 64 outboxes, waiting or being paid) and INFO of every master. Returns
     how each degraded master is degraded (``durability_degraded``); an error line says each one not in
     ``said`` (what the last sample returned)."""
-    async with core.redis.pipeline(transaction=False) as pipe:
-        for n in range(keys.SHARDS):
-            pipe.xlen(keys.credit_outbox(n))
-        depths = await pipe.execute()
-    metrics.queue_depth.set(sum(int(d) for d in depths))
+    metrics.queue_depth.set((await backlog(core.redis)).total)
     last = await cast(Awaitable[dict[bytes, bytes]], core.redis.hgetall(keys.reconciled()))
     if b"at" in last:  # the last reconciliation, whichever worker ran it
         metrics.reconciled.record(int(last[b"differences"]), float(last[b"at"]))

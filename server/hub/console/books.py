@@ -15,6 +15,7 @@ from server.live import seen
 from server.money import casefiles
 from server.money.ledger import now_ms
 from server.store import keys, masters
+from server.store.backlog import backlog
 
 PART_SECONDS = 3.0
 
@@ -59,27 +60,16 @@ async def _reconciliation(core: Core) -> dict[str, Any] | None:
 
 
 async def outbox(core: Core) -> dict[str, Any]:
-    """The credits in the shards' outboxes (waiting for a worker, or being paid) and the oldest one's
-    age: an outbox entry's id is the Redis time it was written, its grab's."""
-    async with core.redis.pipeline(transaction=False) as pipe:
-        for n in range(keys.SHARDS):
-            pipe.xlen(keys.credit_outbox(n))
-            pipe.xrange(keys.credit_outbox(n), count=1)
-        answers = await pipe.execute()
-    depths = [int(d) for d in answers[0::2]]
-    firsts = [int(_text(entries[0][0]).split("-", 1)[0]) for entries in answers[1::2] if entries]
-    oldest = min(firsts, default=None)
+    """The credits in the shards' outboxes (waiting for a worker, or being paid) and the oldest one's age."""
+    waiting = await backlog(core.redis)
+    oldest = waiting.oldest_ms
     return {
-        "total": sum(depths),
+        "total": waiting.total,
         "shards": keys.SHARDS,
         "oldest_ms": oldest,
         "lag_ms": None if oldest is None else max(0, now_ms() - oldest),
-        "waiting": [{"shard": n, "entries": d} for n, d in enumerate(depths) if d],
+        "waiting": [{"shard": n, "entries": d} for n, d in enumerate(waiting.depths) if d],
     }
-
-
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 async def _masters(core: Core) -> list[dict[str, Any]]:
