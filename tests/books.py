@@ -60,12 +60,16 @@ async def past_expiry(core: Core, packet_id: int) -> int:
     return int(row[0]) + 1
 
 
-def side_session(database_url: str, autocommit: bool = False) -> pymysql.connections.Connection:
-    """A MariaDB connection of the test's own to the database of ``database_url`` (another client's)."""
+def side_session(
+    database_url: str, autocommit: bool = False, *, in_database: bool = True, connect_timeout: float = 10
+) -> pymysql.connections.Connection:
+    """A MariaDB connection of the test's own (another client's) to the server of ``database_url``: in its
+    database, or in none (``in_database=False``)."""
     u = urlparse(database_url)
     return pymysql.connect(
-        host=u.hostname, port=u.port or 3306, user=u.username or "root", password=u.password or "",
-        database=u.path.lstrip("/"), autocommit=autocommit,
+        host=u.hostname or "127.0.0.1", port=u.port or 3306, user=u.username or "root",
+        password=u.password or "", database=u.path.lstrip("/") if in_database else None,
+        autocommit=autocommit, connect_timeout=connect_timeout,
     )  # fmt: skip
 
 

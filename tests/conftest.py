@@ -34,6 +34,7 @@ from server.settings import Settings
 from server.store.db import Database
 from server.store.engines import connect
 from server.store.schema import migrate
+from tests.books import side_session
 
 if TYPE_CHECKING:
     from playwright.async_api import Browser
@@ -105,13 +106,7 @@ def mysql_url() -> str:
     url = os.environ.get("REDPACKET_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/redpacket_test")
     u = urlparse(url)
     try:
-        conn = pymysql.connect(
-            host=u.hostname or "127.0.0.1",
-            port=u.port or 3306,
-            user=u.username or "root",
-            password=u.password or "",
-            connect_timeout=2,
-        )
+        conn = side_session(url, in_database=False, connect_timeout=2)
     except pymysql.err.OperationalError as e:
         if os.environ.get("REDPACKET_TEST_REQUIRE_MYSQL") == "1":
             pytest.fail(f"MariaDB is required (REDPACKET_TEST_REQUIRE_MYSQL=1) but does not answer: {e}")
@@ -127,7 +122,7 @@ def mysql_url() -> str:
 def fresh_database(mysql_url: str, name: str) -> str:
     """An empty database ``name`` on the MariaDB of ``mysql_url``: its URL."""
     u = urlparse(mysql_url)
-    conn = pymysql.connect(host=u.hostname or "127.0.0.1", port=u.port or 3306, user=u.username or "root")
+    conn = side_session(mysql_url, in_database=False)
     with conn.cursor() as cur:
         cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
         cur.execute(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4")

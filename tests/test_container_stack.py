@@ -44,7 +44,7 @@ MEMBERS = 12  # grabbers, each in the one group (and the admin, who sends)
 # podman as this machine lets it run containers (docs/operations.md, "Without an image registry").
 CONTAINERS_CONF = '[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = "runc"\n'
 BUILT = ("hub", "redis", "mariadb", "lb", "prometheus")  # one at a time; the worker shares the hub's image
-# Waited for before any hub starts (podman 4.3 ignores `condition: service_healthy`; docs/operations.md).
+# Waited for before any hub starts (podman-compose ignores `condition: service_healthy` on podman < 4.6).
 REDIS_UP = ("timeout", "120", "sh", "-c", "'until redis-cli ping; do sleep 1; done'")
 MARIADB_UP = (
     "timeout",

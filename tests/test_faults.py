@@ -145,7 +145,7 @@ async def test_a_database_connection_killed_mid_transaction(core: Core) -> None:
 
     def connect() -> Any:
         # No default database: the random killer below kills only connections to ours.
-        return pymysql.connect(host="127.0.0.1", user="root", autocommit=False)
+        return side_session(core.settings.database_url, in_database=False)
 
     # 1. One account of the first batch held locked: its transaction writes its grab records and journal
     #    rows, then waits at the balances. Its connection is killed there.
@@ -202,7 +202,7 @@ async def test_a_database_connection_killed_mid_transaction(core: Core) -> None:
     killer_stop = asyncio.Event()
 
     def kill_one() -> int:
-        conn = pymysql.connect(host="127.0.0.1", user="root", database=db_name)
+        conn = side_session(core.settings.database_url, autocommit=True)
         try:
             with conn.cursor() as cur:
                 cur.execute(
