@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -88,33 +89,60 @@ def memory_kb(pid: int, field: str) -> int:
     return total
 
 
+# How long a bench server may take to say it listens.
+STARTUP_SECONDS = 120.0
+
+
 @asynccontextmanager
 async def server_process(
     args: list[str], env: dict[str, str], pattern: str
 ) -> AsyncIterator[tuple[str, int]]:
+    """A server process whose output says its URL (``pattern``'s group 1) once it listens. Its output is
+    read by a thread of its own for as long as it runs: not the loop's default pool, which a bench of
+    more servers than that pool's threads (six here) would fill with readers that never end, the last
+    server's waiting for ever."""
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # noqa: ASYNC220
     if proc.stdout is None:
         raise RuntimeError("no pipe")
-    url = None
-    lines: list[str] = []
-    while url is None:
-        line = await asyncio.to_thread(proc.stdout.readline)
-        if not line:
-            raise RuntimeError("server did not start:\n" + "".join(lines))
-        lines.append(line)
-        m = re.search(pattern, line)
-        url = m.group(1) if m else None
-    drain = asyncio.create_task(asyncio.to_thread(proc.stdout.read))
+    out = proc.stdout
+    loop = asyncio.get_running_loop()
+    listening: asyncio.Future[str] = loop.create_future()
+    ended: asyncio.Future[str] = loop.create_future()
+
+    def settle(f: asyncio.Future[str], value: str | BaseException) -> None:
+        if not f.done():
+            f.set_exception(value) if isinstance(value, BaseException) else f.set_result(value)
+
+    def read() -> None:
+        lines: list[str] = []
+        url = None
+        for line in out:
+            lines.append(line)
+            m = None if url is not None else re.search(pattern, line)
+            if m is not None:
+                url, lines = m.group(1), []
+                loop.call_soon_threadsafe(settle, listening, url)
+        if url is None:
+            loop.call_soon_threadsafe(
+                settle, listening, RuntimeError("server did not start:\n" + "".join(lines))
+            )
+        loop.call_soon_threadsafe(settle, ended, "".join(lines))
+
+    threading.Thread(target=read, name=f"bench-server-{proc.pid}", daemon=True).start()
     try:
+        url = await asyncio.wait_for(asyncio.shield(listening), STARTUP_SECONDS)
         yield url, proc.pid
     finally:
         proc.terminate()
-        said = [line for line in (await drain).splitlines() if " WARNING " in line or " ERROR " in line]
+        try:
+            await asyncio.to_thread(proc.wait, 60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait, 10)
+        said = [line for line in (await ended).splitlines() if " WARNING " in line or " ERROR " in line]
         if said:  # what the server complained of during the bench (its errors say why figures look off)
             print(f"  ({len(said)} warning/error lines from the server; the first: {said[0][:300]})")
-        await asyncio.to_thread(proc.wait, 60)
-        await drain
-        proc.stdout.close()
+        out.close()
 
 
 def hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import subprocess
 import sys
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
@@ -164,3 +167,22 @@ def test_the_tracing_bench_prints_the_hubs_path_beside_the_stock_sdk(redis_url: 
     sides = ["hub_off", "hub_all", "stock_sdk_all", "hub_1pct", "stock_sdk_1pct"]
     assert all(float(figures[f"{side}_cpu_us_per_grab"]) > 0 for side in sides), figures  # type: ignore[arg-type]
     assert {"ratio_all", "ratio_1pct"} <= figures.keys()
+
+
+async def test_more_bench_servers_than_the_default_pool_has_threads_start_and_stop() -> None:
+    """A bench of more servers than the loop's default thread pool has threads (six on two cores): each
+    server's output is read by a thread of its own, so none waits for a thread the others never give
+    back (``bench hot --hubs 7`` waited for ever so)."""
+    from bench import hubbench
+
+    n = min(32, (os.cpu_count() or 1) + 4) + 1
+    args = [sys.executable, "-c", "import signal; print('at http://127.0.0.1:9', flush=True); signal.pause()"]
+    async with asyncio.timeout(120), AsyncExitStack() as stack:
+        started = [
+            await stack.enter_async_context(hubbench.server_process(args, dict(os.environ), r"at (\S+)"))
+            for _ in range(n)
+        ]
+        assert [url for url, _ in started] == ["http://127.0.0.1:9"] * n
+    for _, pid in started:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped and reaped
