@@ -89,23 +89,18 @@ def memory_kb(pid: int, field: str) -> int:
     return total
 
 
-# How long a bench server may take to say it listens.
-STARTUP_SECONDS = 120.0
+STARTUP_SECONDS = 120.0  # how long a bench server may take to say it listens
 
 
 @asynccontextmanager
 async def server_process(
     args: list[str], env: dict[str, str], pattern: str
 ) -> AsyncIterator[tuple[str, int]]:
-    """A server process whose output says its URL (``pattern``'s group 1) once it listens. Its output is
-    read by a thread of its own for as long as it runs: not the loop's default pool, which a bench of
-    more servers than that pool's threads (six here) would fill with readers that never end, the last
-    server's waiting for ever."""
+    """A server process whose output says its URL (``pattern``'s group 1) once it listens, read by a thread
+    of its own: a bench of more servers than the loop's default pool has threads (six here) would fill it."""
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # noqa: ASYNC220
-    if proc.stdout is None:
-        raise RuntimeError("no pipe")
-    out = proc.stdout
-    loop = asyncio.get_running_loop()
+    out, loop = proc.stdout, asyncio.get_running_loop()
+    assert out is not None  # (stdout=PIPE)
     listening: asyncio.Future[str] = loop.create_future()
     ended: asyncio.Future[str] = loop.create_future()
 
@@ -123,9 +118,8 @@ async def server_process(
                 url, lines = m.group(1), []
                 loop.call_soon_threadsafe(settle, listening, url)
         if url is None:
-            loop.call_soon_threadsafe(
-                settle, listening, RuntimeError("server did not start:\n" + "".join(lines))
-            )
+            failed = RuntimeError("server did not start:\n" + "".join(lines))
+            loop.call_soon_threadsafe(settle, listening, failed)
         loop.call_soon_threadsafe(settle, ended, "".join(lines))
 
     threading.Thread(target=read, name=f"bench-server-{proc.pid}", daemon=True).start()

@@ -24,6 +24,7 @@ from server.hub import protocol
 from server.hub.announce import Announcer
 from server.hub.connection import Connection, OffsetKey
 from server.hub.frames import data_frame
+from server.hub.groupreads import GroupReads
 from server.hub.hooks import Hooks
 from server.hub.metrics import HubMetrics
 from server.hub.packetcache import PacketCache
@@ -62,6 +63,7 @@ class Hub:
         self.announcer = Announcer(self)
         self.packet_cache = PacketCache(core)
         self.member_counts = MemberCounts()
+        self.group_reads = GroupReads(core.db, self.member_counts, self.spawn)
         self._presence_pending: list[tuple[GroupId, UserId, PresenceAction]] = []
         self._fanouts: deque[_FanOut] = deque()
         self.attempts = AttemptLog(core)

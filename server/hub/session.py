@@ -35,7 +35,7 @@ from server.hub.tokens import TokenError
 from server.hub.upgrade import EXTENSION
 from server.hub.wire import HubWebSocket
 from server.ids import GroupId
-from server.money import groups, ledger
+from server.money import ledger
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ async def _welcome(ws: WebSocket, hub: Hub, conn: Connection) -> bool:
     try:
         # Bounded: a stalled database or Redis must not hold the socket open unanswered.
         async with asyncio.timeout(hub.core.settings.handshake_seconds):
-            mine = await groups.groups_of(hub.core.db, conn.user_id, hub.member_counts)
+            mine = await hub.group_reads.of(conn.user_id)
             if not mine and not await ledger.user_exists(hub.core.db, conn.user_id):
                 await ws.close(protocol.CLOSE_USER_UNKNOWN, errors.USER_NOT_FOUND)
                 return False

@@ -4,6 +4,7 @@ invalidating the Redis cache that the grab path reads (``server.money.membership
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypedDict
 
@@ -305,12 +306,26 @@ class UserGroup(TypedDict):
 async def groups_of(db: Database, user_id: UserId, counts: MemberCounts | None = None) -> list[UserGroup]:
     """The groups a user is in, with their role and each group's settings and member count (from
     ``counts`` when it holds them)."""
+    return (await groups_of_many(db, [user_id], counts))[user_id]
+
+
+async def groups_of_many(
+    db: Database, user_ids: Sequence[UserId], counts: MemberCounts | None = None
+) -> dict[UserId, list[UserGroup]]:
+    """``groups_of`` for several users in one read (and one count of the groups ``counts`` lacks): the
+    welcomes of sockets opened at once (``server.hub.welcomes``). Every user asked is a key."""
+    wanted = list(dict.fromkeys(user_ids))
     rows = await db.fetchall(
-        "SELECT g.id, g.name, m.role, g.members_can_send"
-        " FROM group_members m JOIN chat_groups g ON g.id = m.group_id WHERE m.user_id = %s ORDER BY g.id",
-        (user_id,),
+        "SELECT m.user_id, g.id, g.name, m.role, g.members_can_send"
+        " FROM group_members m JOIN chat_groups g ON g.id = m.group_id"
+        f" WHERE m.user_id IN ({', '.join(['%s'] * len(wanted))}) ORDER BY m.user_id, g.id",
+        tuple(wanted),
     )
-    members = {GroupId(int(r[0])): counts.get(GroupId(int(r[0]))) if counts else None for r in rows}
+    members: dict[GroupId, int | None] = {}
+    for r in rows:
+        g = GroupId(int(r[1]))
+        if g not in members:
+            members[g] = counts.get(g) if counts else None
     missing = [g for g, n in members.items() if n is None]
     if missing:
         found = await db.fetchall(
@@ -322,16 +337,19 @@ async def groups_of(db: Database, user_id: UserId, counts: MemberCounts | None =
             members[GroupId(int(g))] = int(n)
             if counts is not None:
                 counts.put(GroupId(int(g)), int(n))
-    return [
-        UserGroup(
-            group_id=GroupId(int(r[0])),
-            name=str(r[1]),
-            role="admin" if r[2] == "admin" else "member",
-            members_can_send=bool(r[3]),
-            members=members.get(GroupId(int(r[0]))) or 0,
+    mine: dict[UserId, list[UserGroup]] = {u: [] for u in wanted}
+    for r in rows:
+        g = GroupId(int(r[1]))
+        mine[UserId(int(r[0]))].append(
+            UserGroup(
+                group_id=g,
+                name=str(r[2]),
+                role="admin" if r[3] == "admin" else "member",
+                members_can_send=bool(r[4]),
+                members=members.get(g) or 0,
+            )
         )
-        for r in rows
-    ]
+    return mine
 
 
 async def members_of(db: Database, group_id: GroupId) -> list[dict[str, object]]:
