@@ -72,12 +72,12 @@ async def test_a_client_gone_before_its_welcome_timed_out_costs_one_line_at_most
         _, token = await h.login("li")
         asking = asyncio.Event()
 
-        async def stalled(*args: object, **kwargs: object) -> list[object]:
+        async def stalled(*args: object, **kwargs: object) -> dict[object, object]:
             asking.set()
-            await asyncio.Event().wait()  # a database that does not answer (cancelled by the bound)
-            return []
+            await asyncio.Event().wait()  # a database that does not answer (the welcome's bound gives up)
+            return {}
 
-        monkeypatch.setattr(groups, "groups_of", stalled)
+        monkeypatch.setattr(groups, "groups_of_many", stalled)  # (the welcome reads through it)
         for leave in ("abort", "close"):
             caplog.clear()
             asking.clear()
