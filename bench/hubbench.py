@@ -132,11 +132,12 @@ async def server_process(
             await asyncio.to_thread(proc.wait, 60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            await asyncio.to_thread(proc.wait, 10)
-        said = [line for line in (await ended).splitlines() if " WARNING " in line or " ERROR " in line]
+        listening.cancel()  # (never read when the start ran out: no "exception never retrieved")
+        output = await asyncio.wait_for(asyncio.shield(ended), 10)  # (a child may hold the pipe)
+        out.close()  # (read to its end by now)
+        said = [line for line in output.splitlines() if " WARNING " in line or " ERROR " in line]
         if said:  # what the server complained of during the bench (its errors say why figures look off)
             print(f"  ({len(said)} warning/error lines from the server; the first: {said[0][:300]})")
-        out.close()
 
 
 def hub_env(settings: Settings, db_url: str, **extra: str) -> dict[str, str]:

@@ -15,6 +15,8 @@ import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from server import errors
+from server.errors import Unavailable
 from server.ids import UserId
 from server.money import groups
 from server.money.groups import MemberCounts, UserGroup
@@ -30,34 +32,51 @@ Waiting = dict[UserId, list["asyncio.Future[list[UserGroup]]"]]
 class GroupReads:
     """The hub's one reader of its welcomes' groups (``Hub.group_reads``)."""
 
-    def __init__(
-        self,
-        db: Database,
-        counts: MemberCounts,
-        spawn: Callable[[Awaitable[Any]], None],
-    ) -> None:
+    def __init__(self, db: Database, counts: MemberCounts, spawn: Callable[[Awaitable[Any]], None]) -> None:
         self.db = db
         self.counts = counts
         self.spawn = spawn
         self.asked = 0  # users' groups asked for, and reads made for them (coalescing is the difference)
         self.reads = 0
         self.flying = 0  # reads on their way
+        self.closed = False
         self._waiting: Waiting = {}
         self._soon = False
 
+    @property
+    def waiting(self) -> int:
+        """Users waiting for a read to start."""
+        return len(self._waiting)
+
     async def of(self, user_id: UserId) -> list[UserGroup]:
         """The user's groups, as ``groups.groups_of`` reads them."""
+        if self.closed:
+            raise _stopping()
         future: asyncio.Future[list[UserGroup]] = asyncio.get_running_loop().create_future()
         self.asked += 1
         self._waiting.setdefault(user_id, []).append(future)
         if not self._soon and self.flying < AT_ONCE:
             self._soon = True
             asyncio.get_running_loop().call_soon(self._flush)
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:  # (its welcome gave up: not read for a socket that is gone)
+            futures = self._waiting.get(user_id)
+            if futures is not None and future in futures:
+                futures.remove(future)
+                if not futures:
+                    del self._waiting[user_id]
+            raise
+
+    def close(self) -> None:
+        """The hub stops: no read starts any more, and every socket still waiting is refused."""
+        self.closed = True
+        waiting, self._waiting = self._waiting, {}
+        _settle(waiting, _stopping())
 
     def _flush(self) -> None:
         self._soon = False
-        while self._waiting and self.flying < AT_ONCE:
+        while self._waiting and self.flying < AT_ONCE and not self.closed:
             users = list(itertools.islice(self._waiting, MOST))
             batch = {u: self._waiting.pop(u) for u in users}
             self.flying += 1
@@ -68,17 +87,29 @@ class GroupReads:
         try:
             found = await groups.groups_of_many(self.db, list(batch), self.counts)
         except BaseException as e:
-            for futures in batch.values():
-                for f in futures:
-                    if not f.done():
-                        f.set_exception(e) if isinstance(e, Exception) else f.cancel()
+            _settle(batch, e if isinstance(e, Exception) else _stopping())
             if not isinstance(e, Exception):
-                raise  # (the hub stopping: its waiters are cancelled with it)
+                self.flying -= 1
+                raise  # (the hub stopping: no read after this one)
+            self._landed()
         else:
             for user, futures in batch.items():
                 for f in futures:
                     if not f.done():
                         f.set_result(found[user])
-        finally:
-            self.flying -= 1
-            self._flush()  # those who came while this read was on its way
+            self._landed()
+
+    def _landed(self) -> None:
+        self.flying -= 1
+        self._flush()  # those who came while this read was on its way
+
+
+def _settle(waiting: Waiting, error: Exception) -> None:
+    for futures in waiting.values():
+        for f in futures:
+            if not f.done():
+                f.set_exception(error)
+
+
+def _stopping() -> Unavailable:
+    return Unavailable(errors.DATABASE_UNAVAILABLE, "the hub is stopping")

@@ -81,6 +81,7 @@ class Hub:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self.group_reads.close()  # (no welcome reads the database any more)
         # Budget for announcements still pending if Redis is down: a part of the shutdown budget.
         await self.announcer.close(min(5.0, self.core.settings.shutdown_seconds / 4))
         await self.attempts.close()

@@ -303,6 +303,10 @@ class UserGroup(TypedDict):
     members: int
 
 
+# Groups counted in one statement (its IN list), when a read finds many whose count is not remembered.
+COUNTED_AT_ONCE = 500
+
+
 async def groups_of(db: Database, user_id: UserId, counts: MemberCounts | None = None) -> list[UserGroup]:
     """The groups a user is in, with their role and each group's settings and member count (from
     ``counts`` when it holds them)."""
@@ -313,7 +317,7 @@ async def groups_of_many(
     db: Database, user_ids: Sequence[UserId], counts: MemberCounts | None = None
 ) -> dict[UserId, list[UserGroup]]:
     """``groups_of`` for several users in one read (and one count of the groups ``counts`` lacks): the
-    welcomes of sockets opened at once (``server.hub.welcomes``). Every user asked is a key."""
+    welcomes of sockets opened at once (``server.hub.groupreads``). Every user asked is a key."""
     wanted = list(dict.fromkeys(user_ids))
     rows = await db.fetchall(
         "SELECT m.user_id, g.id, g.name, m.role, g.members_can_send"
@@ -327,11 +331,12 @@ async def groups_of_many(
         if g not in members:
             members[g] = counts.get(g) if counts else None
     missing = [g for g, n in members.items() if n is None]
-    if missing:
+    for at in range(0, len(missing), COUNTED_AT_ONCE):
+        some = missing[at : at + COUNTED_AT_ONCE]
         found = await db.fetchall(
             "SELECT group_id, COUNT(*) FROM group_members WHERE group_id IN"
-            f" ({', '.join(['%s'] * len(missing))}) GROUP BY group_id",
-            tuple(missing),
+            f" ({', '.join(['%s'] * len(some))}) GROUP BY group_id",
+            tuple(some),
         )
         for g, n in found:
             members[GroupId(int(g))] = int(n)
