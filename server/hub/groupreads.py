@@ -86,20 +86,17 @@ class GroupReads:
     async def _read(self, batch: Waiting) -> None:
         try:
             found = await groups.groups_of_many(self.db, list(batch), self.counts)
-        except BaseException as e:
-            _settle(batch, e if isinstance(e, Exception) else _stopping())
-            if not isinstance(e, Exception):
-                self.flying -= 1
-                raise  # (the hub stopping: no read after this one)
-            self._landed()
+        except Exception as e:
+            _settle(batch, e)
+        except BaseException:
+            _settle(batch, _stopping())
+            self.flying -= 1
+            raise  # (the hub stopping: no read after this one)
         else:
             for user, futures in batch.items():
                 for f in futures:
                     if not f.done():
                         f.set_result(found[user])
-            self._landed()
-
-    def _landed(self) -> None:
         self.flying -= 1
         self._flush()  # those who came while this read was on its way
 
